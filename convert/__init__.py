@@ -1,0 +1,1 @@
+"""DeepSeek checkpoint -> layout v1 conversion (reads sources, quantizes, writes the layout)."""

@@ -1,0 +1,1 @@
+"""The runtime: model, expert store, generation (filled in by the runtime issue)."""

@@ -1,0 +1,138 @@
+"""manifest.json: the only channel from convert to runtime (layout version 1).
+
+Written last and atomically: a folder is a converted model exactly when its manifest exists. It holds the
+model shape (ModelArgs), where every backbone tensor lives and in which format, a checksum per file, the
+expert record layout and, per MoE layer, each expert's offset and checksum in its layer file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsfp4 import __version__
+from dsfp4.config import ModelArgs
+from dsfp4.errors import ConfigError, ManifestError
+from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.layout.record import RecordLayout
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+CHECKSUM = "sha256"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A backbone weight: its file, format, logical shape and stored component tensor names."""
+
+    file: str
+    format: str
+    shape: tuple[int, ...]
+    tensors: dict[str, str]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ExpertFile:
+    """One MoE layer's records: offsets[e] and sha256[e] belong to expert e."""
+
+    file: str
+    offsets: tuple[int, ...]
+    sha256: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    args: ModelArgs
+    source: dict[str, Any]
+    options: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    files: dict[str, FileEntry]
+    record: RecordLayout | None
+    experts: dict[int, ExpertFile]
+    skipped: dict[str, int] = field(default_factory=dict)
+    quant_error: dict[str, float] = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+    created_by: str = f"dsfp4 {__version__}"
+
+    def to_json(self) -> bytes:
+        d = {
+            "format_version": self.version,
+            "created_by": self.created_by,
+            "checksum": CHECKSUM,
+            "model": self.args.to_dict(),
+            "source": self.source,
+            "options": self.options,
+            "tensors": {
+                k: {"file": t.file, "format": t.format, "shape": list(t.shape), "tensors": t.tensors}
+                for k, t in self.tensors.items()
+            },
+            "files": {k: {"nbytes": f.nbytes, "sha256": f.sha256} for k, f in self.files.items()},
+            "experts": {
+                "record": self.record.to_dict() if self.record else None,
+                "layers": {
+                    str(layer): {"file": e.file, "offsets": list(e.offsets), "sha256": list(e.sha256)}
+                    for layer, e in self.experts.items()
+                },
+            },
+            "skipped": self.skipped,
+            "quant_error": self.quant_error,
+        }
+        return (json.dumps(d, indent=1) + "\n").encode()
+
+    def write(self, out_dir: Path) -> None:
+        atomic_write_bytes(out_dir / MANIFEST_NAME, self.to_json())
+
+    @classmethod
+    def read(cls, model_dir: Path) -> Manifest:
+        path = Path(model_dir) / MANIFEST_NAME
+        if not path.is_file():
+            raise ManifestError(
+                f"{path} not found: {model_dir} is not a converted model "
+                f"(run `dsfp4 convert --fp4 SRC {model_dir}` first)"
+            )
+        try:
+            d = json.loads(path.read_bytes())
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{path}: not valid JSON ({e}); convert again") from e
+        version = d.get("format_version")
+        if version != MANIFEST_VERSION:
+            newer = isinstance(version, int) and version > MANIFEST_VERSION
+            fix = "upgrade dsfp4" if newer else "convert the model again with this dsfp4"
+            raise ManifestError(f"{path}: layout version {version}, this dsfp4 reads {MANIFEST_VERSION}: {fix}")
+        try:
+            ex = d["experts"]
+            return cls(
+                args=ModelArgs.from_dict(d["model"]),
+                source=d["source"],
+                options=d["options"],
+                tensors={
+                    k: TensorEntry(t["file"], t["format"], tuple(t["shape"]), t["tensors"])
+                    for k, t in d["tensors"].items()
+                },
+                files={k: FileEntry(f["nbytes"], f["sha256"]) for k, f in d["files"].items()},
+                record=RecordLayout.from_dict(ex["record"]) if ex["record"] else None,
+                experts={
+                    int(k): ExpertFile(e["file"], tuple(e["offsets"]), tuple(e["sha256"]))
+                    for k, e in ex["layers"].items()
+                },
+                skipped=d.get("skipped", {}),
+                quant_error=d.get("quant_error", {}),
+                version=version,
+                created_by=d.get("created_by", "?"),
+            )
+        except (KeyError, TypeError, ConfigError) as e:
+            raise ManifestError(f"{path}: malformed manifest ({e}); convert again") from e
+
+
+def manifest_sha256(model_dir: Path) -> str:
+    """Identity of one conversion: hot profiles and caches bind to it."""
+    return hashlib.sha256((Path(model_dir) / MANIFEST_NAME).read_bytes()).hexdigest()

@@ -1,0 +1,83 @@
+"""Re-hash a converted model against its manifest: every file, every expert record, every tensor header.
+
+The first mismatch raises ChecksumError (or ManifestError for structural problems) naming the file,
+and the expert or tensor, so `dsfp4 verify` can stop there with a one-line answer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsfp4.errors import ChecksumError, ManifestError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.record import RECORD_ALIGN, record_sha256
+from dsfp4.layout.safetensors_file import file_sha256, read_header
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    n_files: int
+    n_records: int
+    nbytes: int
+
+
+def _check_headers(model_dir: Path, m: Manifest) -> None:
+    headers = {rel: read_header(model_dir / rel) for rel in {t.file for t in m.tensors.values()}}
+    for name, t in m.tensors.items():
+        for stored in t.tensors.values():
+            if stored not in headers[t.file]:
+                raise ManifestError(f"{t.file}: tensor {stored} (of {name}) listed in the manifest is missing")
+
+
+def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, workers: int = 4) -> VerifyReport:
+    """Check sizes and sha256 of every file and record listed in model_dir/manifest.json."""
+    model_dir = Path(model_dir)
+    m = Manifest.read(model_dir)
+    total = 0
+    for rel, f in m.files.items():
+        path = model_dir / rel
+        if not path.is_file():
+            raise ChecksumError(f"{path} is listed in the manifest but missing; convert again")
+        if path.stat().st_size != f.nbytes:
+            raise ChecksumError(
+                f"{path}: {path.stat().st_size} bytes, the manifest says {f.nbytes}; the file is damaged, convert again"
+            )
+        if file_sha256(path) != f.sha256:
+            raise ChecksumError(f"{path}: sha256 mismatch; the file is damaged, convert again")
+        on_bytes(f.nbytes)
+        total += f.nbytes
+    _check_headers(model_dir, m)
+    n_records = 0
+    size = m.record.nbytes if m.record else 0
+    for layer, ef in sorted(m.experts.items()):
+        path = model_dir / ef.file
+        if not path.is_file():
+            raise ChecksumError(f"{path} (experts of layer {layer}) is missing; convert again")
+        if size % RECORD_ALIGN or any(o % RECORD_ALIGN for o in ef.offsets):
+            raise ManifestError(f"{path}: expert records are not {RECORD_ALIGN}-byte aligned")
+        if path.stat().st_size < max(ef.offsets) + size:
+            raise ChecksumError(f"{path}: truncated ({path.stat().st_size} bytes); convert again")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+
+            def digest(offset: int, fd: int = fd) -> str:
+                return record_sha256(os.pread(fd, size, offset))
+
+            with ThreadPoolExecutor(workers) as pool:
+                for e, (want, got) in enumerate(zip(ef.sha256, pool.map(digest, ef.offsets), strict=True)):
+                    if want != got:
+                        raise ChecksumError(
+                            f"{path}: the record of expert {e} (layer {layer}, offset "
+                            f"{ef.offsets[e]}) fails its sha256 check; convert again"
+                        )
+                    on_bytes(size)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        n_records += len(ef.offsets)
+        total += size * len(ef.offsets)
+    return VerifyReport(len(m.files) + len(m.experts), n_records, total)

@@ -1,0 +1,208 @@
+"""The conversion plan: which output each source tensor becomes, in which format, in which file.
+
+A plan is computed from the source's headers alone (no tensor data), so `--dry-run`, the disk-space
+check and resuming all see the same sizes. Work is split into parts: "top" (embedding, final norm,
+head) and one part per decoder block (its backbone file and, for MoE blocks, its expert file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+from dsfp4 import __version__
+from dsfp4.config import ModelArgs
+from dsfp4.convert.hf_names import AUX, EXPERT, LINEAR, MappedTensor, TensorMap, part_name
+from dsfp4.convert.source import INDEX_NAME, SourceCheckpoint
+from dsfp4.errors import ConfigError
+from dsfp4.layout.formats import FORMATS, FP4_FORMATS, component_shapes, get_format, stored_nbytes
+from dsfp4.layout.manifest import MANIFEST_VERSION
+from dsfp4.layout.record import RecordLayout
+from dsfp4.sizes import format_bytes
+
+BACKBONE_MODES = ("fp8", "fp4")
+HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Knobs of `dsfp4 convert`; each field is the flag of the same name."""
+
+    format: str = "nvfp4"
+    backbone: str = "fp8"
+    no_mtp: bool = False
+    workers: int = 2
+    device: str = "auto"
+    force: bool = False
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in FP4_FORMATS:
+            raise ConfigError(f"--format {self.format}: choose one of {', '.join(FP4_FORMATS)}")
+        if self.backbone not in BACKBONE_MODES:
+            raise ConfigError(f"--backbone {self.backbone}: choose one of {', '.join(BACKBONE_MODES)}")
+        if self.workers < 1:
+            raise ConfigError(f"--workers {self.workers}: give at least 1")
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One backbone weight of the output: its source, its target format and stored component names."""
+
+    item: MappedTensor
+    format: str
+    names: dict[str, str]
+
+    @property
+    def is_copy(self) -> bool:
+        """Stored as the source stores it: the bytes are copied, never decoded."""
+        return self.format == self.item.storage
+
+    def entries(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        spec = FORMATS[self.format]
+        shapes = component_shapes(spec, self.item.shape, self.item.ref)
+        return [(self.names[c], dt, s) for (c, dt), s in zip(spec.components, shapes, strict=True)]
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    block: int | None
+    backbone: tuple[OutTensor, ...]
+    experts: tuple[tuple[MappedTensor, MappedTensor, MappedTensor], ...]  # (w1, w3, w2) by expert id
+    in_bytes: int
+    out_bytes: int
+
+    @property
+    def backbone_file(self) -> str:
+        return f"backbone/{self.name}.safetensors"
+
+    @property
+    def experts_file(self) -> str | None:
+        return f"experts/{self.name}.bin" if self.experts else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    args: ModelArgs
+    options: ConvertOptions
+    parts: tuple[Part, ...]
+    record: RecordLayout | None
+    skipped: dict[str, str]
+    source_info: dict
+    fingerprint: str
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(p.in_bytes for p in self.parts)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(p.out_bytes for p in self.parts)
+
+    def manifest_options(self) -> dict:
+        return {"format": self.options.format, "backbone": self.options.backbone, "mtp": not self.options.no_mtp}
+
+
+def target_format(item: MappedTensor, backbone: str) -> str:
+    """Backbone matrices DeepSeek ships in FP8 go to FP8 (kept bit-exact when already FP8) or, with
+    --backbone fp4, to NVFP4; NVFP4 sources stay NVFP4; everything else stays as stored."""
+    if item.kind != LINEAR or item.storage == "nvfp4":
+        return item.storage
+    return "nvfp4" if backbone == "fp4" else "fp8_e4m3_b128"
+
+
+def _out_tensor(item: MappedTensor, backbone: str) -> OutTensor:
+    fmt = target_format(item, backbone)
+    spec = get_format(fmt)
+    names = {"weight": item.ref} if spec.scale is None else {c: f"{item.ref}.{c}" for c, _ in spec.components}
+    return OutTensor(item, fmt, names)
+
+
+def make_plan(src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions) -> Plan:
+    args = src.args if not options.no_mtp else dataclasses.replace(src.args, n_mtp_layers=0)
+    record = (
+        RecordLayout.for_expert(options.format, args.dim, args.moe_inter_dim)
+        if any(args.is_moe_layer(b) for b in range(args.n_blocks))
+        else None
+    )
+    in_size = {name: t.info.nbytes for name, t in src.tensors.items()}
+    parts = []
+    for block in [None, *range(args.n_blocks)]:
+        name = part_name(block)
+        items = [i for i in tmap.items if i.part == name]
+        backbone = tuple(_out_tensor(i, options.backbone) for i in items if i.kind != EXPERT)
+        by_expert: dict[int, dict[str, MappedTensor]] = {}
+        for i in items:
+            if i.kind == EXPERT:
+                by_expert.setdefault(i.expert, {})[i.ref.rsplit(".", 1)[1]] = i
+        experts = tuple((p["w1"], p["w3"], p["w2"]) for _, p in sorted(by_expert.items()))
+        in_bytes = sum(in_size[s] for i in items for s in i.sources.values())
+        out_bytes = sum(
+            stored_nbytes(FORMATS[o.format], o.item.shape) + HEADER_BYTES_PER_TENSOR * len(o.names) for o in backbone
+        )
+        out_bytes += len(experts) * record.nbytes if experts else 0
+        parts.append(Part(name, block, backbone, experts, in_bytes, out_bytes))
+    kinds = Counter(i.storage for i in tmap.items)
+    source_info = {
+        "fingerprint": src.fingerprint,
+        "quantization": src.quant_config.get("quant_method", "none"),
+        "storage": dict(sorted(kinds.items())),
+        "n_tensors": len(src.tensors),
+        "nbytes": src.nbytes,
+        "n_shards": len(src.shards),
+    }
+    key = {
+        "source": src.fingerprint,
+        "format": options.format,
+        "backbone": options.backbone,
+        "no_mtp": options.no_mtp,
+        "layout": MANIFEST_VERSION,
+        "dsfp4": __version__,
+    }
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return Plan(args, options, tuple(parts), record, tmap.skipped, source_info, fingerprint)
+
+
+def describe_part(part: Part, args: ModelArgs) -> str:
+    if part.block is None:
+        return "embedding, final norm, head"
+    kind = "MTP block" if part.block >= args.n_layers else "block"
+    ffn = f"MoE, {len(part.experts)} experts" if part.experts else "dense MLP"
+    return f"{kind} {part.block}: attention, {ffn}"
+
+
+def plan_table(plan: Plan, src_path: str, out_path: str) -> str:
+    """The dry-run report: sizes in and out, per part, and what happens to each kind of tensor."""
+    a, o = plan.args, plan.options
+    src = plan.source_info
+    lines = [
+        f"source  {src_path}: {a.family}, {src['n_tensors']} tensors in {src['n_shards']} shard(s) "
+        f"({INDEX_NAME if src['n_shards'] > 1 else 'single file'}), {format_bytes(src['nbytes'])}, "
+        f"quantization: {src['quantization']}",
+        f"output  {out_path}: experts {o.format}, backbone {o.backbone}"
+        + (f", expert record {format_bytes(plan.record.nbytes)}" if plan.record else ""),
+        "",
+        f"{'part':<11}{'source':>12}{'output':>12}  contents",
+    ]
+    for p in plan.parts:
+        lines.append(
+            f"{p.name:<11}{format_bytes(p.in_bytes):>12}{format_bytes(p.out_bytes):>12}  {describe_part(p, a)}"
+        )
+    lines.append(f"{'total':<11}{format_bytes(plan.in_bytes):>12}{format_bytes(plan.out_bytes):>12}")
+    actions = Counter()
+    for p in plan.parts:
+        for t in p.backbone:
+            verb = "kept as stored" if t.is_copy else f"{t.item.storage} -> {t.format}"
+            actions[f"backbone {'matrices' if t.item.kind in (LINEAR, AUX) else 'other'}: {verb}"] += 1
+        for trio in p.experts:
+            for i in trio:
+                same = i.storage == o.format
+                actions[f"routed experts: {'repacked' if same else i.storage + ' -> ' + o.format}"] += 1
+    lines += ["", *(f"{n:>7} tensors  {what}" for what, n in sorted(actions.items()))]
+    for reason, n in sorted(Counter(plan.skipped.values()).items()):
+        lines.append(f"{n:>7} skipped  {reason}")
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""A Hugging Face checkpoint folder opened for streaming: config, index, shard headers, one tensor at a time.
+
+Every tensor is resolved through the index's weight_map (a weight and its scale may sit in different
+shards). All shards are opened and their headers validated up front, so a missing or truncated shard
+fails before any output is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsfp4.config import ModelArgs, from_hf_config
+from dsfp4.errors import SourceError
+from dsfp4.layout.safetensors_file import TensorInfo, bytes_to_tensor, pread_exact, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files copied next to the converted model when the source has them.
+AUX_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    shard: str
+    info: TensorInfo
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise SourceError(f"{path} not found: {what}")
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{path}: not valid JSON ({e})") from e
+
+
+class SourceCheckpoint:
+    """Open with SourceCheckpoint(path); read tensors with read(name); close() when done."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise SourceError(f"{self.path}: not a folder; give the Hugging Face checkpoint folder")
+        self.config = _read_json(self.path / "config.json", "is this a Hugging Face checkpoint folder?")
+        self.args: ModelArgs = from_hf_config(self.config, str(self.path / "config.json"))
+        self.quant_config = self._quant_config()
+        weight_map = self._weight_map()
+        self._fds: dict[str, int] = {}
+        headers: dict[str, dict[str, TensorInfo]] = {}
+        self.shards = sorted(set(weight_map.values()))
+        try:
+            for shard in self.shards:
+                shard_path = self.path / shard
+                if not shard_path.is_file():
+                    raise SourceError(f"{shard_path} is listed in {INDEX_NAME} but missing; download it")
+                headers[shard] = read_header(shard_path)
+                self._fds[shard] = os.open(shard_path, os.O_RDONLY)
+            self.tensors: dict[str, SourceTensor] = {}
+            for name, shard in weight_map.items():
+                if name not in headers[shard]:
+                    raise SourceError(
+                        f"tensor {name} is mapped to {shard} by {INDEX_NAME}, but that shard "
+                        f"does not hold it; the download is inconsistent"
+                    )
+                self.tensors[name] = SourceTensor(shard, headers[shard][name])
+        except BaseException:
+            self.close()
+            raise
+        self.nbytes = sum(t.info.nbytes for t in self.tensors.values())
+        self.fingerprint = self._fingerprint()
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            d = _read_json(index, "")
+            if not isinstance(d.get("weight_map"), dict):
+                raise SourceError(f"{index}: no weight_map; download the index again")
+            return d["weight_map"]
+        single = self.path / SINGLE_NAME
+        if single.is_file():
+            return {name: SINGLE_NAME for name in read_header(single)}
+        raise SourceError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME} found; download the weights")
+
+    def _quant_config(self) -> dict:
+        """The declared quantization (fp8 from config.json, modelopt from hf_quant_config.json), or {}."""
+        modelopt = self.path / "hf_quant_config.json"
+        if modelopt.is_file():
+            q = _read_json(modelopt, "").get("quantization", {})
+            return {"quant_method": "modelopt", **q}
+        return dict(self.config.get("quantization_config") or {})
+
+    def _fingerprint(self) -> str:
+        """Identifies this source for resuming: config, index and every shard's name and size."""
+        h = hashlib.sha256((self.path / "config.json").read_bytes())
+        if (self.path / INDEX_NAME).is_file():
+            h.update((self.path / INDEX_NAME).read_bytes())
+        for shard in self.shards:
+            h.update(f"{shard}:{(self.path / shard).stat().st_size}".encode())
+        return h.hexdigest()
+
+    def read_raw(self, name: str) -> torch.Tensor:
+        """The stored bytes of one tensor as uint8."""
+        t = self.tensors[name]
+        return pread_exact(self._fds[t.shard], t.info.nbytes, t.info.offset, self.path / t.shard)
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, in its stored dtype, on the CPU."""
+        t = self.tensors[name]
+        return bytes_to_tensor(self.read_raw(name), t.info.dtype, t.info.shape)
+
+    def fd_span(self, name: str) -> tuple[int, int, int]:
+        """(fd, offset, nbytes) of a tensor, for chunked copies."""
+        t = self.tensors[name]
+        return self._fds[t.shard], t.info.offset, t.info.nbytes
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __enter__(self) -> SourceCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,185 @@
+"""The `dsfp4` command: a thin Click shell over library functions.
+
+Library errors (DsfpError) become one line on stderr and exit status 1; `--debug` (or DSFP4_DEBUG=1)
+shows the traceback instead. Results go to stdout, progress and notes to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from dsfp4 import __version__
+from dsfp4.errors import DsfpError
+
+PATH = click.Path(path_type=Path)
+EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
+
+
+class DsfpGroup(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DsfpError as e:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=DsfpGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, envvar="DSFP4_DEBUG", help="Show tracebacks on errors.")
+@click.version_option(__version__, prog_name="dsfp4")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
+    ctx.obj = {"debug": debug}
+
+
+def _not_yet(command: str, issue: str) -> None:
+    raise click.ClickException(f"`dsfp4 {command}` is not implemented yet ({issue}); nothing was done")
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def download() -> None:
+    """(Not implemented yet: the download issue.) Fetch a checkpoint from the Hugging Face hub."""
+    _not_yet("download", "the download issue")
+
+
+@cli.command("profile-hot", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def profile_hot() -> None:
+    """(Not implemented yet: the profile-hot issue.) Record which experts each layer uses."""
+    _not_yet("profile-hot", "the profile-hot issue")
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def run() -> None:
+    """(Not implemented yet: the runtime issue.) Generate text with a converted model."""
+    _not_yet("run", "the runtime issue")
+
+
+@cli.command()
+@click.argument("src", type=EXISTING_DIR)
+@click.argument("out", type=PATH)
+@click.option(
+    "--fp4",
+    is_flag=True,
+    required=True,
+    help="Required: quantize the routed experts to FP4 (layout v1 stores them only in FP4).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["nvfp4", "mxfp4"]),
+    default="nvfp4",
+    show_default=True,
+    help="FP4 format of the routed experts (an NVFP4 source is repacked, not requantized).",
+)
+@click.option(
+    "--backbone",
+    type=click.Choice(["fp8", "fp4"]),
+    default="fp8",
+    show_default=True,
+    help="fp8: keep FP8 bit-exact (BF16 sources are quantized to FP8 blocks); fp4: attention, "
+    "dense and shared-expert matrices to NVFP4, so the backbone fits a 16 GB card.",
+)
+@click.option("--no-mtp", is_flag=True, help="Leave out the MTP layer (needed when SRC was downloaded without it).")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Tensors converted in parallel; the output is identical for any value.",
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="Where to quantize: auto (CUDA when present), cpu, cuda, cuda:N.",
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan (sizes in and out, per part) and exit.")
+@click.option("--force", is_flag=True, help="Overwrite OUT if it holds a converted model or other files.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def convert(
+    src: Path,
+    out: Path,
+    fp4: bool,
+    fmt: str,
+    backbone: str,
+    no_mtp: bool,
+    workers: int,
+    device: str,
+    dry_run: bool,
+    force: bool,
+    quiet: bool,
+) -> None:
+    """Convert a Hugging Face DeepSeek checkpoint SRC (FP8, BF16 or NVIDIA NVFP4) into dsfp4 layout v1 at OUT.
+
+    \b
+    Examples:
+      dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --dry-run
+      dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --workers 8 --device cuda
+      dsfp4 convert --fp4 hf/DeepSeek-V3 model-16g/ --backbone fp4
+
+    An interrupted conversion resumes when run again with the same arguments.
+    """
+    from dsfp4.convert.pipeline import convert as run_convert
+    from dsfp4.convert.plan import ConvertOptions, plan_table
+
+    options = ConvertOptions(
+        format=fmt, backbone=backbone, no_mtp=no_mtp, workers=workers, device=device, force=force, dry_run=dry_run
+    )
+    result = run_convert(src, out, options, progress=not quiet)
+    if dry_run:
+        click.echo(plan_table(result.plan, str(src), str(out)))
+        return
+    r = result
+    rate = r.converted_bytes / r.seconds / 1e9 if r.seconds > 0 else 0.0
+    resumed = f" ({r.resumed_parts} parts were already done)" if r.resumed_parts else ""
+    click.echo(
+        f"converted {r.converted_bytes / 1e9:.2f} GB of source in {r.seconds:.1f} s ({rate:.2f} GB/s){resumed}",
+        err=True,
+    )
+    for klass, err in r.quant_error.items():
+        click.echo(f"  quantization error {klass:<36} {err:.4g} (relative RMS)", err=True)
+    click.echo(str(out))
+
+
+@cli.command()
+@click.argument("model", type=EXISTING_DIR)
+@click.option("--tensors", is_flag=True, help="List every backbone tensor.")
+def inspect(model: Path, tensors: bool) -> None:
+    """Show what a converted MODEL holds: files, formats, sizes, expert records."""
+    from dsfp4.layout.inspect import describe
+
+    click.echo(describe(model, tensors))
+
+
+@cli.command()
+@click.argument("model", type=EXISTING_DIR)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def verify(model: Path, quiet: bool) -> None:
+    """Re-hash every file and expert record of MODEL; exit 1 naming the first damaged one."""
+    from dsfp4.layout.manifest import Manifest
+    from dsfp4.layout.verify import verify as run_verify
+
+    m = Manifest.read(model)
+    total = sum(f.nbytes for f in m.files.values()) + sum(
+        len(e.offsets) * m.record.nbytes for e in m.experts.values() if m.record
+    )
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr) as bar:
+        report = run_verify(model, bar.update)
+    click.echo(
+        f"{model}: OK ({report.n_files} files, {report.n_records} expert records, {report.nbytes / 1e9:.2f} GB checked)"
+    )
+
+
+def main() -> None:
+    cli(prog_name="dsfp4")
+
+
+if __name__ == "__main__":
+    main()

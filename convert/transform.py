@@ -71,7 +71,7 @@ def write_backbone_tensor(
             copy_tensor(src, name, writer, out.names[comp])
         return None
     w = read_dense(src, out.item, device)
-    parts = quantize(out.format, w, out.item.ref)
+    parts = quantize(out.format, w, out.item.sources["weight"])
     for (comp, _), t in zip(FORMATS[out.format].components, parts, strict=True):
         writer.write(out.names[comp], t)
     stats = ErrorStats()
@@ -103,8 +103,8 @@ def expert_record(
     d1, d3, d2 = (read_dense(src, i, device) for i in trio)
     w13 = torch.cat([d1, d3])  # [2I, D]; gate and up share one global scale (their joint amax)
     del d1, d3
-    q13 = quantize(fmt, w13, w1.ref.rsplit(".", 1)[0] + ".w1/w3")
-    q2 = quantize(fmt, d2, w2.ref)
+    q13 = quantize(fmt, w13, f"{w1.sources['weight']} + {w3.sources['weight']}")
+    q2 = quantize(fmt, d2, w2.sources["weight"])
     tensors = {"w13": q13[0], "w13_scale": q13[1], "w2": q2[0], "w2_scale": q2[1]}
     if fmt == "nvfp4":
         tensors["scale_2"] = torch.stack([q13[2], q13[2], q2[2]])

@@ -104,7 +104,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
     family = cfg.get("model_type")
     if family not in FAMILY_DEFAULTS:
         raise ConfigError(f"{source}: model_type {family!r} is not supported (supported: {', '.join(FAMILY_DEFAULTS)})")
-    c = {**FAMILY_DEFAULTS[family], **cfg}
+    c = {**FAMILY_DEFAULTS[family], **{k: v for k, v in cfg.items() if v is not None}}
 
     def need(key: str) -> Any:
         if c.get(key) is None:
@@ -143,7 +143,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
         qk_rope_head_dim=need("qk_rope_head_dim"),
         v_head_dim=need("v_head_dim"),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_theta=float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
         rope_type=rope_type,
         rope_factor=float(rope.get("factor", 1.0)),
         original_seq_len=int(rope.get("original_max_position_embeddings", need("max_position_embeddings"))),

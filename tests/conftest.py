@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny DeepSeek-V3 checkpoints built once per session, converted outputs, helpers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from tiny_checkpoint import build_checkpoint  # noqa: E402
+
+from dsfp4.convert.pipeline import convert  # noqa: E402
+from dsfp4.convert.plan import ConvertOptions  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The three source variants of the same tiny model: fp8 (official layout), bf16, nvfp4 (ModelOpt)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {v: build_checkpoint(root / v, v) for v in ("fp8", "bf16", "nvfp4")}
+
+
+@pytest.fixture(scope="session")
+def converted(checkpoints, tmp_path_factory) -> Path:
+    """The fp8 checkpoint converted with default options."""
+    out = tmp_path_factory.mktemp("converted") / "fp8"
+    convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
+    return out
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_header(path: Path, edit) -> None:
+    """Apply edit(header_dict) to a safetensors file's header, keeping the data bytes."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -1,0 +1,197 @@
+"""The dsfp4 command line: bad inputs give one line, a non-zero exit and no manifest; verify and inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+from click.testing import CliRunner
+from conftest import copy_checkpoint, rewrite_header
+
+from dsfp4.cli import cli
+from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *needles):
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _drop_shard(ckpt):
+    (ckpt / "model-00002-of-000003.safetensors").unlink()
+    return "model-00002-of-000003.safetensors", "missing"
+
+
+def _truncate_shard(ckpt):
+    path = ckpt / "model-00003-of-000003.safetensors"
+    os.truncate(path, path.stat().st_size - 1000)
+    return "model-00003-of-000003.safetensors", "truncated"
+
+
+def _drop_from_index(ckpt):
+    index = ckpt / "model.safetensors.index.json"
+    d = json.loads(index.read_text())
+    del d["weight_map"]["model.layers.2.mlp.experts.5.down_proj.weight"]
+    index.write_text(json.dumps(d))
+    return "model.layers.2.mlp.experts.5.down_proj.weight", "missing from model.safetensors.index.json"
+
+
+def _wrong_config_shape(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 112
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    return "config.json implies [112, 256]", "shape"
+
+
+def _unknown_dtype(ckpt):
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def edit(header):
+        header[name]["dtype"] = "I16"  # same width as BF16, so the header stays consistent
+
+    rewrite_header(ckpt / index[name], edit)
+    return name, "dtype I16"
+
+
+def _unexpected_tensor(ckpt):
+    index_path = ckpt / "model.safetensors.index.json"
+    d = json.loads(index_path.read_text())
+    shard = d["weight_map"]["model.norm.weight"]
+
+    def edit(header):
+        meta = header["model.norm.weight"]
+        header["model.norm.bias"] = dict(meta)  # aliases the same bytes: a valid header, an odd tensor
+
+    rewrite_header(ckpt / shard, edit)
+    d["weight_map"]["model.norm.bias"] = shard
+    index_path.write_text(json.dumps(d))
+    return "unexpected tensor model.norm.bias", "has no place for it"
+
+
+def _nan_weight(ckpt):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.experts.6.up_proj.weight"
+    tensors = load_file(ckpt / index[name])
+    w = tensors[name].float()
+    w[3, 3] = float("nan")
+    tensors[name] = w.to(torch.float8_e4m3fn)
+    save_file(tensors, ckpt / index[name], metadata={"format": "pt"})
+    return "model.layers.1.mlp.experts.6.up_proj.weight", "NaN"
+
+
+BAD_INPUTS = [
+    _drop_shard,
+    _truncate_shard,
+    _drop_from_index,
+    _wrong_config_shape,
+    _unknown_dtype,
+    _unexpected_tensor,
+    _nan_weight,
+]
+
+
+@pytest.mark.parametrize("damage", BAD_INPUTS, ids=lambda f: f.__name__.strip("_"))
+def test_bad_source_gives_one_line_and_no_manifest(checkpoints, tmp_path, damage):
+    ckpt = copy_checkpoint(checkpoints["fp8"], tmp_path / "src")
+    needles = damage(ckpt)
+    result = run("convert", "--fp4", ckpt, tmp_path / "out", "-q")
+    assert_one_line_error(result, *needles)
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_existing_output_is_not_overwritten(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep")
+    assert_one_line_error(run("convert", "--fp4", checkpoints["fp8"], out, "-q"), "not empty", "--force")
+    assert (out / "precious.txt").read_text() == "keep" and not (out / MANIFEST_NAME).exists()
+
+
+def test_not_enough_disk(checkpoints, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
+    assert_one_line_error(result, "not enough free disk space", "1000 B are free")
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_bad_flags_are_usage_errors(checkpoints, tmp_path):
+    assert run("convert", checkpoints["fp8"], tmp_path / "o").exit_code == 2  # --fp4 is required
+    assert run("convert", "--fp4", "--format", "int4", checkpoints["fp8"], tmp_path / "o").exit_code == 2
+    assert_one_line_error(
+        run("convert", "--fp4", "--device", "cuda:7", checkpoints["fp8"], tmp_path / "o", "-q"), "--device cuda:7"
+    )
+
+
+def test_dry_run_prints_the_plan(checkpoints, tmp_path):
+    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "--dry-run")
+    assert result.exit_code == 0
+    assert "layer-003" in result.stdout and "total" in result.stdout and "fp8_e4m3_b128 -> nvfp4" in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_prints_the_output_path_last(checkpoints, tmp_path):
+    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().splitlines()[-1] == str(tmp_path / "out")
+    assert "quantization error experts fp8_e4m3_b128 -> nvfp4" in result.stderr
+
+
+def test_verify_passes_then_catches_a_flipped_record_byte(converted, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(converted, model)
+    ok = run("verify", model, "-q")
+    assert ok.exit_code == 0 and "OK" in ok.stdout
+    m = Manifest.read(model)
+    ef = m.experts[2]
+    path = model / ef.file
+    data = bytearray(path.read_bytes())
+    data[ef.offsets[5] + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert_one_line_error(run("verify", model, "-q"), "experts/layer-002.bin", "expert 5")
+
+
+def test_verify_catches_a_damaged_backbone_file(converted, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(converted, model)
+    path = model / "backbone/layer-001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x80
+    path.write_bytes(bytes(data))
+    assert_one_line_error(run("verify", model, "-q"), "backbone/layer-001.safetensors", "sha256")
+
+
+def test_verify_refuses_a_folder_without_manifest(tmp_path):
+    assert_one_line_error(run("verify", tmp_path), "manifest.json not found")
+
+
+def test_inspect_lists_files_formats_and_records(converted):
+    result = run("inspect", converted, "--tensors")
+    assert result.exit_code == 0
+    for needle in ("experts nvfp4", "backbone/layer-001.safetensors", "layers.1.attn.wkv_a", "fp8_e4m3_b128"):
+        assert needle in result.stdout
+
+
+@pytest.mark.parametrize("command", ["download", "profile-hot", "run"])
+def test_unimplemented_commands_say_so_and_fail(command):
+    result = run(command, "anything")
+    assert result.exit_code == 1 and "not implemented yet" in result.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = CliRunner().invoke(cli, ["--debug", "verify", str(tmp_path)])
+    assert result.exit_code == 1 and result.exception is not None and "ManifestError" in repr(result.exception)

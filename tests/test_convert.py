@@ -1,0 +1,224 @@
+"""dsfp4 convert on tiny checkpoints: layout invariants, exactness against the source, options, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tree_bytes
+from safetensors import safe_open
+
+import dsfp4.convert.pipeline as pipeline
+from dsfp4.convert.plan import ConvertOptions
+from dsfp4.convert.source import SourceCheckpoint
+from dsfp4.layout import fp4, fp8
+from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
+from dsfp4.layout.record import RECORD_ALIGN
+
+
+def _record(model, layer, expert):
+    m = Manifest.read(model)
+    ef = m.experts[layer]
+    with open(model / ef.file, "rb") as f:
+        f.seek(ef.offsets[expert])
+        return m.record, f.read(m.record.nbytes)
+
+
+def _stored(model, entry, comp):
+    with safe_open(model / entry.file, "pt") as f:
+        return f.get_tensor(entry.tensors[comp])
+
+
+def test_records_are_aligned_and_cover_every_expert(converted):
+    m = Manifest.read(converted)
+    a = m.args
+    assert sorted(m.experts) == [b for b in range(a.n_blocks) if a.is_moe_layer(b)]
+    assert m.record.nbytes % RECORD_ALIGN == 0
+    for ef in m.experts.values():
+        assert len(ef.offsets) == a.n_routed_experts
+        assert all(o % RECORD_ALIGN == 0 for o in ef.offsets)
+        assert (converted / ef.file).stat().st_size == len(ef.offsets) * m.record.nbytes
+
+
+def test_every_record_is_the_nvfp4_quantization_of_the_fp8_dequantized_source(checkpoints, converted):
+    m = Manifest.read(converted)
+    with SourceCheckpoint(checkpoints["fp8"]) as src:
+        for layer, ef in m.experts.items():
+            for e in range(len(ef.offsets)):
+                layout, rec = _record(converted, layer, e)
+                p = f"model.layers.{layer}.mlp.experts.{e}."
+                dense = {}
+                for proj in ("gate", "up", "down"):
+                    w = src.read(p + f"{proj}_proj.weight")
+                    dense[proj] = fp8.fp8_block_dequantize(w, src.read(p + f"{proj}_proj.weight_scale_inv"))
+                amax = torch.maximum(dense["gate"].float().abs().max(), dense["up"].float().abs().max())
+                w1, w3, w2 = layout.dequantize(rec)
+                assert torch.equal(w1, fp4.nvfp4_dequantize(*fp4.nvfp4_quantize(dense["gate"], amax=amax)))
+                assert torch.equal(w3, fp4.nvfp4_dequantize(*fp4.nvfp4_quantize(dense["up"], amax=amax)))
+                assert torch.equal(w2, fp4.nvfp4_dequantize(*fp4.nvfp4_quantize(dense["down"])))
+
+
+def test_backbone_tensors_are_bit_identical_to_the_source(checkpoints, converted):
+    m = Manifest.read(converted)
+    n_fp8 = 0
+    with SourceCheckpoint(checkpoints["fp8"]) as src:
+        for name, entry in m.tensors.items():
+            assert entry.format in ("fp8_e4m3_b128", "bf16", "f32"), name
+            for comp in entry.tensors:
+                ours = _stored(converted, entry, comp).view(torch.uint8)
+                hf = _source_name(name, comp, m.args.n_layers)
+                assert torch.equal(ours, src.read_raw(hf).reshape(ours.shape)), name
+            n_fp8 += entry.format == "fp8_e4m3_b128"
+    assert n_fp8 == 8 * m.args.n_blocks  # 5 attention + 3 dense-or-shared MLP matrices per block
+
+
+def _source_name(ref: str, comp: str, n_layers: int) -> str:
+    """Map a dsfp4 name back to the HF name by hand (independent of convert/hf_names.py)."""
+    table = {
+        "embed.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "head.weight": "lm_head.weight",
+    }
+    if ref in table:
+        return table[ref]
+    _, block, rest = ref.split(".", 2)
+    hf = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn.wq_a": "self_attn.q_a_proj",
+        "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn.wq_b": "self_attn.q_b_proj",
+        "attn.wkv_a": "self_attn.kv_a_proj_with_mqa",
+        "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn.wkv_b": "self_attn.kv_b_proj",
+        "attn.wo": "self_attn.o_proj",
+        "ffn.w1": "mlp.gate_proj",
+        "ffn.w3": "mlp.up_proj",
+        "ffn.w2": "mlp.down_proj",
+        "ffn.gate.weight": "mlp.gate.weight",
+        "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+        "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
+        "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
+        "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
+        "embed.weight": "embed_tokens.weight",
+        "enorm.weight": "enorm.weight",
+        "hnorm.weight": "hnorm.weight",
+        "eh_proj": "eh_proj",
+        "head_norm.weight": "shared_head.norm.weight",
+        "head.weight": "shared_head.head.weight",
+    }[rest]
+    suffix = {"weight": "weight", "scale": "weight_scale_inv"}[comp]
+    return f"model.layers.{block}.{hf}" + ("" if hf.endswith(("weight", "bias")) else f".{suffix}")
+
+
+def test_nvfp4_source_records_hold_the_source_fp4_bytes(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    pipeline.convert(checkpoints["nvfp4"], out, ConvertOptions(), progress=False)
+    m = Manifest.read(out)
+    with SourceCheckpoint(checkpoints["nvfp4"]) as src:
+        for layer in range(m.args.n_dense_layers, m.args.n_layers):  # the MTP layer is BF16 in NVIDIA's export
+            for e in (0, m.args.n_routed_experts - 1):
+                layout, rec = _record(out, layer, e)
+                parts = layout.unpack(rec)
+                p = f"model.layers.{layer}.mlp.experts.{e}."
+                assert torch.equal(
+                    parts["w13"], torch.cat([src.read(p + "gate_proj.weight"), src.read(p + "up_proj.weight")])
+                )
+                assert torch.equal(parts["w2"], src.read(p + "down_proj.weight"))
+                scales = torch.cat([src.read(p + "gate_proj.weight_scale"), src.read(p + "up_proj.weight_scale")])
+                assert torch.equal(parts["w13_scale"].view(torch.uint8), scales.view(torch.uint8))
+                g = [src.read(p + f"{q}_proj.weight_scale_2").item() for q in ("gate", "up", "down")]
+                assert parts["scale_2"].tolist() == g
+        # NVFP4 backbone matrices are carried over, never requantized; BF16 attention goes to FP8 blocks
+        wo = m.tensors["layers.0.attn.wo"]
+        assert wo.format == "nvfp4"
+        assert torch.equal(_stored(out, wo, "weight"), src.read("model.layers.0.self_attn.o_proj.weight"))
+        assert m.tensors["layers.0.attn.wq_a"].format == "fp8_e4m3_b128"
+    assert sum(m.skipped.values()) > 0
+
+
+def test_bf16_source_and_options_mxfp4_backbone_fp4(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    pipeline.convert(checkpoints["bf16"], out, ConvertOptions(format="mxfp4", backbone="fp4"), progress=False)
+    m = Manifest.read(out)
+    assert m.record.format == "mxfp4" and m.options == {"format": "mxfp4", "backbone": "fp4", "mtp": True}
+    assert m.tensors["layers.1.attn.wkv_b"].format == "nvfp4"
+    assert m.tensors["layers.3.eh_proj"].format == "bf16"  # not a matrix DeepSeek ships in FP8
+    with SourceCheckpoint(checkpoints["bf16"]) as src:
+        layout, rec = _record(out, 2, 3)
+        w1, _, w2 = layout.dequantize(rec)
+        gate = src.read("model.layers.2.mlp.experts.3.gate_proj.weight")
+        assert torch.equal(w1, fp4.mxfp4_dequantize(*fp4.mxfp4_quantize(gate)))
+        wkv_b = m.tensors["layers.1.attn.wkv_b"]
+        stored = [_stored(out, wkv_b, c) for c in ("weight", "scale", "scale_2")]
+        want = fp4.nvfp4_quantize(src.read("model.layers.1.self_attn.kv_b_proj.weight"))
+        for a, b in zip(stored, want, strict=True):
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    assert set(m.quant_error) == {"backbone bf16 -> nvfp4", "experts bf16 -> mxfp4"}
+    assert 0.09 < m.quant_error["backbone bf16 -> nvfp4"] < 0.1
+
+
+def test_no_mtp_leaves_the_mtp_layer_out(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    pipeline.convert(checkpoints["fp8"], out, ConvertOptions(no_mtp=True), progress=False)
+    m = Manifest.read(out)
+    assert m.args.n_mtp_layers == 0 and max(m.experts) == m.args.n_layers - 1
+    assert not any(k.startswith(f"layers.{m.args.n_layers}.") for k in m.tensors)
+    assert m.skipped == {
+        "MTP layer left out by --no-mtp": sum(
+            1
+            for k in json.loads((checkpoints["fp8"] / "model.safetensors.index.json").read_text())["weight_map"]
+            if k.startswith(f"model.layers.{m.args.n_layers}.")
+        )
+    }
+
+
+def test_output_is_identical_for_any_number_of_workers(checkpoints, converted, tmp_path):
+    out = tmp_path / "w3"
+    pipeline.convert(checkpoints["fp8"], out, ConvertOptions(workers=3), progress=False)
+    assert tree_bytes(out) == tree_bytes(converted)
+
+
+def test_dry_run_writes_nothing(checkpoints, tmp_path):
+    result = pipeline.convert(checkpoints["fp8"], tmp_path / "out", ConvertOptions(dry_run=True), progress=False)
+    assert not (tmp_path / "out").exists() and not result.done
+    assert result.plan.out_bytes > 0 and len(result.plan.parts) == result.plan.args.n_blocks + 1
+
+
+def test_interrupted_conversion_resumes_to_identical_bytes(checkpoints, converted, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = pipeline._run_part
+    calls = []
+
+    def dying(src, plan, part, *a):
+        calls.append(part.name)
+        if len(calls) == 3:  # leave a half-written part behind, as a kill would
+            (out / part.backbone_file).with_suffix(".safetensors.partial").write_bytes(b"junk")
+            raise KeyboardInterrupt
+        return real(src, plan, part, *a)
+
+    monkeypatch.setattr(pipeline, "_run_part", dying)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
+    assert not (out / MANIFEST_NAME).exists()
+    monkeypatch.setattr(pipeline, "_run_part", real)
+    result = pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
+    assert result.resumed_parts == 2
+    assert tree_bytes(out) == tree_bytes(converted)
+
+
+def test_resuming_with_other_options_is_refused_and_force_starts_over(checkpoints, tmp_path, monkeypatch):
+    from dsfp4.errors import OutputError
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(pipeline, "_run_part", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
+    monkeypatch.undo()
+    with pytest.raises(OutputError, match="interrupted conversion of another source or with other options"):
+        pipeline.convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4"), progress=False)
+    keep = out / "notes.txt"
+    keep.write_text("mine")
+    pipeline.convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4", force=True), progress=False)
+    assert Manifest.read(out).record.format == "mxfp4" and keep.read_text() == "mine"

@@ -1,7 +1,9 @@
 """Per-tensor work of a conversion: decode a source weight, encode it in its target format, measure the
 error; or copy its bytes unchanged when source and target formats agree.
 
-Legend: D model dim, I expert width.
+Large matrices are decoded and encoded a slab of rows at a time: every format here is row-independent
+once the global amax is fixed (FP8 blocks are 128 rows, so slabs are multiples of 128 rows), so the bytes
+equal a whole-matrix encode while the fp32 temporaries stay bounded. Legend: N rows, K columns.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ from dsfp4.convert.hf_names import MappedTensor
 from dsfp4.convert.plan import OutTensor
 from dsfp4.convert.source import SourceCheckpoint
 from dsfp4.layout.formats import FORMATS
+from dsfp4.layout.fp8 import FP8_BLOCK
 from dsfp4.layout.quant import dequantize, quantize
 from dsfp4.layout.record import RecordLayout
 from dsfp4.layout.safetensors_file import CHUNK, SafetensorsWriter, pread_exact, pwrite_all
+
+# Elements decoded at once: small on the CPU (cache-friendly, bounded RSS), large on a GPU (fewer launches).
+SLAB_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 
 
 @dataclass
@@ -41,12 +47,51 @@ class ErrorStats:
         return (self.sse / self.ssr) ** 0.5 if self.ssr > 0 else 0.0
 
 
-def read_dense(src: SourceCheckpoint, item: MappedTensor, device: torch.device) -> torch.Tensor:
-    """A source weight decoded to dense values: FP8 through bf16, as DeepSeek's and NVIDIA's scripts do
-    (so NVFP4 made from it matches theirs), other storage to fp32."""
-    parts = [src.read(item.sources[c]).to(device) for c, _ in FORMATS[item.storage].components]
-    dtype = torch.bfloat16 if item.storage == "fp8_e4m3_b128" else torch.float32
-    return dequantize(item.storage, parts, item.ref, dtype=dtype)
+class DenseSource:
+    """One source weight held in its stored (compact) form, decoded a slab of rows at a time: FP8 through
+    bf16, as DeepSeek's and NVIDIA's scripts do (so NVFP4 made from it matches theirs), others to fp32."""
+
+    def __init__(self, src: SourceCheckpoint, item: MappedTensor, device: torch.device):
+        self.item = item
+        self.parts = [src.read(item.sources[c]).to(device) for c, _ in FORMATS[item.storage].components]
+        self.dtype = torch.bfloat16 if item.storage == "fp8_e4m3_b128" else torch.float32
+        self.n_rows = item.shape[0]
+        cols = item.shape[1] if len(item.shape) > 1 else 1
+        slab = SLAB_ELEMENTS.get(device.type, SLAB_ELEMENTS["cuda"]) // cols
+        self.slab = max(FP8_BLOCK, slab // FP8_BLOCK * FP8_BLOCK)
+
+    def slabs(self) -> list[tuple[int, int]]:
+        return [(r, min(r + self.slab, self.n_rows)) for r in range(0, self.n_rows, self.slab)]
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Decoded rows [r0, r1); r0 is a multiple of 128."""
+        if self.item.storage == "fp8_e4m3_b128":
+            w, s = self.parts
+            parts = [w[r0:r1], s[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)]]
+        elif self.item.storage == "nvfp4":
+            parts = [self.parts[0][r0:r1], self.parts[1][r0:r1], self.parts[2]]
+        else:
+            parts = [self.parts[0][r0:r1]]
+        return dequantize(self.item.storage, parts, self.item.ref, dtype=self.dtype)
+
+    def amax(self) -> torch.Tensor:
+        return torch.stack([self.rows(*s).abs().max().float() for s in self.slabs()]).max()
+
+
+def encode(fmt: str, sources: list[DenseSource], name: str, stats: ErrorStats) -> list[torch.Tensor]:
+    """Encode the row-wise concatenation of `sources` in `fmt` (one global scale for all of them, from
+    their joint amax, as NVIDIA does for gate and up), slab by slab; returns the components."""
+    amax = torch.stack([s.amax() for s in sources]).max() if fmt == "nvfp4" else None
+    chunks: list[list[torch.Tensor]] = []
+    for s in sources:
+        for r0, r1 in s.slabs():
+            w = s.rows(r0, r1)
+            parts = quantize(fmt, w, name, amax)
+            stats.add(w, dequantize(fmt, parts, name))
+            chunks.append(list(parts))
+    # the global scale (last component) is the same in every slab: it depends only on the shared amax
+    n_rowwise = len(chunks[0]) - FORMATS[fmt].global_scale
+    return [torch.cat([c[i] for c in chunks]) for i in range(n_rowwise)] + chunks[0][n_rowwise:]
 
 
 def copy_tensor(src: SourceCheckpoint, name: str, writer: SafetensorsWriter, dest: str) -> None:
@@ -62,53 +107,39 @@ def copy_tensor(src: SourceCheckpoint, name: str, writer: SafetensorsWriter, des
     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
-def write_backbone_tensor(
-    src: SourceCheckpoint, out: OutTensor, writer: SafetensorsWriter, device: torch.device
-) -> ErrorStats | None:
+def write_backbone_tensor(src: SourceCheckpoint, out: OutTensor, writer: SafetensorsWriter,
+                          device: torch.device) -> ErrorStats | None:
     """Place one backbone weight in the output file; returns its error (None when copied bit-exact)."""
     if out.is_copy:
         for comp, name in out.item.sources.items():
             copy_tensor(src, name, writer, out.names[comp])
         return None
-    w = read_dense(src, out.item, device)
-    parts = quantize(out.format, w, out.item.sources["weight"])
+    stats = ErrorStats()
+    parts = encode(out.format, [DenseSource(src, out.item, device)], out.item.sources["weight"], stats)
     for (comp, _), t in zip(FORMATS[out.format].components, parts, strict=True):
         writer.write(out.names[comp], t)
-    stats = ErrorStats()
-    stats.add(w, dequantize(out.format, parts, out.item.ref))
     return stats
 
 
-def expert_record(
-    src: SourceCheckpoint,
-    trio: tuple[MappedTensor, MappedTensor, MappedTensor],
-    layout: RecordLayout,
-    device: torch.device,
-) -> tuple[bytearray, ErrorStats | None]:
+def expert_record(src: SourceCheckpoint, trio: tuple[MappedTensor, MappedTensor, MappedTensor],
+                  layout: RecordLayout, device: torch.device) -> tuple[bytearray, ErrorStats | None]:
     """One expert's record from its (w1, w3, w2) sources; repacked byte for byte when they are already
     stored in the record's format, else quantized (error returned)."""
     w1, w3, w2 = trio
     fmt = layout.format
     if all(i.storage == fmt for i in trio):
         raw = [{c: src.read(s) for c, s in i.sources.items()} for i in trio]
-        tensors = {
-            "w13": torch.cat([raw[0]["weight"], raw[1]["weight"]]),
-            "w13_scale": torch.cat([raw[0]["scale"], raw[1]["scale"]]),
-            "w2": raw[2]["weight"],
-            "w2_scale": raw[2]["scale"],
-        }
+        tensors = {"w13": torch.cat([raw[0]["weight"], raw[1]["weight"]]),
+                   "w13_scale": torch.cat([raw[0]["scale"], raw[1]["scale"]]),
+                   "w2": raw[2]["weight"], "w2_scale": raw[2]["scale"]}
         if "scale_2" in raw[0]:
             tensors["scale_2"] = torch.stack([r["scale_2"].reshape(()) for r in raw])
         return layout.pack(tensors), None
-    d1, d3, d2 = (read_dense(src, i, device) for i in trio)
-    w13 = torch.cat([d1, d3])  # [2I, D]; gate and up share one global scale (their joint amax)
-    del d1, d3
-    q13 = quantize(fmt, w13, f"{w1.sources['weight']} + {w3.sources['weight']}")
-    q2 = quantize(fmt, d2, w2.sources["weight"])
+    stats = ErrorStats()
+    gate_up = [DenseSource(src, w1, device), DenseSource(src, w3, device)]  # [2I, D], one global scale
+    q13 = encode(fmt, gate_up, f"{w1.sources['weight']} + {w3.sources['weight']}", stats)
+    q2 = encode(fmt, [DenseSource(src, w2, device)], w2.sources["weight"], stats)
     tensors = {"w13": q13[0], "w13_scale": q13[1], "w2": q2[0], "w2_scale": q2[1]}
     if fmt == "nvfp4":
         tensors["scale_2"] = torch.stack([q13[2], q13[2], q2[2]])
-    stats = ErrorStats()
-    stats.add(w13, dequantize(fmt, q13))
-    stats.add(d2, dequantize(fmt, q2))
     return layout.pack(tensors), stats

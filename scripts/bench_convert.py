@@ -1,0 +1,156 @@
+"""Benchmark `dsfp4 convert` against this machine's ceilings; prints a table, writes JSON.
+
+    python scripts/bench_convert.py WORKDIR [--devices cpu,cuda] [--workers 2,8] [--json out.json]
+
+Builds (once) a ~2.3 GB synthetic checkpoint in DeepSeek-V3's official FP8 layout with V3's expert
+shape (dim 7168, expert width 2048; 10 experts x 3 MoE blocks, one dense block, V3 attention at 32 heads),
+measures the ceilings (HBM read, pinned host->GPU copy, O_DIRECT and cold buffered reads of the shards),
+then converts it cold (page cache dropped with fadvise) once per device x workers, each run in its own
+process so its peak RSS is its own, and checks that every run wrote the same records and backbone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_checkpoint import build_checkpoint  # noqa: E402
+
+V3_2G = dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_hidden_layers=3,
+             first_k_dense_replace=1, n_routed_experts=10, num_experts_per_tok=2, n_group=2, topk_group=1,
+             num_attention_heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+             qk_rope_head_dim=64, v_head_dim=128, vocab_size=4096)
+RUN = """
+import json, resource, sys, time
+from dsfp4.convert.pipeline import convert
+from dsfp4.convert.plan import ConvertOptions
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+r = convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=int(sys.argv[3]), device=sys.argv[4]), progress=False)
+print(json.dumps({"seconds": time.perf_counter() - t, "base_kib": base, "bytes": r.converted_bytes,
+                  "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "quant_error": r.quant_error}))
+"""
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Evict the files from the page cache (no root needed), so reads come from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def odirect_read_gbps(paths: list[Path], chunk: int = 16 << 20) -> float:
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    total, t = 0, time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        size, pos = p.stat().st_size, 0
+        while pos < size:
+            n = os.preadv(fd, [buf], pos)
+            if n <= 0:
+                break
+            pos += n
+        os.close(fd)
+        total += size
+    return total / (time.perf_counter() - t) / 1e9
+
+
+def buffered_cold_read_gbps(paths: list[Path], chunk: int = 16 << 20) -> float:
+    drop_cache(paths)
+    total, t = 0, time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while block := f.read(chunk):
+                total += len(block)
+    return total / (time.perf_counter() - t) / 1e9
+
+
+def gpu_ceilings() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    dev = torch.device("cuda")
+    x = torch.randn(1 << 29, device=dev)  # 2 GiB of fp32
+    for _ in range(3):
+        x.sum()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        x.sum()
+    torch.cuda.synchronize()
+    hbm = 10 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
+    del x
+    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    host.random_()
+    gpu = torch.empty_like(host, device=dev)
+    for _ in range(3):
+        gpu.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        gpu.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = 10 * host.numel() / (time.perf_counter() - t) / 1e9
+    return {"gpu": torch.cuda.get_device_name(), "hbm_read_gbps": hbm, "pinned_h2d_gbps": h2d}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workdir", type=Path)
+    ap.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--workers", default="2")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    src = a.workdir / "src-v3-2g"
+    if not (src / "config.json").exists():
+        t = time.perf_counter()
+        build_checkpoint(src, "fp8", V3_2G, n_shards=4, synthetic=True)
+        print(f"built {src} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    shards = sorted(src.glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in shards)
+    ceil = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "source_gb": size / 1e9, **gpu_ceilings()}
+    drop_cache(shards)
+    ceil["odirect_read_gbps"] = odirect_read_gbps(shards)
+    ceil["buffered_cold_read_gbps"] = buffered_cold_read_gbps(shards)
+    runs, shas = [], {}
+    for device in a.devices.split(","):
+        for workers in (int(w) for w in a.workers.split(",")):
+            out = a.workdir / f"out-{device}-{workers}"
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            drop_cache(shards)
+            p = subprocess.run([sys.executable, "-c", RUN, str(src), str(out), str(workers), device],
+                               capture_output=True, text=True)
+            if p.returncode:
+                print(p.stderr, file=sys.stderr)
+                raise SystemExit(f"convert failed on {device} with {workers} workers")
+            r = json.loads(p.stdout)
+            m = json.loads((out / "manifest.json").read_text())
+            shas[(device, workers)] = (m["files"], m["experts"])
+            runs.append({"device": device, "workers": workers, "seconds": r["seconds"],
+                         "source_gbps": r["bytes"] / r["seconds"] / 1e9, "peak_rss_gib": r["peak_kib"] / 2**20,
+                         "rss_after_imports_gib": r["base_kib"] / 2**20, "quant_error": r["quant_error"]})
+    identical = len({json.dumps(v, sort_keys=True) for v in shas.values()}) == 1
+    result = {"ceilings": ceil, "runs": runs, "outputs_identical": identical}
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
+    print(json.dumps(ceil))
+    print(f"{'device':<8}{'workers':>8}{'seconds':>9}{'src GB/s':>10}{'peak RSS GiB':>14}")
+    for r in runs:
+        print(f"{r['device']:<8}{r['workers']:>8}{r['seconds']:>9.1f}{r['source_gbps']:>10.3f}{r['peak_rss_gib']:>14.2f}")
+    print(f"outputs identical across runs: {identical}")
+
+
+if __name__ == "__main__":
+    main()

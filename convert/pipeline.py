@@ -60,9 +60,12 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: no CUDA device is available; use --device cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError as e:
         raise ConfigError(f"--device {name}: {e}") from e
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def _run_jobs(jobs: Iterable[Callable[[], _JobResult]], workers: int, on_done: Callable[[_JobResult], None]) -> None:
@@ -96,8 +99,11 @@ def _check_disk(out: Path, needed: int) -> None:
         )
 
 
-def _run_part(src: SourceCheckpoint, plan: Plan, part: Part, out: Path, device: torch.device, bar: tqdm) -> dict:
-    """Convert one part into temporary files, then rename them; returns the part's marker."""
+def _run_part(
+    src: SourceCheckpoint, plan: Plan, part: Part, out: Path, device: torch.device, bar: tqdm
+) -> Callable[[], dict]:
+    """Convert one part into temporary files. Returns its finalizer, which makes the files durable,
+    renames them and returns the part's marker; it runs in the background while the next part converts."""
     bb_path = out / part.backbone_file
     bb_tmp = bb_path.with_name(bb_path.name + ".partial")
     writer = SafetensorsWriter(bb_tmp, [e for t in part.backbone for e in t.entries()])
@@ -110,22 +116,19 @@ def _run_part(src: SourceCheckpoint, plan: Plan, part: Part, out: Path, device: 
             return _JobResult(n, f"backbone {t.item.storage} -> {t.format}", st)
 
         jobs.append(backbone_job)
-    ex_fd = None
-    if part.experts:
-        record = plan.record
-        ex_path = out / part.experts_file
-        ex_tmp = ex_path.with_name(ex_path.name + ".partial")
-        ex_fd = os.open(ex_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(ex_fd, len(part.experts) * record.nbytes)
-        for e, trio in enumerate(part.experts):
+    record = plan.record
+    ex_path = out / part.experts_file if part.experts else None
+    ex_tmp = ex_path.with_name(ex_path.name + ".partial") if ex_path else None
+    ex_fd = os.open(ex_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644) if ex_tmp else None
+    for e, trio in enumerate(part.experts):
 
-            def expert_job(e=e, trio=trio) -> _JobResult:
-                buf, st = expert_record(src, trio, record, device)
-                pwrite_all(ex_fd, buf, e * record.nbytes)
-                n = sum(src.tensors[s].info.nbytes for i in trio for s in i.sources.values())
-                return _JobResult(n, f"experts {trio[0].storage} -> {record.format}", st, e, record_sha256(buf))
+        def expert_job(e=e, trio=trio) -> _JobResult:
+            buf, st = expert_record(src, trio, record, device)
+            pwrite_all(ex_fd, buf, e * record.nbytes)
+            n = sum(src.tensors[s].info.nbytes for i in trio for s in i.sources.values())
+            return _JobResult(n, f"experts {trio[0].storage} -> {record.format}", st, e, record_sha256(buf))
 
-            jobs.append(expert_job)
+        jobs.append(expert_job)
     stats: dict[str, ErrorStats] = {}
     shas: list[str | None] = [None] * len(part.experts)
 
@@ -137,28 +140,42 @@ def _run_part(src: SourceCheckpoint, plan: Plan, part: Part, out: Path, device: 
             shas[r.expert] = r.sha256
 
     try:
+        if ex_fd is not None:
+            os.ftruncate(ex_fd, len(part.experts) * record.nbytes)
         _run_jobs(jobs, plan.options.workers, on_done)
-    finally:
+    except BaseException:
+        writer.abort()
+        if ex_fd is not None:
+            os.close(ex_fd)
+        raise
+
+    def finalize() -> dict:
         writer.close()
+        os.replace(bb_tmp, bb_path)
+        marker = {
+            "backbone": {"file": part.backbone_file, "nbytes": bb_path.stat().st_size, "sha256": file_sha256(bb_path)},
+            "quant_error": {k: [s.sse, s.ssr] for k, s in sorted(stats.items())},
+        }
         if ex_fd is not None:
             os.fsync(ex_fd)
             os.close(ex_fd)
-    os.replace(bb_tmp, bb_path)
-    marker = {
-        "backbone": {"file": part.backbone_file, "nbytes": bb_path.stat().st_size, "sha256": file_sha256(bb_path)},
-        "quant_error": {k: [s.sse, s.ssr] for k, s in sorted(stats.items())},
-    }
-    if part.experts:
-        os.replace(ex_tmp, ex_path)
-        marker["experts"] = {
-            "file": part.experts_file,
-            "nbytes": ex_path.stat().st_size,
-            "offsets": [e * record.nbytes for e in range(len(part.experts))],
-            "sha256": shas,
-        }
-    marker["sizes"] = {m["file"]: m["nbytes"] for k in ("backbone", "experts") if (m := marker.get(k))}
-    fsync_dir(bb_path.parent)
-    return marker
+            os.replace(ex_tmp, ex_path)
+            marker["experts"] = {
+                "file": part.experts_file,
+                "nbytes": ex_path.stat().st_size,
+                "offsets": [e * record.nbytes for e in range(len(part.experts))],
+                "sha256": shas,
+            }
+        marker["sizes"] = {m["file"]: m["nbytes"] for k in ("backbone", "experts") if (m := marker.get(k))}
+        fsync_dir(bb_path.parent)
+        return marker
+
+    return finalize
+
+
+def _finish_part(state: ResumeState, name: str, finalize: Callable[[], dict], markers: dict[str, dict]) -> None:
+    markers[name] = finalize()
+    state.mark(name, markers[name])
 
 
 def _round_sig(x: float, digits: int = 4) -> float:
@@ -234,20 +251,28 @@ def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: b
         resumed = len(markers)
         start = time.perf_counter()
         todo = [p for p in plan.parts if p.name not in markers]
-        with tqdm(
-            total=plan.in_bytes,
-            initial=plan.in_bytes - sum(p.in_bytes for p in todo),
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            disable=not progress,
-            file=sys.stderr,
-            dynamic_ncols=True,
-        ) as bar:
+        with (
+            tqdm(
+                total=plan.in_bytes,
+                initial=plan.in_bytes - sum(p.in_bytes for p in todo),
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                disable=not progress,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            ) as bar,
+            ThreadPoolExecutor(1, thread_name_prefix="dsfp4-finalize") as finalizer,
+        ):
+            pending = None  # at most one part finalizing (fsync, rename, hash, marker) behind the current one
             for part in todo:
                 bar.set_description(part.name)
-                markers[part.name] = _run_part(src, plan, part, out, device, bar)
-                state.mark(part.name, markers[part.name])
+                finalize = _run_part(src, plan, part, out, device, bar)
+                if pending is not None:
+                    pending.result()
+                pending = finalizer.submit(_finish_part, state, part.name, finalize, markers)
+            if pending is not None:
+                pending.result()
         manifest = _manifest(plan, markers, _copy_aux(src_path, out))
         manifest.write(out)
         state.finish()

@@ -35,8 +35,12 @@ class ErrorStats:
 
     def add(self, ref: torch.Tensor, approx: torch.Tensor) -> None:
         ref = ref.float()
-        self.sse += (ref - approx.float()).square().sum(dtype=torch.float64).item()
-        self.ssr += ref.square().sum(dtype=torch.float64).item()
+        sums = torch.stack(
+            [(ref - approx.float()).square().sum(dtype=torch.float64), ref.square().sum(dtype=torch.float64)]
+        )
+        sse, ssr = sums.tolist()  # one device sync for both
+        self.sse += sse
+        self.ssr += ssr
 
     def merge(self, other: ErrorStats) -> None:
         self.sse += other.sse
@@ -59,12 +63,15 @@ class DenseSource:
         cols = item.shape[1] if len(item.shape) > 1 else 1
         slab = SLAB_ELEMENTS.get(device.type, SLAB_ELEMENTS["cuda"]) // cols
         self.slab = max(FP8_BLOCK, slab // FP8_BLOCK * FP8_BLOCK)
+        self._last: tuple[int, int, torch.Tensor] | None = None  # the amax pass keeps a lone slab
 
     def slabs(self) -> list[tuple[int, int]]:
         return [(r, min(r + self.slab, self.n_rows)) for r in range(0, self.n_rows, self.slab)]
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """Decoded rows [r0, r1); r0 is a multiple of 128."""
+        if self._last is not None and self._last[:2] == (r0, r1):
+            return self._last[2]
         if self.item.storage == "fp8_e4m3_b128":
             w, s = self.parts
             parts = [w[r0:r1], s[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)]]
@@ -75,7 +82,10 @@ class DenseSource:
         return dequantize(self.item.storage, parts, self.item.ref, dtype=self.dtype)
 
     def amax(self) -> torch.Tensor:
-        return torch.stack([self.rows(*s).abs().max().float() for s in self.slabs()]).max()
+        slabs = self.slabs()
+        if len(slabs) == 1:  # decode once: encode() asks for the same rows next
+            self._last = (*slabs[0], self.rows(*slabs[0]))
+        return torch.stack([self.rows(*s).abs().max().float() for s in slabs]).max()
 
 
 def encode(fmt: str, sources: list[DenseSource], name: str, stats: ErrorStats) -> list[torch.Tensor]:
@@ -107,8 +117,9 @@ def copy_tensor(src: SourceCheckpoint, name: str, writer: SafetensorsWriter, des
     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
-def write_backbone_tensor(src: SourceCheckpoint, out: OutTensor, writer: SafetensorsWriter,
-                          device: torch.device) -> ErrorStats | None:
+def write_backbone_tensor(
+    src: SourceCheckpoint, out: OutTensor, writer: SafetensorsWriter, device: torch.device
+) -> ErrorStats | None:
     """Place one backbone weight in the output file; returns its error (None when copied bit-exact)."""
     if out.is_copy:
         for comp, name in out.item.sources.items():
@@ -121,17 +132,24 @@ def write_backbone_tensor(src: SourceCheckpoint, out: OutTensor, writer: Safeten
     return stats
 
 
-def expert_record(src: SourceCheckpoint, trio: tuple[MappedTensor, MappedTensor, MappedTensor],
-                  layout: RecordLayout, device: torch.device) -> tuple[bytearray, ErrorStats | None]:
+def expert_record(
+    src: SourceCheckpoint,
+    trio: tuple[MappedTensor, MappedTensor, MappedTensor],
+    layout: RecordLayout,
+    device: torch.device,
+) -> tuple[memoryview, ErrorStats | None]:
     """One expert's record from its (w1, w3, w2) sources; repacked byte for byte when they are already
     stored in the record's format, else quantized (error returned)."""
     w1, w3, w2 = trio
     fmt = layout.format
     if all(i.storage == fmt for i in trio):
         raw = [{c: src.read(s) for c, s in i.sources.items()} for i in trio]
-        tensors = {"w13": torch.cat([raw[0]["weight"], raw[1]["weight"]]),
-                   "w13_scale": torch.cat([raw[0]["scale"], raw[1]["scale"]]),
-                   "w2": raw[2]["weight"], "w2_scale": raw[2]["scale"]}
+        tensors = {
+            "w13": torch.cat([raw[0]["weight"], raw[1]["weight"]]),
+            "w13_scale": torch.cat([raw[0]["scale"], raw[1]["scale"]]),
+            "w2": raw[2]["weight"],
+            "w2_scale": raw[2]["scale"],
+        }
         if "scale_2" in raw[0]:
             tensors["scale_2"] = torch.stack([r["scale_2"].reshape(()) for r in raw])
         return layout.pack(tensors), None

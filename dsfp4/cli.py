@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from dsfp4 import __version__
 from dsfp4.errors import DsfpError
+from dsfp4.sizes import format_bytes
 
 PATH = click.Path(path_type=Path)
 EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
@@ -137,11 +138,10 @@ def convert(
         click.echo(plan_table(result.plan, str(src), str(out)))
         return
     r = result
-    rate = r.converted_bytes / r.seconds / 1e9 if r.seconds > 0 else 0.0
+    rate = format_bytes(r.converted_bytes / r.seconds) if r.seconds > 0 else "-"
     resumed = f" ({r.resumed_parts} parts were already done)" if r.resumed_parts else ""
     click.echo(
-        f"converted {r.converted_bytes / 1e9:.2f} GB of source in {r.seconds:.1f} s ({rate:.2f} GB/s){resumed}",
-        err=True,
+        f"converted {format_bytes(r.converted_bytes)} of source in {r.seconds:.1f} s ({rate}/s){resumed}", err=True
     )
     for klass, err in r.quant_error.items():
         click.echo(f"  quantization error {klass:<36} {err:.4g} (relative RMS)", err=True)

@@ -23,6 +23,19 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 
 
+def exact_div(a: torch.Tensor, c: float) -> torch.Tensor:
+    """a / c correctly rounded on every device: PyTorch's CUDA kernels multiply by 1/c when c is a Python
+    scalar, which can differ from the CPU in the last bit and change an encoded byte."""
+    return a / torch.full_like(a, c)
+
+
+def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
+    """2^(b - 127) for e8m0 bytes b in 0..254, built from exponent bits: exact on every device."""
+    b = biased.to(torch.int32)
+    normal = (b << 23).view(torch.float32)
+    return torch.where(b == 0, torch.full_like(normal, 2.0**-127), normal)
+
+
 def check_finite(w: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(w).all()):
         raise FormatError(f"{name}: contains NaN or Inf values; the source weight is corrupt")
@@ -69,7 +82,7 @@ def _blocks(w: torch.Tensor, block: int, name: str) -> torch.Tensor:
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """fp32 global scale = amax / (6 * 448), so the largest block scale lands on e4m3's maximum."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    return torch.where(amax > 0, exact_div(amax, E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
 
 
 def nvfp4_quantize(
@@ -81,7 +94,7 @@ def nvfp4_quantize(
     two so that they share one global scale, as NVIDIA's checkpoints do.
     """
     blocks = _blocks(w, NVFP4_BLOCK, name)
-    g = nvfp4_global_scale(blocks.abs().amax() if amax is None else amax)
+    g = nvfp4_global_scale(blocks.abs().amax() if amax is None else amax).to(blocks.device)
     block_amax = blocks.abs().amax(dim=-1)  # [N, B]
     scale = (block_amax / (E2M1_MAX * g)).to(torch.float8_e4m3fn).float()
     # All-zero blocks get scale 1 (as ModelOpt does). A non-zero block whose scale underflows e4m3
@@ -109,13 +122,12 @@ def mxfp4_quantize(w: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor,
     get 2^0.
     """
     blocks = _blocks(w, MXFP4_BLOCK, name)
-    target = blocks.abs().amax(dim=-1) / E2M1_MAX  # [N, B]
+    target = exact_div(blocks.abs().amax(dim=-1), E2M1_MAX)  # [N, B]
     mant, exp = torch.frexp(target)  # target = mant * 2^exp, mant in [0.5, 1)
     exp = exp - (mant == 0.5).to(exp.dtype)  # exact powers of two need no rounding up
     biased = torch.where(target > 0, exp + E8M0_BIAS, torch.full_like(exp, E8M0_BIAS))
     biased = biased.clamp(0, E8M0_NAN - 1)
-    scale = torch.ldexp(torch.ones_like(target), biased - E8M0_BIAS)
-    codes = e2m1_encode(blocks / scale[..., None])
+    codes = e2m1_encode(blocks / e8m0_to_float(biased)[..., None])
     return pack_fp4(codes.flatten(1)), biased.to(torch.uint8)
 
 
@@ -127,9 +139,5 @@ def mxfp4_dequantize(
         raise FormatError(f"{name}: e8m0 scale byte 255 (NaN) found; the tensor is corrupt")
     values = e2m1_decode(unpack_fp4(packed))
     n, k = values.shape
-    exps = scale.to(torch.int32) - E8M0_BIAS
-    w = (
-        values.reshape(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
-        * torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps)[..., None]
-    )
+    w = values.reshape(n, k // MXFP4_BLOCK, MXFP4_BLOCK) * e8m0_to_float(scale)[..., None]
     return w.reshape(n, k).to(dtype)

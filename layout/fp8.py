@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dsfp4.errors import FormatError
 from dsfp4.layout.formats import FORMATS, ceil_div
-from dsfp4.layout.fp4 import E4M3_MAX, check_finite
+from dsfp4.layout.fp4 import E4M3_MAX, check_finite, exact_div
 
 FP8_BLOCK = FORMATS["fp8_e4m3_b128"].block[0]
 
@@ -56,6 +56,6 @@ def fp8_block_quantize(w: torch.Tensor, name: str = "tensor") -> tuple[torch.Ten
     n, k = w.shape
     blocks = _padded_blocks(w.float())  # [Nb, 128, Kb, 128]
     amax = blocks.abs().amax(dim=(1, 3))  # [Nb, Kb]
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, exact_div(amax, E4M3_MAX), torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(blocks.shape[0] * FP8_BLOCK, -1)[:n, :k].contiguous(), scale

@@ -75,17 +75,17 @@ class RecordLayout:
     def part(self, name: str) -> RecordPart:
         return next(p for p in self.parts if p.name == name)
 
-    def pack(self, tensors: dict[str, torch.Tensor]) -> bytearray:
-        """Build a record from its parts (shapes and dtypes must match exactly)."""
-        buf = bytearray(self.nbytes)
+    def pack(self, tensors: dict[str, torch.Tensor]) -> memoryview:
+        """Build a record from its parts, on any device (shapes and dtypes must match exactly)."""
+        buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         for p in self.parts:
-            t = tensors[p.name].detach().to("cpu").contiguous()
+            t = tensors[p.name].detach()
             if tuple(t.shape) != p.shape or SAFETENSORS_NAMES.get(t.dtype) != p.dtype:
                 raise FormatError(
                     f"record part {p.name}: got {t.dtype} {list(t.shape)}, expected {p.dtype} {list(p.shape)}"
                 )
-            buf[p.offset : p.offset + p.nbytes] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return buf
+            buf[p.offset : p.offset + p.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        return memoryview(buf.numpy())
 
     def unpack(self, buf: bytes | bytearray | memoryview | torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of the parts of one record (buf: the record's bytes, on any device if a tensor)."""

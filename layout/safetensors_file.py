@@ -163,6 +163,10 @@ class SafetensorsWriter:
         """For tensors whose bytes the caller placed itself (chunked copies through span())."""
         self.written.add(name)
 
+    def abort(self) -> None:
+        """Close without checks, after a failure; the caller discards the file."""
+        os.close(self.fd)
+
     def close(self) -> None:
         """fsync and close; every planned tensor must have been written."""
         missing = set(self.layout) - self.written

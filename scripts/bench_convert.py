@@ -26,19 +26,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_checkpoint import build_checkpoint  # noqa: E402
 
-V3_2G = dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_hidden_layers=3,
-             first_k_dense_replace=1, n_routed_experts=10, num_experts_per_tok=2, n_group=2, topk_group=1,
-             num_attention_heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-             qk_rope_head_dim=64, v_head_dim=128, vocab_size=4096)
+V3_2G = dict(
+    hidden_size=7168,
+    moe_intermediate_size=2048,
+    intermediate_size=18432,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=10,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    num_attention_heads=32,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    vocab_size=4096,
+)
 RUN = """
-import json, resource, sys, time
+import json, sys
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def status_kib(field):  # per-process: ru_maxrss would carry the parent's peak across fork + exec
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
+
+base = status_kib("VmRSS")
+import time
 t = time.perf_counter()
 r = convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=int(sys.argv[3]), device=sys.argv[4]), progress=False)
 print(json.dumps({"seconds": time.perf_counter() - t, "base_kib": base, "bytes": r.converted_bytes,
-                  "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "quant_error": r.quant_error}))
+                  "peak_kib": status_kib("VmHWM"), "quant_error": r.quant_error}))
 """
 
 
@@ -119,8 +138,13 @@ def main() -> None:
         print(f"built {src} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     shards = sorted(src.glob("*.safetensors"))
     size = sum(p.stat().st_size for p in shards)
-    ceil = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "source_gb": size / 1e9, **gpu_ceilings()}
+    ceil = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "source_gb": size / 1e9,
+        **gpu_ceilings(),
+    }
     drop_cache(shards)
     ceil["odirect_read_gbps"] = odirect_read_gbps(shards)
     ceil["buffered_cold_read_gbps"] = buffered_cold_read_gbps(shards)
@@ -130,17 +154,26 @@ def main() -> None:
             out = a.workdir / f"out-{device}-{workers}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
             drop_cache(shards)
-            p = subprocess.run([sys.executable, "-c", RUN, str(src), str(out), str(workers), device],
-                               capture_output=True, text=True)
+            p = subprocess.run(
+                [sys.executable, "-c", RUN, str(src), str(out), str(workers), device], capture_output=True, text=True
+            )
             if p.returncode:
                 print(p.stderr, file=sys.stderr)
                 raise SystemExit(f"convert failed on {device} with {workers} workers")
             r = json.loads(p.stdout)
             m = json.loads((out / "manifest.json").read_text())
             shas[(device, workers)] = (m["files"], m["experts"])
-            runs.append({"device": device, "workers": workers, "seconds": r["seconds"],
-                         "source_gbps": r["bytes"] / r["seconds"] / 1e9, "peak_rss_gib": r["peak_kib"] / 2**20,
-                         "rss_after_imports_gib": r["base_kib"] / 2**20, "quant_error": r["quant_error"]})
+            runs.append(
+                {
+                    "device": device,
+                    "workers": workers,
+                    "seconds": r["seconds"],
+                    "source_gbps": r["bytes"] / r["seconds"] / 1e9,
+                    "peak_rss_gib": r["peak_kib"] / 2**20,
+                    "rss_after_imports_gib": r["base_kib"] / 2**20,
+                    "quant_error": r["quant_error"],
+                }
+            )
     identical = len({json.dumps(v, sort_keys=True) for v in shas.values()}) == 1
     result = {"ceilings": ceil, "runs": runs, "outputs_identical": identical}
     if a.json:
@@ -148,7 +181,9 @@ def main() -> None:
     print(json.dumps(ceil))
     print(f"{'device':<8}{'workers':>8}{'seconds':>9}{'src GB/s':>10}{'peak RSS GiB':>14}")
     for r in runs:
-        print(f"{r['device']:<8}{r['workers']:>8}{r['seconds']:>9.1f}{r['source_gbps']:>10.3f}{r['peak_rss_gib']:>14.2f}")
+        print(
+            f"{r['device']:<8}{r['workers']:>8}{r['seconds']:>9.1f}{r['source_gbps']:>10.3f}{r['peak_rss_gib']:>14.2f}"
+        )
     print(f"outputs identical across runs: {identical}")
 
 

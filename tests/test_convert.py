@@ -222,3 +222,75 @@ def test_resuming_with_other_options_is_refused_and_force_starts_over(checkpoint
     keep.write_text("mine")
     pipeline.convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4", force=True), progress=False)
     assert Manifest.read(out).record.format == "mxfp4" and keep.read_text() == "mine"
+
+
+def test_failure_inside_a_part_leaves_no_manifest_and_resumes(checkpoints, converted, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real, calls = pipeline.expert_record, []
+
+    def failing(*a):
+        calls.append(1)
+        if len(calls) == 12:  # in the second MoE part, with other experts in flight
+            raise RuntimeError("disk on fire")
+        return real(*a)
+
+    monkeypatch.setattr(pipeline, "expert_record", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        pipeline.convert(checkpoints["fp8"], out, ConvertOptions(workers=3), progress=False)
+    assert not (out / MANIFEST_NAME).exists()
+    monkeypatch.setattr(pipeline, "expert_record", real)
+    pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
+    assert tree_bytes(out) == tree_bytes(converted)
+
+
+KILL_DIMS = dict(
+    hidden_size=512,
+    moe_intermediate_size=256,
+    n_routed_experts=32,
+    num_hidden_layers=5,
+    intermediate_size=512,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    num_attention_heads=4,
+    vocab_size=1024,
+    n_group=4,
+    topk_group=2,
+)
+
+
+@pytest.mark.slow
+def test_killed_conversion_resumes_to_identical_bytes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tiny_checkpoint import build_checkpoint
+
+    src = build_checkpoint(tmp_path / "src", "fp8", KILL_DIMS, synthetic=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsfp4.cli",
+        "convert",
+        "--fp4",
+        str(src),
+        str(tmp_path / "out"),
+        "-q",
+        "--workers",
+        "1",
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = tmp_path / "out" / ".dsfp4-convert" / "layer-000.json"
+    deadline = time.time() + 120
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists(), "the conversion finished before it could be killed"
+    subprocess.run(cmd, check=True, capture_output=True)
+    clean = tmp_path / "clean"
+    pipeline.convert(src, clean, ConvertOptions(device="cpu"), progress=False)
+    assert tree_bytes(tmp_path / "out") == tree_bytes(clean)

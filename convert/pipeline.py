@@ -1,9 +1,10 @@
 """`dsfp4 convert --fp4`: stream a DeepSeek checkpoint, tensor by tensor, into layout v1.
 
-Parts run one after another; inside a part, up to `workers` tensors or experts are in flight at once,
-each read, converted and pwritten at its planned offset, so the output does not depend on the number of
-workers. Peak memory is bounded by 2 x workers jobs (one job holds one expert or one backbone tensor;
-plain copies move in 64 MiB chunks), never by the checkpoint's size.
+Jobs (one backbone tensor or one expert each) flow through `workers` threads, part after part, with at
+most 2 x workers in flight; each is read, converted and pwritten at its planned offset, so the output
+does not depend on the number of workers or their timing. A part is finalized in the background once its
+last job is done. Peak memory is bounded by the jobs in flight (plain copies move in 64 MiB chunks), never
+by the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -13,25 +14,27 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
 
 from dsfp4.convert.hf_names import map_tensors
+from dsfp4.convert.part import JobResult, PartRun
 from dsfp4.convert.plan import ConvertOptions, Part, Plan, make_plan
 from dsfp4.convert.resume import ResumeState
 from dsfp4.convert.source import AUX_FILES, INDEX_NAME, SourceCheckpoint
-from dsfp4.convert.transform import ErrorStats, expert_record, write_backbone_tensor
+from dsfp4.convert.transform import ErrorStats
 from dsfp4.errors import ConfigError, OutputError
-from dsfp4.layout.atomic import fsync_dir
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
-from dsfp4.layout.record import record_sha256
-from dsfp4.layout.safetensors_file import SafetensorsWriter, file_sha256, pwrite_all
+from dsfp4.layout.safetensors_file import file_sha256
 from dsfp4.sizes import format_bytes
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,15 +46,6 @@ class ConvertResult:
     converted_bytes: int = 0
     resumed_parts: int = 0
     quant_error: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class _JobResult:
-    in_bytes: int
-    klass: str
-    stats: ErrorStats | None
-    expert: int | None = None
-    sha256: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +62,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _run_jobs(jobs: Iterable[Callable[[], _JobResult]], workers: int, on_done: Callable[[_JobResult], None]) -> None:
+def _run_jobs(jobs: Iterable[Callable[[], T]], workers: int, on_done: Callable[[T], None]) -> None:
     """Run jobs with at most 2 x workers in flight, handing results over in submission order."""
     if workers == 1:
         for job in jobs:
@@ -99,83 +93,51 @@ def _check_disk(out: Path, needed: int) -> None:
         )
 
 
-def _run_part(
-    src: SourceCheckpoint, plan: Plan, part: Part, out: Path, device: torch.device, bar: tqdm
-) -> Callable[[], dict]:
-    """Convert one part into temporary files. Returns its finalizer, which makes the files durable,
-    renames them and returns the part's marker; it runs in the background while the next part converts."""
-    bb_path = out / part.backbone_file
-    bb_tmp = bb_path.with_name(bb_path.name + ".partial")
-    writer = SafetensorsWriter(bb_tmp, [e for t in part.backbone for e in t.entries()])
-    jobs: list[Callable[[], _JobResult]] = []
-    for t in part.backbone:
+def _run_parts(
+    src: SourceCheckpoint,
+    plan: Plan,
+    todo: list[Part],
+    out: Path,
+    device: torch.device,
+    state: ResumeState,
+    markers: dict[str, dict],
+    bar: tqdm,
+) -> None:
+    """Run every job of every part; finalize each part (one at a time, in part order) in the background as
+    soon as its last job is done, while later parts' jobs go on."""
+    runs: list[PartRun] = []
 
-        def backbone_job(t=t) -> _JobResult:
-            st = write_backbone_tensor(src, t, writer, device)
-            n = sum(src.tensors[s].info.nbytes for s in t.item.sources.values())
-            return _JobResult(n, f"backbone {t.item.storage} -> {t.format}", st)
+    def jobs() -> Iterator[Callable[[], tuple[PartRun, JobResult]]]:
+        for part in todo:
+            run = PartRun(src, plan, part, out, device)
+            runs.append(run)
+            bar.set_description(part.name)
+            yield from (lambda run=run, job=job: (run, job()) for job in run.jobs())
 
-        jobs.append(backbone_job)
-    record = plan.record
-    ex_path = out / part.experts_file if part.experts else None
-    ex_tmp = ex_path.with_name(ex_path.name + ".partial") if ex_path else None
-    ex_fd = os.open(ex_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644) if ex_tmp else None
-    for e, trio in enumerate(part.experts):
+    def finish(run: PartRun) -> None:
+        markers[run.part.name] = run.finalize()
+        state.mark(run.part.name, markers[run.part.name])
 
-        def expert_job(e=e, trio=trio) -> _JobResult:
-            buf, st = expert_record(src, trio, record, device)
-            pwrite_all(ex_fd, buf, e * record.nbytes)
-            n = sum(src.tensors[s].info.nbytes for i in trio for s in i.sources.values())
-            return _JobResult(n, f"experts {trio[0].storage} -> {record.format}", st, e, record_sha256(buf))
+    with ThreadPoolExecutor(1, thread_name_prefix="dsfp4-finalize") as finalizer:
+        pending: list[Future] = []
 
-        jobs.append(expert_job)
-    stats: dict[str, ErrorStats] = {}
-    shas: list[str | None] = [None] * len(part.experts)
+        def on_done(item: tuple[PartRun, JobResult]) -> None:
+            run, result = item
+            bar.update(result.in_bytes)
+            if run.done(result):
+                if pending:
+                    pending.pop().result()  # surface a failed finalize before going on
+                pending.append(finalizer.submit(finish, run))
 
-    def on_done(r: _JobResult) -> None:
-        bar.update(r.in_bytes)
-        if r.stats is not None:
-            stats.setdefault(r.klass, ErrorStats()).merge(r.stats)
-        if r.expert is not None:
-            shas[r.expert] = r.sha256
-
-    try:
-        if ex_fd is not None:
-            os.ftruncate(ex_fd, len(part.experts) * record.nbytes)
-        _run_jobs(jobs, plan.options.workers, on_done)
-    except BaseException:
-        writer.abort()
-        if ex_fd is not None:
-            os.close(ex_fd)
-        raise
-
-    def finalize() -> dict:
-        writer.close()
-        os.replace(bb_tmp, bb_path)
-        marker = {
-            "backbone": {"file": part.backbone_file, "nbytes": bb_path.stat().st_size, "sha256": file_sha256(bb_path)},
-            "quant_error": {k: [s.sse, s.ssr] for k, s in sorted(stats.items())},
-        }
-        if ex_fd is not None:
-            os.fsync(ex_fd)
-            os.close(ex_fd)
-            os.replace(ex_tmp, ex_path)
-            marker["experts"] = {
-                "file": part.experts_file,
-                "nbytes": ex_path.stat().st_size,
-                "offsets": [e * record.nbytes for e in range(len(part.experts))],
-                "sha256": shas,
-            }
-        marker["sizes"] = {m["file"]: m["nbytes"] for k in ("backbone", "experts") if (m := marker.get(k))}
-        fsync_dir(bb_path.parent)
-        return marker
-
-    return finalize
-
-
-def _finish_part(state: ResumeState, name: str, finalize: Callable[[], dict], markers: dict[str, dict]) -> None:
-    markers[name] = finalize()
-    state.mark(name, markers[name])
+        try:
+            _run_jobs(jobs(), plan.options.workers, on_done)
+            if pending:
+                pending.pop().result()
+        except BaseException:
+            for run in runs:
+                if run.part.name not in markers:
+                    run.abort()
+            raise
 
 
 def _round_sig(x: float, digits: int = 4) -> float:
@@ -251,28 +213,17 @@ def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: b
         resumed = len(markers)
         start = time.perf_counter()
         todo = [p for p in plan.parts if p.name not in markers]
-        with (
-            tqdm(
-                total=plan.in_bytes,
-                initial=plan.in_bytes - sum(p.in_bytes for p in todo),
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                disable=not progress,
-                file=sys.stderr,
-                dynamic_ncols=True,
-            ) as bar,
-            ThreadPoolExecutor(1, thread_name_prefix="dsfp4-finalize") as finalizer,
-        ):
-            pending = None  # at most one part finalizing (fsync, rename, hash, marker) behind the current one
-            for part in todo:
-                bar.set_description(part.name)
-                finalize = _run_part(src, plan, part, out, device, bar)
-                if pending is not None:
-                    pending.result()
-                pending = finalizer.submit(_finish_part, state, part.name, finalize, markers)
-            if pending is not None:
-                pending.result()
+        with tqdm(
+            total=plan.in_bytes,
+            initial=plan.in_bytes - sum(p.in_bytes for p in todo),
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=not progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        ) as bar:
+            _run_parts(src, plan, todo, out, device, state, markers, bar)
         manifest = _manifest(plan, markers, _copy_aux(src_path, out))
         manifest.write(out)
         state.finish()

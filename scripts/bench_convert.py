@@ -2,11 +2,12 @@
 
     python scripts/bench_convert.py WORKDIR [--devices cpu,cuda] [--workers 2,8] [--json out.json]
 
-Builds (once) a ~2.3 GB synthetic checkpoint in DeepSeek-V3's official FP8 layout with V3's expert
-shape (dim 7168, expert width 2048; 10 experts x 3 MoE blocks, one dense block, V3 attention at 32 heads),
-measures the ceilings (HBM read, pinned host->GPU copy, O_DIRECT and cold buffered reads of the shards),
-then converts it cold (page cache dropped with fadvise) once per device x workers, each run in its own
-process so its peak RSS is its own, and checks that every run wrote the same records and backbone.
+Builds (once) a ~2.6 GB synthetic checkpoint in DeepSeek-V3's official FP8 layout with V3's expert
+shape (dim 7168, expert width 2048; 20 experts in each of 2 MoE blocks (one is MTP), one dense block,
+V3 attention at 32 heads), measures the ceilings (HBM read, pinned host->GPU copy, O_DIRECT and cold
+buffered reads of the shards, buffered write + fsync), then converts it cold (page cache dropped with
+fadvise) once per device x workers, and once warm (source in the page cache) with the most workers,
+each run in its own process so its peak RSS is its own, and checks that every run wrote the same bytes.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ V3_2G = dict(
     hidden_size=7168,
     moe_intermediate_size=2048,
     intermediate_size=18432,
-    num_hidden_layers=3,
+    num_hidden_layers=2,
     first_k_dense_replace=1,
-    n_routed_experts=10,
+    n_routed_experts=20,
     num_experts_per_tok=2,
     n_group=2,
     topk_group=1,
@@ -96,6 +97,20 @@ def buffered_cold_read_gbps(paths: list[Path], chunk: int = 16 << 20) -> float:
     return total / (time.perf_counter() - t) / 1e9
 
 
+def write_fsync_gbps(path: Path, nbytes: int = 1 << 30, chunk: int = 16 << 20) -> float:
+    """Buffered writes then fsync, as the converter writes its output."""
+    block = os.urandom(chunk)
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for pos in range(0, nbytes, chunk):
+        os.pwrite(fd, block, pos)
+    os.fsync(fd)
+    os.close(fd)
+    seconds = time.perf_counter() - t
+    path.unlink()
+    return nbytes / seconds / 1e9
+
+
 def gpu_ceilings() -> dict:
     if not torch.cuda.is_available():
         return {}
@@ -148,12 +163,17 @@ def main() -> None:
     drop_cache(shards)
     ceil["odirect_read_gbps"] = odirect_read_gbps(shards)
     ceil["buffered_cold_read_gbps"] = buffered_cold_read_gbps(shards)
+    ceil["write_fsync_gbps"] = write_fsync_gbps(a.workdir / "write-probe.bin")
     runs, shas = [], {}
+    counts = [int(w) for w in a.workers.split(",")]
     for device in a.devices.split(","):
-        for workers in (int(w) for w in a.workers.split(",")):
-            out = a.workdir / f"out-{device}-{workers}"
+        for workers, cache in [(w, "cold") for w in counts] + [(max(counts), "warm")]:
+            out = a.workdir / f"out-{device}-{workers}-{cache}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
-            drop_cache(shards)
+            if cache == "cold":
+                drop_cache(shards)
+            else:
+                buffered_cold_read_gbps(shards)  # reads the shards into the page cache
             p = subprocess.run(
                 [sys.executable, "-c", RUN, str(src), str(out), str(workers), device], capture_output=True, text=True
             )
@@ -162,11 +182,13 @@ def main() -> None:
                 raise SystemExit(f"convert failed on {device} with {workers} workers")
             r = json.loads(p.stdout)
             m = json.loads((out / "manifest.json").read_text())
-            shas[(device, workers)] = (m["files"], m["experts"])
+            shas[(device, workers, cache)] = (m["files"], m["experts"])
+            subprocess.run(["rm", "-rf", str(out)], check=True)
             runs.append(
                 {
                     "device": device,
                     "workers": workers,
+                    "cache": cache,
                     "seconds": r["seconds"],
                     "source_gbps": r["bytes"] / r["seconds"] / 1e9,
                     "peak_rss_gib": r["peak_kib"] / 2**20,
@@ -179,10 +201,11 @@ def main() -> None:
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
     print(json.dumps(ceil))
-    print(f"{'device':<8}{'workers':>8}{'seconds':>9}{'src GB/s':>10}{'peak RSS GiB':>14}")
+    print(f"{'device':<8}{'workers':>8}{'cache':>6}{'seconds':>9}{'src GB/s':>10}{'peak RSS GiB':>14}")
     for r in runs:
         print(
-            f"{r['device']:<8}{r['workers']:>8}{r['seconds']:>9.1f}{r['source_gbps']:>10.3f}{r['peak_rss_gib']:>14.2f}"
+            f"{r['device']:<8}{r['workers']:>8}{r['cache']:>6}{r['seconds']:>9.1f}{r['source_gbps']:>10.3f}"
+            f"{r['peak_rss_gib']:>14.2f}"
         )
     print(f"outputs identical across runs: {identical}")
 

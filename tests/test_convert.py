@@ -9,7 +9,9 @@ import torch
 from conftest import tree_bytes
 from safetensors import safe_open
 
+import dsfp4.convert.part as part_module
 import dsfp4.convert.pipeline as pipeline
+from dsfp4.convert.part import PartRun
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.convert.source import SourceCheckpoint
 from dsfp4.layout import fp4, fp8
@@ -188,21 +190,20 @@ def test_dry_run_writes_nothing(checkpoints, tmp_path):
 
 def test_interrupted_conversion_resumes_to_identical_bytes(checkpoints, converted, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = pipeline._run_part
-    calls = []
+    real, calls = PartRun.finalize, []
 
-    def dying(src, plan, part, *a):
-        calls.append(part.name)
-        if len(calls) == 3:  # leave a half-written part behind, as a kill would
-            (out / part.backbone_file).with_suffix(".safetensors.partial").write_bytes(b"junk")
+    def dying(run):
+        calls.append(run.part.name)
+        if len(calls) == 3:  # two parts are done, the third has all its bytes but no marker
+            (out / run.part.backbone_file).with_suffix(".safetensors.partial").write_bytes(b"junk")
             raise KeyboardInterrupt
-        return real(src, plan, part, *a)
+        return real(run)
 
-    monkeypatch.setattr(pipeline, "_run_part", dying)
+    monkeypatch.setattr(PartRun, "finalize", dying)
     with pytest.raises(KeyboardInterrupt):
         pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
     assert not (out / MANIFEST_NAME).exists()
-    monkeypatch.setattr(pipeline, "_run_part", real)
+    monkeypatch.setattr(PartRun, "finalize", real)
     result = pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
     assert result.resumed_parts == 2
     assert tree_bytes(out) == tree_bytes(converted)
@@ -212,7 +213,7 @@ def test_resuming_with_other_options_is_refused_and_force_starts_over(checkpoint
     from dsfp4.errors import OutputError
 
     out = tmp_path / "out"
-    monkeypatch.setattr(pipeline, "_run_part", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(PartRun, "finalize", lambda run: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
     monkeypatch.undo()
@@ -226,7 +227,7 @@ def test_resuming_with_other_options_is_refused_and_force_starts_over(checkpoint
 
 def test_failure_inside_a_part_leaves_no_manifest_and_resumes(checkpoints, converted, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real, calls = pipeline.expert_record, []
+    real, calls = part_module.expert_record, []
 
     def failing(*a):
         calls.append(1)
@@ -234,11 +235,11 @@ def test_failure_inside_a_part_leaves_no_manifest_and_resumes(checkpoints, conve
             raise RuntimeError("disk on fire")
         return real(*a)
 
-    monkeypatch.setattr(pipeline, "expert_record", failing)
+    monkeypatch.setattr(part_module, "expert_record", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         pipeline.convert(checkpoints["fp8"], out, ConvertOptions(workers=3), progress=False)
     assert not (out / MANIFEST_NAME).exists()
-    monkeypatch.setattr(pipeline, "expert_record", real)
+    monkeypatch.setattr(part_module, "expert_record", real)
     pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
     assert tree_bytes(out) == tree_bytes(converted)
 

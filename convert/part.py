@@ -42,9 +42,13 @@ class PartRun:
         self.ex_tmp = self.ex_path.with_name(self.ex_path.name + ".partial") if self.ex_path else None
         self.writer = SafetensorsWriter(self.bb_tmp, [e for t in part.backbone for e in t.entries()])
         self.ex_fd = None
-        if self.ex_tmp:
-            self.ex_fd = os.open(self.ex_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.ftruncate(self.ex_fd, len(part.experts) * self.record.nbytes)
+        try:
+            if self.ex_tmp:
+                self.ex_fd = os.open(self.ex_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.ftruncate(self.ex_fd, len(part.experts) * self.record.nbytes)
+        except BaseException:
+            self.abort()
+            raise
         self.stats: dict[str, ErrorStats] = {}
         self.shas: list[str | None] = [None] * len(part.experts)
         self.remaining = len(part.backbone) + len(part.experts)
@@ -85,10 +89,9 @@ class PartRun:
             "sha256": file_sha256(self.bb_path),
         }
         marker = {"backbone": bb, "quant_error": {k: [s.sse, s.ssr] for k, s in sorted(self.stats.items())}}
-        if self.ex_fd is not None:
+        if self.ex_tmp is not None:
             os.fsync(self.ex_fd)
-            os.close(self.ex_fd)
-            self.ex_fd = None
+            self._close_experts()
             os.replace(self.ex_tmp, self.ex_path)
             marker["experts"] = {
                 "file": self.part.experts_file,
@@ -100,9 +103,12 @@ class PartRun:
         fsync_dir(self.bb_path.parent)
         return marker
 
-    def abort(self) -> None:
-        """Close the files after a failure; the next run redoes this part."""
-        self.writer.abort()
+    def _close_experts(self) -> None:
         if self.ex_fd is not None:
-            os.close(self.ex_fd)
-            self.ex_fd = None
+            fd, self.ex_fd = self.ex_fd, None
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Close the files after a failure (safe to call twice); the next run redoes this part."""
+        self.writer.abort()
+        self._close_experts()

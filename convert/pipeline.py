@@ -9,6 +9,8 @@ by the checkpoint's size.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -46,6 +48,7 @@ class ConvertResult:
     converted_bytes: int = 0
     resumed_parts: int = 0
     quant_error: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # dry run: what a real run would find at OUT
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,16 +84,47 @@ def _run_jobs(jobs: Iterable[Callable[[], T]], workers: int, on_done: Callable[[
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _check_disk(out: Path, needed: int) -> None:
+def _free_bytes(out: Path) -> tuple[Path, int]:
+    """Free space on the filesystem that will hold OUT (its nearest existing ancestor)."""
     probe = out
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if needed > free:
-        raise OutputError(
-            f"not enough free disk space for {out}: the conversion needs {format_bytes(needed)}, "
-            f"{format_bytes(free)} are free; free some space or choose another OUT"
-        )
+    return probe, shutil.disk_usage(probe).free
+
+
+def _disk_shortfall(out: Path, needed: int, reclaimable: int) -> str | None:
+    probe, free = _free_bytes(out)
+    if needed <= free + reclaimable:
+        return None
+    return (
+        f"not enough free disk space for {out}: the conversion needs {format_bytes(needed)}, "
+        f"{format_bytes(free + reclaimable)} are free; free some space or choose another OUT"
+    )
+
+
+def _resume_key(plan: Plan, src: SourceCheckpoint) -> str:
+    """The plan plus the shards' modification times: a re-downloaded shard restarts the conversion."""
+    times = [(src.path / s).stat().st_mtime_ns for s in src.shards]
+    return hashlib.sha256(json.dumps([plan.fingerprint, times]).encode()).hexdigest()
+
+
+def _dry_run_notes(out: Path, plan: Plan, key: str, force: bool) -> tuple[str, ...]:
+    """What a real run would find at OUT: disk space, a resumable state, or a refusal."""
+    try:
+        state = ResumeState(out, key, force)
+    except OutputError as e:
+        return (f"a real run would stop here: {e}",)
+    done = [p for p in plan.parts if state.done(p.name) is not None]
+    needed = plan.out_bytes - sum(p.out_bytes for p in done)
+    probe, free = _free_bytes(out)
+    notes = [f"disk    needs {format_bytes(needed)}; {format_bytes(free)} free on {probe}"]
+    if state.mode == "resume":
+        notes.append(f"resume  {len(done)} of {len(plan.parts)} parts were done by an interrupted run")
+    if state.mode == "overwrite":
+        notes.append(f"force   replaces the converted files in {out} ({format_bytes(state.reclaimable_bytes())})")
+    if shortfall := _disk_shortfall(out, needed, state.reclaimable_bytes()):
+        notes.append(f"a real run would stop here: {shortfall}")
+    return tuple(notes)
 
 
 def _run_parts(
@@ -134,6 +168,8 @@ def _run_parts(
             if pending:
                 pending.pop().result()
         except BaseException:
+            for f in pending:  # let a finalize in flight end before closing files under it
+                f.exception()
             for run in runs:
                 if run.part.name not in markers:
                     run.abort()
@@ -203,30 +239,36 @@ def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: b
             include_mtp=not options.no_mtp,
         )
         plan = make_plan(src, tmap, options)
-        if options.dry_run:
-            return ConvertResult(out, plan)
         if out.resolve() == src_path.resolve():
             raise OutputError(f"{out}: OUT must differ from SRC")
-        state = ResumeState(out, plan.fingerprint, options.force)
+        key = _resume_key(plan, src)
+        if options.dry_run:
+            return ConvertResult(out, plan, notes=_dry_run_notes(out, plan, key, options.force))
+        state = ResumeState(out, key, options.force)
         markers = {p.name: m for p in plan.parts if (m := state.done(p.name)) is not None}
-        _check_disk(out, sum(p.out_bytes for p in plan.parts if p.name not in markers))
-        resumed = len(markers)
-        start = time.perf_counter()
         todo = [p for p in plan.parts if p.name not in markers]
-        with tqdm(
-            total=plan.in_bytes,
-            initial=plan.in_bytes - sum(p.in_bytes for p in todo),
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            disable=not progress,
-            file=sys.stderr,
-            dynamic_ncols=True,
-        ) as bar:
-            _run_parts(src, plan, todo, out, device, state, markers, bar)
-        manifest = _manifest(plan, markers, _copy_aux(src_path, out))
-        manifest.write(out)
-        state.finish()
+        if shortfall := _disk_shortfall(out, sum(p.out_bytes for p in todo), state.reclaimable_bytes()):
+            raise OutputError(shortfall)
+        state.prepare()
+        try:
+            start = time.perf_counter()
+            with tqdm(
+                total=plan.in_bytes,
+                initial=plan.in_bytes - sum(p.in_bytes for p in todo),
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                disable=not progress,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            ) as bar:
+                _run_parts(src, plan, todo, out, device, state, markers, bar)
+            manifest = _manifest(plan, markers, _copy_aux(src_path, out))
+            manifest.write(out)
+            state.finish()
+        finally:
+            state.release()
+        resumed = len(plan.parts) - len(todo)
     return ConvertResult(
         out, plan, True, time.perf_counter() - start, sum(p.in_bytes for p in todo), resumed, manifest.quant_error
     )

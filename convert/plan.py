@@ -24,6 +24,7 @@ from dsfp4.layout.record import RecordLayout
 from dsfp4.sizes import format_bytes
 
 BACKBONE_MODES = ("fp8", "fp4")
+GATE_UP_PAIRS = {"w1": "w3", "w3": "w1"}  # reference names of an MLP's gate and up projections
 HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
 
 
@@ -55,6 +56,7 @@ class OutTensor:
     item: MappedTensor
     format: str
     names: dict[str, str]
+    amax_partner: MappedTensor | None = None  # up for gate and gate for up: one NVFP4 global scale
 
     @property
     def is_copy(self) -> bool:
@@ -122,6 +124,20 @@ def _out_tensor(item: MappedTensor, backbone: str) -> OutTensor:
     return OutTensor(item, fmt, names)
 
 
+def _pair_gate_up(backbone: tuple[OutTensor, ...]) -> tuple[OutTensor, ...]:
+    """Gate (w1) and up (w3) of one MLP quantized to NVFP4 share a global scale from their joint amax,
+    as NVIDIA's exports do, so a fused gate+up kernel needs one scalar."""
+    by_ref = {t.item.ref: t for t in backbone}
+    out = []
+    for t in backbone:
+        base, _, proj = t.item.ref.rpartition(".")
+        other = by_ref.get(f"{base}.{GATE_UP_PAIRS[proj]}") if proj in GATE_UP_PAIRS else None
+        if t.format == "nvfp4" and not t.is_copy and other and other.format == "nvfp4" and not other.is_copy:
+            t = dataclasses.replace(t, amax_partner=other.item)
+        out.append(t)
+    return tuple(out)
+
+
 def make_plan(src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions) -> Plan:
     args = src.args if not options.no_mtp else dataclasses.replace(src.args, n_mtp_layers=0)
     record = (
@@ -134,7 +150,7 @@ def make_plan(src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions) -
     for block in [None, *range(args.n_blocks)]:
         name = part_name(block)
         items = [i for i in tmap.items if i.part == name]
-        backbone = tuple(_out_tensor(i, options.backbone) for i in items if i.kind != EXPERT)
+        backbone = _pair_gate_up(tuple(_out_tensor(i, options.backbone) for i in items if i.kind != EXPERT))
         by_expert: dict[int, dict[str, MappedTensor]] = {}
         for i in items:
             if i.kind == EXPERT:

@@ -1,13 +1,16 @@
 """The output folder of a conversion in progress: refuse to clobber, resume where a run stopped.
 
-While converting, OUT holds `.dsfp4-convert/state.json` (the plan's fingerprint) and one marker per
-finished part. A part's files are written under temporary names and renamed before its marker, so a
-killed run leaves finished parts intact and nothing that looks complete: manifest.json comes last.
+While converting, OUT holds `.dsfp4-convert/state.json` (the resume key: plan fingerprint and source shard
+times) and one marker per finished part, and a run holds `.dsfp4-convert.lock`. A part's files are
+written under temporary names and renamed before its marker, so a killed run leaves finished parts
+intact and nothing that looks complete: manifest.json comes last.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,50 +20,53 @@ from dsfp4.layout.atomic import atomic_write_json
 from dsfp4.layout.manifest import MANIFEST_NAME
 
 STATE_DIR = ".dsfp4-convert"
+LOCK_NAME = ".dsfp4-convert.lock"
 OWNED = (MANIFEST_NAME, "backbone", "experts", STATE_DIR, "hot.json", *AUX_FILES)
 
 
-class ResumeState:
-    """Prepares OUT for a plan: fresh, resumed (same fingerprint), or refused."""
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
-    def __init__(self, out: Path, fingerprint: str, force: bool):
-        self.out = Path(out)
+
+class ResumeState:
+    """Decides, without touching OUT, whether a run starts fresh, resumes, overwrites (--force) or is
+    refused; prepare() then takes the lock and sets OUT up."""
+
+    def __init__(self, out: Path, key: str, force: bool):
+        self.out, self.key, self.force = Path(out), key, force
         self.dir = self.out / STATE_DIR
-        self.resumed = False
+        self.mode = "fresh"
+        self._lock_fd: int | None = None
         state = self.dir / "state.json"
         if self.out.exists() and not self.out.is_dir():
             raise OutputError(f"{self.out} exists and is not a folder; choose another OUT")
         if force:
-            self._clear()
+            self.mode = "overwrite" if any(self._owned()) else "fresh"
         elif (self.out / MANIFEST_NAME).exists():
             raise OutputError(f"{self.out} already holds a converted model; pass --force to overwrite it")
         elif state.is_file():
-            if json.loads(state.read_text()).get("fingerprint") != fingerprint:
+            if json.loads(state.read_text()).get("key") != key:
                 raise OutputError(
-                    f"{self.out} holds an interrupted conversion of another source or with "
+                    f"{self.out} holds an interrupted conversion of another source (or a changed one) or with "
                     f"other options; pass --force to start over"
                 )
-            self.resumed = True
-        elif self.out.is_dir() and any(self.out.iterdir()):
+            self.mode = "resume"
+        elif self.out.is_dir() and any(p.name != LOCK_NAME for p in self.out.iterdir()):
             raise OutputError(f"{self.out} exists and is not empty; pass --force to overwrite it")
-        for sub in ("backbone", "experts", STATE_DIR):
-            (self.out / sub).mkdir(parents=True, exist_ok=True)
-        if not self.resumed:
-            atomic_write_json(state, {"fingerprint": fingerprint})
 
-    def _clear(self) -> None:
-        """Remove what a conversion writes, and nothing else a user may keep in the folder."""
-        for name in OWNED:
-            path = self.out / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+    def _owned(self) -> list[Path]:
+        return [self.out / n for n in OWNED if (self.out / n).exists()]
+
+    def reclaimable_bytes(self) -> int:
+        """Disk space that --force frees before converting."""
+        return sum(_tree_bytes(p) for p in self._owned()) if self.mode == "overwrite" else 0
 
     def done(self, part: str) -> dict | None:
         """The marker of a finished part whose files are still there with their recorded sizes."""
         marker = self.dir / f"{part}.json"
-        if not marker.is_file():
+        if self.mode != "resume" or not marker.is_file():
             return None
         info = json.loads(marker.read_text())
         for rel, nbytes in info["sizes"].items():
@@ -69,8 +75,37 @@ class ResumeState:
                 return None
         return info
 
+    def prepare(self) -> None:
+        """Lock OUT against a second run, clear it under --force, create the folders and the state."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            raise OutputError(f"another dsfp4 convert is writing {self.out}; wait for it or choose another OUT") from e
+        self._lock_fd = fd
+        if self.mode == "overwrite":  # only what a conversion writes: other files in OUT stay
+            for path in self._owned():
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        for sub in ("backbone", "experts", STATE_DIR):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
+        if self.mode != "resume":
+            atomic_write_json(self.dir / "state.json", {"key": self.key})
+
     def mark(self, part: str, info: dict) -> None:
         atomic_write_json(self.dir / f"{part}.json", info)
 
     def finish(self) -> None:
+        """After manifest.json is written: drop the state and the lock."""
         shutil.rmtree(self.dir)
+        self.release()
+        (self.out / LOCK_NAME).unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)

@@ -42,9 +42,12 @@ def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
         raise SourceError(f"{path} not found: {what}")
     try:
-        return json.loads(path.read_text())
+        d = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise SourceError(f"{path}: expected a JSON object")
+    return d
 
 
 class SourceCheckpoint:
@@ -76,19 +79,25 @@ class SourceCheckpoint:
                         f"does not hold it; the download is inconsistent"
                     )
                 self.tensors[name] = SourceTensor(shard, headers[shard][name])
+            for shard, header in headers.items():
+                if stray := sorted(set(header) - set(self.tensors)):
+                    raise SourceError(
+                        f"tensor {stray[0]} is in {shard} but not in {INDEX_NAME}; the download is inconsistent"
+                    )
+            self.nbytes = sum(t.info.nbytes for t in self.tensors.values())
+            self.fingerprint = self._fingerprint()
         except BaseException:
             self.close()
             raise
-        self.nbytes = sum(t.info.nbytes for t in self.tensors.values())
-        self.fingerprint = self._fingerprint()
 
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_NAME
         if index.is_file():
             d = _read_json(index, "")
-            if not isinstance(d.get("weight_map"), dict):
-                raise SourceError(f"{index}: no weight_map; download the index again")
-            return d["weight_map"]
+            wm = d.get("weight_map") if isinstance(d, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise SourceError(f"{index}: no weight_map of tensor names to shard files; download it again")
+            return wm
         single = self.path / SINGLE_NAME
         if single.is_file():
             return {name: SINGLE_NAME for name in read_header(single)}
@@ -97,10 +106,14 @@ class SourceCheckpoint:
     def _quant_config(self) -> dict:
         """The declared quantization (fp8 from config.json, modelopt from hf_quant_config.json), or {}."""
         modelopt = self.path / "hf_quant_config.json"
-        if modelopt.is_file():
-            q = _read_json(modelopt, "").get("quantization", {})
-            return {"quant_method": "modelopt", **q}
-        return dict(self.config.get("quantization_config") or {})
+        q = _read_json(modelopt, "").get("quantization") if modelopt.is_file() else None
+        if q is None:
+            q = self.config.get("quantization_config") or {}
+        elif isinstance(q, dict):
+            q = {"quant_method": "modelopt", **q}
+        if not isinstance(q, dict):
+            raise SourceError(f"{self.path}: the quantization settings are not a JSON object")
+        return q
 
     def _fingerprint(self) -> str:
         """Identifies this source for resuming: config, index and every shard's name and size."""

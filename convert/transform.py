@@ -16,11 +16,11 @@ import torch
 from dsfp4.convert.hf_names import MappedTensor
 from dsfp4.convert.plan import OutTensor
 from dsfp4.convert.source import SourceCheckpoint
-from dsfp4.layout.formats import FORMATS
+from dsfp4.layout.formats import FORMATS, ceil_div
 from dsfp4.layout.fp8 import FP8_BLOCK
 from dsfp4.layout.quant import dequantize, quantize
 from dsfp4.layout.record import RecordLayout
-from dsfp4.layout.safetensors_file import CHUNK, SafetensorsWriter, pread_exact, pwrite_all
+from dsfp4.layout.safetensors_file import CHUNK, SafetensorsWriter, check_finite_bytes, pread_exact, pwrite_all
 
 # Elements decoded at once: small on the CPU (cache-friendly, bounded RSS), large on a GPU (fewer launches).
 SLAB_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
@@ -74,7 +74,7 @@ class DenseSource:
             return self._last[2]
         if self.item.storage == "fp8_e4m3_b128":
             w, s = self.parts
-            parts = [w[r0:r1], s[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)]]
+            parts = [w[r0:r1], s[r0 // FP8_BLOCK : ceil_div(r1, FP8_BLOCK)]]
         elif self.item.storage == "nvfp4":
             parts = [self.parts[0][r0:r1], self.parts[1][r0:r1], self.parts[2]]
         else:
@@ -88,10 +88,13 @@ class DenseSource:
         return torch.stack([self.rows(*s).abs().max().float() for s in slabs]).max()
 
 
-def encode(fmt: str, sources: list[DenseSource], name: str, stats: ErrorStats) -> list[torch.Tensor]:
-    """Encode the row-wise concatenation of `sources` in `fmt` (one global scale for all of them, from
-    their joint amax, as NVIDIA does for gate and up), slab by slab; returns the components."""
-    amax = torch.stack([s.amax() for s in sources]).max() if fmt == "nvfp4" else None
+def encode(
+    fmt: str, sources: list[DenseSource], name: str, stats: ErrorStats, amax_from: list[DenseSource] = ()
+) -> list[torch.Tensor]:
+    """Encode the row-wise concatenation of `sources` in `fmt` slab by slab; returns the components.
+    For nvfp4 one global scale covers them all, from the joint amax of `sources` and `amax_from` (gate and
+    up share one, as in NVIDIA's exports)."""
+    amax = torch.stack([s.amax() for s in (*sources, *amax_from)]).max() if fmt == "nvfp4" else None
     chunks: list[list[torch.Tensor]] = []
     for s in sources:
         for r0, r1 in s.slabs():
@@ -110,8 +113,10 @@ def copy_tensor(src: SourceCheckpoint, name: str, writer: SafetensorsWriter, des
     out_offset, out_nbytes = writer.span(dest)
     if out_nbytes != nbytes:
         raise ValueError(f"{name}: {nbytes} bytes cannot fill {dest} ({out_nbytes} planned)")
+    st = src.tensors[name]
     for pos in range(0, nbytes, CHUNK):
         chunk = pread_exact(fd, min(CHUNK, nbytes - pos), offset + pos, src.path)
+        check_finite_bytes(chunk, st.info.dtype, f"{name} in {st.shard}")
         pwrite_all(writer.fd, memoryview(chunk.numpy()), out_offset + pos)
     writer.mark_written(dest)
     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
@@ -126,7 +131,8 @@ def write_backbone_tensor(
             copy_tensor(src, name, writer, out.names[comp])
         return None
     stats = ErrorStats()
-    parts = encode(out.format, [DenseSource(src, out.item, device)], out.item.sources["weight"], stats)
+    partner = [DenseSource(src, out.amax_partner, device)] if out.amax_partner else []
+    parts = encode(out.format, [DenseSource(src, out.item, device)], out.item.sources["weight"], stats, partner)
     for (comp, _), t in zip(FORMATS[out.format].components, parts, strict=True):
         writer.write(out.names[comp], t)
     return stats
@@ -144,6 +150,10 @@ def expert_record(
     fmt = layout.format
     if all(i.storage == fmt for i in trio):
         raw = [{c: src.read(s) for c, s in i.sources.items()} for i in trio]
+        for i, parts in zip(trio, raw, strict=True):
+            for c, t in parts.items():
+                info = src.tensors[i.sources[c]].info
+                check_finite_bytes(t.reshape(-1).view(torch.uint8), info.dtype, i.sources[c])
         tensors = {
             "w13": torch.cat([raw[0]["weight"], raw[1]["weight"]]),
             "w13_scale": torch.cat([raw[0]["scale"], raw[1]["scale"]]),

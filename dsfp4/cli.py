@@ -6,6 +6,7 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 
@@ -20,14 +21,22 @@ PATH = click.Path(path_type=Path)
 EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
 
 
+def _os_error_line(e: OSError) -> str:
+    where = f": {e.filename}" if e.filename else ""
+    hint = "; free some space and run the same command again (it resumes)" if e.errno == errno.ENOSPC else ""
+    return f"{e.strerror or e}{where}{hint}"
+
+
 class DsfpGroup(click.Group):
+    """Turns library errors (and the OS's: permissions, full disk) into one line and exit status 1."""
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except DsfpError as e:
+        except (DsfpError, OSError) as e:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {_os_error_line(e) if isinstance(e, OSError) else e}", err=True)
             ctx.exit(1)
 
 
@@ -136,6 +145,7 @@ def convert(
     result = run_convert(src, out, options, progress=not quiet)
     if dry_run:
         click.echo(plan_table(result.plan, str(src), str(out)))
+        click.echo("\n".join(("", *result.notes)))
         return
     r = result
     rate = format_bytes(r.converted_bytes / r.seconds) if r.seconds > 0 else "-"
@@ -164,12 +174,10 @@ def inspect(model: Path, tensors: bool) -> None:
 def verify(model: Path, quiet: bool) -> None:
     """Re-hash every file and expert record of MODEL; exit 1 naming the first damaged one."""
     from dsfp4.layout.manifest import Manifest
+    from dsfp4.layout.verify import checked_bytes
     from dsfp4.layout.verify import verify as run_verify
 
-    m = Manifest.read(model)
-    total = sum(f.nbytes for f in m.files.values()) + sum(
-        len(e.offsets) * m.record.nbytes for e in m.experts.values() if m.record
-    )
+    total = checked_bytes(Manifest.read(model))
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr) as bar:
         report = run_verify(model, bar.update)
     click.echo(

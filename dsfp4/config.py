@@ -99,60 +99,88 @@ class ModelArgs:
         return cls(**{**d, "eos_token_ids": tuple(d["eos_token_ids"])})
 
 
+_REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "an object"}
+
+
+def _field(c: dict[str, Any], key: str, kind: type, source: str, default: Any = _REQUIRED, minimum: int = 0) -> Any:
+    """One config value of the expected type (None means absent); errors name the file and the key."""
+    v = c.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+        return default
+    ok = isinstance(v, kind) and not (kind in (int, float) and isinstance(v, bool))
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        ok, v = True, float(v)
+    if not ok:
+        raise ConfigError(f"{source}: {key} must be {_KINDS[kind]}, got {v!r}")
+    if kind is int and v < minimum:
+        raise ConfigError(f"{source}: {key} must be at least {minimum}, got {v}")
+    return v
+
+
 def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     """Build ModelArgs from a Hugging Face config.json dict; `source` names the file in errors."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
     family = cfg.get("model_type")
     if family not in FAMILY_DEFAULTS:
         raise ConfigError(f"{source}: model_type {family!r} is not supported (supported: {', '.join(FAMILY_DEFAULTS)})")
     c = {**FAMILY_DEFAULTS[family], **{k: v for k, v in cfg.items() if v is not None}}
 
-    def need(key: str) -> Any:
-        if c.get(key) is None:
-            raise ConfigError(f"{source}: required field {key!r} is missing")
-        return c[key]
+    def f(key: str, kind: type = int, default: Any = _REQUIRED, minimum: int = 0) -> Any:
+        return _field(c, key, kind, source, default, minimum)
 
     # transformers 5 writes rope_parameters; the released checkpoints write rope_scaling (or nothing).
-    rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
-    rope_type = rope.get("type") or rope.get("rope_type") or "default"
+    rope = f("rope_scaling", dict, None) or f("rope_parameters", dict, {})
+    rope_type = _field(rope, "type", str, source, None) or _field(rope, "rope_type", str, source, "default")
     if rope_type not in ("default", "yarn"):
         raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (default, yarn)")
-    eos = need("eos_token_id")
+
+    def r(key: str, default: float) -> float:
+        return _field(rope, key, float, f"{source} (rope)", default)
+
+    eos = c.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    if not eos_ids or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+        raise ConfigError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
     return ModelArgs(
         family=family,
-        vocab_size=need("vocab_size"),
-        dim=need("hidden_size"),
-        inter_dim=need("intermediate_size"),
-        moe_inter_dim=need("moe_intermediate_size"),
-        n_layers=need("num_hidden_layers"),
-        n_dense_layers=c.get("first_k_dense_replace", 0),
-        moe_layer_freq=c.get("moe_layer_freq", 1),
-        n_mtp_layers=c.get("num_nextn_predict_layers", 0),
-        n_heads=need("num_attention_heads"),
-        n_routed_experts=need("n_routed_experts"),
-        n_shared_experts=c.get("n_shared_experts") or 0,
-        n_activated_experts=need("num_experts_per_tok"),
-        n_expert_groups=c.get("n_group") or 1,
-        n_limited_groups=c.get("topk_group") or 1,
-        score_func=need("scoring_func"),
-        topk_method=need("topk_method"),
-        route_scale=float(c.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-        q_lora_rank=c.get("q_lora_rank") or 0,
-        kv_lora_rank=need("kv_lora_rank"),
-        qk_nope_head_dim=need("qk_nope_head_dim"),
-        qk_rope_head_dim=need("qk_rope_head_dim"),
-        v_head_dim=need("v_head_dim"),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
+        vocab_size=f("vocab_size", minimum=1),
+        dim=f("hidden_size", minimum=1),
+        inter_dim=f("intermediate_size", minimum=1),
+        moe_inter_dim=f("moe_intermediate_size", minimum=1),
+        n_layers=f("num_hidden_layers", minimum=1),
+        n_dense_layers=f("first_k_dense_replace", default=0),
+        moe_layer_freq=f("moe_layer_freq", default=1, minimum=1),
+        n_mtp_layers=f("num_nextn_predict_layers", default=0),
+        n_heads=f("num_attention_heads", minimum=1),
+        n_routed_experts=f("n_routed_experts", minimum=1),
+        n_shared_experts=f("n_shared_experts", default=0),
+        n_activated_experts=f("num_experts_per_tok", minimum=1),
+        n_expert_groups=f("n_group", default=1, minimum=1),
+        n_limited_groups=f("topk_group", default=1, minimum=1),
+        score_func=f("scoring_func", str),
+        topk_method=f("topk_method", str),
+        route_scale=f("routed_scaling_factor", float, 1.0),
+        norm_topk_prob=f("norm_topk_prob", bool, False),
+        q_lora_rank=f("q_lora_rank", default=0),
+        kv_lora_rank=f("kv_lora_rank", minimum=1),
+        qk_nope_head_dim=f("qk_nope_head_dim"),
+        qk_rope_head_dim=f("qk_rope_head_dim"),
+        v_head_dim=f("v_head_dim", minimum=1),
+        norm_eps=f("rms_norm_eps", float, 1e-6),
+        rope_theta=_field(rope, "rope_theta", float, source, None) or f("rope_theta", float, 10000.0),
         rope_type=rope_type,
-        rope_factor=float(rope.get("factor", 1.0)),
-        original_seq_len=int(rope.get("original_max_position_embeddings", need("max_position_embeddings"))),
-        beta_fast=float(rope.get("beta_fast", 32.0)),
-        beta_slow=float(rope.get("beta_slow", 1.0)),
-        mscale=float(rope.get("mscale", 1.0)),
-        mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
-        max_seq_len=need("max_position_embeddings"),
-        bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        rope_factor=r("factor", 1.0),
+        original_seq_len=int(r("original_max_position_embeddings", f("max_position_embeddings", minimum=1))),
+        beta_fast=r("beta_fast", 32.0),
+        beta_slow=r("beta_slow", 1.0),
+        mscale=r("mscale", 1.0),
+        mscale_all_dim=r("mscale_all_dim", 0.0),
+        max_seq_len=f("max_position_embeddings", minimum=1),
+        bos_token_id=f("bos_token_id", default=None),
+        eos_token_ids=tuple(eos_ids),
+        tie_word_embeddings=f("tie_word_embeddings", bool, False),
     )

@@ -42,7 +42,10 @@ def check_finite(w: torch.Tensor, name: str) -> None:
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Round already-scaled values to the nearest e2m1 code (ties to even, saturating at +-6)."""
+    """Round already-scaled values to the nearest e2m1 code (ties to even, saturating at +-6).
+
+    The sign comes from signbit, so -0.0 gives code 8 and every code round-trips; ModelOpt tests x < 0
+    and writes code 0 for an exact -0.0 (the only difference; both decode to zero)."""
     mag = x.abs().float()
     mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
     # number of midpoints strictly below |x|: the code, rounding exact midpoints down ...

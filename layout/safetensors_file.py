@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dsfp4.errors import SourceError
+from dsfp4.errors import FormatError, SourceError
 from dsfp4.layout.formats import DTYPE_NBYTES, shape_numel
 
 TORCH_DTYPES = {
@@ -67,23 +67,37 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SourceError(f"{path}: unreadable safetensors header ({e}); download it again") from e
+    if not isinstance(header, dict):
+        raise SourceError(f"{path}: safetensors header is not a JSON object; download it again")
     data_start = 8 + n
     out: dict[str, TensorInfo] = {}
     for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = meta["data_offsets"]
-        shape = tuple(meta["shape"])
-        dtype = meta["dtype"]
-        if dtype in DTYPE_NBYTES and end - begin != shape_numel(shape) * DTYPE_NBYTES[dtype]:
-            raise SourceError(f"{path}: tensor {name} has {end - begin} bytes for {dtype} {list(shape)}")
-        if data_start + end > size:
-            raise SourceError(
-                f"{path}: truncated: tensor {name} ends at byte {data_start + end} but the "
-                f"file has {size} bytes; download it again"
-            )
-        out[name] = TensorInfo(name, dtype, shape, data_start + begin, end - begin)
+        if name != "__metadata__":
+            out[name] = _tensor_info(path, name, meta, data_start, size)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in out.values())
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise SourceError(f"{path}: tensors {a} and {b} overlap in the file; download it again")
     return out
+
+
+def _tensor_info(path: Path, name: str, meta: object, data_start: int, size: int) -> TensorInfo:
+    """Validate one header entry: types, a non-negative span that fits the dtype, shape and file."""
+    ok = isinstance(meta, dict) and isinstance(meta.get("dtype"), str)
+    shape, offsets = (meta.get("shape"), meta.get("data_offsets")) if ok else (None, None)
+    ok = ok and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+    ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not ok or not 0 <= offsets[0] <= offsets[1]:
+        raise SourceError(f"{path}: malformed header entry for tensor {name}; download it again")
+    (begin, end), dtype = offsets, meta["dtype"]
+    if dtype in DTYPE_NBYTES and end - begin != shape_numel(tuple(shape)) * DTYPE_NBYTES[dtype]:
+        raise SourceError(f"{path}: tensor {name} has {end - begin} bytes for {dtype} {shape}")
+    if data_start + end > size:
+        raise SourceError(
+            f"{path}: truncated: tensor {name} ends at byte {data_start + end} but the "
+            f"file has {size} bytes; download it again"
+        )
+    return TensorInfo(name, dtype, tuple(shape), data_start + begin, end - begin)
 
 
 def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str = "") -> torch.Tensor:
@@ -102,6 +116,18 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str = "") -> tor
 def bytes_to_tensor(raw: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Reinterpret uint8 bytes as a tensor of a safetensors dtype."""
     return raw.view(TORCH_DTYPES[dtype]).reshape(shape)
+
+
+def check_finite_bytes(raw: torch.Tensor, dtype: str, what: str) -> None:
+    """Reject NaN/Inf in raw bytes of a safetensors dtype (e4m3 has no Inf; its NaN is S.1111.111)."""
+    if dtype == "F8_E4M3":
+        bad = bool(((raw & 0x7F) == 0x7F).any())
+    elif dtype in ("BF16", "F16", "F32", "F64"):
+        bad = not bool(torch.isfinite(raw.view(TORCH_DTYPES[dtype])).all())
+    else:
+        return
+    if bad:
+        raise FormatError(f"{what}: contains NaN or Inf values; the source weight is corrupt")
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -164,16 +190,19 @@ class SafetensorsWriter:
         self.written.add(name)
 
     def abort(self) -> None:
-        """Close without checks, after a failure; the caller discards the file."""
-        os.close(self.fd)
+        """Close without checks after a failure (the caller discards the file); safe to call twice."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
     def close(self) -> None:
-        """fsync and close; every planned tensor must have been written."""
+        """Check that every planned tensor was written, fsync and close."""
         missing = set(self.layout) - self.written
-        os.fsync(self.fd)
-        os.close(self.fd)
         if missing:
+            self.abort()
             raise ValueError(f"{self.path}: tensors never written: {sorted(missing)[:3]}")
+        os.fsync(self.fd)
+        self.abort()
 
 
 def file_sha256(path: Path, chunk: int = CHUNK) -> str:

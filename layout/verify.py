@@ -33,6 +33,12 @@ def _check_headers(model_dir: Path, m: Manifest) -> None:
                 raise ManifestError(f"{t.file}: tensor {stored} (of {name}) listed in the manifest is missing")
 
 
+def checked_bytes(m: Manifest) -> int:
+    """Bytes verify() reads: every listed file and every expert record."""
+    records = sum(len(e.offsets) for e in m.experts.values()) * (m.record.nbytes if m.record else 0)
+    return sum(f.nbytes for f in m.files.values()) + records
+
+
 def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, workers: int = 4) -> VerifyReport:
     """Check sizes and sha256 of every file and record listed in model_dir/manifest.json."""
     model_dir = Path(model_dir)

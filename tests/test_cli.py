@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from collections import namedtuple
 
 import pytest
@@ -43,7 +44,7 @@ def _drop_from_index(ckpt):
     d = json.loads(index.read_text())
     del d["weight_map"]["model.layers.2.mlp.experts.5.down_proj.weight"]
     index.write_text(json.dumps(d))
-    return "model.layers.2.mlp.experts.5.down_proj.weight", "missing from model.safetensors.index.json"
+    return "model.layers.2.mlp.experts.5.down_proj.weight", "not in model.safetensors.index.json"
 
 
 def _wrong_config_shape(ckpt):
@@ -67,16 +68,65 @@ def _unknown_dtype(ckpt):
 def _unexpected_tensor(ckpt):
     index_path = ckpt / "model.safetensors.index.json"
     d = json.loads(index_path.read_text())
-    shard = d["weight_map"]["model.norm.weight"]
+    shard = ckpt / d["weight_map"]["model.norm.weight"]
+    data_len = shard.stat().st_size - 8 - struct.unpack("<Q", shard.read_bytes()[:8])[0]
 
     def edit(header):
-        meta = header["model.norm.weight"]
-        header["model.norm.bias"] = dict(meta)  # aliases the same bytes: a valid header, an odd tensor
+        header["model.norm.bias"] = {"dtype": "BF16", "shape": [256], "data_offsets": [data_len, data_len + 512]}
 
-    rewrite_header(ckpt / shard, edit)
-    d["weight_map"]["model.norm.bias"] = shard
+    rewrite_header(shard, edit)
+    with open(shard, "ab") as f:
+        f.write(bytes(512))
+    d["weight_map"]["model.norm.bias"] = shard.name
     index_path.write_text(json.dumps(d))
     return "unexpected tensor model.norm.bias", "has no place for it"
+
+
+def _overlapping_tensors(ckpt):
+    d = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard = ckpt / d["weight_map"]["model.norm.weight"]
+
+    def edit(header):
+        header["model.norm.weight"]["data_offsets"] = list(header["lm_head.weight"]["data_offsets"])
+        header["model.norm.weight"]["data_offsets"][1] = header["model.norm.weight"]["data_offsets"][0] + 512
+
+    rewrite_header(shard, edit)
+    return shard.name, "overlap"
+
+
+def _negative_offset(ckpt):
+    d = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard = ckpt / d["weight_map"]["model.norm.weight"]
+    rewrite_header(shard, lambda h: h["model.norm.weight"].update(data_offsets=[-512, 0]))
+    return "malformed header entry for tensor model.norm.weight", shard.name
+
+
+def _nan_in_copied_fp8(ckpt):
+    from safetensors.torch import load_file, save_file
+
+    d = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    tensors = load_file(ckpt / d[name])
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, ckpt / d[name], metadata={"format": "pt"})
+    return name, "NaN or Inf"
+
+
+def _config_not_an_object(ckpt):
+    (ckpt / "config.json").write_text("[1, 2]")
+    return "config.json: expected a JSON object", "error"
+
+
+def _config_bad_type(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["moe_layer_freq"] = 0
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    return "moe_layer_freq must be at least 1", "config.json"
+
+
+def _index_not_a_map(ckpt):
+    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": [1]}')
+    return "model.safetensors.index.json", "weight_map"
 
 
 def _nan_weight(ckpt):
@@ -100,7 +150,13 @@ BAD_INPUTS = [
     _wrong_config_shape,
     _unknown_dtype,
     _unexpected_tensor,
+    _overlapping_tensors,
+    _negative_offset,
     _nan_weight,
+    _nan_in_copied_fp8,
+    _config_not_an_object,
+    _config_bad_type,
+    _index_not_a_map,
 ]
 
 
@@ -119,6 +175,25 @@ def test_existing_output_is_not_overwritten(checkpoints, tmp_path):
     (out / "precious.txt").write_text("keep")
     assert_one_line_error(run("convert", "--fp4", checkpoints["fp8"], out, "-q"), "not empty", "--force")
     assert (out / "precious.txt").read_text() == "keep" and not (out / MANIFEST_NAME).exists()
+
+
+def test_output_below_a_file_is_one_line(checkpoints, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    assert_one_line_error(run("convert", "--fp4", checkpoints["fp8"], tmp_path / "afile" / "out", "-q"), "afile")
+
+
+def test_full_disk_mid_run_is_one_line_with_the_fix(checkpoints, tmp_path, monkeypatch):
+    import errno
+
+    import dsfp4.convert.part as part
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device", "experts/layer-001.bin.partial")
+
+    monkeypatch.setattr(part, "pwrite_all", full)
+    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
+    assert_one_line_error(result, "No space left on device", "run the same command again")
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
 
 
 def test_not_enough_disk(checkpoints, tmp_path, monkeypatch):

@@ -60,6 +60,8 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError as e:
         raise ConfigError(f"--device {name}: {e}") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: choose auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device

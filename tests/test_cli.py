@@ -210,6 +210,9 @@ def test_bad_flags_are_usage_errors(checkpoints, tmp_path):
     assert_one_line_error(
         run("convert", "--fp4", "--device", "cuda:7", checkpoints["fp8"], tmp_path / "o", "-q"), "--device cuda:7"
     )
+    assert_one_line_error(
+        run("convert", "--fp4", "--device", "meta", checkpoints["fp8"], tmp_path / "o", "-q"), "--device meta"
+    )
 
 
 def test_dry_run_prints_the_plan(checkpoints, tmp_path):

@@ -181,7 +181,8 @@ def verify(model: Path, quiet: bool) -> None:
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr) as bar:
         report = run_verify(model, bar.update)
     click.echo(
-        f"{model}: OK ({report.n_files} files, {report.n_records} expert records, {report.nbytes / 1e9:.2f} GB checked)"
+        f"{model}: OK ({report.n_files} files, {report.n_records} expert records, "
+        f"{format_bytes(report.nbytes)} checked)"
     )
 
 

@@ -47,10 +47,14 @@ def _drop_from_index(ckpt):
     return "model.layers.2.mlp.experts.5.down_proj.weight", "not in model.safetensors.index.json"
 
 
-def _wrong_config_shape(ckpt):
+def _set_config(ckpt, key, value):
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["moe_intermediate_size"] = 112
+    cfg[key] = value
     (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def _wrong_config_shape(ckpt):
+    _set_config(ckpt, "moe_intermediate_size", 112)
     return "config.json implies [112, 256]", "shape"
 
 
@@ -118,9 +122,7 @@ def _config_not_an_object(ckpt):
 
 
 def _config_bad_type(ckpt):
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["moe_layer_freq"] = 0
-    (ckpt / "config.json").write_text(json.dumps(cfg))
+    _set_config(ckpt, "moe_layer_freq", 0)
     return "moe_layer_freq must be at least 1", "config.json"
 
 

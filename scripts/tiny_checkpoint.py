@@ -118,6 +118,15 @@ def hf_config_dict(dims: dict, variant: str) -> dict:
         **dims,
     }
     d["num_key_value_heads"] = d["num_attention_heads"]
+    if d["model_type"] == "deepseek_v2":  # V2-Lite: softmax router, no bias, no renormalization, no MTP
+        d.update(
+            architectures=["DeepseekV2ForCausalLM"],
+            scoring_func="softmax",
+            topk_method="greedy",
+            norm_topk_prob=False,
+            num_nextn_predict_layers=0,
+            **{k: v for k, v in dims.items()},
+        )
     if variant == "fp8":
         d["quantization_config"] = {
             "activation_scheme": "dynamic",
@@ -136,13 +145,15 @@ def hf_config_dict(dims: dict, variant: str) -> dict:
 
 
 def _transformers_model(cfg: dict, device: str):
-    """DeepseekV3ForCausalLM with the MTP block(s) built as extra trailing decoder layers."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    """DeepseekV3ForCausalLM (or V2) with the MTP block(s) built as extra trailing decoder layers."""
+    import transformers
 
+    family = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}[cfg["model_type"]]
     keys = {k: v for k, v in cfg.items() if k not in ("quantization_config", "architectures", "torch_dtype")}
     keys["num_hidden_layers"] = cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
+    config = getattr(transformers, family + "Config")(**keys)
     with torch.device(device):
-        return DeepseekV3ForCausalLM(DeepseekV3Config(**keys))
+        return getattr(transformers, family + "ForCausalLM")(config)
 
 
 def source_tensors(

@@ -1,0 +1,71 @@
+"""Multi-head latent attention (MLA) in the absorbed form, with the compressed latent cache.
+
+The cache holds, per token and layer, the normalized latent c_kv (kv_lora_rank values) and the rotated
+shared key k_pe (qk_rope_head_dim values); wkv_b is folded into the query and the output instead of
+expanding keys and values per head (checkpoint-spec c.5). Legend: B batch, T new tokens, S cached
+positions, H heads, C kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsfp4.config import ModelArgs
+from dsfp4.kernels.linear import linear
+from dsfp4.runtime.norm import RMSNorm
+from dsfp4.runtime.rope import apply_rotary_emb, softmax_scale
+from dsfp4.runtime.weights import Weights
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, max_batch: int, max_len: int):
+        super().__init__()
+        p, a = f"layers.{layer}.attn.", args
+        self.n_heads, self.nope, self.rope, self.v = a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        self.kv_lora_rank = a.kv_lora_rank
+        q_out = a.n_heads * a.qk_head_dim
+        if a.q_lora_rank:
+            self.wq_a = w.matrix(p + "wq_a", (a.q_lora_rank, a.dim))
+            self.q_norm = RMSNorm(w.plain(p + "q_norm.weight", (a.q_lora_rank,)), a.norm_eps)
+            self.wq_b = w.matrix(p + "wq_b", (q_out, a.q_lora_rank))
+        else:
+            self.wq = w.matrix(p + "wq", (q_out, a.dim))
+        self.wkv_a = w.matrix(p + "wkv_a", (a.kv_lora_rank + a.qk_rope_head_dim, a.dim))
+        self.kv_norm = RMSNorm(w.plain(p + "kv_norm.weight", (a.kv_lora_rank,)), a.norm_eps)
+        self.wkv_b = w.matrix(p + "wkv_b", (a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank))
+        self.wo = w.matrix(p + "wo", (a.dim, a.n_heads * a.v_head_dim))
+        self.scale = softmax_scale(a)
+        self.register_buffer(
+            "kv_cache",
+            torch.zeros(max_batch, max_len, a.kv_lora_rank, dtype=w.dtype, device=w.device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "pe_cache",
+            torch.zeros(max_batch, max_len, a.qk_rope_head_dim, dtype=w.dtype, device=w.device),
+            persistent=False,
+        )
+
+    def forward(self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None):
+        b, t, _ = x.shape  # x: [B, T, D]
+        end = start_pos + t
+        q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if hasattr(self, "wq_b") else linear(x, self.wq)
+        q = q.view(b, t, self.n_heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
+        q_pe = apply_rotary_emb(q_pe, freqs_cis)
+        kv, k_pe = linear(x, self.wkv_a).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, T, C], [B, T, R]
+        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
+        self.kv_cache[:b, start_pos:end] = self.kv_norm(kv)
+        self.pe_cache[:b, start_pos:end] = k_pe
+        wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
+        q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
+        kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]
+        scores = torch.einsum("bthc,bsc->bths", q_nope, kv_all) + torch.einsum("bthr,bsr->bths", q_pe, pe_all)
+        scores = scores * self.scale
+        if mask is not None:
+            scores = scores + mask.unsqueeze(1)  # mask: [T, S] -> [T, 1, S]
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
+        o = torch.einsum("bths,bsc->bthc", probs, kv_all)
+        o = torch.einsum("bthc,hvc->bthv", o, wkv_b[:, -self.v :])  # apply W_UV: [B, T, H, V]
+        return linear(o.flatten(2), self.wo)

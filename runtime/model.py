@@ -1,0 +1,123 @@
+"""DeepSeek-V3 (and the V2-Lite family) on layout v1: blocks, the transformer, the MTP module.
+
+Names follow DeepSeek's reference inference/model.py. Everything comes from the manifest: the shape
+(ModelArgs), every backbone weight by name, the expert records. Legend: B batch, T tokens, D dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsfp4.config import ModelArgs
+from dsfp4.kernels.linear import QuantizedWeight, linear
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.attention import MLA
+from dsfp4.runtime.experts import ExpertReader
+from dsfp4.runtime.moe import MLP, MoE
+from dsfp4.runtime.norm import RMSNorm
+from dsfp4.runtime.rope import precompute_freqs_cis
+from dsfp4.runtime.weights import Weights
+
+PLAIN_FORMATS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertReader, max_batch: int, max_len: int):
+        super().__init__()
+        p = f"layers.{layer}."
+        self.attn_norm = RMSNorm(w.plain(p + "attn_norm.weight", (args.dim,)), args.norm_eps)
+        self.attn = MLA(args, layer, w, max_batch, max_len)
+        self.ffn_norm = RMSNorm(w.plain(p + "ffn_norm.weight", (args.dim,)), args.norm_eps)
+        moe = args.is_moe_layer(layer)
+        self.ffn = MoE(args, layer, w, experts) if moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
+
+    def forward(self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None):
+        x = x + self.attn(self.attn_norm(x), start_pos, freqs_cis, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class MTP(nn.Module):
+    """Multi-token prediction module (checkpoint-spec c.9): from the main model's final (normed) hidden
+    state at position i and the embedding of token i+1, predict token i+2 with its own decoder block."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertReader, max_batch: int, max_len: int):
+        super().__init__()
+        p, d = f"layers.{layer}.", args.dim
+        self.embed = w.plain(p + "embed.weight", (args.vocab_size, d))
+        self.enorm = RMSNorm(w.plain(p + "enorm.weight", (d,)), args.norm_eps)
+        self.hnorm = RMSNorm(w.plain(p + "hnorm.weight", (d,)), args.norm_eps)
+        self.eh_proj = w.matrix(p + "eh_proj", (d, 2 * d))
+        self.block = Block(args, layer, w, experts, max_batch, max_len)
+        self.head_norm = RMSNorm(w.plain(p + "head_norm.weight", (d,)), args.norm_eps)
+        self.head = w.matrix(p + "head.weight", (args.vocab_size, d))
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        next_tokens: torch.Tensor,
+        start_pos: int,
+        freqs_cis: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """h: [B, T, D] main hidden states, next_tokens: [B, T] -> logits [B, T, V] for the token after."""
+        e = F.embedding(next_tokens, self.embed)
+        u = linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)  # embedding half first
+        u = self.block(u, start_pos, freqs_cis, mask)
+        return linear(self.head_norm(u), self.head).float()
+
+
+class Transformer(nn.Module):
+    def __init__(
+        self, args: ModelArgs, w: Weights, experts: ExpertReader, max_batch: int, max_len: int, with_mtp: bool = False
+    ):
+        super().__init__()
+        self.args, self.max_len = args, max_len
+        self.embed = w.plain("embed.weight", (args.vocab_size, args.dim))
+        self.layers = nn.ModuleList(Block(args, i, w, experts, max_batch, max_len) for i in range(args.n_layers))
+        self.norm = RMSNorm(w.plain("norm.weight", (args.dim,)), args.norm_eps)
+        if args.tie_word_embeddings:
+            self.head = QuantizedWeight(PLAIN_FORMATS[w.dtype], (self.embed,), tuple(self.embed.shape), "embed.weight")
+        else:
+            self.head = w.matrix("head.weight", (args.vocab_size, args.dim))
+        mtp = range(args.n_layers, args.n_blocks) if with_mtp else ()
+        self.mtp = nn.ModuleList(MTP(args, i, w, experts, max_batch, max_len) for i in mtp)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args, max_len).to(w.device), persistent=False)
+
+    @staticmethod
+    def causal_mask(t: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
+        """[T, start_pos + T]: token i of this step sees cached positions and new tokens up to itself."""
+        if t == 1:
+            return None
+        return torch.full((t, start_pos + t), float("-inf"), device=device).triu_(start_pos + 1)
+
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens: [B, T] at positions start_pos.. -> (logits [B, T or 1, V] fp32, final hidden [B, T, D])."""
+        t = tokens.shape[1]
+        h = F.embedding(tokens, self.embed)  # [B, T, D]
+        freqs = self.freqs_cis[start_pos : start_pos + t]
+        mask = self.causal_mask(t, start_pos, tokens.device)
+        for layer in self.layers:
+            h = layer(h, start_pos, freqs, mask)
+        h = self.norm(h)
+        logits = linear(h[:, -1:] if last_only else h, self.head).float()
+        return logits, h
+
+
+def load_model(
+    model_dir: Path, device: torch.device, dtype: torch.dtype, max_len: int, max_batch: int = 1, with_mtp: bool = False
+) -> Transformer:
+    """Build the model from a converted folder: weights on `device`, experts read on demand."""
+    manifest = Manifest.read(model_dir)
+    w = Weights(model_dir, manifest, device, dtype)
+    experts = ExpertReader(model_dir, manifest, device)
+    model = Transformer(manifest.args, w, experts, max_batch, max_len, with_mtp)
+    a = manifest.args
+    w.check_all_used(() if with_mtp else tuple(f"layers.{i}." for i in range(a.n_layers, a.n_blocks)))
+    model.experts = experts
+    return model.eval()

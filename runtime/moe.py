@@ -1,0 +1,81 @@
+"""The MoE feed-forward: router (Gate), routed experts through the expert interface, shared experts.
+
+Legend: T tokens, D dim, E routed experts, K activated experts per token, G expert groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsfp4.config import ModelArgs
+from dsfp4.kernels.expert import expert_ffn
+from dsfp4.kernels.linear import linear
+from dsfp4.runtime.experts import ExpertReader
+from dsfp4.runtime.weights import Weights
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), for the dense layers and the shared experts."""
+
+    def __init__(self, prefix: str, dim: int, inter_dim: int, w: Weights):
+        super().__init__()
+        self.w1 = w.matrix(prefix + "w1", (inter_dim, dim))
+        self.w3 = w.matrix(prefix + "w3", (inter_dim, dim))
+        self.w2 = w.matrix(prefix + "w2", (dim, inter_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(F.silu(linear(x, self.w1)) * linear(x, self.w3), self.w2)
+
+
+class Gate(nn.Module):
+    """Scores every expert (sigmoid or softmax, in fp32), keeps the best n_limited_groups groups, picks the
+    top K, and weights them by their scores (without the selection bias), renormalized if configured, times
+    route_scale. V3: sigmoid + bias, group score = sum of the group's top 2. V2: softmax, group score = max."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: Weights):
+        super().__init__()
+        p, self.args = f"layers.{layer}.ffn.gate.", args
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()
+        self.bias = w.plain(p + "bias", (args.n_routed_experts,)).float() if args.has_gate_bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        scores = logits.sigmoid() if a.score_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.bias is None else scores + self.bias
+        if a.n_expert_groups > 1:
+            groups = choice.view(x.shape[0], a.n_expert_groups, -1)  # [T, G, E/G]
+            g = groups.topk(2, dim=-1)[0].sum(-1) if self.bias is not None else groups.amax(dim=-1)
+            keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(a.n_limited_groups, dim=-1)[1], True)
+            choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = choice.topk(a.n_activated_experts, dim=-1)[1]  # [T, K]
+        weights = scores.gather(1, indices)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * a.route_scale, indices
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertReader):
+        super().__init__()
+        self.layer, self.experts, self.n_routed = layer, experts, args.n_routed_experts
+        self.gate = Gate(args, layer, w)
+        inter = args.n_shared_experts * args.moe_inter_dim
+        self.shared_experts = MLP(f"layers.{layer}.ffn.shared_experts.", args.dim, inter, w) if inter else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # [T, D]
+        weights, indices = self.gate(x)  # [T, K], [T, K]
+        y = torch.zeros_like(x)
+        used = torch.bincount(indices.flatten(), minlength=self.n_routed).nonzero().flatten().tolist()
+        records = self.experts.load(self.layer, used)  # each expert the batch uses, once per layer
+        for e in used:
+            token, slot = torch.where(indices == e)
+            out = expert_ffn(x[token], records[e], self.experts.layout)
+            y.index_add_(0, token, out * weights[token, slot, None].to(x.dtype))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)

@@ -1,0 +1,57 @@
+"""Rotary embedding with YaRN, as complex rotations of adjacent pairs (DeepSeek's reference layout).
+
+YaRN is on exactly when config.json's rope_scaling says "yarn". DeepSeek's reference code applies it only
+when its max_seq_len exceeds original_seq_len (its default 16384 > 4096 makes that true for V3);
+transformers applies it whenever rope_scaling asks, and so do we. transformers also scales cos/sin by
+an attention factor (1.0 when mscale == mscale_all_dim, as in every DeepSeek config); we do the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsfp4.config import ModelArgs
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _correction_dim(n_rotations: float, dim: int, base: float, max_len: int) -> float:
+    return dim * math.log(max_len / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def precompute_freqs_cis(args: ModelArgs, max_len: int) -> torch.Tensor:
+    """[max_len, rope_dim / 2] complex64: e^(i * position * theta_k) for every position and pair k."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scale = 1.0
+    if args.rope_type == "yarn":
+        low = max(math.floor(_correction_dim(args.beta_fast, dim, base, args.original_seq_len)), 0)
+        high = min(math.ceil(_correction_dim(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+        freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)  # interpolate the slow dims only
+        if args.mscale and args.mscale_all_dim:
+            scale = yarn_mscale(args.rope_factor, args.mscale) / yarn_mscale(args.rope_factor, args.mscale_all_dim)
+        else:
+            scale = yarn_mscale(args.rope_factor, 1.0)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, scale), angles)
+
+
+def softmax_scale(args: ModelArgs) -> float:
+    """qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN (transformers' rule; the
+    reference uses `mscale`: both are 1.0 for V3 and 0.707 for V2-Lite, so they agree)."""
+    scale = args.qk_head_dim**-0.5
+    if args.rope_type == "yarn" and args.mscale_all_dim:
+        scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
+    return scale
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, R] rotated by freqs_cis: [T, R/2], adjacent elements paired."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * freqs_cis.view(1, xc.shape[1], 1, xc.shape[-1]))
+    return out.flatten(3).to(x.dtype)

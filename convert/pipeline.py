@@ -31,7 +31,8 @@ from dsfp4.convert.plan import ConvertOptions, Part, Plan, make_plan
 from dsfp4.convert.resume import ResumeState
 from dsfp4.convert.source import AUX_FILES, INDEX_NAME, SourceCheckpoint
 from dsfp4.convert.transform import ErrorStats
-from dsfp4.errors import ConfigError, OutputError
+from dsfp4.device import resolve_device
+from dsfp4.errors import OutputError
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
 from dsfp4.layout.safetensors_file import file_sha256
 from dsfp4.sizes import format_bytes
@@ -49,22 +50,6 @@ class ConvertResult:
     resumed_parts: int = 0
     quant_error: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # dry run: what a real run would find at OUT
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: no CUDA device is available; use --device cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"--device {name}: {e}") from e
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {name}: choose auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def _run_jobs(jobs: Iterable[Callable[[], T]], workers: int, on_done: Callable[[T], None]) -> None:

@@ -65,10 +65,60 @@ def profile_hot() -> None:
     _not_yet("profile-hot", "the profile-hot issue")
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def run() -> None:
-    """(Not implemented yet: the runtime issue.) Generate text with a converted model."""
-    _not_yet("run", "the runtime issue")
+@cli.command()
+@click.argument("model", type=EXISTING_DIR)
+@click.option("--prompt", help="Text to answer (rendered with the model's chat template unless --raw).")
+@click.option("--chat", is_flag=True, help="Interactive chat (/help inside lists the commands).")
+@click.option("--system", help="System message for the chat template.")
+@click.option("--raw", is_flag=True, help="Feed --prompt as plain text, without the chat template.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.6, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 means off.")
+@click.option("--seed", type=int, help="Makes sampling reproducible.")
+@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bf16", "fp32"]),
+    default="auto",
+    show_default=True,
+    help="Compute dtype; auto is bf16 on CUDA, fp32 on the CPU.",
+)
+@click.option(
+    "--max-context",
+    type=click.IntRange(min=2),
+    default=4096,
+    show_default=True,
+    help="Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
+)
+def run(model: Path, prompt: str | None, chat: bool, system: str | None, raw: bool, **knobs) -> None:
+    """Generate with a converted MODEL: one --prompt (the answer, then a stats line on stderr) or --chat.
+
+    \b
+    Examples:
+      dsfp4 run model/ --prompt "Why is the sky blue?"
+      dsfp4 run model/ --chat --temperature 0.6
+    """
+    from dsfp4.repl import chat_repl
+    from dsfp4.runtime.options import RunOptions
+    from dsfp4.runtime.sampling import SamplingParams
+    from dsfp4.runtime.session import open_session
+
+    if (prompt is None) == (not chat):
+        raise click.UsageError("give either --prompt TEXT or --chat")
+    options = RunOptions(**{**knobs, "stop": tuple(knobs["stop"])})
+    session = open_session(model, options)
+    if chat:
+        chat_repl(session, options, system)
+        return
+    tok = session.tokenizer
+    messages = [{"role": "system", "content": system}] if system else []
+    ids = tok.encode(prompt) if raw else tok.encode_chat([*messages, {"role": "user", "content": prompt}])
+    sampling = SamplingParams(options.temperature, options.top_p, options.top_k, options.seed)
+    g = session.generate(ids, options.max_tokens, sampling, options.stop, on_text=lambda t: click.echo(t, nl=False))
+    click.echo()
+    click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
 
 
 @cli.command()

@@ -255,7 +255,7 @@ def _encode(name: str, w: torch.Tensor, fmt: str | None, dtype: str, amax: torch
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
     """Train a small byte-level BPE (specials first: bos = 0, eos = 1) and its tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     sentences = (
         "the model reads expert weights from disk and computes tokens on one graphics card while",
@@ -275,6 +275,10 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
+    bos = SPECIAL_TOKENS[0]  # as DeepSeek's tokenizer.json, whose post-processor puts the BOS first
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
+    )
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(

@@ -74,6 +74,16 @@ def dequantized_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def fuse_experts(state: dict[str, torch.Tensor], prefix: str, n: int) -> None:
+    """Per-expert checkpoint tensors -> transformers' fused gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
+    gate_up = [
+        torch.cat([state.pop(f"{prefix}{e}.gate_proj.weight"), state.pop(f"{prefix}{e}.up_proj.weight")])
+        for e in range(n)
+    ]
+    state[prefix + "gate_up_proj"] = torch.stack(gate_up)
+    state[prefix + "down_proj"] = torch.stack([state.pop(f"{prefix}{e}.down_proj.weight") for e in range(n)])
+
+
 def hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None):
     """The transformers model of this family in float32, holding `weights` (default: the converted ones)."""
     from transformers import AutoConfig, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
@@ -85,13 +95,7 @@ def hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None):
     model = cls(cfg).float().eval()
     weights = dequantized_weights(model_dir) if weights is None else weights
     state = {k: v for k, v in weights.items() if not k.startswith(f"model.layers.{m.args.n_layers}.")}
-    for layer in range(m.args.n_dense_layers, m.args.n_layers):  # transformers fuses the experts
-        p = f"model.layers.{layer}.mlp.experts."
-        n = m.args.n_routed_experts
-        gate_up = [
-            torch.cat([state.pop(f"{p}{e}.gate_proj.weight"), state.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)
-        ]
-        state[p + "gate_up_proj"] = torch.stack(gate_up)
-        state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+    for layer in range(m.args.n_dense_layers, m.args.n_layers):
+        fuse_experts(state, f"model.layers.{layer}.mlp.experts.", m.args.n_routed_experts)
     model.load_state_dict(state, strict=True)
     return model

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import dequantized_weights, hf_model
+from reference import dequantized_weights, fuse_experts, hf_model
 from tiny_checkpoint import build_checkpoint
 
 from dsfp4.convert.pipeline import convert
@@ -118,16 +118,7 @@ def test_mtp_module_matches_its_block_run_by_transformers(model_dir):
     for k in ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight"):
         state.pop("model.layers.0." + k)
     state["model.embed_tokens.weight"] = w["model.embed_tokens.weight"]
-    prefix = "model.layers.0.mlp.experts."
-    state[prefix + "gate_up_proj"] = torch.stack(
-        [
-            torch.cat([state.pop(f"{prefix}{e}.gate_proj.weight"), state.pop(f"{prefix}{e}.up_proj.weight")])
-            for e in range(a.n_routed_experts)
-        ]
-    )
-    state[prefix + "down_proj"] = torch.stack(
-        [state.pop(f"{prefix}{e}.down_proj.weight") for e in range(a.n_routed_experts)]
-    )
+    fuse_experts(state, "model.layers.0.mlp.experts.", a.n_routed_experts)
     one.load_state_dict(state, strict=True)
     with torch.no_grad():
         want = one(inputs_embeds=u).logits

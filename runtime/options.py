@@ -1,0 +1,39 @@
+"""Runtime knobs; each field is the `dsfp4 run` flag of the same name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsfp4.errors import ConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    device: str = "auto"
+    dtype: str = "auto"  # bf16 on CUDA, fp32 on the CPU
+    max_context: int = 4096
+    max_tokens: int = 256
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"--dtype {self.dtype}: choose auto, {', '.join(DTYPES)}")
+        if self.max_context < 2:
+            raise ConfigError(f"--max-context {self.max_context}: give at least 2")
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens {self.max_tokens}: give at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,125 @@
+"""A conversation with one model: prefill, decode, sampling, stop rules, streaming, stats.
+
+The session keeps the tokens whose latent KV sits in the cache, so a chat turn only prefills what is new
+(the longest common prefix with the previous turn is reused).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsfp4.device import resolve_device
+from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.model import Transformer, load_model
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.sampling import SamplingParams, sample
+from dsfp4.runtime.stats import GenerationStats
+from dsfp4.runtime.tokenizer import ChatTokenizer
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many trailing characters may still become a stop string or an unfinished UTF-8 character."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+class Session:
+    def __init__(self, model: Transformer, tokenizer: ChatTokenizer, max_context: int):
+        self.model, self.tokenizer, self.max_context = model, tokenizer, max_context
+        self.cached: list[int] = []
+        self.device = model.freqs_cis.device
+
+    def reset(self) -> None:
+        self.cached = []
+
+    def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
+        tokens = torch.tensor([ids], device=self.device)
+        return self.model(tokens, start_pos=start_pos, last_only=True)[0][0, -1]  # [V]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop: tuple[str, ...] = (),
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """Generate after prompt_ids; on_text receives the text as it is produced."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ConfigError("the prompt is empty")
+        if n >= self.max_context:
+            raise ConfigError(
+                f"the prompt is {n} tokens; the context holds {self.max_context} "
+                f"(raise --max-context, up to the model's {self.model.args.max_seq_len})"
+            )
+        budget = min(max_tokens, self.max_context - n)
+        reader = self.model.experts
+        loads0, bytes0 = reader.n_loads, reader.bytes_read
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        start = time.perf_counter()
+        reuse = min(_common_prefix(self.cached, prompt_ids), n - 1)
+        logits = self._forward(prompt_ids[reuse:], reuse)
+        self.cached = list(prompt_ids)
+        stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
+        tokens: list[int] = []
+        text, emitted, finish = "", 0, "length"
+        while stats.generated_tokens < budget:
+            token = sample(logits, sampling, gen)
+            stats.generated_tokens += 1
+            if stats.generated_tokens == 1:
+                stats.ttft_s = stats.prefill_s = time.perf_counter() - start
+            if token in self.tokenizer.eos_ids:
+                finish = "stop"
+                break
+            tokens.append(token)
+            text = self.tokenizer.decode(tokens)
+            if hits := [i for s in stop if (i := text.find(s)) >= 0]:
+                text, finish = text[: min(hits)], "stop"
+                break
+            if on_text and (end := len(text) - _held_back(text, stop)) > emitted:
+                on_text(text[emitted:end])
+                emitted = end
+            if stats.generated_tokens < budget:
+                logits = self._forward([token], len(self.cached))
+                self.cached.append(token)
+        if on_text and len(text) > emitted:
+            on_text(text[emitted:])
+        stats.decode_s = time.perf_counter() - start - stats.prefill_s
+        stats.expert_loads, stats.expert_bytes = reader.n_loads - loads0, reader.bytes_read - bytes0
+        return Generation(list(prompt_ids), tokens, text, finish, stats)
+
+
+def open_session(model_dir: Path, options: RunOptions) -> Session:
+    """Load a converted model and its tokenizer for generation."""
+    device = resolve_device(options.device)
+    args = Manifest.read(model_dir).args
+    max_context = min(options.max_context, args.max_seq_len)
+    model = load_model(model_dir, device, options.torch_dtype(device), max_len=max_context)
+    return Session(model, ChatTokenizer(model_dir, args.eos_token_ids), max_context)

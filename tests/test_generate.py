@@ -1,0 +1,127 @@
+"""Generation on a converted tiny model: tokenizer and chat template, greedy and sampling, stop rules,
+streaming, the KV-cache prefix reuse across chat turns, and the context limit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.sampling import SamplingParams, sample
+from dsfp4.runtime.session import open_session
+from dsfp4.runtime.tokenizer import ChatTokenizer, split_reasoning
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def session(converted):
+    return open_session(converted, RunOptions(device="cpu", max_context=64))
+
+
+def test_chat_template_renders_as_transformers_does(converted):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(converted)
+    tok = ChatTokenizer(converted)
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert tok.render_chat(chat) == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (
+        tok.encode_chat(chat) == ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)["input_ids"]
+    )
+    assert tok.encode("hello world") == ref("hello world")["input_ids"]  # BOS from the post-processor
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+def test_r1_thinking_template_and_reasoning_split(converted, tmp_path):
+    model = tmp_path / "r1"
+    shutil.copytree(converted, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+        "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'].split('</think>')[-1] }}"
+        "<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+    )
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = ChatTokenizer(model)
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>\nx\n</think>\n\nb"},
+        {"role": "user", "content": "c"},
+    ]
+    assert tok.render_chat(chat).endswith(
+        "<｜Assistant｜>\n\nb<｜end▁of▁sentence｜><｜User｜>c<｜Assistant｜><think>\n"
+    )
+    assert split_reasoning("step one\n</think>\n\nthe answer") == ("step one", "the answer")
+    assert split_reasoning("no tags here") == ("", "no tags here")
+
+
+def test_greedy_generation_follows_the_argmax_of_a_full_forward(session):
+    prompt = session.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    g = session.generate(prompt, 8, GREEDY)
+    assert g.finish_reason == "length" and len(g.token_ids) == 8
+    with torch.no_grad():
+        logits, _ = session.model(torch.tensor([prompt + g.token_ids]))
+    assert logits[0, len(prompt) - 1 : -1].argmax(-1).tolist() == g.token_ids
+
+
+def test_sampling_is_reproducible_and_filters(session):
+    prompt = session.tokenizer.encode("hello world")
+    a = session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1.0, seed=7)).token_ids
+    b = session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1.0, seed=7)).token_ids
+    c = session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1.0, seed=8)).token_ids
+    assert a == b and a != c
+    greedy = session.generate(prompt, 10, GREEDY).token_ids
+    assert session.generate(prompt, 10, SamplingParams(temperature=1.0, top_k=1, seed=3)).token_ids == greedy
+    assert session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1e-6, seed=3)).token_ids == greedy
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    picks = {sample(logits, SamplingParams(1.0, top_k=2), torch.Generator().manual_seed(s)) for s in range(50)}
+    assert picks == {1, 2}
+
+
+def test_stop_strings_eos_and_streaming(session):
+    prompt = session.tokenizer.encode("hello world")
+    full = session.generate(prompt, 12, GREEDY)
+    stop = full.text[4:6]
+    pieces = []
+    g = session.generate(prompt, 12, GREEDY, stop=(stop,), on_text=pieces.append)
+    assert g.finish_reason == "stop" and g.text == full.text[: full.text.find(stop)]
+    assert "".join(pieces) == g.text
+    eos_ids = session.tokenizer.eos_ids
+    i = next(i for i, t in enumerate(full.token_ids) if i and t not in full.token_ids[:i])
+    session.tokenizer.eos_ids = frozenset({full.token_ids[i]})  # pretend that token is the EOS
+    try:
+        g = session.generate(prompt, 12, GREEDY)
+    finally:
+        session.tokenizer.eos_ids = eos_ids
+    assert g.finish_reason == "stop" and g.token_ids == full.token_ids[:i] and g.stats.generated_tokens == i + 1
+
+
+def test_chat_turns_reuse_the_cache_and_give_the_same_tokens(converted, session):
+    tok = session.tokenizer
+    chat = [{"role": "user", "content": "hello"}]
+    first = session.generate(tok.encode_chat(chat), 6, GREEDY)
+    chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
+    second = session.generate(tok.encode_chat(chat), 6, GREEDY)
+    fresh = open_session(converted, RunOptions(device="cpu", max_context=64))
+    alone = fresh.generate(tok.encode_chat(chat), 6, GREEDY)
+    assert second.stats.cached_tokens > 0 and alone.stats.cached_tokens == 0
+    assert second.token_ids == alone.token_ids
+    assert second.stats.prompt_tokens == alone.stats.prompt_tokens and second.stats.expert_loads > 0
+
+
+def test_context_limit(session):
+    with pytest.raises(ConfigError, match="the prompt is 64 tokens; the context holds 64"):
+        session.generate(list(range(3, 67)), 4, GREEDY)
+    g = session.generate(list(range(3, 63)), 10, GREEDY)  # 60 + 4 fill the context
+    assert g.finish_reason == "length" and len(g.token_ids) == 4

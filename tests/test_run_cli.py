@@ -1,0 +1,114 @@
+"""`dsfp4 run`: a prompt, the chat REPL driven through a pseudo-terminal, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from dsfp4.cli import cli
+from dsfp4.layout.manifest import MANIFEST_NAME
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_run_prints_the_completion_then_a_stats_line(converted):
+    r = run("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip()
+    assert r.stderr.startswith("[length] prompt ") and "tok/s" in r.stderr and "experts read" in r.stderr
+    again = run("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
+    assert again.stdout == r.stdout
+
+
+def _one_line(result, *needles):
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_bad_models_and_flags_give_one_line(converted, tmp_path):
+    _one_line(run("run", tmp_path, "--prompt", "hi"), "manifest.json not found")
+    newer = shutil.copytree(converted, tmp_path / "newer")
+    m = json.loads((newer / MANIFEST_NAME).read_text())
+    m["format_version"] = 2
+    (newer / MANIFEST_NAME).write_text(json.dumps(m))
+    _one_line(run("run", newer, "--prompt", "hi"), "layout version 2", "upgrade dsfp4")
+    (newer / MANIFEST_NAME).write_text("{ not json")
+    _one_line(run("run", newer, "--prompt", "hi"), "not valid JSON")
+    _one_line(
+        run("run", converted, "--prompt", "hi " * 40, "--max-context", "16", "--device", "cpu"), "the context holds 16"
+    )
+    _one_line(run("run", converted, "--prompt", "hi", "--device", "tpu"), "--device tpu")
+    assert run("run", converted).exit_code == 2  # neither --prompt nor --chat
+
+
+def test_a_damaged_expert_record_is_caught_at_load(converted, tmp_path):
+    model = shutil.copytree(converted, tmp_path / "model")
+    path = next((model / "experts").iterdir())
+    data = bytearray(path.read_bytes())
+    for offset in range(0, len(data), 4096):
+        data[offset + 7] ^= 0xFF  # every record of the layer
+    path.write_bytes(bytes(data))
+    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu", "--max-tokens", "2"), "sha256", "dsfp4 verify")
+
+
+def _read_until(fd: int, needle: bytes, timeout: float = 60.0) -> bytes:
+    out, deadline = b"", time.time() + timeout
+    while needle not in out:
+        if time.time() > deadline or not select.select([fd], [], [], deadline - time.time())[0]:
+            raise AssertionError(f"timed out waiting for {needle!r}; got {out[-500:]!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        out += chunk
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminal test")
+def test_chat_repl_in_a_pseudo_terminal(converted):
+    master, slave = pty.openpty()
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsfp4.cli",
+        "run",
+        str(converted),
+        "--chat",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    try:
+        _read_until(master, b"> ")
+        for line, expect in (
+            (b"/help\n", b"/reset"),
+            (b"hello\n", b"> "),
+            (b"/stats\n", b"tok/s"),
+            (b"/reset\n", b"conversation cleared"),
+            (b"/nope\n", b"unknown command"),
+        ):
+            os.write(master, line)
+            _read_until(master, expect)
+        os.write(master, b"/quit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)

@@ -9,7 +9,7 @@ FP8 with weight_scale_inv (DeepSeek), NVFP4 with weight_scale/_2 (NVIDIA ModelOp
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dsfp4.config import ModelArgs
@@ -237,27 +237,35 @@ class _Mapper:
         self.consumed.add(name)
 
 
+def _placed_rules(args: ModelArgs, include_mtp: bool = True) -> Iterator[tuple[Rule, str, int | None, int | None]]:
+    """Every rule that applies to this model, with its name prefix, block and expert."""
+    yield from ((r, "", None, None) for r in TOP_RULES if r.when(args))
+    for block in range(args.n_blocks if include_mtp else args.n_layers):
+        prefix = f"model.layers.{block}."
+        rules = ATTN_RULES + (MOE_RULES if args.is_moe_layer(block) else DENSE_RULES)
+        rules += MTP_RULES if block >= args.n_layers else ()
+        yield from ((r, prefix, block, None) for r in rules if r.when(args))
+        if args.is_moe_layer(block):
+            yield from ((r, prefix, block, e) for e in range(args.n_routed_experts) for r in EXPERT_RULES)
+
+
+def plain_checkpoint_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of an unquantized (BF16) Hugging Face checkpoint of this shape."""
+    names = {}
+    for rule, prefix, _, expert in _placed_rules(args):
+        name = prefix + rule.hf.format(e=expert)
+        names[name if rule.kind == PLAIN else name + ".weight"] = rule.shape(args)
+    return names
+
+
 def map_tensors(
     args: ModelArgs, tensors: dict[str, TensorInfo], where: dict[str, str], index: str, include_mtp: bool = True
 ) -> TensorMap:
     """Map every source tensor (name -> header info; `where`: name -> shard) or raise SourceError."""
     m = _Mapper(args, tensors, where, index)
-    for rule in TOP_RULES:
-        if rule.when(args):
-            m.add(rule, "", None)
-    n_blocks = args.n_blocks if include_mtp else args.n_layers
-    for block in range(n_blocks):
-        prefix = f"model.layers.{block}."
-        rules = ATTN_RULES + (MOE_RULES if args.is_moe_layer(block) else DENSE_RULES)
-        rules += MTP_RULES if block >= args.n_layers else ()
+    for rule, prefix, block, expert in _placed_rules(args, include_mtp):
         try:
-            for rule in rules:
-                if rule.when(args):
-                    m.add(rule, prefix, block)
-            if args.is_moe_layer(block):
-                for e in range(args.n_routed_experts):
-                    for rule in EXPERT_RULES:
-                        m.add(rule, prefix, block, e)
+            m.add(rule, prefix, block, expert)
         except SourceError as e:
             if block >= args.n_layers:
                 raise SourceError(f"{e}; to convert without the MTP layer pass --no-mtp") from e

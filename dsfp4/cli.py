@@ -122,6 +122,32 @@ def run(model: Path, prompt: str | None, chat: bool, system: str | None, raw: bo
 
 
 @cli.command()
+@click.option(
+    "--dir", "workdir", type=PATH, help="Keep the demo's checkpoint and model here (default: a temporary folder)."
+)
+@click.option("--prompt", default=None, help="What to ask the tiny model.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=24, show_default=True)
+def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int) -> None:
+    """Build a tiny DeepSeek-V3 checkpoint, convert it, verify it and run a prompt: offline, end to end."""
+    import tempfile
+
+    from dsfp4.demo import DEMO_PROMPT, run_demo
+
+    with tempfile.TemporaryDirectory(prefix="dsfp4-demo-") as tmp:
+        g = run_demo(
+            workdir or Path(tmp),
+            prompt or DEMO_PROMPT,
+            device,
+            max_tokens,
+            echo=lambda line: click.echo(line, err=True),
+            on_text=lambda t: click.echo(t, nl=False),
+        )
+        click.echo()
+    click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
+
+
+@cli.command()
 @click.argument("src", type=EXISTING_DIR)
 @click.argument("out", type=PATH)
 @click.option(

@@ -9,10 +9,11 @@ import re
 import torch
 from conftest import tree_bytes
 from safetensors import safe_open
-from tiny_checkpoint import FP8_TENSORS, build_checkpoint
+from tiny_checkpoint import build_checkpoint
 
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
+from dsfp4.hf_checkpoint import FP8_TENSORS
 from dsfp4.layout.manifest import Manifest
 
 

@@ -1,8 +1,8 @@
 """One routed expert on its FP4 record: y = W2 (silu(W1 x) * (W3 x)).
 
 `expert_ffn` is the interface the MoE layer calls with the record exactly as stored (no dequantized
-copies kept); `expert_ffn_ref` is the torch reference (decode the record, then dense matmuls). The
-kernels issue puts fused Triton kernels behind the same call. Legend: T tokens, D dim, I expert width.
+copies kept): on CUDA it runs the Triton FP4 matmul (gate and up fused into one), elsewhere the torch
+reference `expert_ffn_ref`. Legend: T tokens, D dim, I expert width.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsfp4.kernels.fp4_matmul import fp4_matmul, triton
 from dsfp4.layout.record import RecordLayout
 
 
@@ -19,5 +20,19 @@ def expert_ffn_ref(x: torch.Tensor, record: torch.Tensor, layout: RecordLayout) 
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
+def expert_ffn_triton(x: torch.Tensor, record: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    """The same through fp4_matmul: one launch for gate+up [T, 2I], one for down."""
+    p = layout.unpack(record)
+    i, fmt = layout.inter_dim, layout.format
+    ones = torch.ones(2, device=x.device)
+    g13 = p["scale_2"][:2] if fmt == "nvfp4" else ones
+    g2 = p["scale_2"][2:].expand(2) if fmt == "nvfp4" else ones
+    h = fp4_matmul(x, p["w13"], p["w13_scale"].view(torch.uint8), g13, i, fmt)  # [T, 2I] fp32
+    a = F.silu(h[:, :i]) * h[:, i:]
+    return fp4_matmul(a, p["w2"], p["w2_scale"].view(torch.uint8), g2, layout.dim, fmt).to(x.dtype)
+
+
 def expert_ffn(x: torch.Tensor, record: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    if x.is_cuda and triton is not None:
+        return expert_ffn_triton(x, record, layout)
     return expert_ffn_ref(x, record, layout)

@@ -40,3 +40,25 @@ def test_conversion_on_cuda_equals_conversion_on_cpu(checkpoints, tmp_path):
     assert cpu == gpu  # every backbone file, expert file and copied file
     for key in ("tensors", "files", "experts"):  # quant_error may differ in summation order only
         assert manifests[0][key] == manifests[1][key]
+
+
+def test_runtime_on_cuda_matches_the_cpu(converted):
+    from dsfp4.runtime.model import load_model
+
+    tokens = torch.tensor([[0, 5, 9, 11, 40, 7, 3, 100]])
+    with torch.no_grad():
+        cpu = load_model(converted, torch.device("cpu"), torch.float32, max_len=32)(tokens)[0]
+        gpu32 = load_model(converted, torch.device("cuda"), torch.float32, max_len=32)(tokens.cuda())[0].cpu()
+        gpu16 = load_model(converted, torch.device("cuda"), torch.bfloat16, max_len=32)(tokens.cuda())[0].cpu()
+    span = (cpu.max() - cpu.min()).item()
+    assert (gpu32 - cpu).abs().max().item() / span < 1e-4  # Triton FP4 experts vs the torch reference
+    assert (gpu16 - cpu).abs().max().item() / span < 5e-2  # bf16 compute
+
+
+def test_demo_on_cuda(tmp_path):
+    from click.testing import CliRunner
+
+    from dsfp4.cli import cli
+
+    r = CliRunner().invoke(cli, ["demo", "--dir", str(tmp_path), "--device", "cuda", "--max-tokens", "8"])
+    assert r.exit_code == 0, r.output

@@ -148,3 +148,15 @@ def test_fp4_error_against_the_unquantized_weights(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nFP4 error vs unquantized weights (tiny V3, NVFP4 experts + FP8 backbone): {json.dumps(report)}")
     assert top1 > 0.5 and mean_kl < 0.05, report
+
+
+def test_prefill_loads_each_used_expert_once_per_layer(model_dir):
+    model = load_model(model_dir, CPU, torch.float32, max_len=64, max_batch=2)
+    calls, real = [], model.experts.load
+    model.experts.load = lambda layer, experts: calls.append((layer, list(experts))) or real(layer, experts)
+    tokens, _ = _batch()
+    with torch.no_grad():
+        model(tokens)
+    layers = [layer for layer, _ in calls]
+    assert layers == sorted(set(layers)) == [i for i in range(model.args.n_layers) if model.args.is_moe_layer(i)]
+    assert all(len(set(ids)) == len(ids) > model.args.n_activated_experts for _, ids in calls)

@@ -11,13 +11,16 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from tqdm import tqdm
 
 from dsfp4 import __version__
 from dsfp4.errors import DsfpError
+from dsfp4.runtime.options import RunOptions
 from dsfp4.sizes import format_bytes
 
 PATH = click.Path(path_type=Path)
+RUN_DEFAULTS = RunOptions()
 EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
 
 
@@ -30,7 +33,7 @@ def _os_error_line(e: OSError) -> str:
 class DsfpGroup(click.Group):
     """Turns library errors (and the OS's: permissions, full disk) into one line and exit status 1."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
         except (DsfpError, OSError) as e:
@@ -71,24 +74,30 @@ def profile_hot() -> None:
 @click.option("--chat", is_flag=True, help="Interactive chat (/help inside lists the commands).")
 @click.option("--system", help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed --prompt as plain text, without the chat template.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.6, show_default=True, help="0 means greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 means off.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=RUN_DEFAULTS.max_tokens, show_default=True)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=RUN_DEFAULTS.temperature,
+    show_default=True,
+    help="0 means greedy.",
+)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=RUN_DEFAULTS.top_p, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=RUN_DEFAULTS.top_k, show_default=True, help="0 means off.")
 @click.option("--seed", type=int, help="Makes sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device", default=RUN_DEFAULTS.device, show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option(
     "--dtype",
     type=click.Choice(["auto", "bf16", "fp32"]),
-    default="auto",
+    default=RUN_DEFAULTS.dtype,
     show_default=True,
     help="Compute dtype; auto is bf16 on CUDA, fp32 on the CPU.",
 )
 @click.option(
     "--max-context",
     type=click.IntRange(min=2),
-    default=4096,
+    default=RUN_DEFAULTS.max_context,
     show_default=True,
     help="Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
 )
@@ -101,24 +110,30 @@ def run(model: Path, prompt: str | None, chat: bool, system: str | None, raw: bo
       dsfp4 run model/ --chat --temperature 0.6
     """
     from dsfp4.repl import chat_repl
-    from dsfp4.runtime.options import RunOptions
-    from dsfp4.runtime.sampling import SamplingParams
     from dsfp4.runtime.session import open_session
 
     if (prompt is None) == (not chat):
         raise click.UsageError("give either --prompt TEXT or --chat")
     options = RunOptions(**{**knobs, "stop": tuple(knobs["stop"])})
     session = open_session(model, options)
-    if chat:
-        chat_repl(session, options, system)
-        return
-    tok = session.tokenizer
-    messages = [{"role": "system", "content": system}] if system else []
-    ids = tok.encode(prompt) if raw else tok.encode_chat([*messages, {"role": "user", "content": prompt}])
-    sampling = SamplingParams(options.temperature, options.top_p, options.top_k, options.seed)
-    g = session.generate(ids, options.max_tokens, sampling, options.stop, on_text=lambda t: click.echo(t, nl=False))
-    click.echo()
-    click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
+    asked = click.get_current_context().get_parameter_source("max_context") == ParameterSource.COMMANDLINE
+    if asked and session.max_context < options.max_context:
+        click.echo(
+            f"note: --max-context {options.max_context} is above the model's limit; using {session.max_context}",
+            err=True,
+        )
+    try:
+        if chat:
+            chat_repl(session, options, system)
+            return
+        ids = session.tokenizer.encode_prompt(prompt, system, raw)
+        g = session.generate(
+            ids, options.max_tokens, options.sampling(), options.stop, on_text=lambda t: click.echo(t, nl=False)
+        )
+        click.echo()
+        click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
+    finally:
+        session.close()
 
 
 @cli.command()

@@ -69,6 +69,21 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
 
+    def __post_init__(self) -> None:
+        """Reject shapes the router cannot route, with the config key to fix."""
+        e, g, k = self.n_routed_experts, self.n_expert_groups, self.n_activated_experts
+        problems = []
+        if e % g:
+            problems.append(f"n_routed_experts ({e}) is not a multiple of n_group ({g})")
+        elif self.n_limited_groups > g:
+            problems.append(f"topk_group ({self.n_limited_groups}) exceeds n_group ({g})")
+        elif k > self.n_limited_groups * (e // g if g > 1 else e):
+            problems.append(f"num_experts_per_tok ({k}) exceeds the experts in the kept groups")
+        elif self.topk_method == "noaux_tc" and g > 1 and e // g < 2:
+            problems.append(f"n_group ({g}) leaves fewer than 2 experts per group")
+        if problems:
+            raise ConfigError(f"config.json: {problems[0]}")
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -141,6 +156,13 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
     def r(key: str, default: float) -> float:
         return _field(rope, key, float, f"{source} (rope)", default)
 
+    factor = r("factor", 0.0)
+    if not factor:  # transformers' default when YaRN gives no factor: the context extension ratio
+        factor = (
+            f("max_position_embeddings", minimum=1) / r("original_max_position_embeddings", 1.0)
+            if rope_type == "yarn"
+            else 1.0
+        )
     eos = c.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [eos]
     if not eos_ids or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
@@ -173,7 +195,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
         norm_eps=f("rms_norm_eps", float, 1e-6),
         rope_theta=_field(rope, "rope_theta", float, source, None) or f("rope_theta", float, 10000.0),
         rope_type=rope_type,
-        rope_factor=r("factor", 1.0),
+        rope_factor=factor,
         original_seq_len=int(r("original_max_position_embeddings", f("max_position_embeddings", minimum=1))),
         beta_fast=r("beta_fast", 32.0),
         beta_slow=r("beta_slow", 1.0),

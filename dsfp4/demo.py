@@ -11,11 +11,11 @@ from dsfp4.convert.plan import ConvertOptions
 from dsfp4.hf_checkpoint import build_synthetic_checkpoint
 from dsfp4.layout.verify import verify
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.sampling import SamplingParams
 from dsfp4.runtime.session import Generation, open_session
 from dsfp4.sizes import format_bytes
 
 DEMO_PROMPT = "Why does dsfp4 stream experts from the SSD?"
+DEMO_CONTEXT = 512  # the tiny model's KV cache: the prompt and a short answer fit
 
 
 def run_demo(
@@ -37,8 +37,11 @@ def run_demo(
     report = verify(model)
     echo(f"    OK: {report.n_files} files, {report.n_records} expert records, {format_bytes(report.nbytes)}")
     echo("4/4 answering the prompt (the weights are random, so the answer is gibberish)")
-    session = open_session(model, RunOptions(device=device, max_context=512))
-    ids = session.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    echo(f"    prompt: {prompt!r} ({len(ids)} tokens with the chat template)")
-    g = session.generate(ids, max_tokens, SamplingParams(temperature=0.6, seed=0), on_text=on_text)
-    return g
+    options = RunOptions(device=device, max_context=DEMO_CONTEXT, seed=0)
+    session = open_session(model, options)
+    try:
+        ids = session.tokenizer.encode_prompt(prompt)
+        echo(f"    prompt: {prompt!r} ({len(ids)} tokens with the chat template)")
+        return session.generate(ids, max_tokens, options.sampling(), on_text=on_text)
+    finally:
+        session.close()

@@ -16,7 +16,7 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
         raise ConfigError(f"--device {name}: choose auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")

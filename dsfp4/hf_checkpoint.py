@@ -69,15 +69,9 @@ NVFP4_TENSORS = re.compile(
     r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight"
 )
 NORMS = re.compile(r".*(layernorm|norm)\.weight")
-SPECIAL_TOKENS = [
-    "<｜begin▁of▁sentence｜>",
-    "<｜end▁of▁sentence｜>",
-    "<｜▁pad▁｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "<think>",
-    "</think>",
-]
+SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>"]
+# R1's thinking tags are added tokens but not special ones: decoding keeps them, so the thinking can be split
+THINK_TOKENS = ["<think>", "</think>"]
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{%- for m in messages if m['role'] == 'system' -%}"
@@ -174,7 +168,7 @@ def _encode(name: str, w: torch.Tensor, fmt: str | None, dtype: str, amax: torch
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
     """Train a small byte-level BPE (specials first: bos = 0, eos = 1) and its tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     sentences = (
         "the model reads expert weights from disk and computes tokens on one graphics card while",
@@ -194,6 +188,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     bos = SPECIAL_TOKENS[0]  # as DeepSeek's tokenizer.json, whose post-processor puts the BOS first
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]

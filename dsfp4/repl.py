@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from dsfp4.errors import DsfpError
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.sampling import SamplingParams
 from dsfp4.runtime.session import Generation, Session
+from dsfp4.runtime.tokenizer import split_reasoning
 
 HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert reads)
 /reset   forget the conversation (and its cache)
@@ -29,7 +29,7 @@ def chat_repl(
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
     last: Generation | None = None
-    sampling = SamplingParams(options.temperature, options.top_p, options.top_k, options.seed)
+    sampling = options.sampling()
     write("dsfp4 chat: /help lists the commands\n")
     while True:
         try:
@@ -62,10 +62,11 @@ def chat_repl(
             ids = session.tokenizer.encode_chat(messages)
             last = session.generate(ids, options.max_tokens, sampling, options.stop, on_text=write)
             write("\n")
-            messages.append({"role": "assistant", "content": last.text})
+            # history keeps the answer without R1-style thinking, as DeepSeek's templates expect
+            messages.append({"role": "assistant", "content": split_reasoning(last.text)[1]})
         except KeyboardInterrupt:
             write("\n(interrupted)\n")
             messages.pop()
-        except DsfpError as e:
+        except (DsfpError, ValueError, RuntimeError) as e:  # one bad turn must not end the conversation
             write(f"error: {e}\n")
             messages.pop()

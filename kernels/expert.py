@@ -36,3 +36,12 @@ def expert_ffn(x: torch.Tensor, record: torch.Tensor, layout: RecordLayout) -> t
     if x.is_cuda and triton is not None:
         return expert_ffn_triton(x, record, layout)
     return expert_ffn_ref(x, record, layout)
+
+
+def warm_up(layout: RecordLayout, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the Triton kernels for this record layout and dtype before the first token is timed."""
+    if device.type != "cuda" or triton is None:
+        return
+    record = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+    for tokens in (1, 17):  # the decode and the prefill block shapes
+        expert_ffn_triton(torch.zeros(tokens, layout.dim, dtype=dtype, device=device), record, layout)

@@ -13,6 +13,9 @@ import torch
 
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, e2m1_decode, e8m0_to_float, unpack_fp4
 
+BLOCK_N = 64  # output rows per program
+BLOCK_K_CHOICES = (128, 64, 32, 16)  # the largest that divides K is used
+
 try:
     import triton
     import triton.language as tl
@@ -108,12 +111,12 @@ def fp4_matmul(
     t, k = x.shape
     n = packed.shape[0]
     group = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
-    block_k = next(b for b in (128, 64, 32, 16) if k % b == 0 and b >= group)
+    block_k = next(b for b in BLOCK_K_CHOICES if k % b == 0 and b >= group)
     assert packed.shape[1] * 2 == k and scale.shape == (n, k // group), "record part shapes do not fit x"
     x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous().view(torch.uint8)
     y = torch.empty(t, n, dtype=torch.float32, device=x.device)
-    block_t = 16 if t <= 16 else 32
-    grid = (triton.cdiv(t, block_t), triton.cdiv(n, 64))
+    block_t = 16 if t <= 16 else 32  # tl.dot needs >= 16 rows: decode pads its few tokens to 16
+    grid = (triton.cdiv(t, block_t), triton.cdiv(n, BLOCK_N))
     fp4_matmul_kernel[grid](
         x,
         packed,

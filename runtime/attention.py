@@ -17,6 +17,8 @@ from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.rope import apply_rotary_emb, softmax_scale
 from dsfp4.runtime.weights import Weights
 
+SCORE_ELEMENTS = 1 << 26  # attention scores held at once (256 MiB in fp32)
+
 
 class MLA(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights, max_batch: int, max_len: int):
@@ -25,7 +27,8 @@ class MLA(nn.Module):
         self.n_heads, self.nope, self.rope, self.v = a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_lora_rank = a.kv_lora_rank
         q_out = a.n_heads * a.qk_head_dim
-        if a.q_lora_rank:
+        self.q_lora = a.q_lora_rank > 0
+        if self.q_lora:
             self.wq_a = w.matrix(p + "wq_a", (a.q_lora_rank, a.dim))
             self.q_norm = RMSNorm(w.plain(p + "q_norm.weight", (a.q_lora_rank,)), a.norm_eps)
             self.wq_b = w.matrix(p + "wq_b", (q_out, a.q_lora_rank))
@@ -47,10 +50,12 @@ class MLA(nn.Module):
             persistent=False,
         )
 
-    def forward(self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None):
+    def forward(
+        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         b, t, _ = x.shape  # x: [B, T, D]
         end = start_pos + t
-        q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if hasattr(self, "wq_b") else linear(x, self.wq)
+        q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
         q = q.view(b, t, self.n_heads, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
         q_pe = apply_rotary_emb(q_pe, freqs_cis)
@@ -58,14 +63,21 @@ class MLA(nn.Module):
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
         self.kv_cache[:b, start_pos:end] = self.kv_norm(kv)
         self.pe_cache[:b, start_pos:end] = k_pe
+        # the torch reference dequantizes wkv_b per call, as DeepSeek's reference does; the kernels issue
+        # replaces this with absorbed-attention kernels on the stored weight
         wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
         q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
         kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]
-        scores = torch.einsum("bthc,bsc->bths", q_nope, kv_all) + torch.einsum("bthr,bsr->bths", q_pe, pe_all)
-        scores = scores * self.scale
-        if mask is not None:
-            scores = scores + mask.unsqueeze(1)  # mask: [T, S] -> [T, 1, S]
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
-        o = torch.einsum("bths,bsc->bthc", probs, kv_all)
-        o = torch.einsum("bthc,hvc->bthv", o, wkv_b[:, -self.v :])  # apply W_UV: [B, T, H, V]
+        # queries in chunks, so that a long prompt never holds all [B, T, H, S] scores at once
+        step = max(1, SCORE_ELEMENTS // (b * self.n_heads * end))
+        out = []
+        for t0 in range(0, t, step):
+            qn, qp = q_nope[:, t0 : t0 + step], q_pe[:, t0 : t0 + step]
+            scores = torch.einsum("bthc,bsc->bths", qn, kv_all) + torch.einsum("bthr,bsr->bths", qp, pe_all)
+            scores = scores * self.scale
+            if mask is not None:
+                scores = scores + mask[t0 : t0 + step].unsqueeze(1)  # mask: [T, S] -> [T, 1, S]
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
+            out.append(torch.einsum("bths,bsc->bthc", probs, kv_all))
+        o = torch.einsum("bthc,hvc->bthv", torch.cat(out, dim=1), wkv_b[:, -self.v :])  # W_UV: [B, T, H, V]
         return linear(o.flatten(2), self.wo)

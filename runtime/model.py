@@ -35,7 +35,9 @@ class Block(nn.Module):
         moe = args.is_moe_layer(layer)
         self.ffn = MoE(args, layer, w, experts) if moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
 
-    def forward(self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None):
+    def forward(
+        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), start_pos, freqs_cis, mask)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -75,7 +77,7 @@ class Transformer(nn.Module):
         self, args: ModelArgs, w: Weights, experts: ExpertReader, max_batch: int, max_len: int, with_mtp: bool = False
     ):
         super().__init__()
-        self.args, self.max_len = args, max_len
+        self.args, self.max_len, self.experts = args, max_len, experts
         self.embed = w.plain("embed.weight", (args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args, i, w, experts, max_batch, max_len) for i in range(args.n_layers))
         self.norm = RMSNorm(w.plain("norm.weight", (args.dim,)), args.norm_eps)
@@ -110,14 +112,19 @@ class Transformer(nn.Module):
 
 
 def load_model(
-    model_dir: Path, device: torch.device, dtype: torch.dtype, max_len: int, max_batch: int = 1, with_mtp: bool = False
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    max_batch: int = 1,
+    with_mtp: bool = False,
+    manifest: Manifest | None = None,
 ) -> Transformer:
     """Build the model from a converted folder: weights on `device`, experts read on demand."""
-    manifest = Manifest.read(model_dir)
+    manifest = manifest or Manifest.read(model_dir)
     w = Weights(model_dir, manifest, device, dtype)
     experts = ExpertReader(model_dir, manifest, device)
     model = Transformer(manifest.args, w, experts, max_batch, max_len, with_mtp)
     a = manifest.args
     w.check_all_used(() if with_mtp else tuple(f"layers.{i}." for i in range(a.n_layers, a.n_blocks)))
-    model.experts = experts
     return model.eval()

@@ -29,6 +29,9 @@ class MLP(nn.Module):
         return linear(F.silu(linear(x, self.w1)) * linear(x, self.w3), self.w2)
 
 
+GROUPED_METHODS = ("noaux_tc", "group_limited_greedy")  # "greedy" ignores expert groups (V2-Lite)
+
+
 class Gate(nn.Module):
     """Scores every expert (sigmoid or softmax, in fp32), keeps the best n_limited_groups groups, picks the
     top K, and weights them by their scores (without the selection bias), renormalized if configured, times
@@ -37,15 +40,17 @@ class Gate(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights):
         super().__init__()
         p, self.args = f"layers.{layer}.ffn.gate.", args
-        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()
-        self.bias = w.plain(p + "bias", (args.n_routed_experts,)).float() if args.has_gate_bias else None
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()  # as transformers
+        bias = w.plain(p + "bias", (args.n_routed_experts,), torch.float32) if args.has_gate_bias else None
+        self.bias = bias  # kept in fp32 from the file: a bf16 round could flip near-tied selections
+        self.grouped = args.n_expert_groups > 1 and args.topk_method in GROUPED_METHODS
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
         logits = F.linear(x.float(), self.weight)  # [T, E]
         scores = logits.sigmoid() if a.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.bias is None else scores + self.bias
-        if a.n_expert_groups > 1:
+        if self.grouped:
             groups = choice.view(x.shape[0], a.n_expert_groups, -1)  # [T, G, E/G]
             g = groups.topk(2, dim=-1)[0].sum(-1) if self.bias is not None else groups.amax(dim=-1)
             keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(a.n_limited_groups, dim=-1)[1], True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.runtime.sampling import SamplingParams
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -32,6 +33,11 @@ class RunOptions:
             raise ConfigError(f"--max-tokens {self.max_tokens}: give at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+        if any(not s for s in self.stop):
+            raise ConfigError("--stop: an empty stop string would end every answer at once")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -15,6 +15,7 @@ import torch
 
 from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.expert import warm_up
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.model import Transformer, load_model
 from dsfp4.runtime.options import RunOptions
@@ -43,9 +44,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def _held_back(text: str, stop: tuple[str, ...]) -> int:
     """How many trailing characters may still become a stop string or an unfinished UTF-8 character."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
-    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    partial = len(text) - len(text.rstrip("\ufffd"))
+    prefix = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    body = text[: len(text) - partial]  # a stop string may also end just before the unfinished character
+    before = max((k for s in stop for k in range(1, len(s) + 1) if body.endswith(s[:k])), default=0)
+    return max(prefix, partial + before)
 
 
 class Session:
@@ -56,6 +59,9 @@ class Session:
 
     def reset(self) -> None:
         self.cached = []
+
+    def close(self) -> None:
+        self.model.experts.close()
 
     def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
         tokens = torch.tensor([ids], device=self.device)
@@ -79,12 +85,13 @@ class Session:
                 f"the prompt is {n} tokens; the context holds {self.max_context} "
                 f"(raise --max-context, up to the model's {self.model.args.max_seq_len})"
             )
-        budget = min(max_tokens, self.max_context - n)
+        budget = min(max_tokens, self.max_context - n + 1)  # the last token is never fed back
         reader = self.model.experts
         loads0, bytes0 = reader.n_loads, reader.bytes_read
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
         reuse = min(_common_prefix(self.cached, prompt_ids), n - 1)
+        self.cached = self.cached[:reuse]  # what stays valid if the prefill below is interrupted
         logits = self._forward(prompt_ids[reuse:], reuse)
         self.cached = list(prompt_ids)
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
@@ -117,9 +124,13 @@ class Session:
 
 
 def open_session(model_dir: Path, options: RunOptions) -> Session:
-    """Load a converted model and its tokenizer for generation."""
+    """Load a converted model and its tokenizer for generation (the context is capped at the model's)."""
     device = resolve_device(options.device)
-    args = Manifest.read(model_dir).args
-    max_context = min(options.max_context, args.max_seq_len)
-    model = load_model(model_dir, device, options.torch_dtype(device), max_len=max_context)
-    return Session(model, ChatTokenizer(model_dir, args.eos_token_ids), max_context)
+    manifest = Manifest.read(model_dir)
+    max_context = min(options.max_context, manifest.args.max_seq_len)
+    model = load_model(model_dir, device, options.torch_dtype(device), max_len=max_context, manifest=manifest)
+    if device.type == "cuda":
+        warm_up(
+            model.experts.layout, options.torch_dtype(device), device
+        )  # Triton compiles here, not in the first TTFT
+    return Session(model, ChatTokenizer(model_dir, manifest.args.eos_token_ids), max_context)

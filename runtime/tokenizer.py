@@ -1,13 +1,16 @@
 """Text in and out: tokenizer.json through `tokenizers`, and the checkpoint's own chat template
-(tokenizer_config.json, or chat_template.jinja) rendered with jinja2 the way transformers renders it."""
+(tokenizer_config.json, or chat_template.jinja) rendered with jinja2 in the environment transformers
+gives it (trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now)."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -25,30 +28,53 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _template_source(model_dir: Path, cfg: dict) -> str | None:
+    """The chat template: a string, or the "default" entry of a list of named templates."""
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    return template if isinstance(template, str) else None
+
+
+def clean_text(text: str) -> str:
+    """Text as tokenizers accepts it: lone surrogates (Python's stand-ins for undecodable bytes of argv or a
+    terminal) become U+FFFD; valid text passes unchanged."""
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 class ChatTokenizer:
     def __init__(self, model_dir: Path, eos_token_ids: tuple[int, ...] = ()):
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ManifestError(f"{path} not found: copy the source checkpoint's tokenizer.json next to manifest.json")
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises plain Exception for a malformed file
+            raise ManifestError(f"{path}: not a valid tokenizer.json ({e}); copy it again from the source") from e
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{cfg_path}: not valid JSON ({e}); copy it again from the source") from e
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
-        self.bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
         eos = {self.tok.token_to_id(self.eos_token)} if self.eos_token else set()
         self.eos_ids = frozenset((eos | set(eos_token_ids)) - {None})
-        template = cfg.get("chat_template")
-        if template is None and (model_dir / "chat_template.jinja").is_file():
-            template = (model_dir / "chat_template.jinja").read_text()
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        self.template = env.from_string(template) if isinstance(template, str) else None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        source = _template_source(model_dir, cfg)
+        try:
+            self.template = env.from_string(source) if source is not None else None
+        except TemplateError as e:
+            raise ConfigError(f"{cfg_path}: the chat template does not compile ({e})") from e
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids; `special` lets tokenizer.json's post-processor add what it adds (DeepSeek: the BOS)."""
-        return self.tok.encode(text, add_special_tokens=special).ids
+        return self.tok.encode(clean_text(text), add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -56,7 +82,7 @@ class ChatTokenizer:
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as the model was trained to see it (the template writes the BOS itself)."""
         if self.template is None:
-            raise ConfigError("this model has no chat template (tokenizer_config.json); use a plain prompt")
+            raise ConfigError("this model has no chat template (tokenizer_config.json); give the prompt with --raw")
         try:
             return self.template.render(
                 messages=messages,
@@ -69,6 +95,14 @@ class ChatTokenizer:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.render_chat(messages), special=False)
+
+    def encode_prompt(self, prompt: str, system: str | None = None, raw: bool = False) -> list[int]:
+        """One user turn (with an optional system message) through the chat template, or raw text."""
+        if raw:
+            return self.encode(prompt)
+        return self.encode_chat(
+            [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
+        )
 
 
 def split_reasoning(text: str) -> tuple[str, str]:

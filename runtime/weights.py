@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dsfp4.errors import ManifestError
 from dsfp4.kernels.linear import QuantizedWeight
@@ -35,16 +35,19 @@ class Weights:
         return entry
 
     def _read(self, file: str, stored: str) -> torch.Tensor:
-        if file not in self._files:
-            self._files[file] = safe_open(str(self.dir / file), framework="pt", device=str(self.device))
-        return self._files[file].get_tensor(stored)
+        try:
+            if file not in self._files:
+                self._files[file] = safe_open(str(self.dir / file), framework="pt", device=str(self.device))
+            return self._files[file].get_tensor(stored)
+        except (OSError, SafetensorError) as e:
+            raise ManifestError(f"{self.dir / file}: cannot read tensor {stored} ({e}); run `dsfp4 verify`") from e
 
-    def plain(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A norm, bias, router or embedding: one tensor, cast to the runtime dtype."""
+    def plain(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A norm, bias, router or embedding: one tensor, cast to `dtype` (default: the runtime dtype)."""
         entry = self._entry(name, shape)
         if FORMATS[entry.format].scale is not None:
             raise ManifestError(f"{self.dir}: tensor {name} is stored as {entry.format}, expected a plain tensor")
-        return self._read(entry.file, entry.tensors["weight"]).to(self.dtype)
+        return self._read(entry.file, entry.tensors["weight"]).to(dtype or self.dtype)
 
     def matrix(self, name: str, shape: tuple[int, int]) -> QuantizedWeight:
         """A projection in its stored format; kernels decide how to multiply by it."""

@@ -84,6 +84,9 @@ def test_transformers5_spelling_and_v2_lite_defaults():
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
+        ({"topk_group": 9}, "topk_group \\(9\\) exceeds n_group \\(8\\)"),
+        ({"n_group": 7}, "not a multiple of n_group"),
+        ({"num_experts_per_tok": 200}, "num_experts_per_tok \\(200\\) exceeds"),
         ({"model_type": "llama"}, "model_type 'llama' is not supported"),
         ({"hidden_size": None}, "'hidden_size' is missing"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2}}, "rope type 'dynamic'"),

@@ -123,5 +123,57 @@ def test_chat_turns_reuse_the_cache_and_give_the_same_tokens(converted, session)
 def test_context_limit(session):
     with pytest.raises(ConfigError, match="the prompt is 64 tokens; the context holds 64"):
         session.generate(list(range(3, 67)), 4, GREEDY)
-    g = session.generate(list(range(3, 63)), 10, GREEDY)  # 60 + 4 fill the context
-    assert g.finish_reason == "length" and len(g.token_ids) == 4
+    g = session.generate(list(range(3, 63)), 10, GREEDY)  # 60 + 4 fed back fill the context; the 5th is not fed
+    assert g.finish_reason == "length" and len(g.token_ids) == 5
+
+
+def test_hold_back_covers_stop_prefixes_before_an_unfinished_character():
+    from dsfp4.runtime.session import _held_back
+
+    assert _held_back("xa\ufffd", ("a你",)) == 2  # "a" may start the stop string, "\ufffd" may become 你
+    assert _held_back("xab", ("bc",)) == 1 and _held_back("xyz", ("bc",)) == 0
+    assert _held_back("xy\ufffd\ufffd", ()) == 2
+
+
+def test_an_interrupted_prefill_leaves_a_consistent_cache(converted, session):
+    tok = session.tokenizer
+    first = tok.encode_chat([{"role": "user", "content": "hello"}])
+    session.generate(first, 4, GREEDY)
+    second = tok.encode_chat([{"role": "user", "content": "something else entirely"}])
+    real, calls = session.model.forward, []
+
+    def dying(*a, **k):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    session.model.forward = dying
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            session.generate(second, 4, GREEDY)
+    finally:
+        session.model.forward = real
+    again = session.generate(second, 6, GREEDY)
+    fresh = open_session(converted, RunOptions(device="cpu", max_context=64)).generate(second, 6, GREEDY)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_text_that_is_not_utf8_is_tokenized_with_replacement_characters(session):
+    bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # what Python makes of Latin-1 argv
+    ids = session.tokenizer.encode(bad)
+    assert "\ufffd" in session.tokenizer.decode(ids)
+
+
+def test_repl_survives_a_bad_turn(session):
+    from dsfp4.repl import chat_repl
+
+    lines = iter(["hi", "/stats", "/quit"])
+    out = []
+    session.max_context, real = 3, session.max_context  # every prompt is now too long
+    try:
+        chat_repl(
+            session, RunOptions(device="cpu", max_tokens=2, temperature=0), read=lambda p: next(lines), write=out.append
+        )
+    finally:
+        session.max_context = real
+    text = "".join(out)
+    assert "error: the prompt is" in text and "(nothing generated yet)" in text

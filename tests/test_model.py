@@ -31,12 +31,13 @@ CONFIGS = {
         "bf16",
         {"q_lora_rank": None, "rope_scaling": None, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0},
     ),
+    # V2-Lite; "greedy" routing must ignore n_group, as transformers' V2 router does
     "v2_lite": (
         "bf16",
         {
             "model_type": "deepseek_v2",
             "q_lora_rank": None,
-            "n_group": 1,
+            "n_group": 2,
             "topk_group": 1,
             "n_shared_experts": 2,
             "rope_scaling": YARN_V2,
@@ -160,3 +161,22 @@ def test_prefill_loads_each_used_expert_once_per_layer(model_dir):
     layers = [layer for layer, _ in calls]
     assert layers == sorted(set(layers)) == [i for i in range(model.args.n_layers) if model.args.is_moe_layer(i)]
     assert all(len(set(ids)) == len(ids) > model.args.n_activated_experts for _, ids in calls)
+
+
+def test_attention_in_query_chunks_equals_one_pass(model_dir, monkeypatch):
+    import dsfp4.runtime.attention as attention
+
+    model = load_model(model_dir, CPU, torch.float32, max_len=64)
+    tokens = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        whole = model(tokens)[0]
+        monkeypatch.setattr(attention, "SCORE_ELEMENTS", 3 * model.args.n_heads * tokens.shape[1])  # 3 queries
+        chunked = model(tokens)[0]
+    assert _rel_err(chunked, whole) < 1e-6
+
+
+def test_router_bias_stays_fp32_in_a_bf16_model(model_dir):
+    model = load_model(model_dir, CPU, torch.bfloat16, max_len=16)
+    gates = [b.ffn.gate for b in model.layers if hasattr(b.ffn, "gate")]
+    assert all(g.weight.dtype == torch.float32 for g in gates)
+    assert all(g.bias is None or g.bias.dtype == torch.float32 for g in gates)

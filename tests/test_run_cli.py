@@ -112,3 +112,39 @@ def test_chat_repl_in_a_pseudo_terminal(converted):
     finally:
         proc.kill()
         os.close(master)
+
+
+def test_broken_tokenizer_files_and_bad_run_flags_give_one_line(converted, tmp_path):
+    model = shutil.copytree(converted, tmp_path / "model")
+    _one_line(run("run", model, "--prompt", "hi", "--stop", ""), "--stop")
+    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu:1"), "--device cpu:1")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{% for m in messages %}"}))
+    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "chat template does not compile")
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": None}))
+    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "no chat template", "--raw")
+    assert run("run", model, "--prompt", "hi", "--raw", "--device", "cpu", "--max-tokens", "2").exit_code == 0
+    (model / "tokenizer_config.json").write_text("{ broken")
+    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "tokenizer_config.json", "not valid JSON")
+    (model / "tokenizer.json").write_text("{}")
+    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "not a valid tokenizer.json")
+
+
+def test_a_damaged_backbone_file_is_one_line(converted, tmp_path):
+    model = shutil.copytree(converted, tmp_path / "model")
+    path = model / "backbone" / "layer-001.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "layer-001.safetensors", "dsfp4 verify")
+
+
+def test_list_form_chat_template_is_used(converted, tmp_path):
+    from dsfp4.runtime.tokenizer import ChatTokenizer
+
+    model = shutil.copytree(converted, tmp_path / "model")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "tool_use", "template": "x"},
+        {"name": "default", "template": cfg["chat_template"]},
+    ]
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert ChatTokenizer(model).render_chat([{"role": "user", "content": "hi"}]).endswith("hi<｜Assistant｜>")

@@ -117,7 +117,7 @@ def hf_config_dict(dims: dict, variant: str) -> dict:
             topk_method="greedy",
             norm_topk_prob=False,
             num_nextn_predict_layers=0,
-            **{k: v for k, v in dims.items()},
+            **dims,
         )
     if variant == "fp8":
         d["quantization_config"] = {

@@ -24,11 +24,10 @@ def expert_ffn_triton(x: torch.Tensor, record: torch.Tensor, layout: RecordLayou
     """The same through fp4_matmul: one launch for gate+up [T, 2I], one for down."""
     p = layout.unpack(record)
     i, fmt = layout.inter_dim, layout.format
-    ones = torch.ones(2, device=x.device)
-    g13 = p["scale_2"][:2] if fmt == "nvfp4" else ones
-    g2 = p["scale_2"][2:].expand(2) if fmt == "nvfp4" else ones
-    h = fp4_matmul(x, p["w13"], p["w13_scale"].view(torch.uint8), g13, i, fmt)  # [T, 2I] fp32
+    g = p.get("scale_2")  # NVFP4 global scales of w1, w3, w2 (views into the record); MXFP4 has none
+    h = fp4_matmul(x, p["w13"], p["w13_scale"].view(torch.uint8), g if g is None else g[:2], i, fmt)  # [T, 2I]
     a = F.silu(h[:, :i]) * h[:, i:]
+    g2 = g if g is None else g[2:]  # split = D: every row takes the one w2 scale
     return fp4_matmul(a, p["w2"], p["w2_scale"].view(torch.uint8), g2, layout.dim, fmt).to(x.dtype)
 
 

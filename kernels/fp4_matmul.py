@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, e2m1_decode, e8m0_to_float, unpack_fp4
+from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_dequantize, nvfp4_dequantize
 
 BLOCK_N = 64  # output rows per program
 BLOCK_K_CHOICES = (128, 64, 32, 16)  # the largest that divides K is used
@@ -24,16 +24,16 @@ except ImportError:  # the CPU build of torch comes without Triton: the referenc
 
 
 def fp4_matmul_ref(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g: torch.Tensor, split: int, fmt: str
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g: torch.Tensor | None, split: int, fmt: str
 ) -> torch.Tensor:
-    """x: [T, K] float, packed: [N, K/2] u8, scale: [N, K/G] u8 (e4m3 or e8m0 bytes), g: [2] f32 -> [T, N] f32."""
-    block = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
-    values = e2m1_decode(unpack_fp4(packed))  # [N, K]
-    n, k = values.shape
-    s = scale.view(torch.float8_e4m3fn).float() if fmt == "nvfp4" else e8m0_to_float(scale)
-    w = (values.view(n, k // block, block) * s[..., None]).view(n, k)
-    rows = torch.arange(n, device=w.device)
-    w = w * torch.where(rows < split, g[0], g[1]).float()[:, None]
+    """x: [T, K] float, packed: [N, K/2] u8, scale: [N, K/G] u8 (e4m3 or e8m0 bytes), g: fp32 global scales
+    (rows below `split` take g[0], the rest g[1]; None: no global scale) -> [T, N] f32."""
+    if fmt == "nvfp4":
+        w = nvfp4_dequantize(packed, scale.view(torch.float8_e4m3fn), torch.ones((), device=packed.device))
+    else:
+        w = mxfp4_dequantize(packed, scale)
+    if g is not None:
+        w = w * g[(torch.arange(w.shape[0], device=w.device) >= split).long()][:, None]
     return x.float() @ w.T
 
 
@@ -80,6 +80,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         GROUP: tl.constexpr,
         E8M0: tl.constexpr,
+        HAS_GLOBAL: tl.constexpr,
     ):
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,13 +100,14 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :], mask=mask_t[:, None], other=0.0)
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        g = tl.where(offs_n < split, tl.load(g_ptr), tl.load(g_ptr + 1))
-        acc = acc * g[None, :]
+        if HAS_GLOBAL:  # NVFP4: one fp32 scale per row, g[0] below `split`, g[1] from it on
+            g = tl.load(g_ptr + (offs_n >= split).to(tl.int32), mask=mask_n, other=0.0)
+            acc = acc * g[None, :]
         tl.store(y_ptr + offs_t[:, None] * stride_yt + offs_n[None, :], acc, mask=mask_t[:, None] & mask_n[None, :])
 
 
 def fp4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g: torch.Tensor, split: int, fmt: str
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g: torch.Tensor | None, split: int, fmt: str
 ) -> torch.Tensor:
     """Triton version of fp4_matmul_ref (same arguments, same result up to summation order)."""
     t, k = x.shape
@@ -113,6 +115,7 @@ def fp4_matmul(
     group = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
     block_k = next(b for b in BLOCK_K_CHOICES if k % b == 0 and b >= group)
     assert packed.shape[1] * 2 == k and scale.shape == (n, k // group), "record part shapes do not fit x"
+    assert g is None or (g.dtype == torch.float32 and g.is_contiguous()), "global scales: contiguous fp32"
     x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous().view(torch.uint8)
     y = torch.empty(t, n, dtype=torch.float32, device=x.device)
     block_t = 16 if t <= 16 else 32  # tl.dot needs >= 16 rows: decode pads its few tokens to 16
@@ -121,7 +124,7 @@ def fp4_matmul(
         x,
         packed,
         scale,
-        g.float().contiguous(),
+        y if g is None else g,  # any pointer will do when there is no global scale
         y,
         t,
         n,
@@ -136,5 +139,6 @@ def fp4_matmul(
         BLOCK_K=block_k,
         GROUP=group,
         E8M0=fmt == "mxfp4",
+        HAS_GLOBAL=g is not None,
     )
     return y

@@ -43,7 +43,6 @@ def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, wo
     """Check sizes and sha256 of every file and record listed in model_dir/manifest.json."""
     model_dir = Path(model_dir)
     m = Manifest.read(model_dir)
-    total = 0
     for rel, f in m.files.items():
         path = model_dir / rel
         if not path.is_file():
@@ -55,7 +54,6 @@ def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, wo
         if file_sha256(path) != f.sha256:
             raise ChecksumError(f"{path}: sha256 mismatch; the file is damaged, convert again")
         on_bytes(f.nbytes)
-        total += f.nbytes
     _check_headers(model_dir, m)
     n_records = 0
     size = m.record.nbytes if m.record else 0
@@ -85,5 +83,4 @@ def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, wo
         finally:
             os.close(fd)
         n_records += len(ef.offsets)
-        total += size * len(ef.offsets)
-    return VerifyReport(len(m.files) + len(m.experts), n_records, total)
+    return VerifyReport(len(m.files) + len(m.experts), n_records, checked_bytes(m))

@@ -20,8 +20,8 @@ from dsfp4.layout.safetensors_file import pread_exact
 class ExpertReader:
     """load(layer, experts) -> {expert: record bytes as a uint8 tensor on `device`}."""
 
-    def __init__(self, model_dir: Path, manifest: Manifest, device: torch.device, verify: bool = True):
-        self.dir, self.manifest, self.device, self.verify = Path(model_dir), manifest, device, verify
+    def __init__(self, model_dir: Path, manifest: Manifest, device: torch.device):
+        self.dir, self.manifest, self.device = Path(model_dir), manifest, device
         self.layout: RecordLayout = manifest.record
         self._fds: dict[int, int] = {}
         self._verified: set[tuple[int, int]] = set()
@@ -38,7 +38,7 @@ class ExpertReader:
         out = {}
         for e in experts:
             raw = pread_exact(self._fd(layer), self.layout.nbytes, ef.offsets[e], self.dir / ef.file)
-            if self.verify and (layer, e) not in self._verified:  # first read of each record
+            if (layer, e) not in self._verified:  # first read of each record
                 if record_sha256(memoryview(raw.numpy())) != ef.sha256[e]:
                     raise ChecksumError(
                         f"{self.dir / ef.file}: the record of expert {e} (layer {layer}) fails "

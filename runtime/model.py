@@ -15,6 +15,7 @@ from torch import nn
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.quant import PLAIN_DTYPES
 from dsfp4.runtime.attention import MLA
 from dsfp4.runtime.experts import ExpertReader
 from dsfp4.runtime.moe import MLP, MoE
@@ -22,7 +23,7 @@ from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.rope import precompute_freqs_cis
 from dsfp4.runtime.weights import Weights
 
-PLAIN_FORMATS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}  # dtype -> plain format name
 
 
 class Block(nn.Module):

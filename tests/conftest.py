@@ -66,3 +66,21 @@ def rewrite_header(path: Path, edit) -> None:
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_cli(*args):
+    """Invoke the dsfp4 command in-process; stderr is kept apart from stdout."""
+    from click.testing import CliRunner
+
+    from dsfp4.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *needles):
+    """Exit status 1 and exactly one stderr line, "error: ...", naming every needle."""
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]

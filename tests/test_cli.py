@@ -10,22 +10,10 @@ from collections import namedtuple
 
 import pytest
 from click.testing import CliRunner
-from conftest import copy_checkpoint, rewrite_header
+from conftest import assert_one_line_error, copy_checkpoint, rewrite_header, run_cli
 
 from dsfp4.cli import cli
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *needles):
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def _drop_shard(ckpt):
@@ -166,7 +154,7 @@ BAD_INPUTS = [
 def test_bad_source_gives_one_line_and_no_manifest(checkpoints, tmp_path, damage):
     ckpt = copy_checkpoint(checkpoints["fp8"], tmp_path / "src")
     needles = damage(ckpt)
-    result = run("convert", "--fp4", ckpt, tmp_path / "out", "-q")
+    result = run_cli("convert", "--fp4", ckpt, tmp_path / "out", "-q")
     assert_one_line_error(result, *needles)
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
 
@@ -175,13 +163,13 @@ def test_existing_output_is_not_overwritten(checkpoints, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep")
-    assert_one_line_error(run("convert", "--fp4", checkpoints["fp8"], out, "-q"), "not empty", "--force")
+    assert_one_line_error(run_cli("convert", "--fp4", checkpoints["fp8"], out, "-q"), "not empty", "--force")
     assert (out / "precious.txt").read_text() == "keep" and not (out / MANIFEST_NAME).exists()
 
 
 def test_output_below_a_file_is_one_line(checkpoints, tmp_path):
     (tmp_path / "afile").write_text("x")
-    assert_one_line_error(run("convert", "--fp4", checkpoints["fp8"], tmp_path / "afile" / "out", "-q"), "afile")
+    assert_one_line_error(run_cli("convert", "--fp4", checkpoints["fp8"], tmp_path / "afile" / "out", "-q"), "afile")
 
 
 def test_full_disk_mid_run_is_one_line_with_the_fix(checkpoints, tmp_path, monkeypatch):
@@ -193,7 +181,7 @@ def test_full_disk_mid_run_is_one_line_with_the_fix(checkpoints, tmp_path, monke
         raise OSError(errno.ENOSPC, "No space left on device", "experts/layer-001.bin.partial")
 
     monkeypatch.setattr(part, "pwrite_all", full)
-    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
+    result = run_cli("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
     assert_one_line_error(result, "No space left on device", "run the same command again")
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
 
@@ -201,31 +189,31 @@ def test_full_disk_mid_run_is_one_line_with_the_fix(checkpoints, tmp_path, monke
 def test_not_enough_disk(checkpoints, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
-    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
+    result = run_cli("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
     assert_one_line_error(result, "not enough free disk space", "1000 B are free")
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
 
 
 def test_bad_flags_are_usage_errors(checkpoints, tmp_path):
-    assert run("convert", checkpoints["fp8"], tmp_path / "o").exit_code == 2  # --fp4 is required
-    assert run("convert", "--fp4", "--format", "int4", checkpoints["fp8"], tmp_path / "o").exit_code == 2
+    assert run_cli("convert", checkpoints["fp8"], tmp_path / "o").exit_code == 2  # --fp4 is required
+    assert run_cli("convert", "--fp4", "--format", "int4", checkpoints["fp8"], tmp_path / "o").exit_code == 2
     assert_one_line_error(
-        run("convert", "--fp4", "--device", "cuda:7", checkpoints["fp8"], tmp_path / "o", "-q"), "--device cuda:7"
+        run_cli("convert", "--fp4", "--device", "cuda:7", checkpoints["fp8"], tmp_path / "o", "-q"), "--device cuda:7"
     )
     assert_one_line_error(
-        run("convert", "--fp4", "--device", "meta", checkpoints["fp8"], tmp_path / "o", "-q"), "--device meta"
+        run_cli("convert", "--fp4", "--device", "meta", checkpoints["fp8"], tmp_path / "o", "-q"), "--device meta"
     )
 
 
 def test_dry_run_prints_the_plan(checkpoints, tmp_path):
-    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "--dry-run")
+    result = run_cli("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "--dry-run")
     assert result.exit_code == 0
     assert "layer-003" in result.stdout and "total" in result.stdout and "fp8_e4m3_b128 -> nvfp4" in result.stdout
     assert not (tmp_path / "out").exists()
 
 
 def test_convert_prints_the_output_path_last(checkpoints, tmp_path):
-    result = run("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
+    result = run_cli("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
     assert result.stdout.strip().splitlines()[-1] == str(tmp_path / "out")
     assert "quantization error experts fp8_e4m3_b128 -> nvfp4" in result.stderr
@@ -234,7 +222,7 @@ def test_convert_prints_the_output_path_last(checkpoints, tmp_path):
 def test_verify_passes_then_catches_a_flipped_record_byte(converted, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(converted, model)
-    ok = run("verify", model, "-q")
+    ok = run_cli("verify", model, "-q")
     assert ok.exit_code == 0 and "OK" in ok.stdout
     m = Manifest.read(model)
     ef = m.experts[2]
@@ -242,7 +230,7 @@ def test_verify_passes_then_catches_a_flipped_record_byte(converted, tmp_path):
     data = bytearray(path.read_bytes())
     data[ef.offsets[5] + 100] ^= 0x01
     path.write_bytes(bytes(data))
-    assert_one_line_error(run("verify", model, "-q"), "experts/layer-002.bin", "expert 5")
+    assert_one_line_error(run_cli("verify", model, "-q"), "experts/layer-002.bin", "expert 5")
 
 
 def test_verify_catches_a_damaged_backbone_file(converted, tmp_path):
@@ -252,15 +240,15 @@ def test_verify_catches_a_damaged_backbone_file(converted, tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x80
     path.write_bytes(bytes(data))
-    assert_one_line_error(run("verify", model, "-q"), "backbone/layer-001.safetensors", "sha256")
+    assert_one_line_error(run_cli("verify", model, "-q"), "backbone/layer-001.safetensors", "sha256")
 
 
 def test_verify_refuses_a_folder_without_manifest(tmp_path):
-    assert_one_line_error(run("verify", tmp_path), "manifest.json not found")
+    assert_one_line_error(run_cli("verify", tmp_path), "manifest.json not found")
 
 
 def test_inspect_lists_files_formats_and_records(converted):
-    result = run("inspect", converted, "--tensors")
+    result = run_cli("inspect", converted, "--tensors")
     assert result.exit_code == 0
     for needle in ("experts nvfp4", "backbone/layer-001.safetensors", "layers.1.attn.wkv_a", "fp8_e4m3_b128"):
         assert needle in result.stdout
@@ -268,7 +256,7 @@ def test_inspect_lists_files_formats_and_records(converted):
 
 @pytest.mark.parametrize("command", ["download", "profile-hot"])
 def test_unimplemented_commands_say_so_and_fail(command):
-    result = run(command, "anything")
+    result = run_cli(command, "anything")
     assert result.exit_code == 1 and "not implemented yet" in result.stderr
 
 

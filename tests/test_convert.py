@@ -6,6 +6,7 @@ import json
 
 import torch
 from conftest import tree_bytes
+from reference import hf_name
 from safetensors import safe_open
 
 import dsfp4.convert.pipeline as pipeline
@@ -66,49 +67,16 @@ def test_backbone_tensors_are_bit_identical_to_the_source(checkpoints, converted
             assert entry.format in ("fp8_e4m3_b128", "bf16", "f32"), name
             for comp in entry.tensors:
                 ours = _stored(converted, entry, comp).view(torch.uint8)
-                hf = _source_name(name, comp, m.args.n_layers)
+                hf = _source_name(name, comp)
                 assert torch.equal(ours, src.read_raw(hf).reshape(ours.shape)), name
             n_fp8 += entry.format == "fp8_e4m3_b128"
     assert n_fp8 == 8 * m.args.n_blocks  # 5 attention + 3 dense-or-shared MLP matrices per block
 
 
-def _source_name(ref: str, comp: str, n_layers: int) -> str:
-    """Map a dsfp4 name back to the HF name by hand (independent of convert/hf_names.py)."""
-    table = {
-        "embed.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "head.weight": "lm_head.weight",
-    }
-    if ref in table:
-        return table[ref]
-    _, block, rest = ref.split(".", 2)
-    hf = {
-        "attn_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn.wq_a": "self_attn.q_a_proj",
-        "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
-        "attn.wq_b": "self_attn.q_b_proj",
-        "attn.wkv_a": "self_attn.kv_a_proj_with_mqa",
-        "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-        "attn.wkv_b": "self_attn.kv_b_proj",
-        "attn.wo": "self_attn.o_proj",
-        "ffn.w1": "mlp.gate_proj",
-        "ffn.w3": "mlp.up_proj",
-        "ffn.w2": "mlp.down_proj",
-        "ffn.gate.weight": "mlp.gate.weight",
-        "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-        "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
-        "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
-        "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
-        "embed.weight": "embed_tokens.weight",
-        "enorm.weight": "enorm.weight",
-        "hnorm.weight": "hnorm.weight",
-        "eh_proj": "eh_proj",
-        "head_norm.weight": "shared_head.norm.weight",
-        "head.weight": "shared_head.head.weight",
-    }[rest]
-    suffix = {"weight": "weight", "scale": "weight_scale_inv"}[comp]
-    return f"model.layers.{block}.{hf}" + ("" if hf.endswith(("weight", "bias")) else f".{suffix}")
+def _source_name(ref: str, comp: str) -> str:
+    """The HF name of one stored component, from the test reference's hand-written name table."""
+    hf = hf_name(ref)
+    return hf if comp == "weight" else hf.removesuffix("weight") + {"scale": "weight_scale_inv"}[comp]
 
 
 def test_nvfp4_source_records_hold_the_source_fp4_bytes(checkpoints, tmp_path):

@@ -12,46 +12,35 @@ import sys
 import time
 
 import pytest
-from click.testing import CliRunner
+from conftest import assert_one_line_error, run_cli
 
-from dsfp4.cli import cli
 from dsfp4.layout.manifest import MANIFEST_NAME
 
 
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
 def test_run_prints_the_completion_then_a_stats_line(converted):
-    r = run("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
+    r = run_cli("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
     assert r.exit_code == 0, r.output
     assert r.stdout.strip()
     assert r.stderr.startswith("[length] prompt ") and "tok/s" in r.stderr and "experts read" in r.stderr
-    again = run("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
+    again = run_cli("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
     assert again.stdout == r.stdout
 
 
-def _one_line(result, *needles):
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert all(n in lines[0] for n in needles), lines[0]
-
-
-def test_bad_models_and_flags_give_one_line(converted, tmp_path):
-    _one_line(run("run", tmp_path, "--prompt", "hi"), "manifest.json not found")
+def test_bad_models_and_flags_giveassert_one_line_error(converted, tmp_path):
+    assert_one_line_error(run_cli("run", tmp_path, "--prompt", "hi"), "manifest.json not found")
     newer = shutil.copytree(converted, tmp_path / "newer")
     m = json.loads((newer / MANIFEST_NAME).read_text())
     m["format_version"] = 2
     (newer / MANIFEST_NAME).write_text(json.dumps(m))
-    _one_line(run("run", newer, "--prompt", "hi"), "layout version 2", "upgrade dsfp4")
+    assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "layout version 2", "upgrade dsfp4")
     (newer / MANIFEST_NAME).write_text("{ not json")
-    _one_line(run("run", newer, "--prompt", "hi"), "not valid JSON")
-    _one_line(
-        run("run", converted, "--prompt", "hi " * 40, "--max-context", "16", "--device", "cpu"), "the context holds 16"
+    assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "not valid JSON")
+    assert_one_line_error(
+        run_cli("run", converted, "--prompt", "hi " * 40, "--max-context", "16", "--device", "cpu"),
+        "the context holds 16",
     )
-    _one_line(run("run", converted, "--prompt", "hi", "--device", "tpu"), "--device tpu")
-    assert run("run", converted).exit_code == 2  # neither --prompt nor --chat
+    assert_one_line_error(run_cli("run", converted, "--prompt", "hi", "--device", "tpu"), "--device tpu")
+    assert run_cli("run", converted).exit_code == 2  # neither --prompt nor --chat
 
 
 def test_a_damaged_expert_record_is_caught_at_load(converted, tmp_path):
@@ -61,7 +50,9 @@ def test_a_damaged_expert_record_is_caught_at_load(converted, tmp_path):
     for offset in range(0, len(data), 4096):
         data[offset + 7] ^= 0xFF  # every record of the layer
     path.write_bytes(bytes(data))
-    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu", "--max-tokens", "2"), "sha256", "dsfp4 verify")
+    assert_one_line_error(
+        run_cli("run", model, "--prompt", "hi", "--device", "cpu", "--max-tokens", "2"), "sha256", "dsfp4 verify"
+    )
 
 
 def _read_until(fd: int, needle: bytes, timeout: float = 60.0) -> bytes:
@@ -114,27 +105,31 @@ def test_chat_repl_in_a_pseudo_terminal(converted):
         os.close(master)
 
 
-def test_broken_tokenizer_files_and_bad_run_flags_give_one_line(converted, tmp_path):
+def test_broken_tokenizer_files_and_bad_run_flags_giveassert_one_line_error(converted, tmp_path):
     model = shutil.copytree(converted, tmp_path / "model")
-    _one_line(run("run", model, "--prompt", "hi", "--stop", ""), "--stop")
-    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu:1"), "--device cpu:1")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--stop", ""), "--stop")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu:1"), "--device cpu:1")
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{% for m in messages %}"}))
-    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "chat template does not compile")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "chat template does not compile")
     (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": None}))
-    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "no chat template", "--raw")
-    assert run("run", model, "--prompt", "hi", "--raw", "--device", "cpu", "--max-tokens", "2").exit_code == 0
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "no chat template", "--raw")
+    assert run_cli("run", model, "--prompt", "hi", "--raw", "--device", "cpu", "--max-tokens", "2").exit_code == 0
     (model / "tokenizer_config.json").write_text("{ broken")
-    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "tokenizer_config.json", "not valid JSON")
+    assert_one_line_error(
+        run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "tokenizer_config.json", "not valid JSON"
+    )
     (model / "tokenizer.json").write_text("{}")
-    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "not a valid tokenizer.json")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "not a valid tokenizer.json")
 
 
-def test_a_damaged_backbone_file_is_one_line(converted, tmp_path):
+def test_a_damaged_backbone_file_isassert_one_line_error(converted, tmp_path):
     model = shutil.copytree(converted, tmp_path / "model")
     path = model / "backbone" / "layer-001.safetensors"
     path.write_bytes(path.read_bytes()[:100])
-    _one_line(run("run", model, "--prompt", "hi", "--device", "cpu"), "layer-001.safetensors", "dsfp4 verify")
+    assert_one_line_error(
+        run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "layer-001.safetensors", "dsfp4 verify"
+    )
 
 
 def test_list_form_chat_template_is_used(converted, tmp_path):

@@ -16,7 +16,9 @@ from tqdm import tqdm
 
 from dsfp4 import __version__
 from dsfp4.errors import DsfpError
+from dsfp4.runtime.budget import PRESETS
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.sizes import format_bytes
 
 PATH = click.Path(path_type=Path)
@@ -101,20 +103,75 @@ def profile_hot() -> None:
     show_default=True,
     help="Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
 )
-def run(model: Path, prompt: str | None, chat: bool, system: str | None, raw: bool, **knobs) -> None:
+@click.option("--gpu-mem", help="Device memory budget, e.g. 14G (default: the preset, else free VRAM less a margin).")
+@click.option("--cpu-mem", help="RAM budget of the process, e.g. 64G (default: the preset, else 80% of available).")
+@click.option("--preset", type=click.Choice(list(PRESETS)), help="Budgets of a hardware class (see --plan).")
+@click.option(
+    "--policy",
+    type=click.Choice(list(TIER_POLICIES)),
+    default=RUN_DEFAULTS.policy,
+    show_default=True,
+    help="Eviction of the expert tiers: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM).",
+)
+@click.option(
+    "--no-prefetch",
+    "prefetch",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Do not predict the next layer's experts.",
+)
+@click.option(
+    "--io-threads",
+    type=click.IntRange(min=1),
+    default=RUN_DEFAULTS.io_threads,
+    show_default=True,
+    help="SSD reads in flight.",
+)
+@click.option(
+    "--no-verify",
+    "verify",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Skip the sha256 check of each record's first read.",
+)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(min=1),
+    default=RUN_DEFAULTS.prefill_chunk,
+    show_default=True,
+    help="Prompt tokens per forward pass: larger loads each expert fewer times, smaller needs less workspace.",
+)
+@click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
+def run(
+    model: Path,
+    prompt: str | None,
+    chat: bool,
+    system: str | None,
+    raw: bool,
+    show_plan: bool,
+    show_stats: bool,
+    **knobs,
+) -> None:
     """Generate with a converted MODEL: one --prompt (the answer, then a stats line on stderr) or --chat.
 
     \b
     Examples:
       dsfp4 run model/ --prompt "Why is the sky blue?"
       dsfp4 run model/ --chat --temperature 0.6
+      dsfp4 run model/ --preset 24g --plan
     """
     from dsfp4.repl import chat_repl
-    from dsfp4.runtime.session import open_session
+    from dsfp4.runtime.session import open_session, plan_session
 
+    options = RunOptions(**{**knobs, "stop": tuple(knobs["stop"])})
+    if show_plan:
+        click.echo(plan_session(model, options).table())
+        return
     if (prompt is None) == (not chat):
         raise click.UsageError("give either --prompt TEXT or --chat")
-    options = RunOptions(**{**knobs, "stop": tuple(knobs["stop"])})
     session = open_session(model, options)
     asked = click.get_current_context().get_parameter_source("max_context") == ParameterSource.COMMANDLINE
     if asked and session.max_context < options.max_context:
@@ -123,15 +180,22 @@ def run(model: Path, prompt: str | None, chat: bool, system: str | None, raw: bo
             err=True,
         )
     try:
+        ids = [] if chat else session.tokenizer.encode_prompt(prompt, system, raw)
+        if not chat:
+            session.check_prompt(ids)  # before the plan, so bad input stays a one-line error
+        click.echo(session.plan.table(), err=True)
+        for note in session.notes:
+            click.echo(f"note: {note}", err=True)
         if chat:
             chat_repl(session, options, system)
             return
-        ids = session.tokenizer.encode_prompt(prompt, system, raw)
         g = session.generate(
             ids, options.max_tokens, options.sampling(), options.stop, on_text=lambda t: click.echo(t, nl=False)
         )
         click.echo()
         click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
+        if show_stats:
+            click.echo(g.stats.table(), err=True)
     finally:
         session.close()
 

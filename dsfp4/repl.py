@@ -11,7 +11,7 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.session import Generation, Session
 from dsfp4.runtime.tokenizer import split_reasoning
 
-HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert reads)
+HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert tiers, bytes moved, peaks)
 /reset   forget the conversation (and its cache)
 /help    this text
 /quit    leave (Ctrl-D works too)"""
@@ -53,7 +53,7 @@ def chat_repl(
                 session.reset()
                 write("(conversation cleared)\n")
             elif cmd == "/stats":
-                write((last.stats.line() if last else "(nothing generated yet)") + "\n")
+                write((last.stats.table() if last else "(nothing generated yet)") + "\n")
             else:
                 write(f"unknown command {cmd}; /help lists them\n")
             continue

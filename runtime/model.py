@@ -17,9 +17,12 @@ from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.quant import PLAIN_DTYPES
 from dsfp4.runtime.attention import MLA
-from dsfp4.runtime.experts import ExpertReader
+from dsfp4.runtime.budget import resolve_budgets
+from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.moe import MLP, MoE
 from dsfp4.runtime.norm import RMSNorm
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.planner import Plan, make_plan
 from dsfp4.runtime.rope import precompute_freqs_cis
 from dsfp4.runtime.weights import Weights
 
@@ -27,27 +30,31 @@ PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}  # dtype -> 
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertReader, max_batch: int, max_len: int):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, max_batch: int, max_len: int):
         super().__init__()
         p = f"layers.{layer}."
         self.attn_norm = RMSNorm(w.plain(p + "attn_norm.weight", (args.dim,)), args.norm_eps)
         self.attn = MLA(args, layer, w, max_batch, max_len)
         self.ffn_norm = RMSNorm(w.plain(p + "ffn_norm.weight", (args.dim,)), args.norm_eps)
-        moe = args.is_moe_layer(layer)
-        self.ffn = MoE(args, layer, w, experts) if moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
+        self.moe = args.is_moe_layer(layer)
+        self.ffn = MoE(args, layer, w, experts) if self.moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
 
     def forward(
         self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), start_pos, freqs_cis, mask)
-        return x + self.ffn(self.ffn_norm(x))
+        return x + (self.ffn(self.ffn_norm(x), x) if self.moe else self.ffn(self.ffn_norm(x)))
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts this block's router would pick for residual stream h: [T, D] -> [T, K]."""
+        return self.ffn.gate(self.ffn_norm(h))[1]
 
 
 class MTP(nn.Module):
     """Multi-token prediction module (checkpoint-spec c.9): from the main model's final (normed) hidden
     state at position i and the embedding of token i+1, predict token i+2 with its own decoder block."""
 
-    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertReader, max_batch: int, max_len: int):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, max_batch: int, max_len: int):
         super().__init__()
         p, d = f"layers.{layer}.", args.dim
         self.embed = w.plain(p + "embed.weight", (args.vocab_size, d))
@@ -75,12 +82,22 @@ class MTP(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(
-        self, args: ModelArgs, w: Weights, experts: ExpertReader, max_batch: int, max_len: int, with_mtp: bool = False
+        self,
+        args: ModelArgs,
+        w: Weights,
+        experts: ExpertStore,
+        max_batch: int,
+        max_len: int,
+        with_mtp: bool = False,
+        prefetch: bool = True,
     ):
         super().__init__()
         self.args, self.max_len, self.experts = args, max_len, experts
         self.embed = w.plain("embed.weight", (args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args, i, w, experts, max_batch, max_len) for i in range(args.n_layers))
+        moe = [b for b in self.layers if b.moe]
+        for here, nxt in zip(moe, moe[1:], strict=False) if prefetch else ():
+            here.ffn.next_router = (nxt.ffn.layer, nxt.route)  # predict the next MoE layer's experts
         self.norm = RMSNorm(w.plain("norm.weight", (args.dim,)), args.norm_eps)
         if args.tie_word_embeddings:
             self.head = QuantizedWeight(PLAIN_FORMATS[w.dtype], (self.embed,), tuple(self.embed.shape), "embed.weight")
@@ -120,12 +137,29 @@ def load_model(
     max_batch: int = 1,
     with_mtp: bool = False,
     manifest: Manifest | None = None,
+    options: RunOptions | None = None,
+    plan: Plan | None = None,
 ) -> Transformer:
-    """Build the model from a converted folder: weights on `device`, experts read on demand."""
+    """Build the model from a converted folder: weights on `device`, routed experts in an expert store
+    sized by the planner from the budgets in `options` (default: this machine's free memory), or by
+    `plan` when given (tests and benchmarks set slot counts directly)."""
     manifest = manifest or Manifest.read(model_dir)
+    options = options or RunOptions()
+    plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
     w = Weights(model_dir, manifest, device, dtype)
-    experts = ExpertReader(model_dir, manifest, device)
-    model = Transformer(manifest.args, w, experts, max_batch, max_len, with_mtp)
-    a = manifest.args
-    w.check_all_used(() if with_mtp else tuple(f"layers.{i}." for i in range(a.n_layers, a.n_blocks)))
+    experts = ExpertStore(model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify)
+    try:
+        model = Transformer(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
+        a = manifest.args
+        w.check_all_used(() if with_mtp else tuple(f"layers.{i}." for i in range(a.n_layers, a.n_blocks)))
+    except BaseException:
+        experts.close()
+        raise
     return model.eval()
+
+
+def plan_run(
+    manifest: Manifest, device: torch.device, dtype: torch.dtype, max_len: int, options: RunOptions, with_mtp: bool
+) -> Plan:
+    budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
+    return make_plan(manifest, device, dtype, budgets, max_len, options.prefill_chunk, options.io_threads, with_mtp)

@@ -5,6 +5,8 @@ Legend: T tokens, D dim, E routed experts, K activated experts per token, G expe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,7 +14,7 @@ from torch import nn
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.expert import expert_ffn
 from dsfp4.kernels.linear import linear
-from dsfp4.runtime.experts import ExpertReader
+from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.weights import Weights
 
 
@@ -63,24 +65,47 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertReader):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore):
         super().__init__()
         self.layer, self.experts, self.n_routed = layer, experts, args.n_routed_experts
         self.gate = Gate(args, layer, w)
         inter = args.n_shared_experts * args.moe_inter_dim
         self.shared_experts = MLP(f"layers.{layer}.ffn.shared_experts.", args.dim, inter, w) if inter else None
+        self.next_router: tuple[int, Callable[[torch.Tensor], torch.Tensor]] | None = None  # set by the model
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, D] normed input; residual: the stream x came from, for predicting the next layer."""
         shape = x.shape
         x = x.view(-1, shape[-1])  # [T, D]
         weights, indices = self.gate(x)  # [T, K], [T, K]
+        ask = [indices.flatten()]
+        if self.next_router is not None and residual is not None:
+            ask.append(self.next_router[1](residual.view(-1, shape[-1])).flatten())  # next layer's choice
+        ids = torch.cat(ask).tolist()  # the one host sync of the layer
+        chosen = ids[: indices.numel()]
+        prefetch = (self.next_router[0], sorted(set(ids[indices.numel() :]))) if len(ask) > 1 else None
+        k = indices.shape[1]
+        positions: dict[int, list[int]] = {}  # expert -> flat positions (token * K + k) choosing it
+        for pos, e in enumerate(chosen):
+            positions.setdefault(e, []).append(pos)
+        flat_w = weights.flatten().to(x.dtype)  # [T*K]
+        outs = {}  # expert -> (tokens, weighted output); summed in expert order below, so the result does
+        # not depend on which tier answered first
+        for e, record in self.experts.load(self.layer, sorted(positions), prefetch):  # each expert once per layer
+            pos = positions[e]
+            if x.shape[0] == 1:  # decode: no gathers
+                outs[e] = (None, expert_ffn(x, record, self.experts.layout) * flat_w[pos[0]])
+                continue
+            p = torch.tensor(pos, device=x.device)
+            token = p // k
+            outs[e] = (token, expert_ffn(x[token], record, self.experts.layout) * flat_w[p, None])
         y = torch.zeros_like(x)
-        used = torch.bincount(indices.flatten(), minlength=self.n_routed).nonzero().flatten().tolist()
-        records = self.experts.load(self.layer, used)  # each expert the batch uses, once per layer
-        for e in used:
-            token, slot = torch.where(indices == e)
-            out = expert_ffn(x[token], records[e], self.experts.layout)
-            y.index_add_(0, token, out * weights[token, slot, None].to(x.dtype))
+        for e in sorted(outs):
+            token, out = outs[e]
+            if token is None:
+                y += out
+            else:
+                y.index_add_(0, token, out)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.runtime.sampling import SamplingParams
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -23,6 +24,14 @@ class RunOptions:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    gpu_mem: str | None = None  # budgets: sizes such as 14G; None: the preset, else free memory
+    cpu_mem: str | None = None
+    preset: str | None = None
+    policy: str = "lru"  # eviction policy of both tiers (see runtime/policy.py)
+    prefetch: bool = True  # predict the next MoE layer's experts with its router
+    io_threads: int = 4  # SSD reads in flight
+    verify: bool = True  # sha256 of each record on its first read from the SSD
+    prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -33,6 +42,10 @@ class RunOptions:
             raise ConfigError(f"--max-tokens {self.max_tokens}: give at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+        if self.policy not in TIER_POLICIES:
+            raise ConfigError(f"--policy {self.policy}: choose one of {', '.join(TIER_POLICIES)}")
+        if self.io_threads < 1 or self.prefill_chunk < 1:
+            raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
         if any(not s for s in self.stop):
             raise ConfigError("--stop: an empty stop string would end every answer at once")
 

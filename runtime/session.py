@@ -16,11 +16,14 @@ import torch
 from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.expert import warm_up
-from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.model import Transformer, load_model
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.layout.manifest import Manifest, manifest_sha256
+from dsfp4.runtime.model import Transformer, load_model, plan_run
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.planner import Plan
 from dsfp4.runtime.sampling import SamplingParams, sample
-from dsfp4.runtime.stats import GenerationStats
+from dsfp4.runtime.stats import GenerationStats, peak_memory
+from dsfp4.runtime.store_stats import counters_since
 from dsfp4.runtime.tokenizer import ChatTokenizer
 
 
@@ -52,10 +55,13 @@ def _held_back(text: str, stop: tuple[str, ...]) -> int:
 
 
 class Session:
-    def __init__(self, model: Transformer, tokenizer: ChatTokenizer, max_context: int):
+    def __init__(self, model: Transformer, tokenizer: ChatTokenizer, max_context: int, prefill_chunk: int = 512):
         self.model, self.tokenizer, self.max_context = model, tokenizer, max_context
+        self.prefill_chunk = prefill_chunk
         self.cached: list[int] = []
         self.device = model.freqs_cis.device
+        self.notes: list[str] = list(model.experts.notes)
+        self.plan = model.experts.plan
 
     def reset(self) -> None:
         self.cached = []
@@ -63,9 +69,22 @@ class Session:
     def close(self) -> None:
         self.model.experts.close()
 
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ConfigError("the prompt is empty")
+        if n >= self.max_context:
+            raise ConfigError(
+                f"the prompt is {n} tokens; the context holds {self.max_context} "
+                f"(raise --max-context, up to the model's {self.model.args.max_seq_len})"
+            )
+
     def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
-        tokens = torch.tensor([ids], device=self.device)
-        return self.model(tokens, start_pos=start_pos, last_only=True)[0][0, -1]  # [V]
+        """Feed ids at start_pos in chunks of prefill_chunk tokens -> logits after the last one [V]."""
+        for i in range(0, len(ids), self.prefill_chunk):
+            tokens = torch.tensor([ids[i : i + self.prefill_chunk]], device=self.device)
+            logits = self.model(tokens, start_pos=start_pos + i, last_only=True)[0][0, -1]
+        return logits
 
     @torch.inference_mode()
     def generate(
@@ -77,17 +96,11 @@ class Session:
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
         """Generate after prompt_ids; on_text receives the text as it is produced."""
+        self.check_prompt(prompt_ids)
         n = len(prompt_ids)
-        if n == 0:
-            raise ConfigError("the prompt is empty")
-        if n >= self.max_context:
-            raise ConfigError(
-                f"the prompt is {n} tokens; the context holds {self.max_context} "
-                f"(raise --max-context, up to the model's {self.model.args.max_seq_len})"
-            )
         budget = min(max_tokens, self.max_context - n + 1)  # the last token is never fed back
-        reader = self.model.experts
-        loads0, bytes0 = reader.n_loads, reader.bytes_read
+        store = self.model.experts
+        before = store.counters.snapshot()
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
         reuse = min(_common_prefix(self.cached, prompt_ids), n - 1)
@@ -119,18 +132,41 @@ class Session:
         if on_text and len(text) > emitted:
             on_text(text[emitted:])
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
-        stats.expert_loads, stats.expert_bytes = reader.n_loads - loads0, reader.bytes_read - bytes0
+        stats.store = counters_since(store.counters.snapshot(), before)
+        stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
         return Generation(list(prompt_ids), tokens, text, finish, stats)
 
 
-def open_session(model_dir: Path, options: RunOptions) -> Session:
-    """Load a converted model and its tokenizer for generation (the context is capped at the model's)."""
+def plan_session(model_dir: Path, options: RunOptions) -> Plan:
+    """The memory plan `open_session` would follow, without loading anything."""
     device = resolve_device(options.device)
     manifest = Manifest.read(model_dir)
     max_context = min(options.max_context, manifest.args.max_seq_len)
-    model = load_model(model_dir, device, options.torch_dtype(device), max_len=max_context, manifest=manifest)
+    return plan_run(manifest, device, options.torch_dtype(device), max_context, options, with_mtp=False)
+
+
+def open_session(model_dir: Path, options: RunOptions) -> Session:
+    """Load a converted model and its tokenizer for generation (the context is capped at the model's),
+    warm-starting the expert tiers from hot.json when the folder has one for this conversion."""
+    device = resolve_device(options.device)
+    manifest = Manifest.read(model_dir)
+    max_context = min(options.max_context, manifest.args.max_seq_len)
+    dtype = options.torch_dtype(device)
     if device.type == "cuda":
-        warm_up(
-            model.experts.layout, options.torch_dtype(device), device
-        )  # Triton compiles here, not in the first TTFT
-    return Session(model, ChatTokenizer(model_dir, manifest.args.eos_token_ids), max_context)
+        torch.cuda.reset_peak_memory_stats(device)
+    model = load_model(model_dir, device, dtype, max_len=max_context, manifest=manifest, options=options)
+    session = Session(model, ChatTokenizer(model_dir, manifest.args.eos_token_ids), max_context, options.prefill_chunk)
+    try:
+        hot = Path(model_dir) / HOT_NAME
+        if hot.is_file():
+            profile = HotProfile.read(hot)
+            if profile.manifest_sha256 == manifest_sha256(model_dir):
+                model.experts.warm_start(profile)
+            else:
+                session.notes.append(f"{hot} belongs to another conversion; starting cold (run `dsfp4 profile-hot`)")
+        if device.type == "cuda":
+            warm_up(model.experts.layout, dtype, device)  # Triton compiles here, not in the first TTFT
+    except BaseException:
+        session.close()
+        raise
+    return session

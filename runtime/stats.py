@@ -1,10 +1,27 @@
-"""What one generation cost: token counts, time to first token, prefill and decode speed, expert reads."""
+"""What one generation cost: token counts, time to first token, prefill and decode speed, and the
+expert store's counters over the generation (tiers hit, bytes moved, prefetch quality, stalls, peaks)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
 
 from dsfp4.sizes import format_bytes
+
+
+def peak_memory(device: torch.device) -> tuple[int, int]:
+    """(peak device bytes: torch's max reserved, 0 on the CPU; peak process RSS: VmHWM)."""
+    gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return gpu, int(line.split()[1]) * 1024
+    return gpu, 0
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
 
 
 @dataclass
@@ -15,27 +32,80 @@ class GenerationStats:
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    expert_loads: int = 0
-    expert_bytes: int = 0
+    store: dict[str, float] = field(default_factory=dict)  # expert store counters over this generation
+    peak_gpu: int = 0
+    peak_rss: int = 0
 
     @property
     def prefill_tok_s(self) -> float:
-        n = self.prompt_tokens - self.cached_tokens
-        return n / self.prefill_s if self.prefill_s > 0 else 0.0
+        return _ratio(self.prompt_tokens - self.cached_tokens, self.prefill_s)
 
     @property
     def decode_tok_s(self) -> float:
         n = self.generated_tokens - 1  # the first token comes out of the prefill
         return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
 
+    def derived(self) -> dict[str, float]:
+        s = self.store
+        uses = s.get("expert_uses", 0)
+        tokens = max(self.generated_tokens + self.prompt_tokens - self.cached_tokens, 1)
+        return {
+            "expert_uses": uses,
+            "gpu_hit_rate": _ratio(s.get("gpu_hits", 0), uses),
+            "ram_hit_rate": _ratio(s.get("ram_hits", 0), uses),
+            "ssd_bytes_per_token": _ratio(s.get("ssd_bytes", 0), tokens),
+            "h2d_bytes_per_token": _ratio(s.get("h2d_bytes", 0), tokens),
+            "prefetch_precision": _ratio(s.get("predicted_used", 0), s.get("predicted", 0)),
+            "prefetch_recall": _ratio(s.get("predicted_used", 0), s.get("actual", 0)),
+            "ssd_read_gb_s": _ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
+        }
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s}
+        return {
+            **asdict(self),
+            "prefill_tok_s": self.prefill_tok_s,
+            "decode_tok_s": self.decode_tok_s,
+            **self.derived(),
+        }
 
     def line(self) -> str:
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        d = self.derived()
         return (
             f"prompt {self.prompt_tokens} tokens{cached}, TTFT {self.ttft_s:.2f} s, prefill "
             f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s "
-            f"({self.generated_tokens} tokens), experts read {self.expert_loads} "
-            f"({format_bytes(self.expert_bytes)})"
+            f"({self.generated_tokens} tokens), experts: {d['gpu_hit_rate']:.0%} on device, "
+            f"{d['ram_hit_rate']:.0%} RAM, SSD {format_bytes(self.store.get('ssd_bytes', 0))}"
         )
+
+    def table(self) -> str:
+        """The full picture, for --stats and the chat's /stats."""
+        s, d = self.store, self.derived()
+        rows = [
+            ("tokens", f"{self.prompt_tokens} prompt ({self.cached_tokens} cached), {self.generated_tokens} generated"),
+            (
+                "speed",
+                f"TTFT {self.ttft_s:.3f} s, prefill {self.prefill_tok_s:.1f} tok/s, "
+                f"decode {self.decode_tok_s:.2f} tok/s",
+            ),
+            (
+                "expert uses",
+                f"{d['expert_uses']:.0f}: device {d['gpu_hit_rate']:.1%}, RAM {d['ram_hit_rate']:.1%}, "
+                f"SSD {max(1 - d['gpu_hit_rate'] - d['ram_hit_rate'], 0):.1%}",
+            ),
+            (
+                "SSD reads",
+                f"{s.get('ssd_reads', 0):.0f} records, {format_bytes(s.get('ssd_bytes', 0))} "
+                f"({format_bytes(d['ssd_bytes_per_token'])}/token, {d['ssd_read_gb_s']:.2f} GB/s per reader)",
+            ),
+            ("host->device", f"{format_bytes(s.get('h2d_bytes', 0))} ({format_bytes(d['h2d_bytes_per_token'])}/token)"),
+            (
+                "prefetch",
+                f"{s.get('prefetch_loads', 0):.0f} loads, precision {d['prefetch_precision']:.1%}, "
+                f"recall {d['prefetch_recall']:.1%}",
+            ),
+            ("waiting", f"{s.get('stall_s', 0):.3f} s for experts of {self.prefill_s + self.decode_s:.3f} s"),
+            ("peak memory", f"device {format_bytes(self.peak_gpu)}, process RSS {format_bytes(self.peak_rss)}"),
+        ]
+        w = max(len(a) for a, _ in rows)
+        return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

@@ -77,10 +77,15 @@ def run_cli(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
-def assert_one_line_error(result, *needles):
-    """Exit status 1 and exactly one stderr line, "error: ...", naming every needle."""
+def assert_one_line_error(result, *needles, after_start: bool = False):
+    """Exit status 1 and exactly one stderr line, "error: ...", naming every needle. after_start: the run
+    had begun (its plan table came first), so only the last line is the error."""
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
+    if after_start:
+        assert lines[0].startswith("budgets"), result.stderr
+        lines = lines[-1:]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert sum(line.startswith("error") for line in result.stderr.splitlines()) == 1, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]

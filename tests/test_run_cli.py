@@ -17,11 +17,13 @@ from conftest import assert_one_line_error, run_cli
 from dsfp4.layout.manifest import MANIFEST_NAME
 
 
-def test_run_prints_the_completion_then_a_stats_line(converted):
+def test_run_prints_the_plan_the_completion_then_a_stats_line(converted):
     r = run_cli("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
     assert r.exit_code == 0, r.output
     assert r.stdout.strip()
-    assert r.stderr.startswith("[length] prompt ") and "tok/s" in r.stderr and "experts read" in r.stderr
+    plan, last = r.stderr.splitlines()[0], r.stderr.splitlines()[-1]
+    assert plan.startswith("budgets") and "expert slots" in r.stderr and "record cache" in r.stderr
+    assert last.startswith("[length] prompt ") and "tok/s" in last and "on device" in last
     again = run_cli("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
     assert again.stdout == r.stdout
 
@@ -51,7 +53,10 @@ def test_a_damaged_expert_record_is_caught_at_load(converted, tmp_path):
         data[offset + 7] ^= 0xFF  # every record of the layer
     path.write_bytes(bytes(data))
     assert_one_line_error(
-        run_cli("run", model, "--prompt", "hi", "--device", "cpu", "--max-tokens", "2"), "sha256", "dsfp4 verify"
+        run_cli("run", model, "--prompt", "hi", "--device", "cpu", "--max-tokens", "2"),
+        "sha256",
+        "dsfp4 verify",
+        after_start=True,
     )
 
 

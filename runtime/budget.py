@@ -1,0 +1,121 @@
+"""Memory budgets: sizes as users write them, named hardware presets, and what this machine has free.
+
+A budget is bytes the runtime may hold: `gpu` covers everything it allocates on the device (backbone,
+KV cache, workspace, expert slots), `cpu` the process's resident memory (interpreter, libraries, the
+pinned RAM cache). Defaults take free VRAM and available RAM (the cgroup's limit when it is lower),
+less a safety margin for the desktop, the OS and other processes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsfp4.errors import ConfigError
+
+GiB = 1 << 30
+UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+
+
+@dataclass(frozen=True)
+class Preset:
+    gpu: int
+    cpu: int
+    about: str
+
+
+# What a card and a machine of that class leave us after the display, the CUDA context and the OS.
+PRESETS = {
+    "16g": Preset(15 * GiB, 80 * GiB, "16 GB GPU, 96 GB RAM, PCIe 5 SSD"),
+    "24g": Preset(23 * GiB, 80 * GiB, "RTX 4090 24 GB, 96 GB RAM, PCIe 4 SSD"),
+    "32g": Preset(31 * GiB, 100 * GiB, "RTX 5090 32 GB, 128 GB RAM"),
+    "80g": Preset(76 * GiB, 200 * GiB, "H100 80 GB, 256 GB RAM"),
+}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'24GiB', '24G', '24g', '1.5T', '512M', '4096' -> bytes (binary units: G = GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise ConfigError(f"{flag} {text!r}: give a size such as 14G, 20GiB or 512M")
+    return int(float(m.group(1)) * (1 << UNIT_SHIFT[m.group(2).lower()]))
+
+
+def _meminfo(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError(f"/proc/meminfo has no {key}; give --cpu-mem")
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under the cgroup's memory limit (v2, then v1), or None without a limit."""
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            cap = Path(limit).read_text().strip()
+            used = int(Path(usage).read_text())
+        except (OSError, ValueError):
+            continue
+        if cap != "max" and int(cap) < 1 << 60:
+            return max(int(cap) - used, 0)
+    return None
+
+
+def process_rss() -> int:
+    """Resident memory of this process now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def available_ram() -> int:
+    room = _cgroup_room()
+    avail = _meminfo("MemAvailable")
+    return avail if room is None else min(avail, room)
+
+
+def default_gpu_budget(device: torch.device) -> int:
+    """Free VRAM less 5% of the card (at least 512 MiB) for the driver, the display and fragmentation;
+    on a CPU device the 'device tier' is host memory: a third of what is available."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(free - max(total // 20, GiB // 2), 0)
+    return available_ram() // 3
+
+
+def default_cpu_budget() -> int:
+    """What the process holds now plus 80% of the available RAM (the rest stays with the OS)."""
+    return process_rss() + available_ram() * 4 // 5
+
+
+@dataclass(frozen=True)
+class Budgets:
+    gpu: int
+    cpu: int
+    source: str  # how they were chosen, for the plan table
+
+
+def resolve_budgets(gpu_mem: str | None, cpu_mem: str | None, preset: str | None, device: torch.device) -> Budgets:
+    """Explicit flags win over the preset, the preset over the machine's free memory."""
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
+    p = PRESETS.get(preset) if preset else None
+    gpu = parse_size(gpu_mem, "--gpu-mem") if gpu_mem else p.gpu if p else default_gpu_budget(device)
+    cpu = parse_size(cpu_mem, "--cpu-mem") if cpu_mem else p.cpu if p else default_cpu_budget()
+    source = ", ".join(
+        s
+        for s in (
+            f"preset {preset} ({p.about})" if p else "",
+            "--gpu-mem" if gpu_mem else "",
+            "--cpu-mem" if cpu_mem else "",
+        )
+        if s
+    )
+    return Budgets(gpu, cpu, source or "free memory of this machine")

@@ -1,0 +1,320 @@
+"""The expert store: routed-expert records in three tiers under byte budgets.
+
+  device slots  records in their FP4 form, one fixed-size slot each, and a device-side
+                (layer, expert) -> slot table that kernels can read without asking the host
+  RAM cache     page-aligned (pinned on CUDA) record slots; reads from the SSD land here directly
+  SSD           O_DIRECT reads by a thread pool, several in flight, checksummed on first read
+
+Only the main thread touches the bookkeeping (two SlotPools); worker threads read and upload. A slot
+with a job in flight is pinned until the job and its copy event complete, and a device slot is only
+refilled after the compute that last read it (the copy stream waits on that event, on the device).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsfp4.errors import ChecksumError, ConfigError
+from dsfp4.layout.direct_io import RecordFile, aligned_buffer
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.planner import Plan
+from dsfp4.runtime.policy import TIER_POLICIES
+from dsfp4.runtime.slots import SlotPool
+from dsfp4.runtime.store_stats import StoreCounters
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+def _done(job: Future) -> bool:
+    if not job.done():
+        return False
+    if job.exception() is not None:
+        return True
+    event = job.result()
+    return event is None or event.query()
+
+
+def _finished(value: object) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class ExpertStore:
+    def __init__(
+        self,
+        model_dir: Path,
+        manifest: Manifest,
+        device: torch.device,
+        plan: Plan,
+        policy: str = "lru",
+        io_threads: int = 4,
+        verify: bool = True,
+        direct: bool = True,
+    ):
+        self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
+        self.layout = manifest.record
+        self.verify, self.counters = verify, StoreCounters()
+        n = self.layout.nbytes if self.layout else 0
+        gpu_policy, ram_policy = TIER_POLICIES[policy]
+        self.gpu_pool, self.ram_pool = SlotPool(plan.gpu_slots, gpu_policy), SlotPool(plan.ram_slots, ram_policy)
+        self.gpu = torch.empty((plan.gpu_slots, n), dtype=torch.uint8, device=device)  # [slots, record]
+        self._host = aligned_buffer(plan.ram_slots * n)
+        self.ram_np = self._host.reshape(plan.ram_slots, n)
+        self.ram = torch.from_numpy(self.ram_np)  # [slots, record]
+        self.cuda = device.type == "cuda"
+        self._registered = False
+        if self.cuda and self.ram.numel():
+            if torch.cuda.cudart().cudaHostRegister(self.ram.data_ptr(), self.ram.numel(), 0) != 0:
+                raise ConfigError(f"cannot pin {self.ram.numel()} bytes of RAM for the record cache; lower --cpu-mem")
+            self._registered = True
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        a = manifest.args
+        self.table = torch.full((a.n_blocks, a.n_routed_experts), -1, dtype=torch.int32, device=device)
+        self._table_updates: dict[Key, int] = {}
+        self.files = {layer: RecordFile(self.dir / ef.file, direct) for layer, ef in manifest.experts.items()}
+        self.notes = [
+            f"{self.dir / 'experts'}: the filesystem refuses O_DIRECT (tmpfs?); records are read through "
+            f"the page cache, and dropped from it after each read"
+        ][: any(not f.direct for f in self.files.values())]
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="dsfp4-io")
+        self.gpu_jobs: dict[int, list[Future]] = {}  # slot -> jobs filling it
+        self.ram_jobs: dict[int, list[Future]] = {}  # slot -> jobs writing or reading it
+        self.released: list[torch.cuda.Event | None] = [None] * plan.gpu_slots
+        self._verified: set[Key] = set()
+        self._predicted: dict[int, set[int]] = {}
+
+    # -- worker side --------------------------------------------------------------------------------
+
+    def _read(self, key: Key, rslot: int) -> None:
+        layer, e = key
+        ef = self.manifest.experts[layer]
+        t0 = time.perf_counter()
+        self.files[layer].read_into(self.ram_np[rslot], ef.offsets[e])
+        if self.verify and key not in self._verified:
+            if hashlib.sha256(self.ram_np[rslot]).hexdigest() != ef.sha256[e]:
+                raise ChecksumError(
+                    f"{self.dir / ef.file}: the record of expert {e} (layer {layer}) fails its sha256 check; "
+                    f"run `dsfp4 verify` and convert again"
+                )
+            self._verified.add(key)
+        self.counters.add_read(self.layout.nbytes, time.perf_counter() - t0)
+
+    def _upload(self, gslot: int, rslot: int, after: Future | None, released: object) -> torch.cuda.Event | None:
+        if after is not None:
+            after.result()  # the read of this record
+        if not self.cuda:
+            self.gpu[gslot].copy_(self.ram[rslot])
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            if released is not None:
+                self.copy_stream.wait_event(released)  # compute has finished reading the old record
+            self.gpu[gslot].copy_(self.ram[rslot], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event
+
+    # -- bookkeeping (main thread) ------------------------------------------------------------------
+
+    def _track(self, jobs: dict[int, list[Future]], pool: SlotPool, slot: int, job: Future) -> None:
+        jobs.setdefault(slot, []).append(job)
+        pool.pin(slot)
+
+    def _retire(self) -> None:
+        for jobs, pool in ((self.gpu_jobs, self.gpu_pool), (self.ram_jobs, self.ram_pool)):
+            for slot in list(jobs):
+                left = [j for j in jobs[slot] if not _done(j)]
+                for _ in range(len(jobs[slot]) - len(left)):
+                    pool.unpin(slot)
+                if any(j.done() and j.exception() for j in jobs[slot]) and pool.key_of[slot] is not None:
+                    if pool is self.gpu_pool:
+                        self._table_updates[pool.key_of[slot]] = -1
+                    pool.drop(pool.key_of[slot])  # a failed load leaves nothing behind (the error is raised)
+                if left:
+                    jobs[slot] = left
+                else:
+                    del jobs[slot]
+
+    def _wait_any(self) -> None:
+        """Block until the oldest job in flight completes (a demand load needs its slot)."""
+        jobs = [j for js in (*self.gpu_jobs.values(), *self.ram_jobs.values()) for j in js]
+        if not jobs:
+            raise ConfigError("every expert slot is held by the current layer; raise --gpu-mem or --cpu-mem")
+        t0 = time.perf_counter()
+        event = jobs[0].result()
+        if event is not None:
+            event.synchronize()
+        self.counters.stall_s += time.perf_counter() - t0
+        self._retire()
+
+    def _allocate(self, pool: SlotPool, key: Key, protected: set[Key], wait: bool) -> int | None:
+        while True:
+            got = pool.allocate(key, protected)
+            if got is not None:
+                slot, evicted = got
+                if pool is self.gpu_pool:
+                    self._table_updates[key] = slot
+                    if evicted is not None:
+                        self._table_updates[evicted] = -1
+                return slot
+            if not wait:
+                return None
+            self._wait_any()
+
+    def _start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
+        """Begin moving a record that is not on the device there: (SSD ->) RAM -> device. Returns the job
+        whose result is the copy's event, or None when no slot is free and `wait` is False."""
+        self._retire()
+        rslot = self.ram_pool.slot_of.get(key)
+        read = None
+        if rslot is None:
+            rslot = self._allocate(self.ram_pool, key, set(), wait)  # RAM copies in use are pinned
+            if rslot is None:
+                return None
+            read = self.pool.submit(self._read, key, rslot)
+            self._track(self.ram_jobs, self.ram_pool, rslot, read)
+            self.counters.ssd_reads += 1
+        else:
+            read = next(iter(self.ram_jobs.get(rslot, ())), None)  # a prefetch may still be reading it
+        gslot = self._allocate(self.gpu_pool, key, protected, wait)
+        if gslot is None:
+            return None  # prefetch: the record stays in RAM
+        released = self.released[gslot]
+        if read is None or read.done():
+            job = _finished(self._upload(gslot, rslot, read, released))
+        else:
+            job = self.pool.submit(self._upload, gslot, rslot, read, released)
+        self._track(self.gpu_jobs, self.gpu_pool, gslot, job)
+        self._track(self.ram_jobs, self.ram_pool, rslot, job)
+        self.counters.h2d_bytes += self.layout.nbytes
+        return job
+
+    def _flush_table(self) -> None:
+        if self._table_updates:
+            rows = torch.tensor([(lay, e, s) for (lay, e), s in self._table_updates.items()])  # [n, 3]
+            if self.cuda:  # pinned and non-blocking: a pageable copy would wait for the compute stream
+                rows = rows.pin_memory().to(self.device, non_blocking=True)
+            self.table[rows[:, 0], rows[:, 1]] = rows[:, 2].to(torch.int32)
+            self._table_updates = {}
+
+    # -- the interface the model uses ---------------------------------------------------------------
+
+    def load(
+        self, layer: int, experts: list[int], prefetch: tuple[int, list[int]] | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (expert, record on the device) for each of `experts`: those on the device first, then
+        those in RAM, then the SSD's, in waves of at most the device slot count (a long prompt's layer
+        may use more experts than fit). Compute launched between yields may read the record; its slot is
+        refilled only after the compute queued before the wave ended. `prefetch` (next layer, predicted
+        experts) starts once this layer's own loads are queued."""
+        self._score_prediction(layer, experts)
+        self.counters.layer_steps += 1
+        self.counters.expert_uses += len(experts)
+        tier = {e: 0 if (layer, e) in self.gpu_pool else 1 if (layer, e) in self.ram_pool else 2 for e in experts}
+        order = sorted(experts, key=tier.__getitem__)
+        for start in range(0, len(order), self.plan.gpu_slots):
+            wave = order[start : start + self.plan.gpu_slots]
+            protected = {(layer, e) for e in wave}
+            ready, pending = [], []
+            for e in wave:
+                key = (layer, e)
+                gslot = self.gpu_pool.lookup(key)
+                self.ram_pool.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
+                if gslot is not None:
+                    self.counters.gpu_hits += 1
+                    jobs = self.gpu_jobs.get(gslot)  # a prefetch may still be filling it
+                    (pending if jobs else ready).append((e, gslot, jobs[-1] if jobs else None))
+                    continue
+                in_ram = key in self.ram_pool
+                self.counters.ram_hits += in_ram
+                self.counters.ssd_misses += not in_ram
+                job = self._start(key, protected, wait=True)
+                pending.append((e, self.gpu_pool.slot_of[key], job))
+            if prefetch is not None and start == 0:
+                self.prefetch(*prefetch, protect={(layer, e) for e in experts})
+            self._flush_table()
+            yield from self._hand_out(ready + pending)
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                for e in wave:
+                    self.released[self.gpu_pool.slot_of[(layer, e)]] = event
+
+    def _hand_out(self, items: list[tuple[int, int, Future | None]]) -> Iterator[tuple[int, torch.Tensor]]:
+        for e, gslot, job in items:
+            if job is not None:
+                t0 = time.perf_counter()
+                try:
+                    event = job.result()  # the SSD read and the copy are queued (or a checksum error)
+                except BaseException:
+                    self._retire()  # forget the failed record before the error leaves the store
+                    raise
+                self.counters.stall_s += time.perf_counter() - t0
+                if event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(event)  # on the device, not the host
+            yield e, self.gpu[gslot]
+
+    def prefetch(self, layer: int, experts: list[int], protect: set[Key]) -> None:
+        """Start moving predicted experts of `layer` towards the device without waiting and without
+        evicting anything in `protect` (the current layer's experts) or in flight."""
+        self._predicted[layer] = set(experts)
+        for e in experts:
+            key = (layer, e)
+            if key in self.gpu_pool:
+                continue
+            if self._start(key, protect, wait=False) is not None:
+                self.counters.prefetch_loads += 1
+
+    def _score_prediction(self, layer: int, experts: list[int]) -> None:
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            self.counters.add_prediction(len(predicted), len(set(experts)), len(predicted & set(experts)))
+
+    def warm_start(self, profile: HotProfile) -> None:
+        """Hottest records to the device slots, the next ones to RAM, each group read in file order."""
+        t0 = time.perf_counter()
+        ranked = [k for k in profile.ranked() if k[0] in self.plan.expert_layers]
+        n_gpu = self.plan.gpu_slots
+        to_gpu, to_ram = ranked[:n_gpu], ranked[n_gpu : n_gpu + self.plan.ram_slots]
+        for key in sorted(to_gpu):
+            self._start(key, set(), wait=True)
+        for key in sorted(to_ram):
+            self._retire()
+            rslot = self._allocate(self.ram_pool, key, set(to_ram), wait=True)
+            self._track(self.ram_jobs, self.ram_pool, rslot, self.pool.submit(self._read, key, rslot))
+        self._flush_table()
+        self.sync()
+        self.counters.warm_records = len(to_gpu) + len(to_ram)
+        self.counters.warm_s = time.perf_counter() - t0
+
+    def sync(self) -> None:
+        """Wait for every job in flight (raising the first error)."""
+        while self.gpu_jobs or self.ram_jobs:
+            self._wait_any()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.ram.data_ptr())
+            self._registered = False
+
+    def residency(self) -> np.ndarray:
+        """[layers, experts] int8: 2 on the device, 1 in RAM only, 0 on the SSD only (for tests and stats)."""
+        a = self.manifest.args
+        out = np.zeros((a.n_blocks, a.n_routed_experts), dtype=np.int8)
+        for layer, e in self.ram_pool.slot_of:
+            out[layer, e] = 1
+        for layer, e in self.gpu_pool.slot_of:
+            out[layer, e] = 2
+        return out

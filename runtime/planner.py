@@ -1,0 +1,159 @@
+"""The planner: budgets in, placement out. It decides what lives on the device (backbone, KV cache,
+workspace, expert slots) and in RAM (the record cache and its staging), refuses budgets that cannot
+hold one token's working set, and prints the plan as a table (`dsfp4 run --plan`).
+
+Every number comes from the manifest (stored sizes, record size) and the run options; the workspace
+is an upper estimate of transient tensors (dequantized backbone matrices, prefill activations),
+checked against measured peaks on the GPU machine (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.attention import SCORE_ELEMENTS
+from dsfp4.runtime.budget import Budgets, process_rss
+from dsfp4.sizes import format_bytes
+
+FP32 = 4
+ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    budgets: Budgets
+    backbone: int  # bytes of backbone weights on the device
+    kv_cache: int
+    workspace: int
+    record: int  # bytes per expert record (one slot)
+    gpu_slots: int
+    ram_slots: int
+    staging: int  # RAM slots that reads in flight may hold at once (part of ram_slots)
+    host_base: int  # process memory before the RAM cache (interpreter, libraries, loading)
+    total_records: int
+    top_k: int
+    expert_layers: tuple[int, ...] = ()  # MoE layers whose records the run uses
+
+    @property
+    def gpu_bytes(self) -> int:
+        process = self.host_base if self.device == "cpu" else 0
+        return process + self.backbone + self.kv_cache + self.workspace + self.gpu_slots * self.record
+
+    @property
+    def cpu_bytes(self) -> int:
+        return (0 if self.device == "cpu" else self.host_base) + self.ram_slots * self.record
+
+    def table(self) -> str:
+        r, n = self.record, self.total_records
+        on_cpu = self.device == "cpu"  # both tiers are host memory: the process is counted on the device side
+        process = ("  process", format_bytes(self.host_base), "interpreter, libraries, loading")
+        rows = [
+            ("budgets", self.budgets.source, ""),
+            (f"device budget ({self.device})", format_bytes(self.budgets.gpu), ""),
+            *([process] if on_cpu else []),
+            ("  backbone", format_bytes(self.backbone), "weights in their stored formats"),
+            ("  KV cache", format_bytes(self.kv_cache), "latent cache for --max-context"),
+            ("  workspace", format_bytes(self.workspace), "transient tensors (estimate)"),
+            ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
+            ("RAM budget", format_bytes(self.budgets.cpu), ""),
+            *([] if on_cpu else [process]),
+            ("  record cache", format_bytes(self.ram_slots * r), f"{self.ram_slots} slots, {self.staging} for reads"),
+            ("experts", f"{n} records", f"{self.gpu_slots / n:.0%} on {self.device}, {self.ram_slots / n:.0%} in RAM"),
+        ]
+        w = max(len(a) for a, _, _ in rows)
+        return "\n".join(f"{a:<{w}}  {b:>12}  {c}".rstrip() for a, b, c in rows)
+
+
+def _used_layers(manifest: Manifest, with_mtp: bool) -> range:
+    a = manifest.args
+    return range(a.n_blocks if with_mtp else a.n_layers)
+
+
+def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> tuple[int, int]:
+    """(bytes on the device, largest quantized matrix's element count) of the backbone as loaded:
+    quantized matrices as stored, plain tensors cast to the runtime dtype (the router to fp32)."""
+    a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
+    mtp = tuple(f"layers.{i}." for i in range(a.n_layers, a.n_blocks))
+    total, largest = 0, 0
+    for name, t in manifest.tensors.items():
+        if not with_mtp and name.startswith(mtp):
+            continue
+        spec = FORMATS[t.format]
+        if spec.scale is None:
+            total += shape_numel(t.shape) * (FP32 if name.endswith(ROUTER_SUFFIXES) else elt)
+        else:
+            total += stored_nbytes(spec, t.shape)
+            largest = max(largest, shape_numel(t.shape))
+    return total, largest
+
+
+def make_plan(
+    manifest: Manifest,
+    device: torch.device,
+    dtype: torch.dtype,
+    budgets: Budgets,
+    max_context: int,
+    prefill_chunk: int,
+    io_threads: int,
+    with_mtp: bool = False,
+) -> Plan:
+    a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
+    layers = _used_layers(manifest, with_mtp)
+    record = manifest.record.nbytes if manifest.record else 0
+    expert_layers = tuple(i for i in layers if i in manifest.experts)
+    total_records = len(expert_layers) * a.n_routed_experts
+    backbone, largest = backbone_bytes(manifest, dtype, with_mtp)
+    kv = len(layers) * max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt
+    t = min(prefill_chunk, max_context)
+    # dequantizing a matrix goes through two fp32 copies, then the result; activations of one chunk:
+    # the residual stream and its temporaries, absorbed queries, attention scores, expert hidden states
+    dequant = largest * (2 * FP32 + elt)
+    acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
+    scores = min(SCORE_ELEMENTS, t * a.n_heads * max_context)  # attention scores of one query chunk
+    workspace = dequant + acts + 2 * scores * FP32 + a.vocab_size * FP32 * 2
+    fixed = backbone + kv + workspace
+    top_k = a.n_activated_experts if total_records else 0
+    host_base = process_rss()
+    if device.type == "cpu":  # the 'device' tier is host memory too: count the process there
+        fixed += host_base
+    min_gpu = fixed + top_k * record
+    if budgets.gpu < min_gpu:
+        raise ConfigError(
+            f"--gpu-mem {format_bytes(budgets.gpu)} is too small: this model needs at least "
+            f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}, KV cache for "
+            f"--max-context {max_context} {format_bytes(kv)}, workspace {format_bytes(workspace)}, "
+            f"{top_k} expert slots {format_bytes(top_k * record)}); lower --max-context or --prefill-chunk, "
+            f"or convert with --backbone fp4"
+        )
+    gpu_slots = min((budgets.gpu - fixed) // record, total_records) if record else 0
+    staging = min(io_threads, total_records) if record else 0
+    host_cpu = 0 if device.type == "cpu" else host_base
+    min_cpu = host_cpu + staging * record
+    if budgets.cpu < min_cpu:
+        raise ConfigError(
+            f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu)} "
+            f"and needs {format_bytes(staging * record)} more to read {staging} records at once; give at "
+            f"least {format_bytes(min_cpu)} (or fewer --io-threads)"
+        )
+    ram_slots = max(min((budgets.cpu - host_cpu) // record, total_records), staging) if record else 0
+    return Plan(
+        str(device),
+        budgets,
+        backbone,
+        kv,
+        workspace,
+        record,
+        gpu_slots,
+        ram_slots,
+        staging,
+        host_base,
+        total_records,
+        top_k,
+        expert_layers,
+    )

@@ -1,0 +1,100 @@
+"""Eviction policies for a fixed set of slots keyed by (layer, expert).
+
+A policy only ranks keys; the slot pool decides what may be evicted (never a pinned slot or an expert
+the current layer needs) and asks `victim(protected)` for the best candidate among the rest. The same
+classes drive the runtime's tiers and the replay tool, so what the replay measures is what runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Container, Hashable
+
+Key = Hashable
+HALF_LIFE_TURNOVERS = 4  # LFU memory: uses of the pool, in pool sizes (tuned on traces: docs/BENCHMARKS.md)
+
+
+class LRU:
+    """Least recently used: recency alone (published measurements favour it on flat routing)."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int):
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, protected: Container[Key]) -> Key | None:
+        return next((k for k in self._order if k not in protected), None)
+
+
+class LFUDecay:
+    """Frequency with exponential decay: each use adds 1, halved every `half_life` uses of the pool.
+
+    Scores persist after eviction (a ghost history, one float per key): a key's frequency is what it
+    was used, not what it was used while cached, so a pool smaller than one token's working set keeps
+    a stable hot subset instead of cycling every key through (which makes recency score nothing).
+    Scores use forward decay (a use at time t adds 2^(t/half_life)), so ranking needs no rescan; a heap
+    with lazy deletion finds the smallest resident score. Ties go to the least recent.
+    """
+
+    name = "lfu"
+
+    def __init__(self, capacity: int, half_life: float | None = None):
+        self.half_life = float(half_life or HALF_LIFE_TURNOVERS * max(capacity, 1))
+        self._score: dict[Key, float] = {}
+        self._resident: set[Key] = set()
+        self._heap: list[tuple[float, int, Key]] = []
+        self._clock = 0
+        self._base = 0  # clock at the last rescale, so 2^(t/half_life) stays in range
+
+    def touch(self, key: Key) -> None:
+        self._clock += 1
+        exponent = (self._clock - self._base) / self.half_life
+        if exponent > 500:  # rescale every score by the same factor: the order is unchanged
+            factor = 2.0**-exponent
+            self._score = {k: s * factor for k, s in self._score.items() if s * factor > 0}
+            self._base, exponent = self._clock, 0.0
+            self._rebuild()
+        score = self._score.get(key, 0.0) + math.pow(2.0, exponent)
+        self._score[key] = score
+        self._resident.add(key)
+        heapq.heappush(self._heap, (score, self._clock, key))
+        if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries now and then
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(self._score.get(k, 0.0), self._clock, k) for k in self._resident]
+        heapq.heapify(self._heap)
+
+    def remove(self, key: Key) -> None:
+        self._resident.discard(key)  # its score stays; its heap entries go stale and are skipped
+
+    def victim(self, protected: Container[Key]) -> Key | None:
+        skipped, found = [], None
+        while self._heap:
+            score, t, key = self._heap[0]
+            if key not in self._resident or self._score.get(key) != score:  # stale entry
+                heapq.heappop(self._heap)
+                continue
+            if key in protected:
+                skipped.append(heapq.heappop(self._heap))
+                continue
+            found = key
+            break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return found
+
+
+POLICIES = {p.name: p for p in (LRU, LFUDecay)}  # what one pool can run
+# What a run chooses (--policy): the (device, RAM) pools' policies. "mix" keeps a stable frequent set in
+# a device tier too small for a token's working set, where recency thrashes, and recency in RAM.
+TIER_POLICIES = {"lru": ("lru", "lru"), "lfu": ("lfu", "lfu"), "mix": ("lfu", "lru")}

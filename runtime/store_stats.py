@@ -1,0 +1,47 @@
+"""Counters of the expert store: where each expert came from, the bytes moved, how well prefetch
+predicted, how long the model waited. Cumulative; a generation reports the difference of two snapshots.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class StoreCounters:
+    layer_steps: int = 0  # MoE layer invocations
+    expert_uses: int = 0  # experts those invocations needed
+    gpu_hits: int = 0  # experts found in a device slot
+    ram_hits: int = 0  # found in the RAM cache (then copied to the device)
+    ssd_misses: int = 0  # in neither: read from the SSD on demand
+    ssd_reads: int = 0  # records read from the SSD (demand and prefetch)
+    ssd_bytes: int = 0
+    ssd_read_s: float = 0.0  # summed over reader threads
+    h2d_bytes: int = 0  # records copied host -> device
+    prefetch_loads: int = 0  # records a prediction started moving
+    predicted: int = 0  # experts predicted for a layer ...
+    actual: int = 0  # ... experts that layer then used ...
+    predicted_used: int = 0  # ... and both
+    stall_s: float = 0.0  # host time blocked waiting for expert loads
+    warm_records: int = 0
+    warm_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_read(self, nbytes: int, seconds: float) -> None:
+        with self._lock:  # reader threads
+            self.ssd_bytes += nbytes
+            self.ssd_read_s += seconds
+
+    def add_prediction(self, predicted: int, actual: int, both: int) -> None:
+        self.predicted += predicted
+        self.actual += actual
+        self.predicted_used += both
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+def counters_since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: now[k] - before.get(k, 0) for k in now}

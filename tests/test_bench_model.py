@@ -1,0 +1,99 @@
+"""scripts/bench_model.py writes a model that verify, the manifest reader and the runtime take as converted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from bench_model import main, write_bench_model
+from safetensors import safe_open
+
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.quant import dequantize
+from dsfp4.layout.verify import verify
+from dsfp4.runtime.model import load_model
+from dsfp4.runtime.tokenizer import ChatTokenizer
+
+SMALL = dict(
+    hidden_size=256,
+    moe_intermediate_size=128,
+    intermediate_size=384,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    num_attention_heads=4,
+    vocab_size=512,
+    q_lora_rank=192,  # ragged: not a multiple of the 128-row FP8 block
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+)
+
+
+def _forward(out) -> torch.Tensor:
+    model = load_model(out, torch.device("cpu"), torch.float32, max_len=64)
+    tokens = torch.tensor([[0, 17, 300, 5, 511, 42]])
+    try:
+        with torch.no_grad():
+            logits, _ = model(tokens)
+    finally:
+        model.experts.close()
+    return logits
+
+
+@pytest.mark.parametrize("backbone", ["fp8_e4m3_b128", "nvfp4"])
+def test_bench_model_verifies_loads_and_runs(tmp_path, backbone):
+    out = tmp_path / "model"
+    m = write_bench_model(out, n_layers=3, n_dense=1, dims=SMALL, backbone=backbone, with_tokenizer=True)
+    report = verify(out)
+    assert report.n_records == 2 * 16
+    assert m.to_json() == Manifest.read(out).to_json()
+    a = m.args
+    assert (a.dim, a.moe_inter_dim, a.n_routed_experts, a.n_activated_experts, a.n_mtp_layers) == (256, 128, 16, 4, 0)
+    router = (a.rope_type, a.rope_factor, a.score_func, a.topk_method, a.route_scale, a.norm_topk_prob)
+    assert router == ("yarn", 40, "sigmoid", "noaux_tc", 2.5, True)
+    mode = {"fp8_e4m3_b128": "fp8", "nvfp4": "fp4"}[backbone]
+    assert sorted(m.experts) == [1, 2] and m.options == {"format": "nvfp4", "backbone": mode, "mtp": False}
+    for layer in m.experts.values():
+        assert len(set(layer.sha256)) == 16  # every record differs
+    # sane values: records decode to finite weights of std ~ 1/sqrt(fan_in), padding zero
+    raw = (out / m.experts[1].file).read_bytes()
+    rec = raw[m.experts[1].offsets[5] : m.experts[1].offsets[5] + m.record.nbytes]
+    w1, w3, w2 = m.record.dequantize(rec)
+    for w, fan_in in ((w1, 256), (w3, 256), (w2, 128)):
+        assert torch.isfinite(w).all() and 0.7 < w.std().item() * math.sqrt(fan_in) < 1.3
+    last = m.record.parts[-1]
+    assert not any(rec[last.offset + last.nbytes :])
+    logits = _forward(out)
+    assert logits.shape == (1, 6, 512) and torch.isfinite(logits).all() and logits.std() > 0
+    tok = ChatTokenizer(out, a.eos_token_ids)
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+def test_bench_model_backbone_values(tmp_path):
+    out = tmp_path / "model"
+    m = write_bench_model(out, n_layers=2, n_dense=1, seed=3, dims=SMALL)
+    t = m.tensors["layers.0.attn.wq_b"]
+    assert t.format == "fp8_e4m3_b128" and t.file == "backbone/layer-000.safetensors"
+    with safe_open(str(out / t.file), "pt") as f:
+        w = dequantize(t.format, [f.get_tensor(t.tensors[c]) for c in ("weight", "scale")])
+        norm = f.get_tensor("layers.0.attn_norm.weight")
+    assert w.shape == (4 * 64, 192) and 0.8 < w.std().item() * math.sqrt(192) < 1.2
+    assert norm.dtype == torch.bfloat16 and bool((norm == 1).all())
+    bias = m.tensors["layers.1.ffn.gate.bias"]
+    assert bias.format == "f32" and m.tensors["layers.1.ffn.gate.weight"].format == "bf16"
+    assert "tokenizer.json" not in m.files and "config.json" in m.files
+
+
+def test_bench_model_refuses_a_used_folder_and_cli_prints(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep").write_text("")
+    with pytest.raises(FileExistsError):
+        write_bench_model(tmp_path / "x", dims=SMALL)
+    dims = [f"{k}={v}" for k, v in SMALL.items()]
+    assert main([str(tmp_path / "cli"), "--layers", "2", "--dense", "1", "--dims", *dims]) == 0
+    assert "2 layers (1 MoE, 16 experts each)" in capsys.readouterr().out
+    verify(tmp_path / "cli")

@@ -1,0 +1,194 @@
+"""The expert store: tiers under tiny budgets give the same tokens as everything resident; slot reuse
+is race-free under random prefetch; O_DIRECT and its fallback; checksums; warm start from hot.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsfp4.errors import ChecksumError
+from dsfp4.layout import direct_io
+from dsfp4.layout.direct_io import RecordFile, aligned_buffer
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.manifest import Manifest, manifest_sha256
+from dsfp4.runtime.expert_store import ExpertStore
+from dsfp4.runtime.model import load_model, plan_run
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.sampling import SamplingParams
+from dsfp4.runtime.session import Session, open_session
+from dsfp4.runtime.tokenizer import ChatTokenizer
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = "Explain the tiers of the expert store"
+
+
+def _plan(model_dir: Path, gpu_slots: int | None, ram_slots: int | None, io_threads: int = 4):
+    """The planner's plan, with slot counts set directly (None: everything resident)."""
+    manifest = Manifest.read(model_dir)
+    plan = plan_run(manifest, CPU, torch.float32, 64, RunOptions(device="cpu", io_threads=io_threads), False)
+    n = plan.total_records
+    return dataclasses.replace(plan, gpu_slots=gpu_slots or n, ram_slots=ram_slots or n, staging=min(io_threads, n))
+
+
+def _session(model_dir: Path, gpu_slots=None, ram_slots=None, **knobs) -> Session:
+    options = RunOptions(device="cpu", max_context=64, **knobs)
+    plan = _plan(model_dir, gpu_slots, ram_slots, options.io_threads)
+    model = load_model(model_dir, CPU, torch.float32, 64, options=options, plan=plan)
+    manifest = Manifest.read(model_dir)
+    return Session(model, ChatTokenizer(model_dir, manifest.args.eos_token_ids), 64, options.prefill_chunk)
+
+
+def _generate(session: Session, n: int = 10):
+    ids = session.tokenizer.encode_prompt(PROMPT, None, False)
+    g = session.generate(ids, n, GREEDY)
+    session.close()
+    return g
+
+
+@pytest.fixture(scope="module")
+def resident(converted):
+    return _generate(_session(converted))
+
+
+@pytest.mark.parametrize(
+    "gpu,ram,knobs",
+    [
+        (3, 5, {}),
+        (3, 5, {"prefetch": False}),
+        (3, 5, {"policy": "lfu"}),
+        (4, 1, {"io_threads": 1, "prefill_chunk": 3}),  # prompt in chunks; RAM is staging only
+        (2, 1, {"io_threads": 1}),  # the least that runs: every expert is reloaded for every token
+    ],
+)
+def test_tiny_budgets_give_the_tokens_of_everything_resident(converted, resident, gpu, ram, knobs):
+    g = _generate(_session(converted, gpu, ram, **knobs))
+    assert g.token_ids == resident.token_ids
+    s = g.stats.store
+    assert s["gpu_hits"] < s["expert_uses"] and s["ssd_reads"] > 0
+    if gpu == 2:  # two experts per token and layer, two MoE layers, two slots: nothing survives a token
+        assert s["gpu_hits"] == 0 and s["ssd_reads"] >= s["expert_uses"]
+
+
+def test_everything_resident_reads_each_record_once(converted, resident):
+    s = resident.stats.store
+    assert s["ssd_reads"] <= 16 and s["gpu_hits"] + s["ram_hits"] + s["ssd_misses"] == s["expert_uses"]
+    assert s["ssd_misses"] + s["prefetch_loads"] == s["ssd_reads"]  # prefetched records count as hits
+
+
+def test_random_prefetch_never_corrupts_a_slot(converted):
+    """Random loads and random (wrong) predictions on 3 device and 5 RAM slots, 4 reader threads: every
+    record handed out holds exactly its file bytes, and the device-side table matches the host's."""
+    manifest = Manifest.read(converted)
+    layout = manifest.record
+    truth = {
+        (layer, e): (converted / ef.file).read_bytes()[off : off + layout.nbytes]
+        for layer, ef in manifest.experts.items()
+        for e, off in enumerate(ef.offsets)
+    }
+    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), io_threads=4)
+    rng = random.Random(0)
+    layers, n = sorted(manifest.experts), manifest.args.n_routed_experts
+    try:
+        for _ in range(300):
+            layer = rng.choice(layers)
+            want = sorted(rng.sample(range(n), rng.randint(1, 5)))
+            nxt = (rng.choice(layers), rng.sample(range(n), rng.randint(0, 6)))
+            got = []
+            for e, record in store.load(layer, want, nxt if rng.random() < 0.8 else None):
+                got.append(e)
+                assert bytes(record.numpy()) == truth[(layer, e)], (layer, e)
+            assert sorted(got) == want
+            store._flush_table()
+            table = store.table.numpy()
+            assert {(int(a), int(b)) for a, b in zip(*np.nonzero(table >= 0), strict=True)} == set(
+                store.gpu_pool.slot_of
+            )
+            assert all(table[k] == s for k, s in store.gpu_pool.slot_of.items())
+        store.sync()
+        assert sum(store.gpu_pool.pins) == sum(store.ram_pool.pins) == 0
+    finally:
+        store.close()
+
+
+def test_record_reads_use_o_direct_and_fall_back_where_refused(converted, monkeypatch):
+    manifest = Manifest.read(converted)
+    ef = manifest.experts[min(manifest.experts)]
+    want = (converted / ef.file).read_bytes()[ef.offsets[1] : ef.offsets[1] + manifest.record.nbytes]
+
+    def read(direct_allowed: bool) -> RecordFile:
+        f = RecordFile(converted / ef.file)
+        buf = aligned_buffer(manifest.record.nbytes)
+        f.read_into(buf, ef.offsets[1])
+        f.close()
+        assert bytes(buf) == want
+        return f
+
+    assert read(True).direct  # /tmp is a disk filesystem here
+    assert not ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5)).notes
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args):  # what tmpfs (before Linux 6.6) and some FUSE mounts do
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct_io.os, "open", refuse_direct)
+    assert not read(False).direct
+    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5))
+    assert len(store.notes) == 1 and "O_DIRECT" in store.notes[0] and "page cache" in store.notes[0]
+    assert [e for e, _ in store.load(min(manifest.experts), [0, 1])] == [0, 1]
+    store.close()
+
+
+def test_a_damaged_record_names_layer_and_expert_unless_verify_is_off(converted, tmp_path):
+    model = Path(shutil.copytree(converted, tmp_path / "model"))
+    manifest = Manifest.read(model)
+    layer = max(manifest.experts)
+    ef = manifest.experts[layer]
+    with open(model / ef.file, "r+b") as f:
+        f.seek(ef.offsets[5] + 100)
+        f.write(b"\xff\x00\xff")
+    for verify in (True, False):
+        store = ExpertStore(model, manifest, CPU, _plan(model, 3, 5), verify=verify)
+        try:
+            if verify:
+                with pytest.raises(ChecksumError, match=f"expert 5 \\(layer {layer}\\)"):
+                    list(store.load(layer, [4, 5]))
+                assert (layer, 5) not in store.gpu_pool and (layer, 5) not in store.ram_pool  # nothing kept
+            else:
+                assert [e for e, _ in store.load(layer, [4, 5])] == [4, 5]
+        finally:
+            store.close()
+
+
+def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_path):
+    model = Path(shutil.copytree(converted, tmp_path / "model"))
+    manifest = Manifest.read(model)
+    rng = np.random.default_rng(0)
+    counts = {layer: tuple(int(c) for c in rng.permutation(8) * 10) for layer in manifest.experts}
+    profile = HotProfile(manifest_sha256(model), 100, counts)
+    profile.write(model)
+    session = open_session(model, RunOptions(device="cpu", max_context=64))  # everything fits: all resident
+    assert session.model.experts.counters.warm_records == 16 and not session.notes
+    session.close()
+    plan = _plan(model, 3, 5)
+    ranked = [k for k in profile.ranked() if k[0] in plan.expert_layers]  # not the MTP layer's experts
+    store = ExpertStore(model, manifest, CPU, plan)
+    store.warm_start(profile)
+    res = store.residency()
+    assert {k for k in ranked[:3]} == {(int(a), int(b)) for a, b in zip(*np.nonzero(res == 2), strict=True)}
+    assert {k for k in ranked[3:8]} <= {(int(a), int(b)) for a, b in zip(*np.nonzero(res >= 1), strict=True)}
+    store.close()
+    (model / "hot.json").write_text((model / "hot.json").read_text().replace(profile.manifest_sha256, "0" * 64))
+    cold = open_session(model, RunOptions(device="cpu", max_context=64))
+    assert cold.model.experts.counters.warm_records == 0 and "another conversion" in cold.notes[0]
+    cold.close()

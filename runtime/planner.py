@@ -21,6 +21,7 @@ from dsfp4.runtime.budget import Budgets, process_rss
 from dsfp4.sizes import format_bytes
 
 FP32 = 4
+ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
 ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
 
 
@@ -117,6 +118,7 @@ def make_plan(
     acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
     scores = min(SCORE_ELEMENTS, t * a.n_heads * max_context)  # attention scores of one query chunk
     workspace = dequant + acts + 2 * scores * FP32 + a.vocab_size * FP32 * 2
+    workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
     fixed = backbone + kv + workspace
     top_k = a.n_activated_experts if total_records else 0
     host_base = process_rss()

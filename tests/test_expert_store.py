@@ -192,3 +192,31 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     cold = open_session(model, RunOptions(device="cpu", max_context=64))
     assert cold.model.experts.counters.warm_records == 0 and "another conversion" in cold.notes[0]
     cold.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_tiny_budgets_give_the_tokens_of_everything_resident_and_stay_in_budget(converted):
+    """Pinned RAM, the copy stream and its events: the same tokens as all-resident, and the device's peak
+    (torch's max reserved) inside --gpu-mem set to the planner's minimum plus two slots."""
+    cuda = torch.device("cuda")
+    manifest = Manifest.read(converted)
+
+    def run(gpu_slots, ram_slots, **knobs):
+        options = RunOptions(device="cuda", max_context=64, dtype="fp32", **knobs)
+        plan = plan_run(manifest, cuda, torch.float32, 64, options, False)
+        if gpu_slots:
+            plan = dataclasses.replace(plan, gpu_slots=gpu_slots, ram_slots=ram_slots, staging=min(4, ram_slots))
+        model = load_model(converted, cuda, torch.float32, 64, manifest=manifest, options=options, plan=plan)
+        session = Session(model, ChatTokenizer(converted, manifest.args.eos_token_ids), 64, options.prefill_chunk)
+        return _generate(session, 8)
+
+    resident = run(None, None).token_ids
+    for knobs in ({}, {"prefetch": False}, {"policy": "lru"}):
+        assert run(3, 5, **knobs).token_ids == resident
+        assert run(2, 1, io_threads=1, **knobs).token_ids == resident
+    floor = plan_run(manifest, cuda, torch.float32, 64, RunOptions(device="cuda", gpu_mem="1T"), False)
+    budget = floor.backbone + floor.kv_cache + floor.workspace + 4 * floor.record
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(cuda)
+    g = run(None, None, gpu_mem=str(budget), cpu_mem="64G")
+    assert g.token_ids == resident and g.stats.peak_gpu <= budget

@@ -7,6 +7,7 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def profile_hot() -> None:
     type=click.Choice(list(TIER_POLICIES)),
     default=RUN_DEFAULTS.policy,
     show_default=True,
-    help="Eviction of the expert tiers: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM).",
+    help="Expert eviction: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM).",
 )
 @click.option(
     "--no-prefetch",
@@ -342,6 +343,9 @@ def verify(model: Path, quiet: bool) -> None:
 
 
 def main() -> None:
+    # Expandable segments keep torch's reserved memory close to what is allocated, so the device budget
+    # holds; read when CUDA first allocates, so setting it here (before any tensor) is in time.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cli(prog_name="dsfp4")
 
 

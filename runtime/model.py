@@ -155,6 +155,8 @@ def load_model(
     except BaseException:
         experts.close()
         raise
+    finally:
+        w.close()
     return model.eval()
 
 

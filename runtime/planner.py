@@ -121,7 +121,10 @@ def make_plan(
     workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
     fixed = backbone + kv + workspace
     top_k = a.n_activated_experts if total_records else 0
-    host_base = process_rss()
+    # the process now, plus the largest backbone file, mapped while its tensors are read
+    host_base = process_rss() + max(
+        (f.nbytes for n, f in manifest.files.items() if n.startswith("backbone/")), default=0
+    )
     if device.type == "cpu":  # the 'device' tier is host memory too: count the process there
         fixed += host_base
     min_gpu = fixed + top_k * record

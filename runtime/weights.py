@@ -37,7 +37,8 @@ class Weights:
     def _read(self, file: str, stored: str) -> torch.Tensor:
         try:
             if file not in self._files:
-                self._files[file] = safe_open(str(self.dir / file), framework="pt", device=str(self.device))
+                # one file mapped at a time: its pages count in the process's RSS while it is open
+                self._files = {file: safe_open(str(self.dir / file), framework="pt", device=str(self.device))}
             return self._files[file].get_tensor(stored)
         except (OSError, SafetensorError) as e:
             raise ManifestError(f"{self.dir / file}: cannot read tensor {stored} ({e}); run `dsfp4 verify`") from e
@@ -54,6 +55,9 @@ class Weights:
         entry = self._entry(name, shape)
         parts = tuple(self._read(entry.file, entry.tensors[c]) for c, _ in FORMATS[entry.format].components)
         return QuantizedWeight(entry.format, parts, tuple(shape), name)
+
+    def close(self) -> None:
+        self._files = {}
 
     def check_all_used(self, skip_prefixes: tuple[str, ...] = ()) -> None:
         unused = sorted(n for n in self.manifest.tensors if n not in self.used and not n.startswith(skip_prefixes))

@@ -65,6 +65,7 @@ def resident(converted):
         (3, 5, {}),
         (3, 5, {"prefetch": False}),
         (3, 5, {"policy": "lfu"}),
+        (3, 5, {"policy": "lru"}),
         (4, 1, {"io_threads": 1, "prefill_chunk": 3}),  # prompt in chunks; RAM is staging only
         (2, 1, {"io_threads": 1}),  # the least that runs: every expert is reloaded for every token
     ],

@@ -73,8 +73,12 @@ class ExpertStore:
         self.cuda = device.type == "cuda"
         self._registered = False
         if self.cuda and self.ram.numel():
-            if torch.cuda.cudart().cudaHostRegister(self.ram.data_ptr(), self.ram.numel(), 0) != 0:
-                raise ConfigError(f"cannot pin {self.ram.numel()} bytes of RAM for the record cache; lower --cpu-mem")
+            err = torch.cuda.cudart().cudaHostRegister(self.ram.data_ptr(), self.ram.numel(), 0)
+            if int(err) != 0:
+                raise ConfigError(
+                    f"cannot pin {self.ram.numel()} bytes of RAM for the record cache (CUDA error {int(err)}); "
+                    f"lower --cpu-mem"
+                )
             self._registered = True
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         a = manifest.args

@@ -22,6 +22,8 @@ from dsfp4.sizes import format_bytes
 
 FP32 = 4
 ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
+CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, cuBLAS and Triton, loaded after the plan
+# (0.63 GiB measured on the H100 machine, docs/BENCHMARKS.md)
 ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
 
 
@@ -122,9 +124,8 @@ def make_plan(
     fixed = backbone + kv + workspace
     top_k = a.n_activated_experts if total_records else 0
     # the process now, plus the largest backbone file, mapped while its tensors are read
-    host_base = process_rss() + max(
-        (f.nbytes for n, f in manifest.files.items() if n.startswith("backbone/")), default=0
-    )
+    largest_file = max((f.nbytes for n, f in manifest.files.items() if n.startswith("backbone/")), default=0)
+    host_base = process_rss() + largest_file + (CUDA_HOST_RESERVE if device.type == "cuda" else 0)
     if device.type == "cpu":  # the 'device' tier is host memory too: count the process there
         fixed += host_base
     min_gpu = fixed + top_k * record

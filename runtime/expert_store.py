@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +41,10 @@ def _done(job: Future) -> bool:
         return True
     event = job.result()
     return event is None or event.query()
+
+
+def _unregister(host: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 def _finished(value: object) -> Future:
@@ -71,7 +76,7 @@ class ExpertStore:
         self.ram_np = self._host.reshape(plan.ram_slots, n)
         self.ram = torch.from_numpy(self.ram_np)  # [slots, record]
         self.cuda = device.type == "cuda"
-        self._registered = False
+        self._unpin = None
         if self.cuda and self.ram.numel():
             err = torch.cuda.cudart().cudaHostRegister(self.ram.data_ptr(), self.ram.numel(), 0)
             if int(err) != 0:
@@ -79,7 +84,8 @@ class ExpertStore:
                     f"cannot pin {self.ram.numel()} bytes of RAM for the record cache (CUDA error {int(err)}); "
                     f"lower --cpu-mem"
                 )
-            self._registered = True
+            # unregistered when closed or collected, before the buffer can be unmapped and its addresses reused
+            self._unpin = weakref.finalize(self, _unregister, self.ram)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         a = manifest.args
         self.table = torch.full((a.n_blocks, a.n_routed_experts), -1, dtype=torch.int32, device=device)
@@ -309,9 +315,8 @@ class ExpertStore:
         for f in self.files.values():
             f.close()
         self.files = {}
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.ram.data_ptr())
-            self._registered = False
+        if self._unpin is not None:
+            self._unpin()
 
     def residency(self) -> np.ndarray:
         """[layers, experts] int8: 2 on the device, 1 in RAM only, 0 on the SSD only (for tests and stats)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import shutil
 import subprocess
@@ -148,3 +149,25 @@ def test_list_form_chat_template_is_used(converted, tmp_path):
     ]
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert ChatTokenizer(model).render_chat([{"role": "user", "content": "hi"}]).endswith("hi<｜Assistant｜>")
+
+
+def test_plan_prints_the_budget_table_and_small_budgets_name_the_minimum(converted):
+    r = run_cli("run", converted, "--plan", "--device", "cpu", "--gpu-mem", "2G", "--cpu-mem", "1G")
+    assert r.exit_code == 0 and "expert slots" in r.stdout and "--gpu-mem, --cpu-mem" in r.stdout
+    preset = run_cli("run", converted, "--plan", "--device", "cpu", "--preset", "16g")
+    assert preset.exit_code == 0 and "preset 16g" in preset.stdout
+    small = run_cli("run", converted, "--prompt", "hi", "--device", "cpu", "--gpu-mem", "1M")
+    assert_one_line_error(small, "--gpu-mem 1.00 MiB is too small", "needs at least")
+    assert_one_line_error(run_cli("run", converted, "--plan", "--gpu-mem", "lots"), "--gpu-mem 'lots'")
+
+
+def test_peak_rss_stays_within_the_budgets(converted):
+    """A real process (not this test's): on a CPU device both budgets are host memory."""
+    budget = {"--gpu-mem": 1536 << 20, "--cpu-mem": 64 << 20}
+    args = [a for k, v in budget.items() for a in (k, str(v))]
+    cmd = [sys.executable, "-m", "dsfp4.cli", "run", str(converted), "--prompt", "hi", "--device", "cpu", *args]
+    r = subprocess.run([*cmd, "--max-tokens", "4", "--stats"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rss = re.search(r"process RSS ([0-9.]+) (MiB|GiB)", r.stderr)
+    peak = float(rss.group(1)) * (1 << (20 if rss.group(2) == "MiB" else 30))
+    assert 0 < peak <= sum(budget.values()), r.stderr

@@ -67,12 +67,17 @@ def _cgroup_room() -> int | None:
     return None
 
 
-def process_rss() -> int:
-    """Resident memory of this process now (VmRSS)."""
+def proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status in bytes: VmRSS now, VmHWM the peak (0 where there is none).
+    Per process, unlike ru_maxrss, which carries a parent's peak across fork and exec."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def process_rss() -> int:
+    return proc_status_bytes("VmRSS")
 
 
 def available_ram() -> int:
@@ -109,13 +114,6 @@ def resolve_budgets(gpu_mem: str | None, cpu_mem: str | None, preset: str | None
     p = PRESETS.get(preset) if preset else None
     gpu = parse_size(gpu_mem, "--gpu-mem") if gpu_mem else p.gpu if p else default_gpu_budget(device)
     cpu = parse_size(cpu_mem, "--cpu-mem") if cpu_mem else p.cpu if p else default_cpu_budget()
-    source = ", ".join(
-        s
-        for s in (
-            f"preset {preset} ({p.about})" if p else "",
-            "--gpu-mem" if gpu_mem else "",
-            "--cpu-mem" if cpu_mem else "",
-        )
-        if s
-    )
-    return Budgets(gpu, cpu, source or "free memory of this machine")
+    sources = [f"preset {preset} ({p.about})"] if p else []
+    sources += [flag for flag, given in (("--gpu-mem", gpu_mem), ("--cpu-mem", cpu_mem)) if given]
+    return Budgets(gpu, cpu, ", ".join(sources) or "free memory of this machine")

@@ -179,21 +179,28 @@ class ExpertStore:
                 return None
             self._wait_any()
 
+    def _to_ram(self, key: Key, protected: set[Key], wait: bool) -> tuple[int, Future | None] | None:
+        """The record's RAM slot, reading it from the SSD if it is not there: (slot, the read still in
+        flight or None), or None when no slot is free and `wait` is False."""
+        rslot = self.ram_pool.slot_of.get(key)
+        if rslot is not None:
+            return rslot, next(iter(self.ram_jobs.get(rslot, ())), None)  # a prefetch may still be reading it
+        rslot = self._allocate(self.ram_pool, key, protected, wait)
+        if rslot is None:
+            return None
+        read = self.pool.submit(self._read, key, rslot)
+        self._track(self.ram_jobs, self.ram_pool, rslot, read)
+        self.counters.ssd_reads += 1
+        return rslot, read
+
     def _start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
         """Begin moving a record that is not on the device there: (SSD ->) RAM -> device. Returns the job
         whose result is the copy's event, or None when no slot is free and `wait` is False."""
         self._retire()
-        rslot = self.ram_pool.slot_of.get(key)
-        read = None
-        if rslot is None:
-            rslot = self._allocate(self.ram_pool, key, set(), wait)  # RAM copies in use are pinned
-            if rslot is None:
-                return None
-            read = self.pool.submit(self._read, key, rslot)
-            self._track(self.ram_jobs, self.ram_pool, rslot, read)
-            self.counters.ssd_reads += 1
-        else:
-            read = next(iter(self.ram_jobs.get(rslot, ())), None)  # a prefetch may still be reading it
+        got = self._to_ram(key, set(), wait)  # RAM copies in use are pinned; the device's are protected
+        if got is None:
+            return None
+        rslot, read = got
         gslot = self._allocate(self.gpu_pool, key, protected, wait)
         if gslot is None:
             return None  # prefetch: the record stays in RAM
@@ -298,8 +305,7 @@ class ExpertStore:
             self._start(key, set(), wait=True)
         for key in sorted(to_ram):
             self._retire()
-            rslot = self._allocate(self.ram_pool, key, set(to_ram), wait=True)
-            self._track(self.ram_jobs, self.ram_pool, rslot, self.pool.submit(self._read, key, rslot))
+            self._to_ram(key, set(to_ram), wait=True)
         self._flush_table()
         self.sync()
         self.counters.warm_records = len(to_gpu) + len(to_ram)

@@ -43,15 +43,6 @@ class Plan:
     top_k: int
     expert_layers: tuple[int, ...] = ()  # MoE layers whose records the run uses
 
-    @property
-    def gpu_bytes(self) -> int:
-        process = self.host_base if self.device == "cpu" else 0
-        return process + self.backbone + self.kv_cache + self.workspace + self.gpu_slots * self.record
-
-    @property
-    def cpu_bytes(self) -> int:
-        return (0 if self.device == "cpu" else self.host_base) + self.ram_slots * self.record
-
     def table(self) -> str:
         r, n = self.record, self.total_records
         on_cpu = self.device == "cpu"  # both tiers are host memory: the process is counted on the device side

@@ -61,7 +61,10 @@ class Session:
         self.cached: list[int] = []
         self.device = model.freqs_cis.device
         self.notes: list[str] = list(model.experts.notes)
-        self.plan = model.experts.plan
+
+    @property
+    def plan(self) -> Plan:
+        return self.model.experts.plan
 
     def reset(self) -> None:
         self.cached = []
@@ -137,21 +140,23 @@ class Session:
         return Generation(list(prompt_ids), tokens, text, finish, stats)
 
 
-def plan_session(model_dir: Path, options: RunOptions) -> Plan:
-    """The memory plan `open_session` would follow, without loading anything."""
+def _target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
+    """Device, manifest, context (capped at the model's) and compute dtype of a run."""
     device = resolve_device(options.device)
     manifest = Manifest.read(model_dir)
-    max_context = min(options.max_context, manifest.args.max_seq_len)
-    return plan_run(manifest, device, options.torch_dtype(device), max_context, options, with_mtp=False)
+    return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
+
+
+def plan_session(model_dir: Path, options: RunOptions) -> Plan:
+    """The memory plan `open_session` would follow, without loading anything."""
+    device, manifest, max_context, dtype = _target(model_dir, options)
+    return plan_run(manifest, device, dtype, max_context, options, with_mtp=False)
 
 
 def open_session(model_dir: Path, options: RunOptions) -> Session:
     """Load a converted model and its tokenizer for generation (the context is capped at the model's),
     warm-starting the expert tiers from hot.json when the folder has one for this conversion."""
-    device = resolve_device(options.device)
-    manifest = Manifest.read(model_dir)
-    max_context = min(options.max_context, manifest.args.max_seq_len)
-    dtype = options.torch_dtype(device)
+    device, manifest, max_context, dtype = _target(model_dir, options)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = load_model(model_dir, device, dtype, max_len=max_context, manifest=manifest, options=options)

@@ -4,20 +4,17 @@ expert store's counters over the generation (tiers hit, bytes moved, prefetch qu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from dsfp4.runtime.budget import proc_status_bytes
 from dsfp4.sizes import format_bytes
 
 
 def peak_memory(device: torch.device) -> tuple[int, int]:
     """(peak device bytes: torch's max reserved, 0 on the CPU; peak process RSS: VmHWM)."""
     gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return gpu, int(line.split()[1]) * 1024
-    return gpu, 0
+    return gpu, proc_status_bytes("VmHWM")
 
 
 def _ratio(a: float, b: float) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ceilings import gpu_ceilings, odirect_read_gbps  # noqa: E402
 from tiny_checkpoint import build_checkpoint  # noqa: E402
 
 V3_2G = dict(
@@ -71,22 +71,6 @@ def drop_cache(paths: list[Path]) -> None:
         os.close(fd)
 
 
-def odirect_read_gbps(paths: list[Path], chunk: int = 16 << 20) -> float:
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-    total, t = 0, time.perf_counter()
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
-        size, pos = p.stat().st_size, 0
-        while pos < size:
-            n = os.preadv(fd, [buf], pos)
-            if n <= 0:
-                break
-            pos += n
-        os.close(fd)
-        total += size
-    return total / (time.perf_counter() - t) / 1e9
-
-
 def buffered_cold_read_gbps(paths: list[Path], chunk: int = 16 << 20) -> float:
     drop_cache(paths)
     total, t = 0, time.perf_counter()
@@ -109,34 +93,6 @@ def write_fsync_gbps(path: Path, nbytes: int = 1 << 30, chunk: int = 16 << 20) -
     seconds = time.perf_counter() - t
     path.unlink()
     return nbytes / seconds / 1e9
-
-
-def gpu_ceilings() -> dict:
-    if not torch.cuda.is_available():
-        return {}
-    dev = torch.device("cuda")
-    x = torch.randn(1 << 29, device=dev)  # 2 GiB of fp32
-    for _ in range(3):
-        x.sum()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        x.sum()
-    torch.cuda.synchronize()
-    hbm = 10 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
-    del x
-    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
-    host.random_()
-    gpu = torch.empty_like(host, device=dev)
-    for _ in range(3):
-        gpu.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        gpu.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    h2d = 10 * host.numel() / (time.perf_counter() - t) / 1e9
-    return {"gpu": torch.cuda.get_device_name(), "hbm_read_gbps": hbm, "pinned_h2d_gbps": h2d}
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,8 +27,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import BackbonePart, model_args, write_bench_model  # noqa: E402
+from ceilings import gpu_ceilings, odirect_read_gbps  # noqa: E402
 
-from dsfp4.layout.direct_io import RecordFile, aligned_buffer  # noqa: E402
 from dsfp4.layout.hot_profile import HotProfile  # noqa: E402
 from dsfp4.layout.manifest import ExpertFile, Manifest, TensorEntry  # noqa: E402
 from dsfp4.layout.record import RecordLayout  # noqa: E402
@@ -43,60 +42,14 @@ DEV = torch.device("cuda")
 GB = 1e9
 
 
-def ceilings(model: Path, manifest: Manifest) -> dict[str, float]:
-    """HBM read, pinned host -> GPU copy, O_DIRECT sequential read of the expert files (GB/s)."""
-    x = torch.empty(4 << 30, dtype=torch.uint8, device=DEV).view(torch.float32)
-    x.sum()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        x.sum()
-    torch.cuda.synchronize()
-    hbm = 10 * x.numel() * 4 / (time.perf_counter() - t0) / GB
-    del x
-    host = torch.from_numpy(aligned_buffer(1 << 30))
-    torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
-    dst = torch.empty_like(host, device=DEV)
-    dst.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    h2d = 5 * host.numel() / (time.perf_counter() - t0) / GB
-    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
-    del dst, host
-    best = 0.0
-    for threads, chunk in ((4, 32 << 20), (8, 32 << 20), (16, 8 << 20)):
-        best = max(best, _direct_read(model, manifest, threads, chunk))
-    return {"hbm_gb_s": hbm, "h2d_gb_s": h2d, "odirect_gb_s": best}
-
-
-def _direct_read(model: Path, manifest: Manifest, threads: int, chunk: int) -> float:
-    """Read every expert file once, in order, chunk by chunk with `threads` reads in flight."""
-    jobs = []
-    for ef in manifest.experts.values():
-        size = (model / ef.file).stat().st_size
-        jobs += [(ef.file, off) for off in range(0, size - chunk + 1, chunk)]
-    lock, files = threading.Lock(), {}
-
-    def worker(buf):
-        while True:
-            with lock:
-                if not jobs:
-                    return
-                name, off = jobs.pop(0)
-                f = files.setdefault(name, RecordFile(model / name))
-            f.read_into(buf, off)
-
-    n = len(jobs) * chunk
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=worker, args=(aligned_buffer(chunk),)) for _ in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return n / (time.perf_counter() - t0) / GB
+def ceilings(manifest_dir: Path, manifest: Manifest) -> dict[str, float]:
+    """HBM read, pinned host -> GPU copy, O_DIRECT read of the expert files (best of a few depths), GB/s."""
+    gpu = gpu_ceilings()
+    files = [manifest_dir / ef.file for ef in manifest.experts.values()]
+    best = max(
+        odirect_read_gbps(files, threads, chunk) for threads, chunk in ((4, 32 << 20), (8, 32 << 20), (16, 8 << 20))
+    )
+    return {"hbm_gb_s": gpu["hbm_read_gbps"], "h2d_gb_s": gpu["pinned_h2d_gbps"], "odirect_gb_s": best}
 
 
 def preset_shares() -> dict[str, tuple[float, float, str]]:

@@ -88,7 +88,7 @@ class ExpertStore:
             self._unpin = weakref.finalize(self, _unregister, self.ram)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         a = manifest.args
-        self.table = torch.full((a.n_blocks, a.n_routed_experts), -1, dtype=torch.int32, device=device)
+        self._table = torch.full((a.n_blocks, a.n_routed_experts), -1, dtype=torch.int32, device=device)
         self._table_updates: dict[Key, int] = {}
         self.files = {layer: RecordFile(self.dir / ef.file, direct) for layer, ef in manifest.experts.items()}
         self.notes = [
@@ -214,13 +214,16 @@ class ExpertStore:
         self.counters.h2d_bytes += self.layout.nbytes
         return job
 
-    def _flush_table(self) -> None:
+    def slot_table(self) -> torch.Tensor:
+        """[blocks, experts] int32 on the device: each expert's slot, -1 when it is not there. Updated
+        only when asked (for kernels that look experts up on the device), so the layer loop pays nothing."""
         if self._table_updates:
             rows = torch.tensor([(lay, e, s) for (lay, e), s in self._table_updates.items()])  # [n, 3]
             if self.cuda:  # pinned and non-blocking: a pageable copy would wait for the compute stream
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
-            self.table[rows[:, 0], rows[:, 1]] = rows[:, 2].to(torch.int32)
+            self._table[rows[:, 0], rows[:, 1]] = rows[:, 2].to(torch.int32)
             self._table_updates = {}
+        return self._table
 
     # -- the interface the model uses ---------------------------------------------------------------
 
@@ -257,7 +260,6 @@ class ExpertStore:
                 pending.append((e, self.gpu_pool.slot_of[key], job))
             if prefetch is not None and start == 0:
                 self.prefetch(*prefetch, protect={(layer, e) for e in experts})
-            self._flush_table()
             yield from self._hand_out(ready + pending)
             if self.cuda:
                 event = torch.cuda.Event()
@@ -306,7 +308,6 @@ class ExpertStore:
         for key in sorted(to_ram):
             self._retire()
             self._to_ram(key, set(to_ram), wait=True)
-        self._flush_table()
         self.sync()
         self.counters.warm_records = len(to_gpu) + len(to_ram)
         self.counters.warm_s = time.perf_counter() - t0

@@ -108,8 +108,7 @@ def test_random_prefetch_never_corrupts_a_slot(converted):
                 got.append(e)
                 assert bytes(record.numpy()) == truth[(layer, e)], (layer, e)
             assert sorted(got) == want
-            store._flush_table()
-            table = store.table.numpy()
+            table = store.slot_table().numpy()
             assert {(int(a), int(b)) for a, b in zip(*np.nonzero(table >= 0), strict=True)} == set(
                 store.gpu_pool.slot_of
             )

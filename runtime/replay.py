@@ -13,11 +13,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from dsfp4.errors import ConfigError
+from dsfp4.layout.routing_trace import check_ids
 from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.runtime.slots import SlotPool
 
@@ -50,30 +49,6 @@ class TierHits:
         return self._rate(self.ssd_reads)
 
 
-def check_trace(trace: np.ndarray, what: str = "trace") -> np.ndarray:
-    """The trace as int64 [tokens, layers, top_k], or ConfigError naming `what` and the fault."""
-    trace = np.asarray(trace)
-    if trace.ndim != 3 or 0 in trace.shape:
-        raise ConfigError(f"{what}: expected a non-empty [tokens, layers, top_k] array, got shape {trace.shape}")
-    if not np.issubdtype(trace.dtype, np.integer):
-        raise ConfigError(f"{what}: expected integer expert ids, got dtype {trace.dtype}")
-    if trace.min() < 0:
-        raise ConfigError(f"{what}: expert ids must be >= 0, found {int(trace.min())}")
-    return trace.astype(np.int64, copy=False)
-
-
-def load_trace(path: str | Path) -> np.ndarray:
-    """A routing trace from a .npy file: int64 [tokens, layers, top_k]. ConfigError names the file."""
-    path = Path(path)
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot read a .npy routing trace ({e})") from e
-    if not isinstance(data, np.ndarray):  # an .npz archive
-        raise ConfigError(f"{path}: expected a .npy array [tokens, layers, top_k], got an .npz archive")
-    return check_trace(data, str(path))
-
-
 def _capacity(slots: int, trace: np.ndarray, per_layer: bool, tier: str) -> int:
     """Slots per pool; ValueError when a pool cannot hold one step's top_k experts at once."""
     n_layers, top_k = trace.shape[1], trace.shape[2]
@@ -103,7 +78,7 @@ def replay(trace: np.ndarray, gpu_slots: int, ram_slots: int, policy: str = "lru
     half-life, can drop from RAM a key the GPU still holds; the replay keeps that behaviour too.)
     per_layer: each layer owns gpu_slots // layers and ram_slots // layers slots instead of sharing pools.
     """
-    trace = check_trace(trace)
+    trace = check_ids(trace)
     return _replay(_steps(trace), trace, gpu_slots, ram_slots, policy, per_layer)
 
 
@@ -204,7 +179,7 @@ def belady(trace: np.ndarray, gpu_slots: int, ram_slots: int, per_layer: bool = 
     If ram_slots < gpu_slots the RAM adds nothing under inclusion: the bound is then Belady at G for
     both (ram_hits = 0); a non-inclusive design holding G + R keys could do better than this bound.
     """
-    trace = check_trace(trace)
+    trace = check_ids(trace)
     n_tokens, n_layers, top_k = trace.shape
     g_cap = _capacity(gpu_slots, trace, per_layer, "GPU")
     r_cap = max(_capacity(ram_slots, trace, per_layer, "RAM"), g_cap)
@@ -239,7 +214,7 @@ def compare(
 ) -> list[Row]:
     """Each policy in each mode, plus Belady's row per mode. A mode whose budgets cannot hold one step
     (slots per pool < top_k) gets a single row with the reason instead of failing the whole table."""
-    trace = check_trace(trace)
+    trace = check_ids(trace)
     steps = _steps(trace)
     rows: list[Row] = []
     for pl in per_layer:

@@ -1,9 +1,10 @@
 """Replay a routing trace through the expert tiers and print hit rates per tier against Belady's optimum.
 
-    python scripts/replay_trace.py TRACE.npy --gpu-slots 580 --ram-slots 3400 [--policy lru --policy lfu]
+    python scripts/replay_trace.py TRACE --gpu-slots 580 --ram-slots 3400 [--policy lru --policy lfu]
         [--global | --per-layer | --both]
 
-TRACE.npy: int array [tokens, layers, top_k] of routed expert ids (scripts/synthetic_trace.py writes one).
+TRACE: a routing trace, .npy or .npz (layout/routing_trace.py); `dsfp4 run --record-trace`,
+`dsfp4 profile-hot --trace` and scripts/synthetic_trace.py write one.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 from pathlib import Path
 
 from dsfp4.errors import DsfpError
+from dsfp4.layout.routing_trace import read_trace
 from dsfp4.runtime.policy import TIER_POLICIES
-from dsfp4.runtime.replay import compare, load_trace, table
+from dsfp4.runtime.replay import compare, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = tuple(dict.fromkeys(a.policy or sorted(TIER_POLICIES)))
     start = time.perf_counter()
     try:
-        trace = load_trace(a.trace)
+        trace = read_trace(a.trace).ids
         rows = compare(trace, a.gpu_slots, a.ram_slots, policies, a.modes or (False, True))
     except (DsfpError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,7 +9,8 @@ import pytest
 from synthetic_trace import overlap, route, synthetic_trace
 
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.replay import belady, compare, load_trace, replay, table
+from dsfp4.layout.routing_trace import read_trace
+from dsfp4.runtime.replay import belady, compare, replay, table
 
 
 def _trace(*rows: list[list[int]]) -> np.ndarray:
@@ -116,7 +117,7 @@ def test_capacity_below_top_k_is_an_error():
 def test_load_trace_round_trip_and_errors(tmp_path):
     good = tmp_path / "good.npy"
     np.save(good, np.arange(24, dtype=np.int16).reshape(2, 3, 4))
-    assert load_trace(good).shape == (2, 3, 4)
+    assert read_trace(good).ids.shape == (2, 3, 4)
     cases = {
         "flat.npy": np.arange(8),
         "float.npy": np.zeros((2, 3, 4), dtype=np.float32),
@@ -126,11 +127,11 @@ def test_load_trace_round_trip_and_errors(tmp_path):
     for name, data in cases.items():
         np.save(tmp_path / name, data)
         with pytest.raises(ConfigError, match=name):
-            load_trace(tmp_path / name)
+            read_trace(tmp_path / name)
     (tmp_path / "junk.npy").write_text("not numpy")
     for name in ("junk.npy", "missing.npy"):
         with pytest.raises(ConfigError, match=name):
-            load_trace(tmp_path / name)
+            read_trace(tmp_path / name)
 
 
 def test_compare_and_table_cover_policies_modes_and_belady():

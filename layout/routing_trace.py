@@ -1,0 +1,96 @@
+"""Routing traces: the experts each MoE layer chose for each token, in the order the tokens were computed.
+
+Written by `dsfp4 run --record-trace` and `dsfp4 profile-hot --trace`, read by the replay tool
+(scripts/replay_trace.py). Two forms, chosen by the file's suffix:
+
+  .npy  ids only: int32 [tokens, layers, top_k]
+  .npz  ids        int32   [tokens, layers, top_k]   expert ids, in the router's top-k order
+        weights    float32 [tokens, layers, top_k]   their routing weights (after route_scale)
+        layers     int32   [layers]                  the model's layer number of each MoE layer
+        tokens     int64   [tokens]                  the token ids (absent when unknown)
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.atomic import atomic_write_bytes
+
+TRACE_SUFFIXES = (".npy", ".npz")
+
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    ids: np.ndarray  # [tokens, layers, top_k]
+    weights: np.ndarray | None = None  # [tokens, layers, top_k]
+    layers: np.ndarray | None = None  # [layers]
+    tokens: np.ndarray | None = None  # [tokens]
+
+
+def check_ids(ids: np.ndarray, what: str = "trace") -> np.ndarray:
+    """The ids as int64 [tokens, layers, top_k], or ConfigError naming `what` and the fault."""
+    ids = np.asarray(ids)
+    if ids.ndim != 3 or 0 in ids.shape:
+        raise ConfigError(f"{what}: expected a non-empty [tokens, layers, top_k] array, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"{what}: expected integer expert ids, got dtype {ids.dtype}")
+    if ids.min() < 0:
+        raise ConfigError(f"{what}: expert ids must be >= 0, found {int(ids.min())}")
+    return ids.astype(np.int64, copy=False)
+
+
+def check_suffix(path: Path) -> Path:
+    """Fail before any work when a trace could not be written under this name."""
+    path = Path(path)
+    if path.suffix not in TRACE_SUFFIXES:
+        raise ConfigError(f"{path}: a routing trace is written as .npy (ids) or .npz (ids, weights, tokens)")
+    return path
+
+
+def write_trace(path: Path, trace: RoutingTrace) -> None:
+    """Write atomically (a reader never sees half a trace)."""
+    path = check_suffix(path)
+    buf = io.BytesIO()
+    ids = trace.ids.astype(np.int32)
+    if path.suffix == ".npy":
+        np.save(buf, ids)
+    else:
+        parts = {"ids": ids, "weights": trace.weights, "layers": trace.layers, "tokens": trace.tokens}
+        np.savez_compressed(buf, **{k: v for k, v in parts.items() if v is not None})
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _shaped(data: np.lib.npyio.NpzFile, key: str, shape: tuple[int, ...], path: Path) -> np.ndarray | None:
+    if key not in data.files:
+        return None
+    value = data[key]
+    if value.shape != shape:
+        raise ConfigError(f"{path}: '{key}' has shape {value.shape}, the ids need {shape}")
+    return value
+
+
+def read_trace(path: Path) -> RoutingTrace:
+    """A trace from .npy (ids) or .npz (ids and what else it holds). ConfigError names the file."""
+    path = Path(path)
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"{path}: cannot read a routing trace ({e})") from e
+    if isinstance(data, np.ndarray):
+        return RoutingTrace(check_ids(data, str(path)))
+    with data:
+        if "ids" not in data.files:
+            raise ConfigError(f"{path}: an .npz routing trace needs an 'ids' array, found {sorted(data.files)}")
+        ids = check_ids(data["ids"], str(path))
+        return RoutingTrace(
+            ids,
+            _shaped(data, "weights", ids.shape, path),
+            _shaped(data, "layers", ids.shape[1:2], path),
+            _shaped(data, "tokens", ids.shape[:1], path),
+        )

@@ -1,14 +1,13 @@
 """The output folder of a conversion in progress: refuse to clobber, resume where a run stopped.
 
 While converting, OUT holds `.dsfp4-convert/state.json` (the resume key: plan fingerprint and source shard
-times) and one marker per finished part, and a run holds `.dsfp4-convert.lock`. A part's files are
+times) and one marker per finished part, and a run holds the folder's writer lock (`.dsfp4.lock`). A part's files are
 written under temporary names and renamed before its marker, so a killed run leaves finished parts
 intact and nothing that looks complete: manifest.json comes last.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -16,11 +15,10 @@ from pathlib import Path
 
 from dsfp4.convert.source import AUX_FILES
 from dsfp4.errors import OutputError
-from dsfp4.layout.atomic import atomic_write_json
+from dsfp4.layout.atomic import LOCK_NAME, atomic_write_json, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME
 
 STATE_DIR = ".dsfp4-convert"
-LOCK_NAME = ".dsfp4-convert.lock"
 OWNED = (MANIFEST_NAME, "backbone", "experts", STATE_DIR, "hot.json", *AUX_FILES)
 
 
@@ -78,13 +76,8 @@ class ResumeState:
     def prepare(self) -> None:
         """Lock OUT against a second run, clear it under --force, create the folders and the state."""
         self.out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            os.close(fd)
-            raise OutputError(f"another dsfp4 convert is writing {self.out}; wait for it or choose another OUT") from e
-        self._lock_fd = fd
+        busy = f"another dsfp4 process (convert or repack) is writing {self.out}; wait for it or choose another OUT"
+        self._lock_fd = lock_folder(self.out, busy)
         if self.mode == "overwrite":  # only what a conversion writes: other files in OUT stay
             for path in self._owned():
                 if path.is_dir():

@@ -16,15 +16,12 @@ from click.core import ParameterSource
 from tqdm import tqdm
 
 from dsfp4 import __version__
+from dsfp4.cli_options import EXISTING_DIR, PATH, RUN_DEFAULTS, budget_options, context_options
+from dsfp4.cli_profile import profile_hot
 from dsfp4.errors import DsfpError
-from dsfp4.runtime.budget import PRESETS
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.sizes import format_bytes
-
-PATH = click.Path(path_type=Path)
-RUN_DEFAULTS = RunOptions()
-EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
 
 
 def _os_error_line(e: OSError) -> str:
@@ -65,12 +62,6 @@ def download() -> None:
     _not_yet("download", "the download issue")
 
 
-@cli.command("profile-hot", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def profile_hot() -> None:
-    """(Not implemented yet: the profile-hot issue.) Record which experts each layer uses."""
-    _not_yet("profile-hot", "the profile-hot issue")
-
-
 @cli.command()
 @click.argument("model", type=EXISTING_DIR)
 @click.option("--prompt", help="Text to answer (rendered with the model's chat template unless --raw).")
@@ -89,24 +80,6 @@ def profile_hot() -> None:
 @click.option("--top-k", type=click.IntRange(min=0), default=RUN_DEFAULTS.top_k, show_default=True, help="0 means off.")
 @click.option("--seed", type=int, help="Makes sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
-@click.option("--device", default=RUN_DEFAULTS.device, show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "bf16", "fp32"]),
-    default=RUN_DEFAULTS.dtype,
-    show_default=True,
-    help="Compute dtype; auto is bf16 on CUDA, fp32 on the CPU.",
-)
-@click.option(
-    "--max-context",
-    type=click.IntRange(min=2),
-    default=RUN_DEFAULTS.max_context,
-    show_default=True,
-    help="Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
-)
-@click.option("--gpu-mem", help="Device memory budget, e.g. 14G (default: the preset, else free VRAM less a margin).")
-@click.option("--cpu-mem", help="RAM budget of the process, e.g. 64G (default: the preset, else 80% of available).")
-@click.option("--preset", type=click.Choice(list(PRESETS)), help="Budgets of a hardware class (see --plan).")
 @click.option(
     "--policy",
     type=click.Choice(list(TIER_POLICIES)),
@@ -122,27 +95,16 @@ def profile_hot() -> None:
     default=True,
     help="Do not predict the next layer's experts.",
 )
-@click.option(
-    "--io-threads",
-    type=click.IntRange(min=1),
-    default=RUN_DEFAULTS.io_threads,
-    show_default=True,
-    help="SSD reads in flight.",
+@budget_options
+@context_options(
+    RUN_DEFAULTS.max_context,
+    "Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
+    RUN_DEFAULTS.prefill_chunk,
 )
 @click.option(
-    "--no-verify",
-    "verify",
-    is_flag=True,
-    flag_value=False,
-    default=True,
-    help="Skip the sha256 check of each record's first read.",
-)
-@click.option(
-    "--prefill-chunk",
-    type=click.IntRange(min=1),
-    default=RUN_DEFAULTS.prefill_chunk,
-    show_default=True,
-    help="Prompt tokens per forward pass: larger loads each expert fewer times, smaller needs less workspace.",
+    "--record-trace",
+    type=PATH,
+    help="Write the routing of every token computed to this .npy (ids) or .npz (ids, weights, tokens) at exit.",
 )
 @click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
@@ -199,6 +161,8 @@ def run(
             click.echo(g.stats.table(), err=True)
     finally:
         session.close()
+        if session.recorder is not None and session.recorder.tokens:
+            click.echo(f"routing trace of {session.recorder.tokens} tokens: {options.record_trace}", err=True)
 
 
 @cli.command()
@@ -340,6 +304,9 @@ def verify(model: Path, quiet: bool) -> None:
         f"{model}: OK ({report.n_files} files, {report.n_records} expert records, "
         f"{format_bytes(report.nbytes)} checked)"
     )
+
+
+cli.add_command(profile_hot)
 
 
 def main() -> None:

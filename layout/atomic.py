@@ -1,11 +1,28 @@
-"""Write-then-rename, so a reader never sees a half-written file under its final name."""
+"""Write-then-rename, so a reader never sees a half-written file under its final name; and the lock a
+writer of a model folder holds (a conversion, a repack), so two never write it at once."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from dsfp4.errors import OutputError
+
+LOCK_NAME = ".dsfp4.lock"
+
+
+def lock_folder(folder: Path, busy: str) -> int:
+    """Take `folder`'s writer lock: the descriptor to close when done, or OutputError(busy) if held."""
+    fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+        os.close(fd)
+        raise OutputError(busy) from e
+    return fd
 
 
 def fsync_dir(path: Path) -> None:

@@ -49,19 +49,25 @@ class RecordFile:
                         raise
         self.fd = os.open(self.path, os.O_RDONLY)
 
-    def read_into(self, buf: np.ndarray, offset: int) -> None:
-        """Fill buf (aligned, a multiple of 4096 long for O_DIRECT) with the file's bytes at offset."""
-        view, done = memoryview(buf), 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
+    def read_into(self, bufs: list[np.ndarray], offset: int) -> None:
+        """Fill bufs, in order, with the file's consecutive bytes from offset: one sequential read (for
+        O_DIRECT each buffer aligned and a multiple of 4096 long)."""
+        views = [memoryview(b) for b in bufs]
+        total, done = sum(len(v) for v in views), 0
+        while views:
+            n = os.preadv(self.fd, views, offset + done)
             if n == 0:
                 raise FormatError(
-                    f"{self.path}: ends at {offset + done} bytes, a record needs {offset + len(view)}; "
+                    f"{self.path}: ends at {offset + done} bytes, the records read need {offset + total}; "
                     f"the file is truncated (run `dsfp4 verify`)"
                 )
             done += n
+            while views and n >= len(views[0]):  # a read may stop short (2 GiB at most per call)
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
         if not self.direct:  # keep the page cache out of the RAM budget
-            os.posix_fadvise(self.fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self.fd, offset, total, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         os.close(self.fd)

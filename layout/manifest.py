@@ -63,8 +63,8 @@ class Manifest:
     version: int = MANIFEST_VERSION
     created_by: str = f"dsfp4 {__version__}"
 
-    def to_json(self) -> bytes:
-        d = {
+    def to_dict(self) -> dict[str, Any]:
+        return {
             "format_version": self.version,
             "created_by": self.created_by,
             "checksum": CHECKSUM,
@@ -86,7 +86,17 @@ class Manifest:
             "skipped": self.skipped,
             "quant_error": self.quant_error,
         }
-        return (json.dumps(d, indent=1) + "\n").encode()
+
+    def to_json(self) -> bytes:
+        return (json.dumps(self.to_dict(), indent=1) + "\n").encode()
+
+    def conversion_sha256(self) -> str:
+        """Identity of this conversion, which hot profiles bind to: the manifest without where the records
+        sit (each layer's file and offsets), the one thing a hot-first repack changes."""
+        d = self.to_dict()
+        for layer in d["experts"]["layers"].values():
+            del layer["file"], layer["offsets"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def write(self, out_dir: Path) -> None:
         atomic_write_bytes(out_dir / MANIFEST_NAME, self.to_json())
@@ -131,8 +141,3 @@ class Manifest:
             )
         except (KeyError, TypeError, ConfigError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e}); convert again") from e
-
-
-def manifest_sha256(model_dir: Path) -> str:
-    """Identity of one conversion: hot profiles and caches bind to it."""
-    return hashlib.sha256((Path(model_dir) / MANIFEST_NAME).read_bytes()).hexdigest()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from dsfp4.runtime.slots import SlotPool
 from dsfp4.runtime.store_stats import StoreCounters
 
 Key = tuple[int, int]  # (layer, expert)
+RUN_RECORDS = 16  # records per read when reading ahead: long enough to stream, short enough to run in parallel
 
 
 def _done(job: Future) -> bool:
@@ -104,19 +105,21 @@ class ExpertStore:
 
     # -- worker side --------------------------------------------------------------------------------
 
-    def _read(self, key: Key, rslot: int) -> None:
-        layer, e = key
+    def _read_run(self, run: list[tuple[Key, int]]) -> None:
+        """Read adjacent records of one layer file into their RAM slots, in one sequential read."""
+        (layer, first), _ = run[0]
         ef = self.manifest.experts[layer]
         t0 = time.perf_counter()
-        self.files[layer].read_into(self.ram_np[rslot], ef.offsets[e])
-        if self.verify and key not in self._verified:
-            if hashlib.sha256(self.ram_np[rslot]).hexdigest() != ef.sha256[e]:
-                raise ChecksumError(
-                    f"{self.dir / ef.file}: the record of expert {e} (layer {layer}) fails its sha256 check; "
-                    f"run `dsfp4 verify` and convert again"
-                )
-            self._verified.add(key)
-        self.counters.add_read(self.layout.nbytes, time.perf_counter() - t0)
+        self.files[layer].read_into([self.ram_np[rslot] for _, rslot in run], ef.offsets[first])
+        for key, rslot in run:
+            if self.verify and key not in self._verified:
+                if hashlib.sha256(self.ram_np[rslot]).hexdigest() != ef.sha256[key[1]]:
+                    raise ChecksumError(
+                        f"{self.dir / ef.file}: the record of expert {key[1]} (layer {layer}) fails its sha256 "
+                        f"check; run `dsfp4 verify` and convert again"
+                    )
+                self._verified.add(key)
+        self.counters.add_read(len(run) * self.layout.nbytes, time.perf_counter() - t0)
 
     def _upload(self, gslot: int, rslot: int, after: Future | None, released: object) -> torch.cuda.Event | None:
         if after is not None:
@@ -179,6 +182,15 @@ class ExpertStore:
                 return None
             self._wait_any()
 
+    def _submit_read(self, run: list[tuple[Key, int]]) -> Future | None:
+        if not run:
+            return None
+        read = self.pool.submit(self._read_run, run)
+        for _, rslot in run:
+            self._track(self.ram_jobs, self.ram_pool, rslot, read)
+        self.counters.ssd_reads += len(run)
+        return read
+
     def _to_ram(self, key: Key, protected: set[Key], wait: bool) -> tuple[int, Future | None] | None:
         """The record's RAM slot, reading it from the SSD if it is not there: (slot, the read still in
         flight or None), or None when no slot is free and `wait` is False."""
@@ -188,10 +200,34 @@ class ExpertStore:
         rslot = self._allocate(self.ram_pool, key, protected, wait)
         if rslot is None:
             return None
-        read = self.pool.submit(self._read, key, rslot)
-        self._track(self.ram_jobs, self.ram_pool, rslot, read)
-        self.counters.ssd_reads += 1
-        return rslot, read
+        return rslot, self._submit_read([(key, rslot)])
+
+    def _file_position(self, key: Key) -> tuple[int, int]:
+        return key[0], self.manifest.experts[key[0]].offsets[key[1]]
+
+    def read_ahead(self, keys: Iterable[Key], protected: set[Key]) -> None:
+        """Start reading the records of `keys` that are not in RAM from the SSD, in file order, adjacent
+        records in one read (runs of RUN_RECORDS); waits only when no RAM slot is free. Never evicts a
+        key in `protected`."""
+        self._retire()
+        run: list[tuple[Key, int]] = []
+        for key in sorted(keys, key=self._file_position):
+            if key in self.ram_pool:
+                continue
+            rslot = self._allocate(self.ram_pool, key, protected | {k for k, _ in run}, wait=False)
+            if rslot is None:  # the run so far must be in flight before waiting for a slot
+                self._submit_read(run)
+                run = []
+                rslot = self._allocate(self.ram_pool, key, protected, wait=True)
+            if run and (len(run) == RUN_RECORDS or self._file_position(key) != self._next_position(run[-1][0])):
+                self._submit_read(run)
+                run = []
+            run.append((key, rslot))
+        self._submit_read(run)
+
+    def _next_position(self, key: Key) -> tuple[int, int]:
+        layer, offset = self._file_position(key)
+        return layer, offset + self.layout.nbytes
 
     def _start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
         """Begin moving a record that is not on the device there: (SSD ->) RAM -> device. Returns the job
@@ -298,16 +334,20 @@ class ExpertStore:
             self.counters.add_prediction(len(predicted), len(set(experts)), len(predicted & set(experts)))
 
     def warm_start(self, profile: HotProfile) -> None:
-        """Hottest records to the device slots, the next ones to RAM, each group read in file order."""
+        """Hottest records to the device slots, the next ones to RAM. Each layer's share is read in file
+        order, adjacent records together: after a hot-first repack, the hot prefix of every layer is read
+        sequentially (its device part, then its RAM part, which follows it in the file)."""
         t0 = time.perf_counter()
         ranked = [k for k in profile.ranked() if k[0] in self.plan.expert_layers]
         n_gpu = self.plan.gpu_slots
         to_gpu, to_ram = ranked[:n_gpu], ranked[n_gpu : n_gpu + self.plan.ram_slots]
-        for key in sorted(to_gpu):
-            self._start(key, set(), wait=True)
-        for key in sorted(to_ram):
-            self._retire()
-            self._to_ram(key, set(to_ram), wait=True)
+        for layer in sorted({layer for layer, _ in to_gpu}):
+            keys = sorted((k for k in to_gpu if k[0] == layer), key=self._file_position)
+            self.read_ahead(keys, set())
+            for key in keys:
+                self._start(key, set(), wait=True)
+        self.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
+        self.read_ahead(to_ram, set(to_ram))
         self.sync()
         self.counters.warm_records = len(to_gpu) + len(to_ram)
         self.counters.warm_s = time.perf_counter() - t0

@@ -114,14 +114,16 @@ class Transformer(nn.Module):
             return None
         return torch.full((t, start_pos + t), float("-inf"), device=device).triu_(start_pos + 1)
 
+    def positions(self, t: int, start_pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""
+        return self.freqs_cis[start_pos : start_pos + t], self.causal_mask(t, start_pos, self.freqs_cis.device)
+
     def forward(
         self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: [B, T] at positions start_pos.. -> (logits [B, T or 1, V] fp32, final hidden [B, T, D])."""
-        t = tokens.shape[1]
         h = F.embedding(tokens, self.embed)  # [B, T, D]
-        freqs = self.freqs_cis[start_pos : start_pos + t]
-        mask = self.causal_mask(t, start_pos, tokens.device)
+        freqs, mask = self.positions(tokens.shape[1], start_pos)
         for layer in self.layers:
             h = layer(h, start_pos, freqs, mask)
         h = self.norm(h)
@@ -161,7 +163,14 @@ def load_model(
 
 
 def plan_run(
-    manifest: Manifest, device: torch.device, dtype: torch.dtype, max_len: int, options: RunOptions, with_mtp: bool
+    manifest: Manifest,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    options: RunOptions,
+    with_mtp: bool,
+    host_extra: int = 0,
 ) -> Plan:
     budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
-    return make_plan(manifest, device, dtype, budgets, max_len, options.prefill_chunk, options.io_threads, with_mtp)
+    chunk, threads = options.prefill_chunk, options.io_threads
+    return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra)

@@ -72,12 +72,15 @@ class MoE(nn.Module):
         inter = args.n_shared_experts * args.moe_inter_dim
         self.shared_experts = MLP(f"layers.{layer}.ffn.shared_experts.", args.dim, inter, w) if inter else None
         self.next_router: tuple[int, Callable[[torch.Tensor], torch.Tensor]] | None = None  # set by the model
+        self.observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # a RoutingRecorder
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] normed input; residual: the stream x came from, for predicting the next layer."""
         shape = x.shape
         x = x.view(-1, shape[-1])  # [T, D]
         weights, indices = self.gate(x)  # [T, K], [T, K]
+        if self.observe is not None:
+            self.observe(self.layer, weights, indices)
         ask = [indices.flatten()]
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual.view(-1, shape[-1])).flatten())  # next layer's choice

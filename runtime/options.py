@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.layout.routing_trace import check_suffix
 from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.runtime.sampling import SamplingParams
 
@@ -32,6 +34,7 @@ class RunOptions:
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
+    record_trace: Path | None = None  # where the session writes its routing trace when it closes
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -46,6 +49,8 @@ class RunOptions:
             raise ConfigError(f"--policy {self.policy}: choose one of {', '.join(TIER_POLICIES)}")
         if self.io_threads < 1 or self.prefill_chunk < 1:
             raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
+        if self.record_trace is not None:
+            check_suffix(self.record_trace)
         if any(not s for s in self.stop):
             raise ConfigError("--stop: an empty stop string would end every answer at once")
 

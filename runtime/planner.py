@@ -96,7 +96,9 @@ def make_plan(
     prefill_chunk: int,
     io_threads: int,
     with_mtp: bool = False,
+    host_extra: int = 0,
 ) -> Plan:
+    """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     layers = _used_layers(manifest, with_mtp)
     record = manifest.record.nbytes if manifest.record else 0
@@ -116,7 +118,7 @@ def make_plan(
     top_k = a.n_activated_experts if total_records else 0
     # the process now, plus the largest backbone file, mapped while its tensors are read
     largest_file = max((f.nbytes for n, f in manifest.files.items() if n.startswith("backbone/")), default=0)
-    host_base = process_rss() + largest_file + (CUDA_HOST_RESERVE if device.type == "cuda" else 0)
+    host_base = process_rss() + largest_file + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
     if device.type == "cpu":  # the 'device' tier is host memory too: count the process there
         fixed += host_base
     min_gpu = fixed + top_k * record

@@ -17,10 +17,12 @@ from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.expert import warm_up
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
-from dsfp4.layout.manifest import Manifest, manifest_sha256
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.model import Transformer, load_model, plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import Plan
+from dsfp4.runtime.routing import RoutingRecorder
 from dsfp4.runtime.sampling import SamplingParams, sample
 from dsfp4.runtime.stats import GenerationStats, peak_memory
 from dsfp4.runtime.store_stats import counters_since
@@ -61,6 +63,8 @@ class Session:
         self.cached: list[int] = []
         self.device = model.freqs_cis.device
         self.notes: list[str] = list(model.experts.notes)
+        self.recorder: RoutingRecorder | None = None  # set to record the routing of every token computed
+        self.trace_path: Path | None = None
 
     @property
     def plan(self) -> Plan:
@@ -70,7 +74,12 @@ class Session:
         self.cached = []
 
     def close(self) -> None:
-        self.model.experts.close()
+        """Release the expert store, after writing the routing trace if one is being recorded."""
+        try:
+            if self.recorder is not None and self.trace_path is not None and self.recorder.tokens:
+                write_trace(self.trace_path, self.recorder.routing_trace())
+        finally:
+            self.model.experts.close()
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         n = len(prompt_ids)
@@ -86,6 +95,8 @@ class Session:
         """Feed ids at start_pos in chunks of prefill_chunk tokens -> logits after the last one [V]."""
         for i in range(0, len(ids), self.prefill_chunk):
             tokens = torch.tensor([ids[i : i + self.prefill_chunk]], device=self.device)
+            if self.recorder is not None:
+                self.recorder.token_ids += ids[i : i + self.prefill_chunk]
             logits = self.model(tokens, start_pos=start_pos + i, last_only=True)[0][0, -1]
         return logits
 
@@ -140,7 +151,7 @@ class Session:
         return Generation(list(prompt_ids), tokens, text, finish, stats)
 
 
-def _target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
+def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
     """Device, manifest, context (capped at the model's) and compute dtype of a run."""
     device = resolve_device(options.device)
     manifest = Manifest.read(model_dir)
@@ -149,26 +160,24 @@ def _target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifes
 
 def plan_session(model_dir: Path, options: RunOptions) -> Plan:
     """The memory plan `open_session` would follow, without loading anything."""
-    device, manifest, max_context, dtype = _target(model_dir, options)
+    device, manifest, max_context, dtype = run_target(model_dir, options)
     return plan_run(manifest, device, dtype, max_context, options, with_mtp=False)
 
 
 def open_session(model_dir: Path, options: RunOptions) -> Session:
     """Load a converted model and its tokenizer for generation (the context is capped at the model's),
     warm-starting the expert tiers from hot.json when the folder has one for this conversion."""
-    device, manifest, max_context, dtype = _target(model_dir, options)
+    device, manifest, max_context, dtype = run_target(model_dir, options)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = load_model(model_dir, device, dtype, max_len=max_context, manifest=manifest, options=options)
     session = Session(model, ChatTokenizer(model_dir, manifest.args.eos_token_ids), max_context, options.prefill_chunk)
+    if options.record_trace is not None:
+        session.recorder, session.trace_path = RoutingRecorder(model, trace=True), options.record_trace
     try:
         hot = Path(model_dir) / HOT_NAME
         if hot.is_file():
-            profile = HotProfile.read(hot)
-            if profile.manifest_sha256 == manifest_sha256(model_dir):
-                model.experts.warm_start(profile)
-            else:
-                session.notes.append(f"{hot} belongs to another conversion; starting cold (run `dsfp4 profile-hot`)")
+            model.experts.warm_start(HotProfile.read(hot).check(manifest.conversion_sha256(), hot))
         if device.type == "cuda":
             warm_up(model.experts.layout, dtype, device)  # Triton compiles here, not in the first TTFT
     except BaseException:

@@ -93,8 +93,8 @@ class ChatTokenizer:
         except TemplateError as e:
             raise ConfigError(f"the chat template refused the conversation: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages), special=False)
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt), special=False)
 
     def encode_prompt(self, prompt: str, system: str | None = None, raw: bool = False) -> list[int]:
         """One user turn (with an optional system message) through the chat template, or raw text."""

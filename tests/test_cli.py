@@ -254,7 +254,7 @@ def test_inspect_lists_files_formats_and_records(converted):
         assert needle in result.stdout
 
 
-@pytest.mark.parametrize("command", ["download", "profile-hot"])
+@pytest.mark.parametrize("command", ["download"])
 def test_unimplemented_commands_say_so_and_fail(command):
     result = run_cli(command, "anything")
     assert result.exit_code == 1 and "not implemented yet" in result.stderr

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from dsfp4.errors import ChecksumError
+from dsfp4.errors import ChecksumError, ManifestError
 from dsfp4.layout import direct_io
 from dsfp4.layout.direct_io import RecordFile, aligned_buffer
-from dsfp4.layout.hot_profile import HotProfile
-from dsfp4.layout.manifest import Manifest, manifest_sha256
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.model import load_model, plan_run
 from dsfp4.runtime.options import RunOptions
@@ -127,7 +127,7 @@ def test_record_reads_use_o_direct_and_fall_back_where_refused(converted, monkey
     def read(direct_allowed: bool) -> RecordFile:
         f = RecordFile(converted / ef.file)
         buf = aligned_buffer(manifest.record.nbytes)
-        f.read_into(buf, ef.offsets[1])
+        f.read_into([buf], ef.offsets[1])
         f.close()
         assert bytes(buf) == want
         return f
@@ -175,8 +175,8 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     manifest = Manifest.read(model)
     rng = np.random.default_rng(0)
     counts = {layer: tuple(int(c) for c in rng.permutation(8) * 10) for layer in manifest.experts}
-    profile = HotProfile(manifest_sha256(model), 100, counts)
-    profile.write(model)
+    profile = HotProfile(manifest.conversion_sha256(), 100, counts)
+    profile.write(model / HOT_NAME)
     session = open_session(model, RunOptions(device="cpu", max_context=64))  # everything fits: all resident
     assert session.model.experts.counters.warm_records == 16 and not session.notes
     session.close()
@@ -188,10 +188,9 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     assert {k for k in ranked[:3]} == {(int(a), int(b)) for a, b in zip(*np.nonzero(res == 2), strict=True)}
     assert {k for k in ranked[3:8]} <= {(int(a), int(b)) for a, b in zip(*np.nonzero(res >= 1), strict=True)}
     store.close()
-    (model / "hot.json").write_text((model / "hot.json").read_text().replace(profile.manifest_sha256, "0" * 64))
-    cold = open_session(model, RunOptions(device="cpu", max_context=64))
-    assert cold.model.experts.counters.warm_records == 0 and "another conversion" in cold.notes[0]
-    cold.close()
+    (model / HOT_NAME).write_text((model / HOT_NAME).read_text().replace(profile.conversion, "0" * 64))
+    with pytest.raises(ManifestError, match="hot.json was measured on another model or conversion"):
+        open_session(model, RunOptions(device="cpu", max_context=64))
 
 
 @pytest.mark.gpu

@@ -12,8 +12,8 @@ import dsfp4.convert.part as part_module
 import dsfp4.convert.pipeline as pipeline
 from dsfp4.convert.part import PartRun
 from dsfp4.convert.plan import ConvertOptions
-from dsfp4.convert.resume import LOCK_NAME
 from dsfp4.errors import OutputError
+from dsfp4.layout.atomic import LOCK_NAME
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
 
 
@@ -132,7 +132,7 @@ def test_a_second_run_on_the_same_output_is_refused(checkpoints, tmp_path):
     fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as a running conversion holds it
     try:
-        with pytest.raises(OutputError, match="another dsfp4 convert is writing"):
+        with pytest.raises(OutputError, match=r"another dsfp4 process \(convert or repack\) is writing"):
             pipeline.convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
     finally:
         os.close(fd)

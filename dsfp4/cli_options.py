@@ -1,0 +1,74 @@
+"""Click option blocks shared by the commands that load a model (`run`, `profile-hot`): where it runs
+and under which memory budgets. Each flag sets the RunOptions field of the same name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from dsfp4.runtime.budget import PRESETS
+from dsfp4.runtime.options import RunOptions
+
+PATH = click.Path(path_type=Path)
+EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
+EXISTING_FILE = click.Path(path_type=Path, exists=True, dir_okay=False)
+RUN_DEFAULTS = RunOptions()
+
+
+def _stack(*decorators: Callable) -> Callable:
+    def apply(f: Callable) -> Callable:
+        for d in reversed(decorators):
+            f = d(f)
+        return f
+
+    return apply
+
+
+def context_options(max_context: int, context_help: str, prefill_chunk: int) -> Callable:
+    """--max-context and --prefill-chunk, with the command's own defaults."""
+    return _stack(
+        click.option(
+            "--max-context", type=click.IntRange(min=2), default=max_context, show_default=True, help=context_help
+        ),
+        click.option(
+            "--prefill-chunk",
+            type=click.IntRange(min=1),
+            default=prefill_chunk,
+            show_default=True,
+            help="Prompt tokens per forward pass: larger loads each expert fewer times, smaller needs less workspace.",
+        ),
+    )
+
+
+budget_options = _stack(
+    click.option("--device", default=RUN_DEFAULTS.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
+    click.option(
+        "--dtype",
+        type=click.Choice(["auto", "bf16", "fp32"]),
+        default=RUN_DEFAULTS.dtype,
+        show_default=True,
+        help="Compute dtype; auto is bf16 on CUDA, fp32 on the CPU.",
+    ),
+    click.option(
+        "--gpu-mem", help="Device memory budget, e.g. 14G (default: the preset, else free VRAM less a margin)."
+    ),
+    click.option("--cpu-mem", help="RAM budget of the process, e.g. 64G (default: the preset, else 80% of available)."),
+    click.option("--preset", type=click.Choice(list(PRESETS)), help="Budgets of a hardware class (see run --plan)."),
+    click.option(
+        "--io-threads",
+        type=click.IntRange(min=1),
+        default=RUN_DEFAULTS.io_threads,
+        show_default=True,
+        help="SSD reads in flight.",
+    ),
+    click.option(
+        "--no-verify",
+        "verify",
+        is_flag=True,
+        flag_value=False,
+        default=True,
+        help="Skip the sha256 check of each record's first read.",
+    ),
+)

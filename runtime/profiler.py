@@ -1,0 +1,114 @@
+"""Layer-wise routing profile (`dsfp4 profile-hot`): every calibration token through layer L, then L+1.
+
+Why layer by layer: each MoE layer's records are read from the SSD once per run, into the RAM cache (the
+next layer's while this one computes), not once per token, so a profile costs one pass over the expert
+files even where the model does not fit in memory. Each sequence goes through each block in the chunks
+and shapes of ordinary prefill, the block's KV cache holding the sequence's earlier chunks, so the
+routing, and so the counts, are those of ordinary generation bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.routing_trace import RoutingTrace
+from dsfp4.runtime.calibration import calibration
+from dsfp4.runtime.model import Transformer, load_model, plan_run
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.planner import Plan
+from dsfp4.runtime.routing import RoutingRecorder
+from dsfp4.runtime.session import run_target
+from dsfp4.runtime.tokenizer import ChatTokenizer
+
+
+@dataclass
+class ProfileRun:
+    profile: HotProfile
+    trace: RoutingTrace | None
+    plan: Plan
+    counters: dict[str, float]  # the expert store's, for the whole pass
+    seconds: float
+    notes: list[str]
+
+
+@torch.inference_mode()
+def layer_pass(model: Transformer, sequences: list[list[int]], chunk: int, on_layer: Callable[[int], None]) -> None:
+    """Run every sequence through every block, one block at a time (hidden states wait on the host)."""
+    store, device = model.experts, model.freqs_cis.device
+    n_experts = model.args.n_routed_experts
+    hidden = [F.embedding(torch.tensor([s], device=device), model.embed).cpu() for s in sequences]  # [1, T, D]
+    moe = [i for i, block in enumerate(model.layers) if block.moe]
+    held = store.plan.ram_slots // n_experts  # whole layers the RAM cache holds
+
+    def records(layer: int) -> set[tuple[int, int]]:
+        return {(layer, e) for e in range(n_experts)}
+
+    for i, block in enumerate(model.layers):
+        if block.moe and held:  # this layer's records, then the next one's behind them
+            store.read_ahead(records(i), set())
+            later = [j for j in moe if j > i]
+            if held >= 2 and later:
+                store.read_ahead(records(later[0]), records(i))
+        for h in hidden:
+            for a in range(0, h.shape[1], chunk):
+                x = h[:, a : a + chunk].to(device)  # [1, T, D]
+                freqs, mask = model.positions(x.shape[1], a)
+                h[:, a : a + chunk] = block(x, a, freqs, mask).to(h.device)
+        on_layer(i + 1)
+
+
+def profile_model(
+    model_dir: Path,
+    options: RunOptions,
+    prompts: Path | None,
+    chat_format: bool,
+    tokens: int,
+    trace: bool = False,
+    plan: Plan | None = None,
+    on_start: Callable[[Plan, int, int], None] = lambda plan, n_layers, n_tokens: None,
+    on_layer: Callable[[int, dict[str, float]], None] = lambda done, counters: None,
+) -> ProfileRun:
+    """Profile MODEL on calibration text: sequences of options.max_context tokens, each prefilled in
+    chunks of options.prefill_chunk, under the run's budgets (or `plan`, for tests and benchmarks).
+    on_start gets the plan, the layer count and the tokens, on_layer the layers done and the store's counters."""
+    t0 = time.perf_counter()
+    device, manifest, seq_len, dtype = run_target(model_dir, options)
+    calib = calibration(ChatTokenizer(model_dir), prompts, chat_format, tokens, seq_len)
+    hidden_bytes = calib.tokens * manifest.args.dim * torch.empty((), dtype=dtype).element_size()
+    plan = plan or plan_run(manifest, device, dtype, seq_len, options, False, host_extra=hidden_bytes)
+    options = dataclasses.replace(options, prefetch=False)  # predicting the next layer means nothing here
+    model = load_model(model_dir, device, dtype, seq_len, manifest=manifest, options=options, plan=plan)
+    notes = list(model.experts.notes)
+    if calib.available < tokens:
+        notes.append(f"the calibration text holds {calib.available} tokens, fewer than --tokens {tokens}")
+    if plan.ram_slots < manifest.args.n_routed_experts:
+        notes.append(
+            f"the RAM cache holds {plan.ram_slots} records, less than one layer's {manifest.args.n_routed_experts}: "
+            f"records are read from the SSD more than once (raise --cpu-mem)"
+        )
+    try:
+        recorder = RoutingRecorder(model, trace)
+        recorder.token_ids = [t for s in calib.sequences for t in s]
+        on_start(plan, len(model.layers), calib.tokens)
+        store = model.experts
+        layer_pass(model, calib.sequences, options.prefill_chunk, lambda i: on_layer(i, store.counters.snapshot()))
+        model.experts.sync()
+        profile = recorder.profile(manifest.conversion_sha256(), (calib.source,))
+        return ProfileRun(
+            profile,
+            recorder.routing_trace() if trace else None,
+            plan,
+            model.experts.counters.snapshot(),
+            time.perf_counter() - t0,
+            notes,
+        )
+    finally:
+        model.experts.close()

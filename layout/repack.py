@@ -1,0 +1,138 @@
+"""Hot-first repack: rewrite each layer file with its experts in hotness order, so that the warm start
+reads the hot prefix of every layer in one sequential read.
+
+Safe to interrupt, one layer at a time: the layer's new file is written under a new name and synced,
+then manifest.json is replaced atomically to point at it, then the old file is removed. The manifest
+always names complete files, so an interrupted repack leaves a model that loads (some layers in the new
+order, the rest in the old) and gives the same tokens; running it again finishes the job and removes
+what the interrupted run left behind. Record bytes and checksums never change, only file names and
+offsets, so the conversion's identity (and hot.json) stay valid. Extra disk space: one layer file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsfp4.errors import ChecksumError, OutputError
+from dsfp4.layout.atomic import LOCK_NAME, fsync_dir, lock_folder
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.manifest import ExpertFile, Manifest
+from dsfp4.layout.record import record_sha256
+from dsfp4.sizes import format_bytes
+
+EXPERTS_DIR = "experts"
+COPY_RECORDS = 16  # records per write while copying a layer
+
+
+@dataclass(frozen=True)
+class RepackReport:
+    rewritten: int  # layer files written in the new order
+    unchanged: int  # already in that order
+    nbytes: int  # bytes copied
+    seconds: float
+
+
+def hot_file_name(ef: ExpertFile, order: list[int]) -> str:
+    """experts/layer-NNN.<digest of the order>.bin: a new name per order, so a new file never replaces
+    one the manifest still names."""
+    stem = Path(ef.file).name.split(".")[0]
+    digest = hashlib.sha256(",".join(map(str, order)).encode()).hexdigest()[:8]
+    return f"{EXPERTS_DIR}/{stem}.{digest}.bin"
+
+
+def _in_order(ef: ExpertFile, order: list[int], nbytes: int) -> bool:
+    return all(ef.offsets[e] == i * nbytes for i, e in enumerate(order))
+
+
+def _copy_layer(model_dir: Path, ef: ExpertFile, order: list[int], nbytes: int, dst: Path) -> None:
+    """Write the layer's records to dst in `order`, checking each record's sha256 on the way."""
+    src = model_dir / ef.file
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with open(dst, "wb") as out:
+            for start in range(0, len(order), COPY_RECORDS):
+                chunk = []
+                for e in order[start : start + COPY_RECORDS]:
+                    record = os.pread(fd, nbytes, ef.offsets[e])
+                    if len(record) != nbytes or record_sha256(record) != ef.sha256[e]:
+                        raise ChecksumError(
+                            f"{src}: the record of expert {e} fails its sha256 check; nothing was repacked "
+                            f"past this layer (run `dsfp4 verify`, then convert again)"
+                        )
+                    chunk.append(record)
+                out.write(b"".join(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # a repack should not evict the user's page cache
+    finally:
+        os.close(fd)
+
+
+def _leftovers(model_dir: Path, manifest: Manifest) -> list[Path]:
+    """Layer files in experts/ that the manifest does not name: what an interrupted repack left."""
+    named = {Path(ef.file).name for ef in manifest.experts.values()}
+    folder = model_dir / EXPERTS_DIR
+    return [p for p in sorted(folder.iterdir()) if p.name not in named and p.suffix in (".bin", ".tmp")]
+
+
+def repack(
+    model_dir: Path, profile: HotProfile, on_layer: Callable[[int, int], None] = lambda done, total: None
+) -> RepackReport:
+    """Store every profiled layer's experts hottest first (HotProfile.order); layers the profile does not
+    cover (the MTP layer) keep their order."""
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir)
+    manifest = Manifest.read(model_dir)
+    profile.check(manifest.conversion_sha256(), "the hot profile")
+    n = manifest.record.nbytes
+    busy = f"another dsfp4 process (convert or repack) is writing {model_dir}; wait for it"
+    fd = lock_folder(model_dir, busy)
+    try:
+        for stale in _leftovers(model_dir, manifest):
+            stale.unlink()
+        todo = [
+            (layer, profile.order(layer))
+            for layer, ef in sorted(manifest.experts.items())
+            if layer in profile.counts and not _in_order(ef, profile.order(layer), n)
+        ]
+        largest = max((len(manifest.experts[layer].offsets) * n for layer, _ in todo), default=0)
+        free = shutil.disk_usage(model_dir / EXPERTS_DIR).free
+        if largest > free:
+            raise OutputError(
+                f"{model_dir / EXPERTS_DIR}: a repack needs {format_bytes(largest)} free (one layer file), "
+                f"{format_bytes(free)} is free; free some space and run it again"
+            )
+        copied = 0
+        for done, (layer, order) in enumerate(todo, 1):
+            ef = manifest.experts[layer]
+            name = hot_file_name(ef, order)
+            tmp = model_dir / (name + ".tmp")
+            try:
+                _copy_layer(model_dir, ef, order, n, tmp)
+            except Exception:
+                tmp.unlink(missing_ok=True)
+                raise
+            tmp.replace(model_dir / name)
+            fsync_dir(tmp.parent)  # the new name is durable before the manifest points at it
+            position = {e: i for i, e in enumerate(order)}
+            offsets = tuple(position[e] * n for e in range(len(order)))
+            manifest = dataclasses.replace(
+                manifest, experts={**manifest.experts, layer: ExpertFile(name, offsets, ef.sha256)}
+            )
+            manifest.write(model_dir)  # atomic: from here the new file is the layer's
+            if ef.file != name:
+                (model_dir / ef.file).unlink(missing_ok=True)
+            copied += len(order) * n
+            on_layer(done, len(todo))
+    finally:
+        (model_dir / LOCK_NAME).unlink(missing_ok=True)
+        os.close(fd)
+    unchanged = sum(1 for layer in manifest.experts if layer in profile.counts) - len(todo)
+    return RepackReport(len(todo), unchanged, copied, time.perf_counter() - t0)

@@ -1,0 +1,187 @@
+"""Benchmark of `dsfp4 profile-hot` on the GPU machine (docs/BENCHMARKS.md): the layer-wise pass against
+ordinary prefill of the same sequences under the same budgets, then the warm start before and after a
+hot-first repack, and the repack itself.
+
+    python scripts/bench_profile.py WORKDIR [--layers 5] [--tokens 8192] [--gpu-mem 16G] [--cpu-mem 16G]
+
+The model is scripts/bench_model.py's (DeepSeek-V3 dimensions, random NVFP4 experts, a small BPE
+tokenizer), so routing is near-uniform: the numbers measure the mechanics (bytes read, read pattern,
+seconds), not a real model's skew. The warm start's budgets emulate the 16g preset's share of the full V3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `dsfp4` itself sets
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import write_bench_model  # noqa: E402
+from bench_store import DEV, GB, ceilings, preset_shares  # noqa: E402
+
+from dsfp4.layout.direct_io import RecordFile  # noqa: E402
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
+from dsfp4.layout.manifest import Manifest  # noqa: E402
+from dsfp4.layout.repack import repack  # noqa: E402
+from dsfp4.runtime.calibration import calibration  # noqa: E402
+from dsfp4.runtime.expert_store import ExpertStore  # noqa: E402
+from dsfp4.runtime.model import plan_run  # noqa: E402
+from dsfp4.runtime.options import RunOptions  # noqa: E402
+from dsfp4.runtime.profiler import profile_model  # noqa: E402
+from dsfp4.runtime.sampling import SamplingParams  # noqa: E402
+from dsfp4.runtime.session import open_session  # noqa: E402
+from dsfp4.runtime.stats import peak_memory  # noqa: E402
+from dsfp4.runtime.tokenizer import ChatTokenizer  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+READS: list[int] = []  # bytes of each RecordFile.read_into call
+
+
+def _count_reads() -> None:
+    real = RecordFile.read_into
+
+    def spy(self, bufs, offset):
+        READS.append(sum(len(b) for b in bufs))
+        return real(self, bufs, offset)
+
+    RecordFile.read_into = spy
+
+
+def _answer(path: Path, options: RunOptions) -> list[int]:
+    session = open_session(path, options)
+    try:
+        ids = session.tokenizer.encode_prompt("Which experts are hot?")
+        return session.generate(ids, 16, GREEDY).token_ids
+    finally:
+        session.close()
+
+
+def per_sequence(path: Path, options: RunOptions, sequences: list[list[int]]) -> dict:
+    """Ordinary prefill of each sequence (as `dsfp4 run` would), under the same budgets."""
+    session = open_session(path, dataclasses.replace(options, max_context=options.max_context + 1))
+    store = session.model.experts
+    before, t0 = store.counters.snapshot(), time.perf_counter()
+    for seq in sequences:
+        session.reset()
+        session.generate(seq, 1, GREEDY)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    c = {k: v - before[k] for k, v in store.counters.snapshot().items()}
+    session.close()
+    return {
+        "seconds": dt,
+        "ssd_reads": c["ssd_reads"],
+        "ssd_bytes": c["ssd_bytes"],
+        "tok_s": sum(map(len, sequences)) / dt,
+    }
+
+
+def warm(path: Path, profile: HotProfile, gpu_slots: int, ram_slots: int) -> dict:
+    manifest = Manifest.read(path)
+    plan = plan_run(manifest, DEV, torch.bfloat16, 4096, RunOptions(device="cuda", io_threads=8), False)
+    plan = dataclasses.replace(plan, gpu_slots=gpu_slots, ram_slots=ram_slots, staging=8)
+    store = ExpertStore(path, manifest, DEV, plan, io_threads=8)
+    READS.clear()
+    store.warm_start(profile)
+    c = store.counters
+    store.close()
+    return {"seconds": c.warm_s, "records": c.warm_records, "reads": len(READS), "gb_s": c.ssd_bytes / c.warm_s / GB}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir", type=Path)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--gpu-mem", default="16G")
+    ap.add_argument("--cpu-mem", default="16G")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    a = ap.parse_args()
+    path = a.workdir / "model"
+    t0 = time.perf_counter()
+    if not (path / "manifest.json").exists():
+        write_bench_model(path, n_layers=a.layers, n_dense=1, with_tokenizer=True)
+    manifest = Manifest.read(path)
+    n_rec = len(manifest.experts) * manifest.args.n_routed_experts
+    res: dict = {"write_s": time.perf_counter() - t0, "records": n_rec, "record_bytes": manifest.record.nbytes}
+    res["ceilings"] = c = ceilings(path, manifest)
+    _count_reads()
+    options = RunOptions(
+        device="cuda", max_context=2048, prefill_chunk=2048, gpu_mem=a.gpu_mem, cpu_mem=a.cpu_mem, io_threads=8
+    )
+    torch.cuda.reset_peak_memory_stats(DEV)
+    READS.clear()
+    run = profile_model(path, options, None, False, a.tokens)
+    gpu_peak, rss_peak = peak_memory(DEV)
+    p = run.counters
+    res["layer_wise"] = {
+        "seconds": run.seconds,
+        "tokens": run.profile.tokens,
+        "ssd_reads": p["ssd_reads"],
+        "ssd_bytes": p["ssd_bytes"],
+        "read_calls": len(READS),
+        "gpu_slots": run.plan.gpu_slots,
+        "ram_slots": run.plan.ram_slots,
+        "peak_gpu": gpu_peak,
+        "peak_rss": rss_peak,
+        "notes": run.notes,
+    }
+    sequences = calibration(ChatTokenizer(path), None, False, a.tokens, options.max_context).sequences
+    res["per_sequence"] = per_sequence(path, options, sequences)
+    before = _answer(path, options)
+    run.profile.write(path / HOT_NAME)
+    g, r, _ = preset_shares()["16g"]
+    gs, rs = max(int(g * n_rec), 8), max(int(r * n_rec), 8)
+    res["warm_before"] = warm(path, run.profile, gs, rs)
+    rp = repack(path, run.profile)
+    res["repack"] = {"seconds": rp.seconds, "bytes": rp.nbytes, "gb_s": rp.nbytes / rp.seconds / GB}
+    res["warm_after"] = warm(path, run.profile, gs, rs)
+    res["same_tokens_after_repack"] = _answer(path, options) == before
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench_profile.json").write_text(json.dumps(res, indent=1))
+
+    lw, ps = res["layer_wise"], res["per_sequence"]
+    print(
+        f"ceilings: HBM {c['hbm_gb_s']:.0f} GB/s, pinned H2D {c['h2d_gb_s']:.1f} GB/s, "
+        f"O_DIRECT {c['odirect_gb_s']:.2f} GB/s"
+    )
+    print(
+        f"model: {n_rec} records of {manifest.record.nbytes / 2**20:.2f} MiB; budgets {a.gpu_mem} / {a.cpu_mem}: "
+        f"{lw['gpu_slots']} device slots, {lw['ram_slots']} RAM slots; {len(sequences)} sequences, "
+        f"{lw['tokens']} tokens"
+    )
+    print(f"{'pass':<34} {'seconds':>8} {'records read':>13} {'GB read':>8} {'GB/s':>6} {'of O_DIRECT':>11}")
+    for name, d in (("layer-wise (profile-hot)", lw), ("per sequence (ordinary prefill)", ps)):
+        gbs = d["ssd_bytes"] / d["seconds"] / GB
+        print(
+            f"{name:<34} {d['seconds']:8.1f} {int(d['ssd_reads']):13d} {d['ssd_bytes'] / GB:8.1f} {gbs:6.2f} "
+            f"{gbs / c['odirect_gb_s']:11.0%}"
+        )
+    print(
+        f"layer-wise peaks: device {gpu_peak / 2**30:.2f} GiB (budget {a.gpu_mem}), RSS {rss_peak / 2**30:.2f} GiB "
+        f"(budget {a.cpu_mem}); read calls {lw['read_calls']}"
+    )
+    for name in ("warm_before", "warm_after"):
+        w = res[name]
+        print(
+            f"{name:<12} {w['records']} records ({gs} device, {rs} RAM) in {w['reads']} reads, {w['seconds']:.2f} s, "
+            f"{w['gb_s']:.2f} GB/s ({w['gb_s'] / c['odirect_gb_s']:.0%} of O_DIRECT)"
+        )
+    rp_ = res["repack"]
+    print(
+        f"repack: {rp_['bytes'] / GB:.1f} GB in {rp_['seconds']:.1f} s ({rp_['gb_s']:.2f} GB/s, read + write); "
+        f"same tokens after: {res['same_tokens_after_repack']}"
+    )
+    return 0 if res["same_tokens_after_repack"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,23 +12,27 @@ offsets, so the conversion's identity (and hot.json) stay valid. Extra disk spac
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from dsfp4.errors import ChecksumError, OutputError
 from dsfp4.layout.atomic import LOCK_NAME, fsync_dir, lock_folder
+from dsfp4.layout.direct_io import DIRECT_ALIGN, RecordFile, aligned_buffer
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import ExpertFile, Manifest
 from dsfp4.layout.record import record_sha256
 from dsfp4.sizes import format_bytes
 
 EXPERTS_DIR = "experts"
-COPY_RECORDS = 16  # records per write while copying a layer
+COPY_RECORDS = 8  # records per write while copying a layer
+COPY_DEPTH = 4  # chunks read ahead of the writer (RAM: COPY_DEPTH x COPY_RECORDS records)
 
 
 @dataclass(frozen=True)
@@ -51,28 +55,65 @@ def _in_order(ef: ExpertFile, order: list[int], nbytes: int) -> bool:
     return all(ef.offsets[e] == i * nbytes for i, e in enumerate(order))
 
 
+def _open_for_write(path: Path) -> tuple[int, bool]:
+    """(fd, direct): O_DIRECT where the filesystem takes it, so a repack does not fill the page cache."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        else:
+            try:  # some filesystems take the flag at open and refuse the writes
+                os.pwritev(fd, [memoryview(aligned_buffer(DIRECT_ALIGN))], 0)
+                return fd, True
+            except OSError as e:
+                os.close(fd)
+                if e.errno != errno.EINVAL:
+                    raise
+    return os.open(path, flags, 0o644), False
+
+
+def _write_all(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.pwritev(fd, [buf[done:]], offset + done)
+
+
 def _copy_layer(model_dir: Path, ef: ExpertFile, order: list[int], nbytes: int, dst: Path) -> None:
-    """Write the layer's records to dst in `order`, checking each record's sha256 on the way."""
-    src = model_dir / ef.file
-    fd = os.open(src, os.O_RDONLY)
+    """Write the layer's records to dst in `order`, checking each record's sha256 on the way. Reader
+    threads run COPY_DEPTH chunks ahead of the writer, both with O_DIRECT where the filesystem allows."""
+    src = RecordFile(model_dir / ef.file)
+    fd, direct = _open_for_write(dst)
+    chunks = [order[i : i + COPY_RECORDS] for i in range(0, len(order), COPY_RECORDS)]
+    bufs = [aligned_buffer(COPY_RECORDS * nbytes) for _ in range(min(COPY_DEPTH, len(chunks)))]
+
+    def read(k: int) -> memoryview:
+        buf = bufs[k % len(bufs)]
+        for j, e in enumerate(chunks[k]):
+            record = buf[j * nbytes : (j + 1) * nbytes]
+            src.read_into([record], ef.offsets[e])
+            if record_sha256(record) != ef.sha256[e]:
+                raise ChecksumError(
+                    f"{src.path}: the record of expert {e} fails its sha256 check; nothing was repacked "
+                    f"past this layer (run `dsfp4 verify`, then convert again)"
+                )
+        return memoryview(buf)[: len(chunks[k]) * nbytes]
+
     try:
-        with open(dst, "wb") as out:
-            for start in range(0, len(order), COPY_RECORDS):
-                chunk = []
-                for e in order[start : start + COPY_RECORDS]:
-                    record = os.pread(fd, nbytes, ef.offsets[e])
-                    if len(record) != nbytes or record_sha256(record) != ef.sha256[e]:
-                        raise ChecksumError(
-                            f"{src}: the record of expert {e} fails its sha256 check; nothing was repacked "
-                            f"past this layer (run `dsfp4 verify`, then convert again)"
-                        )
-                    chunk.append(record)
-                out.write(b"".join(chunk))
-            out.flush()
-            os.fsync(out.fileno())
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # a repack should not evict the user's page cache
+        with ThreadPoolExecutor(len(bufs)) as pool:
+            pending = {k: pool.submit(read, k) for k in range(len(bufs))}
+            for k in range(len(chunks)):
+                _write_all(fd, pending.pop(k).result(), k * COPY_RECORDS * nbytes)
+                if k + len(bufs) < len(chunks):  # its buffer is free again
+                    pending[k + len(bufs)] = pool.submit(read, k + len(bufs))
+        os.fsync(fd)
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+        src.close()
 
 
 def _leftovers(model_dir: Path, manifest: Manifest) -> list[Path]:

@@ -202,31 +202,34 @@ class ExpertStore:
             return None
         return rslot, self._submit_read([(key, rslot)])
 
-    def _file_position(self, key: Key) -> tuple[int, int]:
+    def file_position(self, key: Key) -> tuple[int, int]:
+        """(layer, offset in its file): sorting keys by it gives the order of a sequential read."""
         return key[0], self.manifest.experts[key[0]].offsets[key[1]]
 
     def read_ahead(self, keys: Iterable[Key], protected: set[Key]) -> None:
         """Start reading the records of `keys` that are not in RAM from the SSD, in file order, adjacent
-        records in one read (runs of RUN_RECORDS); waits only when no RAM slot is free. Never evicts a
-        key in `protected`."""
+        records in one read (runs of RUN_RECORDS); waits only when no RAM slot is free. Never evicts one
+        of `keys` or of `protected`."""
         self._retire()
+        keys = sorted(keys, key=self.file_position)
+        protected = protected | set(keys)
         run: list[tuple[Key, int]] = []
-        for key in sorted(keys, key=self._file_position):
+        for key in keys:
             if key in self.ram_pool:
                 continue
-            rslot = self._allocate(self.ram_pool, key, protected | {k for k, _ in run}, wait=False)
+            rslot = self._allocate(self.ram_pool, key, protected, wait=False)
             if rslot is None:  # the run so far must be in flight before waiting for a slot
                 self._submit_read(run)
                 run = []
                 rslot = self._allocate(self.ram_pool, key, protected, wait=True)
-            if run and (len(run) == RUN_RECORDS or self._file_position(key) != self._next_position(run[-1][0])):
+            if run and (len(run) == RUN_RECORDS or self.file_position(key) != self._next_position(run[-1][0])):
                 self._submit_read(run)
                 run = []
             run.append((key, rslot))
         self._submit_read(run)
 
     def _next_position(self, key: Key) -> tuple[int, int]:
-        layer, offset = self._file_position(key)
+        layer, offset = self.file_position(key)
         return layer, offset + self.layout.nbytes
 
     def _start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
@@ -342,12 +345,13 @@ class ExpertStore:
         n_gpu = self.plan.gpu_slots
         to_gpu, to_ram = ranked[:n_gpu], ranked[n_gpu : n_gpu + self.plan.ram_slots]
         for layer in sorted({layer for layer, _ in to_gpu}):
-            keys = sorted((k for k in to_gpu if k[0] == layer), key=self._file_position)
-            self.read_ahead(keys, set())
-            for key in keys:
-                self._start(key, set(), wait=True)
+            keys = sorted((k for k in to_gpu if k[0] == layer), key=self.file_position)
+            for i in range(0, len(keys), self.plan.ram_slots):  # through RAM, as much at once as it holds
+                self.read_ahead(keys[i : i + self.plan.ram_slots], set())
+                for key in keys[i : i + self.plan.ram_slots]:
+                    self._start(key, set(), wait=True)
         self.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
-        self.read_ahead(to_ram, set(to_ram))
+        self.read_ahead(to_ram, set())
         self.sync()
         self.counters.warm_records = len(to_gpu) + len(to_ram)
         self.counters.warm_s = time.perf_counter() - t0
@@ -362,8 +366,15 @@ class ExpertStore:
         for f in self.files.values():
             f.close()
         self.files = {}
+        if self.cuda:
+            self.copy_stream.synchronize()  # no copy may still read the RAM cache once it is unpinned
         if self._unpin is not None:
             self._unpin()
+        # the record memory goes back now, not when the store is collected: the process may go on
+        n = self.gpu.shape[1]
+        self.gpu = self.gpu.new_empty((0, n))
+        self.ram_np = np.empty((0, n), dtype=np.uint8)
+        self.ram, self._host = torch.from_numpy(self.ram_np), self.ram_np.reshape(-1)
 
     def residency(self) -> np.ndarray:
         """[layers, experts] int8: 2 on the device, 1 in RAM only, 0 on the SSD only (for tests and stats)."""

@@ -46,17 +46,17 @@ def layer_pass(model: Transformer, sequences: list[list[int]], chunk: int, on_la
     n_experts = model.args.n_routed_experts
     hidden = [F.embedding(torch.tensor([s], device=device), model.embed).cpu() for s in sequences]  # [1, T, D]
     moe = [i for i, block in enumerate(model.layers) if block.moe]
-    held = store.plan.ram_slots // n_experts  # whole layers the RAM cache holds
+    room = store.plan.ram_slots - n_experts  # RAM slots left beside one whole layer
 
-    def records(layer: int) -> set[tuple[int, int]]:
-        return {(layer, e) for e in range(n_experts)}
+    def records(layer: int) -> list[tuple[int, int]]:
+        return sorted(((layer, e) for e in range(n_experts)), key=store.file_position)
 
     for i, block in enumerate(model.layers):
-        if block.moe and held:  # this layer's records, then the next one's behind them
+        if block.moe and room >= 0:  # this layer's records, then as much of the next one as fits behind them
             store.read_ahead(records(i), set())
             later = [j for j in moe if j > i]
-            if held >= 2 and later:
-                store.read_ahead(records(later[0]), records(i))
+            if room and later:
+                store.read_ahead(records(later[0])[:room], set(records(i)))  # this layer's stay
         for h in hidden:
             for a in range(0, h.shape[1], chunk):
                 x = h[:, a : a + chunk].to(device)  # [1, T, D]
@@ -94,8 +94,8 @@ def profile_model(
             f"the RAM cache holds {plan.ram_slots} records, less than one layer's {manifest.args.n_routed_experts}: "
             f"records are read from the SSD more than once (raise --cpu-mem)"
         )
+    recorder = RoutingRecorder(model, trace)
     try:
-        recorder = RoutingRecorder(model, trace)
         recorder.token_ids = [t for s in calib.sequences for t in s]
         on_start(plan, len(model.layers), calib.tokens)
         store = model.experts
@@ -111,4 +111,5 @@ def profile_model(
             notes,
         )
     finally:
+        recorder.detach()  # the recorder and the model point at each other: let both go now
         model.experts.close()

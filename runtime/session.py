@@ -79,6 +79,8 @@ class Session:
             if self.recorder is not None and self.trace_path is not None and self.recorder.tokens:
                 write_trace(self.trace_path, self.recorder.routing_trace())
         finally:
+            if self.recorder is not None:
+                self.recorder.detach()
             self.model.experts.close()
 
     def check_prompt(self, prompt_ids: list[int]) -> None:

@@ -67,3 +67,21 @@ def odirect_read_gbps(paths: list[Path], threads: int = 1, chunk: int = 16 << 20
     for fd in fds.values():
         os.close(fd)
     return sum(done) / seconds / 1e9
+
+
+def odirect_write_gbps(folder: Path, nbytes: int = 4 << 30, chunk: int = 64 << 20) -> float:
+    """Write a scratch file of nbytes with O_DIRECT, `chunk` bytes per write, then fsync and delete it."""
+    path = Path(folder) / ".dsfp4-write-ceiling.tmp"
+    buf = memoryview(aligned_buffer(chunk))
+    buf[:] = os.urandom(chunk)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        t = time.perf_counter()
+        for pos in range(0, nbytes, chunk):
+            os.pwritev(fd, [buf], pos)
+        os.fsync(fd)
+        seconds = time.perf_counter() - t
+    finally:
+        os.close(fd)
+        path.unlink()
+    return nbytes / seconds / 1e9

@@ -188,6 +188,12 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     assert {k for k in ranked[:3]} == {(int(a), int(b)) for a, b in zip(*np.nonzero(res == 2), strict=True)}
     assert {k for k in ranked[3:8]} <= {(int(a), int(b)) for a, b in zip(*np.nonzero(res >= 1), strict=True)}
     store.close()
+    store = ExpertStore(model, manifest, CPU, _plan(model, 12, 2))  # more device slots than RAM ones
+    store.warm_start(profile)
+    assert {k for k in ranked[:12]} == {
+        (int(a), int(b)) for a, b in zip(*np.nonzero(store.residency() == 2), strict=True)
+    }
+    store.close()
     (model / HOT_NAME).write_text((model / HOT_NAME).read_text().replace(profile.conversion, "0" * 64))
     with pytest.raises(ManifestError, match="hot.json was measured on another model or conversion"):
         open_session(model, RunOptions(device="cpu", max_context=64))

@@ -3,6 +3,7 @@ start, and an interrupted or killed repack leaves a model that loads and gives t
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -162,6 +163,21 @@ def test_a_killed_repack_leaves_a_model_that_loads(model):
     verify(model)
     assert _tokens(model) == before
     assert repack(model, _profile(model)).rewritten == 2
+    assert _tokens(model) == before
+
+
+def test_repack_writes_through_the_page_cache_where_o_direct_is_refused(model, monkeypatch):
+    before, real_open = _tokens(model), os.open
+
+    def refuse_direct(path, flags, *args):  # as tmpfs before Linux 6.6 does
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(repack_module.os, "open", refuse_direct)
+    assert repack(model, _profile(model)).rewritten == 2
+    monkeypatch.undo()
+    verify(model)
     assert _tokens(model) == before
 
 

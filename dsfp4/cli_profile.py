@@ -125,7 +125,7 @@ def profile_hot(
       dsfp4 profile-hot model/ --no-measure --merge model/hot.json --merge code.json
     """
     from dsfp4.layout.manifest import Manifest
-    from dsfp4.layout.routing_trace import check_suffix
+    from dsfp4.layout.routing_trace import check_trace_path
 
     ctx = click.get_current_context()
     if no_measure:
@@ -134,11 +134,13 @@ def profile_hot(
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise click.UsageError(f"--no-measure runs nothing, so {flags} would do nothing; drop them")
     if trace is not None:
-        check_suffix(trace)
+        check_trace_path(trace)
     options = RunOptions(**knobs)
     conversion = Manifest.read(model).conversion_sha256()
     own = model / HOT_NAME
     output = output or own
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
     inputs = list(merge) if merge or not no_measure else [own]
     if no_measure and not own.is_file() and not merge:
         raise ConfigError(f"{own} not found: run `dsfp4 profile-hot {model}` first, or give --merge FILE")

@@ -45,17 +45,19 @@ def check_ids(ids: np.ndarray, what: str = "trace") -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
-def check_suffix(path: Path) -> Path:
-    """Fail before any work when a trace could not be written under this name."""
+def check_trace_path(path: Path) -> Path:
+    """Fail before any work when a trace could not be written there."""
     path = Path(path)
     if path.suffix not in TRACE_SUFFIXES:
         raise ConfigError(f"{path}: a routing trace is written as .npy (ids) or .npz (ids, weights, tokens)")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{path}: the folder {path.parent} does not exist; create it or choose another path")
     return path
 
 
 def write_trace(path: Path, trace: RoutingTrace) -> None:
     """Write atomically (a reader never sees half a trace)."""
-    path = check_suffix(path)
+    path = check_trace_path(path)
     buf = io.BytesIO()
     ids = trace.ids.astype(np.int32)
     if path.suffix == ".npy":

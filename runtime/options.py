@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from dsfp4.errors import ConfigError
-from dsfp4.layout.routing_trace import check_suffix
+from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.runtime.sampling import SamplingParams
 
@@ -50,7 +50,7 @@ class RunOptions:
         if self.io_threads < 1 or self.prefill_chunk < 1:
             raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
         if self.record_trace is not None:
-            check_suffix(self.record_trace)
+            check_trace_path(self.record_trace)
         if any(not s for s in self.stop):
             raise ConfigError("--stop: an empty stop string would end every answer at once")
 

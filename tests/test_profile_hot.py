@@ -215,6 +215,10 @@ def test_cli_refuses_foreign_profiles_and_pointless_flags(model, prompts, tmp_pa
     (model / HOT_NAME).unlink()
     assert_one_line_error(run_cli("profile-hot", model, "--no-measure"), "hot.json not found")
     assert_one_line_error(_profile_cli(model, prompts, "--trace", tmp_path / "t.csv"), "t.csv", ".npy")
+    assert_one_line_error(_profile_cli(model, prompts, "--trace", tmp_path / "no" / "t.npz"), "no/t.npz", "folder")
+    assert_one_line_error(_profile_cli(model, prompts, "-o", tmp_path / "no" / "h.json"), "no/h.json", "folder")
+    r = run_cli("run", model, "--prompt", "hi", "--device", "cpu", "--record-trace", tmp_path / "no" / "t.npz")
+    assert_one_line_error(r, "no/t.npz", "does not exist")
     r = run_cli("profile-hot", model, "--no-measure", "--tokens", 5)
     assert r.exit_code == 2 and "--tokens would do nothing" in r.stderr
 

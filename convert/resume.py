@@ -95,8 +95,7 @@ class ResumeState:
     def finish(self) -> None:
         """After manifest.json is written: drop the state and the lock."""
         shutil.rmtree(self.dir)
-        self.release()
-        (self.out / LOCK_NAME).unlink(missing_ok=True)
+        self.release()  # the lock file stays: unlinking it would let two later writers lock different files
 
     def release(self) -> None:
         if self._lock_fd is not None:

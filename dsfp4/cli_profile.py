@@ -136,7 +136,7 @@ def profile_hot(
     if trace is not None:
         check_trace_path(trace)
     options = RunOptions(**knobs)
-    conversion = Manifest.read(model).conversion_sha256()
+    manifest = Manifest.read(model)
     own = model / HOT_NAME
     output = output or own
     if not output.parent.is_dir():
@@ -144,7 +144,7 @@ def profile_hot(
     inputs = list(merge) if merge or not no_measure else [own]
     if no_measure and not own.is_file() and not merge:
         raise ConfigError(f"{own} not found: run `dsfp4 profile-hot {model}` first, or give --merge FILE")
-    profiles = [(p, HotProfile.read(p).check(conversion, p)) for p in inputs]  # refuse before running anything
+    profiles = [(p, HotProfile.read(p).check(manifest, p)) for p in inputs]  # refuse before running anything
     result = _measure(model, options, prompts, chat_format, tokens, trace, quiet) if not no_measure else None
     for path, p in profiles:
         result = p if result is None else result.merge(p, path)

@@ -26,28 +26,37 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
 
+def open_direct(path: Path, flags: int, mode: int = 0o644) -> tuple[int, bool]:
+    """(fd, direct): the file opened with O_DIRECT where its filesystem allows it, else without. Some
+    filesystems take the flag at open and refuse the I/O, so one aligned block is read (or, for a file
+    opened to write, written: the caller overwrites it) before O_DIRECT is trusted."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, mode)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        else:
+            probe = memoryview(aligned_buffer(DIRECT_ALIGN))
+            try:
+                (os.pwritev if flags & (os.O_WRONLY | os.O_RDWR) else os.preadv)(fd, [probe], 0)
+                return fd, True
+            except OSError as e:
+                os.close(fd)
+                if e.errno != errno.EINVAL:
+                    raise
+    return os.open(path, flags, mode), False
+
+
 class RecordFile:
     """One layer file, opened with O_DIRECT when its filesystem allows it."""
 
     def __init__(self, path: Path, direct: bool = True):
         self.path = Path(path)
-        self.direct = False
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-            else:
-                try:  # some filesystems accept the flag at open and refuse the reads
-                    os.preadv(self.fd, [memoryview(aligned_buffer(DIRECT_ALIGN))], 0)
-                    self.direct = True
-                    return
-                except OSError as e:
-                    os.close(self.fd)
-                    if e.errno != errno.EINVAL:
-                        raise
-        self.fd = os.open(self.path, os.O_RDONLY)
+        if direct:
+            self.fd, self.direct = open_direct(self.path, os.O_RDONLY)
+        else:
+            self.fd, self.direct = os.open(self.path, os.O_RDONLY), False
 
     def read_into(self, bufs: list[np.ndarray], offset: int) -> None:
         """Fill bufs, in order, with the file's consecutive bytes from offset: one sequential read (for

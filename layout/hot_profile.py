@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dsfp4.errors import ManifestError
 from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.layout.manifest import Manifest
 
 HOT_NAME = "hot.json"
 HOT_FORMAT = "dsfp4-hot-1"
@@ -40,23 +41,34 @@ class HotProfile:
         return sorted(range(len(c)), key=lambda e: (-c[e], e))
 
     def ranked(self) -> list[tuple[int, int]]:
-        """(layer, expert) keys, hottest first across layers (every layer saw the same tokens); ties in
-        file order. Each layer's keys appear in that layer's order()."""
+        """(layer, expert) keys, hottest first across layers (every layer saw the same tokens); ties by
+        layer, then expert id. Each layer's keys appear in that layer's order()."""
         keys = [(layer, e) for layer, c in self.counts.items() for e in range(len(c))]
         return sorted(keys, key=lambda k: (-self.counts[k[0]][k[1]], k))
 
-    def check(self, conversion: str, path: Path | str) -> HotProfile:
-        """Self, if it was measured on this conversion; else a ManifestError naming the file."""
+    def check(self, manifest: Manifest, path: Path | str) -> HotProfile:
+        """Self, if it was measured on this conversion and covers its MoE layers' experts; else a
+        ManifestError naming the file."""
+        self._same_conversion(manifest.conversion_sha256(), path)
+        n = manifest.args.n_routed_experts
+        wrong = [layer for layer, c in self.counts.items() if layer not in manifest.experts or len(c) != n]
+        if wrong:
+            raise ManifestError(
+                f"{path}: layer {wrong[0]} is not a MoE layer of {n} experts in this model; the file was edited "
+                f"or damaged, run `dsfp4 profile-hot` again"
+            )
+        return self
+
+    def _same_conversion(self, conversion: str, path: Path | str) -> None:
         if self.conversion != conversion:
             raise ManifestError(
                 f"{path} was measured on another model or conversion (conversion {self.conversion[:12]}, "
                 f"this model is {conversion[:12]}); profile this model with `dsfp4 profile-hot`, or remove the file"
             )
-        return self
 
     def merge(self, other: HotProfile, path: Path | str) -> HotProfile:
         """Both profiles' counts and weights added up (`other` read from `path`, named in errors)."""
-        other.check(self.conversion, path)
+        other._same_conversion(self.conversion, path)
         shape = {layer: len(c) for layer, c in self.counts.items()}
         if {layer: len(c) for layer, c in other.counts.items()} != shape:
             raise ManifestError(f"{path}: its layers or experts differ from the profile it is merged into")

@@ -12,7 +12,6 @@ offsets, so the conversion's identity (and hot.json) stay valid. Extra disk spac
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import os
 import shutil
@@ -22,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsfp4.errors import ChecksumError, OutputError
-from dsfp4.layout.atomic import LOCK_NAME, fsync_dir, lock_folder
-from dsfp4.layout.direct_io import DIRECT_ALIGN, RecordFile, aligned_buffer
+from dsfp4.errors import ChecksumError, ConfigError, OutputError
+from dsfp4.layout.atomic import fsync_dir, lock_folder
+from dsfp4.layout.direct_io import RecordFile, aligned_buffer, open_direct
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import ExpertFile, Manifest
 from dsfp4.layout.record import record_sha256
@@ -55,26 +54,6 @@ def _in_order(ef: ExpertFile, order: list[int], nbytes: int) -> bool:
     return all(ef.offsets[e] == i * nbytes for i, e in enumerate(order))
 
 
-def _open_for_write(path: Path) -> tuple[int, bool]:
-    """(fd, direct): O_DIRECT where the filesystem takes it, so a repack does not fill the page cache."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if hasattr(os, "O_DIRECT"):
-        try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o644)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-        else:
-            try:  # some filesystems take the flag at open and refuse the writes
-                os.pwritev(fd, [memoryview(aligned_buffer(DIRECT_ALIGN))], 0)
-                return fd, True
-            except OSError as e:
-                os.close(fd)
-                if e.errno != errno.EINVAL:
-                    raise
-    return os.open(path, flags, 0o644), False
-
-
 def _write_all(fd: int, buf: memoryview, offset: int) -> None:
     done = 0
     while done < len(buf):
@@ -85,7 +64,7 @@ def _copy_layer(model_dir: Path, ef: ExpertFile, order: list[int], nbytes: int, 
     """Write the layer's records to dst in `order`, checking each record's sha256 on the way. Reader
     threads run COPY_DEPTH chunks ahead of the writer, both with O_DIRECT where the filesystem allows."""
     src = RecordFile(model_dir / ef.file)
-    fd, direct = _open_for_write(dst)
+    fd, direct = open_direct(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     chunks = [order[i : i + COPY_RECORDS] for i in range(0, len(order), COPY_RECORDS)]
     bufs = [aligned_buffer(COPY_RECORDS * nbytes) for _ in range(min(COPY_DEPTH, len(chunks)))]
 
@@ -130,12 +109,14 @@ def repack(
     cover (the MTP layer) keep their order."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
-    manifest = Manifest.read(model_dir)
-    profile.check(manifest.conversion_sha256(), "the hot profile")
-    n = manifest.record.nbytes
     busy = f"another dsfp4 process (convert or repack) is writing {model_dir}; wait for it"
-    fd = lock_folder(model_dir, busy)
+    fd = lock_folder(model_dir, busy)  # before reading the manifest: another repack may just have changed it
     try:
+        manifest = Manifest.read(model_dir)
+        profile.check(manifest, "the hot profile")
+        if manifest.record is None:
+            raise ConfigError(f"{model_dir}: this model has no expert records to repack")
+        n = manifest.record.nbytes
         for stale in _leftovers(model_dir, manifest):
             stale.unlink()
         todo = [
@@ -153,6 +134,7 @@ def repack(
         copied = 0
         for done, (layer, order) in enumerate(todo, 1):
             ef = manifest.experts[layer]
+            assert sorted(order) == list(range(len(ef.offsets))), (layer, len(order))  # check() saw to it
             name = hot_file_name(ef, order)
             tmp = model_dir / (name + ".tmp")
             try:
@@ -173,7 +155,6 @@ def repack(
             copied += len(order) * n
             on_layer(done, len(todo))
     finally:
-        (model_dir / LOCK_NAME).unlink(missing_ok=True)
-        os.close(fd)
+        os.close(fd)  # the lock file stays: unlinking it would let two later writers lock different files
     unchanged = sum(1 for layer in manifest.experts if layer in profile.counts) - len(todo)
     return RepackReport(len(todo), unchanged, copied, time.perf_counter() - t0)

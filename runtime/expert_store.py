@@ -97,6 +97,8 @@ class ExpertStore:
             f"the page cache, and dropped from it after each read"
         ][: any(not f.direct for f in self.files.values())]
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="dsfp4-io")
+        # uploads wait for their read; on a thread of their own they never queue behind later reads
+        self.uploads = ThreadPoolExecutor(1, thread_name_prefix="dsfp4-upload")
         self.gpu_jobs: dict[int, list[Future]] = {}  # slot -> jobs filling it
         self.ram_jobs: dict[int, list[Future]] = {}  # slot -> jobs writing or reading it
         self.released: list[torch.cuda.Event | None] = [None] * plan.gpu_slots
@@ -247,7 +249,7 @@ class ExpertStore:
         if read is None or read.done():
             job = _finished(self._upload(gslot, rslot, read, released))
         else:
-            job = self.pool.submit(self._upload, gslot, rslot, read, released)
+            job = self.uploads.submit(self._upload, gslot, rslot, read, released)
         self._track(self.gpu_jobs, self.gpu_pool, gslot, job)
         self._track(self.ram_jobs, self.ram_pool, rslot, job)
         self.counters.h2d_bytes += self.layout.nbytes
@@ -363,6 +365,7 @@ class ExpertStore:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.uploads.shutdown(wait=True, cancel_futures=True)  # an upload whose read was cancelled ends too
         for f in self.files.values():
             f.close()
         self.files = {}

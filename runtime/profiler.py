@@ -1,9 +1,10 @@
 """Layer-wise routing profile (`dsfp4 profile-hot`): every calibration token through layer L, then L+1.
 
-Why layer by layer: each MoE layer's records are read from the SSD once per run, into the RAM cache (the
-next layer's while this one computes), not once per token, so a profile costs one pass over the expert
-files even where the model does not fit in memory. Each sequence goes through each block in the chunks
-and shapes of ordinary prefill, the block's KV cache holding the sequence's earlier chunks, so the
+Why layer by layer: each MoE layer's records are read from the SSD once per run, into the RAM cache (as
+much of the next layer's as fits while this one computes), not once per sequence, so a profile costs one
+pass over the expert files wherever RAM holds one layer, even when the model does not fit in memory.
+Each sequence goes through each block in the chunks and shapes of ordinary prefill (`dsfp4 run --raw`
+with the same --prefill-chunk), the block's KV cache holding the sequence's earlier chunks, so the
 routing, and so the counts, are those of ordinary generation bit for bit.
 """
 
@@ -94,12 +95,13 @@ def profile_model(
             f"the RAM cache holds {plan.ram_slots} records, less than one layer's {manifest.args.n_routed_experts}: "
             f"records are read from the SSD more than once (raise --cpu-mem)"
         )
-    recorder = RoutingRecorder(model, trace)
+    recorder = None
     try:
-        recorder.token_ids = [t for s in calib.sequences for t in s]
+        recorder = RoutingRecorder(model, trace)
         on_start(plan, len(model.layers), calib.tokens)
         store = model.experts
         layer_pass(model, calib.sequences, options.prefill_chunk, lambda i: on_layer(i, store.counters.snapshot()))
+        recorder.commit([t for s in calib.sequences for t in s])  # every layer has seen every token
         model.experts.sync()
         profile = recorder.profile(manifest.conversion_sha256(), (calib.source,))
         return ProfileRun(
@@ -111,5 +113,6 @@ def profile_model(
             notes,
         )
     finally:
-        recorder.detach()  # the recorder and the model point at each other: let both go now
+        if recorder is not None:
+            recorder.detach()  # the recorder and the model point at each other: let both go now
         model.experts.close()

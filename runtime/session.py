@@ -96,11 +96,16 @@ class Session:
     def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
         """Feed ids at start_pos in chunks of prefill_chunk tokens -> logits after the last one [V]."""
         for i in range(0, len(ids), self.prefill_chunk):
-            tokens = torch.tensor([ids[i : i + self.prefill_chunk]], device=self.device)
+            chunk = ids[i : i + self.prefill_chunk]
+            try:
+                logits = self.model(torch.tensor([chunk], device=self.device), start_pos=start_pos + i, last_only=True)
+            except BaseException:
+                if self.recorder is not None:
+                    self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
+                raise
             if self.recorder is not None:
-                self.recorder.token_ids += ids[i : i + self.prefill_chunk]
-            logits = self.model(tokens, start_pos=start_pos + i, last_only=True)[0][0, -1]
-        return logits
+                self.recorder.commit(chunk)
+        return logits[0][0, -1]
 
     @torch.inference_mode()
     def generate(
@@ -179,7 +184,7 @@ def open_session(model_dir: Path, options: RunOptions) -> Session:
     try:
         hot = Path(model_dir) / HOT_NAME
         if hot.is_file():
-            model.experts.warm_start(HotProfile.read(hot).check(manifest.conversion_sha256(), hot))
+            model.experts.warm_start(HotProfile.read(hot).check(manifest, hot))
         if device.type == "cuda":
             warm_up(model.experts.layout, dtype, device)  # Triton compiles here, not in the first TTFT
     except BaseException:

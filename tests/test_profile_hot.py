@@ -233,3 +233,30 @@ def test_run_records_the_trace_of_every_token_it_computes(model, tmp_path):
     assert list(t.tokens[: len(prompt)]) == prompt and len(t.tokens) == len(prompt) + 4  # the 5th is never fed
     assert t.ids.shape == (len(t.tokens), 2, 2) and t.weights.shape == t.ids.shape
     assert f"routing trace of {len(t.tokens)} tokens" in r.stderr
+
+
+def test_an_interrupted_forward_leaves_no_half_recorded_tokens(model, tmp_path, monkeypatch):
+    session = open_session(model, RunOptions(device="cpu", max_context=64, record_trace=tmp_path / "t.npz"))
+    ids = ChatTokenizer(model).encode_prompt("hello")
+    last = session.model.layers[-1]
+    real = type(last).forward
+
+    def stop(self, *args):  # the last block fails: every MoE layer before it has routed this pass
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(last, "forward", stop.__get__(last))
+    with pytest.raises(KeyboardInterrupt):
+        session.generate(ids, 3, SamplingParams(temperature=0.0))
+    monkeypatch.setattr(last, "forward", real.__get__(last))
+    g = session.generate(ids, 3, SamplingParams(temperature=0.0))
+    session.close()
+    t = read_trace(tmp_path / "t.npz")
+    assert list(t.tokens) == ids + g.token_ids[:-1] and t.ids.shape[0] == len(t.tokens)
+
+
+def test_a_profile_that_does_not_fit_the_model_is_refused(model):
+    manifest = Manifest.read(model)
+    for counts in ({1: (1,) * 4, 2: (1,) * 8}, {1: (1,) * 8, 7: (1,) * 8}):  # too few experts; no such layer
+        (model / HOT_NAME).write_bytes(HotProfile(manifest.conversion_sha256(), 1, counts).to_json())
+        with pytest.raises(ManifestError, match="hot.json: layer . is not a MoE layer of 8 experts"):
+            open_session(model, RunOptions(device="cpu", max_context=64))

@@ -17,7 +17,7 @@ import torch
 
 import dsfp4.layout.repack as repack_module
 from dsfp4.errors import ChecksumError, ManifestError, OutputError
-from dsfp4.layout.atomic import LOCK_NAME, lock_folder
+from dsfp4.layout.atomic import lock_folder
 from dsfp4.layout.direct_io import RecordFile
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
@@ -68,7 +68,7 @@ def test_repack_keeps_tokens_and_puts_each_layer_hot_prefix_first(model, monkeyp
     assert sorted(p.name for p in (model / "experts").iterdir()) == sorted(
         Path(e.file).name for e in m.experts.values()
     )
-    assert m.conversion_sha256() == conversion and not (model / LOCK_NAME).exists()
+    assert m.conversion_sha256() == conversion
     verify(model)
     assert _tokens(model) == before  # hot.json is still this conversion's: the warm start used it
     assert repack(model, profile).rewritten == 0
@@ -185,6 +185,8 @@ def test_repack_refuses_a_foreign_profile_a_busy_folder_and_a_damaged_record(mod
     profile = _profile(model)
     with pytest.raises(ManifestError, match="another model or conversion"):
         repack(model, HotProfile("0" * 64, 1, profile.counts))
+    with pytest.raises(ManifestError, match="not a MoE layer of 8 experts"):
+        repack(model, HotProfile(profile.conversion, 1, {1: (1,) * 4}))
     fd = lock_folder(model, "busy")
     try:
         with pytest.raises(OutputError, match="convert or repack"):

@@ -32,7 +32,8 @@ from dsfp4.runtime.slots import SlotPool
 from dsfp4.runtime.store_stats import StoreCounters
 
 Key = tuple[int, int]  # (layer, expert)
-RUN_RECORDS = 16  # records per read when reading ahead: long enough to stream, short enough to run in parallel
+RUN_RECORDS = 4  # records per read when reading ahead: long enough to stream, short enough to run in parallel
+# (4 read fastest of 1, 4 and 16 on the H100 machine's disk, docs/BENCHMARKS.md)
 
 
 def _done(job: Future) -> bool:

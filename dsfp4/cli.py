@@ -16,6 +16,7 @@ from click.core import ParameterSource
 from tqdm import tqdm
 
 from dsfp4 import __version__
+from dsfp4.cli_download import download
 from dsfp4.cli_options import EXISTING_DIR, PATH, RUN_DEFAULTS, budget_options, context_options
 from dsfp4.cli_profile import profile_hot
 from dsfp4.errors import DsfpError
@@ -50,16 +51,6 @@ class DsfpGroup(click.Group):
 def cli(ctx: click.Context, debug: bool) -> None:
     """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
     ctx.obj = {"debug": debug}
-
-
-def _not_yet(command: str, issue: str) -> None:
-    raise click.ClickException(f"`dsfp4 {command}` is not implemented yet ({issue}); nothing was done")
-
-
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def download() -> None:
-    """(Not implemented yet: the download issue.) Fetch a checkpoint from the Hugging Face hub."""
-    _not_yet("download", "the download issue")
 
 
 @cli.command()
@@ -307,6 +298,7 @@ def verify(model: Path, quiet: bool) -> None:
 
 
 cli.add_command(profile_hot)
+cli.add_command(download)
 
 
 def main() -> None:

@@ -254,12 +254,6 @@ def test_inspect_lists_files_formats_and_records(converted):
         assert needle in result.stdout
 
 
-@pytest.mark.parametrize("command", ["download"])
-def test_unimplemented_commands_say_so_and_fail(command):
-    result = run_cli(command, "anything")
-    assert result.exit_code == 1 and "not implemented yet" in result.stderr
-
-
 def test_debug_shows_the_traceback(tmp_path):
     result = CliRunner().invoke(cli, ["--debug", "verify", str(tmp_path)])
     assert result.exit_code == 1 and result.exception is not None and "ManifestError" in repr(result.exception)

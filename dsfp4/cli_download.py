@@ -18,7 +18,11 @@ from dsfp4.cli_options import PATH
 @click.option("--include", multiple=True, help="Glob of files to fetch (repeatable; default: what convert reads).")
 @click.option("--exclude", multiple=True, help="Glob of files to leave out (repeatable).")
 @click.option("--no-mtp", is_flag=True, help="Leave out shards that hold only the MTP layer (then convert --no-mtp).")
-@click.option("--dry-run", is_flag=True, help="List the files, their sizes and the free disk, and stop.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="List the files, their sizes and the free disk, and stop (--no-mtp fetches config and index first).",
+)
 @click.option("--token", help="Hub token for gated or private repos (default: HF_TOKEN or the saved login).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def download(

@@ -5,8 +5,8 @@ It serves folders as model repos at one commit, on 127.0.0.1, through the endpoi
   HEAD /{repo}/resolve/{rev}/{file}           commit, ETag and size of a file
   GET  /{repo}/resolve/{rev}/{file}           its bytes, with Range requests
 Errors carry the X-Error-Code header the client maps to its exceptions. Faults for tests: `drops[file]`
-connections cut after `drop_at` bytes, `corrupt` files served with one byte flipped, `gated` repos that
-need a bearer token.
+connections cut after `drop_at` bytes, `stalls[file]` responses that go silent there, `busy[file]`
+answers of 503, `corrupt` files served with one byte flipped, `gated` repos that need a bearer token.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -22,13 +23,21 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 LFS_SUFFIXES = (".safetensors",)
 
 
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 class FakeHub:
     def __init__(self, repos: dict[str, Path], gated: tuple[str, ...] = (), token: str = "hf_test"):
         self.repos, self.gated, self.token = repos, gated, token
         self.drops: dict[str, int] = {}  # file -> connections still to cut
         self.drop_at = 1000
         self.corrupt: set[str] = set()
+        self.busy: dict[str, int] = {}  # file -> answers of 503 still to give
+        self.stalls: dict[str, int] = {}  # file -> responses still to stall for `stall_s` after `drop_at` bytes
+        self.stall_s = 3.0
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.request_times: list[float] = []  # time.monotonic() of each
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -49,7 +58,7 @@ class FakeHub:
         siblings = []
         for name, path in self.files(repo).items():
             data = path.read_bytes()
-            entry = {"rfilename": name, "size": len(data), "blobId": hashlib.sha1(data).hexdigest()}
+            entry = {"rfilename": name, "size": len(data), "blobId": git_blob_id(data)}
             if name.endswith(LFS_SUFFIXES):
                 entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
             siblings.append(entry)
@@ -95,6 +104,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             path = unquote(urlsplit(self.path).path)
             hub.requests.append((self.command, path, self.headers.get("Range")))
+            hub.request_times.append(time.monotonic())
             if path.startswith("/api/models/") and "/revision/" in path:
                 repo, rev = path.removeprefix("/api/models/").split("/revision/", 1)
                 if self._repo_rev(repo, rev):
@@ -115,10 +125,17 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             files = hub.files(repo)
             if name not in files:
                 return self._error(404, "EntryNotFound")
+            if self.command == "GET" and hub.busy.get(name, 0) > 0:
+                hub.busy[name] -= 1
+                self.send_response(503)
+                self.send_header("Retry-After", "0")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             self._send_file(name, files[name].read_bytes())
 
         def _send_file(self, name: str, data: bytes) -> None:
-            etag = hashlib.sha256(data).hexdigest() if name.endswith(LFS_SUFFIXES) else hashlib.sha1(data).hexdigest()
+            etag = hashlib.sha256(data).hexdigest() if name.endswith(LFS_SUFFIXES) else git_blob_id(data)
             if name in hub.corrupt:
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
             start = 0
@@ -134,6 +151,13 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             self.end_headers()
             if self.command == "HEAD":
+                return
+            if hub.stalls.get(name, 0) > 0:
+                hub.stalls[name] -= 1
+                self.wfile.write(body[: min(hub.drop_at, len(body) - 1)])
+                self.wfile.flush()
+                time.sleep(hub.stall_s)  # a connection that neither sends nor closes
+                self.close_connection = True
                 return
             if hub.drops.get(name, 0) > 0:
                 hub.drops[name] -= 1

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 from fake_hub import COMMIT, FakeHub
 
+from dsfp4 import hub_file
 from dsfp4.download import download, plan_download
 from dsfp4.errors import OutputError
+from dsfp4.hub_file import HubError
+from dsfp4.layout.atomic import lock_folder
 
 REPO = "deepseek-ai/DeepSeek-V3"
 
@@ -98,7 +101,7 @@ def test_download_gets_the_needed_files_and_a_rerun_fetches_nothing(repo, tmp_pa
         assert not any("/resolve/" in path for _, path, _ in hub.requests)  # verified files are not fetched again
 
 
-def test_a_dropped_connection_is_resumed_within_the_run_and_across_runs(big_repo, tmp_path):
+def test_a_dropped_connection_is_resumed_within_the_run_and_across_runs(big_repo, tmp_path, monkeypatch):
     out = tmp_path / "out"
     with FakeHub({REPO: big_repo}) as hub:
         hub.drop_at = 12 << 20
@@ -111,20 +114,18 @@ def test_a_dropped_connection_is_resumed_within_the_run_and_across_runs(big_repo
     with FakeHub({REPO: big_repo}) as hub:
         hub.drop_at = 12 << 20
         hub.drops["big.safetensors"] = 100  # for good: more than the download's retries
-        _one_line_error(
-            _dsfp4(hub, tmp_path, REPO, "--local-dir", out2, "-q"),
-            REPO,
-            "network failure",
-            "run the same command again to resume",
-        )
+        monkeypatch.setattr(hub_file, "RETRY_PAUSES", (0.05,) * 3)
+        plan = plan_download(REPO, local_dir=out2, endpoint=hub.url)
+        with pytest.raises(HubError, match="network failure .* run the same command again to resume"):
+            download(plan)
         assert not (out2 / "big.safetensors").exists()
         hub.drops["big.safetensors"] = 0
         hub.requests.clear()
         plan = plan_download(REPO, local_dir=out2, endpoint=hub.url)
-        assert plan.partial >= 12 << 20 and plan.need == (24 << 20) - plan.partial  # the small files are done
+        partial = plan.partial
+        assert partial >= 12 << 20 and plan.need == (24 << 20) - partial  # the small files are done
         assert _dsfp4(hub, tmp_path, REPO, "--local-dir", out2, "-q").returncode == 0
-        left = _resumed_from(hub, "big.safetensors")  # the next run goes on from what the cuts left
-        assert len(left) == 1 and left[0] >= 12 << 20
+        assert _resumed_from(hub, "big.safetensors") == [partial]  # the next run goes on from the partial file
     _same_files(big_repo, out2)
 
 
@@ -181,3 +182,45 @@ def test_without_local_dir_the_files_go_to_the_standard_cache(repo, tmp_path):
     snapshot = tmp_path / "hf-home" / "hub" / "models--deepseek-ai--DeepSeek-V3" / "snapshots" / COMMIT
     assert r.stdout.strip() == str(snapshot)
     _same_files(repo, snapshot)
+
+
+def test_stale_files_stalls_busy_answers_and_a_held_lock(repo, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # left from elsewhere: checked, not trusted
+    (out / "tokenizer.json").write_bytes(b"x" * (repo / "tokenizer.json").stat().st_size)  # right size, wrong bytes
+    with FakeHub({REPO: repo}) as hub:
+        stalled = "model-00001-of-000003.safetensors"
+        hub.stalls[stalled] = 1
+        hub.stall_s, hub.busy["model-00002-of-000003.safetensors"] = 30.0, 2
+        r = _dsfp4(hub, tmp_path, REPO, "--local-dir", out, "-q", HF_HUB_DOWNLOAD_TIMEOUT="1")
+        assert r.returncode == 0, r.stderr
+        _same_files(repo, out)
+        gets = [
+            t
+            for (m, p, _), t in zip(hub.requests, hub.request_times, strict=True)
+            if m == "GET" and p.endswith(stalled)
+        ]
+        assert len(gets) == 2 and gets[1] - gets[0] < 10  # the client gave up on the silent connection, not the server
+        with pytest.raises(OutputError, match="another dsfp4 download is writing"):
+            fd = lock_folder(out, "held")
+            try:
+                download(plan_download(REPO, local_dir=out, endpoint=hub.url, include=("*.md",)))
+            finally:
+                os.close(fd)
+        hub.corrupt.add("tokenizer_config.json")  # not an LFS file: checked by its git blob id
+        (out / ".dsfp4-download.json").unlink()
+        (out / "tokenizer_config.json").unlink()
+        _one_line_error(_dsfp4(hub, tmp_path, REPO, "--local-dir", out, "-q"), "tokenizer_config.json", "git blob id")
+        _one_line_error(_dsfp4(hub, tmp_path, "not a repo!", "--dry-run"), "not a valid repo id")
+
+
+def test_the_cache_it_fills_is_the_one_huggingface_hub_reads(repo, tmp_path):
+    from huggingface_hub import try_to_load_from_cache
+
+    with FakeHub({REPO: repo}) as hub:
+        assert _dsfp4(hub, tmp_path, REPO, "-q").returncode == 0
+    cache = tmp_path / "hf-home" / "hub"
+    for revision in ("main", COMMIT):
+        got = try_to_load_from_cache(REPO, "model-00002-of-000003.safetensors", cache_dir=cache, revision=revision)
+        assert Path(got).read_bytes() == (repo / "model-00002-of-000003.safetensors").read_bytes()

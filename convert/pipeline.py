@@ -216,7 +216,7 @@ def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: b
     """
     src_path, out = Path(src_path), Path(out_path)
     device = resolve_device(options.device)
-    with SourceCheckpoint(src_path) as src:
+    with SourceCheckpoint(src_path, no_mtp=options.no_mtp) as src:
         where = {n: t.shard for n, t in src.tensors.items()}
         tmap = map_tensors(
             src.args,

@@ -53,7 +53,8 @@ def _read_json(path: Path, what: str) -> dict:
 class SourceCheckpoint:
     """Open with SourceCheckpoint(path); read tensors with read(name); close() when done."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, no_mtp: bool = False):
+        """no_mtp: shards that hold only MTP-layer tensors may be missing (`dsfp4 download --no-mtp`)."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise SourceError(f"{self.path}: not a folder; give the Hugging Face checkpoint folder")
@@ -63,12 +64,21 @@ class SourceCheckpoint:
         weight_map = self._weight_map()
         self._fds: dict[str, int] = {}
         headers: dict[str, dict[str, TensorInfo]] = {}
-        self.shards = sorted(set(weight_map.values()))
+        mtp = tuple(f"model.layers.{i}." for i in range(self.args.n_layers, self.args.n_blocks)) if no_mtp else ()
+        listed = sorted(set(weight_map.values()))
+        self.absent = [  # left out on purpose: every tensor in them is an MTP tensor, and --no-mtp skips them
+            s for s in listed if not (self.path / s).is_file() and mtp and all(
+                n.startswith(mtp) for n, where in weight_map.items() if where == s
+            )
+        ]  # fmt: skip
+        weight_map = {n: s for n, s in weight_map.items() if s not in self.absent}
+        self.shards = [s for s in listed if s not in self.absent]
         try:
             for shard in self.shards:
                 shard_path = self.path / shard
                 if not shard_path.is_file():
-                    raise SourceError(f"{shard_path} is listed in {INDEX_NAME} but missing; download it")
+                    hint = "" if no_mtp else " (if it holds only the MTP layer, convert with --no-mtp)"
+                    raise SourceError(f"{shard_path} is listed in {INDEX_NAME} but missing; download it{hint}")
                 headers[shard] = read_header(shard_path)
                 self._fds[shard] = os.open(shard_path, os.O_RDONLY)
             self.tensors: dict[str, SourceTensor] = {}
@@ -122,6 +132,8 @@ class SourceCheckpoint:
             h.update((self.path / INDEX_NAME).read_bytes())
         for shard in self.shards:
             h.update(f"{shard}:{(self.path / shard).stat().st_size}".encode())
+        for shard in self.absent:
+            h.update(f"{shard}:absent".encode())
         return h.hexdigest()
 
     def read_raw(self, name: str) -> torch.Tensor:

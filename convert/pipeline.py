@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from dsfp4.convert.hf_names import map_tensors
+from dsfp4.convert.hub_source import HubSource
 from dsfp4.convert.part import JobResult, PartRun
 from dsfp4.convert.plan import ConvertOptions, Part, Plan, make_plan
 from dsfp4.convert.resume import ResumeState
@@ -90,8 +91,9 @@ def _disk_shortfall(out: Path, needed: int, reclaimable: int) -> str | None:
 
 
 def _resume_key(plan: Plan, src: SourceCheckpoint) -> str:
-    """The plan plus the shards' modification times: a re-downloaded shard restarts the conversion."""
-    times = [(src.path / s).stat().st_mtime_ns for s in src.shards]
+    """The plan plus the shards' modification times: a re-downloaded shard restarts the conversion. Shards
+    fetched from the hub count by their listed size (they come and go during a --from-hub run)."""
+    times = [src.remote[s][0] if s in src.remote else (src.path / s).stat().st_mtime_ns for s in src.shards]
     return hashlib.sha256(json.dumps([plan.fingerprint, times]).encode()).hexdigest()
 
 
@@ -114,6 +116,13 @@ def _dry_run_notes(out: Path, plan: Plan, key: str, force: bool) -> tuple[str, .
     return tuple(notes)
 
 
+def part_shards(src: SourceCheckpoint, part: Part) -> set[str]:
+    """The source shards a part reads."""
+    names = [n for t in part.backbone for n in t.item.sources.values()]
+    names += [n for triple in part.experts for m in triple for n in m.sources.values()]
+    return src.shards_of(names)
+
+
 def _run_parts(
     src: SourceCheckpoint,
     plan: Plan,
@@ -123,6 +132,7 @@ def _run_parts(
     state: ResumeState,
     markers: dict[str, dict],
     bar: tqdm,
+    hub: HubSource | None = None,
 ) -> None:
     """Run every job of every part; finalize each part (one at a time, in part order) in the background as
     soon as its last job is done, while later parts' jobs go on."""
@@ -130,6 +140,8 @@ def _run_parts(
 
     def jobs() -> Iterator[Callable[[], tuple[PartRun, JobResult]]]:
         for part in todo:
+            if hub is not None:
+                hub.need(part_shards(src, part))
             run = PartRun(src, plan, part, out, device)
             runs.append(run)
             bar.set_description(part.name)
@@ -138,6 +150,8 @@ def _run_parts(
     def finish(run: PartRun) -> None:
         markers[run.part.name] = run.finalize()
         state.mark(run.part.name, markers[run.part.name])
+        if hub is not None:
+            hub.done(part_shards(src, run.part), src.release)
 
     with ThreadPoolExecutor(1, thread_name_prefix="dsfp4-finalize") as finalizer:
         pending: list[Future] = []
@@ -208,7 +222,9 @@ def _copy_aux(src_dir: Path, out: Path) -> dict[str, FileEntry]:
     return files
 
 
-def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: bool = True) -> ConvertResult:
+def convert(
+    src_path: Path, out_path: Path, options: ConvertOptions, progress: bool = True, hub: HubSource | None = None
+) -> ConvertResult:
     """Convert SRC (a Hugging Face DeepSeek checkpoint folder) into layout v1 at OUT.
 
     With options.dry_run only the plan is made (nothing is written). Raises DsfpError subclasses for bad
@@ -216,7 +232,7 @@ def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: b
     """
     src_path, out = Path(src_path), Path(out_path)
     device = resolve_device(options.device)
-    with SourceCheckpoint(src_path, no_mtp=options.no_mtp) as src:
+    with SourceCheckpoint(src_path, no_mtp=options.no_mtp, remote=hub.remote if hub else None) as src:
         where = {n: t.shard for n, t in src.tensors.items()}
         tmap = map_tensors(
             src.args,
@@ -234,7 +250,8 @@ def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: b
         state = ResumeState(out, key, options.force)
         markers = {p.name: m for p in plan.parts if (m := state.done(p.name)) is not None}
         todo = [p for p in plan.parts if p.name not in markers]
-        if shortfall := _disk_shortfall(out, sum(p.out_bytes for p in todo), state.reclaimable_bytes()):
+        source = hub.disk_need() if hub is not None else 0  # on the same disk when OUT.source is beside OUT
+        if shortfall := _disk_shortfall(out, sum(p.out_bytes for p in todo) + source, state.reclaimable_bytes()):
             raise OutputError(shortfall)
         state.prepare()
         try:
@@ -249,7 +266,13 @@ def convert(src_path: Path, out_path: Path, options: ConvertOptions, progress: b
                 file=sys.stderr,
                 dynamic_ncols=True,
             ) as bar:
-                _run_parts(src, plan, todo, out, device, state, markers, bar)
+                if hub is not None:
+                    hub.start([part_shards(src, p) for p in todo])
+                try:
+                    _run_parts(src, plan, todo, out, device, state, markers, bar, hub)
+                finally:
+                    if hub is not None:
+                        hub.close()
             manifest = _manifest(plan, markers, _copy_aux(src_path, out))
             manifest.write(out)
             state.finish()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +55,13 @@ def _read_json(path: Path, what: str) -> dict:
 class SourceCheckpoint:
     """Open with SourceCheckpoint(path); read tensors with read(name); close() when done."""
 
-    def __init__(self, path: Path, no_mtp: bool = False):
-        """no_mtp: shards that hold only MTP-layer tensors may be missing (`dsfp4 download --no-mtp`)."""
+    def __init__(self, path: Path, no_mtp: bool = False, remote: dict[str, tuple[int, dict]] | None = None):
+        """no_mtp: shards that hold only MTP-layer tensors may be missing (`dsfp4 download --no-mtp`).
+        remote: shard -> (size, header) of shards not downloaded yet (`convert --from-hub`); they are
+        opened when first read, after the caller has fetched them."""
         self.path = Path(path)
+        self.remote = remote or {}
+        self._lock = threading.Lock()
         if not self.path.is_dir():
             raise SourceError(f"{self.path}: not a folder; give the Hugging Face checkpoint folder")
         self.config = _read_json(self.path / "config.json", "is this a Hugging Face checkpoint folder?")
@@ -76,6 +82,9 @@ class SourceCheckpoint:
         try:
             for shard in self.shards:
                 shard_path = self.path / shard
+                if shard in self.remote:
+                    headers[shard] = self.remote[shard][1]
+                    continue
                 if not shard_path.is_file():
                     hint = "" if no_mtp else " (if it holds only the MTP layer, convert with --no-mtp)"
                     raise SourceError(f"{shard_path} is listed in {INDEX_NAME} but missing; download it{hint}")
@@ -131,15 +140,31 @@ class SourceCheckpoint:
         if (self.path / INDEX_NAME).is_file():
             h.update((self.path / INDEX_NAME).read_bytes())
         for shard in self.shards:
-            h.update(f"{shard}:{(self.path / shard).stat().st_size}".encode())
+            size = self.remote[shard][0] if shard in self.remote else (self.path / shard).stat().st_size
+            h.update(f"{shard}:{size}".encode())
         for shard in self.absent:
             h.update(f"{shard}:absent".encode())
         return h.hexdigest()
 
+    def _fd(self, shard: str) -> int:
+        with self._lock:  # reader threads
+            if shard not in self._fds:
+                self._fds[shard] = os.open(self.path / shard, os.O_RDONLY)
+            return self._fds[shard]
+
+    def release(self, shard: str) -> None:
+        """Close a shard every tensor of which has been read (before its file is deleted)."""
+        with self._lock:
+            if (fd := self._fds.pop(shard, None)) is not None:
+                os.close(fd)
+
+    def shards_of(self, names: Iterable[str]) -> set[str]:
+        return {self.tensors[n].shard for n in names}
+
     def read_raw(self, name: str) -> torch.Tensor:
         """The stored bytes of one tensor as uint8."""
         t = self.tensors[name]
-        return pread_exact(self._fds[t.shard], t.info.nbytes, t.info.offset, self.path / t.shard)
+        return pread_exact(self._fd(t.shard), t.info.nbytes, t.info.offset, self.path / t.shard)
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, in its stored dtype, on the CPU."""
@@ -149,12 +174,13 @@ class SourceCheckpoint:
     def fd_span(self, name: str) -> tuple[int, int, int]:
         """(fd, offset, nbytes) of a tensor, for chunked copies."""
         t = self.tensors[name]
-        return self._fds[t.shard], t.info.offset, t.info.nbytes
+        return self._fd(t.shard), t.info.offset, t.info.nbytes
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
 
     def __enter__(self) -> SourceCheckpoint:
         return self

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -183,7 +184,7 @@ def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int)
 
 
 @cli.command()
-@click.argument("src", type=EXISTING_DIR)
+@click.argument("src")
 @click.argument("out", type=PATH)
 @click.option(
     "--fp4",
@@ -223,9 +224,22 @@ def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int)
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (sizes in and out, per part) and exit.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it holds a converted model or other files.")
+@click.option(
+    "--from-hub",
+    is_flag=True,
+    help="SRC is a hub repo id: fetch its shards as the conversion needs them (into --source-dir).",
+)
+@click.option("--revision", default="main", show_default=True, help="With --from-hub: branch, tag or commit.")
+@click.option("--token", help="With --from-hub: hub token for gated repos (default: HF_TOKEN or the saved login).")
+@click.option("--source-dir", type=PATH, help="With --from-hub: where the source goes (default: OUT.source).")
+@click.option(
+    "--delete-source",
+    is_flag=True,
+    help="With --from-hub: delete each shard once converted, so the disk holds the output and a few shards.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(
-    src: Path,
+    src: str,
     out: Path,
     fp4: bool,
     fmt: str,
@@ -235,6 +249,11 @@ def convert(
     device: str,
     dry_run: bool,
     force: bool,
+    from_hub: bool,
+    revision: str,
+    token: str | None,
+    source_dir: Path | None,
+    delete_source: bool,
     quiet: bool,
 ) -> None:
     """Convert a Hugging Face DeepSeek checkpoint SRC (FP8, BF16 or NVIDIA NVFP4) into dsfp4 layout v1 at OUT.
@@ -244,6 +263,7 @@ def convert(
       dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --dry-run
       dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --workers 8 --device cuda
       dsfp4 convert --fp4 hf/DeepSeek-V3 model-16g/ --backbone fp4
+      dsfp4 convert --fp4 deepseek-ai/DeepSeek-V3 model/ --from-hub --delete-source
 
     An interrupted conversion resumes when run again with the same arguments.
     """
@@ -253,11 +273,33 @@ def convert(
     options = ConvertOptions(
         format=fmt, backbone=backbone, no_mtp=no_mtp, workers=workers, device=device, force=force, dry_run=dry_run
     )
-    result = run_convert(src, out, options, progress=not quiet)
+    given = [f"--{n.replace('_', '-')}" for n, v in (("source_dir", source_dir), ("token", token)) if v]
+    given += ["--delete-source"] * delete_source + ["--revision"] * (revision != "main")
+    if given and not from_hub:
+        raise click.UsageError(f"{', '.join(given)} only apply with --from-hub")
+    hub, src_path = None, Path(src)
+    if from_hub:
+        from dsfp4.convert.hub_source import HubSource
+
+        src_path = source_dir or out.with_name(out.name + ".source")
+        hub = HubSource(src, src_path, revision, token, no_mtp, delete_source)
+    result = run_convert(src_path, out, options, progress=not quiet, hub=hub)
     if dry_run:
         click.echo(plan_table(result.plan, str(src), str(out)))
         click.echo("\n".join(("", *result.notes)))
+        if hub is not None:
+            click.echo(
+                f"source  {src} fetched into {src_path} as the parts need it: up to "
+                f"{format_bytes(hub.disk_need())} on disk at once"
+                + (
+                    " (--delete-source)"
+                    if delete_source
+                    else " (all of it is kept; --delete-source keeps a few shards)"
+                )
+            )
         return
+    if hub is not None and delete_source:
+        shutil.rmtree(src_path, ignore_errors=True)  # what is left: config, tokenizer, the download record
     r = result
     rate = format_bytes(r.converted_bytes / r.seconds) if r.seconds > 0 else "-"
     resumed = f" ({r.resumed_parts} parts were already done)" if r.resumed_parts else ""

@@ -163,7 +163,7 @@ def _target(repo: str, commit: str, local_dir: Path | None) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(plan: DownloadPlan) -> Iterator[None]:
+def locked(plan: DownloadPlan) -> Iterator[None]:
     """The writer lock of the folder (cache: of the repo, where huggingface_hub keeps its locks)."""
     folder = plan.repo_dir.parent / ".locks" / plan.repo_dir.name if plan.cached else plan.target
     folder.mkdir(parents=True, exist_ok=True)
@@ -174,7 +174,7 @@ def _locked(plan: DownloadPlan) -> Iterator[None]:
         os.close(fd)
 
 
-def _fetch(plan: DownloadPlan, f: RemoteFile, token: str | None, on_bytes: Callable[[int], None]) -> Path:
+def fetch_file(plan: DownloadPlan, f: RemoteFile, token: str | None, on_bytes: Callable[[int], None]) -> Path:
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
@@ -215,9 +215,9 @@ def plan_download(
         plan = DownloadPlan(repo, revision, str(info.sha), target, files, local_dir, endpoint)
         small = {f.name: f for f in files}
         if no_mtp and "config.json" in small and INDEX_NAME in small:
-            with _locked(plan):
+            with locked(plan):
                 config, index = (
-                    json.loads(_fetch(plan, small[n], token, lambda b: None).read_text())
+                    json.loads(fetch_file(plan, small[n], token, lambda b: None).read_text())
                     for n in ("config.json", INDEX_NAME)
                 )
             plan.skipped = _mtp_only_shards(config, index, repo)
@@ -254,12 +254,12 @@ def download(
             f"{plan.target}: the download needs {format_bytes(plan.need)}, {format_bytes(plan.free)} is free; "
             f"free some space or choose another --local-dir"
         )
-    with hub_errors(plan.repo, plan.revision), _locked(plan):
+    with hub_errors(plan.repo, plan.revision), locked(plan):
         for f in plan.files:
             if f.name in plan.done:
                 continue
             on_file(f.name)
-            _fetch(plan, f, token, on_bytes)
+            fetch_file(plan, f, token, on_bytes)
             plan.done.add(f.name)
             atomic_write_json(
                 plan.record,

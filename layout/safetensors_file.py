@@ -50,38 +50,48 @@ class TensorInfo:
     nbytes: int
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate a header; a file cut short or with inconsistent offsets is a SourceError."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise SourceError(f"{path}: truncated safetensors file ({size} bytes); download it again")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, MAX_HEADER):
-            raise SourceError(
-                f"{path}: truncated or not a safetensors file (header claims {n} bytes, "
-                f"file has {size}); download it again"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SourceError(f"{path}: unreadable safetensors header ({e}); download it again") from e
+def header_length(where: Path | str, size: int, head: bytes) -> int:
+    """The JSON header's length from a file's first 8 bytes (a SourceError when they cannot be right)."""
+    if len(head) < 8:
+        raise SourceError(f"{where}: truncated safetensors file ({size} bytes); download it again")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > min(size - 8, MAX_HEADER):
+        raise SourceError(
+            f"{where}: truncated or not a safetensors file (header claims {n} bytes, file has {size}); "
+            f"download it again"
+        )
+    return n
+
+
+def parse_header(where: Path | str, size: int, raw: bytes) -> dict[str, TensorInfo]:
+    """Parse and validate a header (`raw`: its JSON bytes) of a file of `size` bytes."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{where}: unreadable safetensors header ({e}); download it again") from e
     if not isinstance(header, dict):
-        raise SourceError(f"{path}: safetensors header is not a JSON object; download it again")
-    data_start = 8 + n
+        raise SourceError(f"{where}: safetensors header is not a JSON object; download it again")
+    data_start = 8 + len(raw)
     out: dict[str, TensorInfo] = {}
     for name, meta in header.items():
         if name != "__metadata__":
-            out[name] = _tensor_info(path, name, meta, data_start, size)
+            out[name] = _tensor_info(where, name, meta, data_start, size)
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in out.values())
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
         if begin < end:
-            raise SourceError(f"{path}: tensors {a} and {b} overlap in the file; download it again")
+            raise SourceError(f"{where}: tensors {a} and {b} overlap in the file; download it again")
     return out
 
 
-def _tensor_info(path: Path, name: str, meta: object, data_start: int, size: int) -> TensorInfo:
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and validate a file's header; a file cut short or with inconsistent offsets is a SourceError."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = header_length(path, size, f.read(8))
+        return parse_header(path, size, f.read(n))
+
+
+def _tensor_info(path: Path | str, name: str, meta: object, data_start: int, size: int) -> TensorInfo:
     """Validate one header entry: types, a non-negative span that fits the dtype, shape and file."""
     ok = isinstance(meta, dict) and isinstance(meta.get("dtype"), str)
     shape, offsets = (meta.get("shape"), meta.get("data_offsets")) if ok else (None, None)

@@ -89,3 +89,24 @@ def assert_one_line_error(result, *needles, after_start: bool = False):
     assert sum(line.startswith("error") for line in result.stderr.splitlines()) == 1, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def reshard(src: Path, dst: Path, shard_of) -> None:
+    """Write checkpoint src again at dst with its tensors in other shards: shard_of(tensor name) -> file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shards: dict[str, dict] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(src / shard, "pt") as f:
+            for k in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                shards.setdefault(shard_of(k), {})[k] = f.get_tensor(k)
+    for name, part in shards.items():
+        save_file(part, dst / name)
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for p in src.iterdir():
+        if not p.name.endswith("safetensors") and p.name != "model.safetensors.index.json":
+            shutil.copy(p, dst / p.name)

@@ -138,17 +138,17 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             etag = hashlib.sha256(data).hexdigest() if name.endswith(LFS_SUFFIXES) else git_blob_id(data)
             if name in hub.corrupt:
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
-            start = 0
-            if rng := self.headers.get("Range"):
-                start = int(rng.removeprefix("bytes=").split("-")[0])
-            body = data[start:]
-            self.send_response(206 if start else 200)
+            rng = self.headers.get("Range")
+            start, _, end = (rng or "bytes=0-").removeprefix("bytes=").partition("-")
+            start, stop = int(start), int(end) + 1 if end else len(data)
+            body = data[start:stop]
+            self.send_response(206 if rng else 200)
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("ETag", f'"{etag}"')
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Accept-Ranges", "bytes")
-            if start:
-                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            if rng:
+                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
             self.end_headers()
             if self.command == "HEAD":
                 return

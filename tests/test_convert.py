@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import tree_bytes
+from conftest import reshard, tree_bytes
 from reference import hf_name
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 import dsfp4.convert.pipeline as pipeline
 from dsfp4.convert.plan import ConvertOptions
@@ -150,31 +147,14 @@ def test_no_mtp_leaves_the_mtp_layer_out(checkpoints, tmp_path):
     }
 
 
-def _mtp_in_its_own_shard(src: Path, dst: Path) -> str:
-    """The checkpoint re-sharded as the big releases are: the MTP layer alone in the last shard."""
-    dst.mkdir()
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
-    tensors = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(src / shard, "pt") as f:
-            tensors |= {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    mtp = {k: v for k, v in tensors.items() if k.startswith(f"model.layers.{n}.")}
-    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if k not in mtp}}
-    shards["model-00002-of-00002.safetensors"] = mtp
-    for name, part in shards.items():
-        save_file(part, dst / name)
-    weight_map = {k: name for name, part in shards.items() for k in part}
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    for p in src.iterdir():
-        if not p.name.endswith("safetensors") and p.name != "model.safetensors.index.json":
-            shutil.copy(p, dst / p.name)
-    return "model-00002-of-00002.safetensors"
-
-
 def test_no_mtp_converts_a_download_that_left_the_mtp_shard_out(checkpoints, tmp_path):
-    src = tmp_path / "src"
-    mtp_shard = _mtp_in_its_own_shard(checkpoints["fp8"], src)
+    src, n = tmp_path / "src", json.loads((checkpoints["fp8"] / "config.json").read_text())["num_hidden_layers"]
+    mtp_shard = "model-mtp.safetensors"  # the MTP layer alone in its shard, as in the big releases
+    reshard(
+        checkpoints["fp8"],
+        src,
+        lambda name: mtp_shard if name.startswith(f"model.layers.{n}.") else "model.safetensors",
+    )
     pipeline.convert(src, tmp_path / "full", ConvertOptions(no_mtp=True), progress=False)
     (src / mtp_shard).unlink()  # as `dsfp4 download --no-mtp` leaves it
     with pytest.raises(

@@ -1,0 +1,143 @@
+"""`dsfp4 convert --from-hub`: source shards fetched from the hub as the conversion needs them.
+
+The small files (config, index, tokenizer) are downloaded first and each shard's safetensors header is
+read with two Range requests, so the conversion can be planned before any shard is on disk. A fetcher
+thread then downloads the shards in the order the parts need them, at most `ahead` shards before the
+part being converted. With --delete-source a shard is deleted once every part that reads it is
+finished, so the disk holds the output plus a few shards rather than the whole source (640 GB for V3).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from dsfp4.download import DownloadPlan, download, fetch_file, hub_errors, plan_download
+from dsfp4.hub_file import HubError, RemoteFile
+from dsfp4.layout.safetensors_file import TensorInfo, header_length, parse_header
+
+SHARD_SUFFIX = ".safetensors"
+
+
+def _range(plan: DownloadPlan, f: RemoteFile, token: str | None, start: int, stop: int) -> bytes:
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    url = hf_hub_url(plan.repo, f.name, revision=plan.commit, endpoint=plan.endpoint)
+    headers = build_hf_headers(token=token) | {"Range": f"bytes={start}-{stop - 1}"}
+    r = get_session().get(url, headers=headers, follow_redirects=True, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    hf_raise_for_status(r)
+    data = r.content
+    if r.status_code != 206 or len(data) != stop - start:
+        raise HubError(f"{plan.repo}: {f.name}: the hub did not answer a range request; --from-hub needs them")
+    return data
+
+
+def remote_header(plan: DownloadPlan, f: RemoteFile, token: str | None) -> dict[str, TensorInfo]:
+    """A shard's tensors, from its header alone."""
+    where = f"{plan.repo}/{f.name}"
+    n = header_length(where, f.size, _range(plan, f, token, 0, 8))
+    return parse_header(where, f.size, _range(plan, f, token, 8, 8 + n))
+
+
+class HubSource:
+    def __init__(
+        self,
+        repo: str,
+        folder: Path,
+        revision: str = "main",
+        token: str | None = None,
+        no_mtp: bool = False,
+        delete: bool = False,
+        ahead: int = 2,
+        endpoint: str | None = None,
+    ):
+        self.token, self.delete, self.ahead = token, delete, ahead
+        self.plan = plan_download(repo, revision, Path(folder), no_mtp=no_mtp, token=token, endpoint=endpoint)
+        shards = [f for f in self.plan.files if f.name.endswith(SHARD_SUFFIX)]
+        small = DownloadPlan(**{**self.plan.__dict__, "files": [f for f in self.plan.files if f not in shards]})
+        download(small, token)
+        self.files = {f.name: f for f in shards}
+        with hub_errors(repo, revision):
+            self.remote = {f.name: (f.size, remote_header(self.plan, f, token)) for f in shards}
+        self.uses: dict[str, int] = {}  # shard -> parts still to read it
+        self.ready: set[str] = set()  # on disk and not released
+        self.wanted: set[str] = set()  # asked for by the part about to run: fetched even past the window
+        self.on_disk = 0  # bytes of shards on disk now, and the most there ever were
+        self.peak = 0
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+    def start(self, parts: list[set[str]]) -> None:
+        """Fetch the shards the parts read, in the parts' order, in the background."""
+        order = list(dict.fromkeys(s for shards in parts for s in sorted(shards)))
+        for shards in parts:
+            for s in shards:
+                self.uses[s] = self.uses.get(s, 0) + 1
+        self.thread = threading.Thread(target=self._fetch_all, args=(order,), name="dsfp4-hub", daemon=True)
+        self.thread.start()
+
+    def _fetch_all(self, order: list[str]) -> None:
+        try:
+            for shard in order:
+                with self.cond:  # at most `ahead` shards fetched and not yet released
+                    self.cond.wait_for(
+                        lambda s=shard: len(self.ready) < self.ahead or s in self.wanted or self.error is not None
+                    )
+                    if self.error is not None:
+                        return
+                with hub_errors(self.plan.repo, self.plan.revision):
+                    fetch_file(self.plan, self.files[shard], self.token, lambda n: None)
+                with self.cond:
+                    self.ready.add(shard)
+                    self.on_disk += self.files[shard].size
+                    self.peak = max(self.peak, self.on_disk)
+                    self.cond.notify_all()
+        except BaseException as e:  # handed to the converter, which raises it
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def need(self, shards: Iterable[str]) -> None:
+        """Block until these shards are on disk."""
+        shards = set(shards)
+        with self.cond:
+            self.wanted = shards
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: shards <= self.ready or self.error is not None)
+            if self.error is not None:
+                raise self.error
+
+    def done(self, shards: Iterable[str], release: Callable[[str], None]) -> None:
+        """A part that read these shards is finished: the ones no other part needs are released (their
+        reader closed by `release(shard)`) and, with --delete-source, deleted."""
+        for shard in shards:
+            with self.cond:
+                self.uses[shard] -= 1
+                if self.uses[shard]:
+                    continue
+                self.ready.discard(shard)
+            release(shard)
+            if self.delete:
+                self.plan.place(self.files[shard])[0].unlink(missing_ok=True)
+                with self.cond:
+                    self.on_disk -= self.files[shard].size
+            with self.cond:
+                self.cond.notify_all()
+
+    @property
+    def largest(self) -> int:
+        return max((f.size for f in self.files.values()), default=0)
+
+    def disk_need(self) -> int:
+        """Bytes of source on disk at the peak: a window of shards, or all of them when kept."""
+        sizes = sorted((f.size for f in self.files.values()), reverse=True)
+        return sum(sizes[: self.ahead + 1]) if self.delete else sum(sizes)
+
+    def close(self) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = HubError("the conversion stopped")
+            self.cond.notify_all()

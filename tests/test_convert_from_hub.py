@@ -1,0 +1,86 @@
+"""`dsfp4 convert --from-hub`: shards fetched as the parts need them and deleted once converted give the
+output of converting a local copy, with the source on disk bounded by a few shards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import reshard, run_cli, tree_bytes
+from fake_hub import FakeHub
+
+import dsfp4.convert.pipeline as pipeline
+from dsfp4 import hub_file
+from dsfp4.convert.hub_source import HubSource
+from dsfp4.convert.plan import ConvertOptions
+from dsfp4.hub_file import HubError
+from dsfp4.layout.manifest import Manifest
+
+REPO = "deepseek-ai/DeepSeek-V3"
+
+
+def _data(out: Path) -> dict[str, bytes]:
+    return {k: v for k, v in tree_bytes(out).items() if k.startswith(("backbone/", "experts/"))}
+
+
+def _by_layer(name: str) -> str:
+    """One shard per decoder layer, the rest with layer 0: shards in layer order, as the big releases are."""
+    return f"model-{int(name.split('.')[2]) if name.startswith('model.layers.') else 0:05d}.safetensors"
+
+
+def test_streaming_conversion_matches_a_local_one_and_keeps_few_shards(checkpoints, tmp_path):
+    src = tmp_path / "repo"
+    reshard(checkpoints["fp8"], src, _by_layer)
+    pipeline.convert(src, tmp_path / "local", ConvertOptions(), progress=False)
+    converted = tmp_path / "local"
+    shards = sorted(p for p in src.glob("*.safetensors"))
+    with FakeHub({REPO: src}) as hub:
+        source = HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url)
+        assert not any(p.suffix == ".safetensors" for p in (tmp_path / "out.source").iterdir())  # headers only
+        result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
+    assert result.done and _data(tmp_path / "out") == _data(converted)
+    a, b = Manifest.read(tmp_path / "out"), Manifest.read(converted)
+    assert a.tensors == b.tensors and a.experts == b.experts and a.files == b.files
+    assert not any((tmp_path / "out.source").glob("*.safetensors"))  # every shard deleted once converted
+    biggest = sorted((p.stat().st_size for p in shards), reverse=True)
+    assert 0 < source.peak <= sum(biggest[:2]) < sum(biggest)  # the window (1) plus what a part needs at once
+    shutil.rmtree(tmp_path / "out.source")
+
+
+def test_cli_converts_from_the_hub_and_removes_the_source(checkpoints, tmp_path):
+    src = tmp_path / "repo"
+    reshard(checkpoints["fp8"], src, _by_layer)
+    pipeline.convert(src, tmp_path / "local", ConvertOptions(), progress=False)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    with FakeHub({REPO: src}) as hub:
+        environ.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"))
+        args = ["convert", "--fp4", REPO, str(tmp_path / "out"), "--from-hub", "--delete-source", "-q"]
+        r = subprocess.run([sys.executable, "-c", "from dsfp4.cli import main; main()", *args], capture_output=True,
+                           text=True, env=environ, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert _data(tmp_path / "out") == _data(tmp_path / "local") and not (tmp_path / "out.source").exists()
+    r = run_cli("convert", "--fp4", src, tmp_path / "x", "--delete-source")
+    assert r.exit_code == 2 and "--delete-source only apply with --from-hub" in r.stderr
+
+
+def test_a_streaming_conversion_cut_by_the_network_resumes(checkpoints, tmp_path, monkeypatch):
+    src = tmp_path / "repo"
+    reshard(checkpoints["fp8"], src, _by_layer)
+    pipeline.convert(src, tmp_path / "local", ConvertOptions(), progress=False)
+    monkeypatch.setattr(hub_file, "RETRY_PAUSES", (0.01,))
+    last = sorted(p.name for p in src.glob("*.safetensors"))[-1]
+    with FakeHub({REPO: src}) as hub:
+        source = HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url)
+        hub.drops[last] = 100  # the last shard never arrives: parts before it are converted, then the run stops
+        with pytest.raises(HubError, match="network failure"):
+            pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
+        assert not (tmp_path / "out" / "manifest.json").exists()
+        hub.drops[last] = 0
+        source = HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url)
+        result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
+    assert result.done and result.resumed_parts > 0
+    assert _data(tmp_path / "out") == _data(tmp_path / "local")

@@ -9,12 +9,14 @@ finished, so the disk holds the output plus a few shards rather than the whole s
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dsfp4.download import DownloadPlan, download, fetch_file, hub_errors, plan_download
+from dsfp4.download import PARTIAL_DIR, DownloadPlan, download, fetch_file, hub_errors, locked, plan_download
 from dsfp4.hub_file import HubError, RemoteFile
+from dsfp4.layout.atomic import LOCK_NAME
 from dsfp4.layout.safetensors_file import TensorInfo, header_length, parse_header
 
 SHARD_SUFFIX = ".safetensors"
@@ -41,6 +43,11 @@ def remote_header(plan: DownloadPlan, f: RemoteFile, token: str | None) -> dict[
     return parse_header(where, f.size, _range(plan, f, token, 8, 8 + n))
 
 
+def _order(parts: list[set[str]]) -> list[str]:
+    """Shards in the order the parts first read them."""
+    return list(dict.fromkeys(s for shards in parts for s in sorted(shards)))
+
+
 class HubSource:
     def __init__(
         self,
@@ -63,28 +70,51 @@ class HubSource:
             self.remote = {f.name: (f.size, remote_header(self.plan, f, token)) for f in shards}
         self.uses: dict[str, int] = {}  # shard -> parts still to read it
         self.ready: set[str] = set()  # on disk and not released
-        self.wanted: set[str] = set()  # asked for by the part about to run: fetched even past the window
+        self.asked: set[str] = set()  # shards some started part reads; the window counts the others
         self.on_disk = 0  # bytes of shards on disk now, and the most there ever were
         self.peak = 0
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
+        self._lock = contextlib.ExitStack()
+        self._lock.enter_context(locked(self.plan))  # held until close(): no other run writes these files
+
+    def _present(self, shard: str) -> bool:
+        return self.plan.place(self.files[shard])[0].is_file()
+
+    def disk_need(self, parts: list[set[str]]) -> int:
+        """Bytes of source the run will add to the disk at its peak. Parts are finalized one behind the
+        part being read, so a part's shards live alongside the next part's, the window ahead and any shard
+        a later part still reads; without --delete-source every shard stays."""
+        size = {n: f.size for n, f in self.files.items()}
+        order = _order(parts)
+        if not self.delete:
+            return sum(size[s] for s in order if not self._present(s))
+        peak = 0
+        for k, shards in enumerate(parts):
+            live = shards | (parts[k - 1] if k else set())
+            live |= {s for s in order if any(s in p for p in parts[:k]) and any(s in p for p in parts[k + 1 :])}
+            seen = set().union(*parts[: k + 1])
+            live |= set([s for s in order if s not in seen][: self.ahead])
+            peak = max(peak, sum(size[s] for s in live if not self._present(s)))
+        return peak
 
     def start(self, parts: list[set[str]]) -> None:
         """Fetch the shards the parts read, in the parts' order, in the background."""
-        order = list(dict.fromkeys(s for shards in parts for s in sorted(shards)))
         for shards in parts:
             for s in shards:
                 self.uses[s] = self.uses.get(s, 0) + 1
-        self.thread = threading.Thread(target=self._fetch_all, args=(order,), name="dsfp4-hub", daemon=True)
+        self.thread = threading.Thread(target=self._fetch_all, args=(_order(parts),), name="dsfp4-hub", daemon=True)
         self.thread.start()
 
     def _fetch_all(self, order: list[str]) -> None:
         try:
             for shard in order:
-                with self.cond:  # at most `ahead` shards fetched and not yet released
+                with self.cond:  # at most `ahead` shards fetched beyond those the started parts read
                     self.cond.wait_for(
-                        lambda s=shard: len(self.ready) < self.ahead or s in self.wanted or self.error is not None
+                        lambda s=shard: (
+                            len(self.ready - self.asked) < self.ahead or s in self.asked or self.error is not None
+                        )
                     )
                     if self.error is not None:
                         return
@@ -104,7 +134,7 @@ class HubSource:
         """Block until these shards are on disk."""
         shards = set(shards)
         with self.cond:
-            self.wanted = shards
+            self.asked |= shards
             self.cond.notify_all()
             self.cond.wait_for(lambda: shards <= self.ready or self.error is not None)
             if self.error is not None:
@@ -127,17 +157,25 @@ class HubSource:
             with self.cond:
                 self.cond.notify_all()
 
-    @property
-    def largest(self) -> int:
-        return max((f.size for f in self.files.values()), default=0)
-
-    def disk_need(self) -> int:
-        """Bytes of source on disk at the peak: a window of shards, or all of them when kept."""
-        sizes = sorted((f.size for f in self.files.values()), reverse=True)
-        return sum(sizes[: self.ahead + 1]) if self.delete else sum(sizes)
-
     def close(self) -> None:
+        """Stop fetching (a download in progress ends first) and let go of the folder."""
         with self.cond:
             if self.error is None:
                 self.error = HubError("the conversion stopped")
             self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+        self._lock.close()
+
+    def remove(self) -> None:
+        """After a --delete-source run: remove what it wrote (the small files, the record, partial files),
+        and the folder if nothing else is in it."""
+        for f in self.plan.files:
+            dest, part, path = self.plan.place(f)
+            for p in (dest, part, path):
+                p.unlink(missing_ok=True)
+        for p in (self.plan.record, self.plan.target / LOCK_NAME):
+            p.unlink(missing_ok=True)
+        for folder in (self.plan.target / PARTIAL_DIR, self.plan.target):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty

@@ -90,23 +90,47 @@ def _disk_shortfall(out: Path, needed: int, reclaimable: int) -> str | None:
     )
 
 
-def _resume_key(plan: Plan, src: SourceCheckpoint) -> str:
+def _resume_key(plan: Plan, src: SourceCheckpoint, hub: HubSource | None) -> str:
     """The plan plus the shards' modification times: a re-downloaded shard restarts the conversion. Shards
-    fetched from the hub count by their listed size (they come and go during a --from-hub run)."""
-    times = [src.remote[s][0] if s in src.remote else (src.path / s).stat().st_mtime_ns for s in src.shards]
+    fetched from the hub count by their hash (they come and go during a --from-hub run)."""
+    times = [
+        hub.files[s].blob if hub is not None and s in hub.files else (src.path / s).stat().st_mtime_ns
+        for s in src.shards
+    ]
     return hashlib.sha256(json.dumps([plan.fingerprint, times]).encode()).hexdigest()
 
 
-def _dry_run_notes(out: Path, plan: Plan, key: str, force: bool) -> tuple[str, ...]:
+def _source_need(out: Path, src: SourceCheckpoint, hub: HubSource | None, todo: list[Part]) -> tuple[int, str | None]:
+    """(bytes of hub source to count on OUT's disk, a shortfall on the source's own disk or None)."""
+    if hub is None:
+        return 0, None
+    need = hub.disk_need([part_shards(src, p) for p in todo])
+    folder = hub.plan.target
+    if os.stat(folder).st_dev == os.stat(_free_bytes(out)[0]).st_dev:
+        return need, None
+    free = shutil.disk_usage(folder).free
+    short = f"not enough free disk for the source in {folder}: {format_bytes(need)} needed, {format_bytes(free)} free"
+    return 0, short if need > free else None
+
+
+def _dry_run_notes(
+    out: Path, plan: Plan, key: str, force: bool, src: SourceCheckpoint, hub: HubSource | None
+) -> tuple[str, ...]:
     """What a real run would find at OUT: disk space, a resumable state, or a refusal."""
     try:
         state = ResumeState(out, key, force)
     except OutputError as e:
         return (f"a real run would stop here: {e}",)
     done = [p for p in plan.parts if state.done(p.name) is not None]
-    needed = plan.out_bytes - sum(p.out_bytes for p in done)
+    source, short = _source_need(out, src, hub, [p for p in plan.parts if p not in done])
+    needed = plan.out_bytes - sum(p.out_bytes for p in done) + source
     probe, free = _free_bytes(out)
     notes = [f"disk    needs {format_bytes(needed)}; {format_bytes(free)} free on {probe}"]
+    if hub is not None:
+        kept = "deleted once converted" if hub.delete else "all kept (--delete-source keeps a few)"
+        notes.append(f"source  shards fetched from the hub as needed, {kept}: up to {format_bytes(source)} at once")
+    if short:
+        notes.append(f"a real run would stop here: {short}")
     if state.mode == "resume":
         notes.append(f"resume  {len(done)} of {len(plan.parts)} parts were done by an interrupted run")
     if state.mode == "overwrite":
@@ -244,13 +268,15 @@ def convert(
         plan = make_plan(src, tmap, options)
         if out.resolve() == src_path.resolve():
             raise OutputError(f"{out}: OUT must differ from SRC")
-        key = _resume_key(plan, src)
+        key = _resume_key(plan, src, hub)
         if options.dry_run:
-            return ConvertResult(out, plan, notes=_dry_run_notes(out, plan, key, options.force))
+            return ConvertResult(out, plan, notes=_dry_run_notes(out, plan, key, options.force, src, hub))
         state = ResumeState(out, key, options.force)
         markers = {p.name: m for p in plan.parts if (m := state.done(p.name)) is not None}
         todo = [p for p in plan.parts if p.name not in markers]
-        source = hub.disk_need() if hub is not None else 0  # on the same disk when OUT.source is beside OUT
+        source, short = _source_need(out, src, hub, todo)
+        if short:
+            raise OutputError(short)
         if shortfall := _disk_shortfall(out, sum(p.out_bytes for p in todo) + source, state.reclaimable_bytes()):
             raise OutputError(shortfall)
         state.prepare()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -281,25 +280,22 @@ def convert(
     if from_hub:
         from dsfp4.convert.hub_source import HubSource
 
-        src_path = source_dir or out.with_name(out.name + ".source")
+        resolved = out.resolve()
+        src_path = source_dir or resolved.with_name(resolved.name + ".source")
         hub = HubSource(src, src_path, revision, token, no_mtp, delete_source)
-    result = run_convert(src_path, out, options, progress=not quiet, hub=hub)
+    elif not src_path.exists() and src.count("/") == 1 and not src.startswith((".", "/", "~")):
+        raise click.UsageError(f"{src} is not a folder here; to convert a hub repo, add --from-hub")
+    try:
+        result = run_convert(src_path, out, options, progress=not quiet, hub=hub)
+    finally:
+        if hub is not None:
+            hub.close()
     if dry_run:
         click.echo(plan_table(result.plan, str(src), str(out)))
         click.echo("\n".join(("", *result.notes)))
-        if hub is not None:
-            click.echo(
-                f"source  {src} fetched into {src_path} as the parts need it: up to "
-                f"{format_bytes(hub.disk_need())} on disk at once"
-                + (
-                    " (--delete-source)"
-                    if delete_source
-                    else " (all of it is kept; --delete-source keeps a few shards)"
-                )
-            )
         return
     if hub is not None and delete_source:
-        shutil.rmtree(src_path, ignore_errors=True)  # what is left: config, tokenizer, the download record
+        hub.remove()
     r = result
     rate = format_bytes(r.converted_bytes / r.seconds) if r.seconds > 0 else "-"
     resumed = f" ({r.resumed_parts} parts were already done)" if r.resumed_parts else ""

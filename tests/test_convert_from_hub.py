@@ -15,8 +15,10 @@ from fake_hub import FakeHub
 
 import dsfp4.convert.pipeline as pipeline
 from dsfp4 import hub_file
+from dsfp4.convert.hf_names import map_tensors
 from dsfp4.convert.hub_source import HubSource
-from dsfp4.convert.plan import ConvertOptions
+from dsfp4.convert.plan import ConvertOptions, make_plan
+from dsfp4.convert.source import SourceCheckpoint
 from dsfp4.hub_file import HubError
 from dsfp4.layout.manifest import Manifest
 
@@ -47,8 +49,23 @@ def test_streaming_conversion_matches_a_local_one_and_keeps_few_shards(checkpoin
     assert a.tensors == b.tensors and a.experts == b.experts and a.files == b.files
     assert not any((tmp_path / "out.source").glob("*.safetensors"))  # every shard deleted once converted
     biggest = sorted((p.stat().st_size for p in shards), reverse=True)
-    assert 0 < source.peak <= sum(biggest[:2]) < sum(biggest)  # the window (1) plus what a part needs at once
+    assert 0 < source.peak <= sum(biggest[:3]) < sum(biggest)  # two parts' shards, one ahead: never the whole
     shutil.rmtree(tmp_path / "out.source")
+
+
+def test_the_peak_estimate_bounds_the_measured_peak_when_parts_share_shards(checkpoints, tmp_path):
+    """The tiny checkpoint's own sharding: layers spread over shards that several parts share."""
+    with FakeHub({REPO: checkpoints["fp8"]}) as hub:
+        source = HubSource(REPO, tmp_path / "s", delete=True, ahead=1, endpoint=hub.url)
+        (tmp_path / "s" / "precious.txt").write_text("the user's")
+        with SourceCheckpoint(tmp_path / "s", remote=source.remote) as src:
+            plan = make_plan(src, map_tensors(src.args, {n: t.info for n, t in src.tensors.items()},
+                             {n: t.shard for n, t in src.tensors.items()}, "index"), ConvertOptions())  # fmt: skip
+            estimate = source.disk_need([pipeline.part_shards(src, p) for p in plan.parts])
+        result = pipeline.convert(tmp_path / "s", tmp_path / "out", ConvertOptions(), False, source)
+    assert result.done and 0 < source.peak <= estimate
+    source.remove()  # what the run wrote goes; the user's file and so the folder stay
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["precious.txt"]
 
 
 def test_cli_converts_from_the_hub_and_removes_the_source(checkpoints, tmp_path):

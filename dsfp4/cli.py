@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from dsfp4 import __version__
 from dsfp4.cli_download import download
-from dsfp4.cli_options import EXISTING_DIR, PATH, RUN_DEFAULTS, budget_options, context_options
+from dsfp4.cli_options import EXISTING_DIR, PATH, RUN_DEFAULTS, budget_options, context_options, hub_options
 from dsfp4.cli_profile import profile_hot
 from dsfp4.errors import DsfpError
 from dsfp4.runtime.options import RunOptions
@@ -228,8 +228,7 @@ def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int)
     is_flag=True,
     help="SRC is a hub repo id: fetch its shards as the conversion needs them (into --source-dir).",
 )
-@click.option("--revision", default="main", show_default=True, help="With --from-hub: branch, tag or commit.")
-@click.option("--token", help="With --from-hub: hub token for gated repos (default: HF_TOKEN or the saved login).")
+@hub_options("With --from-hub: ")
 @click.option("--source-dir", type=PATH, help="With --from-hub: where the source goes (default: OUT.source).")
 @click.option(
     "--delete-source",

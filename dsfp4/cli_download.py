@@ -8,12 +8,12 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dsfp4.cli_options import PATH
+from dsfp4.cli_options import PATH, hub_options
 
 
 @click.command()
 @click.argument("repo_id")
-@click.option("--revision", default="main", show_default=True, help="Branch, tag or commit to fetch.")
+@hub_options()
 @click.option("--local-dir", type=PATH, help="Put the files in this folder (default: the Hugging Face cache).")
 @click.option("--include", multiple=True, help="Glob of files to fetch (repeatable; default: what convert reads).")
 @click.option("--exclude", multiple=True, help="Glob of files to leave out (repeatable).")
@@ -23,7 +23,6 @@ from dsfp4.cli_options import PATH
     is_flag=True,
     help="List the files, their sizes and the free disk, and stop (--no-mtp fetches config and index first).",
 )
-@click.option("--token", help="Hub token for gated or private repos (default: HF_TOKEN or the saved login).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def download(
     repo_id: str,

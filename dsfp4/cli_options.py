@@ -72,3 +72,13 @@ budget_options = _stack(
         help="Skip the sha256 check of each record's first read.",
     ),
 )
+
+
+def hub_options(prefix: str = "") -> Callable:
+    """--revision and --token of the commands that read from the Hugging Face hub."""
+    return _stack(
+        click.option("--revision", default="main", show_default=True, help=f"{prefix}Branch, tag or commit to fetch."),
+        click.option(
+            "--token", help=f"{prefix}Hub token for gated or private repos (default: HF_TOKEN or the saved login)."
+        ),
+    )

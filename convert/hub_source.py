@@ -10,6 +10,7 @@ finished, so the disk holds the output plus a few shards rather than the whole s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -63,7 +64,7 @@ class HubSource:
         self.token, self.delete, self.ahead = token, delete, ahead
         self.plan = plan_download(repo, revision, Path(folder), no_mtp=no_mtp, token=token, endpoint=endpoint)
         shards = [f for f in self.plan.files if f.name.endswith(SHARD_SUFFIX)]
-        small = DownloadPlan(**{**self.plan.__dict__, "files": [f for f in self.plan.files if f not in shards]})
+        small = dataclasses.replace(self.plan, files=[f for f in self.plan.files if f not in shards])
         download(small, token)
         self.files = {f.name: f for f in shards}
         with hub_errors(repo, revision):
@@ -88,15 +89,17 @@ class HubSource:
         a later part still reads; without --delete-source every shard stays."""
         size = {n: f.size for n, f in self.files.items()}
         order = _order(parts)
+        missing = {s for s in order if not self._present(s)}
         if not self.delete:
-            return sum(size[s] for s in order if not self._present(s))
+            return sum(size[s] for s in missing)
+        first = {s: min(k for k, p in enumerate(parts) if s in p) for s in order}
+        last = {s: max(k for k, p in enumerate(parts) if s in p) for s in order}
         peak = 0
         for k, shards in enumerate(parts):
             live = shards | (parts[k - 1] if k else set())
-            live |= {s for s in order if any(s in p for p in parts[:k]) and any(s in p for p in parts[k + 1 :])}
-            seen = set().union(*parts[: k + 1])
-            live |= set([s for s in order if s not in seen][: self.ahead])
-            peak = max(peak, sum(size[s] for s in live if not self._present(s)))
+            live |= {s for s in order if first[s] < k < last[s]}  # held for a later part
+            live |= set([s for s in order if first[s] > k][: self.ahead])
+            peak = max(peak, sum(size[s] for s in live & missing))
         return peak
 
     def start(self, parts: list[set[str]]) -> None:
@@ -156,6 +159,12 @@ class HubSource:
                     self.on_disk -= self.files[shard].size
             with self.cond:
                 self.cond.notify_all()
+
+    def __enter__(self) -> HubSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop fetching (a download in progress ends first) and let go of the folder."""

@@ -36,7 +36,7 @@ from dsfp4.device import resolve_device
 from dsfp4.errors import OutputError
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
 from dsfp4.layout.safetensors_file import file_sha256
-from dsfp4.sizes import format_bytes
+from dsfp4.sizes import format_bytes, free_bytes
 
 T = TypeVar("T")
 
@@ -72,16 +72,8 @@ def _run_jobs(jobs: Iterable[Callable[[], T]], workers: int, on_done: Callable[[
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _free_bytes(out: Path) -> tuple[Path, int]:
-    """Free space on the filesystem that will hold OUT (its nearest existing ancestor)."""
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    return probe, shutil.disk_usage(probe).free
-
-
 def _disk_shortfall(out: Path, needed: int, reclaimable: int) -> str | None:
-    probe, free = _free_bytes(out)
+    probe, free = free_bytes(out)
     if needed <= free + reclaimable:
         return None
     return (
@@ -106,7 +98,7 @@ def _source_need(out: Path, src: SourceCheckpoint, hub: HubSource | None, todo: 
         return 0, None
     need = hub.disk_need([part_shards(src, p) for p in todo])
     folder = hub.plan.target
-    if os.stat(folder).st_dev == os.stat(_free_bytes(out)[0]).st_dev:
+    if os.stat(folder).st_dev == os.stat(free_bytes(out)[0]).st_dev:
         return need, None
     free = shutil.disk_usage(folder).free
     short = f"not enough free disk for the source in {folder}: {format_bytes(need)} needed, {format_bytes(free)} free"
@@ -124,7 +116,7 @@ def _dry_run_notes(
     done = [p for p in plan.parts if state.done(p.name) is not None]
     source, short = _source_need(out, src, hub, [p for p in plan.parts if p not in done])
     needed = plan.out_bytes - sum(p.out_bytes for p in done) + source
-    probe, free = _free_bytes(out)
+    probe, free = free_bytes(out)
     notes = [f"disk    needs {format_bytes(needed)}; {format_bytes(free)} free on {probe}"]
     if hub is not None:
         kept = "deleted once converted" if hub.delete else "all kept (--delete-source keeps a few)"
@@ -292,13 +284,9 @@ def convert(
                 file=sys.stderr,
                 dynamic_ncols=True,
             ) as bar:
-                if hub is not None:
+                if hub is not None:  # its owner closes it (it is a context manager)
                     hub.start([part_shards(src, p) for p in todo])
-                try:
-                    _run_parts(src, plan, todo, out, device, state, markers, bar, hub)
-                finally:
-                    if hub is not None:
-                        hub.close()
+                _run_parts(src, plan, todo, out, device, state, markers, bar, hub)
             manifest = _manifest(plan, markers, _copy_aux(src_path, out))
             manifest.write(out)
             state.finish()

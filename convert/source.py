@@ -40,6 +40,15 @@ class SourceTensor:
     info: TensorInfo
 
 
+def mtp_only_shards(weight_map: dict[str, str], first: int, end: int) -> list[str]:
+    """Shards whose every tensor belongs to layers first..end-1 (the MTP layers)."""
+    mtp = tuple(f"model.layers.{i}." for i in range(first, end))
+    only: dict[str, bool] = {}  # shard -> every tensor so far is an MTP tensor
+    for tensor, shard in weight_map.items():
+        only[shard] = only.get(shard, True) and bool(mtp) and tensor.startswith(mtp)
+    return sorted(s for s, yes in only.items() if yes)
+
+
 def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
         raise SourceError(f"{path} not found: {what}")
@@ -70,13 +79,9 @@ class SourceCheckpoint:
         weight_map = self._weight_map()
         self._fds: dict[str, int] = {}
         headers: dict[str, dict[str, TensorInfo]] = {}
-        mtp = tuple(f"model.layers.{i}." for i in range(self.args.n_layers, self.args.n_blocks)) if no_mtp else ()
         listed = sorted(set(weight_map.values()))
-        self.absent = [  # left out on purpose: every tensor in them is an MTP tensor, and --no-mtp skips them
-            s for s in listed if not (self.path / s).is_file() and mtp and all(
-                n.startswith(mtp) for n, where in weight_map.items() if where == s
-            )
-        ]  # fmt: skip
+        mtp = mtp_only_shards(weight_map, self.args.n_layers, self.args.n_blocks) if no_mtp else []
+        self.absent = [s for s in mtp if not (self.path / s).is_file()]  # left out on purpose (--no-mtp)
         weight_map = {n: s for n, s in weight_map.items() if s not in self.absent}
         self.shards = [s for s in listed if s not in self.absent]
         try:

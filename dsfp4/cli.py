@@ -17,7 +17,15 @@ from tqdm import tqdm
 
 from dsfp4 import __version__
 from dsfp4.cli_download import download
-from dsfp4.cli_options import EXISTING_DIR, PATH, RUN_DEFAULTS, budget_options, context_options, hub_options
+from dsfp4.cli_options import (
+    EXISTING_DIR,
+    PATH,
+    RUN_DEFAULTS,
+    budget_options,
+    context_options,
+    given_flags,
+    hub_options,
+)
 from dsfp4.cli_profile import profile_hot
 from dsfp4.errors import DsfpError
 from dsfp4.runtime.options import RunOptions
@@ -271,8 +279,7 @@ def convert(
     options = ConvertOptions(
         format=fmt, backbone=backbone, no_mtp=no_mtp, workers=workers, device=device, force=force, dry_run=dry_run
     )
-    given = [f"--{n.replace('_', '-')}" for n, v in (("source_dir", source_dir), ("token", token)) if v]
-    given += ["--delete-source"] * delete_source + ["--revision"] * (revision != "main")
+    given = given_flags(click.get_current_context(), ("revision", "token", "source_dir", "delete_source"))
     if given and not from_hub:
         raise click.UsageError(f"{', '.join(given)} only apply with --from-hub")
     hub, src_path = None, Path(src)
@@ -281,14 +288,12 @@ def convert(
 
         resolved = out.resolve()
         src_path = source_dir or resolved.with_name(resolved.name + ".source")
-        hub = HubSource(src, src_path, revision, token, no_mtp, delete_source)
+        with HubSource(src, src_path, revision, token, no_mtp, delete_source) as hub:
+            result = run_convert(src_path, out, options, progress=not quiet, hub=hub)
     elif not src_path.exists() and src.count("/") == 1 and not src.startswith((".", "/", "~")):
         raise click.UsageError(f"{src} is not a folder here; to convert a hub repo, add --from-hub")
-    try:
-        result = run_convert(src_path, out, options, progress=not quiet, hub=hub)
-    finally:
-        if hub is not None:
-            hub.close()
+    else:
+        result = run_convert(src_path, out, options, progress=not quiet)
     if dry_run:
         click.echo(plan_table(result.plan, str(src), str(out)))
         click.echo("\n".join(("", *result.notes)))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from dsfp4.runtime.budget import PRESETS
 from dsfp4.runtime.options import RunOptions
@@ -82,3 +83,8 @@ def hub_options(prefix: str = "") -> Callable:
             "--token", help=f"{prefix}Hub token for gated or private repos (default: HF_TOKEN or the saved login)."
         ),
     )
+
+
+def given_flags(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """The flags among `names` (parameter names) that the user typed, as they are spelled."""
+    return [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]

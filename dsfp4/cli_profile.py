@@ -7,11 +7,19 @@ import sys
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 from tqdm import tqdm
 
-from dsfp4.cli_options import EXISTING_DIR, EXISTING_FILE, PATH, RUN_DEFAULTS, budget_options, context_options
+from dsfp4.cli_options import (
+    EXISTING_DIR,
+    EXISTING_FILE,
+    PATH,
+    RUN_DEFAULTS,
+    budget_options,
+    context_options,
+    given_flags,
+)
 from dsfp4.errors import ConfigError
+from dsfp4.layout.atomic import require_folder
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.runtime.options import RunOptions
 from dsfp4.sizes import format_bytes
@@ -128,19 +136,14 @@ def profile_hot(
     from dsfp4.layout.routing_trace import check_trace_path
 
     ctx = click.get_current_context()
-    if no_measure:
-        given = [f for f in MEASURE_FLAGS if ctx.get_parameter_source(f) == ParameterSource.COMMANDLINE]
-        if given:
-            flags = ", ".join("--" + f.replace("_", "-") for f in given)
-            raise click.UsageError(f"--no-measure runs nothing, so {flags} would do nothing; drop them")
+    if no_measure and (given := given_flags(ctx, MEASURE_FLAGS)):
+        raise click.UsageError(f"--no-measure runs nothing, so {', '.join(given)} would do nothing; drop them")
     if trace is not None:
         check_trace_path(trace)
     options = RunOptions(**knobs)
     manifest = Manifest.read(model)
     own = model / HOT_NAME
-    output = output or own
-    if not output.parent.is_dir():
-        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    output = require_folder(output or own, "--output")
     inputs = list(merge) if merge or not no_measure else [own]
     if no_measure and not own.is_file() and not merge:
         raise ConfigError(f"{own} not found: run `dsfp4 profile-hot {model}` first, or give --merge FILE")

@@ -11,20 +11,18 @@ lock, so two runs never write the same files.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fnmatch
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsfp4.convert.source import AUX_FILES, INDEX_NAME
+from dsfp4.convert.source import AUX_FILES, INDEX_NAME, mtp_only_shards
 from dsfp4.errors import OutputError
 from dsfp4.hub_file import HubError, RemoteFile, fetch, network_errors
 from dsfp4.layout.atomic import atomic_write_bytes, atomic_write_json, lock_folder
-from dsfp4.sizes import format_bytes
+from dsfp4.sizes import format_bytes, free_bytes
 
 NEEDED = ("*.safetensors", INDEX_NAME, *AUX_FILES)  # what `dsfp4 convert` reads (top-level files only)
 KNOWN_REPOS = (  # checkpoints the converter takes; `NEEDED` selects their files
@@ -124,10 +122,6 @@ def hub_errors(repo: str, revision: str) -> Iterator[None]:
         raise HubError(
             f"{repo}: network failure ({type(e).__name__}: {e}); run the same command again to resume"
         ) from e
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise OutputError(f"disk full while downloading {repo}; free some space and run it again to resume") from e
-        raise
 
 
 def _selected(name: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
@@ -141,16 +135,9 @@ def _mtp_only_shards(config: dict, index: dict, where: str) -> list[str]:
     """Shards whose every tensor belongs to a layer past num_hidden_layers (the MTP layers)."""
     try:
         n, extra = int(config["num_hidden_layers"]), int(config.get("num_nextn_predict_layers", 0))
-        weight_map = dict(index["weight_map"])
+        return mtp_only_shards(dict(index["weight_map"]), n, n + extra)
     except (KeyError, TypeError, ValueError) as e:
         raise HubError(f"{where}: config.json or {INDEX_NAME} lacks what --no-mtp reads ({e})") from e
-    mtp = tuple(f"model.layers.{i}." for i in range(n, n + extra))
-    if not mtp:
-        return []
-    shards: dict[str, bool] = {}  # shard -> every tensor so far is an MTP tensor
-    for tensor, shard in weight_map.items():
-        shards[shard] = shards.get(shard, True) and tensor.startswith(mtp)
-    return sorted(s for s, only in shards.items() if only)
 
 
 def _target(repo: str, commit: str, local_dir: Path | None) -> Path:
@@ -224,8 +211,7 @@ def plan_download(
             plan.files = [f for f in files if f.name not in plan.skipped]
     plan.files.sort(key=lambda f: (f.size, f.name))  # the small files first: a failure shows early
     plan.done = _verified(plan)
-    folder = plan.target if plan.target.exists() else next(p for p in plan.target.parents if p.exists())
-    plan.free = shutil.disk_usage(folder).free
+    plan.free = free_bytes(plan.target)[1]
     return plan
 
 

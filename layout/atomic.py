@@ -9,9 +9,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dsfp4.errors import OutputError
+from dsfp4.errors import ConfigError, OutputError
 
 LOCK_NAME = ".dsfp4.lock"
+
+
+def require_folder(path: Path, what: str) -> Path:
+    """`path`, if the folder it goes in exists; else a ConfigError naming `what` (a flag), before any work."""
+    if not Path(path).parent.is_dir():
+        raise ConfigError(f"{what} {path}: the folder {Path(path).parent} does not exist; create it or choose another")
+    return Path(path)
 
 
 def lock_folder(folder: Path, busy: str) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dsfp4.errors import ConfigError
-from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.layout.atomic import atomic_write_bytes, require_folder
 
 TRACE_SUFFIXES = (".npy", ".npz")
 
@@ -50,9 +50,7 @@ def check_trace_path(path: Path) -> Path:
     path = Path(path)
     if path.suffix not in TRACE_SUFFIXES:
         raise ConfigError(f"{path}: a routing trace is written as .npy (ids) or .npz (ids, weights, tokens)")
-    if not path.parent.is_dir():
-        raise ConfigError(f"{path}: the folder {path.parent} does not exist; create it or choose another path")
-    return path
+    return require_folder(path, "routing trace")
 
 
 def write_trace(path: Path, trace: RoutingTrace) -> None:

@@ -45,6 +45,7 @@ from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
 from dsfp4.layout.quant import quantize
 from dsfp4.layout.record import RecordLayout
 from dsfp4.layout.safetensors_file import SafetensorsWriter, file_sha256, pwrite_all, tensor_bytes
+from dsfp4.runtime.budget import proc_status_bytes
 from dsfp4.sizes import format_bytes
 
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3), in Hugging Face keys; num_hidden_layers and
@@ -425,12 +426,6 @@ def written_bytes(m: Manifest) -> int:
     return sum(f.nbytes for f in m.files.values()) + records
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM)."""
-    with open("/proc/self/status") as f:
-        return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) << 10
-
-
 def _dim_value(text: str) -> object:
     try:
         return json.loads(text)
@@ -452,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     m = write_bench_model(a.out, a.layers, a.dense, a.seed, dims, a.backbone, a.tokenizer)
     seconds = time.perf_counter() - t
-    peak = peak_rss_bytes()
+    peak = proc_status_bytes("VmHWM")
     n = written_bytes(m)
     print(
         f"{a.out}: {format_bytes(n)} in {seconds:.1f} s ({n / seconds / 1e9:.2f} GB/s), "

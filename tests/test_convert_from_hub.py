@@ -40,8 +40,10 @@ def test_streaming_conversion_matches_a_local_one_and_keeps_few_shards(checkpoin
     pipeline.convert(src, tmp_path / "local", ConvertOptions(), progress=False)
     converted = tmp_path / "local"
     shards = sorted(p for p in src.glob("*.safetensors"))
-    with FakeHub({REPO: src}) as hub:
-        source = HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url)
+    with (
+        FakeHub({REPO: src}) as hub,
+        HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url) as source,
+    ):
         assert not any(p.suffix == ".safetensors" for p in (tmp_path / "out.source").iterdir())  # headers only
         result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
     assert result.done and _data(tmp_path / "out") == _data(converted)
@@ -55,8 +57,10 @@ def test_streaming_conversion_matches_a_local_one_and_keeps_few_shards(checkpoin
 
 def test_the_peak_estimate_bounds_the_measured_peak_when_parts_share_shards(checkpoints, tmp_path):
     """The tiny checkpoint's own sharding: layers spread over shards that several parts share."""
-    with FakeHub({REPO: checkpoints["fp8"]}) as hub:
-        source = HubSource(REPO, tmp_path / "s", delete=True, ahead=1, endpoint=hub.url)
+    with (
+        FakeHub({REPO: checkpoints["fp8"]}) as hub,
+        HubSource(REPO, tmp_path / "s", delete=True, ahead=1, endpoint=hub.url) as source,
+    ):
         (tmp_path / "s" / "precious.txt").write_text("the user's")
         with SourceCheckpoint(tmp_path / "s", remote=source.remote) as src:
             plan = make_plan(src, map_tensors(src.args, {n: t.info for n, t in src.tensors.items()},
@@ -91,13 +95,13 @@ def test_a_streaming_conversion_cut_by_the_network_resumes(checkpoints, tmp_path
     monkeypatch.setattr(hub_file, "RETRY_PAUSES", (0.01,))
     last = sorted(p.name for p in src.glob("*.safetensors"))[-1]
     with FakeHub({REPO: src}) as hub:
-        source = HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url)
-        hub.drops[last] = 100  # the last shard never arrives: parts before it are converted, then the run stops
-        with pytest.raises(HubError, match="network failure"):
-            pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
+        with HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url) as source:
+            hub.drops[last] = 100  # the last shard never arrives: parts before it are converted, then it stops
+            with pytest.raises(HubError, match="network failure"):
+                pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
         assert not (tmp_path / "out" / "manifest.json").exists()
         hub.drops[last] = 0
-        source = HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url)
-        result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
+        with HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url) as source:
+            result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
     assert result.done and result.resumed_parts > 0
     assert _data(tmp_path / "out") == _data(tmp_path / "local")

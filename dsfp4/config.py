@@ -97,6 +97,11 @@ class ModelArgs:
         """Decoder blocks stored in the checkpoint: main layers, then MTP layers."""
         return self.n_layers + self.n_mtp_layers
 
+    @property
+    def mtp_prefixes(self) -> tuple[str, ...]:
+        """Name prefixes of the MTP blocks in dsfp4's tensor names (layers.N. for N past the main layers)."""
+        return tuple(f"layers.{i}." for i in range(self.n_layers, self.n_blocks))
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.n_dense_layers and layer % self.moe_layer_freq == 0
 

@@ -135,7 +135,7 @@ def fp4_matmul(
         scale.stride(0),
         y.stride(0),
         BLOCK_T=block_t,
-        BLOCK_N=64,
+        BLOCK_N=BLOCK_N,
         BLOCK_K=block_k,
         GROUP=group,
         E8M0=fmt == "mxfp4",

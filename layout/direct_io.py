@@ -51,12 +51,9 @@ def open_direct(path: Path, flags: int, mode: int = 0o644) -> tuple[int, bool]:
 class RecordFile:
     """One layer file, opened with O_DIRECT when its filesystem allows it."""
 
-    def __init__(self, path: Path, direct: bool = True):
+    def __init__(self, path: Path):
         self.path = Path(path)
-        if direct:
-            self.fd, self.direct = open_direct(self.path, os.O_RDONLY)
-        else:
-            self.fd, self.direct = os.open(self.path, os.O_RDONLY), False
+        self.fd, self.direct = open_direct(self.path, os.O_RDONLY)
 
     def read_into(self, bufs: list[np.ndarray], offset: int) -> None:
         """Fill bufs, in order, with the file's consecutive bytes from offset: one sequential read (for

@@ -27,6 +27,7 @@ from dsfp4.layout.direct_io import RecordFile, aligned_buffer, open_direct
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import ExpertFile, Manifest
 from dsfp4.layout.record import record_sha256
+from dsfp4.layout.safetensors_file import pwrite_all
 from dsfp4.sizes import format_bytes
 
 EXPERTS_DIR = "experts"
@@ -54,12 +55,6 @@ def _in_order(ef: ExpertFile, order: list[int], nbytes: int) -> bool:
     return all(ef.offsets[e] == i * nbytes for i, e in enumerate(order))
 
 
-def _write_all(fd: int, buf: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.pwritev(fd, [buf[done:]], offset + done)
-
-
 def _copy_layer(model_dir: Path, ef: ExpertFile, order: list[int], nbytes: int, dst: Path) -> None:
     """Write the layer's records to dst in `order`, checking each record's sha256 on the way. Reader
     threads run COPY_DEPTH chunks ahead of the writer, both with O_DIRECT where the filesystem allows."""
@@ -84,7 +79,7 @@ def _copy_layer(model_dir: Path, ef: ExpertFile, order: list[int], nbytes: int, 
         with ThreadPoolExecutor(len(bufs)) as pool:
             pending = {k: pool.submit(read, k) for k in range(len(bufs))}
             for k in range(len(chunks)):
-                _write_all(fd, pending.pop(k).result(), k * COPY_RECORDS * nbytes)
+                pwrite_all(fd, pending.pop(k).result(), k * COPY_RECORDS * nbytes)
                 if k + len(bufs) < len(chunks):  # its buffer is free again
                     pending[k + len(bufs)] = pool.submit(read, k + len(bufs))
         os.fsync(fd)

@@ -70,15 +70,17 @@ def parse_jsonl(text: str, name: str) -> list[Entry]:
     return entries
 
 
-def read_prompts(path: Path, chat_format: bool) -> list[Entry]:
+def read_prompts(path: Path, chat_format: bool) -> tuple[list[Entry], str]:
+    """The prompts of a file, and the file's sha256 (read once)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--prompts {path}: cannot read it as UTF-8 text ({e})") from e
     entries = parse_jsonl(text, str(path)) if chat_format else [line for line in text.splitlines() if line.strip()]
     if not entries:
         raise ConfigError(f"--prompts {path}: no prompts in it")
-    return entries
+    return entries, hashlib.sha256(raw).hexdigest()
 
 
 def builtin_entries() -> list[Entry]:
@@ -104,9 +106,8 @@ def calibration(
             raise ConfigError("--chat-format describes a --prompts file; give --prompts FILE")
         entries, source = builtin_entries(), BUILTIN_SOURCE
     else:
-        entries = read_prompts(prompts, chat_format)
-        digest = hashlib.sha256(Path(prompts).read_bytes()).hexdigest()[:16]
-        source = f"{Path(prompts).name} ({'chat' if chat_format else 'text'} lines, sha256 {digest})"
+        entries, digest = read_prompts(prompts, chat_format)
+        source = f"{Path(prompts).name} ({'chat' if chat_format else 'text'} lines, sha256 {digest[:16]})"
     stream: list[int] = []
     for entry in entries:
         if len(stream) >= tokens:

@@ -12,7 +12,6 @@ refilled after the compute that last read it (the copy stream waits on that even
 
 from __future__ import annotations
 
-import hashlib
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -26,6 +25,7 @@ from dsfp4.errors import ChecksumError, ConfigError
 from dsfp4.layout.direct_io import RecordFile, aligned_buffer
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.record import record_sha256
 from dsfp4.runtime.planner import Plan
 from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.runtime.slots import SlotPool
@@ -65,7 +65,6 @@ class ExpertStore:
         policy: str = "lru",
         io_threads: int = 4,
         verify: bool = True,
-        direct: bool = True,
     ):
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
@@ -92,7 +91,7 @@ class ExpertStore:
         a = manifest.args
         self._table = torch.full((a.n_blocks, a.n_routed_experts), -1, dtype=torch.int32, device=device)
         self._table_updates: dict[Key, int] = {}
-        self.files = {layer: RecordFile(self.dir / ef.file, direct) for layer, ef in manifest.experts.items()}
+        self.files = {layer: RecordFile(self.dir / ef.file) for layer, ef in manifest.experts.items()}
         self.notes = [
             f"{self.dir / 'experts'}: the filesystem refuses O_DIRECT (tmpfs?); records are read through "
             f"the page cache, and dropped from it after each read"
@@ -116,7 +115,7 @@ class ExpertStore:
         self.files[layer].read_into([self.ram_np[rslot] for _, rslot in run], ef.offsets[first])
         for key, rslot in run:
             if self.verify and key not in self._verified:
-                if hashlib.sha256(self.ram_np[rslot]).hexdigest() != ef.sha256[key[1]]:
+                if record_sha256(self.ram_np[rslot]) != ef.sha256[key[1]]:
                     raise ChecksumError(
                         f"{self.dir / ef.file}: the record of expert {key[1]} (layer {layer}) fails its sha256 "
                         f"check; run `dsfp4 verify` and convert again"
@@ -238,7 +237,6 @@ class ExpertStore:
     def _start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
         """Begin moving a record that is not on the device there: (SSD ->) RAM -> device. Returns the job
         whose result is the copy's event, or None when no slot is free and `wait` is False."""
-        self._retire()
         got = self._to_ram(key, set(), wait)  # RAM copies in use are pinned; the device's are protected
         if got is None:
             return None
@@ -285,6 +283,7 @@ class ExpertStore:
         for start in range(0, len(order), self.plan.gpu_slots):
             wave = order[start : start + self.plan.gpu_slots]
             protected = {(layer, e) for e in wave}
+            self._retire()  # once per wave: a blocked allocation retires again in _wait_any
             ready, pending = [], []
             for e in wave:
                 key = (layer, e)
@@ -327,6 +326,7 @@ class ExpertStore:
         """Start moving predicted experts of `layer` towards the device without waiting and without
         evicting anything in `protect` (the current layer's experts) or in flight."""
         self._predicted[layer] = set(experts)
+        self._retire()
         for e in experts:
             key = (layer, e)
             if key in self.gpu_pool:

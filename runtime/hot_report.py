@@ -9,11 +9,13 @@ own distribution; the runtime's eviction policies adapt to the conversation inst
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dsfp4.layout.atomic import atomic_write_bytes
 from dsfp4.layout.hot_profile import HotProfile
 
 
@@ -106,8 +108,8 @@ def write_plot(profile: HotProfile, path: Path) -> str | None:
     ax.set_title(f"Expert coverage per MoE layer ({profile.tokens} tokens)")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=120, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
     plt.close(fig)
-    tmp.replace(path)
+    atomic_write_bytes(path, buf.getvalue())
     return None

@@ -153,7 +153,7 @@ def load_model(
     try:
         model = Transformer(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
         a = manifest.args
-        w.check_all_used(() if with_mtp else tuple(f"layers.{i}." for i in range(a.n_layers, a.n_blocks)))
+        w.check_all_used(() if with_mtp else a.mtp_prefixes)
     except BaseException:
         experts.close()
         raise

@@ -40,7 +40,6 @@ class Plan:
     staging: int  # RAM slots that reads in flight may hold at once (part of ram_slots)
     host_base: int  # process memory before the RAM cache (interpreter, libraries, loading)
     total_records: int
-    top_k: int
     expert_layers: tuple[int, ...] = ()  # MoE layers whose records the run uses
 
     def table(self) -> str:
@@ -73,10 +72,9 @@ def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = Fals
     """(bytes on the device, largest quantized matrix's element count) of the backbone as loaded:
     quantized matrices as stored, plain tensors cast to the runtime dtype (the router to fp32)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
-    mtp = tuple(f"layers.{i}." for i in range(a.n_layers, a.n_blocks))
     total, largest = 0, 0
     for name, t in manifest.tensors.items():
-        if not with_mtp and name.startswith(mtp):
+        if not with_mtp and name.startswith(a.mtp_prefixes):
             continue
         spec = FORMATS[t.format]
         if spec.scale is None:
@@ -153,6 +151,5 @@ def make_plan(
         staging,
         host_base,
         total_records,
-        top_k,
         expert_layers,
     )

@@ -16,7 +16,6 @@ Key = Hashable
 
 class SlotPool:
     def __init__(self, n_slots: int, policy: str = "lru"):
-        self.n_slots = n_slots
         self.policy = POLICIES[policy](n_slots)
         self.slot_of: dict[Key, int] = {}
         self.key_of: list[Key | None] = [None] * n_slots
@@ -25,9 +24,6 @@ class SlotPool:
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
-
-    def __len__(self) -> int:
-        return len(self.slot_of)
 
     def lookup(self, key: Key) -> int | None:
         """The key's slot (and count it as a use), or None."""

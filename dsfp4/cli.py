@@ -6,7 +6,9 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import os
 import sys
 from pathlib import Path
@@ -107,6 +109,13 @@ def cli(ctx: click.Context, debug: bool) -> None:
 )
 @click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object on stdout: prompt and generated token ids, text, finish reason, stats "
+    "(with --plan: the plan).",
+)
 def run(
     model: Path,
     prompt: str | None,
@@ -115,6 +124,7 @@ def run(
     raw: bool,
     show_plan: bool,
     show_stats: bool,
+    as_json: bool,
     **knobs,
 ) -> None:
     """Generate with a converted MODEL: one --prompt (the answer, then a stats line on stderr) or --chat.
@@ -122,46 +132,53 @@ def run(
     \b
     Examples:
       dsfp4 run model/ --prompt "Why is the sky blue?"
+      dsfp4 run model/ --prompt "2+2?" --temperature 0 --json
       dsfp4 run model/ --chat --temperature 0.6
       dsfp4 run model/ --preset 24g --plan
     """
     from dsfp4.repl import chat_repl
-    from dsfp4.runtime.session import open_session, plan_session
+    from dsfp4.runtime.engine import Engine, plan_engine
 
     options = RunOptions(**{**knobs, "stop": tuple(knobs["stop"])})
     if show_plan:
-        click.echo(plan_session(model, options).table())
+        plan = plan_engine(model, options)
+        click.echo(json.dumps(dataclasses.asdict(plan)) if as_json else plan.table())
         return
     if (prompt is None) == (not chat):
         raise click.UsageError("give either --prompt TEXT or --chat")
-    session = open_session(model, options)
-    asked = click.get_current_context().get_parameter_source("max_context") == ParameterSource.COMMANDLINE
-    if asked and session.max_context < options.max_context:
-        click.echo(
-            f"note: --max-context {options.max_context} is above the model's limit; using {session.max_context}",
-            err=True,
-        )
-    try:
-        ids = [] if chat else session.tokenizer.encode_prompt(prompt, system, raw)
+    if as_json and chat:
+        raise click.UsageError("--json applies to --prompt (or --plan), not to --chat")
+    with Engine(model, options) as engine:
+        asked = click.get_current_context().get_parameter_source("max_context") == ParameterSource.COMMANDLINE
+        if asked and engine.max_context < options.max_context:
+            click.echo(
+                f"note: --max-context {options.max_context} is above the model's limit; using {engine.max_context}",
+                err=True,
+            )
+        ids = [] if chat else engine.encode(prompt, system, raw)
         if not chat:
-            session.check_prompt(ids)  # before the plan, so bad input stays a one-line error
-        click.echo(session.plan.table(), err=True)
-        for note in session.notes:
+            engine.check_prompt(ids)  # before the plan, so bad input stays a one-line error
+        if not as_json:
+            click.echo(engine.plan.table(), err=True)
+        for note in engine.notes:
             click.echo(f"note: {note}", err=True)
         if chat:
-            chat_repl(session, options, system)
-            return
-        g = session.generate(
-            ids, options.max_tokens, options.sampling(), options.stop, on_text=lambda t: click.echo(t, nl=False)
-        )
-        click.echo()
-        click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
-        if show_stats:
-            click.echo(g.stats.table(), err=True)
-    finally:
-        session.close()
-        if session.recorder is not None and session.recorder.tokens:
-            click.echo(f"routing trace of {session.recorder.tokens} tokens: {options.record_trace}", err=True)
+            chat_repl(engine, system)
+        else:
+            stream = engine.stream(ids)
+            for delta in stream:
+                if not as_json:
+                    click.echo(delta.text, nl=False)
+            g = stream.generation
+            if as_json:
+                click.echo(json.dumps(g.to_dict(), ensure_ascii=False))
+            else:
+                click.echo()
+                click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
+            if show_stats:
+                click.echo(g.stats.table(), err=True)
+    if engine.recorder is not None and engine.recorder.tokens:
+        click.echo(f"routing trace of {engine.recorder.tokens} tokens: {options.record_trace}", err=True)
 
 
 @cli.command()

@@ -180,11 +180,11 @@ def _repack(model: Path, profile: HotProfile, quiet: bool) -> None:
 
 
 def _report(model: Path, options: RunOptions, profile: HotProfile, output: Path) -> None:
+    from dsfp4.runtime.engine import plan_engine
     from dsfp4.runtime.hot_report import report_table, write_plot
-    from dsfp4.runtime.session import plan_session
 
     run = dataclasses.replace(options, max_context=RUN_DEFAULTS.max_context, prefill_chunk=RUN_DEFAULTS.prefill_chunk)
-    plan = plan_session(model, run)  # the placement `dsfp4 run` would use with these budgets
+    plan = plan_engine(model, run)  # the placement `dsfp4 run` would use with these budgets
     click.echo(report_table(profile, plan.gpu_slots, plan.ram_slots, plan.device))
     png = output.with_suffix(".png")
     note = write_plot(profile, png)

@@ -10,8 +10,8 @@ from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.hf_checkpoint import build_synthetic_checkpoint
 from dsfp4.layout.verify import verify
+from dsfp4.runtime.engine import Engine, Generation
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.session import Generation, open_session
 from dsfp4.sizes import format_bytes
 
 DEMO_PROMPT = "Why does dsfp4 stream experts from the SSD?"
@@ -37,11 +37,9 @@ def run_demo(
     report = verify(model)
     echo(f"    OK: {report.n_files} files, {report.n_records} expert records, {format_bytes(report.nbytes)}")
     echo("4/4 answering the prompt (the weights are random, so the answer is gibberish)")
-    options = RunOptions(device=device, max_context=DEMO_CONTEXT, seed=0)
-    session = open_session(model, options)
-    try:
-        ids = session.tokenizer.encode_prompt(prompt)
-        echo(f"    prompt: {prompt!r} ({len(ids)} tokens with the chat template)")
-        return session.generate(ids, max_tokens, options.sampling(), on_text=on_text)
-    finally:
-        session.close()
+    with Engine(model, RunOptions(device=device, max_context=DEMO_CONTEXT, max_tokens=max_tokens, seed=0)) as engine:
+        echo(f"    prompt: {prompt!r} ({len(engine.encode(prompt))} tokens with the chat template)")
+        stream = engine.stream(prompt)
+        for delta in stream:
+            on_text(delta.text)
+        return stream.generation

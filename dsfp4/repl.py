@@ -7,8 +7,8 @@ import sys
 from collections.abc import Callable
 
 from dsfp4.errors import DsfpError
-from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.session import Generation, Session
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.stats import GenerationStats
 from dsfp4.runtime.tokenizer import split_reasoning
 
 HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert tiers, bytes moved, peaks)
@@ -18,8 +18,7 @@ HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert tiers
 
 
 def chat_repl(
-    session: Session,
-    options: RunOptions,
+    engine: Engine,
     system: str | None = None,
     read: Callable[[str], str] = input,
     write: Callable[[str], None] = sys.stdout.write,
@@ -28,8 +27,7 @@ def chat_repl(
         import readline  # noqa: F401  (gives input() line editing and an up-arrow history)
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
-    last: Generation | None = None
-    sampling = options.sampling()
+    last: GenerationStats | None = None  # of this conversation's last answer
     write("dsfp4 chat: /help lists the commands\n")
     while True:
         try:
@@ -50,20 +48,22 @@ def chat_repl(
                 write(HELP + "\n")
             elif cmd == "/reset":
                 messages, last = list(base), None
-                session.reset()
+                engine.reset()
                 write("(conversation cleared)\n")
             elif cmd == "/stats":
-                write((last.stats.table() if last else "(nothing generated yet)") + "\n")
+                write((last.table() if last else "(nothing generated yet)") + "\n")
             else:
                 write(f"unknown command {cmd}; /help lists them\n")
             continue
         messages.append({"role": "user", "content": line})
         try:
-            ids = session.tokenizer.encode_chat(messages)
-            last = session.generate(ids, options.max_tokens, sampling, options.stop, on_text=write)
+            stream = engine.stream(messages)
+            for delta in stream:
+                write(delta.text)
             write("\n")
+            last = stream.generation.stats
             # history keeps the answer without R1-style thinking, as DeepSeek's templates expect
-            messages.append({"role": "assistant", "content": split_reasoning(last.text)[1]})
+            messages.append({"role": "assistant", "content": split_reasoning(stream.generation.text)[1]})
         except KeyboardInterrupt:
             write("\n(interrupted)\n")
             messages.pop()

@@ -24,6 +24,7 @@ FP32 = 4
 ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
 CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, cuBLAS and Triton, loaded after the plan
 # (0.63 GiB measured on the H100 machine, docs/BENCHMARKS.md)
+LOGIT_ROWS = 16  # positions whose logits exist at once (one while sampling, up to this many in Engine.logits)
 ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
 
 
@@ -110,7 +111,7 @@ def make_plan(
     dequant = largest * (2 * FP32 + elt)
     acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
     scores = min(SCORE_ELEMENTS, t * a.n_heads * max_context)  # attention scores of one query chunk
-    workspace = dequant + acts + 2 * scores * FP32 + a.vocab_size * FP32 * 2
+    workspace = dequant + acts + 2 * scores * FP32 + a.vocab_size * FP32 * 2 * LOGIT_ROWS  # two copies of logits
     workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
     fixed = backbone + kv + workspace
     top_k = a.n_activated_experts if total_records else 0

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.routing_trace import RoutingTrace
 from dsfp4.runtime.calibration import calibration
+from dsfp4.runtime.engine import run_target
 from dsfp4.runtime.model import Transformer, load_model, plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import Plan
 from dsfp4.runtime.routing import RoutingRecorder
-from dsfp4.runtime.session import run_target
 from dsfp4.runtime.tokenizer import ChatTokenizer
 
 

@@ -33,16 +33,14 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
 from dsfp4.layout.manifest import Manifest  # noqa: E402
 from dsfp4.layout.repack import repack  # noqa: E402
 from dsfp4.runtime.calibration import calibration  # noqa: E402
+from dsfp4.runtime.engine import Engine  # noqa: E402
 from dsfp4.runtime.expert_store import ExpertStore  # noqa: E402
 from dsfp4.runtime.model import plan_run  # noqa: E402
 from dsfp4.runtime.options import RunOptions  # noqa: E402
 from dsfp4.runtime.profiler import profile_model  # noqa: E402
-from dsfp4.runtime.sampling import SamplingParams  # noqa: E402
-from dsfp4.runtime.session import open_session  # noqa: E402
 from dsfp4.runtime.stats import peak_memory  # noqa: E402
 from dsfp4.runtime.tokenizer import ChatTokenizer  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0)
 READS: list[int] = []  # bytes of each RecordFile.read_into call
 
 
@@ -57,26 +55,22 @@ def _count_reads() -> None:
 
 
 def _answer(path: Path, options: RunOptions) -> list[int]:
-    session = open_session(path, options)
-    try:
-        ids = session.tokenizer.encode_prompt("Which experts are hot?")
-        return session.generate(ids, 16, GREEDY).token_ids
-    finally:
-        session.close()
+    with Engine(path, options) as engine:
+        return engine.generate("Which experts are hot?", max_tokens=16, temperature=0).token_ids
 
 
 def per_sequence(path: Path, options: RunOptions, sequences: list[list[int]]) -> dict:
     """Ordinary prefill of each sequence (as `dsfp4 run` would), under the same budgets."""
-    session = open_session(path, dataclasses.replace(options, max_context=options.max_context + 1))
-    store = session.model.experts
+    engine = Engine(path, dataclasses.replace(options, max_context=options.max_context + 1))
+    store = engine.model.experts
     before, t0 = store.counters.snapshot(), time.perf_counter()
     for seq in sequences:
-        session.reset()
-        session.generate(seq, 1, GREEDY)
+        engine.reset()
+        engine.generate(seq, max_tokens=1, temperature=0)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     c = {k: v - before[k] for k, v in store.counters.snapshot().items()}
-    session.close()
+    engine.close()
     return {
         "seconds": dt,
         "ssd_reads": c["ssd_reads"],

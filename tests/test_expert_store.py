@@ -19,12 +19,11 @@ from dsfp4.layout import direct_io
 from dsfp4.layout.direct_io import RecordFile, aligned_buffer
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.expert_store import ExpertStore
-from dsfp4.runtime.model import load_model, plan_run
+from dsfp4.runtime.model import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.sampling import SamplingParams
-from dsfp4.runtime.session import Session, open_session
-from dsfp4.runtime.tokenizer import ChatTokenizer
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)
@@ -39,24 +38,19 @@ def _plan(model_dir: Path, gpu_slots: int | None, ram_slots: int | None, io_thre
     return dataclasses.replace(plan, gpu_slots=gpu_slots or n, ram_slots=ram_slots or n, staging=min(io_threads, n))
 
 
-def _session(model_dir: Path, gpu_slots=None, ram_slots=None, **knobs) -> Session:
+def _engine(model_dir: Path, gpu_slots=None, ram_slots=None, **knobs) -> Engine:
     options = RunOptions(device="cpu", max_context=64, **knobs)
-    plan = _plan(model_dir, gpu_slots, ram_slots, options.io_threads)
-    model = load_model(model_dir, CPU, torch.float32, 64, options=options, plan=plan)
-    manifest = Manifest.read(model_dir)
-    return Session(model, ChatTokenizer(model_dir, manifest.args.eos_token_ids), 64, options.prefill_chunk)
+    return Engine(model_dir, options, plan=_plan(model_dir, gpu_slots, ram_slots, options.io_threads))
 
 
-def _generate(session: Session, n: int = 10):
-    ids = session.tokenizer.encode_prompt(PROMPT, None, False)
-    g = session.generate(ids, n, GREEDY)
-    session.close()
-    return g
+def _generate(engine: Engine, n: int = 10):
+    with engine:
+        return engine.generate(PROMPT, max_tokens=n, temperature=0)
 
 
 @pytest.fixture(scope="module")
 def resident(converted):
-    return _generate(_session(converted))
+    return _generate(_engine(converted))
 
 
 @pytest.mark.parametrize(
@@ -71,7 +65,7 @@ def resident(converted):
     ],
 )
 def test_tiny_budgets_give_the_tokens_of_everything_resident(converted, resident, gpu, ram, knobs):
-    g = _generate(_session(converted, gpu, ram, **knobs))
+    g = _generate(_engine(converted, gpu, ram, **knobs))
     assert g.token_ids == resident.token_ids
     s = g.stats.store
     assert s["gpu_hits"] < s["expert_uses"] and s["ssd_reads"] > 0
@@ -177,9 +171,8 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     counts = {layer: tuple(int(c) for c in rng.permutation(8) * 10) for layer in manifest.experts}
     profile = HotProfile(manifest.conversion_sha256(), 100, counts)
     profile.write(model / HOT_NAME)
-    session = open_session(model, RunOptions(device="cpu", max_context=64))  # everything fits: all resident
-    assert session.model.experts.counters.warm_records == 16 and not session.notes
-    session.close()
+    with Engine(model, device="cpu", max_context=64) as engine:  # everything fits: all resident
+        assert engine.model.experts.counters.warm_records == 16 and not engine.notes
     plan = _plan(model, 3, 5)
     ranked = [k for k in profile.ranked() if k[0] in plan.expert_layers]  # not the MTP layer's experts
     store = ExpertStore(model, manifest, CPU, plan)
@@ -196,7 +189,7 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     store.close()
     (model / HOT_NAME).write_text((model / HOT_NAME).read_text().replace(profile.conversion, "0" * 64))
     with pytest.raises(ManifestError, match="hot.json was measured on another model or conversion"):
-        open_session(model, RunOptions(device="cpu", max_context=64))
+        Engine(model, device="cpu", max_context=64)
 
 
 @pytest.mark.gpu
@@ -211,9 +204,7 @@ def test_on_cuda_tiny_budgets_give_the_tokens_of_everything_resident_and_stay_in
         plan = plan_run(manifest, cuda, torch.float32, 64, options, False)
         if gpu_slots:
             plan = dataclasses.replace(plan, gpu_slots=gpu_slots, ram_slots=ram_slots, staging=min(4, ram_slots))
-        model = load_model(converted, cuda, torch.float32, 64, manifest=manifest, options=options, plan=plan)
-        session = Session(model, ChatTokenizer(converted, manifest.args.eos_token_ids), 64, options.prefill_chunk)
-        return _generate(session, 8)
+        return _generate(Engine(converted, options, plan=plan), 8)
 
     resident = run(None, None).token_ids
     for knobs in ({}, {"prefetch": False}, {"policy": "lru"}):

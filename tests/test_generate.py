@@ -9,18 +9,22 @@ import shutil
 import pytest
 import torch
 
+from dsfp4 import Engine
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.sampling import SamplingParams, sample
-from dsfp4.runtime.session import open_session
 from dsfp4.runtime.tokenizer import ChatTokenizer, split_reasoning
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = {"temperature": 0.0}
+
+
+def _engine(model) -> Engine:
+    return Engine(model, device="cpu", max_context=64)
 
 
 @pytest.fixture(scope="module")
-def session(converted):
-    return open_session(converted, RunOptions(device="cpu", max_context=64))
+def engine(converted):
+    with _engine(converted) as engine:
+        yield engine
 
 
 def test_chat_template_renders_as_transformers_does(converted):
@@ -66,114 +70,110 @@ def test_r1_thinking_template_and_reasoning_split(converted, tmp_path):
     assert split_reasoning("no tags here") == ("", "no tags here")
 
 
-def test_greedy_generation_follows_the_argmax_of_a_full_forward(session):
-    prompt = session.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
-    g = session.generate(prompt, 8, GREEDY)
+def test_greedy_generation_follows_the_argmax_of_a_full_forward(engine):
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    g = engine.generate(prompt, max_tokens=8, **GREEDY)
     assert g.finish_reason == "length" and len(g.token_ids) == 8
-    with torch.no_grad():
-        logits, _ = session.model(torch.tensor([prompt + g.token_ids]))
-    assert logits[0, len(prompt) - 1 : -1].argmax(-1).tolist() == g.token_ids
+    logits = engine.logits(prompt + g.token_ids)  # one pass over every position
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == g.token_ids
 
 
-def test_sampling_is_reproducible_and_filters(session):
-    prompt = session.tokenizer.encode("hello world")
-    a = session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1.0, seed=7)).token_ids
-    b = session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1.0, seed=7)).token_ids
-    c = session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1.0, seed=8)).token_ids
+def test_sampling_is_reproducible_and_filters(engine):
+    prompt = engine.tokenizer.encode("hello world")
+    a = engine.generate(prompt, max_tokens=10, temperature=1.0, top_p=1.0, seed=7).token_ids
+    b = engine.generate(prompt, max_tokens=10, temperature=1.0, top_p=1.0, seed=7).token_ids
+    c = engine.generate(prompt, max_tokens=10, temperature=1.0, top_p=1.0, seed=8).token_ids
     assert a == b and a != c
-    greedy = session.generate(prompt, 10, GREEDY).token_ids
-    assert session.generate(prompt, 10, SamplingParams(temperature=1.0, top_k=1, seed=3)).token_ids == greedy
-    assert session.generate(prompt, 10, SamplingParams(temperature=1.0, top_p=1e-6, seed=3)).token_ids == greedy
+    greedy = engine.generate(prompt, max_tokens=10, **GREEDY).token_ids
+    assert engine.generate(prompt, max_tokens=10, temperature=1.0, top_k=1, seed=3).token_ids == greedy
+    assert engine.generate(prompt, max_tokens=10, temperature=1.0, top_p=1e-6, seed=3).token_ids == greedy
     logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
     picks = {sample(logits, SamplingParams(1.0, top_k=2), torch.Generator().manual_seed(s)) for s in range(50)}
     assert picks == {1, 2}
 
 
-def test_stop_strings_eos_and_streaming(session):
-    prompt = session.tokenizer.encode("hello world")
-    full = session.generate(prompt, 12, GREEDY)
+def test_stop_strings_eos_and_streaming(engine):
+    prompt = engine.tokenizer.encode("hello world")
+    full = engine.generate(prompt, max_tokens=12, **GREEDY)
     stop = full.text[4:6]
-    pieces = []
-    g = session.generate(prompt, 12, GREEDY, stop=(stop,), on_text=pieces.append)
+    stream = engine.stream(prompt, max_tokens=12, stop=stop, **GREEDY)
+    pieces = [d.text for d in stream]
+    g = stream.generation
     assert g.finish_reason == "stop" and g.text == full.text[: full.text.find(stop)]
     assert "".join(pieces) == g.text
-    eos_ids = session.tokenizer.eos_ids
+    eos_ids = engine.tokenizer.eos_ids
     i = next(i for i, t in enumerate(full.token_ids) if i and t not in full.token_ids[:i])
-    session.tokenizer.eos_ids = frozenset({full.token_ids[i]})  # pretend that token is the EOS
+    engine.tokenizer.eos_ids = frozenset({full.token_ids[i]})  # pretend that token is the EOS
     try:
-        g = session.generate(prompt, 12, GREEDY)
+        g = engine.generate(prompt, max_tokens=12, **GREEDY)
     finally:
-        session.tokenizer.eos_ids = eos_ids
+        engine.tokenizer.eos_ids = eos_ids
     assert g.finish_reason == "stop" and g.token_ids == full.token_ids[:i] and g.stats.generated_tokens == i + 1
 
 
-def test_chat_turns_reuse_the_cache_and_give_the_same_tokens(converted, session):
-    tok = session.tokenizer
+def test_chat_turns_reuse_the_cache_and_give_the_same_tokens(converted, engine):
     chat = [{"role": "user", "content": "hello"}]
-    first = session.generate(tok.encode_chat(chat), 6, GREEDY)
+    first = engine.generate(chat, max_tokens=6, **GREEDY)
     chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
-    second = session.generate(tok.encode_chat(chat), 6, GREEDY)
-    fresh = open_session(converted, RunOptions(device="cpu", max_context=64))
-    alone = fresh.generate(tok.encode_chat(chat), 6, GREEDY)
+    second = engine.generate(chat, max_tokens=6, **GREEDY)
+    with _engine(converted) as fresh:
+        alone = fresh.generate(chat, max_tokens=6, **GREEDY)
     assert second.stats.cached_tokens > 0 and alone.stats.cached_tokens == 0
     assert second.token_ids == alone.token_ids
     assert second.stats.prompt_tokens == alone.stats.prompt_tokens and second.stats.store["expert_uses"] > 0
 
 
-def test_context_limit(session):
+def test_context_limit(engine):
     with pytest.raises(ConfigError, match="the prompt is 64 tokens; the context holds 64"):
-        session.generate(list(range(3, 67)), 4, GREEDY)
-    g = session.generate(list(range(3, 63)), 10, GREEDY)  # 60 + 4 fed back fill the context; the 5th is not fed
-    assert g.finish_reason == "length" and len(g.token_ids) == 5
+        engine.generate(list(range(3, 67)), max_tokens=4, **GREEDY)
+    g = engine.generate(list(range(3, 63)), max_tokens=10, **GREEDY)  # 60 + 4 fed back fill the context
+    assert g.finish_reason == "length" and len(g.token_ids) == 5  # ... and the 5th is not fed back
 
 
 def test_hold_back_covers_stop_prefixes_before_an_unfinished_character():
-    from dsfp4.runtime.session import _held_back
+    from dsfp4.runtime.engine import _held_back
 
     assert _held_back("xa\ufffd", ("a你",)) == 2  # "a" may start the stop string, "\ufffd" may become 你
     assert _held_back("xab", ("bc",)) == 1 and _held_back("xyz", ("bc",)) == 0
     assert _held_back("xy\ufffd\ufffd", ()) == 2
 
 
-def test_an_interrupted_prefill_leaves_a_consistent_cache(converted, session):
-    tok = session.tokenizer
-    first = tok.encode_chat([{"role": "user", "content": "hello"}])
-    session.generate(first, 4, GREEDY)
-    second = tok.encode_chat([{"role": "user", "content": "something else entirely"}])
-    real, calls = session.model.forward, []
+def test_an_interrupted_prefill_leaves_a_consistent_cache(converted, engine):
+    first = [{"role": "user", "content": "hello"}]
+    engine.generate(first, max_tokens=4, **GREEDY)
+    second = [{"role": "user", "content": "something else entirely"}]
+    real, calls = engine.model.forward, []
 
     def dying(*a, **k):
         calls.append(1)
         raise KeyboardInterrupt
 
-    session.model.forward = dying
+    engine.model.forward = dying
     try:
         with pytest.raises(KeyboardInterrupt):
-            session.generate(second, 4, GREEDY)
+            engine.generate(second, max_tokens=4, **GREEDY)
     finally:
-        session.model.forward = real
-    again = session.generate(second, 6, GREEDY)
-    fresh = open_session(converted, RunOptions(device="cpu", max_context=64)).generate(second, 6, GREEDY)
-    assert again.token_ids == fresh.token_ids
+        engine.model.forward = real
+    again = engine.generate(second, max_tokens=6, **GREEDY)
+    with _engine(converted) as fresh:
+        assert again.token_ids == fresh.generate(second, max_tokens=6, **GREEDY).token_ids
 
 
-def test_text_that_is_not_utf8_is_tokenized_with_replacement_characters(session):
+def test_text_that_is_not_utf8_is_tokenized_with_replacement_characters(engine):
     bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # what Python makes of Latin-1 argv
-    ids = session.tokenizer.encode(bad)
-    assert "\ufffd" in session.tokenizer.decode(ids)
+    ids = engine.tokenizer.encode(bad)
+    assert "\ufffd" in engine.tokenizer.decode(ids)
 
 
-def test_repl_survives_a_bad_turn(session):
+def test_repl_survives_a_bad_turn(engine):
     from dsfp4.repl import chat_repl
 
     lines = iter(["hi", "/stats", "/quit"])
     out = []
-    session.max_context, real = 3, session.max_context  # every prompt is now too long
+    engine.max_context, real = 3, engine.max_context  # every prompt is now too long
     try:
-        chat_repl(
-            session, RunOptions(device="cpu", max_tokens=2, temperature=0), read=lambda p: next(lines), write=out.append
-        )
+        chat_repl(engine, read=lambda p: next(lines), write=out.append)
     finally:
-        session.max_context = real
+        engine.max_context = real
     text = "".join(out)
     assert "error: the prompt is" in text and "(nothing generated yet)" in text

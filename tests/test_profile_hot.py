@@ -19,12 +19,11 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import RoutingTrace, read_trace, write_trace
 from dsfp4.runtime.calibration import BUILTIN_FILES, BUILTIN_SOURCE, builtin_entries, calibration
+from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.hot_report import coverage, gini, static_hit_rates, write_plot
 from dsfp4.runtime.model import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.profiler import profile_model
-from dsfp4.runtime.sampling import SamplingParams
-from dsfp4.runtime.session import open_session
 from dsfp4.runtime.tokenizer import ChatTokenizer
 
 CPU = torch.device("cpu")
@@ -53,9 +52,7 @@ def _plan(model_dir: Path, gpu_slots: int, ram_slots: int):
 def _generation_counts(model_dir: Path, sequences: list[list[int]]) -> dict[int, tuple[int, ...]]:
     """Each sequence through ordinary generation (prefill in CHUNK-token passes, as `dsfp4 run`), its
     routing counted by forward hooks on the routers (prefetch off: it would call them too)."""
-    session = open_session(
-        model_dir, RunOptions(device="cpu", max_context=SEQ + 1, prefill_chunk=CHUNK, prefetch=False)
-    )
+    engine = Engine(model_dir, device="cpu", max_context=SEQ + 1, prefill_chunk=CHUNK, prefetch=False)
     counts: dict[int, np.ndarray] = {}
 
     def hook(layer: int):
@@ -64,13 +61,13 @@ def _generation_counts(model_dir: Path, sequences: list[list[int]]) -> dict[int,
 
         return count
 
-    handles = [b.ffn.gate.register_forward_hook(hook(i)) for i, b in enumerate(session.model.layers) if b.moe]
+    handles = [b.ffn.gate.register_forward_hook(hook(i)) for i, b in enumerate(engine.model.layers) if b.moe]
     for seq in sequences:
-        session.reset()
-        session.generate(seq, 1, SamplingParams(temperature=0.0))  # prefill; the sampled token is not fed back
+        engine.reset()
+        engine.generate(seq, max_tokens=1, temperature=0)  # prefill; the sampled token is not fed back
     for h in handles:
         h.remove()
-    session.close()
+    engine.close()
     return {layer: tuple(int(x) for x in c) for layer, c in counts.items()}
 
 
@@ -192,9 +189,8 @@ def test_cli_profiles_merges_reports_and_the_run_warm_starts(model, prompts, tmp
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == str(model / HOT_NAME) and "16 expert records" in r.stderr
     assert read_trace(tmp_path / "t.npy").ids.shape == (60, 2, 2)
-    session = open_session(model, RunOptions(device="cpu", max_context=64))
-    assert session.model.experts.counters.warm_records == 16
-    session.close()
+    with Engine(model, device="cpu", max_context=64) as engine:
+        assert engine.model.experts.counters.warm_records == 16
     r = run_cli("profile-hot", model, "--no-measure", "--merge", model / HOT_NAME, "--merge", model / HOT_NAME,
                 "-o", tmp_path / "two.json", "--report", "--device", "cpu")  # fmt: skip
     assert r.exit_code == 0, r.output
@@ -236,9 +232,9 @@ def test_run_records_the_trace_of_every_token_it_computes(model, tmp_path):
 
 
 def test_an_interrupted_forward_leaves_no_half_recorded_tokens(model, tmp_path, monkeypatch):
-    session = open_session(model, RunOptions(device="cpu", max_context=64, record_trace=tmp_path / "t.npz"))
-    ids = ChatTokenizer(model).encode_prompt("hello")
-    last = session.model.layers[-1]
+    engine = Engine(model, device="cpu", max_context=64, record_trace=tmp_path / "t.npz")
+    ids = engine.encode("hello")
+    last = engine.model.layers[-1]
     real = type(last).forward
 
     def stop(self, *args):  # the last block fails: every MoE layer before it has routed this pass
@@ -246,10 +242,10 @@ def test_an_interrupted_forward_leaves_no_half_recorded_tokens(model, tmp_path, 
 
     monkeypatch.setattr(last, "forward", stop.__get__(last))
     with pytest.raises(KeyboardInterrupt):
-        session.generate(ids, 3, SamplingParams(temperature=0.0))
+        engine.generate(ids, max_tokens=3, temperature=0)
     monkeypatch.setattr(last, "forward", real.__get__(last))
-    g = session.generate(ids, 3, SamplingParams(temperature=0.0))
-    session.close()
+    g = engine.generate(ids, max_tokens=3, temperature=0)
+    engine.close()
     t = read_trace(tmp_path / "t.npz")
     assert list(t.tokens) == ids + g.token_ids[:-1] and t.ids.shape[0] == len(t.tokens)
 
@@ -259,4 +255,4 @@ def test_a_profile_that_does_not_fit_the_model_is_refused(model):
     for counts in ({1: (1,) * 4, 2: (1,) * 8}, {1: (1,) * 8, 7: (1,) * 8}):  # too few experts; no such layer
         (model / HOT_NAME).write_bytes(HotProfile(manifest.conversion_sha256(), 1, counts).to_json())
         with pytest.raises(ManifestError, match="hot.json: layer . is not a MoE layer of 8 experts"):
-            open_session(model, RunOptions(device="cpu", max_context=64))
+            Engine(model, device="cpu", max_context=64)

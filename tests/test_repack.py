@@ -23,11 +23,10 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.repack import repack
 from dsfp4.layout.verify import verify
+from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.model import plan_run
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.sampling import SamplingParams
-from dsfp4.runtime.session import open_session
 
 CPU = torch.device("cpu")
 
@@ -43,12 +42,8 @@ def model(converted, tmp_path) -> Path:
 
 
 def _tokens(model_dir: Path) -> list[int]:
-    session = open_session(model_dir, RunOptions(device="cpu", max_context=64))
-    try:
-        ids = session.tokenizer.encode_prompt("Which experts are hot?")
-        return session.generate(ids, 8, SamplingParams(temperature=0.0)).token_ids
-    finally:
-        session.close()
+    with Engine(model_dir, device="cpu", max_context=64) as engine:
+        return engine.generate("Which experts are hot?", max_tokens=8, temperature=0).token_ids
 
 
 def _profile(model_dir: Path) -> HotProfile:

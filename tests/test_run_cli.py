@@ -29,7 +29,7 @@ def test_run_prints_the_plan_the_completion_then_a_stats_line(converted):
     assert again.stdout == r.stdout
 
 
-def test_bad_models_and_flags_giveassert_one_line_error(converted, tmp_path):
+def test_bad_models_and_flags_give_one_line_errors(converted, tmp_path):
     assert_one_line_error(run_cli("run", tmp_path, "--prompt", "hi"), "manifest.json not found")
     newer = shutil.copytree(converted, tmp_path / "newer")
     m = json.loads((newer / MANIFEST_NAME).read_text())
@@ -111,7 +111,7 @@ def test_chat_repl_in_a_pseudo_terminal(converted):
         os.close(master)
 
 
-def test_broken_tokenizer_files_and_bad_run_flags_giveassert_one_line_error(converted, tmp_path):
+def test_broken_tokenizer_files_and_bad_run_flags_give_one_line_errors(converted, tmp_path):
     model = shutil.copytree(converted, tmp_path / "model")
     assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--stop", ""), "--stop")
     assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu:1"), "--device cpu:1")
@@ -129,7 +129,7 @@ def test_broken_tokenizer_files_and_bad_run_flags_giveassert_one_line_error(conv
     assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "not a valid tokenizer.json")
 
 
-def test_a_damaged_backbone_file_isassert_one_line_error(converted, tmp_path):
+def test_a_damaged_backbone_file_is_a_one_line_error(converted, tmp_path):
     model = shutil.copytree(converted, tmp_path / "model")
     path = model / "backbone" / "layer-001.safetensors"
     path.write_bytes(path.read_bytes()[:100])

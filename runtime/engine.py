@@ -1,0 +1,357 @@
+"""The public face of the runtime: `Engine` loads a converted model under the run's budgets and generates.
+
+The CLI (`dsfp4 run`, its chat loop, `--json`) and the server are thin shells over it. One generation runs
+at a time. The engine keeps the tokens whose latent KV sits in the cache, so a chat turn only prefills what
+is new (the longest common prefix with the previous call is reused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+from collections import deque
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from numbers import Integral
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsfp4.device import resolve_device
+from dsfp4.errors import ConfigError, DsfpError
+from dsfp4.kernels.expert import warm_up
+from dsfp4.kernels.linear import linear
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.routing_trace import write_trace
+from dsfp4.runtime.model import Transformer, load_model, plan_run
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.planner import LOGIT_ROWS, Plan
+from dsfp4.runtime.routing import RoutingRecorder
+from dsfp4.runtime.sampling import sample
+from dsfp4.runtime.stats import GenerationStats, peak_memory
+from dsfp4.runtime.store_stats import counters_since
+from dsfp4.runtime.tokenizer import ChatTokenizer
+
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
+
+
+@dataclass
+class Generation:
+    """One finished generation: what went in, what came out, why it ended and what it cost."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict:
+        """What `dsfp4 run --json` prints."""
+        return {
+            "prompt_token_ids": self.prompt_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step of a stream: the token just generated and the text it completes."""
+
+    token_id: int | None  # None for the last flush of text held back (stop-string prefixes, unfinished UTF-8)
+    text: str  # may be empty while text is held back; the deltas' texts add up to Generation.text
+
+
+class Stream(Iterator[Delta]):
+    """The deltas of one generation as they are produced. Once the iteration ends, `generation` holds the
+    result. `close()` (or starting another call on the engine) cancels the rest; the cache stays valid."""
+
+    def __init__(self, steps: Generator[Delta, None, Generation]):
+        self._steps = steps
+        self.generation: Generation | None = None
+
+    def __next__(self) -> Delta:
+        try:
+            return next(self._steps)
+        except StopIteration as end:
+            self.generation = end.value
+            raise
+
+    def close(self) -> None:
+        self._steps.close()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many trailing characters may still become a stop string or an unfinished UTF-8 character."""
+    partial = len(text) - len(text.rstrip("\ufffd"))
+    prefix = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    body = text[: len(text) - partial]  # a stop string may also end just before the unfinished character
+    before = max((k for s in stop for k in range(1, len(s) + 1) if body.endswith(s[:k])), default=0)
+    return max(prefix, partial + before)
+
+
+def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
+    """Device, manifest, context (capped at the model's) and compute dtype of a run."""
+    device = resolve_device(options.device)
+    manifest = Manifest.read(model_dir)
+    return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
+
+
+def plan_engine(model_dir: str | os.PathLike, options: RunOptions) -> Plan:
+    """The memory plan an Engine with these options would follow, without loading anything."""
+    device, manifest, max_context, dtype = run_target(Path(model_dir), options)
+    return plan_run(manifest, device, dtype, max_context, options, with_mtp=False)
+
+
+def with_knobs(options: RunOptions, knobs: Mapping[str, Any]) -> RunOptions:
+    """options with the given fields replaced (and checked); an unknown name is a one-line error."""
+    names = {f.name for f in dataclasses.fields(RunOptions)}
+    if unknown := sorted(set(knobs) - names):
+        raise ConfigError(f"unknown option {', '.join(unknown)}; RunOptions has {', '.join(sorted(names))}")
+    if isinstance(knobs.get("stop"), str):
+        knobs = {**knobs, "stop": (knobs["stop"],)}
+    elif knobs.get("stop") is not None:
+        knobs = {**knobs, "stop": tuple(knobs["stop"])}
+    return dataclasses.replace(options, **knobs)
+
+
+class Engine:
+    """A converted model loaded for generation.
+
+    >>> with Engine("model/", device="cpu", max_context=512) as engine:
+    ...     print(engine.generate("Why is the sky blue?", max_tokens=32, temperature=0).text)
+
+    `options` (or keyword knobs, the fields of RunOptions, named like `dsfp4 run`'s flags) set the device,
+    budgets (`gpu_mem`, `cpu_mem`, `preset`), context and the default sampling of every call. `plan`
+    replaces the planner's memory plan (tests and benchmarks set slot counts with it). The expert tiers
+    warm-start from the folder's hot.json when it belongs to this conversion.
+    """
+
+    def __init__(
+        self, model_dir: str | os.PathLike, options: RunOptions | None = None, *, plan: Plan | None = None, **knobs
+    ):
+        self.options = with_knobs(options or RunOptions(), knobs)
+        self.model_dir = Path(model_dir)
+        device, manifest, self.max_context, dtype = run_target(self.model_dir, self.options)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.tokenizer = ChatTokenizer(self.model_dir, manifest.args.eos_token_ids)
+        self.model: Transformer | None = load_model(
+            self.model_dir, device, dtype, self.max_context, manifest=manifest, options=self.options, plan=plan
+        )
+        self.device = device
+        self.notes: list[str] = list(self.model.experts.notes)
+        self.cached: list[int] = []  # the tokens whose latent KV sits in the cache
+        self.stats: GenerationStats | None = None  # of the last generation
+        self._stream: Stream | None = None  # the generation in progress
+        self.recorder = RoutingRecorder(self.model, trace=True) if self.options.record_trace else None
+        try:
+            hot = self.model_dir / HOT_NAME
+            if hot.is_file():
+                self.model.experts.warm_start(HotProfile.read(hot).check(manifest, hot))
+            if device.type == "cuda":
+                warm_up(self.model.experts.layout, dtype, device)  # Triton compiles here, not in the first TTFT
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def plan(self) -> Plan:
+        return self._model().experts.plan
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Write the routing trace if one is recorded, then free the device memory and the pinned RAM cache.
+        Safe to call twice; the engine cannot generate afterwards."""
+        if self.model is None:
+            return
+        self._end_stream()
+        try:
+            if self.recorder is not None and self.recorder.tokens:
+                write_trace(self.options.record_trace, self.recorder.routing_trace())
+        finally:
+            if self.recorder is not None:
+                self.recorder.detach()
+            self.model.experts.close()
+            self.model = None
+            gc.collect()  # the modules hold each other (MoE layers and the store): free them now
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def reset(self) -> None:
+        """Forget the cached conversation: the next call prefills its whole prompt."""
+        self._end_stream()
+        self.cached = []
+
+    def encode(self, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
+        """Token ids of a prompt: text (through the chat template, with an optional system message, unless
+        `raw`), chat messages ([{"role": ..., "content": ...}], through the template) or token ids as given."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_prompt(prompt, system, raw)
+        items = list(prompt)
+        if items and all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
+            if system is not None or raw:
+                raise ConfigError("system and raw apply to text prompts, not to token ids")
+            return [int(t) for t in items]
+        if items and all(isinstance(m, Mapping) for m in items):
+            bad = [i for i, m in enumerate(items) if not (isinstance(m.get("role"), str) and "content" in m)]
+            if bad or not all(isinstance(m["content"], str) for m in items):
+                raise ConfigError(f"message {bad[0] if bad else ''}: each needs a string role and string content")
+            if raw:
+                raise ConfigError("raw applies to text prompts; chat messages always go through the template")
+            head = [{"role": "system", "content": system}] if system is not None else []
+            return self.tokenizer.encode_chat([*head, *({"role": m["role"], "content": m["content"]} for m in items)])
+        raise ConfigError("the prompt must be text, a non-empty list of chat messages or a non-empty list of token ids")
+
+    def check_prompt(self, prompt_ids: list[int], room: int = 1) -> None:
+        """A prompt must leave `room` positions of the context free and name tokens of the vocabulary."""
+        n, vocab = len(prompt_ids), self._model().args.vocab_size
+        if n == 0:
+            raise ConfigError("the prompt is empty")
+        if n + room > self.max_context:
+            raise ConfigError(
+                f"the prompt is {n} tokens; the context holds {self.max_context} "
+                f"(raise --max-context, up to the model's {self._model().args.max_seq_len})"
+            )
+        if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> Generation:
+        """Generate to the end; the arguments are stream()'s."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.generation
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        system: str | None = None,
+        raw: bool = False,
+    ) -> Stream:
+        """Generate after `prompt` (see encode), yielding a Delta per token. Sampling arguments left at None
+        take the engine's options: temperature 0 is greedy; `seed` makes sampling reproducible; generation
+        ends at an EOS token, at a `stop` string (not part of the text) or after `max_tokens` tokens."""
+        given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        options = with_knobs(self.options, {k: v for k, v in given.items() if v is not None})
+        ids = self.encode(prompt, system, raw)
+        self.check_prompt(ids)
+        self._end_stream()
+        self._stream = Stream(self._steps(ids, options))
+        return self._stream
+
+    @torch.inference_mode()
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits after each of `token_ids` -> [T, V] fp32 on the CPU, computed from position 0 in the
+        chunks of ordinary prefill (the cache then holds these tokens, so a generation after them reuses it)."""
+        ids = self.encode(token_ids)
+        self.check_prompt(ids, room=0)
+        self._end_stream()
+        head, rows = self._model().head, []
+        self.cached = []
+        for _, h in self._feed(ids):  # h: [t, D]
+            # the head runs on LOGIT_ROWS positions at a time, as the planner's workspace allows
+            rows += [linear(h[j : j + LOGIT_ROWS], head).float().cpu() for j in range(0, len(h), LOGIT_ROWS)]
+        return torch.cat(rows)  # [T, V]
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _model(self) -> Transformer:
+        if self.model is None:
+            raise DsfpError("this engine is closed; create a new one")
+        return self.model
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()  # a generation left unfinished ends here, with the cache consistent
+            self._stream = None
+
+    def _feed(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Feed ids after the cached tokens in chunks of prefill_chunk tokens: yields each chunk's (logits after
+        its last token [V], final hidden states [t, D]); the cached tokens grow chunk by chunk."""
+        model, chunk = self._model(), self.options.prefill_chunk
+        for i in range(0, len(ids), chunk):
+            piece = ids[i : i + chunk]
+            try:
+                logits, h = model(torch.tensor([piece], device=self.device), len(self.cached), last_only=True)
+            except BaseException:
+                if self.recorder is not None:
+                    self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
+                raise
+            if self.recorder is not None:
+                self.recorder.commit(piece)
+            self.cached += piece
+            yield logits[0, -1], h[0]
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Feed ids after the cached tokens -> logits after the last one [V]."""
+        return deque(self._feed(ids), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
+
+    @torch.inference_mode()
+    def _steps(self, prompt_ids: list[int], options: RunOptions) -> Generator[Delta, None, Generation]:
+        """The generation loop: prefill, then sample, detokenize, check stop rules and decode, token by token."""
+        n, stop = len(prompt_ids), options.stop
+        budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
+        store = self._model().experts
+        before = store.counters.snapshot()
+        sampling = options.sampling()
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        start = time.perf_counter()
+        reuse = min(_common_prefix(self.cached, prompt_ids), n - 1)
+        self.cached = self.cached[:reuse]  # grows chunk by chunk: valid should the prefill be interrupted
+        logits = self._forward(prompt_ids[reuse:])
+        stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
+        tokens: list[int] = []
+        text, emitted, finish = "", 0, "length"
+        while stats.generated_tokens < budget:
+            token = sample(logits, sampling, gen)
+            stats.generated_tokens += 1
+            if stats.generated_tokens == 1:
+                stats.ttft_s = stats.prefill_s = time.perf_counter() - start
+            if token in self.tokenizer.eos_ids:
+                finish = "stop"
+                break
+            tokens.append(token)
+            text = self.tokenizer.decode(tokens)
+            if hits := [i for s in stop if (i := text.find(s)) >= 0]:
+                text, finish = text[: min(hits)], "stop"
+                break
+            end = max(len(text) - _held_back(text, stop), emitted)
+            yield Delta(token, text[emitted:end])  # the cache is consistent here, should the caller stop
+            emitted = end
+            if stats.generated_tokens < budget:
+                logits = self._forward([token])
+        if len(text) > emitted:
+            yield Delta(None, text[emitted:])
+        stats.decode_s = time.perf_counter() - start - stats.prefill_s
+        stats.store = counters_since(store.counters.snapshot(), before)
+        stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
+        self.stats, self._stream = stats, None
+        return Generation(list(prompt_ids), tokens, text, finish, stats)

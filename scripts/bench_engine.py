@@ -2,7 +2,7 @@
 and watch whether device memory (torch's and the driver's view) or the process's RSS (which holds the
 pinned RAM cache) grows.
 
-    python scripts/bench_engine.py WORKDIR [--layers 3] [--cycles 20] [--gpu-mem 8G] [--cpu-mem 8G]
+    python scripts/bench_engine.py WORKDIR [--layers 3] [--cycles 20] [--gpu-mem 8G] [--cpu-mem 24G]
 
 The model is scripts/bench_model.py's (DeepSeek-V3 dimensions, random NVFP4 experts, a small BPE tokenizer);
 the RAM budget makes the pinned record cache several GB, so a cache left behind would show at once.
@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--gpu-mem", default="8G")
-    ap.add_argument("--cpu-mem", default="8G")
+    ap.add_argument("--cpu-mem", default="24G")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     a = ap.parse_args()
     path = a.workdir / "model"

@@ -6,15 +6,12 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import json
 import os
 import sys
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 from tqdm import tqdm
 
 from dsfp4 import __version__
@@ -22,16 +19,12 @@ from dsfp4.cli_download import download
 from dsfp4.cli_options import (
     EXISTING_DIR,
     PATH,
-    RUN_DEFAULTS,
-    budget_options,
-    context_options,
     given_flags,
     hub_options,
 )
 from dsfp4.cli_profile import profile_hot
+from dsfp4.cli_run import chat, run
 from dsfp4.errors import DsfpError
-from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.sizes import format_bytes
 
 
@@ -61,124 +54,6 @@ class DsfpGroup(click.Group):
 def cli(ctx: click.Context, debug: bool) -> None:
     """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
     ctx.obj = {"debug": debug}
-
-
-@cli.command()
-@click.argument("model", type=EXISTING_DIR)
-@click.option("--prompt", help="Text to answer (rendered with the model's chat template unless --raw).")
-@click.option("--chat", is_flag=True, help="Interactive chat (/help inside lists the commands).")
-@click.option("--system", help="System message for the chat template.")
-@click.option("--raw", is_flag=True, help="Feed --prompt as plain text, without the chat template.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=RUN_DEFAULTS.max_tokens, show_default=True)
-@click.option(
-    "--temperature",
-    type=click.FloatRange(min=0),
-    default=RUN_DEFAULTS.temperature,
-    show_default=True,
-    help="0 means greedy.",
-)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=RUN_DEFAULTS.top_p, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=RUN_DEFAULTS.top_k, show_default=True, help="0 means off.")
-@click.option("--seed", type=int, help="Makes sampling reproducible.")
-@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
-@click.option(
-    "--policy",
-    type=click.Choice(list(TIER_POLICIES)),
-    default=RUN_DEFAULTS.policy,
-    show_default=True,
-    help="Expert eviction: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM).",
-)
-@click.option(
-    "--no-prefetch",
-    "prefetch",
-    is_flag=True,
-    flag_value=False,
-    default=True,
-    help="Do not predict the next layer's experts.",
-)
-@budget_options
-@context_options(
-    RUN_DEFAULTS.max_context,
-    "Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
-    RUN_DEFAULTS.prefill_chunk,
-)
-@click.option(
-    "--record-trace",
-    type=PATH,
-    help="Write the routing of every token computed to this .npy (ids) or .npz (ids, weights, tokens) at exit.",
-)
-@click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
-@click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print one JSON object on stdout: prompt and generated token ids, text, finish reason, stats "
-    "(with --plan: the plan).",
-)
-def run(
-    model: Path,
-    prompt: str | None,
-    chat: bool,
-    system: str | None,
-    raw: bool,
-    show_plan: bool,
-    show_stats: bool,
-    as_json: bool,
-    **knobs,
-) -> None:
-    """Generate with a converted MODEL: one --prompt (the answer, then a stats line on stderr) or --chat.
-
-    \b
-    Examples:
-      dsfp4 run model/ --prompt "Why is the sky blue?"
-      dsfp4 run model/ --prompt "2+2?" --temperature 0 --json
-      dsfp4 run model/ --chat --temperature 0.6
-      dsfp4 run model/ --preset 24g --plan
-    """
-    from dsfp4.repl import chat_repl
-    from dsfp4.runtime.engine import Engine, plan_engine
-
-    options = RunOptions(**{**knobs, "stop": tuple(knobs["stop"])})
-    if show_plan:
-        plan = plan_engine(model, options)
-        click.echo(json.dumps(dataclasses.asdict(plan)) if as_json else plan.table())
-        return
-    if (prompt is None) == (not chat):
-        raise click.UsageError("give either --prompt TEXT or --chat")
-    if as_json and chat:
-        raise click.UsageError("--json applies to --prompt (or --plan), not to --chat")
-    with Engine(model, options) as engine:
-        asked = click.get_current_context().get_parameter_source("max_context") == ParameterSource.COMMANDLINE
-        if asked and engine.max_context < options.max_context:
-            click.echo(
-                f"note: --max-context {options.max_context} is above the model's limit; using {engine.max_context}",
-                err=True,
-            )
-        ids = [] if chat else engine.encode(prompt, system, raw)
-        if not chat:
-            engine.check_prompt(ids)  # before the plan, so bad input stays a one-line error
-        if not as_json:
-            click.echo(engine.plan.table(), err=True)
-        for note in engine.notes:
-            click.echo(f"note: {note}", err=True)
-        if chat:
-            chat_repl(engine, system)
-        else:
-            stream = engine.stream(ids)
-            for delta in stream:
-                if not as_json:
-                    click.echo(delta.text, nl=False)
-            g = stream.generation
-            if as_json:
-                click.echo(json.dumps(g.to_dict(), ensure_ascii=False))
-            else:
-                click.echo()
-                click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
-            if show_stats:
-                click.echo(g.stats.table(), err=True)
-    if engine.recorder is not None and engine.recorder.tokens:
-        click.echo(f"routing trace of {engine.recorder.tokens} tokens: {options.record_trace}", err=True)
 
 
 @cli.command()
@@ -356,6 +231,8 @@ def verify(model: Path, quiet: bool) -> None:
     )
 
 
+cli.add_command(run)
+cli.add_command(chat)
 cli.add_command(profile_hot)
 cli.add_command(download)
 

@@ -1,5 +1,6 @@
-"""Click option blocks shared by the commands that load a model (`run`, `profile-hot`): where it runs
-and under which memory budgets. Each flag sets the RunOptions field of the same name."""
+"""Click option blocks shared by commands: where a model runs and under which memory budgets (`run`,
+`profile-hot`), how it samples (`run`, `chat`), which hub revision (`download`, `convert`). Each run flag
+sets the RunOptions field of the same name."""
 
 from __future__ import annotations
 
@@ -72,6 +73,24 @@ budget_options = _stack(
         default=True,
         help="Skip the sha256 check of each record's first read.",
     ),
+)
+
+
+sampling_options = _stack(
+    click.option("--max-tokens", type=click.IntRange(min=1), default=RUN_DEFAULTS.max_tokens, show_default=True),
+    click.option(
+        "--temperature",
+        type=click.FloatRange(min=0),
+        default=RUN_DEFAULTS.temperature,
+        show_default=True,
+        help="0 means greedy.",
+    ),
+    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=RUN_DEFAULTS.top_p, show_default=True),
+    click.option(
+        "--top-k", type=click.IntRange(min=0), default=RUN_DEFAULTS.top_k, show_default=True, help="0 means off."
+    ),
+    click.option("--seed", type=int, help="Makes sampling reproducible."),
+    click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
 )
 
 

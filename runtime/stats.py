@@ -3,7 +3,7 @@ expert store's counters over the generation (tiers hit, bytes moved, prefetch qu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -56,6 +56,11 @@ class GenerationStats:
             "prefetch_recall": _ratio(s.get("predicted_used", 0), s.get("actual", 0)),
             "ssd_read_gb_s": _ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GenerationStats:
+        """Back from to_dict() (the server's `stats` object): the derived figures are recomputed."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def to_dict(self) -> dict:
         return {

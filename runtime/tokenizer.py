@@ -16,8 +16,6 @@ from tokenizers import Tokenizer
 
 from dsfp4.errors import ConfigError, ManifestError
 
-THINK_END = "</think>"
-
 
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as {"content": ...} objects."""
@@ -103,11 +101,3 @@ class ChatTokenizer:
         return self.encode_chat(
             [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
         )
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """R1-style output: (thinking, answer), split at the last </think>; no tag means no thinking."""
-    head, sep, tail = text.rpartition(THINK_END)
-    if not sep:
-        return "", text
-    return head.removeprefix("<think>").strip(), tail.lstrip()

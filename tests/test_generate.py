@@ -3,16 +3,13 @@ streaming, the KV-cache prefix reuse across chat turns, and the context limit.""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
 from dsfp4 import Engine
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.sampling import SamplingParams, sample
-from dsfp4.runtime.tokenizer import ChatTokenizer, split_reasoning
+from dsfp4.runtime.tokenizer import ChatTokenizer
 
 GREEDY = {"temperature": 0.0}
 
@@ -44,30 +41,6 @@ def test_chat_template_renders_as_transformers_does(converted):
     )
     assert tok.encode("hello world") == ref("hello world")["input_ids"]  # BOS from the post-processor
     assert tok.decode(tok.encode("hello world")) == "hello world"
-
-
-def test_r1_thinking_template_and_reasoning_split(converted, tmp_path):
-    model = tmp_path / "r1"
-    shutil.copytree(converted, model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-        "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'].split('</think>')[-1] }}"
-        "<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
-    )
-    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
-    tok = ChatTokenizer(model)
-    chat = [
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "<think>\nx\n</think>\n\nb"},
-        {"role": "user", "content": "c"},
-    ]
-    assert tok.render_chat(chat).endswith(
-        "<｜Assistant｜>\n\nb<｜end▁of▁sentence｜><｜User｜>c<｜Assistant｜><think>\n"
-    )
-    assert split_reasoning("step one\n</think>\n\nthe answer") == ("step one", "the answer")
-    assert split_reasoning("no tags here") == ("", "no tags here")
 
 
 def test_greedy_generation_follows_the_argmax_of_a_full_forward(engine):
@@ -166,13 +139,13 @@ def test_text_that_is_not_utf8_is_tokenized_with_replacement_characters(engine):
 
 
 def test_repl_survives_a_bad_turn(engine):
-    from dsfp4.repl import chat_repl
+    from dsfp4.repl import LocalChat, chat_repl
 
     lines = iter(["hi", "/stats", "/quit"])
     out = []
     engine.max_context, real = 3, engine.max_context  # every prompt is now too long
     try:
-        chat_repl(engine, read=lambda p: next(lines), write=out.append)
+        chat_repl(LocalChat(engine), read=lambda p: next(lines), write=out.append)
     finally:
         engine.max_context = real
     text = "".join(out)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (`dsfp4 run MODEL --serve`) and its pieces."""

@@ -104,6 +104,12 @@ def hub_options(prefix: str = "") -> Callable:
     )
 
 
+def given_params(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """The parameters among `names` that the user gave on the command line."""
+    return [n for n in names if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+
+
 def given_flags(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
     """The flags among `names` (parameter names) that the user typed, as they are spelled."""
-    return [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+    spelled = {p.name: p.opts[0] for p in ctx.command.params}
+    return [spelled[n] for n in given_params(ctx, names)]

@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING
 import click
 from click.core import ParameterSource
 
-from dsfp4.cli_options import PATH, RUN_DEFAULTS, budget_options, context_options, given_flags, sampling_options
+from dsfp4.cli_options import (
+    PATH,
+    RUN_DEFAULTS,
+    budget_options,
+    context_options,
+    given_flags,
+    given_params,
+    sampling_options,
+)
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.policy import TIER_POLICIES
 
@@ -19,6 +27,7 @@ if TYPE_CHECKING:
     from dsfp4.runtime.engine import Engine, Generation
 
 SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
+PROMPT_FLAGS = ("raw", "show_stats")  # --chat has /stats; a server answers with stats
 
 
 def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> Generation:
@@ -123,7 +132,7 @@ def run(
     from dsfp4.runtime.engine import Engine, plan_engine
 
     ctx = click.get_current_context()
-    options = RunOptions(**{**knobs, "stop": tuple(knobs["stop"])})
+    options = RunOptions(**knobs)
     if show_plan:
         plan = plan_engine(model, options)
         click.echo(json.dumps(dataclasses.asdict(plan)) if as_json else plan.table())
@@ -134,6 +143,10 @@ def run(
         raise click.UsageError("--json applies to --prompt (or --plan)")
     if not serve and (flags := given_flags(ctx, SERVE_FLAGS)):
         raise click.UsageError(f"{', '.join(flags)} only apply with --serve")
+    if prompt is None and (flags := given_flags(ctx, PROMPT_FLAGS)):
+        raise click.UsageError(f"{', '.join(flags)} only apply with --prompt")
+    if raw and system is not None:
+        raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
     with Engine(model, options) as engine:
         asked = ctx.get_parameter_source("max_context") == ParameterSource.COMMANDLINE
         if asked and engine.max_context < options.max_context:
@@ -154,7 +167,8 @@ def run(
             from dsfp4.server.app import Served
             from dsfp4.server.app import serve as run_server
 
-            served = Served(Path(model).resolve().name, api_key, max_queue)
+            given = ctx.get_parameter_source("max_tokens") == ParameterSource.COMMANDLINE
+            served = Served(Path(model).resolve().name, api_key, max_queue, options.max_tokens if given else None)
             where = f"http://{host}:{port}/v1"
             click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)
             run_server(engine, served, host, port)
@@ -182,15 +196,11 @@ def chat(url: str, api_key: str | None, model: str | None, system: str | None, *
     from dsfp4.chat_client import RemoteChat
     from dsfp4.repl import chat_repl
 
-    options = RunOptions(**{**sampling, "stop": tuple(sampling["stop"])})  # checked as `run` checks them
-    request = {
-        "max_tokens": options.max_tokens,
-        "temperature": options.temperature,
-        "top_p": options.top_p,
-        **({"top_k": options.top_k} if options.top_k else {}),
-        **({"seed": options.seed} if options.seed is not None else {}),
-        **({"stop": list(options.stop)} if options.stop else {}),
-    }
+    RunOptions(**sampling)  # checked as `run` checks them
+    given = given_params(click.get_current_context(), tuple(sampling))  # the server's defaults hold otherwise
+    request = {name: sampling[name] for name in given}
+    if "stop" in request:
+        request["stop"] = list(request["stop"])
     backend = RemoteChat(url, api_key, request, model)
     try:
         click.echo(f"chatting with {backend.model} at {backend.base}", err=True)

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from dsfp4.errors import DsfpError
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.reasoning import ReasoningSplitter, opens_thinking
+from dsfp4.runtime.reasoning import ReasoningSplitter
 from dsfp4.runtime.stats import GenerationStats
 
 HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert tiers, bytes moved, peaks)
@@ -38,8 +38,9 @@ class LocalChat:
         self.engine, self.last = engine, None
 
     def reply(self, messages: list[dict[str, str]]) -> Iterator[tuple[str, str]]:
-        splitter = ReasoningSplitter(opens_thinking(self.engine.tokenizer.render_chat(messages)))
-        stream = self.engine.stream(messages)
+        ids = self.engine.encode(messages)
+        splitter = ReasoningSplitter(self.engine.opens_thinking(ids))
+        stream = self.engine.stream(ids)
         for delta in stream:
             yield splitter.feed(delta.text)
         yield splitter.flush()

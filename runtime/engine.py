@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
@@ -30,6 +32,7 @@ from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.model import Transformer, load_model, plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import LOGIT_ROWS, Plan
+from dsfp4.runtime.reasoning import opens_thinking, partial_suffix
 from dsfp4.runtime.routing import RoutingRecorder
 from dsfp4.runtime.sampling import sample
 from dsfp4.runtime.stats import GenerationStats, peak_memory
@@ -37,6 +40,7 @@ from dsfp4.runtime.store_stats import counters_since
 from dsfp4.runtime.tokenizer import ChatTokenizer
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
+THINK_TAIL = 8  # prompt tokens decoded to see whether the prompt opens a <think> block
 
 
 @dataclass
@@ -46,7 +50,7 @@ class Generation:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled" (the caller's cancel event)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     def to_dict(self) -> dict:
@@ -72,19 +76,27 @@ class Stream(Iterator[Delta]):
     """The deltas of one generation as they are produced. Once the iteration ends, `generation` holds the
     result. `close()` (or starting another call on the engine) cancels the rest; the cache stays valid."""
 
-    def __init__(self, steps: Generator[Delta, None, Generation]):
-        self._steps = steps
+    def __init__(self, steps: Generator[Delta, None, Generation], claim: Callable[[], AbstractContextManager]):
+        self._steps, self._claim = steps, claim
         self.generation: Generation | None = None
+        self.superseded = False  # a later call on the engine ended it before it finished
 
     def __next__(self) -> Delta:
-        try:
-            return next(self._steps)
-        except StopIteration as end:
-            self.generation = end.value
-            raise
+        if self.superseded:
+            raise DsfpError("this stream was ended by a later call on its engine")
+        with self._claim():
+            try:
+                return next(self._steps)
+            except StopIteration as end:
+                self.generation = end.value
+                raise
 
     def close(self) -> None:
         self._steps.close()
+
+
+class _Cancelled(Exception):
+    """The caller's cancel event was set: the generation ends at the next chunk or token."""
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -99,9 +111,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _held_back(text: str, stop: tuple[str, ...]) -> int:
     """How many trailing characters may still become a stop string or an unfinished UTF-8 character."""
     partial = len(text) - len(text.rstrip("\ufffd"))
-    prefix = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    prefix = max((partial_suffix(text, s) for s in stop), default=0)
     body = text[: len(text) - partial]  # a stop string may also end just before the unfinished character
-    before = max((k for s in stop for k in range(1, len(s) + 1) if body.endswith(s[:k])), default=0)
+    # the proper starts of s + one more character are all the starts of s, s itself included
+    before = max((partial_suffix(body, s + "\ufffd") for s in stop), default=0)
     return max(prefix, partial + before)
 
 
@@ -123,10 +136,6 @@ def with_knobs(options: RunOptions, knobs: Mapping[str, Any]) -> RunOptions:
     names = {f.name for f in dataclasses.fields(RunOptions)}
     if unknown := sorted(set(knobs) - names):
         raise ConfigError(f"unknown option {', '.join(unknown)}; RunOptions has {', '.join(sorted(names))}")
-    if isinstance(knobs.get("stop"), str):
-        knobs = {**knobs, "stop": (knobs["stop"],)}
-    elif knobs.get("stop") is not None:
-        knobs = {**knobs, "stop": tuple(knobs["stop"])}
     return dataclasses.replace(options, **knobs)
 
 
@@ -159,6 +168,7 @@ class Engine:
         self.cached: list[int] = []  # the tokens whose latent KV sits in the cache
         self.stats: GenerationStats | None = None  # of the last generation
         self._stream: Stream | None = None  # the generation in progress
+        self._busy = threading.Lock()  # one call at a time: two threads would corrupt the cache
         self.recorder = RoutingRecorder(self.model, trace=True) if self.options.record_trace else None
         try:
             hot = self.model_dir / HOT_NAME
@@ -185,7 +195,8 @@ class Engine:
         Safe to call twice; the engine cannot generate afterwards."""
         if self.model is None:
             return
-        self._end_stream()
+        with self._claim():
+            self._end_stream()
         try:
             if self.recorder is not None and self.recorder.tokens:
                 write_trace(self.options.record_trace, self.recorder.routing_trace())
@@ -200,13 +211,16 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the cached conversation: the next call prefills its whole prompt."""
-        self._end_stream()
-        self.cached = []
+        with self._claim():
+            self._end_stream()
+            self.cached = []
 
     def encode(self, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (through the chat template, with an optional system message, unless
         `raw`), chat messages ([{"role": ..., "content": ...}], through the template) or token ids as given."""
         if isinstance(prompt, str):
+            if raw and system is not None:
+                raise ConfigError("a system message goes through the chat template, which raw skips; give one of them")
             return self.tokenizer.encode_prompt(prompt, system, raw)
         items = list(prompt)
         if items and all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
@@ -222,6 +236,10 @@ class Engine:
             head = [{"role": "system", "content": system}] if system is not None else []
             return self.tokenizer.encode_chat([*head, *({"role": m["role"], "content": m["content"]} for m in items)])
         raise ConfigError("the prompt must be text, a non-empty list of chat messages or a non-empty list of token ids")
+
+    def opens_thinking(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""
+        return opens_thinking(self.tokenizer.tok.decode(prompt_ids[-THINK_TAIL:], skip_special_tokens=False))
 
     def check_prompt(self, prompt_ids: list[int], room: int = 1) -> None:
         """A prompt must leave `room` positions of the context free and name tokens of the vocabulary."""
@@ -255,30 +273,37 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         system: str | None = None,
         raw: bool = False,
+        cancel: threading.Event | None = None,
     ) -> Stream:
         """Generate after `prompt` (see encode), yielding a Delta per token. Sampling arguments left at None
         take the engine's options: temperature 0 is greedy; `seed` makes sampling reproducible; generation
-        ends at an EOS token, at a `stop` string (not part of the text) or after `max_tokens` tokens."""
+        ends at an EOS token, at a `stop` string (not part of the text) or after `max_tokens` tokens. Setting
+        `cancel` (from any thread) ends it at the next prefill chunk or token, with finish reason "cancelled"."""
         given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
         options = with_knobs(self.options, {k: v for k, v in given.items() if v is not None})
         ids = self.encode(prompt, system, raw)
         self.check_prompt(ids)
-        self._end_stream()
-        self._stream = Stream(self._steps(ids, options))
+        with self._claim():
+            self._end_stream()
+            self._stream = Stream(self._steps(ids, options, cancel), self._claim)
         return self._stream
 
     @torch.inference_mode()
-    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Logits after each of `token_ids` -> [T, V] fp32 on the CPU, computed from position 0 in the
         chunks of ordinary prefill (the cache then holds these tokens, so a generation after them reuses it)."""
-        ids = self.encode(token_ids)
+        items = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        if isinstance(items, str) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
+            raise ConfigError("logits takes token ids; encode text or chat messages with engine.encode first")
+        ids = self.encode(items)
         self.check_prompt(ids, room=0)
-        self._end_stream()
-        head, rows = self._model().head, []
-        self.cached = []
-        for _, h in self._feed(ids):  # h: [t, D]
-            # the head runs on LOGIT_ROWS positions at a time, as the planner's workspace allows
-            rows += [linear(h[j : j + LOGIT_ROWS], head).float().cpu() for j in range(0, len(h), LOGIT_ROWS)]
+        with self._claim():
+            self._end_stream()
+            head, rows = self._model().head, []
+            self.cached = []
+            for _, h in self._feed(ids):  # h: [t, D]
+                # the head runs on LOGIT_ROWS positions at a time, as the planner's workspace allows
+                rows += [linear(h[j : j + LOGIT_ROWS], head).float().cpu() for j in range(0, len(h), LOGIT_ROWS)]
         return torch.cat(rows)  # [T, V]
 
     # -- internals ------------------------------------------------------------------------------------
@@ -288,16 +313,32 @@ class Engine:
             raise DsfpError("this engine is closed; create a new one")
         return self.model
 
+    @contextmanager
+    def _claim(self) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise DsfpError("this engine is busy in another thread: it runs one call at a time (serialize the "
+                            "calls, or use an engine per thread)")  # fmt: skip
+        try:
+            yield
+        finally:
+            self._busy.release()
+
     def _end_stream(self) -> None:
         if self._stream is not None:
+            if self._stream.generation is None:
+                self._stream.superseded = True
             self._stream.close()  # a generation left unfinished ends here, with the cache consistent
             self._stream = None
 
-    def _feed(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _feed(
+        self, ids: list[int], cancel: threading.Event | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Feed ids after the cached tokens in chunks of prefill_chunk tokens: yields each chunk's (logits after
         its last token [V], final hidden states [t, D]); the cached tokens grow chunk by chunk."""
         model, chunk = self._model(), self.options.prefill_chunk
         for i in range(0, len(ids), chunk):
+            if cancel is not None and cancel.is_set():
+                raise _Cancelled
             piece = ids[i : i + chunk]
             try:
                 logits, h = model(torch.tensor([piece], device=self.device), len(self.cached), last_only=True)
@@ -310,44 +351,51 @@ class Engine:
             self.cached += piece
             yield logits[0, -1], h[0]
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
+    def _forward(self, ids: list[int], cancel: threading.Event | None) -> torch.Tensor:
         """Feed ids after the cached tokens -> logits after the last one [V]."""
-        return deque(self._feed(ids), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
+        return deque(self._feed(ids, cancel), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
 
     @torch.inference_mode()
-    def _steps(self, prompt_ids: list[int], options: RunOptions) -> Generator[Delta, None, Generation]:
+    def _steps(
+        self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None
+    ) -> Generator[Delta, None, Generation]:
         """The generation loop: prefill, then sample, detokenize, check stop rules and decode, token by token."""
         n, stop = len(prompt_ids), options.stop
         budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
         store = self._model().experts
         before = store.counters.snapshot()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # peak_gpu is this generation's
         sampling = options.sampling()
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
         reuse = min(_common_prefix(self.cached, prompt_ids), n - 1)
-        self.cached = self.cached[:reuse]  # grows chunk by chunk: valid should the prefill be interrupted
-        logits = self._forward(prompt_ids[reuse:])
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
         tokens: list[int] = []
         text, emitted, finish = "", 0, "length"
-        while stats.generated_tokens < budget:
-            token = sample(logits, sampling, gen)
-            stats.generated_tokens += 1
-            if stats.generated_tokens == 1:
-                stats.ttft_s = stats.prefill_s = time.perf_counter() - start
-            if token in self.tokenizer.eos_ids:
-                finish = "stop"
-                break
-            tokens.append(token)
-            text = self.tokenizer.decode(tokens)
-            if hits := [i for s in stop if (i := text.find(s)) >= 0]:
-                text, finish = text[: min(hits)], "stop"
-                break
-            end = max(len(text) - _held_back(text, stop), emitted)
-            yield Delta(token, text[emitted:end])  # the cache is consistent here, should the caller stop
-            emitted = end
-            if stats.generated_tokens < budget:
-                logits = self._forward([token])
+        self.cached = self.cached[:reuse]  # grows chunk by chunk: valid should the prefill be interrupted
+        try:
+            logits = self._forward(prompt_ids[reuse:], cancel)
+            while stats.generated_tokens < budget:
+                token = sample(logits, sampling, gen)
+                stats.generated_tokens += 1
+                if stats.generated_tokens == 1:
+                    stats.ttft_s = stats.prefill_s = time.perf_counter() - start
+                if token in self.tokenizer.eos_ids:
+                    finish = "stop"
+                    break
+                tokens.append(token)
+                text = self.tokenizer.decode(tokens)
+                if hits := [i for s in stop if (i := text.find(s)) >= 0]:
+                    text, finish = text[: min(hits)], "stop"
+                    break
+                end = max(len(text) - _held_back(text, stop), emitted)
+                yield Delta(token, text[emitted:end])  # the cache is consistent here, should the caller stop
+                emitted = end
+                if stats.generated_tokens < budget:
+                    logits = self._forward([token], cancel)
+        except _Cancelled:
+            finish = "cancelled"
         if len(text) > emitted:
             yield Delta(None, text[emitted:])
         stats.decode_s = time.perf_counter() - start - stats.prefill_s

@@ -37,6 +37,8 @@ class RunOptions:
     record_trace: Path | None = None  # where the session writes its routing trace when it closes
 
     def __post_init__(self) -> None:
+        # stop strings arrive as a string, a list (JSON, Click's multiple flag) or a tuple
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"--dtype {self.dtype}: choose auto, {', '.join(DTYPES)}")
         if self.max_context < 2:

@@ -15,7 +15,7 @@ def opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(THINK_START)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag` (it may become the tag)."""
     return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
 
@@ -46,7 +46,7 @@ class ReasoningSplitter:
         if self.state == "think":
             end = self.buf.find(THINK_END)
             if end < 0:
-                keep = _partial_suffix(self.buf, THINK_END)
+                keep = partial_suffix(self.buf, THINK_END)
                 reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
                 return reasoning, ""
             reasoning, self.buf, self.state = self.buf[:end], self.buf[end + len(THINK_END) :], "answer_start"

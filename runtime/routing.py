@@ -65,13 +65,16 @@ class RoutingRecorder:
             chunks.clear()
 
     def detach(self) -> None:
+        """Unhook the layers and let them go (a closed engine frees them); what was recorded stays readable."""
         for m in self.moe:
             m.observe = None
+        self.moe = []
+        self.counts, self.weights = self.counts.cpu(), self.weights.cpu()
 
     @property
     def tokens(self) -> int:
         """Tokens whose routing was committed."""
-        return int(self.counts[0].sum()) // self.top_k if self.moe else 0
+        return int(self.counts[0].sum()) // self.top_k if len(self.counts) else 0
 
     def profile(self, conversion: str, sources: tuple[str, ...]) -> HotProfile:
         counts, weights = self.counts.cpu().tolist(), self.weights.cpu().tolist()

@@ -17,7 +17,8 @@ def peak_memory(device: torch.device) -> tuple[int, int]:
     return gpu, proc_status_bytes("VmHWM")
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
+    """a / b, 0 when b is 0 (nothing measured yet)."""
     return a / b if b else 0.0
 
 
@@ -30,12 +31,12 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     store: dict[str, float] = field(default_factory=dict)  # expert store counters over this generation
-    peak_gpu: int = 0
-    peak_rss: int = 0
+    peak_gpu: int = 0  # torch's max reserved device bytes during this generation
+    peak_rss: int = 0  # the process's peak RSS so far (VmHWM), which cannot be reset per generation
 
     @property
     def prefill_tok_s(self) -> float:
-        return _ratio(self.prompt_tokens - self.cached_tokens, self.prefill_s)
+        return ratio(self.prompt_tokens - self.cached_tokens, self.prefill_s)
 
     @property
     def decode_tok_s(self) -> float:
@@ -48,13 +49,13 @@ class GenerationStats:
         tokens = max(self.generated_tokens + self.prompt_tokens - self.cached_tokens, 1)
         return {
             "expert_uses": uses,
-            "gpu_hit_rate": _ratio(s.get("gpu_hits", 0), uses),
-            "ram_hit_rate": _ratio(s.get("ram_hits", 0), uses),
-            "ssd_bytes_per_token": _ratio(s.get("ssd_bytes", 0), tokens),
-            "h2d_bytes_per_token": _ratio(s.get("h2d_bytes", 0), tokens),
-            "prefetch_precision": _ratio(s.get("predicted_used", 0), s.get("predicted", 0)),
-            "prefetch_recall": _ratio(s.get("predicted_used", 0), s.get("actual", 0)),
-            "ssd_read_gb_s": _ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
+            "gpu_hit_rate": ratio(s.get("gpu_hits", 0), uses),
+            "ram_hit_rate": ratio(s.get("ram_hits", 0), uses),
+            "ssd_bytes_per_token": ratio(s.get("ssd_bytes", 0), tokens),
+            "h2d_bytes_per_token": ratio(s.get("h2d_bytes", 0), tokens),
+            "prefetch_precision": ratio(s.get("predicted_used", 0), s.get("predicted", 0)),
+            "prefetch_recall": ratio(s.get("predicted_used", 0), s.get("actual", 0)),
+            "ssd_read_gb_s": ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
         }
 
     @classmethod

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -73,6 +74,7 @@ def test_run_json_equals_generate_and_the_argmax_of_logits_step_by_step(converte
 def test_logits_cover_every_position_in_any_chunking(converted, engine):
     ids = engine.encode(PROMPT)
     whole = engine.logits(ids)
+    torch.testing.assert_close(engine.logits(torch.tensor(ids)), whole, rtol=0, atol=0)
     assert whole.shape == (len(ids), engine.model.args.vocab_size) and whole.dtype == torch.float32
     with Engine(converted, device="cpu", max_context=64, prefill_chunk=3) as chunked:
         torch.testing.assert_close(chunked.logits(ids), whole, rtol=1e-4, atol=1e-4)
@@ -92,7 +94,9 @@ def test_stream_deltas_add_up_and_a_cancelled_stream_leaves_the_cache_consistent
     assert head == full.token_ids[:3]
     chat = [{"role": "user", "content": "something else"}]
     after = engine.generate(chat, max_tokens=6, temperature=0)  # ends the open stream first
-    assert list(stream) == [] and stream.generation is None
+    with pytest.raises(DsfpError, match="this stream was ended by a later call on its engine"):
+        next(stream)
+    assert stream.generation is None
     with Engine(converted, device="cpu", max_context=64) as fresh:
         assert after.token_ids == fresh.generate(chat, max_tokens=6, temperature=0).token_ids
     engine.reset()
@@ -110,6 +114,45 @@ def test_options_chat_messages_and_token_ids(engine):
     assert len(g.token_ids) == 3 and engine.options.stop == ()  # per-call options leave the engine's alone
 
 
+def test_cancel_ends_a_generation_at_the_next_token_with_the_cache_consistent(converted, engine):
+    cancel = threading.Event()
+    stream = engine.stream(PROMPT, max_tokens=20, temperature=0, cancel=cancel)
+    first = next(stream)
+    cancel.set()
+    rest = list(stream)
+    g = stream.generation
+    assert g.finish_reason == "cancelled" and g.token_ids == [first.token_id] and not [d for d in rest if d.token_id]
+    assert engine.generate(PROMPT, max_tokens=5, cancel=cancel).finish_reason == "cancelled"  # before the prefill
+    again = engine.generate(PROMPT, max_tokens=6, temperature=0)
+    with Engine(converted, device="cpu", max_context=64) as fresh:
+        assert again.token_ids == fresh.generate(PROMPT, max_tokens=6, temperature=0).token_ids
+
+
+def test_one_call_at_a_time(engine):
+    stream = engine.stream(PROMPT, max_tokens=4, temperature=0)
+    next(stream)
+    errors = []
+
+    def other() -> None:
+        with engine._busy:  # hold the engine as a running step does
+            done.set()
+            release.wait(5)
+
+    done, release = threading.Event(), threading.Event()
+    t = threading.Thread(target=other)
+    t.start()
+    done.wait(5)
+    for call in (lambda: next(stream), lambda: engine.generate(PROMPT, max_tokens=2), lambda: engine.logits([1, 2])):
+        try:
+            call()
+        except DsfpError as e:
+            errors.append(str(e))
+    release.set()
+    t.join()
+    assert len(errors) == 3 and all("busy in another thread" in e for e in errors)
+    assert len(list(stream)) >= 1  # the stream goes on once the engine is free
+
+
 @pytest.mark.parametrize(
     "call,message",
     [
@@ -122,6 +165,8 @@ def test_options_chat_messages_and_token_ids(engine):
         (lambda e: e.generate(PROMPT, temperature=-1), "--temperature must be >= 0"),
         (lambda e: e.generate(PROMPT, stop=[""]), "empty stop string"),
         (lambda e: e.logits(list(range(3, 70))), "the prompt is 67 tokens; the context holds 64"),
+        (lambda e: e.logits(PROMPT), "logits takes token ids"),
+        (lambda e: e.generate(PROMPT, raw=True, system="x"), "which raw skips"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(engine, call, message):

@@ -104,6 +104,7 @@ def test_openai_client_chat_and_completions_streaming_and_not(server):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(ch.usage is None for ch in chunks[:-1])  # counted once: clients add usage up over chunks
     assert len({ch.id for ch in chunks}) == 1
     stop = text[2:4]
     r = c.chat.completions.create(model="fp8", messages=_chat("hello"), max_tokens=8, temperature=0, stop=[stop])
@@ -197,6 +198,51 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine_at_once(server):
         assert time.perf_counter() - gone < 5, "the generation went on after its client left"
         time.sleep(0.05)
     assert httpx.get(server.base + "/health").json()["busy"] is False
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_the_engine_too(server):
+    cancelled = server.metric('dsfp4_generations_total{reason="cancelled"}')
+    body = {"messages": _chat("tell me everything"), "max_tokens": 100, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(0.3, connect=5))  # fmt: skip
+    gone = time.perf_counter()
+    while server.metric('dsfp4_generations_total{reason="cancelled"}') == cancelled:
+        assert time.perf_counter() - gone < 5, "the generation went on after its client left"
+        time.sleep(0.05)
+
+
+def test_serve_and_chat_flags_that_would_do_nothing_are_refused(converted, monkeypatch):
+    for flags, needle in (
+        (["--serve", "--raw"], "--raw only apply with --prompt"),
+        (["--chat", "--stats"], "--stats only apply with --prompt"),
+        (["--prompt", "hi", "--port", "9"], "--port only apply with --serve"),
+        (["--prompt", "hi", "--raw", "--system", "x"], "which --raw skips"),
+    ):
+        r = run_cli("run", converted, "--device", "cpu", *flags)
+        assert r.exit_code == 2 and needle in r.stderr, r.output
+    from dsfp4 import chat_client
+
+    sent = []
+    monkeypatch.setattr(
+        chat_client.RemoteChat, "__init__", lambda self, url, key, sampling, model: sent.append(sampling)
+    )
+    monkeypatch.setattr(chat_client.RemoteChat, "close", lambda self: None)
+    monkeypatch.setattr("dsfp4.repl.chat_repl", lambda backend, system: None)
+    monkeypatch.setattr(chat_client.RemoteChat, "model", "m", raising=False)
+    monkeypatch.setattr(chat_client.RemoteChat, "base", "b", raising=False)
+    assert run_cli("chat").exit_code == 0 and run_cli("chat", "--seed", 3, "--stop", "x").exit_code == 0
+    assert sent == [{}, {"seed": 3, "stop": ["x"]}]  # what is not given stays the server's default
+
+
+def test_metrics_print_counts_exactly():
+    from dsfp4.runtime.stats import GenerationStats
+    from dsfp4.server.metrics import Metrics
+
+    m = Metrics()
+    m.finish("length", GenerationStats(prompt_tokens=3, generated_tokens=2, store={"ssd_bytes": 123456789012.0}))
+    text = m.render(0, False)
+    assert "dsfp4_ssd_read_bytes_total 123456789012\n" in text and 'dsfp4_generations_total{reason="length"} 1' in text
 
 
 def _soak_request(server: Server, i: int, expected: dict, rng: random.Random, out: Counter) -> bool:

@@ -2,16 +2,14 @@
 
 Routes: /v1/models, /v1/chat/completions and /v1/completions (JSON, or server-sent events with "stream":
 true), /health, /metrics. Every answer that is not a success carries an OpenAI-style error body. Requests
-are checked and tokenized on the event loop; the generation runs on the scheduler's worker thread.
+are checked and tokenized on the event loop; the generation runs on the scheduler's worker thread, and a
+watcher cancels it as soon as its client disconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,12 +20,14 @@ from starlette.exceptions import HTTPException
 
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.engine import Delta, Engine, Generation
-from dsfp4.runtime.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
+from dsfp4.runtime.reasoning import ReasoningSplitter, split_reasoning
+from dsfp4.server.answers import Answer, sse, stats
 from dsfp4.server.metrics import Metrics
 from dsfp4.server.requests import ApiError, GenRequest, parse_request
 from dsfp4.server.scheduler import Job, QueueFull, Scheduler
 
-POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+POLL_S = 0.25  # how often a request checks whether its client is still there
+GRACE_S = 10  # at shutdown, how long open connections may take to end once their generations are cancelled
 
 
 @dataclass(frozen=True)
@@ -37,32 +37,22 @@ class Served:
     model_id: str
     api_key: str | None = None
     max_queue: int = 16
+    max_tokens: int | None = None  # default of requests without one; None: the room left in the context
 
 
 @dataclass
 class Call:
-    """One accepted request on its way: ids for the engine and how to shape the answer."""
+    """One accepted request on its way through the engine."""
 
     req: GenRequest
     job: Job
+    answer: Answer
     thinking: bool  # the prompt leaves the model inside a <think> block
-    rid: str
-    created: int
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _usage(g: Generation) -> dict:
-    n, m = g.stats.prompt_tokens, g.stats.generated_tokens
-    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+    watcher: asyncio.Task | None = None
 
 
 def _error(e: BaseException) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    return ApiError(500, f"generation failed: {e}")
+    return e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {e}")
 
 
 def create_app(engine: Engine, served: Served) -> FastAPI:
@@ -82,18 +72,18 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         scheduler.stop()
 
     app = FastAPI(title="dsfp4", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return JSONResponse(
-            ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(), e.status_code
-        )
+        error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+        return JSONResponse(error.body(), e.status_code)
 
     def check_key(request: Request) -> None:
         if served.api_key is None:
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), served.api_key.encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), served.api_key.encode()):
             raise ApiError(
                 401, "incorrect or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
             )
@@ -103,81 +93,55 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         if req.model not in (None, served.model_id):
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {served.model_id!r}",
                            param="model", code="model_not_found")  # fmt: skip
-        tok = engine.tokenizer
+        where = "messages" if req.chat else "prompt"
         try:
-            if req.chat:
-                text = tok.render_chat(req.prompt)
-                ids, thinking = tok.encode(text, special=False), opens_thinking(text)
-            else:
-                ids, thinking = engine.encode(req.prompt, raw=isinstance(req.prompt, str)), False
+            ids = engine.encode(req.prompt, raw=isinstance(req.prompt, str))  # completions: raw text
             n, context = len(ids), engine.max_context
             if n >= context:
                 raise ApiError(400, f"the prompt is {n} tokens; this server's context holds {context} "
-                               f"(start it with a larger --max-context)", param="messages" if req.chat else "prompt",
-                               code="context_length_exceeded")  # fmt: skip
+                               f"(start it with a larger --max-context)", where, "context_length_exceeded")  # fmt: skip
             room = context - n + 1  # the last token is never fed back
             if req.max_tokens is not None and req.max_tokens > room:
-                raise ApiError(400, f"max_tokens {req.max_tokens}: the prompt's {n} tokens leave room for {room} "
-                               f"in this server's context of {context}", param="max_tokens",
-                               code="context_length_exceeded")  # fmt: skip
+                message = (
+                    f"max_tokens {req.max_tokens}: the prompt's {n} tokens leave room for {room} in this server's "
+                )
+                raise ApiError(400, message + f"context of {context}", "max_tokens", "context_length_exceeded")
             engine.check_prompt(ids)
         except ConfigError as e:  # the chat template refused the conversation, or a token id is out of range
-            raise ApiError(400, str(e)) from None
-        max_tokens = req.max_tokens or min(engine.options.max_tokens, room)
+            raise ApiError(400, str(e), where) from None
+        max_tokens = req.max_tokens or min(served.max_tokens or room, room)
         job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, asyncio.get_running_loop())
         try:
             scheduler.submit(job)
         except QueueFull:
             raise ApiError(503, f"the server is busy: {served.max_queue} requests wait already; retry later",
                            code="queue_full") from None  # fmt: skip
-        prefix = "chatcmpl" if req.chat else "cmpl"
-        return Call(req, job, thinking, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        return Call(req, job, Answer(req.chat, served.model_id), req.chat and engine.opens_thinking(ids))
 
-    async def next_item(call: Call, request: Request) -> object | None:
-        """The job's next delta, result or error; None once the client has gone (the job is then cancelled)."""
-        while True:
-            try:
-                return await asyncio.wait_for(call.job.out.get(), POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    call.job.cancelled.set()
-                    return None
-
-    def head(call: Call, kind: str) -> dict:
-        return {"id": call.rid, "object": kind, "created": call.created, "model": served.model_id}
-
-    def choice(call: Call, reasoning: str, text: str, finish: str | None, delta: bool) -> dict:
-        if not call.req.chat:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        body = {"content": text, "reasoning_content": reasoning or None}
-        body = {k: v for k, v in body.items() if v} if delta else {"role": "assistant", **body}
-        return {"index": 0, "delta" if delta else "message": body, "finish_reason": finish, "logprobs": None}
-
-    async def events(call: Call, request: Request) -> AsyncIterator[str]:
-        kind = "chat.completion.chunk" if call.req.chat else "text_completion"
-        splitter = ReasoningSplitter(call.thinking)
-        try:
-            if call.req.chat:
-                yield _sse({**head(call, kind), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                             "finish_reason": None, "logprobs": None}]})  # fmt: skip
-            while (item := await next_item(call, request)) is not None:
-                if isinstance(item, Delta):
-                    reasoning, text = splitter.feed(item.text) if call.req.chat else ("", item.text)
-                    if reasoning or text:
-                        yield _sse({**head(call, kind), "choices": [choice(call, reasoning, text, None, True)]})
-                    continue
-                if isinstance(item, Generation):
-                    reasoning, text = splitter.flush() if call.req.chat else ("", "")
-                    last = {**head(call, kind), "choices": [choice(call, reasoning, text, item.finish_reason, True)]}
-                    yield _sse({**last, "usage": _usage(item), "stats": item.stats.to_dict()})
-                    if call.req.include_usage:
-                        yield _sse({**head(call, kind), "choices": [], "usage": _usage(item)})
-                    yield "data: [DONE]\n\n"
-                else:
-                    yield _sse(_error(item).body())
+    async def watch(call: Call, request: Request) -> None:
+        """Cancel the job as soon as its client disconnects, streaming or not, until the job is done."""
+        while not call.job.done.is_set():
+            if await request.is_disconnected():
+                scheduler.cancel(call.job)
                 return
-        finally:
-            call.job.cancelled.set()  # a client gone mid-stream frees the engine at the next token
+            await asyncio.sleep(POLL_S)
+
+    async def events(call: Call) -> AsyncIterator[str]:
+        a, splitter = call.answer, ReasoningSplitter(call.thinking)
+        if call.req.chat:
+            yield sse(a.chunk(role=True))
+        while isinstance(item := await call.job.out.get(), Delta):
+            reasoning, text = splitter.feed(item.text) if call.req.chat else ("", item.text)
+            if reasoning or text:
+                yield sse(a.chunk(reasoning, text))
+        if isinstance(item, Generation):
+            reasoning, text = splitter.flush() if call.req.chat else ("", "")
+            yield sse({**a.chunk(reasoning, text, item.finish_reason), "stats": stats(item, call.job.wait_s)})
+            if call.req.include_usage:
+                yield sse(a.usage_chunk(item))
+            yield sse("[DONE]")
+        elif item is not None:  # an error; None: the generation was cancelled, and nobody is listening
+            yield sse(_error(item).body())
 
     async def complete(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
@@ -187,24 +151,24 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         except ApiError as e:
             metrics.answered(endpoint, e.status)
             return JSONResponse(e.body(), e.status)
-        metrics.answered(endpoint, 200)
+        call.watcher = asyncio.create_task(watch(call, request))
         if call.req.stream:
-            return StreamingResponse(events(call, request), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
-        try:
-            while isinstance(item := await next_item(call, request), Delta):
-                pass
-        finally:
-            call.job.cancelled.set()
-        if item is None:  # the client is gone: nobody reads this answer
+            metrics.answered(endpoint, 200)
+            return StreamingResponse(
+                events(call), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        while isinstance(item := await call.job.out.get(), Delta):
+            pass
+        if item is None:  # cancelled: the client is gone, nobody reads this answer
+            metrics.answered(endpoint, 499)
             return Response(status_code=499)
         if not isinstance(item, Generation):
             e = _error(item)
+            metrics.answered(endpoint, e.status)
             return JSONResponse(e.body(), e.status)
+        metrics.answered(endpoint, 200)
         reasoning, text = split_reasoning(item.text, call.thinking) if chat else ("", item.text)
-        kind = "chat.completion" if chat else "text_completion"
-        body = {**head(call, kind), "choices": [choice(call, reasoning, text, item.finish_reason, False)]}
-        return JSONResponse({**body, "usage": _usage(item), "stats": item.stats.to_dict()})
+        return JSONResponse(call.answer.whole(reasoning, text, item, call.job.wait_s))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -225,6 +189,8 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if not scheduler.alive():
+            return JSONResponse({"status": "error", "detail": "the engine's worker thread has stopped"}, 503)
         return JSONResponse({"status": "ok", "busy": scheduler.running is not None, "queue": scheduler.depth()})
 
     @app.get("/metrics")
@@ -236,8 +202,22 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
 
 
 def serve(engine: Engine, served: Served, host: str, port: int) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM); the caller closes the engine."""
+    """Serve until interrupted (Ctrl-C or SIGTERM): running and waiting generations are cancelled at once,
+    and the worker has stopped when this returns, so the caller can close the engine."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(engine, served), host=host, port=port, log_level="warning", access_log=False)
-    uvicorn.Server(config).run()
+    app = create_app(engine, served)
+    scheduler: Scheduler = app.state.scheduler
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            scheduler.cancel_all()  # open streams end at their next token, so shutdown need not wait for them
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
+    )
+    try:
+        Server(config).run()
+    finally:
+        scheduler.stop()

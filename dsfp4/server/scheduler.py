@@ -1,15 +1,17 @@
 """One generation at a time on the engine, the rest in a bounded FIFO.
 
-A worker thread owns the engine. Requests wait in a queue of at most `max_queue`; one more is refused
-(the server answers 503). Each job has its own channel back to the request that made it, so no request can
-see another's tokens. A job whose client went away is skipped if it has not started, and stopped at its
-next token if it has.
+A worker thread owns the engine. While one generation runs, at most `max_queue` requests wait; one more is
+refused (the server answers 503). Each job has its own channel back to the request that made it, so no
+request can see another's tokens. A job whose client went away is dropped from the queue if it waits, and
+stopped at its next prefill chunk or token if it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,23 +21,26 @@ from dsfp4.runtime.engine import Engine, Generation
 
 
 class QueueFull(Exception):
-    """The queue holds max_queue requests already."""
+    """max_queue requests wait already (or the server is shutting down)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """A request's generation: what to run, and the channel its deltas, result or error come back on."""
+    """A request's generation: what to run, and the channel its results come back on: Delta..., then the
+    Generation, or None when it was cancelled, or the exception that ended it."""
 
     prompt_ids: list[int]
     options: dict[str, Any]  # Engine.stream keywords
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # Delta..., then a Generation or an exception
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # its last item is on the way
+    queued: float = field(default_factory=time.perf_counter)
+    wait_s: float = 0.0  # in the queue before the engine took it
 
     def send(self, item: object) -> None:
-        if self.loop.is_closed():  # the server has shut down: nobody is left to read it
-            return
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        with contextlib.suppress(RuntimeError):  # a closed event loop (the server shut down): nobody reads it
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
 class Scheduler:
@@ -43,30 +48,53 @@ class Scheduler:
         self.engine, self.max_queue, self.on_done = engine, max_queue, on_done
         self.waiting: deque[Job] = deque()
         self.running: Job | None = None
-        self._wake = threading.Condition()
+        self._wake = threading.Condition(threading.RLock())  # re-entrant: a signal handler may cancel_all
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="dsfp4-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._wake:
-            if len(self.waiting) >= self.max_queue and self.running is not None:
+            if self._stopping or len(self.waiting) >= self.max_queue + (self.running is None):
                 raise QueueFull
             self.waiting.append(job)
             self._wake.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job if it waits, stop it at its next chunk or token if it runs."""
+        job.cancelled.set()
+        with self._wake:
+            waiting = job in self.waiting
+            if waiting:
+                self.waiting.remove(job)
+        if waiting:
+            self._finish(job, None, None)
+
+    def cancel_all(self) -> None:
+        with self._wake:
+            jobs = [*self.waiting, *([self.running] if self.running else [])]
+        for job in jobs:
+            self.cancel(job)
 
     def depth(self) -> int:
         """Requests waiting (not counting the one running)."""
         return len(self.waiting)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         """Cancel what waits and runs, then end the worker (the engine stays open: its owner closes it)."""
         with self._wake:
             self._stopping = True
-            for job in [*self.waiting, *([self.running] if self.running else [])]:
-                job.cancelled.set()
             self._wake.notify()
+        self.cancel_all()
         self._thread.join()
+
+    def _finish(self, job: Job, outcome: object, result: Generation | None) -> None:
+        job.send(outcome)
+        job.done.set()
+        self.on_done(job, result)
 
     def _next(self) -> Job | None:
         with self._wake:
@@ -79,23 +107,16 @@ class Scheduler:
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
-            result = None
+            job.wait_s = time.perf_counter() - job.queued
+            result, outcome = None, None
             try:
-                if not job.cancelled.is_set():
-                    result = self._run(job)
+                stream = self.engine.stream(job.prompt_ids, cancel=job.cancelled, **job.options)
+                for delta in stream:
+                    job.send(delta)
+                result = stream.generation
+                outcome = None if result.finish_reason == "cancelled" else result
             except Exception as e:  # the request gets the error; the server goes on
-                job.send(e)
-            finally:
-                with self._wake:
-                    self.running = None
-                self.on_done(job, result)
-
-    def _run(self, job: Job) -> Generation | None:
-        stream = self.engine.stream(job.prompt_ids, **job.options)
-        for delta in stream:
-            if job.cancelled.is_set():
-                stream.close()  # the client went away: the engine is free at once
-                return None
-            job.send(delta)
-        job.send(stream.generation)
-        return stream.generation
+                outcome = e
+            with self._wake:
+                self.running = None
+            self._finish(job, outcome, result)

@@ -27,6 +27,7 @@ from dsfp4.server.requests import ApiError, GenRequest, parse_request
 from dsfp4.server.scheduler import Job, QueueFull, Scheduler
 
 POLL_S = 0.25  # how often a request checks whether its client is still there
+CANCELLED = "the generation was cancelled: the server is shutting down"
 GRACE_S = 10  # at shutdown, how long open connections may take to end once their generations are cancelled
 
 
@@ -140,8 +141,9 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
             if call.req.include_usage:
                 yield sse(a.usage_chunk(item))
             yield sse("[DONE]")
-        elif item is not None:  # an error; None: the generation was cancelled, and nobody is listening
-            yield sse(_error(item).body())
+        else:  # an error, or None: cancelled because the client left (unread) or the server is shutting down
+            e = _error(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
+            yield sse(e.body())
 
     async def complete(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"

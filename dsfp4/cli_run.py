@@ -69,6 +69,12 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
     default=True,
     help="Do not predict the next layer's experts.",
 )
+@click.option(
+    "--mtp",
+    is_flag=True,
+    help="Speculative decoding with the checkpoint's MTP module: it drafts a token, one forward checks it "
+    "(stops drafting when that does not pay).",
+)
 @budget_options
 @context_options(
     RUN_DEFAULTS.max_context,

@@ -34,7 +34,8 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import LOGIT_ROWS, Plan
 from dsfp4.runtime.reasoning import opens_thinking, partial_suffix
 from dsfp4.runtime.routing import RoutingRecorder
-from dsfp4.runtime.sampling import sample
+from dsfp4.runtime.sampling import SamplingParams, sample
+from dsfp4.runtime.speculative import Speculator
 from dsfp4.runtime.stats import GenerationStats, peak_memory
 from dsfp4.runtime.store_stats import counters_since
 from dsfp4.runtime.tokenizer import ChatTokenizer
@@ -128,7 +129,7 @@ def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Mani
 def plan_engine(model_dir: str | os.PathLike, options: RunOptions) -> Plan:
     """The memory plan an Engine with these options would follow, without loading anything."""
     device, manifest, max_context, dtype = run_target(Path(model_dir), options)
-    return plan_run(manifest, device, dtype, max_context, options, with_mtp=False)
+    return plan_run(manifest, device, dtype, max_context, options, with_mtp=options.mtp)
 
 
 def with_knobs(options: RunOptions, knobs: Mapping[str, Any]) -> RunOptions:
@@ -160,8 +161,17 @@ class Engine:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.tokenizer = ChatTokenizer(self.model_dir, manifest.args.eos_token_ids)
+        if self.options.mtp and not manifest.args.n_mtp_layers:
+            raise ConfigError(f"--mtp: {self.model_dir} has no MTP layer (converted with --no-mtp?)")
         self.model: Transformer | None = load_model(
-            self.model_dir, device, dtype, self.max_context, manifest=manifest, options=self.options, plan=plan
+            self.model_dir,
+            device,
+            dtype,
+            self.max_context,
+            with_mtp=self.options.mtp,
+            manifest=manifest,
+            options=self.options,
+            plan=plan,
         )
         self.device = device
         self.notes: list[str] = list(self.model.experts.notes)
@@ -170,6 +180,7 @@ class Engine:
         self._stream: Stream | None = None  # the generation in progress
         self._busy = threading.Lock()  # one call at a time: two threads would corrupt the cache
         self.recorder = RoutingRecorder(self.model, trace=True) if self.options.record_trace else None
+        self.speculator = Speculator(self) if self.options.mtp else None
         try:
             hot = self.model_dir / HOT_NAME
             if hot.is_file():
@@ -214,6 +225,8 @@ class Engine:
         with self._claim():
             self._end_stream()
             self.cached = []
+            if self.speculator is not None:
+                self.speculator.upto = 0
 
     def encode(self, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (through the chat template, with an optional system message, unless
@@ -301,6 +314,8 @@ class Engine:
             self._end_stream()
             head, rows = self._model().head, []
             self.cached = []
+            if self.speculator is not None:
+                self.speculator.upto = 0  # the MTP entries are built by generation only
             for _, h in self._feed(ids):  # h: [t, D]
                 # the head runs on LOGIT_ROWS positions at a time, as the planner's workspace allows
                 rows += [linear(h[j : j + LOGIT_ROWS], head).float().cpu() for j in range(0, len(h), LOGIT_ROWS)]
@@ -355,11 +370,22 @@ class Engine:
         """Feed ids after the cached tokens -> logits after the last one [V]."""
         return deque(self._feed(ids, cancel), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
 
+    def _decode(
+        self, ids: list[int], sampling: SamplingParams, gen: torch.Generator | None, cancel: threading.Event | None
+    ) -> Iterator[int]:
+        """Plain decoding: prefill ids after the cached tokens, then yield tokens; each is fed to the model
+        only when the next one is asked for (so the last one never is)."""
+        logits = self._forward(ids, cancel)
+        while True:
+            token = sample(logits, sampling, gen)
+            yield token
+            logits = self._forward([token], cancel)
+
     @torch.inference_mode()
     def _steps(
         self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None
     ) -> Generator[Delta, None, Generation]:
-        """The generation loop: prefill, then sample, detokenize, check stop rules and decode, token by token."""
+        """The generation loop: tokens from plain or speculative decoding; detokenize, stop rules, deltas."""
         n, stop = len(prompt_ids), options.stop
         budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
         store = self._model().experts
@@ -369,15 +395,18 @@ class Engine:
         sampling = options.sampling()
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
-        reuse = min(_common_prefix(self.cached, prompt_ids), n - 1)
+        common = _common_prefix(self.cached, prompt_ids)
+        reuse = min(common, n - 1, self.speculator.reusable(common) if self.speculator else n)
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
         tokens: list[int] = []
         text, emitted, finish = "", 0, "length"
         self.cached = self.cached[:reuse]  # grows chunk by chunk: valid should the prefill be interrupted
+        if self.speculator is not None and budget > 1:
+            source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats)
+        else:
+            source = self._decode(prompt_ids[reuse:], sampling, gen, cancel)
         try:
-            logits = self._forward(prompt_ids[reuse:], cancel)
-            while stats.generated_tokens < budget:
-                token = sample(logits, sampling, gen)
+            for token in source:
                 stats.generated_tokens += 1
                 if stats.generated_tokens == 1:
                     stats.ttft_s = stats.prefill_s = time.perf_counter() - start
@@ -392,10 +421,12 @@ class Engine:
                 end = max(len(text) - _held_back(text, stop), emitted)
                 yield Delta(token, text[emitted:end])  # the cache is consistent here, should the caller stop
                 emitted = end
-                if stats.generated_tokens < budget:
-                    logits = self._forward([token], cancel)
+                if stats.generated_tokens >= budget:
+                    break
         except _Cancelled:
             finish = "cancelled"
+        finally:
+            source.close()
         if len(text) > emitted:
             yield Delta(None, text[emitted:])
         stats.decode_s = time.perf_counter() - start - stats.prefill_s

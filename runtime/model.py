@@ -72,12 +72,13 @@ class MTP(nn.Module):
         start_pos: int,
         freqs_cis: torch.Tensor,
         mask: torch.Tensor | None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """h: [B, T, D] main hidden states, next_tokens: [B, T] -> logits [B, T, V] for the token after."""
+        """h: [B, T, D] main hidden states, next_tokens: [B, T] -> logits [B, T or 1, V] for the token after."""
         e = F.embedding(next_tokens, self.embed)
         u = linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)  # embedding half first
         u = self.block(u, start_pos, freqs_cis, mask)
-        return linear(self.head_norm(u), self.head).float()
+        return linear(self.head_norm(u[:, -1:] if last_only else u), self.head).float()
 
 
 class Transformer(nn.Module):

@@ -34,7 +34,8 @@ class RunOptions:
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
-    record_trace: Path | None = None  # where the session writes its routing trace when it closes
+    record_trace: Path | None = None  # where the engine writes its routing trace when it closes
+    mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/speculative.py)
 
     def __post_init__(self) -> None:
         # stop strings arrive as a string, a list (JSON, Click's multiple flag) or a tuple

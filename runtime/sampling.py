@@ -1,4 +1,5 @@
-"""Choosing the next token: greedy at temperature 0, else temperature, top-k and top-p sampling."""
+"""Choosing the next token: greedy at temperature 0, else temperature, top-k and top-p sampling; and the
+speculative-sampling rule that checks a drafted token against the model's own distribution."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [V] fp32 -> a token id."""
-    if p.temperature <= 0:
-        return int(logits.argmax())
+
+def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits: [V] -> the probabilities sampling draws from [V] fp32 (one-hot at the argmax when greedy)."""
+    if p.greedy:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(0, logits.argmax().view(1), 1.0)
     logits = logits.float() / p.temperature
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -28,4 +33,33 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token id drawn from probs [V] (which need not be normalized)."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits: [V] fp32 -> a token id."""
+    if p.greedy:
+        return int(logits.argmax())
+    return draw(distribution(logits, p), generator)
+
+
+def check_draft(
+    target: torch.Tensor, draft_probs: torch.Tensor, draft: int, p: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, bool]:
+    """Speculative sampling: keep `draft` (drawn from draft_probs [V]) with probability min(1, p/q) under the
+    target logits [V]; else draw from the leftover max(p - q, 0). The token returned is distributed exactly
+    as sampling from the target would be. Greedy keeps the draft iff it is the target's argmax."""
+    if p.greedy:
+        best = int(target.argmax())
+        return best, best == draft
+    probs = distribution(target, p)
+    pd, qd = float(probs[draft]), float(draft_probs[draft])
+    if float(torch.rand((), generator=generator)) * qd < pd:
+        return draft, True
+    leftover = (probs - draft_probs).clamp_min(0)
+    return draw(leftover if float(leftover.sum()) > 0 else probs, generator), False

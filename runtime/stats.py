@@ -33,6 +33,13 @@ class GenerationStats:
     store: dict[str, float] = field(default_factory=dict)  # expert store counters over this generation
     peak_gpu: int = 0  # torch's max reserved device bytes during this generation
     peak_rss: int = 0  # the process's peak RSS so far (VmHWM), which cannot be reset per generation
+    # MTP speculative decoding (--mtp): drafts checked and kept, and the two kinds of decode step, timed
+    drafted: int = 0
+    accepted: int = 0
+    verify_s: float = 0.0
+    plain_steps: int = 0
+    plain_s: float = 0.0
+    mtp_note: str = ""  # why drafting stopped, when it did
 
     @property
     def prefill_tok_s(self) -> float:
@@ -56,6 +63,10 @@ class GenerationStats:
             "prefetch_precision": ratio(s.get("predicted_used", 0), s.get("predicted", 0)),
             "prefetch_recall": ratio(s.get("predicted_used", 0), s.get("actual", 0)),
             "ssd_read_gb_s": ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
+            "acceptance_rate": ratio(self.accepted, self.drafted),
+            "tokens_per_verify": ratio(self.drafted + self.accepted, self.drafted),
+            "mtp_tok_s": ratio(self.drafted + self.accepted, self.verify_s),  # decode speed while drafting
+            "plain_tok_s": ratio(self.plain_steps, self.plain_s),  # ... and while not (probe or fallback)
         }
 
     @classmethod
@@ -79,6 +90,7 @@ class GenerationStats:
             f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s "
             f"({self.generated_tokens} tokens), experts: {d['gpu_hit_rate']:.0%} on device, "
             f"{d['ram_hit_rate']:.0%} RAM, SSD {format_bytes(self.store.get('ssd_bytes', 0))}"
+            + (f", MTP {d['acceptance_rate']:.0%} of {self.drafted} drafts kept" if self.drafted else "")
         )
 
     def table(self) -> str:
@@ -110,5 +122,12 @@ class GenerationStats:
             ("waiting", f"{s.get('stall_s', 0):.3f} s for experts of {self.prefill_s + self.decode_s:.3f} s"),
             ("peak memory", f"device {format_bytes(self.peak_gpu)}, process RSS {format_bytes(self.peak_rss)}"),
         ]
+        if self.drafted or self.plain_steps:
+            mtp = (
+                f"{self.drafted} drafts, {self.accepted} kept ({d['acceptance_rate']:.1%}), "
+                f"{d['tokens_per_verify']:.2f} tokens per verify step; decode {d['mtp_tok_s']:.2f} tok/s drafting, "
+                f"{d['plain_tok_s']:.2f} tok/s plain ({self.plain_steps} steps)"
+            )
+            rows.append(("MTP", mtp + (f"; {self.mtp_note}" if self.mtp_note else "")))
         w = max(len(a) for a, _ in rows)
         return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

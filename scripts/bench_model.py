@@ -35,7 +35,18 @@ import numpy as np
 import torch
 
 from dsfp4.config import ModelArgs, from_hf_config
-from dsfp4.convert.hf_names import ATTN_RULES, DENSE_RULES, LINEAR, MOE_RULES, PLAIN, TOP_RULES, Rule, part_name
+from dsfp4.convert.hf_names import (
+    ATTN_RULES,
+    AUX,
+    DENSE_RULES,
+    LINEAR,
+    MOE_RULES,
+    MTP_RULES,
+    PLAIN,
+    TOP_RULES,
+    Rule,
+    part_name,
+)
 from dsfp4.hf_checkpoint import hf_config_dict, write_tokenizer
 from dsfp4.layout.atomic import fsync_dir
 from dsfp4.layout.formats import FORMATS, component_shapes, get_format
@@ -49,7 +60,7 @@ from dsfp4.runtime.budget import proc_status_bytes
 from dsfp4.sizes import format_bytes
 
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3), in Hugging Face keys; num_hidden_layers and
-# first_k_dense_replace come from the arguments, and there is no MTP layer.
+# first_k_dense_replace come from the arguments, and so does the MTP layer (off by default).
 V3_DIMS: dict = dict(
     vocab_size=129280,
     hidden_size=7168,
@@ -98,12 +109,12 @@ SIGN_PATTERNS = {"U8": b"\x88", "F8_E4M3": b"\x80", "BF16": b"\x00\x80"}
 PLAIN_TORCH = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
-def model_args(n_layers: int, n_dense: int, dims: dict | None = None) -> tuple[dict, ModelArgs]:
+def model_args(n_layers: int, n_dense: int, dims: dict | None = None, mtp: bool = False) -> tuple[dict, ModelArgs]:
     """The HF-style config.json dict (V3 dims, overridden by `dims`) and ModelArgs built from it."""
     cfg = hf_config_dict(
         {**V3_DIMS, **(dims or {}), "num_hidden_layers": n_layers, "first_k_dense_replace": n_dense}, "bf16"
     )
-    cfg["num_nextn_predict_layers"] = 0
+    cfg["num_nextn_predict_layers"] = int(mtp)
     return cfg, from_hf_config(cfg, "bench model config")
 
 
@@ -181,16 +192,17 @@ class BackbonePart:
             rules: tuple[Rule, ...] = TOP_RULES
         else:
             rules = ATTN_RULES + (MOE_RULES if args.is_moe_layer(block) else DENSE_RULES)
+            rules += MTP_RULES if block >= args.n_layers else ()
         prefix = "" if block is None else f"layers.{block}."
         self.tensors: list[tuple[str, str, tuple[int, ...]]] = []  # (ref, format, shape)
         for r in rules:
             if r.when(args):
-                if r.kind == LINEAR:
+                if r.kind in (LINEAR, AUX):  # AUX: the MTP module's eh_proj
                     fmt = backbone
                 elif r.kind == PLAIN:
                     fmt = "f32" if r.ref.endswith("gate.bias") else "bf16"  # as V3's release stores them
                 else:
-                    raise AssertionError(f"no MTP blocks here: {r.ref}")
+                    raise AssertionError(f"{r.ref}: a {r.kind} tensor in the backbone")
                 self.tensors.append((prefix + r.ref, fmt, r.shape(args)))
 
     @property
@@ -256,7 +268,7 @@ def write_backbone(out: Path, part: BackbonePart, seed: int, signs: SignMasks) -
             data = _u8(value(shape, dtype=PLAIN_TORCH[fmt]))
             sources[ref] = lambda data=data: iter([data])
         else:  # embedding at unit scale (a residual stream of rms ~1), projections at 1/sqrt(fan_in)
-            std = 1.0 if ref == "embed.weight" else 1.0 / math.sqrt(shape[1])
+            std = 1.0 if ref.endswith("embed.weight") else 1.0 / math.sqrt(shape[1])  # the MTP layer's too
             m = RandomMatrix(ref, fmt, shape, std, seed, signs)
             for c, name in part.names(ref, fmt).items():
                 sources[name] = lambda m=m, c=c: m.chunks(c)
@@ -365,6 +377,7 @@ def write_bench_model(
     dims: dict | None = None,
     backbone: str = "fp8_e4m3_b128",
     with_tokenizer: bool = False,
+    mtp: bool = False,
 ) -> Manifest:
     """Write a random model of V3's shape (`dims`: config.json keys overriding V3's) in layout v1 at `out`
     (which must not exist or be empty): `n_layers` blocks, the first `n_dense` with a dense MLP, NVFP4
@@ -374,9 +387,9 @@ def write_bench_model(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new folder")
-    cfg, args = model_args(n_layers, n_dense, dims)
+    cfg, args = model_args(n_layers, n_dense, dims, mtp)
     (out / "backbone").mkdir(parents=True, exist_ok=True)
-    moe_layers = [b for b in range(args.n_layers) if args.is_moe_layer(b)]
+    moe_layers = [b for b in range(args.n_blocks) if args.is_moe_layer(b)]
     record = RecordLayout.for_expert(EXPERT_FORMAT, args.dim, args.moe_inter_dim) if moe_layers else None
     if moe_layers:
         (out / "experts").mkdir(exist_ok=True)
@@ -387,7 +400,7 @@ def write_bench_model(
     experts: dict[int, ExpertFile] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="bench-bases") as background:  # quantized while the top is written
         records = background.submit(ExpertRecords, record, seed, signs) if record else None
-        for block in [None, *range(args.n_layers)]:
+        for block in [None, *range(args.n_blocks)]:
             part = BackbonePart(args, block, backbone)
             files[part.file] = write_backbone(out, part, seed, signs)
             for ref, fmt, shape in part.tensors:
@@ -415,7 +428,7 @@ def write_bench_model(
         "n_shards": 0,
         "seed": seed,
     }
-    options = {"format": EXPERT_FORMAT, "backbone": BACKBONES[backbone], "mtp": False}
+    options = {"format": EXPERT_FORMAT, "backbone": BACKBONES[backbone], "mtp": mtp}
     manifest = Manifest(args, source, options, tensors, files, record, experts)
     manifest.write(out)
     return manifest
@@ -441,11 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backbone", choices=sorted(BACKBONES), default="fp8_e4m3_b128")
     p.add_argument("--tokenizer", action="store_true", help="also write tokenizer.json and its config")
+    p.add_argument("--mtp", action="store_true", help="also write an MTP layer (block N, with its experts)")
     p.add_argument("--dims", nargs="*", default=[], metavar="KEY=VALUE", help="config.json keys overriding V3's")
     a = p.parse_args(argv)
     dims = {k: _dim_value(v) for k, v in (d.split("=", 1) for d in a.dims)}
     t = time.perf_counter()
-    m = write_bench_model(a.out, a.layers, a.dense, a.seed, dims, a.backbone, a.tokenizer)
+    m = write_bench_model(a.out, a.layers, a.dense, a.seed, dims, a.backbone, a.tokenizer, a.mtp)
     seconds = time.perf_counter() - t
     peak = proc_status_bytes("VmHWM")
     n = written_bytes(m)

@@ -97,3 +97,17 @@ def test_bench_model_refuses_a_used_folder_and_cli_prints(tmp_path, capsys):
     assert main([str(tmp_path / "cli"), "--layers", "2", "--dense", "1", "--dims", *dims]) == 0
     assert "2 layers (1 MoE, 16 experts each)" in capsys.readouterr().out
     verify(tmp_path / "cli")
+
+
+def test_bench_model_with_an_mtp_layer_drafts(tmp_path):
+    from dsfp4 import Engine
+
+    out = tmp_path / "mtp"
+    m = write_bench_model(out, n_layers=2, n_dense=1, dims=SMALL, with_tokenizer=True, mtp=True)
+    assert m.args.n_mtp_layers == 1 and sorted(m.experts) == [1, 2] and verify(out).n_records == 2 * 16
+    with Engine(out, device="cpu", max_context=64, temperature=0) as plain:
+        want = plain.generate([5, 17, 300], max_tokens=8).token_ids
+    with Engine(out, device="cpu", max_context=64, temperature=0, mtp=True) as engine:
+        engine.speculator.adaptive = False
+        g = engine.generate([5, 17, 300], max_tokens=8)
+    assert g.token_ids == want and g.stats.drafted > 0

@@ -1,0 +1,144 @@
+"""MTP speculative decoding (`dsfp4 run --mtp`): the checkpoint's own MTP module drafts the next token, one
+forward of the main model over [last token, draft] checks it, and the agreeing draft plus the main model's
+own next token are kept (one draft per step: DeepSeek-V3 has one MTP module).
+
+Positions: the MTP module's cache entry i holds (the main model's final hidden state at i, the embedding of
+token i+1) at rotary position i (checkpoint-spec c.9); its logits there draft token i+2. An entry stays valid
+while the token after it is in the main cache, which bounds how much of a cached prefix a call can reuse.
+A rejected draft's entry in the main cache is simply overwritten by the next step (the cached-token list
+is what says which positions hold valid KV).
+
+Adaptive: the first PROBE_PLAIN decode steps run plain, which times a plain step. After JUDGE_AFTER verify
+steps, drafting goes on only while (tokens per verify step) / (verify step time) beats 1 / (plain step time),
+as measured; otherwise the rest of the generation decodes plain and the stats say why. Under heavy SSD
+streaming a verify step loads the experts of two tokens, so this is where drafting can stop paying.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.kernels.linear import linear
+from dsfp4.runtime.sampling import SamplingParams, check_draft, distribution, draw, sample
+from dsfp4.runtime.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from dsfp4.runtime.engine import Engine
+
+PROBE_PLAIN = 2  # plain decode steps timed before drafting starts
+JUDGE_AFTER = 8  # verify steps measured before drafting may be judged not to pay
+
+
+class Speculator:
+    """The MTP drafter and the verify loop of one engine."""
+
+    def __init__(self, engine: Engine):
+        model = engine.model
+        if model is None or not model.mtp:
+            raise ConfigError("--mtp: this model has no MTP layer (it was converted with --no-mtp, or has none)")
+        self.engine, self.mtp = engine, model.mtp[0]
+        self.upto = 0  # MTP cache entries filled: positions 0 .. upto-1
+        self.adaptive = True  # tests turn it off to keep drafting whatever it costs
+        self.probe_plain = PROBE_PLAIN  # tests set 0 to draft from the first decode step
+        self.override: Callable[[int, int], int] | None = None  # test hook, greedy: (position, draft) -> token
+
+    def reusable(self, common: int) -> int:
+        """How many cached tokens a call sharing `common` tokens with the cache may reuse: every reused
+        position needs a valid MTP entry, and entry i is valid only if token i+1 is shared too."""
+        return max(min(self.upto, common - 1), 0)
+
+    def _extend(self, h: torch.Tensor, next_tokens: list[int], start: int) -> torch.Tensor:
+        """MTP entries for positions start.. from main hidden states h [t, D] and the tokens after them ->
+        the logits drafting the token after the last one [V]."""
+        model = self.engine.model
+        freqs, mask = model.positions(len(next_tokens), start)
+        tokens = torch.tensor([next_tokens], device=h.device)
+        logits = self.mtp(h[None], tokens, start, freqs, mask, last_only=True)  # [1, 1, V]
+        self.upto = start + len(next_tokens)
+        return logits[0, -1]
+
+    def _draft(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None):
+        """(draft token, the distribution it was drawn from [V]) from MTP logits [V]."""
+        q = distribution(logits, sampling)
+        d = int(q.argmax()) if sampling.greedy else draw(q, gen)
+        if self.override is not None:
+            d = self.override(self.upto + 1, d)  # the position the drafted token would take
+            q = torch.zeros_like(q).scatter_(0, torch.tensor([d], device=q.device), 1.0)
+        return d, q
+
+    def tokens(
+        self,
+        ids: list[int],
+        sampling: SamplingParams,
+        gen: torch.Generator | None,
+        cancel: threading.Event | None,
+        stats: GenerationStats,
+    ) -> Iterator[int]:
+        """Prefill ids after the cached tokens, then yield the generated tokens. A token is fed to the model
+        only when the next one is asked for, as the engine's plain decoding does."""
+        e, head = self.engine, self.engine.model.head
+        base, offset = len(e.cached), 0
+        for chunk_logits, h in e._feed(ids, cancel):  # h: [t, D]
+            nxt = ids[offset + 1 : offset + len(h) + 1]  # MTP entries where the next token is known
+            if nxt:
+                self._extend(h[: len(nxt)], nxt, base + offset)
+            offset, last_h, logits = offset + len(h), h[-1:], chunk_logits
+        token = sample(logits, sampling, gen)
+        # entries still to compute: the last prompt position (its next token is the one just sampled), then
+        # one per plain step; they are computed together when drafting starts
+        pending_h, pending_next, pending_at = [last_h], [token], base + len(ids) - 1
+        drafting = fallback = False
+        yield token
+        while True:
+            if not drafting and not fallback and stats.plain_steps >= self.probe_plain:
+                draft_logits, drafting = self._extend(torch.cat(pending_h), pending_next, pending_at), True
+            t0 = time.perf_counter()
+            if not drafting:
+                logits, h = deque(e._feed([token], cancel), maxlen=1)[0]  # h: [1, D]
+                token = sample(logits, sampling, gen)
+                stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + time.perf_counter() - t0
+                if not fallback:
+                    pending_h.append(h)
+                    pending_next.append(token)
+                yield token
+                continue
+            d, q = self._draft(draft_logits, sampling, gen)
+            at = len(e.cached)  # the position of `token`
+            last, h = deque(e._feed([token, d], cancel), maxlen=1)[0]  # h: [2, D]
+            checked, ok = check_draft(linear(h[:1], head).float()[0], q, d, sampling, gen)
+            if ok:  # the draft stands, and the main model's logits after it give one more token for free
+                out = [d, sample(last, sampling, gen)]
+                draft_logits = self._extend(h, out, at)
+            else:
+                e.cached.pop()  # the draft's KV at at+1 is stale: the next step overwrites it
+                out = [checked]
+                draft_logits = self._extend(h[:1], out, at)
+            stats.drafted, stats.accepted = stats.drafted + 1, stats.accepted + ok
+            stats.verify_s += time.perf_counter() - t0
+            if self.adaptive and stats.drafted >= JUDGE_AFTER and not _pays(stats):
+                drafting, fallback = False, True
+                stats.mtp_note = _why_not(stats)
+            yield from out
+            token = out[-1]
+
+
+def _pays(s: GenerationStats) -> bool:
+    """Tokens per second drafting (as measured) against plain decoding's."""
+    if not s.plain_steps or not s.verify_s:
+        return True
+    return (s.drafted + s.accepted) / s.verify_s > s.plain_steps / s.plain_s
+
+
+def _why_not(s: GenerationStats) -> str:
+    ratio = (s.verify_s / s.drafted) / (s.plain_s / s.plain_steps)
+    return (
+        f"drafting stopped after {s.drafted} verify steps: {s.accepted / s.drafted:.0%} of drafts accepted, "
+        f"{(s.drafted + s.accepted) / s.drafted:.2f} tokens per verify step, which takes {ratio:.2f}x a plain step"
+    )

@@ -1,0 +1,130 @@
+"""MTP speculative decoding on the GPU machine (docs/BENCHMARKS.md): greedy decode speed with and without
+drafting, with every weight resident and with experts streamed from the SSD.
+
+    python scripts/bench_mtp.py WORKDIR [--layers 3] [--tokens 64] [--stream-gpu-mem 12G] [--stream-cpu-mem 12G]
+
+The model is scripts/bench_model.py's with an MTP layer (DeepSeek-V3 dimensions, random NVFP4 experts), so
+the MTP module's drafts are as random as its weights and are nearly never accepted. Besides those natural
+drafts, each case runs with every draft forced to the token plain decoding chose (the best case, an upper
+bound for the 85-90% acceptance DeepSeek reports on real text) and forced wrong (the worst case), through
+the engine's test hook, and once with the adaptive switch on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `dsfp4` itself sets
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import write_bench_model  # noqa: E402
+from bench_store import ceilings  # noqa: E402
+
+from dsfp4 import Engine, RunOptions  # noqa: E402
+from dsfp4.layout.manifest import Manifest  # noqa: E402
+
+PROMPT = "Which experts are hot?"
+
+
+def run_case(path: Path, options: RunOptions, tokens: int) -> list[dict]:
+    rows = []
+    with Engine(path, dataclasses.replace(options, mtp=False)) as plain:
+        plain.generate(PROMPT, max_tokens=4)  # warm: Triton, cuBLAS
+        plain.reset()
+        ref = plain.generate(PROMPT, max_tokens=tokens)
+    rows.append({"mode": "plain", "decode_tok_s": ref.stats.decode_tok_s, "same_tokens": True, **_mtp(ref)})
+    seq = ref.prompt_ids + ref.token_ids
+    vocab = Manifest.read(path).args.vocab_size
+    modes = {
+        "mtp natural drafts": None,
+        "mtp drafts forced right": lambda pos, d: seq[pos] if pos < len(seq) else d,
+        "mtp drafts forced wrong": lambda pos, d: (seq[pos] + 1) % vocab if pos < len(seq) else d,
+        "mtp adaptive (default)": "adaptive",
+    }
+    with Engine(path, dataclasses.replace(options, mtp=True)) as engine:
+        engine.generate(PROMPT, max_tokens=4)
+        for mode, hook in modes.items():
+            engine.reset()
+            engine.speculator.adaptive = hook == "adaptive"
+            engine.speculator.override = None if hook in (None, "adaptive") else hook
+            g = engine.generate(PROMPT, max_tokens=tokens)
+            rows.append(
+                {
+                    "mode": mode,
+                    "decode_tok_s": g.stats.decode_tok_s,
+                    "same_tokens": g.token_ids == ref.token_ids,
+                    **_mtp(g),
+                }  # fmt: skip
+            )
+    return rows
+
+
+def _mtp(g) -> dict:
+    d = g.stats.to_dict()
+    keys = ("drafted", "accepted", "acceptance_rate", "tokens_per_verify", "verify_s", "plain_steps", "plain_s")
+    out = {k: d[k] for k in keys}
+    out["mtp_note"] = g.stats.mtp_note
+    out["gpu_hit_rate"], out["ssd_bytes_per_token"] = d["gpu_hit_rate"], d["ssd_bytes_per_token"]
+    return out
+
+
+def _step_ratio(r: dict) -> str:
+    """A verify step's time over a plain step's (both measured in the same generation)."""
+    if not r["drafted"] or not r["plain_steps"]:
+        return "-"
+    return f"{(r['verify_s'] / r['drafted']) / (r['plain_s'] / r['plain_steps']):.2f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir", type=Path)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--stream-gpu-mem", default="12G")
+    ap.add_argument("--stream-cpu-mem", default="12G")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    a = ap.parse_args()
+    path = a.workdir / "model"
+    t0 = time.perf_counter()
+    if not (path / "manifest.json").exists():
+        write_bench_model(path, n_layers=a.layers, n_dense=1, with_tokenizer=True, mtp=True)
+    res: dict = {"write_s": time.perf_counter() - t0, "ceilings": ceilings(path, Manifest.read(path))}
+    base = {"device": "cuda", "max_context": 1024, "temperature": 0.0, "io_threads": 8}
+    cases = {
+        "resident": RunOptions(**base, gpu_mem="70G", cpu_mem="24G"),
+        "streaming": RunOptions(**base, gpu_mem=a.stream_gpu_mem, cpu_mem=a.stream_cpu_mem),
+    }
+    for name, options in cases.items():
+        res[name] = run_case(path, options, a.tokens if name == "resident" else a.tokens // 2)
+        torch.cuda.empty_cache()
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench_mtp.json").write_text(json.dumps(res, indent=1))
+    print(f"\nceilings (GB/s): { {k: round(v, 2) for k, v in res['ceilings'].items()} }")
+    for name in cases:
+        for r in res[name]:
+            if r["mtp_note"]:
+                print(f"{name}, {r['mode']}: {r['mtp_note']}")
+    for name in cases:
+        plain = res[name][0]["decode_tok_s"]
+        print(
+            f"\n{name}: {'mode':<26}{'tok/s':>8}{'vs plain':>9}{'kept':>10}{'tok/verify':>11}{'verify/plain':>13}  same"
+        )
+        for r in res[name]:
+            kept = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
+            print(
+                f"{'':<{len(name) + 2}}{r['mode']:<26}{r['decode_tok_s']:>8.2f}{r['decode_tok_s'] / plain:>8.2f}x"
+                f"{kept:>10}{r['tokens_per_verify']:>11.2f}{_step_ratio(r):>13}  {'yes' if r['same_tokens'] else 'NO'}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""MTP speculative decoding: greedy tokens equal plain decoding's across prompts, lengths and cache budgets,
+with every draft rejected or every draft kept (forced through the test hook); the sampling rule keeps the
+target distribution (exactly, by a chi-square test on 20,000 draws, and end to end on the tiny model);
+the adaptive switch; the CLI flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+from conftest import run_cli
+
+from dsfp4 import Engine, RunOptions
+from dsfp4.convert.pipeline import convert
+from dsfp4.convert.plan import ConvertOptions
+from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.model import plan_run
+from dsfp4.runtime.sampling import SamplingParams, check_draft, distribution, draw
+from dsfp4.runtime.speculative import JUDGE_AFTER
+
+PROMPTS = ["Why is the sky blue?", "hello", "Write a haiku about SSDs"]
+CPU = torch.device("cpu")
+
+
+def _engine(model, mtp: bool, slots: tuple[int, int] | None = None, **knobs) -> Engine:
+    options = RunOptions(device="cpu", max_context=64, mtp=mtp, **knobs)
+    plan = None
+    if slots:  # tiny tiers: experts come and go between the verify step's tokens
+        plan = plan_run(Manifest.read(model), CPU, torch.float32, 64, options, mtp)
+        plan = dataclasses.replace(plan, gpu_slots=slots[0], ram_slots=slots[1], staging=min(4, slots[1]))
+    engine = Engine(model, options, plan=plan)
+    if mtp:
+        engine.speculator.adaptive, engine.speculator.probe_plain = False, 0
+    return engine
+
+
+def _chi2_p(observed: Counter, expected: dict[int, float], n: int) -> float:
+    """p-value of Pearson's chi-square test of counts against probabilities (bins under 5 expected merged)."""
+    big = [k for k, p in expected.items() if p * n >= 5]
+    rest_p = 1 - sum(expected[k] for k in big)
+    stat = sum((observed[k] - expected[k] * n) ** 2 / (expected[k] * n) for k in big)
+    if rest_p * n >= 5:
+        rest = n - sum(observed[k] for k in big)
+        stat += (rest - rest_p * n) ** 2 / (rest_p * n)
+        dof = len(big)
+    else:
+        dof = len(big) - 1
+    return _chi2_sf(stat, dof)
+
+
+def _chi2_sf(x: float, k: int) -> float:
+    """Survival function of the chi-square distribution (regularized upper gamma, by series)."""
+    a, t = k / 2, x / 2
+    term = total = 1 / a
+    for i in range(1, 1000):
+        term *= t / (a + i)
+        total += term
+    lower = math.exp(-t + a * math.log(t) - math.lgamma(a)) * total if t > 0 else 0.0
+    return max(0.0, 1 - lower)
+
+
+@pytest.mark.parametrize("slots", [None, (3, 5), (2, 1)])
+def test_greedy_tokens_equal_plain_decoding_with_drafts_natural_rejected_or_kept(converted, slots):
+    plain = _engine(converted, False)
+    mtp = _engine(converted, True, slots)
+    vocab = plain.model.args.vocab_size
+    try:
+        for prompt, n in zip(PROMPTS, (12, 5, 20), strict=True):
+            ref = plain.generate(prompt, max_tokens=n, temperature=0)
+            seq = ref.prompt_ids + ref.token_ids
+            runs = {
+                "natural": None,
+                "kept": lambda pos, d, seq=seq: seq[pos] if pos < len(seq) else d,
+                "rejected": lambda pos, d, seq=seq: (seq[pos] + 1) % vocab if pos < len(seq) else d,
+            }
+            for name, override in runs.items():
+                mtp.speculator.override = override
+                g = mtp.generate(prompt, max_tokens=n, temperature=0)
+                assert g.token_ids == ref.token_ids and g.text == ref.text, (prompt, name)
+                assert g.stats.drafted > 0
+                if name == "kept":
+                    assert g.stats.accepted >= g.stats.drafted - 1  # the last may draft beyond the reference
+                if name == "rejected":
+                    assert g.stats.accepted == 0
+    finally:
+        plain.close()
+        mtp.close()
+
+
+def test_chat_turns_with_mtp_reuse_the_cache_and_give_the_tokens_of_plain_decoding(converted):
+    chat = [{"role": "user", "content": "hello"}]
+    with _engine(converted, False) as plain, _engine(converted, True) as mtp:
+        first = mtp.generate(chat, max_tokens=6, temperature=0)
+        assert first.token_ids == plain.generate(chat, max_tokens=6, temperature=0).token_ids
+        chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
+        second = mtp.generate(chat, max_tokens=8, temperature=0)
+        plain.reset()
+        assert second.token_ids == plain.generate(chat, max_tokens=8, temperature=0).token_ids
+        assert second.stats.cached_tokens > 0  # the first turn's prefix, less what the MTP entries lack
+
+
+def test_the_sampling_rule_keeps_the_target_distribution():
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, top_p=1.0)
+    target = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    p = distribution(target, params)
+    expected = {k: float(v) for k, v in enumerate(p)}
+    for draft_logits in (torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0, -2.0]), target + 0.3 * torch.randn(6, generator=gen)):
+        q = distribution(draft_logits, params)
+        n, counts, kept = 20000, Counter(), 0
+        for _ in range(n):
+            d = draw(q, gen)
+            token, ok = check_draft(target, q, d, params, gen)
+            counts[token] += 1
+            kept += ok
+        assert _chi2_p(counts, expected, n) > 1e-3, counts  # tokens follow p
+        assert abs(kept / n - float(torch.minimum(p, q).sum())) < 0.02  # acceptance = sum min(p, q)
+    drafts = Counter(draw(q, gen) for _ in range(n))
+    assert _chi2_p(drafts, expected, n) < 1e-6  # the test tells q from p: it can fail
+    greedy = SamplingParams(temperature=0)
+    assert check_draft(target, distribution(target, greedy), 0, greedy, None) == (0, True)
+    assert check_draft(target, distribution(target, greedy), 3, greedy, None) == (0, False)
+
+
+def test_sampling_with_mtp_draws_the_second_token_as_plain_sampling_does(converted):
+    """Over 240 seeds at temperature 1.5 and top-k 4, the second generated token (the first one a verify
+    step decides) has the same distribution with and without MTP: a two-sample chi-square test, p > 1e-3."""
+    knobs = {"temperature": 1.5, "top_k": 4, "top_p": 1.0}
+    counts = []
+    for mtp in (False, True):
+        with _engine(converted, mtp) as engine:
+            seen = Counter()
+            for seed in range(240):
+                seen[tuple(engine.generate("hello", max_tokens=2, seed=seed, **knobs).token_ids[1:])] += 1
+            counts.append(seen)
+    keys = set(counts[0]) | set(counts[1])
+    pooled = {k: (counts[0][k] + counts[1][k]) / 480 for k in keys}
+    stat, dof = 0.0, -1
+    for k in keys:
+        if pooled[k] * 240 >= 5:
+            stat += sum((c[k] - pooled[k] * 240) ** 2 / (pooled[k] * 240) for c in counts)
+            dof += 1
+    assert dof >= 2 and _chi2_sf(stat, dof) > 1e-3, counts
+
+
+def test_drafting_that_does_not_pay_falls_back_to_plain_decoding(converted):
+    with Engine(converted, device="cpu", max_context=64, mtp=True) as engine:
+        g = engine.generate(PROMPTS[0], max_tokens=24, temperature=0)  # random weights: drafts are rejected
+    s = g.stats
+    assert s.drafted == JUDGE_AFTER and s.plain_steps > 2 and "drafting stopped after 8 verify steps" in s.mtp_note
+    assert "MTP" in s.table() and s.to_dict()["tokens_per_verify"] == pytest.approx(1 + s.accepted / s.drafted)
+
+
+def test_run_mtp_flag_and_a_model_without_the_layer(converted, checkpoints, tmp_path):
+    flags = ["--prompt", "hello", "--temperature", "0", "--max-tokens", "10", "--device", "cpu", "--json"]
+    plain = json.loads(run_cli("run", converted, *flags).stdout)
+    r = run_cli("run", converted, *flags, "--mtp", "--stats")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["token_ids"] == plain["token_ids"] and "MTP" in r.stderr
+    out = tmp_path / "no-mtp"
+    convert(checkpoints["fp8"], out, ConvertOptions(no_mtp=True), progress=False)
+    with pytest.raises(ConfigError, match="--mtp: .* has no MTP layer"):
+        Engine(out, device="cpu", mtp=True)

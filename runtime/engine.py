@@ -346,17 +346,19 @@ class Engine:
             self._stream = None
 
     def _feed(
-        self, ids: list[int], cancel: threading.Event | None = None
+        self, ids: list[int], cancel: threading.Event | None = None, every: bool = False
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Feed ids after the cached tokens in chunks of prefill_chunk tokens: yields each chunk's (logits after
-        its last token [V], final hidden states [t, D]); the cached tokens grow chunk by chunk."""
+        its last token [V], or after every token [t, V] when `every`; final hidden states [t, D]); the cached
+        tokens grow chunk by chunk."""
         model, chunk = self._model(), self.options.prefill_chunk
         for i in range(0, len(ids), chunk):
             if cancel is not None and cancel.is_set():
                 raise _Cancelled
             piece = ids[i : i + chunk]
             try:
-                logits, h = model(torch.tensor([piece], device=self.device), len(self.cached), last_only=True)
+                tokens = torch.tensor([piece], device=self.device)
+                logits, h = model(tokens, len(self.cached), last_only=not every)
             except BaseException:
                 if self.recorder is not None:
                     self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
@@ -364,7 +366,7 @@ class Engine:
             if self.recorder is not None:
                 self.recorder.commit(piece)
             self.cached += piece
-            yield logits[0, -1], h[0]
+            yield (logits[0] if every else logits[0, -1]), h[0]
 
     def _forward(self, ids: list[int], cancel: threading.Event | None) -> torch.Tensor:
         """Feed ids after the cached tokens -> logits after the last one [V]."""

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsfp4.errors import ConfigError
-from dsfp4.kernels.linear import linear
 from dsfp4.runtime.sampling import SamplingParams, check_draft, distribution, draw, sample
 from dsfp4.runtime.stats import GenerationStats
 
@@ -83,7 +82,7 @@ class Speculator:
     ) -> Iterator[int]:
         """Prefill ids after the cached tokens, then yield the generated tokens. A token is fed to the model
         only when the next one is asked for, as the engine's plain decoding does."""
-        e, head = self.engine, self.engine.model.head
+        e = self.engine
         base, offset = len(e.cached), 0
         for chunk_logits, h in e._feed(ids, cancel):  # h: [t, D]
             nxt = ids[offset + 1 : offset + len(h) + 1]  # MTP entries where the next token is known
@@ -111,10 +110,10 @@ class Speculator:
                 continue
             d, q = self._draft(draft_logits, sampling, gen)
             at = len(e.cached)  # the position of `token`
-            last, h = deque(e._feed([token, d], cancel), maxlen=1)[0]  # h: [2, D]
-            checked, ok = check_draft(linear(h[:1], head).float()[0], q, d, sampling, gen)
+            logits, h = deque(e._feed([token, d], cancel, every=True), maxlen=1)[0]  # [2, V], [2, D]
+            checked, ok = check_draft(logits[0], q, d, sampling, gen)
             if ok:  # the draft stands, and the main model's logits after it give one more token for free
-                out = [d, sample(last, sampling, gen)]
+                out = [d, sample(logits[1], sampling, gen)]
                 draft_logits = self._extend(h, out, at)
             else:
                 e.cached.pop()  # the draft's KV at at+1 is stale: the next step overwrites it

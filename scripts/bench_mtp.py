@@ -5,9 +5,11 @@ drafting, with every weight resident and with experts streamed from the SSD.
 
 The model is scripts/bench_model.py's with an MTP layer (DeepSeek-V3 dimensions, random NVFP4 experts), so
 the MTP module's drafts are as random as its weights and are nearly never accepted. Besides those natural
-drafts, each case runs with every draft forced to the token plain decoding chose (the best case, an upper
-bound for the 85-90% acceptance DeepSeek reports on real text) and forced wrong (the worst case), through
-the engine's test hook, and once with the adaptive switch on.
+drafts, each case runs with every draft kept (the check patched to accept: the best case, an upper bound
+for the 85-90% acceptance DeepSeek reports on real text; the tokens are then not the model's) and every
+draft rejected (the worst case, through the engine's test hook), and once with the adaptive switch on.
+A uniform hot.json warm-starts every engine, so the resident case starts with every expert on the device.
+An fp32 case checks that greedy tokens with natural and rejected drafts equal plain decoding's on the GPU.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ from bench_model import write_bench_model  # noqa: E402
 from bench_store import ceilings  # noqa: E402
 
 from dsfp4 import Engine, RunOptions  # noqa: E402
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
 from dsfp4.layout.manifest import Manifest  # noqa: E402
+from dsfp4.runtime import speculative  # noqa: E402
+from dsfp4.runtime.sampling import check_draft  # noqa: E402
 
 PROMPT = "Which experts are hot?"
 
 
-def run_case(path: Path, options: RunOptions, tokens: int) -> list[dict]:
+def run_case(path: Path, options: RunOptions, tokens: int, exactness_only: bool = False) -> list[dict]:
     rows = []
     with Engine(path, dataclasses.replace(options, mtp=False)) as plain:
         plain.generate(PROMPT, max_tokens=4)  # warm: Triton, cuBLAS
@@ -45,25 +50,23 @@ def run_case(path: Path, options: RunOptions, tokens: int) -> list[dict]:
     vocab = Manifest.read(path).args.vocab_size
     modes = {
         "mtp natural drafts": None,
-        "mtp drafts forced right": lambda pos, d: seq[pos] if pos < len(seq) else d,
-        "mtp drafts forced wrong": lambda pos, d: (seq[pos] + 1) % vocab if pos < len(seq) else d,
+        "mtp drafts all kept": "kept",
+        "mtp drafts all rejected": lambda pos, d: (seq[pos] + 1) % vocab if pos < len(seq) else d,
         "mtp adaptive (default)": "adaptive",
     }
+    if exactness_only:
+        modes = {k: v for k, v in modes.items() if v is None or callable(v)}
     with Engine(path, dataclasses.replace(options, mtp=True)) as engine:
         engine.generate(PROMPT, max_tokens=4)
         for mode, hook in modes.items():
             engine.reset()
             engine.speculator.adaptive = hook == "adaptive"
-            engine.speculator.override = None if hook in (None, "adaptive") else hook
+            engine.speculator.override = hook if callable(hook) else None
+            speculative.check_draft = (lambda t, q, d, p, g: (d, True)) if hook == "kept" else check_draft
             g = engine.generate(PROMPT, max_tokens=tokens)
-            rows.append(
-                {
-                    "mode": mode,
-                    "decode_tok_s": g.stats.decode_tok_s,
-                    "same_tokens": g.token_ids == ref.token_ids,
-                    **_mtp(g),
-                }  # fmt: skip
-            )
+            same = g.token_ids == ref.token_ids
+            rows.append({"mode": mode, "decode_tok_s": g.stats.decode_tok_s, "same_tokens": same, **_mtp(g)})
+        speculative.check_draft = check_draft
     return rows
 
 
@@ -96,14 +99,18 @@ def main() -> int:
     t0 = time.perf_counter()
     if not (path / "manifest.json").exists():
         write_bench_model(path, n_layers=a.layers, n_dense=1, with_tokenizer=True, mtp=True)
-    res: dict = {"write_s": time.perf_counter() - t0, "ceilings": ceilings(path, Manifest.read(path))}
+    manifest = Manifest.read(path)
+    res: dict = {"write_s": time.perf_counter() - t0, "ceilings": ceilings(path, manifest)}
+    uniform = {layer: (1,) * manifest.args.n_routed_experts for layer in manifest.experts}
+    HotProfile(manifest.conversion_sha256(), 1, uniform).write(path / HOT_NAME)
     base = {"device": "cuda", "max_context": 1024, "temperature": 0.0, "io_threads": 8}
     cases = {
-        "resident": RunOptions(**base, gpu_mem="70G", cpu_mem="24G"),
-        "streaming": RunOptions(**base, gpu_mem=a.stream_gpu_mem, cpu_mem=a.stream_cpu_mem),
+        "resident": (RunOptions(**base, gpu_mem="70G", cpu_mem="24G"), a.tokens),
+        "streaming": (RunOptions(**base, gpu_mem=a.stream_gpu_mem, cpu_mem=a.stream_cpu_mem), a.tokens // 2),
+        "resident fp32": (RunOptions(**base, dtype="fp32", gpu_mem="70G", cpu_mem="24G"), 24),
     }
-    for name, options in cases.items():
-        res[name] = run_case(path, options, a.tokens if name == "resident" else a.tokens // 2)
+    for name, (options, tokens) in cases.items():
+        res[name] = run_case(path, options, tokens, exactness_only=name.endswith("fp32"))
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_mtp.json").write_text(json.dumps(res, indent=1))

@@ -315,10 +315,14 @@ class Engine:
             head, rows = self._model().head, []
             self.cached = []
             if self.speculator is not None:
-                self.speculator.upto = 0  # the MTP entries are built by generation only
+                self.speculator.upto = 0
+            done = 0
             for _, h in self._feed(ids):  # h: [t, D]
+                if self.speculator is not None:  # its entries follow, so a generation after this reuses it
+                    self.speculator.entries(h, ids, 0, done)
                 # the head runs on LOGIT_ROWS positions at a time, as the planner's workspace allows
                 rows += [linear(h[j : j + LOGIT_ROWS], head).float().cpu() for j in range(0, len(h), LOGIT_ROWS)]
+                done += len(h)
         return torch.cat(rows)  # [T, V]
 
     # -- internals ------------------------------------------------------------------------------------
@@ -345,28 +349,32 @@ class Engine:
             self._stream.close()  # a generation left unfinished ends here, with the cache consistent
             self._stream = None
 
-    def _feed(
-        self, ids: list[int], cancel: threading.Event | None = None, every: bool = False
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Feed ids after the cached tokens in chunks of prefill_chunk tokens: yields each chunk's (logits after
-        its last token [V], or after every token [t, V] when `every`; final hidden states [t, D]); the cached
-        tokens grow chunk by chunk."""
-        model, chunk = self._model(), self.options.prefill_chunk
-        for i in range(0, len(ids), chunk):
-            if cancel is not None and cancel.is_set():
-                raise _Cancelled
-            piece = ids[i : i + chunk]
-            try:
-                tokens = torch.tensor([piece], device=self.device)
-                logits, h = model(tokens, len(self.cached), last_only=not every)
-            except BaseException:
-                if self.recorder is not None:
-                    self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
-                raise
+    def _pass(
+        self, piece: list[int], cancel: threading.Event | None = None, every: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of piece after the cached tokens -> (logits after its last token [V], or after every
+        token [t, V] when `every`; final hidden states [t, D]). The cached tokens grow by the piece."""
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        try:
+            tokens = torch.tensor([piece], device=self.device)
+            logits, h = self._model()(tokens, len(self.cached), last_only=not every)
+        except BaseException:
             if self.recorder is not None:
-                self.recorder.commit(piece)
-            self.cached += piece
-            yield (logits[0] if every else logits[0, -1]), h[0]
+                self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
+            raise
+        if self.recorder is not None:
+            self.recorder.commit(piece)
+        self.cached += piece
+        return (logits[0] if every else logits[0, -1]), h[0]
+
+    def _feed(
+        self, ids: list[int], cancel: threading.Event | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Feed ids after the cached tokens in chunks of prefill_chunk tokens: yields each chunk's _pass."""
+        chunk = self.options.prefill_chunk
+        for i in range(0, len(ids), chunk):
+            yield self._pass(ids[i : i + chunk], cancel)
 
     def _forward(self, ids: list[int], cancel: threading.Event | None) -> torch.Tensor:
         """Feed ids after the cached tokens -> logits after the last one [V]."""
@@ -403,8 +411,10 @@ class Engine:
         tokens: list[int] = []
         text, emitted, finish = "", 0, "length"
         self.cached = self.cached[:reuse]  # grows chunk by chunk: valid should the prefill be interrupted
+        if self.speculator is not None:
+            self.speculator.upto = min(self.speculator.upto, reuse)  # later entries belong to the old tokens
         if self.speculator is not None and budget > 1:
-            source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats)
+            source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget)
         else:
             source = self._decode(prompt_ids[reuse:], sampling, gen, cancel)
         try:

@@ -73,11 +73,15 @@ class MTP(nn.Module):
         freqs_cis: torch.Tensor,
         mask: torch.Tensor | None,
         last_only: bool = False,
-    ) -> torch.Tensor:
-        """h: [B, T, D] main hidden states, next_tokens: [B, T] -> logits [B, T or 1, V] for the token after."""
+        head: bool = True,
+    ) -> torch.Tensor | None:
+        """h: [B, T, D] main hidden states, next_tokens: [B, T] -> logits [B, T or 1, V] for the token after
+        (None without `head`: only the block's KV cache is filled)."""
         e = F.embedding(next_tokens, self.embed)
         u = linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)  # embedding half first
         u = self.block(u, start_pos, freqs_cis, mask)
+        if not head:
+            return None
         return linear(self.head_norm(u[:, -1:] if last_only else u), self.head).float()
 
 

@@ -18,6 +18,7 @@ from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.attention import SCORE_ELEMENTS
 from dsfp4.runtime.budget import Budgets, process_rss
+from dsfp4.runtime.speculative import MTP_BATCH
 from dsfp4.sizes import format_bytes
 
 FP32 = 4
@@ -105,7 +106,8 @@ def make_plan(
     total_records = len(expert_layers) * a.n_routed_experts
     backbone, largest = backbone_bytes(manifest, dtype, with_mtp)
     kv = len(layers) * max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt
-    t = min(prefill_chunk, max_context)
+    # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
+    t = min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
     # dequantizing a matrix goes through two fp32 copies, then the result; activations of one chunk:
     # the residual stream and its temporaries, absorbed queries, attention scores, expert hidden states
     dequant = largest * (2 * FP32 + elt)

@@ -33,6 +33,7 @@ def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
+        probs = probs / probs.sum()  # a distribution again: the draft check compares p and q as such
     return probs
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 PROBE_PLAIN = 2  # plain decode steps timed before drafting starts
 JUDGE_AFTER = 8  # verify steps measured before drafting may be judged not to pay
+MTP_BATCH = 16  # after a fallback, entries are computed this many at a time (the planner sizes for it)
 
 
 class Speculator:
@@ -53,15 +54,28 @@ class Speculator:
         position needs a valid MTP entry, and entry i is valid only if token i+1 is shared too."""
         return max(min(self.upto, common - 1), 0)
 
-    def _extend(self, h: torch.Tensor, next_tokens: list[int], start: int) -> torch.Tensor:
+    def _extend(self, h: torch.Tensor, next_tokens: list[int], start: int, head: bool = True) -> torch.Tensor:
         """MTP entries for positions start.. from main hidden states h [t, D] and the tokens after them ->
-        the logits drafting the token after the last one [V]."""
+        the logits drafting the token after the last one [V] (None without `head`)."""
         model = self.engine.model
         freqs, mask = model.positions(len(next_tokens), start)
         tokens = torch.tensor([next_tokens], device=h.device)
-        logits = self.mtp(h[None], tokens, start, freqs, mask, last_only=True)  # [1, 1, V]
+        logits = self.mtp(h[None], tokens, start, freqs, mask, last_only=True, head=head)  # [1, 1, V]
         self.upto = start + len(next_tokens)
-        return logits[0, -1]
+        return logits[0, -1] if head else None
+
+    def entries(self, h: torch.Tensor, ids: list[int], base: int, offset: int) -> None:
+        """Entries for a chunk of ids just fed at positions base + offset ..: h [t, D] are its main hidden
+        states; an entry is made wherever the next token is known."""
+        nxt = ids[offset + 1 : offset + len(h) + 1]
+        if nxt:
+            self._extend(h[: len(nxt)], nxt, base + offset, head=False)
+
+    def _flush(self, pending: _Pending, head: bool) -> torch.Tensor | None:
+        """Compute the entries that wait; with `head`, the logits drafting the next token."""
+        logits = self._extend(torch.cat(pending.h), pending.next, pending.at, head) if pending.h else None
+        pending.h, pending.next, pending.at = [], [], self.upto
+        return logits
 
     def _draft(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None):
         """(draft token, the distribution it was drawn from [V]) from MTP logits [V]."""
@@ -79,53 +93,71 @@ class Speculator:
         gen: torch.Generator | None,
         cancel: threading.Event | None,
         stats: GenerationStats,
+        budget: int,
     ) -> Iterator[int]:
-        """Prefill ids after the cached tokens, then yield the generated tokens. A token is fed to the model
-        only when the next one is asked for, as the engine's plain decoding does."""
+        """Prefill ids after the cached tokens, then yield up to `budget` generated tokens. A token is fed to
+        the model only when the next one is asked for, as the engine's plain decoding does."""
         e = self.engine
         base, offset = len(e.cached), 0
         for chunk_logits, h in e._feed(ids, cancel):  # h: [t, D]
-            nxt = ids[offset + 1 : offset + len(h) + 1]  # MTP entries where the next token is known
-            if nxt:
-                self._extend(h[: len(nxt)], nxt, base + offset)
+            self.entries(h, ids, base, offset)
             offset, last_h, logits = offset + len(h), h[-1:], chunk_logits
         token = sample(logits, sampling, gen)
-        # entries still to compute: the last prompt position (its next token is the one just sampled), then
-        # one per plain step; they are computed together when drafting starts
-        pending_h, pending_next, pending_at = [last_h], [token], base + len(ids) - 1
+        # the last prompt position's entry waits for the token just sampled; plain steps add one each
+        pending = _Pending(base + len(ids) - 1, [last_h], [token])
         drafting = fallback = False
-        yield token
-        while True:
-            if not drafting and not fallback and stats.plain_steps >= self.probe_plain:
-                draft_logits, drafting = self._extend(torch.cat(pending_h), pending_next, pending_at), True
-            t0 = time.perf_counter()
-            if not drafting:
-                logits, h = deque(e._feed([token], cancel), maxlen=1)[0]  # h: [1, D]
-                token = sample(logits, sampling, gen)
-                stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + time.perf_counter() - t0
-                if not fallback:
-                    pending_h.append(h)
-                    pending_next.append(token)
-                yield token
-                continue
-            d, q = self._draft(draft_logits, sampling, gen)
-            at = len(e.cached)  # the position of `token`
-            logits, h = deque(e._feed([token, d], cancel, every=True), maxlen=1)[0]  # [2, V], [2, D]
-            checked, ok = check_draft(logits[0], q, d, sampling, gen)
-            if ok:  # the draft stands, and the main model's logits after it give one more token for free
-                out = [d, sample(logits[1], sampling, gen)]
-                draft_logits = self._extend(h, out, at)
-            else:
-                e.cached.pop()  # the draft's KV at at+1 is stale: the next step overwrites it
-                out = [checked]
-                draft_logits = self._extend(h[:1], out, at)
-            stats.drafted, stats.accepted = stats.drafted + 1, stats.accepted + ok
-            stats.verify_s += time.perf_counter() - t0
-            if self.adaptive and stats.drafted >= JUDGE_AFTER and not _pays(stats):
-                drafting, fallback = False, True
-                stats.mtp_note = _why_not(stats)
-            yield from out
-            token = out[-1]
+        produced = 1
+        try:
+            yield token
+            while produced < budget:
+                # a verify step needs two free cache positions and two tokens of budget
+                room = min(budget - produced, e.max_context - len(e.cached))
+                if not drafting and not fallback and stats.plain_steps >= self.probe_plain and room >= 2:
+                    draft_logits, drafting = self._flush(pending, head=True), True
+                t0 = time.perf_counter()
+                if not drafting or room < 2:
+                    logits, h = e._pass([token], cancel)  # h: [1, D]
+                    token = sample(logits, sampling, gen)
+                    stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + time.perf_counter() - t0
+                    pending.h.append(h)
+                    pending.next.append(token)
+                    if fallback and len(pending.h) >= MTP_BATCH:
+                        self._flush(pending, head=False)  # keep the entries current for the next call
+                    produced += 1
+                    yield token
+                    continue
+                d, q = self._draft(draft_logits, sampling, gen)
+                at = len(e.cached)  # the position of `token`
+                logits, h = e._pass([token, d], cancel, every=True)  # [2, V], [2, D]
+                checked, ok = check_draft(logits[0], q, d, sampling, gen)
+                if ok:  # the draft stands, and the main model's logits after it give one more token for free
+                    out = [d, sample(logits[1], sampling, gen)]
+                    draft_logits = self._extend(h, out, at)
+                else:
+                    e.cached.pop()  # the draft's KV at at+1 is stale: the next step overwrites it
+                    out = [checked]
+                    draft_logits = self._extend(h[:1], out, at)
+                stats.drafted, stats.accepted = stats.drafted + 1, stats.accepted + ok
+                stats.verify_s += time.perf_counter() - t0
+                if self.adaptive and stats.drafted >= JUDGE_AFTER and not _pays(stats):
+                    drafting, fallback = False, True
+                    stats.mtp_note = _why_not(stats)
+                pending.at = self.upto
+                produced += len(out)
+                yield from out
+                token = out[-1]
+        except GeneratorExit:  # the caller has its tokens: bring the entries up to date for the next call
+            self._flush(pending, head=False)
+            raise
+
+
+@dataclass
+class _Pending:
+    """MTP entries waiting to be computed: from position `at`, main hidden rows and the tokens after them."""
+
+    at: int
+    h: list[torch.Tensor] = field(default_factory=list)
+    next: list[int] = field(default_factory=list)
 
 
 def _pays(s: GenerationStats) -> bool:

@@ -20,6 +20,7 @@ from dsfp4.cli_options import (
     given_params,
     sampling_options,
 )
+from dsfp4.errors import ConfigError
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.policy import TIER_POLICIES
 
@@ -153,6 +154,12 @@ def run(
         raise click.UsageError(f"{', '.join(flags)} only apply with --prompt")
     if raw and system is not None:
         raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
+    if serve:  # before the model loads: a missing server library fails in a second, not after minutes
+        try:
+            from dsfp4.server.app import Served
+            from dsfp4.server.app import serve as run_server
+        except ImportError as e:
+            raise ConfigError(f"--serve needs {e.name}: reinstall dsfp4 (pip install -e .) to get it") from e
     with Engine(model, options) as engine:
         asked = ctx.get_parameter_source("max_context") == ParameterSource.COMMANDLINE
         if asked and engine.max_context < options.max_context:
@@ -170,9 +177,6 @@ def run(
         if chat:
             chat_repl(LocalChat(engine), system)
         elif serve:
-            from dsfp4.server.app import Served
-            from dsfp4.server.app import serve as run_server
-
             given = ctx.get_parameter_source("max_tokens") == ParameterSource.COMMANDLINE
             served = Served(Path(model).resolve().name, api_key, max_queue, options.max_tokens if given else None)
             where = f"http://{host}:{port}/v1"

@@ -221,6 +221,11 @@ def test_serve_and_chat_flags_that_would_do_nothing_are_refused(converted, monke
     ):
         r = run_cli("run", converted, "--device", "cpu", *flags)
         assert r.exit_code == 2 and needle in r.stderr, r.output
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "dsfp4.server.app", raising=False)
+    r = run_cli("run", converted, "--device", "cpu", "--serve")
+    assert r.exit_code == 1 and "--serve needs fastapi" in r.stderr and r.stderr.count("\n") == 1
+    monkeypatch.undo()
     from dsfp4 import chat_client
 
     sent = []

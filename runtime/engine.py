@@ -38,7 +38,7 @@ from dsfp4.runtime.sampling import SamplingParams, sample
 from dsfp4.runtime.speculative import Speculator
 from dsfp4.runtime.stats import GenerationStats, peak_memory
 from dsfp4.runtime.store_stats import counters_since
-from dsfp4.runtime.tokenizer import ChatTokenizer
+from dsfp4.runtime.tokenizer import ChatTokenizer, TextStream
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
 THINK_TAIL = 8  # prompt tokens decoded to see whether the prompt opens a <think> block
@@ -409,7 +409,7 @@ class Engine:
         reuse = min(common, n - 1, self.speculator.reusable(common) if self.speculator else n)
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
         tokens: list[int] = []
-        text, emitted, finish = "", 0, "length"
+        text, emitted, finish, detok = "", 0, "length", TextStream(self.tokenizer)
         self.cached = self.cached[:reuse]  # grows chunk by chunk: valid should the prefill be interrupted
         if self.speculator is not None:
             self.speculator.upto = min(self.speculator.upto, reuse)  # later entries belong to the old tokens
@@ -426,7 +426,7 @@ class Engine:
                     finish = "stop"
                     break
                 tokens.append(token)
-                text = self.tokenizer.decode(tokens)
+                text = detok.add(token)
                 if hits := [i for s in stop if (i := text.find(s)) >= 0]:
                     text, finish = text[: min(hits)], "stop"
                     break

@@ -101,3 +101,30 @@ class ChatTokenizer:
         return self.encode_chat(
             [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
         )
+
+
+class TextStream:
+    """The text of a growing list of token ids, decoding only its tail: whole re-decoding at every token
+    would be quadratic in the answer's length. Tokens whose text is complete (no unfinished UTF-8 character
+    at the end) are folded into `text`; the window of tokens since the last fold is decoded together with
+    the window before it, so decoders that treat a first token specially (a leading space) agree."""
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tok, self.ids = tokenizer, []
+        self.text = ""  # of ids[:read]
+        self.prefix = self.read = 0  # ids[prefix:read]: the last folded window, decoded again for context
+
+    def add(self, token: int) -> str:
+        """Append a token -> the whole text so far (with a trailing U+FFFD while a character is unfinished)."""
+        self.ids.append(token)
+        head = self.tok.decode(self.ids[self.prefix : self.read])
+        full = self.tok.decode(self.ids[self.prefix :])
+        if not full.startswith(head):  # a decoder that rewrites across the window's edge: widen it to all
+            self.text, self.prefix, self.read = "", 0, 0
+            head, full = "", self.tok.decode(self.ids)
+        new = full[len(head) :]
+        if new.endswith("\ufffd"):  # the last character is not complete yet: fold nothing
+            return self.text + new
+        self.text += new
+        self.prefix, self.read = self.read, len(self.ids)
+        return self.text

@@ -150,3 +150,29 @@ def test_repl_survives_a_bad_turn(engine):
         engine.max_context = real
     text = "".join(out)
     assert "error: the prompt is" in text and "(nothing generated yet)" in text
+
+
+def test_text_stream_decodes_only_the_tail_and_agrees_with_whole_decoding(engine):
+    import random
+
+    from dsfp4.runtime.tokenizer import TextStream
+
+    tok = engine.tokenizer
+    texts = ["naïve café, 中文字符 and emoji 🙂🚀 mixed", "plain ascii words " * 5, "\n\n  spaced\tout  "]
+    rng = random.Random(0)
+    vocab = engine.model.args.vocab_size
+    sequences = [tok.encode(t, special=False) for t in texts] + [[rng.randrange(vocab) for _ in range(200)]]
+    for ids in sequences:
+        stream = TextStream(tok)
+        for i, token in enumerate(ids):
+            assert stream.add(token) == tok.decode(ids[: i + 1]), (ids, i)
+    calls = []
+    real = tok.decode
+    tok.decode = lambda ids: calls.append(len(ids)) or real(ids)
+    try:
+        stream = TextStream(tok)
+        for token in sequences[1]:
+            stream.add(token)
+    finally:
+        tok.decode = real
+    assert max(calls) < 10  # the windows stay short: nothing is decoded from the start again

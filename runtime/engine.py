@@ -114,8 +114,7 @@ def _held_back(text: str, stop: tuple[str, ...]) -> int:
     partial = len(text) - len(text.rstrip("\ufffd"))
     prefix = max((partial_suffix(text, s) for s in stop), default=0)
     body = text[: len(text) - partial]  # a stop string may also end just before the unfinished character
-    # the proper starts of s + one more character are all the starts of s, s itself included
-    before = max((partial_suffix(body, s + "\ufffd") for s in stop), default=0)
+    before = max((partial_suffix(body, s, whole=True) for s in stop), default=0)
     return max(prefix, partial + before)
 
 
@@ -224,9 +223,7 @@ class Engine:
         """Forget the cached conversation: the next call prefills its whole prompt."""
         with self._claim():
             self._end_stream()
-            self.cached = []
-            if self.speculator is not None:
-                self.speculator.upto = 0
+            self._truncate(0)
 
     def encode(self, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (through the chat template, with an optional system message, unless
@@ -252,7 +249,7 @@ class Engine:
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""
-        return opens_thinking(self.tokenizer.tok.decode(prompt_ids[-THINK_TAIL:], skip_special_tokens=False))
+        return opens_thinking(self.tokenizer.decode(prompt_ids[-THINK_TAIL:], keep_special=True))
 
     def check_prompt(self, prompt_ids: list[int], room: int = 1) -> None:
         """A prompt must leave `room` positions of the context free and name tokens of the vocabulary."""
@@ -308,14 +305,12 @@ class Engine:
         items = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
         if isinstance(items, str) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
             raise ConfigError("logits takes token ids; encode text or chat messages with engine.encode first")
-        ids = self.encode(items)
+        ids = [int(t) for t in items]
         self.check_prompt(ids, room=0)
         with self._claim():
             self._end_stream()
             head, rows = self._model().head, []
-            self.cached = []
-            if self.speculator is not None:
-                self.speculator.upto = 0
+            self._truncate(0)
             done = 0
             for _, h in self._feed(ids):  # h: [t, D]
                 if self.speculator is not None:  # its entries follow, so a generation after this reuses it
@@ -341,6 +336,12 @@ class Engine:
             yield
         finally:
             self._busy.release()
+
+    def _truncate(self, n: int) -> None:
+        """Keep the first n cached positions (main and MTP caches): later ones belong to other tokens."""
+        self.cached = self.cached[:n]
+        if self.speculator is not None:
+            self.speculator.upto = min(self.speculator.upto, n)
 
     def _end_stream(self) -> None:
         if self._stream is not None:
@@ -376,20 +377,16 @@ class Engine:
         for i in range(0, len(ids), chunk):
             yield self._pass(ids[i : i + chunk], cancel)
 
-    def _forward(self, ids: list[int], cancel: threading.Event | None) -> torch.Tensor:
-        """Feed ids after the cached tokens -> logits after the last one [V]."""
-        return deque(self._feed(ids, cancel), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
-
     def _decode(
         self, ids: list[int], sampling: SamplingParams, gen: torch.Generator | None, cancel: threading.Event | None
     ) -> Iterator[int]:
         """Plain decoding: prefill ids after the cached tokens, then yield tokens; each is fed to the model
         only when the next one is asked for (so the last one never is)."""
-        logits = self._forward(ids, cancel)
+        logits = deque(self._feed(ids, cancel), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
         while True:
             token = sample(logits, sampling, gen)
             yield token
-            logits = self._forward([token], cancel)
+            logits, _ = self._pass([token], cancel)
 
     @torch.inference_mode()
     def _steps(
@@ -400,8 +397,6 @@ class Engine:
         budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
         store = self._model().experts
         before = store.counters.snapshot()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)  # peak_gpu is this generation's
         sampling = options.sampling()
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
@@ -410,9 +405,7 @@ class Engine:
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
         tokens: list[int] = []
         text, emitted, finish, detok = "", 0, "length", TextStream(self.tokenizer)
-        self.cached = self.cached[:reuse]  # grows chunk by chunk: valid should the prefill be interrupted
-        if self.speculator is not None:
-            self.speculator.upto = min(self.speculator.upto, reuse)  # later entries belong to the old tokens
+        self._truncate(reuse)  # the cache grows chunk by chunk from here: valid should the prefill be interrupted
         if self.speculator is not None and budget > 1:
             source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget)
         else:
@@ -427,7 +420,8 @@ class Engine:
                     break
                 tokens.append(token)
                 text = detok.add(token)
-                if hits := [i for s in stop if (i := text.find(s)) >= 0]:
+                # text[:emitted] is final and held no stop string: a new one ends after it
+                if hits := [i for s in stop if (i := text.find(s, max(emitted - len(s) + 1, 0))) >= 0]:
                     text, finish = text[: min(hits)], "stop"
                     break
                 end = max(len(text) - _held_back(text, stop), emitted)

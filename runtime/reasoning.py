@@ -15,9 +15,10 @@ def opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(THINK_START)
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag` (it may become the tag)."""
-    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+def partial_suffix(text: str, tag: str, whole: bool = False) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag` (it may become the tag); with
+    `whole`, the whole tag counts too."""
+    return max((k for k in range(1, len(tag) + whole) if text.endswith(tag[:k])), default=0)
 
 
 class ReasoningSplitter:

@@ -50,11 +50,16 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
 
 
 def check_draft(
-    target: torch.Tensor, draft_probs: torch.Tensor, draft: int, p: SamplingParams, generator: torch.Generator | None
+    target: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft: int,
+    p: SamplingParams,
+    generator: torch.Generator | None,
 ) -> tuple[int, bool]:
     """Speculative sampling: keep `draft` (drawn from draft_probs [V]) with probability min(1, p/q) under the
     target logits [V]; else draw from the leftover max(p - q, 0). The token returned is distributed exactly
-    as sampling from the target would be. Greedy keeps the draft iff it is the target's argmax."""
+    as sampling from the target would be. Greedy (no draft_probs needed) keeps the draft iff it is the
+    target's argmax."""
     if p.greedy:
         best = int(target.argmax())
         return best, best == draft

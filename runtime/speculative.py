@@ -40,10 +40,7 @@ class Speculator:
     """The MTP drafter and the verify loop of one engine."""
 
     def __init__(self, engine: Engine):
-        model = engine.model
-        if model is None or not model.mtp:
-            raise ConfigError("--mtp: this model has no MTP layer (it was converted with --no-mtp, or has none)")
-        self.engine, self.mtp = engine, model.mtp[0]
+        self.engine, self.mtp = engine, engine.model.mtp[0]  # the engine loaded it, having checked it is there
         self.upto = 0  # MTP cache entries filled: positions 0 .. upto-1
         self.adaptive = True  # tests turn it off to keep drafting whatever it costs
         self.probe_plain = PROBE_PLAIN  # tests set 0 to draft from the first decode step
@@ -78,13 +75,14 @@ class Speculator:
         return logits
 
     def _draft(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None):
-        """(draft token, the distribution it was drawn from [V]) from MTP logits [V]."""
-        q = distribution(logits, sampling)
-        d = int(q.argmax()) if sampling.greedy else draw(q, gen)
-        if self.override is not None:
-            d = self.override(self.upto + 1, d)  # the position the drafted token would take
-            q = torch.zeros_like(q).scatter_(0, torch.tensor([d], device=q.device), 1.0)
-        return d, q
+        """(draft token, the distribution it was drawn from [V], None when greedy) from MTP logits [V]."""
+        if not sampling.greedy:
+            if self.override is not None:
+                raise ConfigError("the override test hook is for greedy decoding only")
+            q = distribution(logits, sampling)
+            return draw(q, gen), q
+        d = int(logits.argmax())
+        return (d if self.override is None else self.override(self.upto + 1, d)), None  # position of the draft
 
     def tokens(
         self,

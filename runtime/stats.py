@@ -31,7 +31,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     store: dict[str, float] = field(default_factory=dict)  # expert store counters over this generation
-    peak_gpu: int = 0  # torch's max reserved device bytes during this generation
+    peak_gpu: int = 0  # torch's max reserved device bytes since the engine was created
     peak_rss: int = 0  # the process's peak RSS so far (VmHWM), which cannot be reset per generation
     # MTP speculative decoding (--mtp): drafts checked and kept, and the two kinds of decode step, timed
     drafted: int = 0

@@ -74,8 +74,8 @@ class ChatTokenizer:
         """Token ids; `special` lets tokenizer.json's post-processor add what it adds (DeepSeek: the BOS)."""
         return self.tok.encode(clean_text(text), add_special_tokens=special).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], keep_special: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=not keep_special)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as the model was trained to see it (the template writes the BOS itself)."""

@@ -22,11 +22,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import write_bench_model  # noqa: E402
+from bench_model import bench_model_at  # noqa: E402
 from bench_store import ceilings  # noqa: E402
 
 from dsfp4 import Engine, RunOptions  # noqa: E402
-from dsfp4.layout.manifest import Manifest  # noqa: E402
 from dsfp4.runtime.budget import process_rss  # noqa: E402
 from dsfp4.sizes import format_bytes  # noqa: E402
 
@@ -53,9 +52,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     a = ap.parse_args()
     path = a.workdir / "model"
-    if not (path / "manifest.json").exists():
-        write_bench_model(path, n_layers=a.layers, n_dense=1, with_tokenizer=True)
-    limits = ceilings(path, Manifest.read(path))
+    limits = ceilings(path, bench_model_at(path, n_layers=a.layers, with_tokenizer=True))
     options = RunOptions(device="cuda", max_context=1024, gpu_mem=a.gpu_mem, cpu_mem=a.cpu_mem, io_threads=8)
     torch.cuda.init()
     rows, tokens = [{"cycle": 0, **snapshot()}], None

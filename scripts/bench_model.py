@@ -434,6 +434,14 @@ def write_bench_model(
     return manifest
 
 
+def bench_model_at(out: Path, **kw: object) -> Manifest:
+    """The bench model at `out`: the one a previous run wrote (manifest.json comes last), else a new one
+    (write_bench_model's arguments)."""
+    if (out / "manifest.json").exists():
+        return Manifest.read(out)
+    return write_bench_model(out, **kw)
+
+
 def written_bytes(m: Manifest) -> int:
     records = sum(len(e.offsets) for e in m.experts.values()) * (m.record.nbytes if m.record else 0)
     return sum(f.nbytes for f in m.files.values()) + records

@@ -27,12 +27,11 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import write_bench_model  # noqa: E402
+from bench_model import bench_model_at  # noqa: E402
 from bench_store import ceilings  # noqa: E402
 
 from dsfp4 import Engine, RunOptions  # noqa: E402
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
-from dsfp4.layout.manifest import Manifest  # noqa: E402
 from dsfp4.runtime import speculative  # noqa: E402
 from dsfp4.runtime.sampling import check_draft  # noqa: E402
 
@@ -45,9 +44,9 @@ def run_case(path: Path, options: RunOptions, tokens: int, exactness_only: bool 
         plain.generate(PROMPT, max_tokens=4)  # warm: Triton, cuBLAS
         plain.reset()
         ref = plain.generate(PROMPT, max_tokens=tokens)
+        vocab = plain.model.args.vocab_size
     rows.append({"mode": "plain", "decode_tok_s": ref.stats.decode_tok_s, "same_tokens": True, **_mtp(ref)})
     seq = ref.prompt_ids + ref.token_ids
-    vocab = Manifest.read(path).args.vocab_size
     modes = {
         "mtp natural drafts": None,
         "mtp drafts all kept": "kept",
@@ -97,9 +96,7 @@ def main() -> int:
     a = ap.parse_args()
     path = a.workdir / "model"
     t0 = time.perf_counter()
-    if not (path / "manifest.json").exists():
-        write_bench_model(path, n_layers=a.layers, n_dense=1, with_tokenizer=True, mtp=True)
-    manifest = Manifest.read(path)
+    manifest = bench_model_at(path, n_layers=a.layers, with_tokenizer=True, mtp=True)
     res: dict = {"write_s": time.perf_counter() - t0, "ceilings": ceilings(path, manifest)}
     uniform = {layer: (1,) * manifest.args.n_routed_experts for layer in manifest.experts}
     HotProfile(manifest.conversion_sha256(), 1, uniform).write(path / HOT_NAME)

@@ -24,7 +24,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import write_bench_model  # noqa: E402
+from bench_model import bench_model_at  # noqa: E402
 from bench_store import DEV, GB, ceilings, preset_shares  # noqa: E402
 from ceilings import odirect_write_gbps  # noqa: E402
 
@@ -102,9 +102,7 @@ def main() -> int:
     a = ap.parse_args()
     path = a.workdir / "model"
     t0 = time.perf_counter()
-    if not (path / "manifest.json").exists():
-        write_bench_model(path, n_layers=a.layers, n_dense=1, with_tokenizer=True)
-    manifest = Manifest.read(path)
+    manifest = bench_model_at(path, n_layers=a.layers, with_tokenizer=True)
     n_rec = len(manifest.experts) * manifest.args.n_routed_experts
     res: dict = {"write_s": time.perf_counter() - t0, "records": n_rec, "record_bytes": manifest.record.nbytes}
     res["ceilings"] = c = ceilings(path, manifest)

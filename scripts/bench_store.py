@@ -26,7 +26,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import BackbonePart, model_args, write_bench_model  # noqa: E402
+from bench_model import BackbonePart, bench_model_at, model_args  # noqa: E402
 from ceilings import gpu_ceilings, odirect_read_gbps  # noqa: E402
 
 from dsfp4.layout.hot_profile import HotProfile  # noqa: E402
@@ -153,9 +153,7 @@ def main() -> int:
     if a.budget_check:
         return budget_check(path, a.gpu_mem, a.cpu_mem, a.tokens)
     t0 = time.perf_counter()
-    if not (path / "manifest.json").exists():
-        write_bench_model(path, n_layers=a.layers, n_dense=1)
-    manifest = Manifest.read(path)
+    manifest = bench_model_at(path, n_layers=a.layers)
     n_moe, n_rec = len(manifest.experts), len(manifest.experts) * manifest.args.n_routed_experts
     res: dict = {"write_s": time.perf_counter() - t0, "moe_layers": n_moe, "records": n_rec}
     res["ceilings"] = c = ceilings(path, manifest)

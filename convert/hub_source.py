@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dsfp4.download import PARTIAL_DIR, DownloadPlan, download, fetch_file, hub_errors, locked, plan_download
+from dsfp4.download import PARTIAL_DIR, DownloadPlan, download, fetch_recorded, hub_errors, locked, plan_download
 from dsfp4.hub_file import HubError, RemoteFile
 from dsfp4.layout.atomic import LOCK_NAME
 from dsfp4.layout.safetensors_file import TensorInfo, header_length, parse_header
@@ -121,8 +121,9 @@ class HubSource:
                     )
                     if self.error is not None:
                         return
-                with hub_errors(self.plan.repo, self.plan.revision):
-                    fetch_file(self.plan, self.files[shard], self.token, lambda n: None)
+                if shard not in self.plan.done:  # a shard an earlier run fetched and checked is not hashed again
+                    with hub_errors(self.plan.repo, self.plan.revision):
+                        fetch_recorded(self.plan, self.files[shard], self.token)
                 with self.cond:
                     self.ready.add(shard)
                     self.on_disk += self.files[shard].size
@@ -155,9 +156,8 @@ class HubSource:
             release(shard)
             if self.delete:
                 self.plan.place(self.files[shard])[0].unlink(missing_ok=True)
-                with self.cond:
-                    self.on_disk -= self.files[shard].size
             with self.cond:
+                self.on_disk -= self.files[shard].size if self.delete else 0
                 self.cond.notify_all()
 
     def __enter__(self) -> HubSource:

@@ -100,7 +100,7 @@ def _source_need(out: Path, src: SourceCheckpoint, hub: HubSource | None, todo: 
     folder = hub.plan.target
     if os.stat(folder).st_dev == os.stat(free_bytes(out)[0]).st_dev:
         return need, None
-    free = shutil.disk_usage(folder).free
+    free = free_bytes(folder)[1]
     short = f"not enough free disk for the source in {folder}: {format_bytes(need)} needed, {format_bytes(free)} free"
     return 0, short if need > free else None
 

@@ -43,10 +43,8 @@ class SourceTensor:
 def mtp_only_shards(weight_map: dict[str, str], first: int, end: int) -> list[str]:
     """Shards whose every tensor belongs to layers first..end-1 (the MTP layers)."""
     mtp = tuple(f"model.layers.{i}." for i in range(first, end))
-    only: dict[str, bool] = {}  # shard -> every tensor so far is an MTP tensor
-    for tensor, shard in weight_map.items():
-        only[shard] = only.get(shard, True) and bool(mtp) and tensor.startswith(mtp)
-    return sorted(s for s, yes in only.items() if yes)
+    keep = {shard for tensor, shard in weight_map.items() if not tensor.startswith(mtp)}
+    return sorted(set(weight_map.values()) - keep)
 
 
 def _read_json(path: Path, what: str) -> dict:

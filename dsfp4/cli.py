@@ -21,6 +21,7 @@ from dsfp4.cli_options import (
     PATH,
     given_flags,
     hub_options,
+    quiet_option,
 )
 from dsfp4.cli_profile import profile_hot
 from dsfp4.cli_run import chat, run
@@ -135,7 +136,7 @@ def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int)
     is_flag=True,
     help="With --from-hub: delete each shard once converted, so the disk holds the output and a few shards.",
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 def convert(
     src: str,
     out: Path,
@@ -215,7 +216,7 @@ def inspect(model: Path, tensors: bool) -> None:
 
 @cli.command()
 @click.argument("model", type=EXISTING_DIR)
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 def verify(model: Path, quiet: bool) -> None:
     """Re-hash every file and expert record of MODEL; exit 1 naming the first damaged one."""
     from dsfp4.layout.manifest import Manifest

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dsfp4.cli_options import PATH, hub_options
+from dsfp4.cli_options import PATH, hub_options, quiet_option
 
 
 @click.command()
@@ -23,7 +23,7 @@ from dsfp4.cli_options import PATH, hub_options
     is_flag=True,
     help="List the files, their sizes and the free disk, and stop (--no-mtp fetches config and index first).",
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 def download(
     repo_id: str,
     revision: str,

@@ -17,6 +17,7 @@ PATH = click.Path(path_type=Path)
 EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
 EXISTING_FILE = click.Path(path_type=Path, exists=True, dir_okay=False)
 RUN_DEFAULTS = RunOptions()
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 
 
 def _stack(*decorators: Callable) -> Callable:

@@ -17,6 +17,7 @@ from dsfp4.cli_options import (
     budget_options,
     context_options,
     given_flags,
+    quiet_option,
 )
 from dsfp4.errors import ConfigError
 from dsfp4.layout.atomic import require_folder
@@ -108,7 +109,7 @@ def _measure(
     is_flag=True,
     help="Print each layer's skew and a static hot set's hit rate at the budgets; plot coverage (PNG).",
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 def profile_hot(
     model: Path,
     prompts: Path | None,

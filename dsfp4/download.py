@@ -161,7 +161,9 @@ def locked(plan: DownloadPlan) -> Iterator[None]:
         os.close(fd)
 
 
-def fetch_file(plan: DownloadPlan, f: RemoteFile, token: str | None, on_bytes: Callable[[int], None]) -> Path:
+def fetch_file(
+    plan: DownloadPlan, f: RemoteFile, token: str | None, on_bytes: Callable[[int], None] = lambda n: None
+) -> Path:
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
@@ -204,8 +206,7 @@ def plan_download(
         if no_mtp and "config.json" in small and INDEX_NAME in small:
             with locked(plan):
                 config, index = (
-                    json.loads(fetch_file(plan, small[n], token, lambda b: None).read_text())
-                    for n in ("config.json", INDEX_NAME)
+                    json.loads(fetch_file(plan, small[n], token).read_text()) for n in ("config.json", INDEX_NAME)
                 )
             plan.skipped = _mtp_only_shards(config, index, repo)
             plan.files = [f for f in files if f.name not in plan.skipped]
@@ -228,6 +229,25 @@ def _verified(plan: DownloadPlan) -> set[str]:
     return {n for n in here if (plan.target / n).stat().st_size == sizes[n]}
 
 
+def fetch_recorded(
+    plan: DownloadPlan, f: RemoteFile, token: str | None, on_bytes: Callable[[int], None] = lambda n: None
+) -> None:
+    """Fetch and check one file, then record it as verified (a later run of this commit skips it)."""
+    fetch_file(plan, f, token, on_bytes)
+    plan.done.add(f.name)
+    atomic_write_json(
+        plan.record,
+        {
+            "repo": plan.repo,
+            "revision": plan.revision,
+            "commit": plan.commit,
+            "files": {f.name: {"size": f.size, "sha256": f.sha256, "blob": f.blob} for f in plan.files},
+            "skipped": plan.skipped,
+            "verified": sorted(plan.done),
+        },
+    )
+
+
 def download(
     plan: DownloadPlan,
     token: str | None = None,
@@ -245,19 +265,7 @@ def download(
             if f.name in plan.done:
                 continue
             on_file(f.name)
-            fetch_file(plan, f, token, on_bytes)
-            plan.done.add(f.name)
-            atomic_write_json(
-                plan.record,
-                {
-                    "repo": plan.repo,
-                    "revision": plan.revision,
-                    "commit": plan.commit,
-                    "files": {f.name: {"size": f.size, "sha256": f.sha256, "blob": f.blob} for f in plan.files},
-                    "skipped": plan.skipped,
-                    "verified": sorted(plan.done),
-                },
-            )
+            fetch_recorded(plan, f, token, on_bytes)
         if plan.cached and plan.revision != plan.commit:  # the cache's name for the revision
             ref = plan.repo_dir / "refs" / plan.revision
             ref.parent.mkdir(parents=True, exist_ok=True)

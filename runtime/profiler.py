@@ -54,10 +54,11 @@ def layer_pass(model: Transformer, sequences: list[list[int]], chunk: int, on_la
 
     for i, block in enumerate(model.layers):
         if block.moe and room >= 0:  # this layer's records, then as much of the next one as fits behind them
-            store.read_ahead(records(i), set())
+            mine = records(i)
+            store.read_ahead(mine, set())
             later = [j for j in moe if j > i]
             if room and later:
-                store.read_ahead(records(later[0])[:room], set(records(i)))  # this layer's stay
+                store.read_ahead(records(later[0])[:room], set(mine))  # this layer's stay
         for h in hidden:
             for a in range(0, h.shape[1], chunk):
                 x = h[:, a : a + chunk].to(device)  # [1, T, D]

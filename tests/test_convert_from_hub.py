@@ -105,3 +105,17 @@ def test_a_streaming_conversion_cut_by_the_network_resumes(checkpoints, tmp_path
             result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
     assert result.done and result.resumed_parts > 0
     assert _data(tmp_path / "out") == _data(tmp_path / "local")
+
+
+def test_a_second_run_does_not_hash_the_shards_an_earlier_one_checked(checkpoints, tmp_path, monkeypatch):
+    src = tmp_path / "repo"
+    reshard(checkpoints["fp8"], src, _by_layer)
+    hashed: list[str] = []
+    real = hub_file.matches
+    monkeypatch.setattr(hub_file, "matches", lambda path, f: hashed.append(path.name) or real(path, f))
+    with FakeHub({REPO: src}) as hub:
+        for out in ("a", "b"):
+            hashed.clear()
+            with HubSource(REPO, tmp_path / "source", endpoint=hub.url) as source:  # shards kept
+                assert pipeline.convert(tmp_path / "source", tmp_path / out, ConvertOptions(), False, source).done
+            assert hashed if out == "a" else not hashed, hashed  # checked on arrival, then trusted from the record

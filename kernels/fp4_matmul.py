@@ -1,26 +1,32 @@
-"""y = x @ W^T with W in FP4 (NVFP4 or MXFP4) as stored in an expert record: codes and block scales are
-decoded in registers, never written out as a dense copy.
+"""y = x @ W^T with W in FP4 (NVFP4 or MXFP4) as stored in an expert record or a backbone tensor: codes and
+block scales are decoded in registers (kernels/fp4_decode.py), never written out as a dense copy.
 
-`fp4_matmul` launches the Triton kernel; `fp4_matmul_ref` is the torch reference. Legend: T tokens,
-N output rows, K input columns, G block (16 for NVFP4, 32 for MXFP4). A per-row global scale covers a
-fused gate+up matrix whose halves may carry different NVFP4 global scales: rows below `split` use
-g[0], the others g[1] (MXFP4: both 1).
+Byte j of a row holds elements 2j (low nibble) and 2j+1 (high nibble), so the kernels split x into its even
+and odd elements instead of re-packing the weight. `fp4_matmul` launches one of two Triton kernels:
+  - fp4_gemv_kernel (T <= GEMV_MAX_TOKENS): fp32 FMA. A program decodes BLOCK_N rows once per K step and
+    applies them to every token; the block scale multiplies each G-element partial sum.
+  - fp4_gemm_kernel (larger T): tl.dot over tiles of tokens. The MMA needs whole weights, so codes are
+    scaled per element and rounded to bf16, which is exact (an e2m1 code times an e4m3 or power-of-two
+    scale has at most 6 significant bits); fp16 activations are rounded to bf16 too. fp32 activations take
+    an fp32 (ieee) dot instead, so that fp32 runs stay exact.
+`fp4_matmul_ref` is the torch reference. Legend: T tokens, N output rows, K input columns, G block (16 for
+NVFP4, 32 for MXFP4). A per-row global scale covers a fused gate+up matrix whose halves may carry
+different NVFP4 global scales: rows below `split` use g[0], the others g[1] (MXFP4: none).
 """
 
 from __future__ import annotations
 
 import torch
 
+from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_dequantize, nvfp4_dequantize
 
-BLOCK_N = 64  # output rows per program
-BLOCK_K_CHOICES = (128, 64, 32, 16)  # the largest that divides K is used
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU build of torch comes without Triton: the reference serves
-    triton = None
+GEMV_MAX_TOKENS = 16  # beyond it tensor cores beat per-token FMA (kernels-limits 4.1)
+GEMV_BLOCK_N = 16  # rows per GEMV program: many small programs keep the memory system busy
+GEMV_MAX_BLOCK_K = 256  # elements per GEMV step (128 bytes of each row)
+GEMM_LARGE_T = 1024  # from here 128-token tiles amortize each decoded weight tile over more tokens
+GEMM_BLOCK_N = 64
+GEMM_BLOCK_K = 128
 
 
 def fp4_matmul_ref(
@@ -38,107 +44,131 @@ def fp4_matmul_ref(
 
 
 if triton is not None:
+    import triton.language as tl
+
+    UNBIAS = tl.constexpr(E2M1_UNBIAS)
 
     @triton.jit
-    def _decode_e2m1(codes):
-        """4-bit codes -> fp32 values: sign, then 0.5 * m for exponent 0, else 2^(e-1) * (1 + m/2)."""
-        e = (codes >> 1) & 3
-        m = (codes & 1).to(tl.float32)
-        normal = (1 << tl.maximum(e - 1, 0)).to(tl.float32) * (1.0 + 0.5 * m)
-        mag = tl.where(e == 0, 0.5 * m, normal)
-        return tl.where((codes & 8) != 0, -mag, mag)
+    def _decode_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                     E8M0: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+        """Elements k0..k0+BK of `rows`: (lo, hi) [BN, BK/2] e2m1 * 2^-14, the partners of x[2j] and x[2j+1];
+        scale [BN, BK/G] fp32. Columns past K decode to zero."""
+        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=(cols < K // 2)[None, :], other=0)
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        sbytes = tl.load(
+            s_ptr + rows[:, None] * stride_sn + groups[None, :], mask=(groups < K // GROUP)[None, :], other=0
+        )
+        lo, hi = e2m1_halves(packed, USE_ASM)
+        return lo, hi, block_scale(sbytes, E8M0)
 
     @triton.jit
-    def _decode_scale(b, E8M0: tl.constexpr):
-        """Scale bytes -> fp32, built from exponent bits so that every value is exact."""
-        b = b.to(tl.int32)
-        if E8M0:  # 2^(b - 127); byte 0 is the fp32 subnormal 2^-127
-            return tl.where(b == 0, 2.0**-127, (b << 23).to(tl.float32, bitcast=True))
-        ex = (b >> 3) & 15
-        man = b & 7
-        normal = (((b >> 7) << 31) | ((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-        sub = man.to(tl.float32) * (1.0 / 512.0)  # e4m3 subnormals: m * 2^-9
-        return tl.where(ex == 0, tl.where((b >> 7) != 0, -sub, sub), normal)
+    def _store(acc, y_ptr, g_ptr, offs_t, offs_n, T, N, split, stride_yt, HAS_GLOBAL: tl.constexpr):
+        """acc [BT, BN] of products with codes * 2^-14 -> y, with 2^14 and each row's global scale applied."""
+        acc = acc * UNBIAS
+        if HAS_GLOBAL:  # NVFP4: one fp32 scale per row, g[0] below `split`, g[1] from it on
+            acc = acc * tl.load(g_ptr + (offs_n >= split).to(tl.int32), mask=offs_n < N, other=0.0)[None, :]
+        mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+        y_rows = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt  # int64: T * N may pass 2^31
+        tl.store(y_rows + offs_n[None, :], acc, mask=mask)
 
     @triton.jit
-    def fp4_matmul_kernel(
-        x_ptr,
-        w_ptr,
-        s_ptr,
-        g_ptr,
-        y_ptr,
-        T,
-        N,
-        K,
-        split,
-        stride_xt,
-        stride_wn,
-        stride_sn,
-        stride_yt,
-        BLOCK_T: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP: tl.constexpr,
-        E8M0: tl.constexpr,
-        HAS_GLOBAL: tl.constexpr,
-    ):
-        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_t, mask_n = offs_t < T, offs_n < N
+    def fp4_gemv_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, T, N, K, split, stride_xt, stride_wn, stride_sn, stride_yt,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+        E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr, USE_ASM: tl.constexpr,
+    ):  # fmt: skip
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = offs_n % N  # rows past N read row r % N, dropped at the store
+        lanes = tl.arange(0, BLOCK_T)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :], mask=mask_n[:, None], other=0)
-            codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))  # even element = low nibble
-            offs_s = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            sbytes = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_s[None, :], mask=mask_n[:, None], other=0)
-            scale = _decode_scale(sbytes, E8M0)  # [BLOCK_N, BLOCK_K / GROUP]
-            w = tl.reshape(
-                tl.reshape(_decode_e2m1(codes), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale[:, :, None],
-                (BLOCK_N, BLOCK_K),
-            )
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :], mask=mask_t[:, None], other=0.0)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        if HAS_GLOBAL:  # NVFP4: one fp32 scale per row, g[0] below `split`, g[1] from it on
-            g = tl.load(g_ptr + (offs_n >= split).to(tl.int32), mask=mask_n, other=0.0)
-            acc = acc * g[None, :]
-        tl.store(y_ptr + offs_t[:, None] * stride_yt + offs_n[None, :], acc, mask=mask_t[:, None] & mask_n[None, :])
+            lo, hi, scale = _decode_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, BLOCK_K, GROUP, E8M0, USE_ASM)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            for t in range(T):  # the decoded weights stay in registers for every token
+                xv = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
+                xe, xo = tl.split(tl.reshape(xv, (BLOCK_K // 2, 2)))  # x[2j] meets the low nibble of byte j
+                part = tl.sum(
+                    tl.reshape(lo * xe[None, :] + hi * xo[None, :], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), 2
+                )
+                acc += tl.where(lanes[:, None] == t, tl.sum(part * scale, 1)[None, :], 0.0)
+        _store(acc, y_ptr, g_ptr, lanes, offs_n, T, N, split, stride_yt, HAS_GLOBAL)
+
+    @triton.jit
+    def fp4_gemm_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, T, N, K, split, stride_xt, stride_wn, stride_sn, stride_yt,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+        E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr, USE_ASM: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """IEEE: fp32 operands and products (fp32 activations, or the interpreter, which multiplies bf16 dot
+        operands wrongly: there the operands are rounded to DOT_DTYPE first, as on the GPU)."""
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = offs_n % N  # wrapped rows and tokens are dropped at the store
+        x_rows = x_ptr + (offs_t % T).to(tl.int64)[:, None] * stride_xt  # int64: T * K may pass 2^31
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            lo, hi, scale = _decode_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, BLOCK_K, GROUP, E8M0, USE_ASM)
+            s = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), lo.shape)
+            w_lo, w_hi = (lo * s).to(DOT_DTYPE), (hi * s).to(DOT_DTYPE)  # [BN, BK/2], exact
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)  # [BT, BK]
+            xe, xo = tl.split(tl.reshape(xv, (BLOCK_T, BLOCK_K // 2, 2)))  # [BT, BK/2] each
+            xe, xo = xe.to(DOT_DTYPE), xo.to(DOT_DTYPE)
+            if IEEE:
+                acc = tl.dot(xe.to(tl.float32), tl.trans(w_lo.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(xo.to(tl.float32), tl.trans(w_hi.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xe, tl.trans(w_lo), acc)
+                acc = tl.dot(xo, tl.trans(w_hi), acc)
+        _store(acc, y_ptr, g_ptr, offs_t, offs_n, T, N, split, stride_yt, HAS_GLOBAL)
+
+
+def _block_k(k: int, group: int, most: int) -> int:
+    """The K step: a power of two holding whole scale blocks, no larger than `most` nor than K needs."""
+    return min(most, max(group, 1 << (k - 1).bit_length()))
+
+
+def _gemm_tiles(t: int, exact: bool) -> tuple[int, int, int]:
+    """The GEMM's token rows per tile, warps and pipeline stages. The fp32 (exact) dot stages fp32 operands
+    in shared memory: 32-row tiles and two stages (~70 KB) fit every GPU's."""
+    if exact:
+        return 32, 4, 2
+    if t <= 32:
+        return 32, 4, 3
+    return (64, 4, 3) if t < GEMM_LARGE_T else (128, 8, 3)
 
 
 def fp4_matmul(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g: torch.Tensor | None, split: int, fmt: str
 ) -> torch.Tensor:
-    """Triton version of fp4_matmul_ref (same arguments, same result up to summation order)."""
+    """Triton version of fp4_matmul_ref (same arguments, same result up to summation order; bf16/fp16
+    activations beyond 16 tokens are multiplied as bf16)."""
     t, k = x.shape
     n = packed.shape[0]
     group = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
-    block_k = next(b for b in BLOCK_K_CHOICES if k % b == 0 and b >= group)
     assert packed.shape[1] * 2 == k and scale.shape == (n, k // group), "record part shapes do not fit x"
     assert g is None or (g.dtype == torch.float32 and g.is_contiguous()), "global scales: contiguous fp32"
     x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous().view(torch.uint8)
     y = torch.empty(t, n, dtype=torch.float32, device=x.device)
-    block_t = 16 if t <= 16 else 32  # tl.dot needs >= 16 rows: decode pads its few tokens to 16
-    grid = (triton.cdiv(t, block_t), triton.cdiv(n, BLOCK_N))
-    fp4_matmul_kernel[grid](
-        x,
-        packed,
-        scale,
-        y if g is None else g,  # any pointer will do when there is no global scale
-        y,
-        t,
-        n,
-        k,
-        split,
-        x.stride(0),
-        packed.stride(0),
-        scale.stride(0),
-        y.stride(0),
-        BLOCK_T=block_t,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k,
-        GROUP=group,
-        E8M0=fmt == "mxfp4",
-        HAS_GLOBAL=g is not None,
-    )
+    if t == 0:
+        return y
+    args = (x, packed, scale, y if g is None else g, y, t, n, k, split)  # any pointer serves when there is no g
+    args += (x.stride(0), packed.stride(0), scale.stride(0), y.stride(0))
+    common = dict(GROUP=group, E8M0=fmt == "mxfp4", HAS_GLOBAL=g is not None, USE_ASM=not interpreted())
+    if t <= GEMV_MAX_TOKENS:
+        block_k = _block_k(k, group, GEMV_MAX_BLOCK_K)
+        block_t = 1 << (t - 1).bit_length()
+        fp4_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+            *args, BLOCK_T=block_t, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, **common
+        )
+        return y
+    exact = x.dtype == torch.float32
+    block_t, warps, stages = _gemm_tiles(t, exact)
+    fp4_gemm_kernel[(triton.cdiv(t, block_t), triton.cdiv(n, GEMM_BLOCK_N))](
+        *args, BLOCK_T=block_t, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=_block_k(k, group, GEMM_BLOCK_K),
+        DOT_DTYPE=tl.float32 if exact else tl.bfloat16, IEEE=exact or interpreted(),
+        num_warps=warps, num_stages=stages, **common,
+    )  # fmt: skip
     return y

@@ -1,8 +1,9 @@
-"""Backbone matmuls on weights kept in their stored format (FP8 blocks, NVFP4, plain).
+"""Backbone matmuls on weights kept in their stored format (FP8 blocks, NVFP4, MXFP4, plain).
 
-`linear` is the interface the model calls; `linear_ref` is the torch reference (dequantize, then one
-dense matmul, as DeepSeek's reference does with gemm_impl="bf16"). The kernels issue adds the Triton
-FP8/FP4 GEMV and GEMM behind the same call.
+`linear` is the interface the model calls: on CUDA it is `linear_triton`, the Triton kernels on the stored
+parts (kernels/fp8_linear.py for fp8_e4m3_b128, kernels/fp4_matmul.py for nvfp4 and mxfp4); elsewhere it
+is `linear_ref`, the torch reference (dequantize, then one dense matmul, as DeepSeek's reference does with
+gemm_impl="bf16"). Plain weights are one F.linear everywhere.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dsfp4.kernels.fp4_matmul import fp4_matmul, triton
+from dsfp4.kernels.fp8_linear import fp8_linear
 from dsfp4.layout.quant import dequantize
 
 
@@ -33,5 +36,32 @@ def linear_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return F.linear(x, w.dequantize(x.dtype))
 
 
+def _fp4(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x: [T, K] -> [T, N] in x's dtype."""
+    packed, scale = w.parts[0], w.parts[1].view(torch.uint8)
+    g = w.parts[2].float().reshape(1) if w.format == "nvfp4" else None
+    return fp4_matmul(x, packed, scale, g, packed.shape[0], w.format).to(x.dtype)  # split = N: every row g[0]
+
+
+def _fp8(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    return fp8_linear(x, *w.parts)
+
+
+KERNELS = {"fp8_e4m3_b128": _fp8, "nvfp4": _fp4, "mxfp4": _fp4}
+
+
+def linear_triton(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x: [..., K] -> [..., N] in x's dtype from the Triton kernels on the weight's stored parts: linear_ref's
+    result up to rounding (FP8 prefill in bf16/fp16 also rounds x to e4m3; fp8_linear says when, and where
+    it takes the reference instead)."""
+    if w.format not in KERNELS:
+        return linear_ref(x, w)
+    y = KERNELS[w.format](x.reshape(-1, x.shape[-1]), w)  # [T, N], T = all leading dims
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x: [..., K] -> [..., N] in x's dtype."""
+    if x.is_cuda and triton is not None:
+        return linear_triton(x, w)
     return linear_ref(x, w)

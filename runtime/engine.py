@@ -24,7 +24,6 @@ import torch
 
 from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError, DsfpError
-from dsfp4.kernels.expert import warm_up
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
@@ -184,8 +183,9 @@ class Engine:
             hot = self.model_dir / HOT_NAME
             if hot.is_file():
                 self.model.experts.warm_start(HotProfile.read(hot).check(manifest, hot))
-            if device.type == "cuda":
-                warm_up(self.model.experts.layout, dtype, device)  # Triton compiles here, not in the first TTFT
+            if self.model.moe_kernel is not None:  # Triton compiles here, not in the first TTFT
+                tokens = min(self.options.prefill_chunk, self.max_context)
+                self.model.moe_kernel.warm_up(dtype, self.model.experts.gpu, manifest.args.n_routed_experts, tokens)
         except BaseException:
             self.close()
             raise

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dsfp4.errors import ChecksumError, ConfigError
+from dsfp4.kernels.moe_ref import record_offsets
 from dsfp4.layout.direct_io import RecordFile, aligned_buffer
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
@@ -267,14 +268,15 @@ class ExpertStore:
 
     # -- the interface the model uses ---------------------------------------------------------------
 
-    def load(
+    def load_waves(
         self, layer: int, experts: list[int], prefetch: tuple[int, list[int]] | None = None
-    ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (expert, record on the device) for each of `experts`: those on the device first, then
-        those in RAM, then the SSD's, in waves of at most the device slot count (a long prompt's layer
-        may use more experts than fit). Compute launched between yields may read the record; its slot is
-        refilled only after the compute queued before the wave ended. `prefetch` (next layer, predicted
-        experts) starts once this layer's own loads are queued."""
+    ) -> Iterator[list[int]]:
+        """Yield `experts` in waves of at most the device slot count (a long prompt's layer may use more
+        experts than fit): those on the device first, then those in RAM, then the SSD's. When a wave is
+        yielded its records are on the device for compute queued on the current stream (copies are
+        waited for there, not on the host); their slots are refilled only after the compute queued
+        before the next wave (or the end). `prefetch` (next layer, predicted experts) starts once this
+        layer's own loads are queued."""
         self._score_prediction(layer, experts)
         self.counters.layer_steps += 1
         self.counters.expert_uses += len(experts)
@@ -284,43 +286,61 @@ class ExpertStore:
             wave = order[start : start + self.plan.gpu_slots]
             protected = {(layer, e) for e in wave}
             self._retire()  # once per wave: a blocked allocation retires again in _wait_any
-            ready, pending = [], []
+            jobs = []
             for e in wave:
                 key = (layer, e)
                 gslot = self.gpu_pool.lookup(key)
                 self.ram_pool.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
                 if gslot is not None:
                     self.counters.gpu_hits += 1
-                    jobs = self.gpu_jobs.get(gslot)  # a prefetch may still be filling it
-                    (pending if jobs else ready).append((e, gslot, jobs[-1] if jobs else None))
+                    filling = self.gpu_jobs.get(gslot)  # a prefetch may still be filling it
+                    if filling:
+                        jobs.append(filling[-1])
                     continue
                 in_ram = key in self.ram_pool
                 self.counters.ram_hits += in_ram
                 self.counters.ssd_misses += not in_ram
-                job = self._start(key, protected, wait=True)
-                pending.append((e, self.gpu_pool.slot_of[key], job))
+                jobs.append(self._start(key, protected, wait=True))
             if prefetch is not None and start == 0:
                 self.prefetch(*prefetch, protect={(layer, e) for e in experts})
-            yield from self._hand_out(ready + pending)
+            self._await(jobs)
+            yield wave
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
                 for e in wave:
                     self.released[self.gpu_pool.slot_of[(layer, e)]] = event
 
-    def _hand_out(self, items: list[tuple[int, int, Future | None]]) -> Iterator[tuple[int, torch.Tensor]]:
-        for e, gslot, job in items:
-            if job is not None:
-                t0 = time.perf_counter()
-                try:
-                    event = job.result()  # the SSD read and the copy are queued (or a checksum error)
-                except BaseException:
-                    self._retire()  # forget the failed record before the error leaves the store
-                    raise
-                self.counters.stall_s += time.perf_counter() - t0
-                if event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(event)  # on the device, not the host
-            yield e, self.gpu[gslot]
+    def _await(self, jobs: list[Future]) -> None:
+        """Make the current stream wait for these loads (the host only waits for them to be queued)."""
+        for job in jobs:
+            t0 = time.perf_counter()
+            try:
+                event = job.result()  # the SSD read and the copy are queued (or a checksum error)
+            except BaseException:
+                self._retire()  # forget the failed record before the error leaves the store
+                raise
+            self.counters.stall_s += time.perf_counter() - t0
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)  # on the device, not the host
+
+    def load(
+        self, layer: int, experts: list[int], prefetch: tuple[int, list[int]] | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """load_waves, one (expert, record on the device) at a time."""
+        for wave in self.load_waves(layer, experts, prefetch):
+            for e in wave:
+                yield e, self.gpu[self.gpu_pool.slot_of[(layer, e)]]
+
+    def offsets(self, layer: int, wave: list[int] | None = None) -> torch.Tensor:
+        """[experts] int64 on the device: each expert's record offset in the device pool (kernels/moe.py),
+        -1 when not there; with `wave`, every other expert is left out (-1) too."""
+        slots = self.slot_table()[layer]
+        if wave is not None:
+            keep = torch.zeros_like(slots, dtype=torch.bool)
+            keep[torch.tensor(wave, device=self.device)] = True
+            slots = torch.where(keep, slots, -1)
+        return record_offsets(slots, self.gpu)
 
     def prefetch(self, layer: int, experts: list[int], protect: set[Key]) -> None:
         """Start moving predicted experts of `layer` towards the device without waiting and without

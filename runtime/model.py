@@ -14,6 +14,7 @@ from torch import nn
 
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.linear import QuantizedWeight, linear
+from dsfp4.kernels.moe import MoEKernel
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.quant import PLAIN_DTYPES
 from dsfp4.runtime.attention import MLA
@@ -30,14 +31,23 @@ PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}  # dtype -> 
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, max_batch: int, max_len: int):
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer: int,
+        w: Weights,
+        experts: ExpertStore,
+        kernel: MoEKernel | None,
+        max_batch: int,
+        max_len: int,
+    ):
         super().__init__()
         p = f"layers.{layer}."
         self.attn_norm = RMSNorm(w.plain(p + "attn_norm.weight", (args.dim,)), args.norm_eps)
         self.attn = MLA(args, layer, w, max_batch, max_len)
         self.ffn_norm = RMSNorm(w.plain(p + "ffn_norm.weight", (args.dim,)), args.norm_eps)
         self.moe = args.is_moe_layer(layer)
-        self.ffn = MoE(args, layer, w, experts) if self.moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
+        self.ffn = MoE(args, layer, w, experts, kernel) if self.moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
 
     def forward(
         self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None
@@ -54,14 +64,23 @@ class MTP(nn.Module):
     """Multi-token prediction module (checkpoint-spec c.9): from the main model's final (normed) hidden
     state at position i and the embedding of token i+1, predict token i+2 with its own decoder block."""
 
-    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, max_batch: int, max_len: int):
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer: int,
+        w: Weights,
+        experts: ExpertStore,
+        kernel: MoEKernel | None,
+        max_batch: int,
+        max_len: int,
+    ):
         super().__init__()
         p, d = f"layers.{layer}.", args.dim
         self.embed = w.plain(p + "embed.weight", (args.vocab_size, d))
         self.enorm = RMSNorm(w.plain(p + "enorm.weight", (d,)), args.norm_eps)
         self.hnorm = RMSNorm(w.plain(p + "hnorm.weight", (d,)), args.norm_eps)
         self.eh_proj = w.matrix(p + "eh_proj", (d, 2 * d))
-        self.block = Block(args, layer, w, experts, max_batch, max_len)
+        self.block = Block(args, layer, w, experts, kernel, max_batch, max_len)
         self.head_norm = RMSNorm(w.plain(p + "head_norm.weight", (d,)), args.norm_eps)
         self.head = w.matrix(p + "head.weight", (args.vocab_size, d))
 
@@ -99,7 +118,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.args, self.max_len, self.experts = args, max_len, experts
         self.embed = w.plain("embed.weight", (args.vocab_size, args.dim))
-        self.layers = nn.ModuleList(Block(args, i, w, experts, max_batch, max_len) for i in range(args.n_layers))
+        layout = experts.layout
+        self.moe_kernel = MoEKernel(layout, args.n_activated_experts, w.device) if layout else None
+        blocks = (Block(args, i, w, experts, self.moe_kernel, max_batch, max_len) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(blocks)
         moe = [b for b in self.layers if b.moe]
         for here, nxt in zip(moe, moe[1:], strict=False) if prefetch else ():
             here.ffn.next_router = (nxt.ffn.layer, nxt.route)  # predict the next MoE layer's experts
@@ -109,7 +131,7 @@ class Transformer(nn.Module):
         else:
             self.head = w.matrix("head.weight", (args.vocab_size, args.dim))
         mtp = range(args.n_layers, args.n_blocks) if with_mtp else ()
-        self.mtp = nn.ModuleList(MTP(args, i, w, experts, max_batch, max_len) for i in mtp)
+        self.mtp = nn.ModuleList(MTP(args, i, w, experts, self.moe_kernel, max_batch, max_len) for i in mtp)
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, max_len).to(w.device), persistent=False)
 
     @staticmethod

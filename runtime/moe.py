@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsfp4.config import ModelArgs
-from dsfp4.kernels.expert import expert_ffn
 from dsfp4.kernels.linear import linear
+from dsfp4.kernels.moe import MoEKernel
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.weights import Weights
 
@@ -65,9 +65,9 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, kernel: MoEKernel):
         super().__init__()
-        self.layer, self.experts, self.n_routed = layer, experts, args.n_routed_experts
+        self.layer, self.experts, self.kernel = layer, experts, kernel
         self.gate = Gate(args, layer, w)
         inter = args.n_shared_experts * args.moe_inter_dim
         self.shared_experts = MLP(f"layers.{layer}.ffn.shared_experts.", args.dim, inter, w) if inter else None
@@ -84,31 +84,15 @@ class MoE(nn.Module):
         ask = [indices.flatten()]
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual.view(-1, shape[-1])).flatten())  # next layer's choice
-        ids = torch.cat(ask).tolist()  # the one host sync of the layer
-        chosen = ids[: indices.numel()]
+        ids = torch.cat(ask).tolist()  # the one host sync of the layer: which records to bring in
+        chosen = sorted(set(ids[: indices.numel()]))
         prefetch = (self.next_router[0], sorted(set(ids[indices.numel() :]))) if len(ask) > 1 else None
-        k = indices.shape[1]
-        positions: dict[int, list[int]] = {}  # expert -> flat positions (token * K + k) choosing it
-        for pos, e in enumerate(chosen):
-            positions.setdefault(e, []).append(pos)
-        flat_w = weights.flatten().to(x.dtype)  # [T*K]
-        outs = {}  # expert -> (tokens, weighted output); summed in expert order below, so the result does
-        # not depend on which tier answered first
-        for e, record in self.experts.load(self.layer, sorted(positions), prefetch):  # each expert once per layer
-            pos = positions[e]
-            if x.shape[0] == 1:  # decode: no gathers
-                outs[e] = (None, expert_ffn(x, record, self.experts.layout) * flat_w[pos[0]])
-                continue
-            p = torch.tensor(pos, device=x.device)
-            token = p // k
-            outs[e] = (token, expert_ffn(x[token], record, self.experts.layout) * flat_w[p, None])
-        y = torch.zeros_like(x)
-        for e in sorted(outs):
-            token, out = outs[e]
-            if token is None:
-                y += out
-            else:
-                y.index_add_(0, token, out)
+        y = None
+        waves = self.experts.load_waves(self.layer, chosen, prefetch)
+        for wave in waves:  # one wave unless the layer uses more experts than there are device slots
+            offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
+            part = self.kernel(x, indices, weights, self.experts.gpu, offsets)  # [T, D]
+            y = part if y is None else y + part
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.moe import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.attention import SCORE_ELEMENTS
@@ -114,6 +115,8 @@ def make_plan(
     acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
     scores = min(SCORE_ELEMENTS, t * a.n_heads * max_context)  # attention scores of one query chunk
     workspace = dequant + acts + 2 * scores * FP32 + a.vocab_size * FP32 * 2 * LOGIT_ROWS  # two copies of logits
+    if manifest.record:  # the routed-expert kernels' workspaces
+        workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
     workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
     fixed = backbone + kv + workspace
     top_k = a.n_activated_experts if total_records else 0

@@ -1,0 +1,94 @@
+"""Triton building blocks shared by the FP4 kernels: e2m1 codes and block scales decoded in registers.
+
+A packed byte holds two e2m1 codes along K: the even element in the low nibble, the odd one in the high
+nibble (layout/fp4.py). Kernels keep that order and split the activations instead: byte j of a row
+multiplies x[2j] (low) and x[2j+1] (high), so no weight is ever re-packed or shuffled.
+
+Codes become fp16 by bit placement, sign to bit 15 and the three magnitude bits to bits 9..11: that is
+exactly e2m1 * 2^-14, subnormal 0.5 included, so kernels multiply by E2M1_UNBIAS once per output instead
+of once per weight. On the GPU the placement runs as packed PTX (two prmt then and/shift/or on fp16
+pairs, which ptxas folds to about 2.3 integer ops per weight); under TRITON_INTERPRET the same bits come
+from plain integer ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch comes without Triton: the torch references serve
+    triton = None
+
+E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (inline PTX is not available there)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+
+    @triton.jit
+    def e2m1_halves(packed, USE_ASM: tl.constexpr):
+        """packed: uint8 [...] -> (low nibbles, high nibbles) as fp32 [...], each e2m1 * 2^-14."""
+        if USE_ASM:
+            # one 32-bit register holds 4 bytes b0..b3; prmt spreads two bytes into the two fp16 halves,
+            # then sign (bit 3 or 7) goes to bit 15 and magnitude (bits 0-2 or 4-6) to bits 9-11
+            lo, hi = tl.inline_asm_elementwise(
+                """
+                {
+                .reg .b32 t01, t23, a, b;
+                prmt.b32 t01, $4, 0, 0x4140;
+                prmt.b32 t23, $4, 0, 0x4342;
+                shl.b32 a, t01, 12;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t01, 9;
+                and.b32 b, b, 0x0E000E00;
+                or.b32 $0, b, a;
+                shl.b32 a, t23, 12;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t23, 9;
+                and.b32 b, b, 0x0E000E00;
+                or.b32 $1, b, a;
+                shl.b32 a, t01, 8;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t01, 5;
+                and.b32 b, b, 0x0E000E00;
+                or.b32 $2, b, a;
+                shl.b32 a, t23, 8;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t23, 5;
+                and.b32 b, b, 0x0E000E00;
+                or.b32 $3, b, a;
+                }
+                """,
+                "=r,=r,=r,=r,r",
+                [packed],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
+            return lo.to(tl.float32), hi.to(tl.float32)
+        lo = (packed & 15).to(tl.uint16)
+        hi = (packed >> 4).to(tl.uint16)
+        lo = ((lo & 8) << 12) | ((lo & 7) << 9)
+        hi = ((hi & 8) << 12) | ((hi & 7) << 9)
+        return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def block_scale(b, E8M0: tl.constexpr, HW_E4M3: tl.constexpr = False):
+        """Scale bytes -> fp32, exact: e4m3 (NVFP4; by the GPU's conversion instruction with HW_E4M3, else
+        from exponent bits) or e8m0 = 2^(b - 127) (MXFP4, byte 0 being the fp32 subnormal 2^-127)."""
+        if HW_E4M3 and not E8M0:
+            return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b = b.to(tl.int32)
+        if E8M0:
+            return tl.where(b == 0, 2.0**-127, (b << 23).to(tl.float32, bitcast=True))
+        ex = (b >> 3) & 15
+        man = b & 7
+        normal = (((b >> 7) << 31) | ((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        sub = man.to(tl.float32) * (1.0 / 512.0)  # e4m3 subnormals: m * 2^-9
+        return tl.where(ex == 0, tl.where((b >> 7) != 0, -sub, sub), normal)

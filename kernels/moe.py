@@ -1,0 +1,65 @@
+"""The routed-expert interface the MoE layer calls (the formula and the record convention: moe_ref.py).
+
+`MoEKernel` runs the decode kernel for up to MAX_TOKENS tokens and the prefill kernel above it, on CUDA
+with Triton, and the torch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.moe_decode import MAX_TOKENS, DecodeMoE
+from dsfp4.kernels.moe_prefill import max_blocks, moe_prefill, prefill_blocks
+from dsfp4.kernels.moe_ref import ABSENT, moe_ref
+from dsfp4.layout.record import RecordLayout
+
+
+class MoEKernel:
+    """moe_ref's result for one record layout: the decode kernel for up to MAX_TOKENS tokens and the
+    prefill kernel above, on CUDA with Triton; the reference elsewhere. Holds the decode workspaces."""
+
+    def __init__(self, layout: RecordLayout, top_k: int, device: torch.device):
+        self.layout, self.top_k = layout, top_k
+        self.triton = torch.device(device).type == "cuda" and triton is not None
+        if self.triton:
+            self.decode = DecodeMoE(layout, top_k, device)
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E] -> y [T, D]."""
+        if not self.triton:
+            return moe_ref(x, ids, weights, records, offsets, self.layout)
+        if x.shape[0] <= MAX_TOKENS:
+            return self.decode(x, ids, weights, records, offsets)
+        return moe_prefill(x, ids, weights, records, offsets, self.layout)
+
+    def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
+        """Compile every kernel variant a call of up to max_tokens tokens can take (the decode kernels' token
+        buckets, the prefill kernels' row blocks) before the first token is timed and before any graph
+        capture. No expert is read: all are left out."""
+        if not self.triton:
+            return
+        offsets = torch.full((n_experts,), ABSENT, dtype=torch.long, device=records.device)
+        sizes = [t for t in (1, 2, 4, 8, MAX_TOKENS) if t <= max_tokens]
+        blocks: dict = {}
+        for t in range(MAX_TOKENS + 1, max_tokens + 1):  # one size per distinct prefill tiling
+            blocks.setdefault(prefill_blocks(t * self.top_k, n_experts, self.layout), t)
+        for t in sizes + list(blocks.values()):
+            x = torch.zeros(t, self.layout.dim, dtype=dtype, device=records.device)
+            ids = torch.arange(t * self.top_k, device=records.device).view(t, self.top_k) % n_experts
+            self(x, ids, torch.zeros(t, self.top_k, device=records.device), records, offsets)
+
+
+def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: int, dtype: torch.dtype) -> int:
+    """Device memory the kernels hold for a call of `tokens` tokens: the decode workspaces (kept), and above
+    MAX_TOKENS the prefill's split activations, padded expert rows, per-pair outputs and result."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    decode = MAX_TOKENS * top_k * (layout.inter_dim + layout.dim) * 4
+    if tokens <= MAX_TOKENS:
+        return decode
+    pairs = tokens * top_k
+    block_m = prefill_blocks(pairs, n_experts, layout).block_m
+    rows = max_blocks(pairs, n_experts, block_m) * block_m
+    return decode + elt * (rows * layout.inter_dim + pairs * layout.dim + 2 * tokens * layout.dim)

@@ -1,0 +1,273 @@
+"""The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in three launches.
+
+  1. gate+up: a program per (pair, BN1 rows of the expert width). Only the first pair to choose an expert
+     works: it reads the expert's rows once for every token that chose it (its run) and writes
+     silu(gate) * up * routing weight to an fp32 row per pair, even elements first, so launch 2 loads
+     each half contiguously.
+  2. down: a program per (pair, BN2 rows of the model dim), the same way: W2 rows times each run pair's
+     activation, an fp32 output row per pair.
+  3. the sum over a token's K pairs, in slot order (torch): no atomics, the same bits on every run.
+Experts are found on the device through `offsets` (kernels/moe_ref.py), so routing needs no host sync and
+the launches can be captured in a CUDA graph. Records in pinned host memory are read over PCIe (zero-copy).
+A single persistent launch with a grid-wide barrier between the phases was measured slower on the H100
+(docs/BENCHMARKS.md): its fixed programs balance worse than the hardware's scheduling of many small ones.
+Legend: T tokens, K experts per token, D dim, I expert width, G scale block, P = T * K pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
+from dsfp4.kernels.moe_ref import ABSENT
+from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
+from dsfp4.layout.record import RecordLayout
+
+MAX_TOKENS = 16  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
+
+if triton is not None:
+    import triton.language as tl
+
+    _ABSENT = tl.constexpr(ABSENT)  # kernels read globals only as constexpr
+    _UNBIAS = tl.constexpr(E2M1_UNBIAS)
+
+    @triton.jit
+    def _pick(vec, lane, i):
+        """vec[i] as a scalar (vec: a small register vector, lane: its arange)."""
+        return tl.sum(tl.where(lane == i, vec, 0), axis=0)
+
+    @triton.jit
+    def _chunk(wrow, srow, kb, GROUP: tl.constexpr, BK: tl.constexpr, MASK):
+        """Code bytes [R, BK/2] and scale bytes [R, BK/G] of the chunk starting at byte kb of FP4 rows
+        (zeros where MASK is false). Counting in bytes keeps the loads' 16-byte alignment visible to Triton."""
+        cols = tl.arange(0, BK // 2)[None, :]
+        groups = tl.arange(0, BK // GROUP)[None, :]
+        live = tl.where(MASK, BK, 0)  # masks built by comparison: the interpreter rejects a broadcast scalar one
+        packed = tl.load(wrow + kb + cols, mask=cols < live, other=0)
+        sb = tl.load(srow + kb // (GROUP // 2) + groups, mask=groups < live, other=0)
+        return packed, sb
+
+    @triton.jit
+    def _group_sums(packed, xe, xo, GROUP: tl.constexpr, USE_ASM: tl.constexpr):
+        """Per scale block, sum of code * x over the block: [R, BK/G] (x: [BK/2] halves; the reduction stays
+        inside each thread's registers, so the block scale costs one multiply per G weights)."""
+        R: tl.constexpr = packed.shape[0]
+        NB: tl.constexpr = 2 * packed.shape[1] // GROUP
+        lo, hi = e2m1_halves(packed, USE_ASM)
+        return tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (R, NB, GROUP // 2)), 2)
+
+    @triton.jit
+    def _rows_dot(
+        wrow, srow, xe_ptr, xo_ptr,
+        XS: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BK: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):  # fmt: skip
+        """sum_k W[r, k] x[k] for FP4 rows (wrow, srow: [R, 1] row pointers to codes and scale bytes) and one
+        activation row split in halves (byte j's low nibble meets xe[j * XS], its high nibble xo[j * XS]),
+        before the global scale and 2^14: [R]. The next chunk is loaded before this one is computed."""
+        R: tl.constexpr = wrow.shape[0]
+        acc = tl.zeros((R, BK // GROUP), dtype=tl.float32)  # reduced once at the end, not per chunk
+        packed, sb = _chunk(wrow, srow, 0, GROUP, BK, True)
+        for kb in range(0, KDIM // 2, BK // 2):
+            nxt, nsb = _chunk(wrow, srow, kb + BK // 2, GROUP, BK, kb + BK // 2 < KDIM // 2)
+            j = (kb + tl.arange(0, BK // 2)) * XS
+            xe = tl.load(xe_ptr + j).to(tl.float32)
+            xo = tl.load(xo_ptr + j).to(tl.float32)
+            acc += _group_sums(packed, xe, xo, GROUP, USE_ASM) * block_scale(sb, E8M0, USE_ASM)
+            packed, sb = nxt, nsb
+        return tl.sum(acc, 1)
+
+    @triton.jit
+    def _rows_dot_run(
+        wrow, srow, src, stride, qs, lanes, n_run,
+        ROW_DIV: tl.constexpr, XS: tl.constexpr, ODD: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr,
+        E8M0: tl.constexpr, BK: tl.constexpr, RUN_PAD: tl.constexpr, USE_ASM: tl.constexpr,
+    ):  # fmt: skip
+        """_rows_dot for the n_run pairs qs of a run, each weight chunk loaded once for all of them: [RUN_PAD, R].
+        Pair q reads row q // ROW_DIV of `src` (stride apart): element j of a half at j * XS, odd half ODD on."""
+        R: tl.constexpr = wrow.shape[0]
+        acc = tl.zeros((RUN_PAD, R), dtype=tl.float32)
+        half = tl.arange(0, BK // 2)
+        for kb in range(0, KDIM // 2, BK // 2):
+            packed, sb = _chunk(wrow, srow, kb, GROUP, BK, True)
+            s = block_scale(sb, E8M0, USE_ASM)
+            for i in range(n_run):
+                row = src + (_pick(qs, lanes, i) // ROW_DIV) * stride + (kb + half) * XS
+                xe = tl.load(row).to(tl.float32)
+                xo = tl.load(row + ODD).to(tl.float32)
+                dot = tl.sum(_group_sums(packed, xe, xo, GROUP, USE_ASM) * s, 1)  # [R]
+                acc += tl.where(lanes[:, None] == i, dot[None, :], 0.0)
+        return acc
+
+    @triton.jit
+    def _run(ids_ptr, p, n_pairs, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr):
+        """Expert e of pair p; whether p is the first pair to choose it; the pairs that chose it (its run,
+        qs [RUN_PAD]) and how many (a token picks an expert once, so at most one pair per token)."""
+        e = tl.load(ids_ptr + p).to(tl.int32)
+        plane = tl.arange(0, P_PAD)
+        pair_e = tl.load(ids_ptr + plane, mask=plane < n_pairs, other=-1).to(tl.int32)  # [P_PAD]
+        match = pair_e == e
+        leader = tl.sum((match & (plane < p)).to(tl.int32), 0) == 0
+        lanes = tl.arange(0, RUN_PAD)
+        rank = tl.cumsum(match.to(tl.int32), 0) - 1  # position of each matching pair in the run
+        qs = tl.sum(tl.where(match[None, :] & (rank[None, :] == lanes[:, None]), plane[None, :], 0), 1)
+        return e, leader, qs, lanes, tl.sum(match.to(tl.int32), 0)
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr, ids_ptr, rw_ptr, rec_ptr, off_ptr, act_ptr, T, stride_xt,
+        K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
+        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr,
+    ):  # fmt: skip
+        """Launch 1: BN gate rows and the matching up rows of one expert, for every token that chose it."""
+        nb = INTER // BN
+        e, leader, qs, lanes, n_run = _run(ids_ptr, tl.program_id(0) // nb, T * K, P_PAD, RUN_PAD)
+        off = tl.load(off_ptr + e)
+        if leader & (off != _ABSENT):
+            wbase = rec_ptr + tl.multiple_of(off, 16)  # records are 4096-aligned in both tiers
+            r = tl.arange(0, 2 * BN)  # gate rows then the matching up rows
+            n = (tl.program_id(0) % nb) * BN + r % BN
+            rows = tl.where(r < BN, n, n + INTER)
+            wrow = wbase + W13 + rows[:, None] * (D // 2)
+            srow = wbase + S13 + rows[:, None] * (D // GROUP)
+            g_gate, g_up = _UNBIAS, _UNBIAS
+            if G >= 0:  # NVFP4 global scales of w1, w3
+                gp = (wbase + G).to(tl.pointer_type(tl.float32))
+                g_gate, g_up = tl.load(gp) * _UNBIAS, tl.load(gp + 1) * _UNBIAS
+            n = (tl.program_id(0) % nb) * BN + tl.arange(0, BN)
+            dest = (n % 2) * (INTER // 2) + n // 2  # even rows first
+            if n_run == 1:  # most runs at decode: one token, a 2-D accumulator
+                q = _pick(qs, lanes, 0)
+                x_row = x_ptr + (q // K) * stride_xt
+                dot = _rows_dot(wrow, srow, x_row, x_row + 1, 2, D, GROUP, E8M0, BK, USE_ASM)
+                gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
+                gate, up = gate * g_gate, up * g_up
+                tl.store(act_ptr + q * INTER + dest, gate * tl.sigmoid(gate) * up * tl.load(rw_ptr + q))
+            else:
+                acc = _rows_dot_run(
+                    wrow, srow, x_ptr, stride_xt, qs, lanes, n_run, K, 2, 1, D, GROUP, E8M0, BK, RUN_PAD, USE_ASM
+                )  # [RUN_PAD, 2 * BN]
+                for i in range(n_run):
+                    q = _pick(qs, lanes, i)
+                    dot = tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0)
+                    gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
+                    gate, up = gate * g_gate, up * g_up
+                    tl.store(act_ptr + q * INTER + dest, gate * tl.sigmoid(gate) * up * tl.load(rw_ptr + q))
+
+    @triton.jit
+    def _down_kernel(
+        ids_ptr, rec_ptr, off_ptr, act_ptr, out_ptr, T,
+        K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W2: tl.constexpr, S2: tl.constexpr,
+        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr,
+    ):  # fmt: skip
+        """Launch 2: BN rows of one expert's W2 times the activation of every pair that chose it; pairs of an
+        absent expert get zeros (the sum over slots reads every pair's row)."""
+        nb = D // BN
+        p = tl.program_id(0) // nb
+        e, leader, qs, lanes, n_run = _run(ids_ptr, p, T * K, P_PAD, RUN_PAD)
+        off = tl.load(off_ptr + e)
+        rows = (tl.program_id(0) % nb) * BN + tl.arange(0, BN)
+        if off == _ABSENT:
+            tl.store(out_ptr + p * D + rows, tl.zeros((BN,), dtype=tl.float32))
+        elif leader:
+            wbase = rec_ptr + tl.multiple_of(off, 16)
+            wrow = wbase + W2 + rows[:, None] * (INTER // 2)
+            srow = wbase + S2 + rows[:, None] * (INTER // GROUP)
+            g = _UNBIAS
+            if G >= 0:  # NVFP4 global scale of w2
+                g = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * _UNBIAS
+            if n_run == 1:
+                act = act_ptr + p * INTER
+                dot = _rows_dot(wrow, srow, act, act + INTER // 2, 1, INTER, GROUP, E8M0, BK, USE_ASM)
+                tl.store(out_ptr + p * D + rows, dot * g)
+            else:
+                acc = _rows_dot_run(
+                    wrow, srow, act_ptr, INTER, qs, lanes, n_run, 1, 1, INTER // 2, INTER, GROUP, E8M0, BK, RUN_PAD,
+                    USE_ASM,
+                )  # fmt: skip
+                for i in range(n_run):
+                    q = _pick(qs, lanes, i)
+                    tl.store(out_ptr + q * D + rows, tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0) * g)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes: BN1 rows of the expert width per gate+up program, BN2 rows of the model dim per down
+    program, BK1/BK2 input elements per step (a power of two, at least one scale block); warps per program."""
+
+    bn1: int = 16  # the best of a sweep on the H100 (docs/BENCHMARKS.md)
+    bk1: int = 256
+    bn2: int = 16
+    bk2: int = 256
+    num_warps: int = 4
+
+    def fit(self, layout: RecordLayout) -> DecodeConfig:
+        """Shrink the tiles to a small model's shape (every size a power of two dividing it)."""
+
+        def div(b: int, n: int) -> int:
+            while n % b:
+                b //= 2
+            return b
+
+        d, i = layout.dim, layout.inter_dim
+        return DecodeConfig(div(self.bn1, i), div(self.bk1, d), div(self.bn2, d), div(self.bk2, i), self.num_warps)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DecodeMoE:
+    """The decode kernels for one record layout on one device, with their workspaces (an activation row and
+    an output row per pair) kept across calls, so that a captured graph replays on the same memory."""
+
+    def __init__(self, layout: RecordLayout, top_k: int, device: torch.device, config: DecodeConfig | None = None):
+        group = NVFP4_BLOCK if layout.format == "nvfp4" else MXFP4_BLOCK
+        self.layout, self.top_k = layout, top_k
+        self.config = c = (config or DecodeConfig()).fit(layout)
+        assert c.bk1 >= group and c.bk2 >= group, f"K steps must hold whole {group}-element scale blocks"
+        pairs = MAX_TOKENS * top_k
+        self.act = torch.empty(pairs, layout.inter_dim, dtype=torch.float32, device=device)
+        self.out = torch.empty(pairs, layout.dim, dtype=torch.float32, device=device)
+        p = {part.name: part.offset for part in layout.parts}
+        common = dict(
+            K=top_k, D=layout.dim, INTER=layout.inter_dim, G=p.get("scale_2", -1), GROUP=group,
+            E8M0=layout.format == "mxfp4", USE_ASM=not interpreted(), num_warps=c.num_warps,
+        )  # fmt: skip
+        self.phase1 = dict(common, W13=p["w13"], S13=p["w13_scale"], BN=c.bn1, BK=c.bk1)
+        self.phase2 = dict(common, W2=p["w2"], S2=p["w2_scale"], BN=c.bn2, BK=c.bk2)
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes] u8, offsets: [E] i64 -> y [T, D]."""
+        t, k = x.shape[0], self.top_k
+        assert 0 < t <= MAX_TOKENS and ids.shape == (t, k), f"decode takes 1..{MAX_TOKENS} tokens of top-{k} ids"
+        assert x.shape[1] == self.layout.dim and x.stride(1) == 1 and records.shape[1] == self.layout.nbytes
+        assert records.data_ptr() % 16 == 0, "records: a 16-byte aligned u8 slot pool"
+        ids, weights, offsets = ids.contiguous(), weights.float().contiguous(), offsets.contiguous()
+        run = dict(P_PAD=_pow2(t * k), RUN_PAD=_pow2(t))
+        c = self.config
+        _gate_up_kernel[(t * k * (self.layout.inter_dim // c.bn1),)](
+            x, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1
+        )
+        _down_kernel[(t * k * (self.layout.dim // c.bn2),)](
+            ids, records, offsets, self.act, self.out, t, **run, **self.phase2
+        )
+        return self.out[: t * k].view(t, k, -1).sum(1).to(x.dtype)  # [T, D], slots summed in order
+
+
+def moe_decode(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    records: torch.Tensor,
+    offsets: torch.Tensor,
+    layout: RecordLayout,
+) -> torch.Tensor:
+    """One call of the decode kernels with fresh workspaces (the runtime keeps a DecodeMoE instead)."""
+    return DecodeMoE(layout, ids.shape[1], x.device)(x, ids, weights, records, offsets)

@@ -1,0 +1,199 @@
+"""Kernel benchmarks on the GPU machine (docs/BENCHMARKS.md), each against the HBM read ceiling measured in
+the same run:
+
+    python scripts/bench_kernels.py [--only decode,zero_copy,...] [--sweep] [--out DIR]
+
+Timing: every case is captured in a CUDA graph over weights distinct from one call to the next (random
+experts out of 256 records, or several copies of a dense matrix), so no launch gap and no L2 reuse flatter
+it. Bytes are those the kernel must read: distinct experts' records (w13, w2 and their scales), or a
+matrix and its scales. Prints a table; writes bench_kernels.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import gpu_ceilings  # noqa: E402
+
+from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE  # noqa: E402
+from dsfp4.kernels.moe_ref import record_offsets  # noqa: E402
+from dsfp4.layout import fp4  # noqa: E402
+from dsfp4.layout.record import RecordLayout  # noqa: E402
+
+DEV = torch.device("cuda")
+DIM, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3
+CALLS = 24  # distinct calls per graph
+
+
+def graph_time(calls: list, reps: int = 5) -> float:
+    """Seconds per call: the calls captured once in a graph, replayed `reps` times (after a warm replay)."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps / len(calls)
+
+
+def expert_pool(fmt: str, gen: torch.Generator) -> tuple[RecordLayout, torch.Tensor]:
+    """256 records on the device: 16 distinct random experts (quantized on the GPU), each repeated; the
+    bytes differ only in content, so copies cost the same HBM reads."""
+    layout = RecordLayout.for_expert(fmt, DIM, INTER)
+    records = torch.empty(EXPERTS, layout.nbytes, dtype=torch.uint8, device=DEV)
+    for e in range(16):
+        w13 = torch.randn(2 * INTER, DIM, device=DEV, generator=gen) * 0.02
+        w2 = torch.randn(DIM, INTER, device=DEV, generator=gen) * 0.02
+        if fmt == "nvfp4":
+            (p13, s13, g13), (p2, s2, g2) = fp4.nvfp4_quantize(w13), fp4.nvfp4_quantize(w2)
+            parts = {"w13": p13, "w13_scale": s13, "w2": p2, "w2_scale": s2, "scale_2": torch.stack([g13, g13, g2])}
+        else:
+            (p13, s13), (p2, s2) = fp4.mxfp4_quantize(w13), fp4.mxfp4_quantize(w2)
+            parts = {"w13": p13, "w13_scale": s13, "w2": p2, "w2_scale": s2}
+        one = torch.frombuffer(bytearray(layout.pack({k: v.cpu() for k, v in parts.items()})), dtype=torch.uint8)
+        records[e::16] = one.to(DEV)
+    return layout, records
+
+
+def read_bytes(layout: RecordLayout) -> int:
+    return sum(p.nbytes for p in layout.parts)
+
+
+def routings(t: int, gen: torch.Generator, n: int = CALLS) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """n random routings of t tokens: (ids [T, K], weights [T, K], distinct experts)."""
+    out = []
+    for _ in range(n):
+        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(t)])
+        out.append((ids.to(DEV), (torch.rand(t, TOP_K, generator=gen) + 0.1).to(DEV), len(set(ids.flatten().tolist()))))
+    return out
+
+
+def bench_decode(hbm: float, sweep: bool) -> list[dict]:
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    rows = []
+    configs = [DecodeConfig()]
+    if sweep:
+        configs += [
+            DecodeConfig(16, 256, 16, 256, 4),
+            DecodeConfig(8, 512, 8, 512, 4),
+            DecodeConfig(8, 512, 16, 512, 8),
+            DecodeConfig(8, 1024, 16, 1024, 4),
+            DecodeConfig(4, 1024, 8, 1024, 4),
+        ]
+    for fmt in ("nvfp4", "mxfp4"):
+        layout, records = expert_pool(fmt, gen)
+        offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
+        per_expert = read_bytes(layout)
+        for cfg in configs if fmt == "nvfp4" else configs[:1]:
+            kernel = DecodeMoE(layout, TOP_K, DEV, cfg)
+            for t in (1, 2, 4, 8, 16) if cfg == configs[0] else (1, 4):
+                routes = routings(t, cpu_gen)
+                x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
+                for ids, w, _ in routes[:1]:
+                    kernel(x, ids, w, records, offsets)  # sizes the grid before capture
+                s = graph_time(
+                    [lambda r=r, k=kernel, x=x, rec=records, o=offsets: k(x, r[0], r[1], rec, o) for r in routes]
+                )
+                distinct = sum(r[2] for r in routes) / len(routes)
+                gbps = distinct * per_expert / s / 1e9
+                rows.append({
+                    "case": "moe_decode", "fmt": fmt, "T": t, "config": cfg.__dict__,
+                    "us": s * 1e6, "distinct_experts": distinct, "GBps": gbps, "of_ceiling": gbps / hbm,
+                })  # fmt: skip
+    return rows
+
+
+def bench_decode_torch(hbm: float) -> list[dict]:
+    """The same computation through torch: bf16 matmuls on dequantized weights (8 distinct sets of 8)."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    sets = [
+        [(torch.randn(2 * INTER, DIM, device=DEV, generator=gen, dtype=torch.bfloat16),
+          torch.randn(DIM, INTER, device=DEV, generator=gen, dtype=torch.bfloat16)) for _ in range(TOP_K)]
+        for _ in range(4)
+    ]  # fmt: skip
+    rows = []
+    for t in (1, 4):
+        x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
+        w = torch.rand(TOP_K, device=DEV)
+
+        def call(experts, x=x, w=w):
+            y = torch.zeros_like(x)
+            for j, (w13, w2) in enumerate(experts):
+                h = F.linear(x, w13)
+                y += F.linear(F.silu(h[:, :INTER]) * h[:, INTER:], w2) * w[j]
+            return y
+
+        s = graph_time([lambda e=e: call(e) for e in sets * 3])
+        nbytes = TOP_K * 3 * DIM * INTER * 2
+        rows.append({"case": "moe_decode_torch_bf16", "T": t, "us": s * 1e6, "GBps": nbytes / s / 1e9,
+                     "of_ceiling": nbytes / s / 1e9 / hbm})  # fmt: skip
+    return rows
+
+
+def bench_zero_copy(h2d: float) -> list[dict]:
+    """The decode kernel reading its 8 records from pinned host memory (PCIe), T = 1."""
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    layout, records = expert_pool("nvfp4", gen)
+    host = records[:64].cpu().pin_memory()  # 64 distinct-address records, 1.6 GB
+    kernel = DecodeMoE(layout, TOP_K, DEV)
+    x = torch.randn(1, DIM, device=DEV, dtype=torch.bfloat16)
+    slots = torch.full((EXPERTS,), -1, device=DEV)
+    offsets = record_offsets(slots, records, torch.arange(EXPERTS, device=DEV) % 64, host)
+    routes = routings(1, torch.Generator().manual_seed(3), 8)
+    kernel(x, routes[0][0], routes[0][1], records, offsets)
+    s = graph_time([lambda r=r: kernel(x, r[0], r[1], records, offsets) for r in routes], reps=2)
+    gbps = TOP_K * read_bytes(layout) / s / 1e9
+    return [{"case": "moe_decode_zero_copy", "fmt": "nvfp4", "T": 1, "us": s * 1e6, "GBps": gbps, "of_h2d": gbps / h2d}]
+
+
+SECTIONS = {"decode": None, "decode_torch": None, "zero_copy": None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=",".join(SECTIONS))
+    ap.add_argument("--sweep", action="store_true", help="also time other decode tile configurations")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    a = ap.parse_args()
+    only = a.only.split(",")
+    lim = gpu_ceilings()
+    hbm, h2d = lim["hbm_read_gbps"], lim["pinned_h2d_gbps"]
+    rows: list[dict] = []
+    if "decode" in only:
+        rows += bench_decode(hbm, a.sweep)
+    if "decode_torch" in only:
+        rows += bench_decode_torch(hbm)
+    if "zero_copy" in only:
+        rows += bench_zero_copy(h2d)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench_kernels.json").write_text(json.dumps({"ceilings": lim, "rows": rows}, indent=1))
+    print(f"ceilings: {json.dumps(lim)}")
+    for r in rows:
+        frac = r.get("of_ceiling", r.get("of_h2d"))
+        cfg = r.get("config")
+        cfg = "" if cfg is None else "/".join(str(v) for v in cfg.values())
+        print(f"{r['case']:<24} {r.get('fmt', ''):<6} T={r['T']:<3} {r['us']:>9.1f} us {r['GBps']:>8.0f} GB/s "
+              f"{100 * frac:>5.1f}%  {cfg}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

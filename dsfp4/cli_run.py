@@ -71,6 +71,14 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
     help="Do not predict the next layer's experts.",
 )
 @click.option(
+    "--no-cuda-graph",
+    "cuda_graph",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Launch every decode step's kernels one by one instead of replaying a captured CUDA graph.",
+)
+@click.option(
     "--mtp",
     is_flag=True,
     help="Speculative decoding with the checkpoint's MTP module: it drafts a token, one forward checks it "

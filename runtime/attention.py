@@ -8,6 +8,8 @@ positions, H heads, C kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim, V v_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,6 +20,15 @@ from dsfp4.runtime.rope import apply_rotary_emb, softmax_scale
 from dsfp4.runtime.weights import Weights
 
 SCORE_ELEMENTS = 1 << 26  # attention scores held at once (256 MiB in fp32)
+
+
+@dataclass(frozen=True)
+class DevicePosition:
+    """Where a captured decode step's token goes: pos [1] int64 on the device (read when the graph replays);
+    attention covers the first `span` cached rows, those past pos masked out."""
+
+    pos: torch.Tensor
+    span: int
 
 
 class MLA(nn.Module):
@@ -51,18 +62,23 @@ class MLA(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None
+        self, x: torch.Tensor, start_pos: int | DevicePosition, freqs_cis: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         b, t, _ = x.shape  # x: [B, T, D]
-        end = start_pos + t
         q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
         q = q.view(b, t, self.n_heads, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
         q_pe = apply_rotary_emb(q_pe, freqs_cis)
         kv, k_pe = linear(x, self.wkv_a).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, T, C], [B, T, R]
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
-        self.kv_cache[:b, start_pos:end] = self.kv_norm(kv)
-        self.pe_cache[:b, start_pos:end] = k_pe
+        if isinstance(start_pos, DevicePosition):  # a captured step: the row is found on the device
+            end = start_pos.span
+            self.kv_cache[:b].index_copy_(1, start_pos.pos, self.kv_norm(kv))
+            self.pe_cache[:b].index_copy_(1, start_pos.pos, k_pe)
+        else:
+            end = start_pos + t
+            self.kv_cache[:b, start_pos:end] = self.kv_norm(kv)
+            self.pe_cache[:b, start_pos:end] = k_pe
         # the torch reference dequantizes wkv_b per call, as DeepSeek's reference does; the kernels issue
         # replaces this with absorbed-attention kernels on the stored weight
         wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)

@@ -28,6 +28,7 @@ from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import write_trace
+from dsfp4.runtime.decode_graph import DecodeGraphs
 from dsfp4.runtime.model import Transformer, load_model, plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import LOGIT_ROWS, Plan
@@ -179,13 +180,20 @@ class Engine:
         self._busy = threading.Lock()  # one call at a time: two threads would corrupt the cache
         self.recorder = RoutingRecorder(self.model, trace=True) if self.options.record_trace else None
         self.speculator = Speculator(self) if self.options.mtp else None
+        self.graphs: DecodeGraphs | None = None
         try:
-            hot = self.model_dir / HOT_NAME
-            if hot.is_file():
-                self.model.experts.warm_start(HotProfile.read(hot).check(manifest, hot))
+            store, hot = self.model.experts, self.model_dir / HOT_NAME
+            if device.type == "cuda" and store.plan.gpu_slots >= store.plan.total_records > 0:
+                store.fill()  # every expert fits: all on the device, and decode steps can be captured
+            elif hot.is_file():
+                store.warm_start(HotProfile.read(hot).check(manifest, hot))
             if self.model.moe_kernel is not None:  # Triton compiles here, not in the first TTFT
                 tokens = min(self.options.prefill_chunk, self.max_context)
-                self.model.moe_kernel.warm_up(dtype, self.model.experts.gpu, manifest.args.n_routed_experts, tokens)
+                self.model.moe_kernel.warm_up(dtype, store.gpu, manifest.args.n_routed_experts, tokens)
+            recording = self.recorder is not None
+            self.graphs = (
+                DecodeGraphs(self.model, self.max_context, device, recording) if self.options.cuda_graph else None
+            )
         except BaseException:
             self.close()
             raise
@@ -193,6 +201,13 @@ class Engine:
     @property
     def plan(self) -> Plan:
         return self._model().experts.plan
+
+    @property
+    def decode_mode(self) -> str:
+        """How decode steps run: "CUDA graph", or "eager" and why."""
+        if self.graphs is None:
+            return "eager: --no-cuda-graph"
+        return "CUDA graph" if self.graphs.ready else f"eager: {self.graphs.why_eager}"
 
     def __enter__(self) -> Engine:
         return self
@@ -214,7 +229,7 @@ class Engine:
             if self.recorder is not None:
                 self.recorder.detach()
             self.model.experts.close()
-            self.model = None
+            self.model, self.graphs = None, None  # the graphs' memory pool goes with them
             gc.collect()  # the modules hold each other (MoE layers and the store): free them now
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -358,8 +373,11 @@ class Engine:
         if cancel is not None and cancel.is_set():
             raise _Cancelled
         try:
-            tokens = torch.tensor([piece], device=self.device)
-            logits, h = self._model()(tokens, len(self.cached), last_only=not every)
+            if len(piece) == 1 and not every and self.graphs is not None and self.graphs.ready:
+                logits, h = self.graphs.step(piece[0], len(self.cached))
+            else:
+                tokens = torch.tensor([piece], device=self.device)
+                logits, h = self._model()(tokens, len(self.cached), last_only=not every)
         except BaseException:
             if self.recorder is not None:
                 self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
@@ -437,6 +455,7 @@ class Engine:
             yield Delta(None, text[emitted:])
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.store = counters_since(store.counters.snapshot(), before)
+        stats.decode_mode = self.decode_mode
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
         self.stats, self._stream = stats, None
         return Generation(list(prompt_ids), tokens, text, finish, stats)

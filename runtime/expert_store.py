@@ -363,8 +363,17 @@ class ExpertStore:
         """Hottest records to the device slots, the next ones to RAM. Each layer's share is read in file
         order, adjacent records together: after a hot-first repack, the hot prefix of every layer is read
         sequentially (its device part, then its RAM part, which follows it in the file)."""
+        self._preload([k for k in profile.ranked() if k[0] in self.plan.expert_layers])
+
+    def fill(self) -> None:
+        """Every record of the used layers onto the device (the plan's slots hold them all): from then on
+        the MoE layers find every expert on the device and never wait for the host."""
+        n = self.manifest.args.n_routed_experts
+        assert self.plan.gpu_slots >= self.plan.total_records, "fill() needs a device slot per record"
+        self._preload([(layer, e) for layer in self.plan.expert_layers for e in range(n)])
+
+    def _preload(self, ranked: list[Key]) -> None:
         t0 = time.perf_counter()
-        ranked = [k for k in profile.ranked() if k[0] in self.plan.expert_layers]
         n_gpu = self.plan.gpu_slots
         to_gpu, to_ram = ranked[:n_gpu], ranked[n_gpu : n_gpu + self.plan.ram_slots]
         for layer in sorted({layer for layer, _ in to_gpu}):
@@ -378,6 +387,17 @@ class ExpertStore:
         self.sync()
         self.counters.warm_records = len(to_gpu) + len(to_ram)
         self.counters.warm_s = time.perf_counter() - t0
+
+    @property
+    def all_resident(self) -> bool:
+        """Every record the run uses sits on the device, none in flight (nothing can be evicted then)."""
+        return len(self.gpu_pool.slot_of) == self.plan.total_records > 0 and not self.gpu_jobs
+
+    def count_resident(self, uses: int) -> None:
+        """Count a layer step whose `uses` (token, expert) pairs were all found on the device."""
+        self.counters.layer_steps += 1
+        self.counters.expert_uses += uses
+        self.counters.gpu_hits += uses
 
     def sync(self) -> None:
         """Wait for every job in flight (raising the first error)."""

@@ -17,7 +17,7 @@ from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.kernels.moe import MoEKernel
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.quant import PLAIN_DTYPES
-from dsfp4.runtime.attention import MLA
+from dsfp4.runtime.attention import MLA, DevicePosition
 from dsfp4.runtime.budget import resolve_budgets
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.moe import MLP, MoE
@@ -50,7 +50,7 @@ class Block(nn.Module):
         self.ffn = MoE(args, layer, w, experts, kernel) if self.moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
 
     def forward(
-        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None
+        self, x: torch.Tensor, start_pos: int | DevicePosition, freqs_cis: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), start_pos, freqs_cis, mask)
         return x + (self.ffn(self.ffn_norm(x), x) if self.moe else self.ffn(self.ffn_norm(x)))
@@ -141,14 +141,19 @@ class Transformer(nn.Module):
             return None
         return torch.full((t, start_pos + t), float("-inf"), device=device).triu_(start_pos + 1)
 
-    def positions(self, t: int, start_pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def positions(self, t: int, start_pos: int | DevicePosition) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""
+        if isinstance(start_pos, DevicePosition):  # one token; the span's rows past it are masked out
+            rows = torch.arange(start_pos.span, device=self.freqs_cis.device)
+            mask = torch.zeros(1, start_pos.span, device=rows.device).masked_fill_(rows > start_pos.pos, float("-inf"))
+            return self.freqs_cis.index_select(0, start_pos.pos), mask
         return self.freqs_cis[start_pos : start_pos + t], self.causal_mask(t, start_pos, self.freqs_cis.device)
 
     def forward(
-        self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False
+        self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens: [B, T] at positions start_pos.. -> (logits [B, T or 1, V] fp32, final hidden [B, T, D])."""
+        """tokens: [B, T] at positions start_pos.. (or one token at a DevicePosition, as a captured decode step
+        does) -> (logits [B, T or 1, V] fp32, final hidden [B, T, D])."""
         h = F.embedding(tokens, self.embed)  # [B, T, D]
         freqs, mask = self.positions(tokens.shape[1], start_pos)
         for layer in self.layers:

@@ -81,6 +81,10 @@ class MoE(nn.Module):
         weights, indices = self.gate(x)  # [T, K], [T, K]
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
+        if self.experts.all_resident:  # nothing to bring in: experts are found on the device, no host sync
+            self.experts.count_resident(indices.numel())
+            y = self.kernel(x, indices, weights, self.experts.gpu, self.experts.offsets(self.layer))
+            return (y if self.shared_experts is None else y + self.shared_experts(x)).view(shape)
         ask = [indices.flatten()]
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual.view(-1, shape[-1])).flatten())  # next layer's choice

@@ -36,6 +36,7 @@ class RunOptions:
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
     record_trace: Path | None = None  # where the engine writes its routing trace when it closes
     mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/speculative.py)
+    cuda_graph: bool = True  # replay decode steps as CUDA graphs when they can be captured (runtime/decode_graph.py)
 
     def __post_init__(self) -> None:
         # stop strings arrive as a string, a list (JSON, Click's multiple flag) or a tuple

@@ -40,6 +40,7 @@ class GenerationStats:
     plain_steps: int = 0
     plain_s: float = 0.0
     mtp_note: str = ""  # why drafting stopped, when it did
+    decode_mode: str = ""  # "CUDA graph", or "eager" and why (runtime/decode_graph.py)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -101,7 +102,7 @@ class GenerationStats:
             (
                 "speed",
                 f"TTFT {self.ttft_s:.3f} s, prefill {self.prefill_tok_s:.1f} tok/s, "
-                f"decode {self.decode_tok_s:.2f} tok/s",
+                f"decode {self.decode_tok_s:.2f} tok/s" + (f" ({self.decode_mode})" if self.decode_mode else ""),
             ),
             (
                 "expert uses",

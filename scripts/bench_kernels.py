@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,9 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import gpu_ceilings  # noqa: E402
 
+from dsfp4.kernels.fp8_linear import fp8_linear  # noqa: E402
 from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE  # noqa: E402
+from dsfp4.kernels.moe_prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks, split_columns  # noqa: E402
 from dsfp4.kernels.moe_ref import record_offsets  # noqa: E402
 from dsfp4.layout import fp4  # noqa: E402
+from dsfp4.layout.fp8 import fp8_block_quantize  # noqa: E402
 from dsfp4.layout.record import RecordLayout  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -108,7 +112,7 @@ def bench_decode(hbm: float, sweep: bool) -> list[dict]:
                 routes = routings(t, cpu_gen)
                 x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
                 for ids, w, _ in routes[:1]:
-                    kernel(x, ids, w, records, offsets)  # sizes the grid before capture
+                    kernel(x, ids, w, records, offsets)  # compiles before capture
                 s = graph_time(
                     [lambda r=r, k=kernel, x=x, rec=records, o=offsets: k(x, r[0], r[1], rec, o) for r in routes]
                 )
@@ -164,7 +168,69 @@ def bench_zero_copy(h2d: float) -> list[dict]:
     return [{"case": "moe_decode_zero_copy", "fmt": "nvfp4", "T": 1, "us": s * 1e6, "GBps": gbps, "of_h2d": gbps / h2d}]
 
 
-SECTIONS = {"decode": None, "decode_torch": None, "zero_copy": None}
+def bench_prefill(hbm: float) -> list[dict]:
+    """The grouped FP4 GEMMs (gate+up, then down) at T tokens, 256 experts, top-8 uniform routing."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    rows = []
+    for fmt in ("nvfp4", "mxfp4"):
+        layout, records = expert_pool(fmt, gen)
+        offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
+        for t in (512, 2048, 4096) if fmt == "nvfp4" else (4096,):
+            routes = routings(t, torch.Generator().manual_seed(t), 2)
+            x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
+            n_experts = offsets.numel()
+            blocks = prefill_blocks(t * TOP_K, n_experts, layout)
+            xs = split_columns(x)
+            stages = []
+            for ids, w, _ in routes:
+                pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.block_m)
+                where = (pairs, block_experts, records, offsets, layout, blocks)
+                act = gate_up(xs, w, *where)
+                stages.append((w, where, act))
+            up = graph_time([partial(gate_up, xs, st[0], *st[1]) for st in stages], reps=3)
+            dn = graph_time([partial(down, st[2], t * TOP_K, *st[1]) for st in stages], reps=3)
+            whole = graph_time([partial(moe_prefill, x, r[0], r[1], records, offsets, layout) for r in routes], 3)
+            flops_up, flops_dn = 2 * t * TOP_K * 2 * INTER * DIM, 2 * t * TOP_K * DIM * INTER
+            for case, sec, flops in (("prefill_gate_up", up, flops_up), ("prefill_down", dn, flops_dn),
+                                     ("prefill_moe", whole, flops_up + flops_dn)):  # fmt: skip
+                rows.append({"case": case, "fmt": fmt, "T": t, "us": sec * 1e6, "TFLOPs": flops / sec / 1e12,
+                             "block_m": blocks.block_m})  # fmt: skip
+    return rows
+
+
+ATTENTION = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "kv_b": (32768, 512), "o": (7168, 16384)}
+
+
+def bench_fp8(hbm: float) -> list[dict]:
+    """FP8 block GEMV over one layer's attention matrices at T = 1 (4 distinct copies each, so L2 does not
+    keep them), against bf16 cuBLAS on the same shapes; and the W8A8 GEMM at T = 4096."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    mats = {
+        name: [fp8_block_quantize(torch.randn(n, k, device=DEV, generator=gen) * 0.02) for _ in range(4)]
+        for name, (n, k) in ATTENTION.items()
+    }
+    rows, total_s, total_b, bf16_s = [], 0.0, 0, 0.0
+    x1 = {k: torch.randn(1, k, device=DEV, dtype=torch.bfloat16) for _, k in ATTENTION.values()}
+    for name, (n, k) in ATTENTION.items():
+        s = graph_time([lambda m=m, x=x1[k]: fp8_linear(x, *m) for m in mats[name]] * 4)
+        dense = [m[0].to(torch.bfloat16) for m in mats[name]]
+        sb = graph_time([lambda w=w, x=x1[k]: F.linear(x, w) for w in dense] * 4)
+        nbytes = n * k + mats[name][0][1].numel() * 4
+        total_s, total_b, bf16_s = total_s + s, total_b + nbytes, bf16_s + sb
+        rows.append({"case": f"fp8_gemv_{name}", "T": 1, "us": s * 1e6, "GBps": nbytes / s / 1e9,
+                     "of_ceiling": nbytes / s / 1e9 / hbm, "bf16_cublas_us": sb * 1e6})  # fmt: skip
+    rows.append({"case": "fp8_gemv_attention", "T": 1, "us": total_s * 1e6, "GBps": total_b / total_s / 1e9,
+                 "of_ceiling": total_b / total_s / 1e9 / hbm, "bf16_cublas_us": bf16_s * 1e6})  # fmt: skip
+    x = torch.randn(4096, 7168, device=DEV, dtype=torch.bfloat16)
+    for name in ("q_a", "o"):
+        n, k = ATTENTION[name]
+        xk = x if k == 7168 else torch.randn(4096, k, device=DEV, dtype=torch.bfloat16)
+        s = graph_time([lambda m=m, xk=xk: fp8_linear(xk, *m) for m in mats[name]], reps=3)
+        rows.append({"case": f"fp8_gemm_{name}", "T": 4096, "us": s * 1e6, "TFLOPs": 2 * 4096 * n * k / s / 1e12})
+    return rows
+
+
+SECTIONS = ("decode", "decode_torch", "zero_copy", "prefill", "fp8")
 
 
 def main() -> int:
@@ -183,15 +249,20 @@ def main() -> int:
         rows += bench_decode_torch(hbm)
     if "zero_copy" in only:
         rows += bench_zero_copy(h2d)
+    if "prefill" in only:
+        rows += bench_prefill(hbm)
+    if "fp8" in only:
+        rows += bench_fp8(hbm)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_kernels.json").write_text(json.dumps({"ceilings": lim, "rows": rows}, indent=1))
     print(f"ceilings: {json.dumps(lim)}")
     for r in rows:
-        frac = r.get("of_ceiling", r.get("of_h2d"))
-        cfg = r.get("config")
-        cfg = "" if cfg is None else "/".join(str(v) for v in cfg.values())
-        print(f"{r['case']:<24} {r.get('fmt', ''):<6} T={r['T']:<3} {r['us']:>9.1f} us {r['GBps']:>8.0f} GB/s "
-              f"{100 * frac:>5.1f}%  {cfg}")  # fmt: skip
+        cfg = "/".join(str(v) for v in r["config"].values()) if "config" in r else ""
+        if "TFLOPs" in r:
+            rate = f"{r['TFLOPs']:>8.1f} TFLOP/s"
+        else:
+            rate = f"{r['GBps']:>8.0f} GB/s {100 * r.get('of_ceiling', r.get('of_h2d', 0)):>5.1f}%"
+        print(f"{r['case']:<24} {r.get('fmt', ''):<6} T={r['T']:<5} {r['us']:>9.1f} us {rate}  {cfg}")
     return 0
 
 

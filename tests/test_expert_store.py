@@ -79,6 +79,21 @@ def test_everything_resident_reads_each_record_once(converted, resident):
     assert s["ssd_misses"] + s["prefetch_loads"] == s["ssd_reads"]  # prefetched records count as hits
 
 
+def test_a_filled_store_serves_every_layer_from_the_device_without_loads(converted, resident, monkeypatch):
+    """fill() puts every record on the device; the MoE layers then find experts through the device slot
+    table (no load, no host sync) and give the same tokens."""
+    engine = _engine(converted)
+    store = engine.model.experts
+    assert not store.all_resident
+    store.fill()
+    assert store.all_resident and store.counters.ssd_reads == store.plan.total_records
+    monkeypatch.setattr(store, "load_waves", lambda *a: pytest.fail("a filled store loads nothing"))
+    g = _generate(engine)
+    assert g.token_ids == resident.token_ids
+    assert g.stats.store["gpu_hits"] == g.stats.store["expert_uses"] > 0
+    assert g.stats.decode_mode == "eager: CUDA graphs need a CUDA device"
+
+
 def test_random_prefetch_never_corrupts_a_slot(converted):
     """Random loads and random (wrong) predictions on 3 device and 5 RAM slots, 4 reader threads: every
     record handed out holds exactly its file bytes, and the device-side table matches the host's."""
@@ -216,3 +231,18 @@ def test_on_cuda_tiny_budgets_give_the_tokens_of_everything_resident_and_stay_in
     torch.cuda.reset_peak_memory_stats(cuda)
     g = run(None, None, gpu_mem=str(budget), cpu_mem="64G")
     assert g.token_ids == resident and g.stats.peak_gpu <= budget
+
+
+@pytest.mark.gpu
+def test_on_cuda_everything_resident_decodes_by_graph_replay_with_the_tokens_of_eager_steps(converted):
+    """Every expert fits: the engine fills the device and replays captured decode steps; the tokens equal
+    eager steps' (the same kernels), across several attention spans of the cache."""
+    runs = {}
+    for graph in (True, False):
+        options = RunOptions(device="cuda", max_context=640, dtype="fp32", cuda_graph=graph)
+        with Engine(converted, options) as engine:
+            g = engine.generate(PROMPT, max_tokens=300, temperature=0)  # positions past 256: two spans
+            runs[graph] = g
+            assert engine.model.experts.all_resident
+    assert runs[True].stats.decode_mode == "CUDA graph" and runs[False].stats.decode_mode == "eager: --no-cuda-graph"
+    assert runs[True].token_ids == runs[False].token_ids

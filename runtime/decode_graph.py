@@ -1,0 +1,76 @@
+"""CUDA graphs for the decode step: one token through every layer and the head, replayed as one graph.
+
+A graph replays kernels with fixed arguments, so a step can be captured only when nothing in it needs the
+host: every routed expert the run uses sits on the device (the MoE layers then find experts through the
+device slot table instead of asking the store to load them), no routing is recorded, and the device is
+CUDA. The token and its position live in device tensors that a replay reads. Attention in a graph covers a
+fixed span of the cache, rows past the position masked out; spans are powers of two (at least MIN_SPAN,
+at most the context), one graph each, captured the first time a step needs it, all in one memory pool.
+When a step cannot be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfp4.runtime.attention import DevicePosition
+from dsfp4.runtime.model import Transformer
+
+MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
+
+
+class DecodeGraphs:
+    def __init__(self, model: Transformer, max_context: int, device: torch.device, recording: bool):
+        self.model, self.max_context, self.device = model, max_context, device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.why_eager = self._why_not(recording)
+        if self.why_eager is None:
+            self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
+            self.pos = torch.zeros(1, dtype=torch.long, device=device)
+            self.pool = torch.cuda.graph_pool_handle()
+        moe = [b for b in model.layers if b.moe]
+        self.uses_per_step = len(moe) * model.args.n_activated_experts
+
+    def _why_not(self, recording: bool) -> str | None:
+        store = self.model.experts
+        if self.device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
+        if recording:
+            return "routing is being recorded (--record-trace) on the host"
+        if store.layout is not None and not store.all_resident:
+            return (
+                f"experts are streamed ({store.plan.gpu_slots} of {store.plan.total_records} records fit on "
+                f"the device), so each layer waits for the host"
+            )
+        return None
+
+    def span(self, pos: int) -> int:
+        """The attention span of a step at `pos`: the smallest power of two above it, within the context."""
+        return min(max(MIN_SPAN, 1 << pos.bit_length()), self.max_context)
+
+    def step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward of one token at `pos` by graph replay -> (logits [1, 1, V], hidden [1, 1, D])."""
+        span = self.span(pos)
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        if span not in self.graphs:
+            self.graphs[span] = self._capture(span)
+        graph, logits, hidden = self.graphs[span]
+        graph.replay()
+        self.model.experts.count_resident(self.uses_per_step)  # the captured layers' Python does not run
+        return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
+
+    def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        """Run the step once eagerly (it writes the same cache row the replay will), then capture it: every
+        kernel is compiled by then, so nothing is tuned or built during capture. The eager run stays on the
+        current stream: each new stream would get (and keep, for the process) its own cuBLAS workspace."""
+        where = DevicePosition(self.pos, span)
+        self.model(self.token, where, last_only=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, hidden = self.model(self.token, where, last_only=True)
+        return graph, logits, hidden
+
+    @property
+    def ready(self) -> bool:
+        return self.why_eager is None

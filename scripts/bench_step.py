@@ -1,0 +1,108 @@
+"""A whole decode step of the bench model with every weight resident on the GPU (docs/BENCHMARKS.md): the
+time of one token through every layer and the head, by CUDA-graph replay and by eager launches, against
+the bytes a step must read divided by the HBM read ceiling measured in the same run.
+
+    python scripts/bench_step.py WORKDIR [--layers 5] [--dense 1] [--steps 64] [--out DIR]
+
+The model is bench_model.py's (DeepSeek-V3 dimensions, random NVFP4 experts, FP8 backbone, bf16 head).
+Bytes per step: every backbone matrix in its stored format (the embedding: one row; routers: fp32, as the
+runtime holds them), plus top-k expert records per MoE layer. Also reports end-to-end decode tok/s of
+Engine.generate (sampling and detokenizing included) with and without graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import bench_model_at  # noqa: E402
+from ceilings import gpu_ceilings  # noqa: E402
+
+from dsfp4 import Engine, RunOptions  # noqa: E402
+from dsfp4.layout.formats import FORMATS, stored_nbytes  # noqa: E402
+from dsfp4.layout.manifest import Manifest  # noqa: E402
+from dsfp4.runtime.planner import ROUTER_SUFFIXES  # noqa: E402
+
+PROMPT = "Count the ways a decode step can waste memory bandwidth"
+
+
+def step_bytes(m: Manifest) -> int:
+    """Bytes one decode step reads (weights only; the KV cache of a short context is noise)."""
+    total = 0
+    for name, t in m.tensors.items():
+        n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
+        if name == "embed.weight":
+            n = n // t.shape[0]  # one row
+        elif name.endswith(ROUTER_SUFFIXES):
+            n = n * 32 // FORMATS[t.format].bits  # held in fp32
+        total += n
+    per_expert = sum(p.nbytes for p in m.record.parts)
+    return total + len(m.experts) * m.args.n_activated_experts * per_expert
+
+
+def time_steps(engine: Engine, steps: int, graph: bool) -> float:
+    """Seconds per decode step after the engine's cached prompt: graph replays or eager forwards."""
+    model, pos, token = engine.model, len(engine.cached), engine.cached[-1]
+    tokens = torch.tensor([[token]], device=engine.device)
+
+    def one(i: int) -> None:
+        if graph:
+            engine.graphs.step(token, pos + i)
+        else:
+            model(tokens, pos + i, last_only=True)
+
+    with torch.inference_mode():
+        for i in range(3):
+            one(i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            one(i)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir", type=Path)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--dense", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    a = ap.parse_args()
+    path = a.workdir / "model"
+    manifest = bench_model_at(path, n_layers=a.layers, n_dense=a.dense, with_tokenizer=True)
+    lim = gpu_ceilings()
+    nbytes = step_bytes(manifest)
+    floor = nbytes / (lim["hbm_read_gbps"] * 1e9)
+    res = {"ceilings": lim, "step_bytes": nbytes, "floor_ms": floor * 1e3, "layers": a.layers, "dense": a.dense}
+    options = RunOptions(device="cuda", max_context=1024, gpu_mem="76G", cpu_mem="32G", io_threads=8)
+    t0 = time.perf_counter()
+    with Engine(path, options) as engine:
+        res["load_s"] = time.perf_counter() - t0
+        res["decode_mode"] = engine.decode_mode
+        engine.generate(PROMPT, max_tokens=1, temperature=0)  # the prompt is cached; steps follow it
+        for graph in (True, False):
+            s = time_steps(engine, a.steps, graph)
+            res["graph_ms" if graph else "eager_ms"] = s * 1e3
+        for graph in (True, False):
+            engine.graphs = engine.graphs if graph else None
+            g = engine.generate(PROMPT + " again", max_tokens=a.steps, temperature=0)
+            res["generate_graph_tok_s" if graph else "generate_eager_tok_s"] = g.stats.decode_tok_s
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench_step.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    for key in ("graph_ms", "eager_ms"):
+        print(f"{key}: {res[key]:.3f} ms = {res[key] / res['floor_ms']:.2f}x the floor of {res['floor_ms']:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

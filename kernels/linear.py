@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dsfp4.kernels.fp4_matmul import fp4_matmul, triton
+from dsfp4.kernels.fp8_dequant import fp8_dequantize
 from dsfp4.kernels.fp8_linear import fp8_linear
 from dsfp4.layout.quant import dequantize
 
@@ -28,6 +29,9 @@ class QuantizedWeight:
     name: str = "weight"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [N, K] in `dtype` (FP8 blocks in one Triton pass on CUDA)."""
+        if self.format == "fp8_e4m3_b128" and self.parts[0].is_cuda and triton is not None:
+            return fp8_dequantize(*self.parts, dtype=dtype)
         return dequantize(self.format, self.parts, self.name, dtype=dtype)
 
 

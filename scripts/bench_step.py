@@ -69,6 +69,17 @@ def time_steps(engine: Engine, steps: int, graph: bool) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def profile_step(engine: Engine, steps: int) -> list[tuple[str, float, int]]:
+    """Device time per step of each kernel (name, us, launches per step) over `steps` eager steps (the
+    graph replays the same kernels), top 25."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_steps(engine, steps, graph=False)
+    rows = [(e.key[:90], e.device_time_total / steps, e.count // steps) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])[:25]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("workdir", type=Path)
@@ -76,6 +87,7 @@ def main() -> int:
     ap.add_argument("--dense", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--profile", action="store_true", help="also print the kernels of a step by device time")
     a = ap.parse_args()
     path = a.workdir / "model"
     manifest = bench_model_at(path, n_layers=a.layers, n_dense=a.dense, with_tokenizer=True)
@@ -92,6 +104,8 @@ def main() -> int:
         for graph in (True, False):
             s = time_steps(engine, a.steps, graph)
             res["graph_ms" if graph else "eager_ms"] = s * 1e3
+        if a.profile:
+            res["kernels"] = profile_step(engine, a.steps)
         for graph in (True, False):
             engine.graphs = engine.graphs if graph else None
             g = engine.generate(PROMPT + " again", max_tokens=a.steps, temperature=0)
@@ -99,6 +113,8 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_step.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
+    for name, us, n in res.get("kernels", []):
+        print(f"{us:9.1f} us  x{n:<4} {name}")
     for key in ("graph_ms", "eager_ms"):
         print(f"{key}: {res[key]:.3f} ms = {res[key] / res['floor_ms']:.2f}x the floor of {res['floor_ms']:.3f} ms")
     return 0

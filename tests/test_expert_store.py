@@ -229,8 +229,9 @@ def test_on_cuda_tiny_budgets_give_the_tokens_of_everything_resident_and_stay_in
     budget = floor.backbone + floor.kv_cache + floor.workspace + 4 * floor.record
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(cuda)
+    base = torch.cuda.memory_reserved(cuda)  # what earlier tests left (e.g. cuBLAS workspaces of their streams)
     g = run(None, None, gpu_mem=str(budget), cpu_mem="64G")
-    assert g.token_ids == resident and g.stats.peak_gpu <= budget
+    assert g.token_ids == resident and g.stats.peak_gpu - base <= budget
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ import torch
 
 from dsfp4.kernels import fp8_linear as f8
 from dsfp4.kernels.fp4_matmul import fp4_matmul, fp4_matmul_ref, triton
+from dsfp4.kernels.fp8_dequant import fp8_dequantize, fp8_dequantize_ref
 from dsfp4.kernels.linear import QuantizedWeight, linear, linear_triton
 from dsfp4.layout.fp8 import fp8_block_dequantize, fp8_block_quantize
 from dsfp4.layout.quant import quantize
@@ -205,3 +206,15 @@ def test_fp8_gemv_replays_in_a_cuda_graph():
     x.copy_(_x(1, 7168, torch.bfloat16, seed=11, device="cuda"))
     graph.replay()
     assert torch.equal(y, f8.fp8_linear(x, q, s)) and not torch.equal(y, eager)
+
+
+@pytest.mark.parametrize(("n", "k"), [(200, 96), (576, 300), (256, 128)])
+def test_fp8_dequantize_matches_its_reference_exactly(n, k):
+    q, s = fp8_block_quantize(_weight(n, k, seed=n * k))
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = fp8_dequantize(q, s, dtype).cpu(), fp8_dequantize_ref(q, s, dtype=dtype).cpu()
+        assert got.dtype == dtype
+        if dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter truncates to bf16 (the GPU rounds)
+            assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(got, want)

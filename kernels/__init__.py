@@ -1,1 +1,1 @@
-"""Triton kernels, each beside its wrapper and a torch reference (filled in by the kernels issue)."""
+"""Triton kernels, each beside its wrapper and a torch reference (docs/kernels.md)."""

@@ -259,15 +259,3 @@ class DecodeMoE:
             ids, records, offsets, self.act, self.out, t, **run, **self.phase2
         )
         return self.out[: t * k].view(t, k, -1).sum(1).to(x.dtype)  # [T, D], slots summed in order
-
-
-def moe_decode(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    records: torch.Tensor,
-    offsets: torch.Tensor,
-    layout: RecordLayout,
-) -> torch.Tensor:
-    """One call of the decode kernels with fresh workspaces (the runtime keeps a DecodeMoE instead)."""
-    return DecodeMoE(layout, ids.shape[1], x.device)(x, ids, weights, records, offsets)

@@ -79,8 +79,8 @@ class MLA(nn.Module):
             end = start_pos + t
             self.kv_cache[:b, start_pos:end] = self.kv_norm(kv)
             self.pe_cache[:b, start_pos:end] = k_pe
-        # the torch reference dequantizes wkv_b per call, as DeepSeek's reference does; the kernels issue
-        # replaces this with absorbed-attention kernels on the stored weight
+        # wkv_b is dequantized per call, as DeepSeek's reference does (one Triton pass on CUDA); a kernel
+        # that multiplies by its FP8 blocks directly would save that write and read
         wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
         q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
         kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]

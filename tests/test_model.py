@@ -88,6 +88,23 @@ def test_incremental_decoding_equals_a_full_forward(model_dir):
     assert _rel_err(torch.cat(steps, dim=1), full) < 1e-5
 
 
+def test_steps_at_a_device_position_equal_steps_at_a_host_position(model_dir):
+    """The form a captured decode step takes: the position in a device tensor, attention over a fixed span
+    of the cache with the rows past the position masked. It gives the eager step's logits."""
+    from dsfp4.runtime.attention import DevicePosition
+
+    model = load_model(model_dir, CPU, torch.float32, max_len=64)
+    tokens = torch.tensor([PROMPTS[0]])
+    pos = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        want = [model(tokens[:, :4])[0][:, -1:]] + [model(tokens[:, i : i + 1], i)[0] for i in range(4, 11)]
+        got = [model(tokens[:, :4])[0][:, -1:]]
+        for i in range(4, tokens.shape[1]):
+            pos.fill_(i)
+            got.append(model(tokens[:, i : i + 1], DevicePosition(pos, 16))[0])  # rows i+1..15 hold no token
+    assert _rel_err(torch.cat(got, dim=1), torch.cat(want, dim=1)) < 1e-5
+
+
 def test_mtp_module_matches_its_block_run_by_transformers(model_dir):
     from transformers import AutoConfig, DeepseekV3ForCausalLM
 

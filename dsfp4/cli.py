@@ -7,6 +7,7 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import click
 from tqdm import tqdm
 
 from dsfp4 import __version__
+from dsfp4.cli_bench import bench
 from dsfp4.cli_download import download
 from dsfp4.cli_options import (
     EXISTING_DIR,
@@ -55,6 +57,37 @@ class DsfpGroup(click.Group):
 def cli(ctx: click.Context, debug: bool) -> None:
     """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
     ctx.obj = {"debug": debug}
+
+
+@cli.command()
+@click.argument("folder", type=EXISTING_DIR, default=".")
+@click.option("--out", type=PATH, help="Save the JSON here (default: ~/.cache/dsfp4/doctor.json).")
+@click.option(
+    "--scratch",
+    default="2G",
+    show_default=True,
+    help="Size of the scratch file written (then deleted) when FOLDER holds no converted model.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the ceilings as JSON on stdout.")
+def doctor(folder: Path, out: Path | None, scratch: str, as_json: bool) -> None:
+    """Measure this machine's ceilings (GPU memory and PCIe speed, the disk under FOLDER, RAM, CPU) in about
+    a minute, say what will limit decoding, and save them for `dsfp4 bench`.
+
+    FOLDER is where the model lives or will (default: here): a converted model's expert files are read as
+    they are; elsewhere a scratch file is written, read and deleted."""
+    from dsfp4.doctor import default_path, measure, table, verdict
+    from dsfp4.runtime.budget import parse_size
+
+    c = measure(folder, parse_size(scratch, "--scratch"))
+    path = out or default_path()
+    c.save(path)
+    if as_json:
+        click.echo(json.dumps(c.to_dict(), indent=1))
+        return
+    click.echo(table(c))
+    for line in verdict(c):
+        click.echo(line)
+    click.echo(f"saved: {path}", err=True)
 
 
 @cli.command()
@@ -236,6 +269,7 @@ cli.add_command(run)
 cli.add_command(chat)
 cli.add_command(profile_hot)
 cli.add_command(download)
+cli.add_command(bench)
 
 
 def main() -> None:

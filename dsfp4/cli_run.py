@@ -21,6 +21,7 @@ from dsfp4.cli_options import (
     sampling_options,
 )
 from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.policy import TIER_POLICIES
 
@@ -149,8 +150,13 @@ def run(
     ctx = click.get_current_context()
     options = RunOptions(**knobs)
     if show_plan:
+        from dsfp4.doctor import expected_floor
+
         plan = plan_engine(model, options)
-        click.echo(json.dumps(dataclasses.asdict(plan)) if as_json else plan.table())
+        floor, line = expected_floor(plan, Manifest.read(model))
+        click.echo(json.dumps({**dataclasses.asdict(plan), "floor_s_per_token": floor}) if as_json else plan.table())
+        if not as_json:
+            click.echo(line)
         return
     if sum((prompt is not None, chat, serve)) != 1:
         raise click.UsageError("give one of --prompt TEXT, --chat or --serve")

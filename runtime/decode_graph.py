@@ -28,8 +28,7 @@ class DecodeGraphs:
             self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
             self.pos = torch.zeros(1, dtype=torch.long, device=device)
             self.pool = torch.cuda.graph_pool_handle()
-        moe = [b for b in model.layers if b.moe]
-        self.uses_per_step = len(moe) * model.args.n_activated_experts
+        self.moe_layers = [b.ffn.layer for b in model.layers if b.moe]
 
     def _why_not(self, recording: bool) -> str | None:
         store = self.model.experts
@@ -57,7 +56,8 @@ class DecodeGraphs:
             self.graphs[span] = self._capture(span)
         graph, logits, hidden = self.graphs[span]
         graph.replay()
-        self.model.experts.count_resident(self.uses_per_step)  # the captured layers' Python does not run
+        for layer in self.moe_layers:  # the captured layers' Python does not run
+            self.model.experts.count_resident(layer, self.model.args.n_activated_experts)
         return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
 
     def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:

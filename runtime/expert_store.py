@@ -281,6 +281,8 @@ class ExpertStore:
         self.counters.layer_steps += 1
         self.counters.expert_uses += len(experts)
         tier = {e: 0 if (layer, e) in self.gpu_pool else 1 if (layer, e) in self.ram_pool else 2 for e in experts}
+        tiers = list(tier.values())
+        self.counters.add_layer(layer, len(experts), tiers.count(0), tiers.count(1))
         order = sorted(experts, key=tier.__getitem__)
         for start in range(0, len(order), self.plan.gpu_slots):
             wave = order[start : start + self.plan.gpu_slots]
@@ -393,11 +395,12 @@ class ExpertStore:
         """Every record the run uses sits on the device, none in flight (nothing can be evicted then)."""
         return len(self.gpu_pool.slot_of) == self.plan.total_records > 0 and not self.gpu_jobs
 
-    def count_resident(self, uses: int) -> None:
+    def count_resident(self, layer: int, uses: int) -> None:
         """Count a layer step whose `uses` (token, expert) pairs were all found on the device."""
         self.counters.layer_steps += 1
         self.counters.expert_uses += uses
         self.counters.gpu_hits += uses
+        self.counters.add_layer(layer, uses, uses, 0)
 
     def sync(self) -> None:
         """Wait for every job in flight (raising the first error)."""

@@ -88,6 +88,21 @@ def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = Fals
     return total, largest
 
 
+def token_bytes(manifest: Manifest) -> tuple[int, int]:
+    """(backbone bytes a decode token reads: every matrix as stored, one embedding row, routers in fp32 as
+    the runtime holds them; bytes the kernels read of one expert record: codes and scales, no padding)."""
+    total = 0
+    for name, t in manifest.tensors.items():
+        n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
+        if name == "embed.weight":
+            n //= t.shape[0]
+        elif name.endswith(ROUTER_SUFFIXES):
+            n = n * 32 // FORMATS[t.format].bits
+        total += n
+    record = sum(p.nbytes for p in manifest.record.parts) if manifest.record else 0
+    return total, record
+
+
 def make_plan(
     manifest: Manifest,
     device: torch.device,

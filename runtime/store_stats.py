@@ -27,6 +27,18 @@ class StoreCounters:
     warm_records: int = 0
     warm_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _layers: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # [uses, device, RAM]
+
+    def add_layer(self, layer: int, uses: int, gpu: int, ram: int) -> None:
+        """One layer step's experts: how many, and how many came from the device and from RAM."""
+        row = self._layers.setdefault(layer, [0, 0, 0])
+        row[0] += uses
+        row[1] += gpu
+        row[2] += ram
+
+    def layers(self) -> dict[int, tuple[int, int, int]]:
+        """layer -> (uses, device hits, RAM hits) so far."""
+        return {layer: tuple(row) for layer, row in sorted(self._layers.items())}
 
     def add_read(self, nbytes: int, seconds: float) -> None:
         with self._lock:  # reader threads

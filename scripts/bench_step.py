@@ -26,25 +26,16 @@ from bench_model import bench_model_at  # noqa: E402
 from ceilings import gpu_ceilings  # noqa: E402
 
 from dsfp4 import Engine, RunOptions  # noqa: E402
-from dsfp4.layout.formats import FORMATS, stored_nbytes  # noqa: E402
 from dsfp4.layout.manifest import Manifest  # noqa: E402
-from dsfp4.runtime.planner import ROUTER_SUFFIXES  # noqa: E402
+from dsfp4.runtime.planner import token_bytes  # noqa: E402
 
 PROMPT = "Count the ways a decode step can waste memory bandwidth"
 
 
 def step_bytes(m: Manifest) -> int:
     """Bytes one decode step reads (weights only; the KV cache of a short context is noise)."""
-    total = 0
-    for name, t in m.tensors.items():
-        n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
-        if name == "embed.weight":
-            n = n // t.shape[0]  # one row
-        elif name.endswith(ROUTER_SUFFIXES):
-            n = n * 32 // FORMATS[t.format].bits  # held in fp32
-        total += n
-    per_expert = sum(p.nbytes for p in m.record.parts)
-    return total + len(m.experts) * m.args.n_activated_experts * per_expert
+    backbone, record = token_bytes(m)
+    return backbone + len(m.experts) * m.args.n_activated_experts * record
 
 
 def time_steps(engine: Engine, steps: int, graph: bool) -> float:

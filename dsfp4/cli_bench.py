@@ -1,0 +1,81 @@
+"""`dsfp4 bench`: end-to-end speed of a converted model under hardware presets (dsfp4/bench.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from dsfp4.cli_options import EXISTING_DIR, PATH
+from dsfp4.runtime.budget import PRESETS
+
+
+@click.command()
+@click.argument("model", type=EXISTING_DIR)
+@click.option(
+    "--preset",
+    "presets",
+    multiple=True,
+    type=click.Choice(list(PRESETS)),
+    help="Emulate a machine class (its GPU and RAM budgets); repeat for several. Default: this machine's.",
+)
+@click.option("--prompts", type=click.IntRange(1, 64), default=4, show_default=True, help="Fixed prompts per preset.")
+@click.option("--max-tokens", type=click.IntRange(2), default=64, show_default=True, help="Tokens per answer.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--max-context", type=click.IntRange(2), default=2048, show_default=True)
+@click.option(
+    "--ceilings",
+    type=PATH,
+    help="The doctor's JSON (default: ~/.cache/dsfp4/doctor.json; measured on MODEL's disk now when missing).",
+)
+@click.option("--out", type=PATH, default=Path("bench"), show_default=True, help="Folder for the reports.")
+def bench(
+    model: Path,
+    presets: tuple[str, ...],
+    prompts: int,
+    max_tokens: int,
+    device: str,
+    max_context: int,
+    ceilings: Path | None,
+    out: Path,
+) -> None:
+    """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
+    per layer), waiting against computing, peak memory, and efficiency (the floor the doctor's ceilings
+    allow / the measured time) for each --preset; writes bench.json, bench.csv and bench.html to --out."""
+    from dsfp4.bench import commit, device_name, prompt_set, run_preset
+    from dsfp4.bench_report import write_reports
+    from dsfp4.doctor import default_path, load, measure
+    from dsfp4.runtime.options import RunOptions
+
+    path = ceilings or default_path()
+    if path.is_file():
+        c = load(path)
+    else:
+        click.echo(f"no ceilings at {path}: measuring them (dsfp4 doctor)", err=True)
+        c = measure(model, device=None)
+        c.save(path)
+    texts = prompt_set(prompts)
+    results = []
+    for preset in presets or (None,):
+        options = RunOptions(device=device, preset=preset, max_context=max_context)
+        click.echo(f"{preset or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
+        r = run_preset(model, options, texts, max_tokens, c)
+        eff = f", efficiency {r['efficiency']:.0%}" if r["efficiency"] is not None else ""
+        click.echo(
+            f"{r['preset']}: decode {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_tok_s']:.1f} tok/s, "
+            f"TTFT {r['ttft_s']:.2f} s, device hits {r['gpu_hit_rate']:.0%}{eff} ({r['decode_mode']})"
+        )
+        results.append(r)
+    meta = {
+        "commit": commit(),
+        "command": " ".join(["dsfp4", *sys.argv[1:]]),
+        "model": str(model.resolve()),
+        "device": device_name(RunOptions(device=device)),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "ceilings": c.to_dict(),
+        "max_tokens": max_tokens,
+    }
+    for p in write_reports(out, meta, results):
+        click.echo(f"wrote {p}", err=True)

@@ -1,0 +1,48 @@
+"""`dsfp4 bench`: a run per preset on the tiny model, with the doctor's ceilings, and reports a person can read."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from click.testing import CliRunner
+
+from dsfp4.bench import prompt_set
+from dsfp4.cli import cli
+from dsfp4.doctor import Ceilings
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.planner import token_bytes
+
+
+def test_bench_writes_json_csv_and_html_with_the_ceilings_and_per_layer_hits(converted, tmp_path):
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="H100", hbm_read_gbps=3000.0, pinned_h2d_gbps=50.0, random_read_gbps=2.0, disk="/nvme").save(ceil)
+    out = tmp_path / "report"
+    args = ["bench", str(converted), "--device", "cpu", "--prompts", "2", "--max-tokens", "4"]
+    r = CliRunner().invoke(cli, [*args, "--max-context", "2048", "--ceilings", str(ceil), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "bench.json").read_text())
+    assert data["ceilings"]["hbm_read_gbps"] == 3000.0 and data["commit"] and "bench" in data["command"]
+    (res,) = data["results"]
+    assert res["prompts"] == 2 and res["decode_tokens"] == 6 and res["decode_tok_s"] > 0
+    m = Manifest.read(converted)
+    assert set(res["layers"]) == {str(layer) for layer in m.experts if layer < m.args.n_layers}  # not MTP
+    assert all(v["uses"] > 0 for v in res["layers"].values())
+    assert res["efficiency"] is not None and 0 < res["efficiency"] < 1  # a CPU run is far below an H100's floor
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert rows[0]["preset"] == "this machine" and float(rows[0]["decode_tok_s"]) > 0
+    page = (out / "bench.html").read_text()
+    assert page.count("<svg") == 3 and "where each layer" in page and "against its floor" in page
+
+
+def test_the_floor_overlaps_ssd_and_pcie_then_adds_the_device():
+    c = Ceilings(gpu="x", hbm_read_gbps=1000.0, pinned_h2d_gbps=50.0, random_read_gbps=5.0)
+    assert c.floor_s(device_bytes=1e9, ssd_bytes=1e9, h2d_bytes=1e9) == 1e9 / 5e9 + 1e9 / 1e12
+    assert Ceilings().floor_s(1e9, 0, 0) is None  # no GPU measured: no floor
+
+
+def test_prompt_set_is_fixed_and_mixes_the_calibration_sets(converted):
+    a, b = prompt_set(4), prompt_set(4)
+    assert a == b and len(set(a)) == 4
+    backbone, record = token_bytes(Manifest.read(converted))
+    assert backbone > 0 and record > 0

@@ -64,23 +64,15 @@ class MTP(nn.Module):
     """Multi-token prediction module (checkpoint-spec c.9): from the main model's final (normed) hidden
     state at position i and the embedding of token i+1, predict token i+2 with its own decoder block."""
 
-    def __init__(
-        self,
-        args: ModelArgs,
-        layer: int,
-        w: Weights,
-        experts: ExpertStore,
-        kernel: MoEKernel | None,
-        max_batch: int,
-        max_len: int,
-    ):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, block: Block):
+        """`block`: the module's decoder block (layer `layer`), built like the main model's."""
         super().__init__()
         p, d = f"layers.{layer}.", args.dim
         self.embed = w.plain(p + "embed.weight", (args.vocab_size, d))
         self.enorm = RMSNorm(w.plain(p + "enorm.weight", (d,)), args.norm_eps)
         self.hnorm = RMSNorm(w.plain(p + "hnorm.weight", (d,)), args.norm_eps)
         self.eh_proj = w.matrix(p + "eh_proj", (d, 2 * d))
-        self.block = Block(args, layer, w, experts, kernel, max_batch, max_len)
+        self.block = block
         self.head_norm = RMSNorm(w.plain(p + "head_norm.weight", (d,)), args.norm_eps)
         self.head = w.matrix(p + "head.weight", (args.vocab_size, d))
 
@@ -131,7 +123,9 @@ class Transformer(nn.Module):
         else:
             self.head = w.matrix("head.weight", (args.vocab_size, args.dim))
         mtp = range(args.n_layers, args.n_blocks) if with_mtp else ()
-        self.mtp = nn.ModuleList(MTP(args, i, w, experts, self.moe_kernel, max_batch, max_len) for i in mtp)
+        self.mtp = nn.ModuleList(
+            MTP(args, i, w, Block(args, i, w, experts, self.moe_kernel, max_batch, max_len)) for i in mtp
+        )
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, max_len).to(w.device), persistent=False)
 
     @staticmethod

@@ -1,0 +1,26 @@
+"""scripts/bench_peer.py: the converted model exported for transformers gives the same greedy tokens under
+accelerate's offloading as dsfp4 does, and the comparison is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("accelerate")
+from bench_peer import export_hf, main  # noqa: E402
+
+
+def test_the_peer_decodes_the_same_tokens_as_dsfp4(converted, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(converted, model)
+    assert main([str(model), "--device", "cpu", "--tokens", "6", "--out", str(tmp_path / "out")]) == 0
+    res = json.loads((tmp_path / "out" / "bench_peer.json").read_text())
+    peer, ours = res["transformers_accelerate"], res["dsfp4"]
+    assert peer["token_ids"] == ours["token_ids"] and len(ours["token_ids"]) == 6
+    assert peer["decode_tok_s"] > 0 and ours["decode_tok_s"] > 0 and res["speedup"] > 0
+    hf = tmp_path / "model-hf"
+    assert (hf / "model.safetensors.index.json").is_file() and not (tmp_path / "model-hf.partial").exists()
+    assert export_hf(model, hf) == hf  # written once
+    assert "same greedy tokens: True" in capsys.readouterr().out

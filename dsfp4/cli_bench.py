@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -10,6 +9,19 @@ import click
 
 from dsfp4.cli_options import EXISTING_DIR, PATH
 from dsfp4.runtime.budget import PRESETS
+
+
+def _command(ctx: click.Context) -> str:
+    """The command line this run is equivalent to (every option, defaults included)."""
+    parts = ["dsfp4", "bench"]
+    for name, value in ctx.params.items():
+        if name == "model":
+            parts.insert(2, str(value))
+        elif name == "presets":
+            parts += [f"--preset {p}" for p in value]
+        elif value is not None:
+            parts.append(f"--{name.replace('_', '-')} {value}")
+    return " ".join(parts)
 
 
 @click.command()
@@ -70,7 +82,7 @@ def bench(
         results.append(r)
     meta = {
         "commit": commit(),
-        "command": " ".join(["dsfp4", *sys.argv[1:]]),
+        "command": _command(click.get_current_context()),
         "model": str(model.resolve()),
         "device": device_name(RunOptions(device=device)),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -22,7 +22,8 @@ def test_bench_writes_json_csv_and_html_with_the_ceilings_and_per_layer_hits(con
     r = CliRunner().invoke(cli, [*args, "--max-context", "2048", "--ceilings", str(ceil), "--out", str(out)])
     assert r.exit_code == 0, r.output
     data = json.loads((out / "bench.json").read_text())
-    assert data["ceilings"]["hbm_read_gbps"] == 3000.0 and data["commit"] and "bench" in data["command"]
+    assert data["ceilings"]["hbm_read_gbps"] == 3000.0 and data["commit"]
+    assert data["command"].startswith(f"dsfp4 bench {converted} ") and "--max-tokens 4" in data["command"]
     (res,) = data["results"]
     assert res["prompts"] == 2 and res["decode_tokens"] == 6 and res["decode_tok_s"] > 0
     m = Manifest.read(converted)

@@ -51,29 +51,32 @@ def run_preset(model: Path, options: RunOptions, prompts: list[str], max_tokens:
     with Engine(model, options) as engine:
         load_s = time.perf_counter() - t0
         plan, store = engine.plan, engine.model.experts
-        prefills, decodes, before = [], [], store.counters.layers()
+        prefills, decodes, layer_uses = [], [], {}
         for p in prompts:  # each prompt its own conversation: the prefill, then the answer after the cached prompt
             engine.reset()
             prefills.append(engine.generate(p, max_tokens=1, temperature=0).stats)
+            before = store.counters.layers()
             decodes.append(engine.generate(p, max_tokens=max_tokens, temperature=0).stats)
-        after, decode_mode = store.counters.layers(), engine.decode_mode
+            for layer, now in store.counters.layers().items():
+                was = before.get(layer, (0, 0, 0))
+                layer_uses[layer] = [
+                    a + n - w for a, n, w in zip(layer_uses.get(layer, (0, 0, 0)), now, was, strict=True)
+                ]
+        decode_mode = engine.decode_mode
     tokens = sum(x.generated_tokens - 1 for x in decodes)  # each answer's first token comes with its prefill
+    # passes: the re-fed last prompt token, then a pass per further token; one token's work each
+    passes = max(sum(x.generated_tokens for x in decodes), 1)
     decode_s = sum(x.decode_s for x in decodes)
     moved = {k: sum(x.store.get(k, 0) for x in decodes) for k in decodes[0].store}
     uses = moved.get("expert_uses", 0) or 1
-    per_token = {  # bytes a decode token moved from the SSD, over PCIe, and read on the device
-        "ssd": moved.get("ssd_bytes", 0) / max(tokens, 1),
-        "h2d": moved.get("h2d_bytes", 0) / max(tokens, 1),
-        "device": backbone + moved.get("expert_uses", 0) * record / max(tokens, 1),
+    per_token = {  # bytes a one-token pass moved from the SSD, over PCIe, and read on the device
+        "ssd": moved.get("ssd_bytes", 0) / passes,
+        "h2d": moved.get("h2d_bytes", 0) / passes,
+        "device": backbone + moved.get("expert_uses", 0) * record / passes,
     }  # fmt: skip
     floor = c.floor_s(per_token["device"], per_token["ssd"], per_token["h2d"])
     measured = decode_s / max(tokens, 1)
-    zero = (0, 0, 0)
-    layers = {
-        str(layer): {"uses": u - before.get(layer, zero)[0], "device": g - before.get(layer, zero)[1],
-                     "ram": r - before.get(layer, zero)[2]}
-        for layer, (u, g, r) in after.items()
-    }  # fmt: skip
+    layers = {str(layer): dict(zip(("uses", "device", "ram"), c, strict=True)) for layer, c in layer_uses.items()}
     prefill_s = sum(x.prefill_s for x in prefills)
     return {
         "preset": options.preset or "this machine",

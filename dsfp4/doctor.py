@@ -134,10 +134,25 @@ def measure(folder: Path, scratch_bytes: int = 2 << 30, device: torch.device | N
     )
 
 
+def model_expert_bytes(folder: Path) -> int | None:
+    """Bytes of the routed-expert records one token of the converted model in `folder` uses (MTP left out),
+    or None when `folder` holds no converted model with experts."""
+    if not (folder / "manifest.json").is_file():
+        return None
+    m = Manifest.read(folder)
+    if m.record is None:
+        return None
+    layers = [layer for layer in m.experts if layer < m.args.n_layers]
+    return len(layers) * m.args.n_activated_experts * m.record.nbytes
+
+
+V3_EXPERTS_PER_TOKEN = 58 * 8  # DeepSeek-V3: 58 MoE layers x top-8, for the verdict without a model
+
+
 def verdict(c: Ceilings, expert_bytes_per_token: int | None = None) -> list[str]:
     """What will limit decode: per-token times of moving the routed experts a token uses through each link
-    (DeepSeek-V3's 58 MoE layers x 8 experts when no model is given), slowest first."""
-    per_token = expert_bytes_per_token or 58 * 8 * c.record_bytes
+    (DeepSeek-V3's when no model's figure is given), slowest first."""
+    per_token = expert_bytes_per_token or V3_EXPERTS_PER_TOKEN * c.record_bytes
     links = [("SSD (random record reads)", c.random_read_gbps)]
     if c.gpu:
         links += [("host->GPU (pinned)", c.pinned_h2d_gbps), ("GPU memory", c.hbm_read_gbps)]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -27,6 +29,17 @@ E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilo
 def interpreted() -> bool:
     """True when Triton runs kernels on the CPU interpreter (inline PTX is not available there)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+HW_E4M3_CAPABILITY = (8, 9)  # Ada and Hopper convert e4m3 in hardware; Triton has no fp8 type below
+
+
+def hw_e4m3(device: torch.device) -> bool:
+    """Whether kernels on `device` may convert e4m3 scale bytes by the GPU's instruction (else by bits)."""
+    device = torch.device(device)
+    return (
+        device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device) >= HW_E4M3_CAPABILITY
+    )
 
 
 if triton is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4_decode import block_scale, interpreted, triton
+from dsfp4.kernels.fp4_decode import block_scale, hw_e4m3, triton
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
 BLOCK_N, BLOCK_K = 32, 128  # a program writes 32 rows of one 128-column block (one scale per program)
@@ -42,6 +42,6 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
     _dequant_kernel[grid](
         q.view(torch.uint8), scale, w, n, k, q.stride(0), scale.stride(0), w.stride(0),
-        SCALE_BLOCK=FP8_BLOCK, BN=BLOCK_N, BK=BLOCK_K, HW_E4M3=not interpreted(),
+        SCALE_BLOCK=FP8_BLOCK, BN=BLOCK_N, BK=BLOCK_K, HW_E4M3=hw_e4m3(q.device),
     )  # fmt: skip
     return w

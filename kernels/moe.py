@@ -36,17 +36,18 @@ class MoEKernel:
         return moe_prefill(x, ids, weights, records, offsets, self.layout)
 
     def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
-        """Compile every kernel variant a call of up to max_tokens tokens can take (the decode kernels' token
-        buckets, the prefill kernels' row blocks) before the first token is timed and before any graph
-        capture. No expert is read: all are left out."""
+        """Compile every kernel variant a call of up to max_tokens tokens can take (each decode token count,
+        the prefill kernels' row blocks) before the first token is timed and before any graph capture. No
+        expert is read: all are left out."""
         if not self.triton:
             return
         offsets = torch.full((n_experts,), ABSENT, dtype=torch.long, device=records.device)
-        sizes = [t for t in (1, 2, 4, 8, MAX_TOKENS) if t <= max_tokens]
-        blocks: dict = {}
-        for t in range(MAX_TOKENS + 1, max_tokens + 1):  # one size per distinct prefill tiling
-            blocks.setdefault(prefill_blocks(t * self.top_k, n_experts, self.layout), t)
-        for t in sizes + list(blocks.values()):
+        sizes: dict = {}  # one token count per compiled variant: the kernels' constexprs, and Triton's
+        for t in range(1, max_tokens + 1):  # specialization of int arguments divisible by 16
+            pairs = t * self.top_k
+            shape = (t,) if t <= MAX_TOKENS else prefill_blocks(pairs, n_experts, self.layout)
+            sizes.setdefault((shape, t % 16 == 0, pairs % 16 == 0), t)
+        for t in sizes.values():
             x = torch.zeros(t, self.layout.dim, dtype=dtype, device=records.device)
             ids = torch.arange(t * self.top_k, device=records.device).view(t, self.top_k) % n_experts
             self(x, ids, torch.zeros(t, self.top_k, device=records.device), records, offsets)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
+from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, hw_e4m3, interpreted, triton
 from dsfp4.kernels.moe_ref import ABSENT
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
@@ -62,7 +62,7 @@ if triton is not None:
     def _rows_dot(
         wrow, srow, xe_ptr, xo_ptr,
         XS: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BK: tl.constexpr,
-        USE_ASM: tl.constexpr,
+        USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         """sum_k W[r, k] x[k] for FP4 rows (wrow, srow: [R, 1] row pointers to codes and scale bytes) and one
         activation row split in halves (byte j's low nibble meets xe[j * XS], its high nibble xo[j * XS]),
@@ -75,7 +75,7 @@ if triton is not None:
             j = (kb + tl.arange(0, BK // 2)) * XS
             xe = tl.load(xe_ptr + j).to(tl.float32)
             xo = tl.load(xo_ptr + j).to(tl.float32)
-            acc += _group_sums(packed, xe, xo, GROUP, USE_ASM) * block_scale(sb, E8M0, USE_ASM)
+            acc += _group_sums(packed, xe, xo, GROUP, USE_ASM) * block_scale(sb, E8M0, HW_E4M3)
             packed, sb = nxt, nsb
         return tl.sum(acc, 1)
 
@@ -83,7 +83,7 @@ if triton is not None:
     def _rows_dot_run(
         wrow, srow, src, stride, qs, lanes, n_run,
         ROW_DIV: tl.constexpr, XS: tl.constexpr, ODD: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr,
-        E8M0: tl.constexpr, BK: tl.constexpr, RUN_PAD: tl.constexpr, USE_ASM: tl.constexpr,
+        E8M0: tl.constexpr, BK: tl.constexpr, RUN_PAD: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         """_rows_dot for the n_run pairs qs of a run, each weight chunk loaded once for all of them: [RUN_PAD, R].
         Pair q reads row q // ROW_DIV of `src` (stride apart): element j of a half at j * XS, odd half ODD on."""
@@ -92,7 +92,7 @@ if triton is not None:
         half = tl.arange(0, BK // 2)
         for kb in range(0, KDIM // 2, BK // 2):
             packed, sb = _chunk(wrow, srow, kb, GROUP, BK, True)
-            s = block_scale(sb, E8M0, USE_ASM)
+            s = block_scale(sb, E8M0, HW_E4M3)
             for i in range(n_run):
                 row = src + (_pick(qs, lanes, i) // ROW_DIV) * stride + (kb + half) * XS
                 xe = tl.load(row).to(tl.float32)
@@ -120,14 +120,14 @@ if triton is not None:
         x_ptr, ids_ptr, rw_ptr, rec_ptr, off_ptr, act_ptr, T, stride_xt,
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
         G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         """Launch 1: BN gate rows and the matching up rows of one expert, for every token that chose it."""
         nb = INTER // BN
         e, leader, qs, lanes, n_run = _run(ids_ptr, tl.program_id(0) // nb, T * K, P_PAD, RUN_PAD)
         off = tl.load(off_ptr + e)
         if leader & (off != _ABSENT):
-            wbase = rec_ptr + tl.multiple_of(off, 16)  # records are 4096-aligned in both tiers
+            wbase = rec_ptr + tl.multiple_of(off, 16)  # offsets are multiples of 16 (record_offsets asserts it)
             r = tl.arange(0, 2 * BN)  # gate rows then the matching up rows
             n = (tl.program_id(0) % nb) * BN + r % BN
             rows = tl.where(r < BN, n, n + INTER)
@@ -142,13 +142,29 @@ if triton is not None:
             if n_run == 1:  # most runs at decode: one token, a 2-D accumulator
                 q = _pick(qs, lanes, 0)
                 x_row = x_ptr + (q // K) * stride_xt
-                dot = _rows_dot(wrow, srow, x_row, x_row + 1, 2, D, GROUP, E8M0, BK, USE_ASM)
+                dot = _rows_dot(wrow, srow, x_row, x_row + 1, 2, D, GROUP, E8M0, BK, USE_ASM, HW_E4M3)
                 gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
                 gate, up = gate * g_gate, up * g_up
                 tl.store(act_ptr + q * INTER + dest, gate * tl.sigmoid(gate) * up * tl.load(rw_ptr + q))
             else:
                 acc = _rows_dot_run(
-                    wrow, srow, x_ptr, stride_xt, qs, lanes, n_run, K, 2, 1, D, GROUP, E8M0, BK, RUN_PAD, USE_ASM
+                    wrow,
+                    srow,
+                    x_ptr,
+                    stride_xt,
+                    qs,
+                    lanes,
+                    n_run,
+                    K,
+                    2,
+                    1,
+                    D,
+                    GROUP,
+                    E8M0,
+                    BK,
+                    RUN_PAD,
+                    USE_ASM,
+                    HW_E4M3,
                 )  # [RUN_PAD, 2 * BN]
                 for i in range(n_run):
                     q = _pick(qs, lanes, i)
@@ -162,7 +178,7 @@ if triton is not None:
         ids_ptr, rec_ptr, off_ptr, act_ptr, out_ptr, T,
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W2: tl.constexpr, S2: tl.constexpr,
         G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         """Launch 2: BN rows of one expert's W2 times the activation of every pair that chose it; pairs of an
         absent expert get zeros (the sum over slots reads every pair's row)."""
@@ -182,12 +198,12 @@ if triton is not None:
                 g = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * _UNBIAS
             if n_run == 1:
                 act = act_ptr + p * INTER
-                dot = _rows_dot(wrow, srow, act, act + INTER // 2, 1, INTER, GROUP, E8M0, BK, USE_ASM)
+                dot = _rows_dot(wrow, srow, act, act + INTER // 2, 1, INTER, GROUP, E8M0, BK, USE_ASM, HW_E4M3)
                 tl.store(out_ptr + p * D + rows, dot * g)
             else:
                 acc = _rows_dot_run(
                     wrow, srow, act_ptr, INTER, qs, lanes, n_run, 1, 1, INTER // 2, INTER, GROUP, E8M0, BK, RUN_PAD,
-                    USE_ASM,
+                    USE_ASM, HW_E4M3,
                 )  # fmt: skip
                 for i in range(n_run):
                     q = _pick(qs, lanes, i)
@@ -236,7 +252,8 @@ class DecodeMoE:
         p = {part.name: part.offset for part in layout.parts}
         common = dict(
             K=top_k, D=layout.dim, INTER=layout.inter_dim, G=p.get("scale_2", -1), GROUP=group,
-            E8M0=layout.format == "mxfp4", USE_ASM=not interpreted(), num_warps=c.num_warps,
+            E8M0=layout.format == "mxfp4", USE_ASM=not interpreted(), HW_E4M3=hw_e4m3(device),
+            num_warps=c.num_warps,
         )  # fmt: skip
         self.phase1 = dict(common, W13=p["w13"], S13=p["w13_scale"], BN=c.bn1, BK=c.bk1)
         self.phase2 = dict(common, W2=p["w2"], S2=p["w2_scale"], BN=c.bn2, BK=c.bk2)

@@ -35,6 +35,7 @@ def record_offsets(
     if host_slots is not None:
         assert host is not None and host.shape[1] == nbytes, "host records need the device's record size"
         delta = host.data_ptr() - records.data_ptr()
+        assert delta % 16 == 0, "the kernels read records 16 bytes at a time: both pools must be 16-byte aligned"
         from_host = torch.where(host_slots >= 0, host_slots.long() * nbytes + delta, ABSENT)
         off = torch.where(slots >= 0, off, from_host.to(off.device))
     return off

@@ -36,6 +36,8 @@ class DecodeGraphs:
             return "CUDA graphs need a CUDA device"
         if recording:
             return "routing is being recorded (--record-trace) on the host"
+        if self.model.moe_kernel is not None and not self.model.moe_kernel.triton:
+            return "Triton is not installed: the experts' torch reference asks the host for its routing"
         if store.layout is not None and not store.all_resident:
             return (
                 f"experts are streamed ({store.plan.gpu_slots} of {store.plan.total_records} records fit on "
@@ -60,15 +62,30 @@ class DecodeGraphs:
             self.model.experts.count_resident(layer, self.model.args.n_activated_experts)
         return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
 
+    def capture_all(self) -> None:
+        """Capture every span now (at engine start), so that no decode step pays for a capture. Each writes
+        cache row 0, which the first prompt's prefill overwrites."""
+        if not self.ready:
+            return
+        self.token.fill_(0)
+        self.pos.fill_(0)
+        pos = 0
+        while pos < self.max_context:  # each span covers the positions below it
+            span = self.span(pos)
+            if span not in self.graphs:
+                self.graphs[span] = self._capture(span)
+            pos = span
+
     def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """Run the step once eagerly (it writes the same cache row the replay will), then capture it: every
         kernel is compiled by then, so nothing is tuned or built during capture. The eager run stays on the
         current stream: each new stream would get (and keep, for the process) its own cuBLAS workspace."""
         where = DevicePosition(self.pos, span)
-        self.model(self.token, where, last_only=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, hidden = self.model(self.token, where, last_only=True)
+        with self.model.experts.uncounted():  # neither run is a token of a generation
+            self.model(self.token, where, last_only=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits, hidden = self.model(self.token, where, last_only=True)
         return graph, logits, hidden
 
     @property

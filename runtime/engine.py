@@ -191,9 +191,9 @@ class Engine:
                 tokens = min(self.options.prefill_chunk, self.max_context)
                 self.model.moe_kernel.warm_up(dtype, store.gpu, manifest.args.n_routed_experts, tokens)
             recording = self.recorder is not None
-            self.graphs = (
-                DecodeGraphs(self.model, self.max_context, device, recording) if self.options.cuda_graph else None
-            )
+            if self.options.cuda_graph:
+                self.graphs = DecodeGraphs(self.model, self.max_context, device, recording)
+                self.graphs.capture_all()  # now, not in the first answer's decode
         except BaseException:
             self.close()
             raise
@@ -207,7 +207,9 @@ class Engine:
         """How decode steps run: "CUDA graph", or "eager" and why."""
         if self.graphs is None:
             return "eager: --no-cuda-graph"
-        return "CUDA graph" if self.graphs.ready else f"eager: {self.graphs.why_eager}"
+        if not self.graphs.ready:
+            return f"eager: {self.graphs.why_eager}"
+        return "CUDA graph (plain steps; MTP verify steps eagerly)" if self.speculator else "CUDA graph"
 
     def __enter__(self) -> Engine:
         return self

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,7 @@ class ExpertStore:
         self.released: list[torch.cuda.Event | None] = [None] * plan.gpu_slots
         self._verified: set[Key] = set()
         self._predicted: dict[int, set[int]] = {}
+        self._counting = True
 
     # -- worker side --------------------------------------------------------------------------------
 
@@ -395,8 +397,19 @@ class ExpertStore:
         """Every record the run uses sits on the device, none in flight (nothing can be evicted then)."""
         return len(self.gpu_pool.slot_of) == self.plan.total_records > 0 and not self.gpu_jobs
 
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Layer steps run inside are not counted (a graph's warm-up and capture runs)."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
     def count_resident(self, layer: int, uses: int) -> None:
         """Count a layer step whose `uses` (token, expert) pairs were all found on the device."""
+        if not self._counting:
+            return
         self.counters.layer_steps += 1
         self.counters.expert_uses += uses
         self.counters.gpu_hits += uses

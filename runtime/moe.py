@@ -91,12 +91,12 @@ class MoE(nn.Module):
         ids = torch.cat(ask).tolist()  # the one host sync of the layer: which records to bring in
         chosen = sorted(set(ids[: indices.numel()]))
         prefetch = (self.next_router[0], sorted(set(ids[indices.numel() :]))) if len(ask) > 1 else None
-        y = None
-        waves = self.experts.load_waves(self.layer, chosen, prefetch)
-        for wave in waves:  # one wave unless the layer uses more experts than there are device slots
+        parts = []
+        for wave in self.experts.load_waves(self.layer, chosen, prefetch):  # one wave unless slots run short
             offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
-            part = self.kernel(x, indices, weights, self.experts.gpu, offsets)  # [T, D]
-            y = part if y is None else y + part
+            parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
+        # several waves add up in fp32: each is rounded once, as one wave would be
+        y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)

@@ -89,13 +89,16 @@ def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = Fals
 
 
 def token_bytes(manifest: Manifest) -> tuple[int, int]:
-    """(backbone bytes a decode token reads: every matrix as stored, one embedding row, routers in fp32 as
-    the runtime holds them; bytes the kernels read of one expert record: codes and scales, no padding)."""
-    total = 0
+    """(backbone bytes a decode token of the main model reads: every matrix as stored, one embedding row,
+    routers in fp32 as the runtime holds them, the MTP layers left out; bytes the kernels read of one expert
+    record: codes and scales, no padding)."""
+    a, total = manifest.args, 0
     for name, t in manifest.tensors.items():
+        if name.startswith(a.mtp_prefixes):
+            continue
         n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
         if name == "embed.weight":
-            n //= t.shape[0]
+            n = n // t.shape[0] + (n if a.tie_word_embeddings else 0)  # one row; all of it again as the head
         elif name.endswith(ROUTER_SUFFIXES):
             n = n * 32 // FORMATS[t.format].bits
         total += n

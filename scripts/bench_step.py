@@ -35,7 +35,8 @@ PROMPT = "Count the ways a decode step can waste memory bandwidth"
 def step_bytes(m: Manifest) -> int:
     """Bytes one decode step reads (weights only; the KV cache of a short context is noise)."""
     backbone, record = token_bytes(m)
-    return backbone + len(m.experts) * m.args.n_activated_experts * record
+    layers = [layer for layer in m.experts if layer < m.args.n_layers]  # not the MTP layer
+    return backbone + len(layers) * m.args.n_activated_experts * record
 
 
 def time_steps(engine: Engine, steps: int, graph: bool) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from dsfp4.bench import prompt_set
@@ -29,7 +30,12 @@ def test_bench_writes_json_csv_and_html_with_the_ceilings_and_per_layer_hits(con
     m = Manifest.read(converted)
     assert set(res["layers"]) == {str(layer) for layer in m.experts if layer < m.args.n_layers}  # not MTP
     assert all(v["uses"] > 0 for v in res["layers"].values())
-    assert res["efficiency"] is not None and 0 < res["efficiency"] < 1  # a CPU run is far below an H100's floor
+    per, (backbone, record) = res["bytes_per_token"], token_bytes(m)
+    k = m.args.n_activated_experts * len(res["layers"])  # every MoE layer's experts, one token per pass
+    assert per["device"] == pytest.approx(backbone + k * record)  # the resident tiny model: no SSD, no copies
+    assert per["ssd"] == per["h2d"] == 0
+    assert res["floor_s_per_token"] == pytest.approx(per["device"] / 3000e9)
+    assert res["efficiency"] == pytest.approx(res["floor_s_per_token"] * res["decode_tok_s"])
     rows = list(csv.DictReader((out / "bench.csv").open()))
     assert rows[0]["preset"] == "this machine" and float(rows[0]["decode_tok_s"]) > 0
     page = (out / "bench.html").read_text()

@@ -95,13 +95,16 @@ def test_steps_at_a_device_position_equal_steps_at_a_host_position(model_dir):
 
     model = load_model(model_dir, CPU, torch.float32, max_len=64)
     tokens = torch.tensor([PROMPTS[0]])
-    pos = torch.zeros(1, dtype=torch.long)
+    n, pos = tokens.shape[1], torch.zeros(1, dtype=torch.long)
     with torch.no_grad():
-        want = [model(tokens[:, :4])[0][:, -1:]] + [model(tokens[:, i : i + 1], i)[0] for i in range(4, 11)]
+        want = [model(tokens[:, :4])[0][:, -1:]] + [model(tokens[:, i : i + 1], i)[0] for i in range(4, n)]
+        for block in model.layers:  # rows past a step's position hold stale values, as a reused cache does
+            block.attn.kv_cache.normal_()
+            block.attn.pe_cache.normal_()
         got = [model(tokens[:, :4])[0][:, -1:]]
-        for i in range(4, tokens.shape[1]):
+        for i in range(4, n):
             pos.fill_(i)
-            got.append(model(tokens[:, i : i + 1], DevicePosition(pos, 16))[0])  # rows i+1..15 hold no token
+            got.append(model(tokens[:, i : i + 1], DevicePosition(pos, 16))[0])  # rows i+1..15 are masked
     assert _rel_err(torch.cat(got, dim=1), torch.cat(want, dim=1)) < 1e-5
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dsfp4.device import resolve_device
 from dsfp4.doctor import Ceilings
-from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import token_bytes
 
@@ -46,11 +46,11 @@ def run_preset(model: Path, options: RunOptions, prompts: list[str], max_tokens:
     """One Engine under `options` (its preset), the prompts in turn (each its own conversation) -> results."""
     from dsfp4.runtime.engine import Engine
 
-    backbone, record = token_bytes(Manifest.read(model))
     t0 = time.perf_counter()
     with Engine(model, options) as engine:
         load_s = time.perf_counter() - t0
         plan, store = engine.plan, engine.model.experts
+        backbone, record = token_bytes(store.manifest)
         prefills, decodes, layer_uses = [], [], {}
         for p in prompts:  # each prompt its own conversation: the prefill, then the answer after the cached prompt
             engine.reset()
@@ -126,6 +126,5 @@ def commit() -> str:
 
 
 def device_name(options: RunOptions) -> str:
-    if options.device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return "cpu"
+    device = resolve_device(options.device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dsfp4.layout.direct_io import aligned_buffer
-
-ALIGN = 4096  # O_DIRECT offsets and sizes
+from dsfp4.layout.direct_io import DIRECT_ALIGN, aligned_buffer, open_direct
+from dsfp4.layout.record import align_up
 
 
 def hbm_read_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -49,16 +48,8 @@ def h2d_gbps(device: torch.device, chunk: int, total: int = 1 << 30, pinned: boo
     return n * chunk / (time.perf_counter() - t) / 1e9
 
 
-def open_direct(path: Path) -> tuple[int, bool]:
-    """(fd, True) opened with O_DIRECT, or (fd, False) opened buffered where the filesystem refuses it."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-    except OSError:
-        return os.open(path, os.O_RDONLY), False
-
-
 def direct_io_allowed(path: Path) -> bool:
-    fd, direct = open_direct(path)
+    fd, direct = open_direct(path, os.O_RDONLY)
     os.close(fd)
     return direct
 
@@ -69,7 +60,7 @@ def _read_jobs(jobs: Iterator[tuple[Path, int]], chunk: int, threads: int) -> fl
     jobs = list(jobs)
     for p, _ in jobs:
         if p not in fds:
-            fds[p] = open_direct(p)[0]
+            fds[p] = open_direct(p, os.O_RDONLY)[0]
     it = iter(jobs)
 
     def worker(i: int) -> None:
@@ -113,8 +104,8 @@ def sequential_read_gbps(paths: list[Path], threads: int = 8, chunk: int = 32 <<
 def random_read_gbps(paths: list[Path], record: int, count: int = 48, threads: int = 4, seed: int = 0) -> float:
     """`count` record-sized reads at random aligned offsets of the files, `threads` in flight: how the
     expert store reads demand misses."""
-    record = -(-record // ALIGN) * ALIGN
-    spots = [(p, pos) for p in paths for pos in range(0, p.stat().st_size - record + 1, ALIGN * 64)]
+    record = align_up(record, DIRECT_ALIGN)
+    spots = [(p, pos) for p in paths for pos in range(0, p.stat().st_size - record + 1, DIRECT_ALIGN * 64)]
     rng = random.Random(seed)
     return _read_jobs((rng.choice(spots) for _ in range(count)), record, threads)
 
@@ -124,11 +115,7 @@ def write_scratch(path: Path, nbytes: int, chunk: int = 64 << 20) -> float:
     chunk = min(chunk, nbytes)
     buf = memoryview(aligned_buffer(chunk))
     buf[:] = os.urandom(chunk)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    try:
-        fd = os.open(path, flags | os.O_DIRECT, 0o644)
-    except OSError:
-        fd = os.open(path, flags, 0o644)
+    fd, _ = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         t = time.perf_counter()
         for pos in range(0, nbytes, chunk):

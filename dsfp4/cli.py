@@ -75,17 +75,18 @@ def doctor(folder: Path, out: Path | None, scratch: str, as_json: bool) -> None:
 
     FOLDER is where the model lives or will (default: here): a converted model's expert files are read as
     they are; elsewhere a scratch file is written, read and deleted."""
-    from dsfp4.doctor import default_path, measure, model_expert_bytes, table, verdict
+    from dsfp4.doctor import default_path, folder_model, measure, model_expert_bytes, table, verdict
     from dsfp4.runtime.budget import parse_size
 
-    c = measure(folder, parse_size(scratch, "--scratch"))
+    model = folder_model(folder)
+    c = measure(folder, parse_size(scratch, "--scratch"), model=model)
     path = out or default_path()
     c.save(path)
     if as_json:
         click.echo(json.dumps(c.to_dict(), indent=1))
         return
     click.echo(table(c))
-    for line in verdict(c, model_expert_bytes(folder)):
+    for line in verdict(c, model_expert_bytes(model)):
         click.echo(line)
     click.echo(f"saved: {path}", err=True)
 

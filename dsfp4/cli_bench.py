@@ -58,7 +58,7 @@ def bench(
     allow / the measured time) for each --preset; writes bench.json, bench.csv and bench.html to --out."""
     from dsfp4.bench import commit, device_name, prompt_set, run_preset
     from dsfp4.bench_report import write_reports
-    from dsfp4.doctor import default_path, load, measure
+    from dsfp4.doctor import default_path, folder_model, load, measure
     from dsfp4.runtime.options import RunOptions
 
     path = ceilings or default_path()
@@ -66,7 +66,7 @@ def bench(
         c = load(path)
     else:
         click.echo(f"no ceilings at {path}: measuring them (dsfp4 doctor)", err=True)
-        c = measure(model, device=None)
+        c = measure(model, model=folder_model(model))
         c.save(path)
     texts = prompt_set(prompts)
     results = []

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from click.core import ParameterSource
 
 from dsfp4.cli_options import (
+    EXISTING_DIR,
     PATH,
     RUN_DEFAULTS,
     budget_options,
@@ -49,7 +49,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
 
 
 @click.command()
-@click.argument("model", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("model", type=EXISTING_DIR)
 @click.option("--prompt", help="Text to answer (rendered with the model's chat template unless --raw).")
 @click.option("--chat", is_flag=True, help="Interactive chat (/help inside lists the commands).")
 @click.option("--serve", is_flag=True, help="Serve the OpenAI API: /v1/chat/completions, /v1/completions, ...")
@@ -175,7 +175,7 @@ def run(
         except ImportError as e:
             raise ConfigError(f"--serve needs {e.name}: reinstall dsfp4 (pip install -e .) to get it") from e
     with Engine(model, options) as engine:
-        asked = ctx.get_parameter_source("max_context") == ParameterSource.COMMANDLINE
+        asked = bool(given_params(ctx, ("max_context",)))
         if asked and engine.max_context < options.max_context:
             click.echo(
                 f"note: --max-context {options.max_context} is above the model's limit; using {engine.max_context}",
@@ -191,7 +191,7 @@ def run(
         if chat:
             chat_repl(LocalChat(engine), system)
         elif serve:
-            given = ctx.get_parameter_source("max_tokens") == ParameterSource.COMMANDLINE
+            given = bool(given_params(ctx, ("max_tokens",)))
             served = Served(Path(model).resolve().name, api_key, max_queue, options.max_tokens if given else None)
             where = f"http://{host}:{port}/v1"
             click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)

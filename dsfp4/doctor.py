@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from dsfp4 import ceilings
+from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.budget import available_ram
-from dsfp4.runtime.planner import Plan, token_bytes
+from dsfp4.runtime.planner import Plan, expert_layers, token_bytes
 from dsfp4.sizes import format_bytes
 
 RECORD_BYTES = 24_772_608  # a DeepSeek-V3 NVFP4 expert record: the copy size when no model is given
@@ -81,12 +82,18 @@ def load(path: Path) -> Ceilings:
         raise ConfigError(f"{path}: cannot read the doctor's ceilings ({e}); run `dsfp4 doctor` again") from e
 
 
-def _disk_files(folder: Path, scratch_bytes: int) -> tuple[list[Path], int, Path | None]:
+def folder_model(folder: Path) -> Manifest | None:
+    """The converted model with expert records in `folder`, or None."""
+    if not (folder / "manifest.json").is_file():
+        return None
+    m = Manifest.read(folder)
+    return m if m.record is not None and m.experts else None
+
+
+def _disk_files(folder: Path, model: Manifest | None, scratch_bytes: int) -> tuple[list[Path], int, Path | None]:
     """(files to read, record size, scratch file to delete or None)."""
-    if (folder / "manifest.json").is_file():
-        m = Manifest.read(folder)
-        if m.record is not None and m.experts:
-            return [folder / ef.file for ef in m.experts.values()], m.record.nbytes, None
+    if model is not None:
+        return [folder / ef.file for ef in model.experts.values()], model.record.nbytes, None
     if scratch_bytes < 2 * RECORD_BYTES:
         raise ConfigError(f"--scratch {format_bytes(scratch_bytes)}: give at least {format_bytes(2 * RECORD_BYTES)}")
     scratch = folder / SCRATCH
@@ -94,13 +101,15 @@ def _disk_files(folder: Path, scratch_bytes: int) -> tuple[list[Path], int, Path
     return [scratch], RECORD_BYTES, scratch
 
 
-def measure(folder: Path, scratch_bytes: int = 2 << 30, device: torch.device | None = None) -> Ceilings:
-    """Every ceiling; `folder` is where the model lives (or will)."""
+def measure(
+    folder: Path, scratch_bytes: int = 2 << 30, device: torch.device | None = None, model: Manifest | None = None
+) -> Ceilings:
+    """Every ceiling; `folder` is where the model lives (or will), `model` its folder_model()."""
     t0 = time.perf_counter()
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a folder; give the model's folder or the disk it will live on")
-    files, record, scratch = _disk_files(folder, scratch_bytes)
+    files, record, scratch = _disk_files(folder, model, scratch_bytes)
     try:
         direct = ceilings.direct_io_allowed(files[0])
         seq = ceilings.sequential_read_gbps(files)
@@ -109,7 +118,7 @@ def measure(folder: Path, scratch_bytes: int = 2 << 30, device: torch.device | N
         if scratch is not None:
             scratch.unlink(missing_ok=True)
     gpu: dict = {}
-    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    device = device or resolve_device("auto")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = dict(
@@ -134,16 +143,11 @@ def measure(folder: Path, scratch_bytes: int = 2 << 30, device: torch.device | N
     )
 
 
-def model_expert_bytes(folder: Path) -> int | None:
-    """Bytes of the routed-expert records one token of the converted model in `folder` uses (MTP left out),
-    or None when `folder` holds no converted model with experts."""
-    if not (folder / "manifest.json").is_file():
+def model_expert_bytes(model: Manifest | None) -> int | None:
+    """Bytes of the routed-expert records one token of `model` moves (MTP left out); None without one."""
+    if model is None:
         return None
-    m = Manifest.read(folder)
-    if m.record is None:
-        return None
-    layers = [layer for layer in m.experts if layer < m.args.n_layers]
-    return len(layers) * m.args.n_activated_experts * m.record.nbytes
+    return len(expert_layers(model)) * model.args.n_activated_experts * model.record.nbytes
 
 
 V3_EXPERTS_PER_TOKEN = 58 * 8  # DeepSeek-V3: 58 MoE layers x top-8, for the verdict without a model

@@ -11,6 +11,14 @@ class ConfigError(DsfpError):
     """config.json (or a runtime option) is missing a field or holds an unsupported value."""
 
 
+class ContextLengthError(ConfigError):
+    """A prompt that leaves no room in the context: `tokens` of it against a context of `context`."""
+
+    def __init__(self, message: str, tokens: int, context: int):
+        super().__init__(message)
+        self.tokens, self.context = tokens, context
+
+
 class FormatError(DsfpError):
     """A tensor cannot be encoded or decoded in the requested format (NaN, bad shape, bad scale)."""
 

@@ -13,6 +13,7 @@ from plain integer ops.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,12 +35,20 @@ def interpreted() -> bool:
 HW_E4M3_CAPABILITY = (8, 9)  # Ada and Hopper convert e4m3 in hardware; Triton has no fp8 type below
 
 
+@functools.lru_cache
+def cuda_props(index: int):
+    """The CUDA device's properties, asked once (kernel wrappers consult them on every call)."""
+    return torch.cuda.get_device_properties(index)
+
+
 def hw_e4m3(device: torch.device) -> bool:
-    """Whether kernels on `device` may convert e4m3 scale bytes by the GPU's instruction (else by bits)."""
+    """Whether kernels on `device` may convert e4m3 by the GPU's instruction (else by bits), the Triton fp8
+    types included."""
     device = torch.device(device)
-    return (
-        device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device) >= HW_E4M3_CAPABILITY
-    )
+    if device.type != "cuda" or interpreted():
+        return False
+    p = cuda_props(device.index or 0)
+    return (p.major, p.minor) >= HW_E4M3_CAPABILITY
 
 
 if triton is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
+from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_dequantize, nvfp4_dequantize
 
 GEMV_MAX_TOKENS = 16  # beyond it tensor cores beat per-token FMA (kernels-limits 4.1)
@@ -127,7 +128,7 @@ if triton is not None:
 
 def _block_k(k: int, group: int, most: int) -> int:
     """The K step: a power of two holding whole scale blocks, no larger than `most` nor than K needs."""
-    return min(most, max(group, 1 << (k - 1).bit_length()))
+    return min(most, max(group, next_pow2(k)))
 
 
 def _gemm_tiles(t: int, exact: bool) -> tuple[int, int, int]:
@@ -159,7 +160,7 @@ def fp4_matmul(
     common = dict(GROUP=group, E8M0=fmt == "mxfp4", HAS_GLOBAL=g is not None, USE_ASM=not interpreted())
     if t <= GEMV_MAX_TOKENS:
         block_k = _block_k(k, group, GEMV_MAX_BLOCK_K)
-        block_t = 1 << (t - 1).bit_length()
+        block_t = next_pow2(t)
         fp4_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
             *args, BLOCK_T=block_t, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, **common
         )

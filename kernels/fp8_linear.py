@@ -17,22 +17,15 @@ Legend: T tokens, N output rows, K input columns, Nb x Kb the scale grid (ceil o
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4_decode import interpreted
-from dsfp4.layout.formats import ceil_div
-from dsfp4.layout.fp4 import E4M3_MAX
+from dsfp4.kernels.fp4_decode import cuda_props, hw_e4m3, interpreted, triton
+from dsfp4.layout.formats import ceil_div, next_pow2
+from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU build of torch comes without Triton: the references serve
-    triton = None
 
 GEMV_MAX_TOKENS = 16  # decode and speculative verify batches; above it tensor cores pay
 GEMV_BLOCK_N = 16  # rows per GEMV program: small tiles keep many programs reading (kernels-limits 4.1)
@@ -45,7 +38,6 @@ GEMM_STAGES = 3  # K steps in flight: 3 x 32 KiB of shared memory at 128x128
 GEMM_GROUP_M = 8  # row tiles that take turns on one weight column tile while it sits in L2
 ACT_GROUPS = 8  # 128-wide groups per act_quant program
 REFERENCE_SMS = 132  # off CUDA (the interpreter) the plans assume an H100
-FP8_CAPABILITY = (8, 9)  # first CUDA arch with e4m3 conversions and FP8 tensor cores
 
 
 @dataclass(frozen=True)
@@ -70,18 +62,14 @@ class GemmPlan:
     num_stages: int
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def gemv_plan(t: int, n: int, k: int, n_sms: int) -> GemvPlan:
     """The GEMV's tiles: 16 rows per program, up to 512 columns per step, and K split only when the row
     blocks alone leave SMs idle (q_a 1536x7168 splits 3 ways, kv_a 576x7168 7 ways, o 7168x16384 not at all)."""
-    block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, _pow2(k)))
+    block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, next_pow2(k)))
     k_tiles = ceil_div(k, block_k)
     want = ceil_div(PROGRAMS_PER_SM * n_sms, ceil_div(n, GEMV_BLOCK_N))
     per_split = ceil_div(k_tiles, min(k_tiles, want))
-    return GemvPlan(_pow2(t), GEMV_BLOCK_N, block_k, ceil_div(k_tiles, per_split), per_split * block_k)
+    return GemvPlan(next_pow2(t), GEMV_BLOCK_N, block_k, ceil_div(k_tiles, per_split), per_split * block_k)
 
 
 def gemm_plan(t: int, n: int, n_sms: int) -> GemmPlan:
@@ -92,23 +80,15 @@ def gemm_plan(t: int, n: int, n_sms: int) -> GemmPlan:
     return GemmPlan(small, GEMM_BLOCK_N, 4, GEMM_STAGES)
 
 
-@functools.lru_cache
-def _cuda_props(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
 def _n_sms(device: torch.device) -> int:
-    return _cuda_props(device.index or 0).multi_processor_count if device.type == "cuda" else REFERENCE_SMS
+    return cuda_props(device.index or 0).multi_processor_count if device.type == "cuda" else REFERENCE_SMS
 
 
 def has_fp8_kernels(device: torch.device) -> bool:
     """True where the Triton kernels run: CUDA sm89+, or the CPU under Triton's interpreter."""
     if triton is None:
         return False
-    if device.type != "cuda":
-        return interpreted()
-    p = _cuda_props(device.index or 0)
-    return (p.major, p.minor) >= FP8_CAPABILITY
+    return hw_e4m3(device) if device.type == "cuda" else interpreted()
 
 
 def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -134,7 +114,7 @@ def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kb = ceil_div(k, FP8_BLOCK)
     groups = F.pad(x.float(), (0, kb * FP8_BLOCK - k)).reshape(t, kb, FP8_BLOCK)  # [T, Kb, 128]
     amax = groups.abs().amax(dim=-1)
-    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    s = torch.where(amax > 0, exact_div(amax, E4M3_MAX), torch.ones_like(amax))
     q = (groups / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(t, -1)[:, :k].contiguous(), s
 
@@ -149,6 +129,8 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 # ---- Triton kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
+    import triton.language as tl
+
     E4M3_MANTISSA_BITS = tl.constexpr(3)
     E4M3_MIN_EXP = tl.constexpr(-6)  # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
     RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds |u| < 2^22 to an integer

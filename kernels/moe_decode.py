@@ -22,6 +22,7 @@ import torch
 
 from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, hw_e4m3, interpreted, triton
 from dsfp4.kernels.moe_ref import ABSENT
+from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
 
@@ -233,10 +234,6 @@ class DecodeConfig:
         return DecodeConfig(div(self.bn1, i), div(self.bk1, d), div(self.bn2, d), div(self.bk2, i), self.num_warps)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class DecodeMoE:
     """The decode kernels for one record layout on one device, with their workspaces (an activation row and
     an output row per pair) kept across calls, so that a captured graph replays on the same memory."""
@@ -267,7 +264,7 @@ class DecodeMoE:
         assert x.shape[1] == self.layout.dim and x.stride(1) == 1 and records.shape[1] == self.layout.nbytes
         assert records.data_ptr() % 16 == 0, "records: a 16-byte aligned u8 slot pool"
         ids, weights, offsets = ids.contiguous(), weights.float().contiguous(), offsets.contiguous()
-        run = dict(P_PAD=_pow2(t * k), RUN_PAD=_pow2(t))
+        run = dict(P_PAD=next_pow2(t * k), RUN_PAD=next_pow2(t))
         c = self.config
         _gate_up_kernel[(t * k * (self.layout.inter_dim // c.bn1),)](
             x, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1

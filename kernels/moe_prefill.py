@@ -17,6 +17,7 @@ experts, D dim, I expert width, G scale block, P = T * K pairs, L padded rows, B
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 from dsfp4.errors import FormatError
 from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, interpreted, triton
-from dsfp4.kernels.moe_ref import ABSENT
+from dsfp4.kernels.moe_ref import ABSENT, record_at
+from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
 
@@ -84,13 +86,14 @@ class PrefillBlocks:
         return 8 if self.block_m >= 128 else 4
 
 
+@functools.lru_cache  # asked per MoE layer and chunk, with the same few arguments
 def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> PrefillBlocks:
     """block_m: the smallest power of two holding BLOCK_M_HEADROOM x the mean rows per expert, within
     BLOCK_M_RANGE (DeepSeek-V3, 256 experts, top-8: 32 at 512 tokens, 128 from 2048 on). BN, BK: the largest
     choices that divide the matrix."""
     lo, hi = BLOCK_M_RANGE
     want = math.ceil(BLOCK_M_HEADROOM * n_pairs / n_experts)
-    block_m = min(hi, max(lo, 1 << max(0, want - 1).bit_length()))
+    block_m = min(hi, max(lo, next_pow2(want)))
 
     def fit(choices: tuple[int, ...], n: int) -> int:
         if n % choices[-1]:
@@ -320,7 +323,7 @@ def _experts(pairs: torch.Tensor, block_experts: torch.Tensor, offsets: torch.Te
 
 
 def _dense(records: torch.Tensor, offset: int, layout: RecordLayout, dtype: torch.dtype):
-    return layout.dequantize(records.view(-1)[offset : offset + layout.nbytes], dtype=dtype)
+    return layout.dequantize(record_at(records, offset, layout.nbytes), dtype=dtype)
 
 
 def gate_up_ref(

@@ -28,8 +28,9 @@ def record_offsets(
     host_slots: torch.Tensor | None = None,
     host: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """slots: [E] int device slot per expert (-1: not on the device); host_slots: [E] int slot in `host`
-    (pinned [S', nbytes], -1: not there) -> offsets [E] int64 from `records`' address (device first)."""
+    """slots: [..., E] int device slot per expert (-1: not on the device); host_slots: the same shape, slots
+    in `host` (pinned [S', nbytes], -1: not there) -> offsets [..., E] int64 from `records`' address
+    (device first)."""
     nbytes = records.shape[1]
     off = torch.where(slots >= 0, slots.long() * nbytes, torch.full_like(slots, ABSENT, dtype=torch.long))
     if host_slots is not None:
@@ -41,7 +42,8 @@ def record_offsets(
     return off
 
 
-def _record(records: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+def record_at(records: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """The record at `offset` of the device pool `records`, as a view (offsets outside it are an error here)."""
     flat = records.view(-1)
     if offset < 0 or offset + nbytes > flat.numel():
         raise ValueError(f"record offset {offset} is outside the slot pool; the reference reads device slots only")
@@ -63,7 +65,7 @@ def moe_ref(
     for e in sorted(set(ids.flatten().tolist())):
         if offs[e] == ABSENT:
             continue
-        w1, w3, w2 = layout.dequantize(_record(records, offs[e], layout.nbytes), dtype=x.dtype)
+        w1, w3, w2 = layout.dequantize(record_at(records, offs[e], layout.nbytes), dtype=x.dtype)
         token, j = (ids == e).nonzero(as_tuple=True)
         h = F.linear(F.silu(F.linear(x[token], w1)) * F.linear(x[token], w3), w2)  # [n, D]
         y.index_add_(0, token, h * weights[token, j, None].to(x.dtype))

@@ -56,6 +56,11 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton block shapes must be powers of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def component_shapes(fmt: FormatSpec, shape: tuple[int, ...], name: str = "tensor") -> list[tuple[int, ...]]:
     """Stored shape of each component of a weight of logical `shape` ([N, K] for scaled formats)."""
     if fmt.scale is None:

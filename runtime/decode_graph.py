@@ -5,7 +5,7 @@ host: every routed expert the run uses sits on the device (the MoE layers then f
 device slot table instead of asking the store to load them), no routing is recorded, and the device is
 CUDA. The token and its position live in device tensors that a replay reads. Attention in a graph covers a
 fixed span of the cache, rows past the position masked out; spans are powers of two (at least MIN_SPAN,
-at most the context), one graph each, captured the first time a step needs it, all in one memory pool.
+at most the context), one graph each, all captured when the engine starts, in one memory pool.
 When a step cannot be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
 """
 
@@ -51,15 +51,11 @@ class DecodeGraphs:
 
     def step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's forward of one token at `pos` by graph replay -> (logits [1, 1, V], hidden [1, 1, D])."""
-        span = self.span(pos)
+        graph, logits, hidden = self.graphs[self.span(pos)]  # all captured by capture_all
         self.token.fill_(token)
         self.pos.fill_(pos)
-        if span not in self.graphs:
-            self.graphs[span] = self._capture(span)
-        graph, logits, hidden = self.graphs[span]
         graph.replay()
-        for layer in self.moe_layers:  # the captured layers' Python does not run
-            self.model.experts.count_resident(layer, self.model.args.n_activated_experts)
+        self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)  # Python skipped
         return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
 
     def capture_all(self) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dsfp4.device import resolve_device
-from dsfp4.errors import ConfigError, DsfpError
+from dsfp4.errors import ConfigError, ContextLengthError, DsfpError
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
@@ -98,6 +98,13 @@ class Stream(Iterator[Delta]):
 
 class _Cancelled(Exception):
     """The caller's cancel event was set: the generation ends at the next chunk or token."""
+
+
+def _token_ids(items: list) -> list[int] | None:
+    """items as token ids (plain ints; bools are not), or None when they are something else."""
+    if all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
+        return [int(t) for t in items]
+    return None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -250,10 +257,10 @@ class Engine:
                 raise ConfigError("a system message goes through the chat template, which raw skips; give one of them")
             return self.tokenizer.encode_prompt(prompt, system, raw)
         items = list(prompt)
-        if items and all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
+        if items and (ids := _token_ids(items)) is not None:
             if system is not None or raw:
                 raise ConfigError("system and raw apply to text prompts, not to token ids")
-            return [int(t) for t in items]
+            return ids
         if items and all(isinstance(m, Mapping) for m in items):
             bad = [i for i, m in enumerate(items) if not (isinstance(m.get("role"), str) and "content" in m)]
             if bad or not all(isinstance(m["content"], str) for m in items):
@@ -274,12 +281,18 @@ class Engine:
         if n == 0:
             raise ConfigError("the prompt is empty")
         if n + room > self.max_context:
-            raise ConfigError(
+            raise ContextLengthError(
                 f"the prompt is {n} tokens; the context holds {self.max_context} "
-                f"(raise --max-context, up to the model's {self._model().args.max_seq_len})"
+                f"(raise --max-context, up to the model's {self._model().args.max_seq_len})",
+                n,
+                self.max_context,
             )
         if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+
+    def room(self, prompt_tokens: int) -> int:
+        """Tokens a generation after a prompt of this length may produce (the last is never fed back)."""
+        return self.max_context - prompt_tokens + 1
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Generation:
         """Generate to the end; the arguments are stream()'s."""
@@ -320,9 +333,9 @@ class Engine:
         """Logits after each of `token_ids` -> [T, V] fp32 on the CPU, computed from position 0 in the
         chunks of ordinary prefill (the cache then holds these tokens, so a generation after them reuses it)."""
         items = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
-        if isinstance(items, str) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
+        ids = None if isinstance(items, str) else _token_ids(list(items))
+        if ids is None:
             raise ConfigError("logits takes token ids; encode text or chat messages with engine.encode first")
-        ids = [int(t) for t in items]
         self.check_prompt(ids, room=0)
         with self._claim():
             self._end_stream()
@@ -414,7 +427,7 @@ class Engine:
     ) -> Generator[Delta, None, Generation]:
         """The generation loop: tokens from plain or speculative decoding; detokenize, stop rules, deltas."""
         n, stop = len(prompt_ids), options.stop
-        budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
+        budget = min(options.max_tokens, self.room(n))
         store = self._model().experts
         before = store.counters.snapshot()
         sampling = options.sampling()

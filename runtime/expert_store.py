@@ -93,6 +93,7 @@ class ExpertStore:
         a = manifest.args
         self._table = torch.full((a.n_blocks, a.n_routed_experts), -1, dtype=torch.int32, device=device)
         self._table_updates: dict[Key, int] = {}
+        self._offsets: torch.Tensor | None = None  # record_offsets of the whole table, until it changes
         self.files = {layer: RecordFile(self.dir / ef.file) for layer, ef in manifest.experts.items()}
         self.notes = [
             f"{self.dir / 'experts'}: the filesystem refuses O_DIRECT (tmpfs?); records are read through "
@@ -265,7 +266,7 @@ class ExpertStore:
             if self.cuda:  # pinned and non-blocking: a pageable copy would wait for the compute stream
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
             self._table[rows[:, 0], rows[:, 1]] = rows[:, 2].to(torch.int32)
-            self._table_updates = {}
+            self._table_updates, self._offsets = {}, None
         return self._table
 
     # -- the interface the model uses ---------------------------------------------------------------
@@ -280,8 +281,6 @@ class ExpertStore:
         before the next wave (or the end). `prefetch` (next layer, predicted experts) starts once this
         layer's own loads are queued."""
         self._score_prediction(layer, experts)
-        self.counters.layer_steps += 1
-        self.counters.expert_uses += len(experts)
         tier = {e: 0 if (layer, e) in self.gpu_pool else 1 if (layer, e) in self.ram_pool else 2 for e in experts}
         tiers = list(tier.values())
         self.counters.add_layer(layer, len(experts), tiers.count(0), tiers.count(1))
@@ -339,12 +338,14 @@ class ExpertStore:
     def offsets(self, layer: int, wave: list[int] | None = None) -> torch.Tensor:
         """[experts] int64 on the device: each expert's record offset in the device pool (kernels/moe.py),
         -1 when not there; with `wave`, every other expert is left out (-1) too."""
-        slots = self.slot_table()[layer]
+        table = self.slot_table()
         if wave is not None:
-            keep = torch.zeros_like(slots, dtype=torch.bool)
+            keep = torch.zeros_like(table[layer], dtype=torch.bool)
             keep[torch.tensor(wave, device=self.device)] = True
-            slots = torch.where(keep, slots, -1)
-        return record_offsets(slots, self.gpu)
+            return record_offsets(torch.where(keep, table[layer], -1), self.gpu)
+        if self._offsets is None:  # every layer's at once, kept until a slot changes: once, when all stay
+            self._offsets = record_offsets(table, self.gpu)  # [blocks, experts]
+        return self._offsets[layer]
 
     def prefetch(self, layer: int, experts: list[int], protect: set[Key]) -> None:
         """Start moving predicted experts of `layer` towards the device without waiting and without
@@ -406,14 +407,14 @@ class ExpertStore:
         finally:
             self._counting = True
 
-    def count_resident(self, layer: int, uses: int) -> None:
-        """Count a layer step whose `uses` (token, expert) pairs were all found on the device."""
+    def count_resident(self, layers: Iterable[int], uses: int) -> None:
+        """Count a step of each of `layers` whose `uses` were all found on the device. Uses are (token,
+        expert) pairs here, distinct experts in load_waves: the same at decode, where one token runs."""
         if not self._counting:
             return
-        self.counters.layer_steps += 1
-        self.counters.expert_uses += uses
-        self.counters.gpu_hits += uses
-        self.counters.add_layer(layer, uses, uses, 0)
+        for layer in layers:
+            self.counters.add_layer(layer, uses, uses, 0)
+            self.counters.gpu_hits += uses
 
     def sync(self) -> None:
         """Wait for every job in flight (raising the first error)."""

@@ -82,7 +82,7 @@ class MoE(nn.Module):
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
         if self.experts.all_resident:  # nothing to bring in: experts are found on the device, no host sync
-            self.experts.count_resident(self.layer, indices.numel())
+            self.experts.count_resident((self.layer,), indices.numel())
             y = self.kernel(x, indices, weights, self.experts.gpu, self.experts.offsets(self.layer))
             return (y if self.shared_experts is None else y + self.shared_experts(x)).view(shape)
         ask = [indices.flatten()]

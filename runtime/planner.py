@@ -71,6 +71,11 @@ def _used_layers(manifest: Manifest, with_mtp: bool) -> range:
     return range(a.n_blocks if with_mtp else a.n_layers)
 
 
+def expert_layers(manifest: Manifest, with_mtp: bool = False) -> tuple[int, ...]:
+    """The MoE layers with expert records that a run uses (the MTP layer's only `with_mtp`)."""
+    return tuple(i for i in _used_layers(manifest, with_mtp) if i in manifest.experts)
+
+
 def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> tuple[int, int]:
     """(bytes on the device, largest quantized matrix's element count) of the backbone as loaded:
     quantized matrices as stored, plain tensors cast to the runtime dtype (the router to fp32)."""
@@ -121,8 +126,8 @@ def make_plan(
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     layers = _used_layers(manifest, with_mtp)
     record = manifest.record.nbytes if manifest.record else 0
-    expert_layers = tuple(i for i in layers if i in manifest.experts)
-    total_records = len(expert_layers) * a.n_routed_experts
+    used = expert_layers(manifest, with_mtp)
+    total_records = len(used) * a.n_routed_experts
     backbone, largest = backbone_bytes(manifest, dtype, with_mtp)
     kv = len(layers) * max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt
     # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
@@ -175,5 +180,5 @@ def make_plan(
         staging,
         host_base,
         total_records,
-        expert_layers,
+        used,
     )

@@ -21,9 +21,8 @@ class SamplingParams:
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits: [V] -> the probabilities sampling draws from [V] fp32 (one-hot at the argmax when greedy)."""
-    if p.greedy:
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(0, logits.argmax().view(1), 1.0)
+    """logits: [V] -> the probabilities sampling draws from [V] fp32 (not greedy: its callers take the argmax)."""
+    assert not p.greedy, "greedy decoding takes the argmax, not a distribution"
     logits = logits.float() / p.temperature
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]

@@ -30,7 +30,9 @@ class StoreCounters:
     _layers: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # [uses, device, RAM]
 
     def add_layer(self, layer: int, uses: int, gpu: int, ram: int) -> None:
-        """One layer step's experts: how many, and how many came from the device and from RAM."""
+        """One layer step: its expert uses, and how many came from the device and from RAM."""
+        self.layer_steps += 1
+        self.expert_uses += uses
         row = self._layers.setdefault(layer, [0, 0, 0])
         row[0] += uses
         row[1] += gpu

@@ -12,6 +12,7 @@ Both generate greedily from the same token ids; the table gives decode tok/s sid
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -25,8 +26,10 @@ from dsfp4 import Engine, RunOptions
 from dsfp4.config import ModelArgs
 from dsfp4.convert.hf_names import map_tensors, plain_checkpoint_names
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.quant import PLAIN_DTYPES
 from dsfp4.layout.safetensors_file import TensorInfo
 from dsfp4.runtime.budget import parse_size
+from dsfp4.runtime.tokenizer import ChatTokenizer
 from dsfp4.runtime.weights import Weights
 
 PROMPT = "Explain, step by step, why a model that does not fit in memory runs slowly"
@@ -58,14 +61,15 @@ def export_hf(model: Path, out: Path) -> Path:
             index.update(dict.fromkeys(shard, f"model-{n:05d}.safetensors"))
             shard, size = {}, 0
 
+    @functools.lru_cache(maxsize=1)  # an expert's w1, w3 and w2 come one after another: read it once
+    def expert(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        files[layer].seek(m.experts[layer].offsets[e])
+        return m.record.dequantize(files[layer].read(m.record.nbytes), dtype=torch.bfloat16)
+
     for item in mapped.items:
         if item.expert is not None:
-            layer = int(item.ref.split(".")[1])
-            f = files[layer]
-            f.seek(m.experts[layer].offsets[item.expert])
-            record = f.read(m.record.nbytes)
-            t = m.record.dequantize(record, dtype=torch.bfloat16)[EXPERT_PART[item.ref.rsplit(".", 1)[1]]]
-        elif len(item.shape) == 2 and m.tensors[item.ref].format not in ("bf16", "f16", "f32"):
+            t = expert(int(item.ref.split(".")[1]), item.expert)[EXPERT_PART[item.ref.rsplit(".", 1)[1]]]
+        elif len(item.shape) == 2 and m.tensors[item.ref].format not in PLAIN_DTYPES:
             t = w.matrix(item.ref, item.shape).dequantize(torch.bfloat16)
         else:
             t = w.plain(item.ref, item.shape)
@@ -142,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     a = ap.parse_args(argv)
     hf = export_hf(a.model, a.model.with_name(a.model.name + "-hf"))
-    with Engine(a.model, RunOptions(device="cpu", gpu_mem="1G", cpu_mem="2G", max_context=256)) as probe:
-        ids = probe.encode(PROMPT, raw=True)
+    ids = ChatTokenizer(a.model).encode_prompt(PROMPT, raw=True)
     gpu, cpu = parse_size(a.gpu_mem, "--gpu-mem"), parse_size(a.cpu_mem, "--cpu-mem")
     res = {
         "budgets": {"gpu_mem": a.gpu_mem, "cpu_mem": a.cpu_mem},

@@ -27,7 +27,7 @@ from ceilings import gpu_ceilings  # noqa: E402
 
 from dsfp4 import Engine, RunOptions  # noqa: E402
 from dsfp4.layout.manifest import Manifest  # noqa: E402
-from dsfp4.runtime.planner import token_bytes  # noqa: E402
+from dsfp4.runtime.planner import expert_layers, token_bytes  # noqa: E402
 
 PROMPT = "Count the ways a decode step can waste memory bandwidth"
 
@@ -35,8 +35,7 @@ PROMPT = "Count the ways a decode step can waste memory bandwidth"
 def step_bytes(m: Manifest) -> int:
     """Bytes one decode step reads (weights only; the KV cache of a short context is noise)."""
     backbone, record = token_bytes(m)
-    layers = [layer for layer in m.experts if layer < m.args.n_layers]  # not the MTP layer
-    return backbone + len(layers) * m.args.n_activated_experts * record
+    return backbone + len(expert_layers(m)) * m.args.n_activated_experts * record
 
 
 def time_steps(engine: Engine, steps: int, graph: bool) -> float:

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from dsfp4.errors import ConfigError
+from dsfp4.errors import ConfigError, ContextLengthError
 from dsfp4.runtime.engine import Delta, Engine, Generation
 from dsfp4.runtime.reasoning import ReasoningSplitter, split_reasoning
 from dsfp4.server.answers import Answer, sse, stats
@@ -97,19 +97,18 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         where = "messages" if req.chat else "prompt"
         try:
             ids = engine.encode(req.prompt, raw=isinstance(req.prompt, str))  # completions: raw text
-            n, context = len(ids), engine.max_context
-            if n >= context:
-                raise ApiError(400, f"the prompt is {n} tokens; this server's context holds {context} "
-                               f"(start it with a larger --max-context)", where, "context_length_exceeded")  # fmt: skip
-            room = context - n + 1  # the last token is never fed back
-            if req.max_tokens is not None and req.max_tokens > room:
-                message = (
-                    f"max_tokens {req.max_tokens}: the prompt's {n} tokens leave room for {room} in this server's "
-                )
-                raise ApiError(400, message + f"context of {context}", "max_tokens", "context_length_exceeded")
             engine.check_prompt(ids)
+        except ContextLengthError as e:  # the engine's message names the CLI flag; a client gets the server's
+            message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
+            raise ApiError(400, message + "(start it with a larger --max-context)", where,
+                           "context_length_exceeded") from None  # fmt: skip
         except ConfigError as e:  # the chat template refused the conversation, or a token id is out of range
             raise ApiError(400, str(e), where) from None
+        room = engine.room(len(ids))
+        if req.max_tokens is not None and req.max_tokens > room:
+            message = f"max_tokens {req.max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
+            raise ApiError(400, message + f"server's context of {engine.max_context}", "max_tokens",
+                           "context_length_exceeded")  # fmt: skip
         max_tokens = req.max_tokens or min(served.max_tokens or room, room)
         job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, asyncio.get_running_loop())
         try:

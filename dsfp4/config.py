@@ -7,6 +7,7 @@ Field names follow DeepSeek's reference `inference/model.py`; Hugging Face key n
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,18 @@ from dsfp4.errors import ConfigError
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
     "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy"},
+    # topk_method is a legacy label in V4's config (neither the reference nor transformers reads it); V4 always
+    # selects by score + bias outside the hash layers
+    "deepseek_v4": {"topk_method": "noaux_tc"},
 }
+V4_FAMILY = "deepseek_v4"
+# V4 attention kinds: a sliding window only, compressed sparse attention (CSA: overlapping windows and the
+# lightning indexer), heavily compressed attention (HCA: every compressed entry)
+SLIDING, CSA, HCA = "sliding", "csa", "hca"
+# transformers' layer_types names of the kinds, and the meaning of the official compress_ratios values
+# (0 / 4 / 128, as both the reference and transformers read them)
+HF_LAYER_KINDS = {"sliding_attention": SLIDING, "compressed_sparse_attention": CSA, "heavily_compressed_attention": HCA}
+RATIO_KINDS = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 @dataclass(frozen=True)
@@ -68,11 +80,27 @@ class ModelArgs:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
+    # DeepSeek-V4 (family deepseek_v4) only; the defaults describe V3/V2, whose manifests predate them
+    head_dim: int = 0  # per-head width, also the width of the one shared K=V vector per token
+    window_size: int = 0  # sliding window, counting the current token
+    o_groups: int = 0  # grouped output projection: head groups, and each group's output width
+    o_lora_rank: int = 0
+    layer_kinds: tuple[str, ...] = ()  # per block (main layers, then MTP): SLIDING, CSA or HCA
+    compress_ratios: tuple[int, ...] = ()  # per block: tokens per compressed entry (0 for sliding)
+    compress_rope_theta: float = 0.0  # RoPE base of layers with a compressor (the YaRN fields apply there only)
+    index_n_heads: int = 0  # lightning indexer of CSA layers: heads, head width, entries kept per query
+    index_head_dim: int = 0
+    index_topk: int = 0
+    hc_mult: int = 0  # mHC residual streams, Sinkhorn iterations and epsilon
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 0.0
+    n_hash_layers: int = 0  # leading MoE layers routed by the token-id table tid2eid
+    swiglu_limit: float = 0.0  # SwiGLU clamp (0: none)
 
     def __post_init__(self) -> None:
         """Reject shapes the router cannot route, with the config key to fix."""
         e, g, k = self.n_routed_experts, self.n_expert_groups, self.n_activated_experts
-        problems = []
+        problems = self._v4_problems() if self.is_v4 else []
         if e % g:
             problems.append(f"n_routed_experts ({e}) is not a multiple of n_group ({g})")
         elif self.n_limited_groups > g:
@@ -83,6 +111,36 @@ class ModelArgs:
             problems.append(f"n_group ({g}) leaves fewer than 2 experts per group")
         if problems:
             raise ConfigError(f"config.json: {problems[0]}")
+
+    def _v4_problems(self) -> list[str]:
+        problems = []
+        if len(self.layer_kinds) != self.n_blocks or len(self.compress_ratios) != self.n_blocks:
+            problems.append(
+                f"compress_ratios / layer_types give {len(self.layer_kinds)} layer kinds; "
+                f"{self.n_layers} layers + {self.n_mtp_layers} MTP need {self.n_blocks}"
+            )
+        elif bad := [i for i, k in enumerate(self.layer_kinds) if (k == SLIDING) != (self.compress_ratios[i] == 0)]:
+            i = bad[0]
+            problems.append(f"layer {i}: kind {self.layer_kinds[i]} with compress ratio {self.compress_ratios[i]}")
+        if self.o_groups < 1 or self.n_heads % self.o_groups:
+            problems.append(f"num_attention_heads ({self.n_heads}) is not a multiple of o_groups ({self.o_groups})")
+        if self.n_hash_layers > self.n_layers:
+            problems.append(f"num_hash_layers ({self.n_hash_layers}) exceeds num_hidden_layers ({self.n_layers})")
+        rope = self.qk_rope_head_dim
+        if rope > min(self.head_dim, self.index_head_dim) or rope % 2:
+            problems.append(f"qk_rope_head_dim ({rope}) must be even and fit head_dim and index_head_dim")
+        return problems
+
+    @property
+    def is_v4(self) -> bool:
+        return self.family == V4_FAMILY
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """V4: the layer's experts come from tid2eid[token] (known before the layer runs)."""
+        return layer < self.n_hash_layers
+
+    def layer_has_gate_bias(self, layer: int) -> bool:
+        return self.has_gate_bias and not self.is_hash_layer(layer)
 
     @property
     def qk_head_dim(self) -> int:
@@ -110,17 +168,22 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) != names:
+        """Fields added later have defaults: manifests written before them still load."""
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}
+        if not required <= set(d) <= names:
             raise ConfigError(
                 f"model args do not match this dsfp4: unknown {sorted(set(d) - names)}, "
-                f"missing {sorted(names - set(d))}; reconvert with this version"
+                f"missing {sorted(required - set(d))}; reconvert with this version"
             )
-        return cls(**{**d, "eos_token_ids": tuple(d["eos_token_ids"])})
+        tuples = {f.name: tuple(d[f.name]) for f in fields if f.name in d and str(f.type).startswith("tuple")}
+        return cls(**{**d, **tuples})
 
 
 _REQUIRED = object()
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "an object"}
+_KINDS[list] = "a list"
 
 
 def _field(c: dict[str, Any], key: str, kind: type, source: str, default: Any = _REQUIRED, minimum: int = 0) -> Any:
@@ -152,8 +215,11 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
     def f(key: str, kind: type = int, default: Any = _REQUIRED, minimum: int = 0) -> Any:
         return _field(c, key, kind, source, default, minimum)
 
-    # transformers 5 writes rope_parameters; the released checkpoints write rope_scaling (or nothing).
+    # transformers 5 writes rope_parameters; the released checkpoints write rope_scaling (or nothing). V4's
+    # transformers config nests two sets, "main" (sliding layers) and "compress" (the YaRN one).
     rope = f("rope_scaling", dict, None) or f("rope_parameters", dict, {})
+    nested = family == V4_FAMILY and isinstance(rope.get("compress"), dict)
+    main_rope, rope = (rope.get("main") or {}, rope["compress"]) if nested else ({}, rope)
     rope_type = _field(rope, "type", str, source, None) or _field(rope, "rope_type", str, source, "default")
     if rope_type not in ("default", "yarn"):
         raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (default, yarn)")
@@ -172,42 +238,121 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
     eos_ids = eos if isinstance(eos, list) else [eos]
     if not eos_ids or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
         raise ConfigError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
-    return ModelArgs(
+    common = dict(
         family=family,
         vocab_size=f("vocab_size", minimum=1),
         dim=f("hidden_size", minimum=1),
-        inter_dim=f("intermediate_size", minimum=1),
         moe_inter_dim=f("moe_intermediate_size", minimum=1),
         n_layers=f("num_hidden_layers", minimum=1),
-        n_dense_layers=f("first_k_dense_replace", default=0),
-        moe_layer_freq=f("moe_layer_freq", default=1, minimum=1),
         n_mtp_layers=f("num_nextn_predict_layers", default=0),
         n_heads=f("num_attention_heads", minimum=1),
         n_routed_experts=f("n_routed_experts", minimum=1),
         n_shared_experts=f("n_shared_experts", default=0),
         n_activated_experts=f("num_experts_per_tok", minimum=1),
-        n_expert_groups=f("n_group", default=1, minimum=1),
-        n_limited_groups=f("topk_group", default=1, minimum=1),
         score_func=f("scoring_func", str),
         topk_method=f("topk_method", str),
         route_scale=f("routed_scaling_factor", float, 1.0),
         norm_topk_prob=f("norm_topk_prob", bool, False),
         q_lora_rank=f("q_lora_rank", default=0),
-        kv_lora_rank=f("kv_lora_rank", minimum=1),
-        qk_nope_head_dim=f("qk_nope_head_dim"),
-        qk_rope_head_dim=f("qk_rope_head_dim"),
-        v_head_dim=f("v_head_dim", minimum=1),
         norm_eps=f("rms_norm_eps", float, 1e-6),
-        rope_theta=_field(rope, "rope_theta", float, source, None) or f("rope_theta", float, 10000.0),
         rope_type=rope_type,
         rope_factor=factor,
         original_seq_len=int(r("original_max_position_embeddings", f("max_position_embeddings", minimum=1))),
         beta_fast=r("beta_fast", 32.0),
         beta_slow=r("beta_slow", 1.0),
-        mscale=r("mscale", 1.0),
-        mscale_all_dim=r("mscale_all_dim", 0.0),
         max_seq_len=f("max_position_embeddings", minimum=1),
         bos_token_id=f("bos_token_id", default=None),
         eos_token_ids=tuple(eos_ids),
         tie_word_embeddings=f("tie_word_embeddings", bool, False),
+    )
+    if family == V4_FAMILY:
+        return _v4_args(c, f, common, rope, main_rope, source)
+    return ModelArgs(
+        **common,
+        inter_dim=f("intermediate_size", minimum=1),
+        n_dense_layers=f("first_k_dense_replace", default=0),
+        moe_layer_freq=f("moe_layer_freq", default=1, minimum=1),
+        n_expert_groups=f("n_group", default=1, minimum=1),
+        n_limited_groups=f("topk_group", default=1, minimum=1),
+        kv_lora_rank=f("kv_lora_rank", minimum=1),
+        qk_nope_head_dim=f("qk_nope_head_dim"),
+        qk_rope_head_dim=f("qk_rope_head_dim"),
+        v_head_dim=f("v_head_dim", minimum=1),
+        rope_theta=_field(rope, "rope_theta", float, source, None) or f("rope_theta", float, 10000.0),
+        mscale=r("mscale", 1.0),
+        mscale_all_dim=r("mscale_all_dim", 0.0),
+    )
+
+
+def _v4_schedule(c: dict[str, Any], f: Callable[..., Any], n_blocks: int, source: str) -> tuple[tuple, tuple]:
+    """(layer kinds, compress ratios) per block from the official compress_ratios (n_layers + MTP entries, the
+    MTP ones last) or transformers' layer_types + compress_rates (main layers only: its MTP blocks are sliding,
+    as the official schedule has them)."""
+    ratios = f("compress_ratios", list, None)
+    if ratios is not None:
+        if len(ratios) < n_blocks or any(r not in RATIO_KINDS for r in ratios):
+            raise ConfigError(
+                f"{source}: compress_ratios must hold {n_blocks} entries (layers, then MTP) from "
+                f"{sorted(RATIO_KINDS)}, got {ratios}"
+            )
+        ratios = tuple(ratios[:n_blocks])
+        return tuple(RATIO_KINDS[r] for r in ratios), ratios
+    types, rates = f("layer_types", list), f("compress_rates", dict)
+    if any(t not in HF_LAYER_KINDS for t in types):
+        raise ConfigError(f"{source}: layer_types entries must be one of {', '.join(HF_LAYER_KINDS)}")
+    kinds = tuple(HF_LAYER_KINDS[t] for t in types) + (SLIDING,) * max(0, n_blocks - len(types))
+    compressed = set(types) - {"sliding_attention"}
+    kind_rate = {HF_LAYER_KINDS[t]: _field(rates, t, int, source, minimum=1) for t in compressed}
+    return kinds[:n_blocks], tuple(0 if k == SLIDING else kind_rate[k] for k in kinds[:n_blocks])
+
+
+def _v4_args(
+    c: dict[str, Any], f: Callable[..., Any], common: dict[str, Any], rope: dict, main_rope: dict, source: str
+) -> ModelArgs:
+    """DeepSeek-V4 (v4-flash-spec a.1): the official config.json keys, or transformers' spellings of them."""
+    n_blocks = common["n_layers"] + common["n_mtp_layers"]
+    kinds, ratios = _v4_schedule(c, f, n_blocks, source)
+    head_dim = f("head_dim", minimum=1)
+    if (kv_heads := f("num_key_value_heads", default=1)) != 1:
+        raise ConfigError(f"{source}: num_key_value_heads is {kv_heads}; DeepSeek-V4 has one shared K=V head")
+    if f("partial_rotary_factor", float, None) is not None and "qk_rope_head_dim" not in c:
+        rope_dim = round(head_dim * f("partial_rotary_factor", float))
+    else:
+        rope_dim = f("qk_rope_head_dim", minimum=2)
+    layer_types = f("mlp_layer_types", list, None)
+    if layer_types is not None:  # transformers: hash_moe first, then moe
+        n_hash = layer_types.count("hash_moe")
+        if layer_types[:n_hash] != ["hash_moe"] * n_hash:
+            raise ConfigError(f"{source}: mlp_layer_types must list every hash_moe layer first")
+    else:
+        n_hash = f("num_hash_layers")
+    return ModelArgs(
+        **common,
+        inter_dim=common["moe_inter_dim"],  # no dense MLP; the shared expert has the routed width
+        n_dense_layers=0,
+        moe_layer_freq=1,
+        n_expert_groups=1,
+        n_limited_groups=1,
+        kv_lora_rank=0,
+        qk_nope_head_dim=head_dim - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=head_dim,
+        rope_theta=_field(main_rope, "rope_theta", float, source, None) or f("rope_theta", float),
+        mscale=0.0,  # V4 scales neither cos/sin nor the softmax under YaRN
+        mscale_all_dim=0.0,
+        head_dim=head_dim,
+        window_size=f("sliding_window", minimum=1),
+        o_groups=f("o_groups", minimum=1),
+        o_lora_rank=f("o_lora_rank", minimum=1),
+        layer_kinds=kinds,
+        compress_ratios=ratios,
+        compress_rope_theta=_field(rope, "rope_theta", float, source, None) or f("compress_rope_theta", float),
+        index_n_heads=f("index_n_heads", minimum=1),
+        index_head_dim=f("index_head_dim", minimum=1),
+        index_topk=f("index_topk", minimum=1),
+        hc_mult=f("hc_mult", minimum=1),
+        hc_sinkhorn_iters=f("hc_sinkhorn_iters", minimum=1),
+        hc_eps=f("hc_eps", float),
+        n_hash_layers=n_hash,
+        swiglu_limit=f("swiglu_limit", float),
     )

@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from dsfp4.config import ModelArgs
+from dsfp4.config import V4_FAMILY, ModelArgs
 from dsfp4.errors import FormatError, SourceError
 from dsfp4.layout.formats import FORMATS, component_shapes, shape_numel
 from dsfp4.layout.safetensors_file import TensorInfo
@@ -22,7 +23,7 @@ AUX = "aux"  # matrix kept in the form the source stores it (MTP eh_proj)
 PLAIN = "plain"  # norms, router, bias, embedding, head: kept as stored
 EXPERT = "expert"  # routed expert projection: goes into the layer's expert records
 
-Shape = Callable[[ModelArgs], tuple[int, ...]]
+Shape = Callable[[Any], tuple[int, ...]]  # of the ModelArgs, or of a placed rule's shape context
 
 
 def _always(a: ModelArgs) -> bool:
@@ -138,12 +139,36 @@ SKIP_PATTERNS = (
 INPUT_SCALE_REASON = "static activation scale of an NVFP4 export (activations stay BF16)"
 NO_MTP_REASON = "MTP layer left out by --no-mtp"
 
-# Source storage of a matrix: format -> component -> suffix after the module path.
-SOURCE_SUFFIXES = {
-    "fp8_e4m3_b128": {"weight": "weight", "scale": "weight_scale_inv"},
-    "nvfp4": {"weight": "weight", "scale": "weight_scale", "scale_2": "weight_scale_2"},
-}
+
+@dataclass(frozen=True)
+class SourceStorage:
+    """How a family's checkpoint stores weights. matrices: format -> component -> (name suffix after the
+    module path, safetensors dtype), the first listed with a matching weight dtype wins where several share a
+    scale suffix; plain: safetensors dtype -> plain format."""
+
+    matrices: dict[str, dict[str, tuple[str, str]]]
+    plain: dict[str, str]
+
+    def matrix_format(self, hf: str, tensors: dict[str, TensorInfo]) -> str | None:
+        """The format a matrix at module path `hf` is stored in (None: no scale tensor, a plain matrix)."""
+        found = [f for f, comps in self.matrices.items() if f"{hf}.{comps['scale'][0]}" in tensors]
+        weight = tensors.get(f"{hf}.weight")
+        typed = [f for f in found if weight is not None and self.matrices[f]["weight"][1] == weight.dtype]
+        return (typed or found or [None])[0]
+
+
 PLAIN_STORAGE = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
+V3_STORAGE = SourceStorage(
+    {
+        "fp8_e4m3_b128": {"weight": ("weight", "F8_E4M3"), "scale": ("weight_scale_inv", "F32")},
+        "nvfp4": {
+            "weight": ("weight", "U8"),
+            "scale": ("weight_scale", "F8_E4M3"),
+            "scale_2": ("weight_scale_2", "F32"),
+        },
+    },
+    PLAIN_STORAGE,
+)
 
 
 @dataclass(frozen=True)
@@ -170,8 +195,15 @@ def part_name(block: int | None) -> str:
 
 
 class _Mapper:
-    def __init__(self, args: ModelArgs, tensors: dict[str, TensorInfo], where: dict[str, str], index: str):
-        self.args, self.tensors, self.where, self.index = args, tensors, where, index
+    def __init__(
+        self,
+        args: ModelArgs,
+        tensors: dict[str, TensorInfo],
+        where: dict[str, str],
+        index: str,
+        storage: SourceStorage = V3_STORAGE,
+    ):
+        self.args, self.tensors, self.where, self.index, self.storage = args, tensors, where, index, storage
         self.consumed: set[str] = set()
         self.skipped: dict[str, str] = {}
         self.items: list[MappedTensor] = []
@@ -191,42 +223,44 @@ class _Mapper:
             )
         self.consumed.add(name)
 
-    def add(self, rule: Rule, prefix: str, block: int | None, expert: int | None = None) -> None:
-        a = self.args
+    def add(self, rule: Rule, prefix: str, block: int | None, expert: int | None = None, ctx: object = None) -> None:
+        """ctx: what the rule's shape reads (default: the ModelArgs; V4 passes the layer's geometry)."""
+        plain = self.storage.plain
         hf = prefix + rule.hf.format(e=expert)
         ref = ("" if block is None else f"layers.{block}.") + rule.ref.format(e=expert)
-        shape = rule.shape(a)
+        shape = rule.shape(self.args if ctx is None else ctx)
         why = "config.json implies it"
         if rule.kind == PLAIN:
             info = self.tensors.get(hf)
-            storage = PLAIN_STORAGE.get(info.dtype) if info else "bf16"
+            storage = plain.get(info.dtype) if info else "bf16"
             if storage is None:
                 raise SourceError(
-                    f"tensor {hf} in {self.where[hf]} has dtype {info.dtype}, expected one "
-                    f"of {', '.join(PLAIN_STORAGE)}"
+                    f"tensor {hf} in {self.where[hf]} has dtype {info.dtype}, expected one of {', '.join(plain)}"
                 )
             self.take(hf, info.dtype if info else "BF16", shape, why)
             sources = {"weight": hf}
         else:
-            storage = next((f for f, sfx in SOURCE_SUFFIXES.items() if f"{hf}.{sfx['scale']}" in self.tensors), None)
+            storage = self.storage.matrix_format(hf, self.tensors)
             if storage is None:
                 info = self.tensors.get(f"{hf}.weight")
-                storage = PLAIN_STORAGE.get(info.dtype, "bf16") if info else "bf16"
-                if info and info.dtype not in PLAIN_STORAGE:
+                storage = plain.get(info.dtype, "bf16") if info else "bf16"
+                if info and info.dtype not in plain:
+                    scale = next(iter(self.storage.matrices.values()))["scale"][0]
                     raise SourceError(
                         f"tensor {hf}.weight in {self.where[hf + '.weight']} has dtype "
-                        f"{info.dtype} but no scale tensor; expected BF16, F16, F32, or FP8 "
-                        f"with {hf}.weight_scale_inv"
+                        f"{info.dtype} but no scale tensor; expected {', '.join(plain)}, or FP8 "
+                        f"with {hf}.{scale}"
                     )
             spec = FORMATS[storage]
             try:
                 shapes = component_shapes(spec, shape, hf)
             except FormatError as e:
                 raise SourceError(str(e)) from e
-            suffixes = SOURCE_SUFFIXES.get(storage, {"weight": "weight"})
+            stored = self.storage.matrices.get(storage, {"weight": ("weight", spec.components[0][1])})
             sources = {}
-            for (comp, dtype), comp_shape in zip(spec.components, shapes, strict=True):
-                sources[comp] = f"{hf}.{suffixes[comp]}"
+            for (comp, _), comp_shape in zip(spec.components, shapes, strict=True):
+                suffix, dtype = stored[comp]
+                sources[comp] = f"{hf}.{suffix}"
                 self.take(sources[comp], dtype, comp_shape, why)
             if storage == "nvfp4" and f"{hf}.input_scale" in self.tensors:
                 self.skip(f"{hf}.input_scale", INPUT_SCALE_REASON)
@@ -237,46 +271,84 @@ class _Mapper:
         self.consumed.add(name)
 
 
-def _placed_rules(args: ModelArgs, include_mtp: bool = True) -> Iterator[tuple[Rule, str, int | None, int | None]]:
-    """Every rule that applies to this model, with its name prefix, block and expert."""
-    yield from ((r, "", None, None) for r in TOP_RULES if r.when(args))
+Placed = tuple[Rule, str, "int | None", "int | None", object]  # rule, source prefix, block, expert, shape context
+
+
+def _placed_rules(args: ModelArgs, include_mtp: bool = True) -> Iterator[Placed]:
+    """Every rule that applies to this model, with its name prefix, block, expert and shape context."""
+    yield from ((r, "", None, None, args) for r in TOP_RULES if r.when(args))
     for block in range(args.n_blocks if include_mtp else args.n_layers):
         prefix = f"model.layers.{block}."
         rules = ATTN_RULES + (MOE_RULES if args.is_moe_layer(block) else DENSE_RULES)
         rules += MTP_RULES if block >= args.n_layers else ()
-        yield from ((r, prefix, block, None) for r in rules if r.when(args))
+        yield from ((r, prefix, block, None, args) for r in rules if r.when(args))
         if args.is_moe_layer(block):
-            yield from ((r, prefix, block, e) for e in range(args.n_routed_experts) for r in EXPERT_RULES)
+            yield from ((r, prefix, block, e, args) for e in range(args.n_routed_experts) for r in EXPERT_RULES)
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """One family's checkpoint names: its rules placed for a model, how it stores weights, the name prefixes
+    of its MTP blocks, and the tensors it skips on purpose (pattern, reason)."""
+
+    placed: Callable[[ModelArgs, bool], Iterator[Placed]]
+    storage: SourceStorage
+    mtp_prefixes: Callable[[int, int], tuple[str, ...]]  # (n_layers, n_mtp_layers) -> source name prefixes
+    skips: tuple[tuple[re.Pattern, str], ...] = ()
+
+
+V3_NAMES = NameMap(
+    _placed_rules,
+    V3_STORAGE,
+    lambda n, extra: tuple(f"model.layers.{b}." for b in range(n, n + extra)),
+    SKIP_PATTERNS,
+)
+
+
+def name_map(args: ModelArgs | str | None) -> NameMap:
+    """The name map of the model's family (ModelArgs.family: config.json's model_type; V3's when unknown)."""
+    if (args.family if isinstance(args, ModelArgs) else args) == V4_FAMILY:
+        from dsfp4.convert.v4_names import V4_NAMES  # it builds on this module's rules and mapper
+
+        return V4_NAMES
+    return V3_NAMES
+
+
+def source_names(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name (matrices: their weight) -> (logical shape, rule kind) of every tensor a checkpoint of this shape
+    holds, in the family's own naming."""
+    names = {}
+    for rule, prefix, _, expert, ctx in name_map(args).placed(args, True):
+        name = prefix + rule.hf.format(e=expert)
+        names[name if rule.kind == PLAIN else name + ".weight"] = (rule.shape(ctx), rule.kind)
+    return names
 
 
 def plain_checkpoint_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of an unquantized (BF16) Hugging Face checkpoint of this shape."""
-    names = {}
-    for rule, prefix, _, expert in _placed_rules(args):
-        name = prefix + rule.hf.format(e=expert)
-        names[name if rule.kind == PLAIN else name + ".weight"] = rule.shape(args)
-    return names
+    return {name: shape for name, (shape, _) in source_names(args).items()}
 
 
 def map_tensors(
     args: ModelArgs, tensors: dict[str, TensorInfo], where: dict[str, str], index: str, include_mtp: bool = True
 ) -> TensorMap:
     """Map every source tensor (name -> header info; `where`: name -> shard) or raise SourceError."""
-    m = _Mapper(args, tensors, where, index)
-    for rule, prefix, block, expert in _placed_rules(args, include_mtp):
+    names = name_map(args)
+    m = _Mapper(args, tensors, where, index, names.storage)
+    for rule, prefix, block, expert, ctx in names.placed(args, include_mtp):
         try:
-            m.add(rule, prefix, block, expert)
+            m.add(rule, prefix, block, expert, ctx)
         except SourceError as e:
-            if block >= args.n_layers:
+            if block is not None and block >= args.n_layers:
                 raise SourceError(f"{e}; to convert without the MTP layer pass --no-mtp") from e
             raise
-    mtp_prefixes = tuple(f"model.layers.{b}." for b in range(args.n_layers, args.n_blocks))
+    mtp_prefixes = names.mtp_prefixes(args.n_layers, args.n_mtp_layers)
     for name in tensors:
         if name in m.consumed:
             continue
         if not include_mtp and name.startswith(mtp_prefixes):
             m.skip(name, NO_MTP_REASON)
-        elif reason := next((r for p, r in SKIP_PATTERNS if p.fullmatch(name)), None):
+        elif reason := next((r for p, r in names.skips if p.fullmatch(name)), None):
             m.skip(name, reason)
     unexpected = sorted(set(tensors) - m.consumed)
     if unexpected:

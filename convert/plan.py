@@ -26,13 +26,24 @@ from dsfp4.sizes import format_bytes
 BACKBONE_MODES = ("fp8", "fp4")
 GATE_UP_PAIRS = {"w1": "w3", "w3": "w1"}  # reference names of an MLP's gate and up projections
 HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
+AUTO_FORMAT = "auto"
+DEFAULT_EXPERT_FORMAT = "nvfp4"  # for experts the source stores in FP8 or BF16
+
+
+def expert_format(requested: str, tmap: TensorMap) -> str:
+    """--format auto: the FP4 format the source's routed experts are stored in (repacked byte for byte:
+    NVIDIA's NVFP4 exports, DeepSeek-V4's MXFP4), else nvfp4; any other value is taken as given."""
+    stored = {i.storage for i in tmap.items if i.kind == EXPERT}
+    if requested != AUTO_FORMAT:
+        return requested
+    return stored.pop() if len(stored) == 1 and stored <= set(FP4_FORMATS) else DEFAULT_EXPERT_FORMAT
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
     """Knobs of `dsfp4 convert`; each field is the flag of the same name."""
 
-    format: str = "nvfp4"
+    format: str = "auto"  # AUTO_FORMAT: the source's own FP4 format, else nvfp4
     backbone: str = "fp8"
     no_mtp: bool = False
     workers: int = 2
@@ -41,8 +52,8 @@ class ConvertOptions:
     dry_run: bool = False
 
     def __post_init__(self) -> None:
-        if self.format not in FP4_FORMATS:
-            raise ConfigError(f"--format {self.format}: choose one of {', '.join(FP4_FORMATS)}")
+        if self.format not in (AUTO_FORMAT, *FP4_FORMATS):
+            raise ConfigError(f"--format {self.format}: choose one of {', '.join((AUTO_FORMAT, *FP4_FORMATS))}")
         if self.backbone not in BACKBONE_MODES:
             raise ConfigError(f"--backbone {self.backbone}: choose one of {', '.join(BACKBONE_MODES)}")
         if self.workers < 1:
@@ -139,6 +150,7 @@ def _pair_gate_up(backbone: tuple[OutTensor, ...]) -> tuple[OutTensor, ...]:
 
 
 def make_plan(src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions) -> Plan:
+    options = dataclasses.replace(options, format=expert_format(options.format, tmap))
     args = src.args if not options.no_mtp else dataclasses.replace(src.args, n_mtp_layers=0)
     record = (
         RecordLayout.for_expert(options.format, args.dim, args.moe_inter_dim)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dsfp4.config import ModelArgs, from_hf_config
+from dsfp4.convert.hf_names import name_map
 from dsfp4.errors import SourceError
 from dsfp4.layout.safetensors_file import TensorInfo, bytes_to_tensor, pread_exact, read_header
 
@@ -40,9 +41,9 @@ class SourceTensor:
     info: TensorInfo
 
 
-def mtp_only_shards(weight_map: dict[str, str], first: int, end: int) -> list[str]:
-    """Shards whose every tensor belongs to layers first..end-1 (the MTP layers)."""
-    mtp = tuple(f"model.layers.{i}." for i in range(first, end))
+def mtp_only_shards(weight_map: dict[str, str], family: str, n_layers: int, n_mtp: int) -> list[str]:
+    """Shards whose every tensor belongs to an MTP block (the family names them)."""
+    mtp = name_map(family).mtp_prefixes(n_layers, n_mtp)
     keep = {shard for tensor, shard in weight_map.items() if not tensor.startswith(mtp)}
     return sorted(set(weight_map.values()) - keep)
 
@@ -78,7 +79,8 @@ class SourceCheckpoint:
         self._fds: dict[str, int] = {}
         headers: dict[str, dict[str, TensorInfo]] = {}
         listed = sorted(set(weight_map.values()))
-        mtp = mtp_only_shards(weight_map, self.args.n_layers, self.args.n_blocks) if no_mtp else []
+        a = self.args
+        mtp = mtp_only_shards(weight_map, a.family, a.n_layers, a.n_mtp_layers) if no_mtp else []
         self.absent = [s for s in mtp if not (self.path / s).is_file()]  # left out on purpose (--no-mtp)
         weight_map = {n: s for n, s in weight_map.items() if s not in self.absent}
         self.shards = [s for s in listed if s not in self.absent]

@@ -17,10 +17,17 @@ from dsfp4.convert.hf_names import MappedTensor
 from dsfp4.convert.plan import OutTensor
 from dsfp4.convert.source import SourceCheckpoint
 from dsfp4.layout.formats import FORMATS, ceil_div
-from dsfp4.layout.fp8 import FP8_BLOCK
+from dsfp4.layout.fp8 import FP8_BLOCK, e8m0_scales
 from dsfp4.layout.quant import dequantize, quantize
 from dsfp4.layout.record import RecordLayout
-from dsfp4.layout.safetensors_file import CHUNK, SafetensorsWriter, check_finite_bytes, pread_exact, pwrite_all
+from dsfp4.layout.safetensors_file import (
+    CHUNK,
+    TORCH_DTYPES,
+    SafetensorsWriter,
+    check_finite_bytes,
+    pread_exact,
+    pwrite_all,
+)
 
 # Elements decoded at once: small on the CPU (cache-friendly, bounded RSS), large on a GPU (fewer launches).
 SLAB_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
@@ -51,14 +58,21 @@ class ErrorStats:
         return (self.sse / self.ssr) ** 0.5 if self.ssr > 0 else 0.0
 
 
+def read_parts(src: SourceCheckpoint, item: MappedTensor, device: torch.device) -> list[torch.Tensor]:
+    """A weight's components as its format types them (V4's int8 codes and float8_e8m0 scales are read as
+    the bytes they are: uint8)."""
+    return [src.read(item.sources[c]).view(TORCH_DTYPES[dt]).to(device) for c, dt in FORMATS[item.storage].components]
+
+
 class DenseSource:
     """One source weight held in its stored (compact) form, decoded a slab of rows at a time: FP8 through
     bf16, as DeepSeek's and NVIDIA's scripts do (so NVFP4 made from it matches theirs), others to fp32."""
 
     def __init__(self, src: SourceCheckpoint, item: MappedTensor, device: torch.device):
         self.item = item
-        self.parts = [src.read(item.sources[c]).to(device) for c, _ in FORMATS[item.storage].components]
-        self.dtype = torch.bfloat16 if item.storage == "fp8_e4m3_b128" else torch.float32
+        self.parts = read_parts(src, item, device)
+        self.spec = FORMATS[item.storage]
+        self.dtype = torch.bfloat16 if self.spec.element == "e4m3" else torch.float32
         self.n_rows = item.shape[0]
         cols = item.shape[1] if len(item.shape) > 1 else 1
         slab = SLAB_ELEMENTS.get(device.type, SLAB_ELEMENTS["cuda"]) // cols
@@ -72,13 +86,12 @@ class DenseSource:
         """Decoded rows [r0, r1); r0 is a multiple of 128."""
         if self._last is not None and self._last[:2] == (r0, r1):
             return self._last[2]
-        if self.item.storage == "fp8_e4m3_b128":
+        if self.spec.element == "e4m3":  # 128-row blocks share a scale row
             w, s = self.parts
             parts = [w[r0:r1], s[r0 // FP8_BLOCK : ceil_div(r1, FP8_BLOCK)]]
-        elif self.item.storage == "nvfp4":
-            parts = [self.parts[0][r0:r1], self.parts[1][r0:r1], self.parts[2]]
-        else:
-            parts = [self.parts[0][r0:r1]]
+        else:  # row-wise components, then a global scale (nvfp4)
+            n_rowwise = len(self.parts) - self.spec.global_scale
+            parts = [p[r0:r1] for p in self.parts[:n_rowwise]] + self.parts[n_rowwise:]
         return dequantize(self.item.storage, parts, self.item.ref, dtype=self.dtype)
 
     def amax(self) -> torch.Tensor:
@@ -130,6 +143,11 @@ def write_backbone_tensor(
         for comp, name in out.item.sources.items():
             copy_tensor(src, name, writer, out.names[comp])
         return None
+    if out.item.storage == "fp8_e4m3_e8m0_b128" and out.format == "fp8_e4m3_b128":
+        # the same e4m3 bytes; each power-of-two scale written as the fp32 number it is (no rounding)
+        copy_tensor(src, out.item.sources["weight"], writer, out.names["weight"])
+        writer.write(out.names["scale"], e8m0_scales(src.read(out.item.sources["scale"]), out.item.sources["scale"]))
+        return None
     stats = ErrorStats()
     partner = [DenseSource(src, out.amax_partner, device)] if out.amax_partner else []
     parts = encode(out.format, [DenseSource(src, out.item, device)], out.item.sources["weight"], stats, partner)
@@ -149,7 +167,8 @@ def expert_record(
     w1, w3, w2 = trio
     fmt = layout.format
     if all(i.storage == fmt for i in trio):
-        raw = [{c: src.read(s) for c, s in i.sources.items()} for i in trio]
+        comps = [c for c, _ in FORMATS[fmt].components]
+        raw = [dict(zip(comps, read_parts(src, i, torch.device("cpu")), strict=True)) for i in trio]
         for i, parts in zip(trio, raw, strict=True):
             for c, t in parts.items():
                 info = src.tensors[i.sources[c]].info

@@ -129,10 +129,12 @@ def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int)
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["nvfp4", "mxfp4"]),
-    default="nvfp4",
+    type=click.Choice(["auto", "nvfp4", "mxfp4"]),
+    default="auto",
     show_default=True,
-    help="FP4 format of the routed experts (an NVFP4 source is repacked, not requantized).",
+    help="FP4 format of the routed experts. auto: the source's own when its experts are FP4 already (NVIDIA's "
+    "NVFP4 exports, DeepSeek-V4's MXFP4: repacked byte for byte), else nvfp4. Another format requantizes "
+    "them, and the conversion reports the error that costs.",
 )
 @click.option(
     "--backbone",

@@ -164,7 +164,10 @@ class ModelArgs:
         return layer >= self.n_dense_layers and layer % self.moe_layer_freq == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Fields left at their defaults are left out: a V3 manifest (and its conversion hash, which hot
+        profiles bind to) reads the same as before the V4 fields existed."""
+        d = dataclasses.asdict(self)
+        return {f.name: d[f.name] for f in dataclasses.fields(self) if d[f.name] != f.default}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:

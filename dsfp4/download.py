@@ -132,10 +132,10 @@ def _selected(name: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> 
 
 
 def _mtp_only_shards(config: dict, index: dict, where: str) -> list[str]:
-    """Shards whose every tensor belongs to a layer past num_hidden_layers (the MTP layers)."""
+    """Shards whose every tensor belongs to an MTP block."""
     try:
         n, extra = int(config["num_hidden_layers"]), int(config.get("num_nextn_predict_layers", 0))
-        return mtp_only_shards(dict(index["weight_map"]), n, n + extra)
+        return mtp_only_shards(dict(index["weight_map"]), config.get("model_type"), n, extra)
     except (KeyError, TypeError, ValueError) as e:
         raise HubError(f"{where}: config.json or {INDEX_NAME} lacks what --no-mtp reads ({e})") from e
 

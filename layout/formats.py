@@ -37,10 +37,17 @@ FORMATS: dict[str, FormatSpec] = {
     "fp8_e4m3_b128": FormatSpec(
         "fp8_e4m3_b128", "e4m3", 8, (128, 128), "f32", False, (("weight", "F8_E4M3"), ("scale", "F32"))
     ),
+    # DeepSeek-V4's backbone: e4m3 weight, a power-of-two multiplier 2^(e - 127) per 128x128 block. A source
+    # format only: the converter writes its scales as fp32 (exactly the same values), so the backbone is
+    # fp8_e4m3_b128 and runs on the FP8 kernels as it is.
+    "fp8_e4m3_e8m0_b128": FormatSpec(
+        "fp8_e4m3_e8m0_b128", "e4m3", 8, (128, 128), "e8m0", False, (("weight", "F8_E4M3"), ("scale", "U8"))
+    ),
     # Plain tensors, stored as they are.
     "bf16": FormatSpec("bf16", "bf16", 16, (1, 1), None, False, (("weight", "BF16"),)),
     "f16": FormatSpec("f16", "f16", 16, (1, 1), None, False, (("weight", "F16"),)),
     "f32": FormatSpec("f32", "f32", 32, (1, 1), None, False, (("weight", "F32"),)),
+    "i64": FormatSpec("i64", "i64", 64, (1, 1), None, False, (("weight", "I64"),)),  # V4's tid2eid table
 }
 
 FP4_FORMATS = ("nvfp4", "mxfp4")

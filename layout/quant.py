@@ -13,7 +13,8 @@ from dsfp4.errors import FormatError
 from dsfp4.layout import fp4, fp8
 from dsfp4.layout.formats import get_format
 
-PLAIN_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+PLAIN_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i64": torch.int64}
+SOURCE_ONLY = ("fp8_e4m3_e8m0_b128",)  # read from checkpoints, never written
 
 
 def quantize(
@@ -21,6 +22,8 @@ def quantize(
 ) -> tuple[torch.Tensor, ...]:
     """Encode w [N, K] in `fmt`; `amax` (nvfp4 only) overrides the tensor's own maximum."""
     get_format(fmt)
+    if fmt in SOURCE_ONLY:
+        raise FormatError(f"{name}: {fmt} is a source format; dsfp4 does not encode weights in it")
     if amax is not None and fmt != "nvfp4":
         raise FormatError(f"{name}: a shared amax only applies to nvfp4, not {fmt}")
     if fmt == "nvfp4":
@@ -46,4 +49,6 @@ def dequantize(
         return fp4.mxfp4_dequantize(*parts, dtype=dtype, name=name)
     if fmt == "fp8_e4m3_b128":
         return fp8.fp8_block_dequantize(*parts, name=name, dtype=dtype)
+    if fmt == "fp8_e4m3_e8m0_b128":
+        return fp8.fp8_block_dequantize(parts[0], fp8.e8m0_scales(parts[1], name), name=name, dtype=dtype)
     return parts[0].to(dtype)

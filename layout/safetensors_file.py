@@ -19,10 +19,12 @@ import torch
 
 from dsfp4.errors import FormatError, SourceError
 from dsfp4.layout.formats import DTYPE_NBYTES, shape_numel
+from dsfp4.layout.fp4 import E8M0_NAN
 
 TORCH_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
@@ -129,9 +131,12 @@ def bytes_to_tensor(raw: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> to
 
 
 def check_finite_bytes(raw: torch.Tensor, dtype: str, what: str) -> None:
-    """Reject NaN/Inf in raw bytes of a safetensors dtype (e4m3 has no Inf; its NaN is S.1111.111)."""
+    """Reject NaN/Inf in raw bytes of a safetensors dtype (e4m3 has no Inf; its NaN is S.1111.111; e8m0's
+    NaN is 255)."""
     if dtype == "F8_E4M3":
         bad = bool(((raw & 0x7F) == 0x7F).any())
+    elif dtype == "F8_E8M0":
+        bad = bool((raw == E8M0_NAN).any())
     elif dtype in ("BF16", "F16", "F32", "F64"):
         bad = not bool(torch.isfinite(raw.view(TORCH_DTYPES[dtype])).all())
     else:

@@ -48,6 +48,22 @@ def converted(checkpoints, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def v4_checkpoint(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V4 checkpoint in the official layout, weights from transformers (tests/v4_checkpoint.py)."""
+    from v4_checkpoint import build_v4_checkpoint
+
+    return build_v4_checkpoint(tmp_path_factory.mktemp("v4") / "hf")
+
+
+@pytest.fixture(scope="session")
+def v4_converted(v4_checkpoint, tmp_path_factory) -> Path:
+    """The tiny V4 checkpoint converted with default options (MXFP4 experts repacked, FP8 backbone)."""
+    out = tmp_path_factory.mktemp("v4") / "model"
+    convert(v4_checkpoint, out, ConvertOptions(), progress=False)
+    return out
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

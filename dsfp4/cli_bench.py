@@ -19,6 +19,8 @@ def _command(ctx: click.Context) -> str:
             parts.insert(2, str(value))
         elif name == "presets":
             parts += [f"--preset {p}" for p in value]
+        elif isinstance(value, bool):  # the flags default to on: only --no-X shows
+            parts += [] if value else [f"--no-{name.replace('_', '-')}"]
         elif value is not None:
             parts.append(f"--{name.replace('_', '-')} {value}")
     return " ".join(parts)
@@ -42,6 +44,14 @@ def _command(ctx: click.Context) -> str:
     type=PATH,
     help="The doctor's JSON (default: ~/.cache/dsfp4/doctor.json; measured on MODEL's disk now when missing).",
 )
+@click.option(
+    "--no-zero-copy",
+    "zero_copy",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Stream experts through the device slots even where the device and RAM hold them all (as run's flag).",
+)
 @click.option("--out", type=PATH, default=Path("bench"), show_default=True, help="Folder for the reports.")
 def bench(
     model: Path,
@@ -51,6 +61,7 @@ def bench(
     device: str,
     max_context: int,
     ceilings: Path | None,
+    zero_copy: bool,
     out: Path,
 ) -> None:
     """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
@@ -71,7 +82,7 @@ def bench(
     texts = prompt_set(prompts)
     results = []
     for preset in presets or (None,):
-        options = RunOptions(device=device, preset=preset, max_context=max_context)
+        options = RunOptions(device=device, preset=preset, max_context=max_context, zero_copy=zero_copy)
         click.echo(f"{preset or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
         r = run_preset(model, options, texts, max_tokens, c)
         eff = f", efficiency {r['efficiency']:.0%}" if r["efficiency"] is not None else ""

@@ -80,6 +80,15 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
     help="Launch every decode step's kernels one by one instead of replaying a captured CUDA graph.",
 )
 @click.option(
+    "--no-zero-copy",
+    "zero_copy",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Stream experts through the device slots even when the device and RAM hold them all (by default "
+    "kernels then read RAM's records in place over PCIe, and decode steps replay as CUDA graphs).",
+)
+@click.option(
     "--mtp",
     is_flag=True,
     help="Speculative decoding with the checkpoint's MTP module: it drafts a token, one forward checks it "

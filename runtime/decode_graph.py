@@ -1,11 +1,12 @@
 """CUDA graphs for the decode step: one token through every layer and the head, replayed as one graph.
 
 A graph replays kernels with fixed arguments, so a step can be captured only when nothing in it needs the
-host: every routed expert the run uses sits on the device (the MoE layers then find experts through the
-device slot table instead of asking the store to load them), no routing is recorded, and the device is
-CUDA. The token and its position live in device tensors that a replay reads. Attention in a graph covers a
-fixed span of the cache, rows past the position masked out; spans are powers of two (at least MIN_SPAN,
-at most the context), one graph each, all captured when the engine starts, in one memory pool.
+host: the kernels reach every routed expert the run uses by themselves (all on the device, or mapped: the
+rest read in place from pinned RAM), so the MoE layers never ask the store to load one; no routing is
+recorded, and the device is CUDA. The token and its position live in device tensors that a replay
+reads. Attention in a graph covers a fixed span of the cache, rows past the position masked out; spans
+are powers of two (at least MIN_SPAN, at most the context), one graph each, all captured when the
+engine starts, in one memory pool.
 When a step cannot be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
 """
 
@@ -38,10 +39,10 @@ class DecodeGraphs:
             return "routing is being recorded (--record-trace) on the host"
         if self.model.moe_kernel is not None and not self.model.moe_kernel.triton:
             return "Triton is not installed: the experts' torch reference asks the host for its routing"
-        if store.layout is not None and not store.all_resident:
+        if store.layout is not None and not store.visible:
             return (
                 f"experts are streamed ({store.plan.gpu_slots} of {store.plan.total_records} records fit on "
-                f"the device), so each layer waits for the host"
+                f"the device, {store.plan.ram_slots} in RAM), so each layer waits for the host"
             )
         return None
 

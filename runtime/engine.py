@@ -31,7 +31,7 @@ from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.decode_graph import DecodeGraphs
 from dsfp4.runtime.model import Transformer, load_model, plan_run
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.planner import LOGIT_ROWS, Plan
+from dsfp4.runtime.planner import LOGIT_ROWS, Plan, hottest_first
 from dsfp4.runtime.reasoning import opens_thinking, partial_suffix
 from dsfp4.runtime.routing import RoutingRecorder
 from dsfp4.runtime.sampling import SamplingParams, sample
@@ -190,10 +190,14 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         try:
             store, hot = self.model.experts, self.model_dir / HOT_NAME
-            if device.type == "cuda" and store.plan.gpu_slots >= store.plan.total_records > 0:
+            profile = HotProfile.read(hot).check(manifest, hot) if hot.is_file() else None
+            p = store.plan
+            if device.type == "cuda" and p.gpu_slots >= p.total_records > 0:
                 store.fill()  # every expert fits: all on the device, and decode steps can be captured
-            elif hot.is_file():
-                store.warm_start(HotProfile.read(hot).check(manifest, hot))
+            elif self._zero_copy(device) and p.gpu_slots + p.ram_slots >= p.total_records > 0:
+                store.map_all(hottest_first(manifest, p, profile))  # the rest read from RAM in place: graphs too
+            elif profile is not None:
+                store.warm_start(profile)
             if self.model.moe_kernel is not None:  # Triton compiles here, not in the first TTFT
                 tokens = min(self.options.prefill_chunk, self.max_context)
                 self.model.moe_kernel.warm_up(dtype, store.gpu, manifest.args.n_routed_experts, tokens)
@@ -204,6 +208,11 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _zero_copy(self, device: torch.device) -> bool:
+        """Kernels may read records from pinned RAM in place: CUDA (one address space), Triton, not refused."""
+        kernel = self._model().moe_kernel
+        return device.type == "cuda" and self.options.zero_copy and kernel is not None and kernel.triton
 
     @property
     def plan(self) -> Plan:
@@ -216,7 +225,11 @@ class Engine:
             return "eager: --no-cuda-graph"
         if not self.graphs.ready:
             return f"eager: {self.graphs.why_eager}"
-        return "CUDA graph (plain steps; MTP verify steps eagerly)" if self.speculator else "CUDA graph"
+        mode = "CUDA graph (plain steps; MTP verify steps eagerly)" if self.speculator else "CUDA graph"
+        if not self._model().experts.mapped:
+            return mode
+        p = self.plan
+        return f"{mode}, zero-copy: {p.total_records - p.gpu_slots} of {p.total_records} records read from RAM in place"
 
     def __enter__(self) -> Engine:
         return self

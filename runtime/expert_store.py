@@ -5,6 +5,10 @@
   RAM cache     page-aligned (pinned on CUDA) record slots; reads from the SSD land here directly
   SSD           O_DIRECT reads by a thread pool, several in flight, checksummed on first read
 
+When the device slots and the RAM cache hold every record the run uses, `map_all` places them once (the
+hottest on the device) and the kernels read RAM records in place over PCIe (zero-copy): nothing moves
+afterwards, no layer asks the host, and decode steps can be captured as CUDA graphs.
+
 Only the main thread touches the bookkeeping (two SlotPools); worker threads read and upload. A slot
 with a job in flight is pinned until the job and its copy event complete, and a device slot is only
 refilled after the compute that last read it (the copy stream waits on that event, on the device).
@@ -32,6 +36,7 @@ from dsfp4.runtime.planner import Plan
 from dsfp4.runtime.policy import TIER_POLICIES
 from dsfp4.runtime.slots import SlotPool
 from dsfp4.runtime.store_stats import StoreCounters
+from dsfp4.runtime.use_counts import DeviceUseCounts
 
 Key = tuple[int, int]  # (layer, expert)
 RUN_RECORDS = 4  # records per read when reading ahead: long enough to stream, short enough to run in parallel
@@ -70,7 +75,7 @@ class ExpertStore:
     ):
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
-        self.verify, self.counters = verify, StoreCounters()
+        self.verify, self._counters = verify, StoreCounters()
         n = self.layout.nbytes if self.layout else 0
         gpu_policy, ram_policy = TIER_POLICIES[policy]
         self.gpu_pool, self.ram_pool = SlotPool(plan.gpu_slots, gpu_policy), SlotPool(plan.ram_slots, ram_policy)
@@ -93,7 +98,12 @@ class ExpertStore:
         a = manifest.args
         self._table = torch.full((a.n_blocks, a.n_routed_experts), -1, dtype=torch.int32, device=device)
         self._table_updates: dict[Key, int] = {}
-        self._offsets: torch.Tensor | None = None  # record_offsets of the whole table, until it changes
+        self._offsets: torch.Tensor | None = None  # record_offsets of the whole table, refreshed in place
+        self._offsets_stale = True  # graphs captured the tensor's address: its contents change, never it
+        self.mapped = False  # map_all: every record on the device or read from pinned RAM in place
+        self._host_slots: torch.Tensor | None = None  # [blocks, experts] RAM slot of records read in place
+        self._on_device: np.ndarray | None = None  # [blocks, experts] bool, where mapped records sit
+        self._device_counts: DeviceUseCounts | None = None  # uses counted by kernels, when mapped
         self.files = {layer: RecordFile(self.dir / ef.file) for layer, ef in manifest.experts.items()}
         self.notes = [
             f"{self.dir / 'experts'}: the filesystem refuses O_DIRECT (tmpfs?); records are read through "
@@ -125,7 +135,7 @@ class ExpertStore:
                         f"check; run `dsfp4 verify` and convert again"
                     )
                 self._verified.add(key)
-        self.counters.add_read(len(run) * self.layout.nbytes, time.perf_counter() - t0)
+        self._counters.add_read(len(run) * self.layout.nbytes, time.perf_counter() - t0)
 
     def _upload(self, gslot: int, rslot: int, after: Future | None, released: object) -> torch.cuda.Event | None:
         if after is not None:
@@ -171,7 +181,7 @@ class ExpertStore:
         event = jobs[0].result()
         if event is not None:
             event.synchronize()
-        self.counters.stall_s += time.perf_counter() - t0
+        self._counters.stall_s += time.perf_counter() - t0
         self._retire()
 
     def _allocate(self, pool: SlotPool, key: Key, protected: set[Key], wait: bool) -> int | None:
@@ -194,7 +204,7 @@ class ExpertStore:
         read = self.pool.submit(self._read_run, run)
         for _, rslot in run:
             self._track(self.ram_jobs, self.ram_pool, rslot, read)
-        self.counters.ssd_reads += len(run)
+        self._counters.ssd_reads += len(run)
         return read
 
     def _to_ram(self, key: Key, protected: set[Key], wait: bool) -> tuple[int, Future | None] | None:
@@ -255,7 +265,7 @@ class ExpertStore:
             job = self.uploads.submit(self._upload, gslot, rslot, read, released)
         self._track(self.gpu_jobs, self.gpu_pool, gslot, job)
         self._track(self.ram_jobs, self.ram_pool, rslot, job)
-        self.counters.h2d_bytes += self.layout.nbytes
+        self._counters.h2d_bytes += self.layout.nbytes
         return job
 
     def slot_table(self) -> torch.Tensor:
@@ -266,7 +276,7 @@ class ExpertStore:
             if self.cuda:  # pinned and non-blocking: a pageable copy would wait for the compute stream
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
             self._table[rows[:, 0], rows[:, 1]] = rows[:, 2].to(torch.int32)
-            self._table_updates, self._offsets = {}, None
+            self._table_updates, self._offsets_stale = {}, True
         return self._table
 
     # -- the interface the model uses ---------------------------------------------------------------
@@ -280,10 +290,11 @@ class ExpertStore:
         waited for there, not on the host); their slots are refilled only after the compute queued
         before the next wave (or the end). `prefetch` (next layer, predicted experts) starts once this
         layer's own loads are queued."""
+        assert not self.mapped, "a mapped store moves nothing: its layers read records where they are"
         self._score_prediction(layer, experts)
         tier = {e: 0 if (layer, e) in self.gpu_pool else 1 if (layer, e) in self.ram_pool else 2 for e in experts}
         tiers = list(tier.values())
-        self.counters.add_layer(layer, len(experts), tiers.count(0), tiers.count(1))
+        self._counters.add_layer(layer, len(experts), tiers.count(0), tiers.count(1))
         order = sorted(experts, key=tier.__getitem__)
         for start in range(0, len(order), self.plan.gpu_slots):
             wave = order[start : start + self.plan.gpu_slots]
@@ -295,14 +306,14 @@ class ExpertStore:
                 gslot = self.gpu_pool.lookup(key)
                 self.ram_pool.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
                 if gslot is not None:
-                    self.counters.gpu_hits += 1
+                    self._counters.gpu_hits += 1
                     filling = self.gpu_jobs.get(gslot)  # a prefetch may still be filling it
                     if filling:
                         jobs.append(filling[-1])
                     continue
                 in_ram = key in self.ram_pool
-                self.counters.ram_hits += in_ram
-                self.counters.ssd_misses += not in_ram
+                self._counters.ram_hits += in_ram
+                self._counters.ssd_misses += not in_ram
                 jobs.append(self._start(key, protected, wait=True))
             if prefetch is not None and start == 0:
                 self.prefetch(*prefetch, protect={(layer, e) for e in experts})
@@ -323,7 +334,7 @@ class ExpertStore:
             except BaseException:
                 self._retire()  # forget the failed record before the error leaves the store
                 raise
-            self.counters.stall_s += time.perf_counter() - t0
+            self._counters.stall_s += time.perf_counter() - t0
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)  # on the device, not the host
 
@@ -336,15 +347,19 @@ class ExpertStore:
                 yield e, self.gpu[self.gpu_pool.slot_of[(layer, e)]]
 
     def offsets(self, layer: int, wave: list[int] | None = None) -> torch.Tensor:
-        """[experts] int64 on the device: each expert's record offset in the device pool (kernels/moe.py),
-        -1 when not there; with `wave`, every other expert is left out (-1) too."""
+        """[experts] int64 on the device: each expert's record offset from the device pool (kernels/moe.py),
+        into pinned RAM when mapped there, -1 when not there; with `wave`, every other expert is left out
+        (-1) too."""
         table = self.slot_table()
         if wave is not None:
             keep = torch.zeros_like(table[layer], dtype=torch.bool)
             keep[torch.tensor(wave, device=self.device)] = True
             return record_offsets(torch.where(keep, table[layer], -1), self.gpu)
-        if self._offsets is None:  # every layer's at once, kept until a slot changes: once, when all stay
-            self._offsets = record_offsets(table, self.gpu)  # [blocks, experts]
+        if self._offsets_stale:  # every layer's at once, until a slot changes: once, when nothing moves
+            host = () if self._host_slots is None else (self._host_slots, self.ram)
+            fresh = record_offsets(table, self.gpu, *host)  # [blocks, experts]
+            self._offsets = fresh if self._offsets is None else self._offsets.copy_(fresh)
+            self._offsets_stale = False
         return self._offsets[layer]
 
     def prefetch(self, layer: int, experts: list[int], protect: set[Key]) -> None:
@@ -357,12 +372,12 @@ class ExpertStore:
             if key in self.gpu_pool:
                 continue
             if self._start(key, protect, wait=False) is not None:
-                self.counters.prefetch_loads += 1
+                self._counters.prefetch_loads += 1
 
     def _score_prediction(self, layer: int, experts: list[int]) -> None:
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
-            self.counters.add_prediction(len(predicted), len(set(experts)), len(predicted & set(experts)))
+            self._counters.add_prediction(len(predicted), len(set(experts)), len(predicted & set(experts)))
 
     def warm_start(self, profile: HotProfile) -> None:
         """Hottest records to the device slots, the next ones to RAM. Each layer's share is read in file
@@ -377,6 +392,28 @@ class ExpertStore:
         assert self.plan.gpu_slots >= self.plan.total_records, "fill() needs a device slot per record"
         self._preload([(layer, e) for layer in self.plan.expert_layers for e in range(n)])
 
+    def map_all(self, ranked: list[Key]) -> None:
+        """Place every record of the used layers once: the first gpu_slots of `ranked` (every used record,
+        hottest first) in device slots, the others in the pinned RAM cache, where the kernels read them in
+        place over PCIe (zero-copy: as many bytes as a copy, without the copy's wait or a slot). From then
+        on nothing moves, MoE layers never ask the host, and their uses are counted on the device."""
+        p, a = self.plan, self.manifest.args
+        used = {(layer, e) for layer in p.expert_layers for e in range(a.n_routed_experts)}
+        assert set(ranked) == used and len(ranked) == len(used), "map_all() ranks every used record once"
+        assert p.gpu_slots + p.ram_slots >= p.total_records, "map_all() needs a device or RAM slot per record"
+        self._preload(ranked)
+        on_device = np.zeros((a.n_blocks, a.n_routed_experts), dtype=bool)
+        for layer, e in self.gpu_pool.slot_of:
+            on_device[layer, e] = True
+        host = torch.full(on_device.shape, -1, dtype=torch.int32)  # [blocks, experts]
+        for (layer, e), rslot in self.ram_pool.slot_of.items():
+            if not on_device[layer, e]:
+                host[layer, e] = rslot
+        assert int(on_device.sum()) + int((host >= 0).sum()) == p.total_records, "a record found no slot"
+        self._on_device, self._host_slots = on_device, host.to(self.device)
+        self._device_counts = DeviceUseCounts(a.n_blocks, a.n_routed_experts, self.device)
+        self._offsets_stale, self.mapped = True, True
+
     def _preload(self, ranked: list[Key]) -> None:
         t0 = time.perf_counter()
         n_gpu = self.plan.gpu_slots
@@ -390,31 +427,62 @@ class ExpertStore:
         self.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
         self.read_ahead(to_ram, set())
         self.sync()
-        self.counters.warm_records = len(to_gpu) + len(to_ram)
-        self.counters.warm_s = time.perf_counter() - t0
+        self._counters.warm_records = len(to_gpu) + len(to_ram)
+        self._counters.warm_s = time.perf_counter() - t0
 
     @property
     def all_resident(self) -> bool:
         """Every record the run uses sits on the device, none in flight (nothing can be evicted then)."""
         return len(self.gpu_pool.slot_of) == self.plan.total_records > 0 and not self.gpu_jobs
 
+    @property
+    def visible(self) -> bool:
+        """The kernels reach every record the run uses without the host: all resident, or mapped."""
+        return self.mapped or self.all_resident
+
+    @property
+    def counters(self) -> StoreCounters:
+        """The counters, with the uses that kernels counted on the device folded in (a sync when mapped)."""
+        if self._device_counts is not None and self._counting:
+            uses, steps = self._device_counts.take()  # [blocks, experts], [blocks]
+            for layer in np.flatnonzero(steps):
+                n, device = int(uses[layer].sum()), int(uses[layer][self._on_device[layer]].sum())
+                self._counters.add_layer(int(layer), n, device, n - device, int(steps[layer]))
+                self._counters.gpu_hits += device
+                self._counters.ram_hits += n - device
+                # one record read over PCIe per (token, expert) pair: exact at decode, an upper bound in prefill
+                self._counters.h2d_bytes += (n - device) * self.layout.nbytes
+        return self._counters
+
     @contextmanager
     def uncounted(self) -> Iterator[None]:
         """Layer steps run inside are not counted (a graph's warm-up and capture runs)."""
+        self.counters  # noqa: B018 (what the device counted before is kept)
         self._counting = False
         try:
             yield
         finally:
             self._counting = True
+            if self._device_counts is not None:
+                self._device_counts.take()  # the runs inside counted on the device too: dropped
+
+    def count_step(self, layer: int, ids: torch.Tensor) -> None:
+        """Count a step of `layer` whose experts (ids: [T, K]) the kernels reached without the host: on the
+        device when mapped (graphs replay the count), else all as device hits on the host."""
+        if self._device_counts is not None:
+            self._device_counts.add(layer, ids)
+        else:
+            self.count_resident((layer,), ids.numel())
 
     def count_resident(self, layers: Iterable[int], uses: int) -> None:
-        """Count a step of each of `layers` whose `uses` were all found on the device. Uses are (token,
-        expert) pairs here, distinct experts in load_waves: the same at decode, where one token runs."""
-        if not self._counting:
+        """Count a step of each of `layers` whose `uses` were all found on the device (a graph replay of an
+        all-resident run; a mapped run's replays count on the device). Uses are (token, expert) pairs here,
+        distinct experts in load_waves: the same at decode, where one token runs."""
+        if not self._counting or self._device_counts is not None:
             return
         for layer in layers:
-            self.counters.add_layer(layer, uses, uses, 0)
-            self.counters.gpu_hits += uses
+            self._counters.add_layer(layer, uses, uses, 0)
+            self._counters.gpu_hits += uses
 
     def sync(self) -> None:
         """Wait for every job in flight (raising the first error)."""

@@ -81,8 +81,8 @@ class MoE(nn.Module):
         weights, indices = self.gate(x)  # [T, K], [T, K]
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
-        if self.experts.all_resident:  # nothing to bring in: experts are found on the device, no host sync
-            self.experts.count_resident((self.layer,), indices.numel())
+        if self.experts.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
+            self.experts.count_step(self.layer, indices)
             y = self.kernel(x, indices, weights, self.experts.gpu, self.experts.offsets(self.layer))
             return (y if self.shared_experts is None else y + self.shared_experts(x)).view(shape)
         ask = [indices.flatten()]

@@ -37,6 +37,7 @@ class RunOptions:
     record_trace: Path | None = None  # where the engine writes its routing trace when it closes
     mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/speculative.py)
     cuda_graph: bool = True  # replay decode steps as CUDA graphs when they can be captured (runtime/decode_graph.py)
+    zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
 
     def __post_init__(self) -> None:
         # stop strings arrive as a string, a list (JSON, Click's multiple flag) or a tuple

@@ -16,6 +16,7 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.moe import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
+from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.attention import SCORE_ELEMENTS
 from dsfp4.runtime.budget import Budgets, process_rss
@@ -182,3 +183,14 @@ def make_plan(
         total_records,
         used,
     )
+
+
+def hottest_first(manifest: Manifest, plan: Plan, profile: HotProfile | None) -> list[tuple[int, int]]:
+    """Every (layer, expert) record the plan uses, in the order tiers should take them: the hot profile's
+    ranking first (when there is one), the rest in file order."""
+    used = plan.expert_layers
+    ranked = [k for k in profile.ranked() if k[0] in used] if profile is not None else []
+    taken = set(ranked)
+    n = manifest.args.n_routed_experts
+    rest = [(layer, e) for layer in sorted(used) for e in range(n) if (layer, e) not in taken]
+    return ranked + sorted(rest, key=lambda k: (k[0], manifest.experts[k[0]].offsets[k[1]]))  # each layer's file

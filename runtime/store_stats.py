@@ -13,12 +13,12 @@ class StoreCounters:
     layer_steps: int = 0  # MoE layer invocations
     expert_uses: int = 0  # experts those invocations needed
     gpu_hits: int = 0  # experts found in a device slot
-    ram_hits: int = 0  # found in the RAM cache (then copied to the device)
+    ram_hits: int = 0  # found in the RAM cache (then copied to the device, or read there zero-copy)
     ssd_misses: int = 0  # in neither: read from the SSD on demand
     ssd_reads: int = 0  # records read from the SSD (demand and prefetch)
     ssd_bytes: int = 0
     ssd_read_s: float = 0.0  # summed over reader threads
-    h2d_bytes: int = 0  # records copied host -> device
+    h2d_bytes: int = 0  # records moved host -> device: copied to a slot, or read in place by a kernel
     prefetch_loads: int = 0  # records a prediction started moving
     predicted: int = 0  # experts predicted for a layer ...
     actual: int = 0  # ... experts that layer then used ...
@@ -29,9 +29,9 @@ class StoreCounters:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _layers: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # [uses, device, RAM]
 
-    def add_layer(self, layer: int, uses: int, gpu: int, ram: int) -> None:
-        """One layer step: its expert uses, and how many came from the device and from RAM."""
-        self.layer_steps += 1
+    def add_layer(self, layer: int, uses: int, gpu: int, ram: int, steps: int = 1) -> None:
+        """A layer step (or `steps` of them): its expert uses, and how many came from the device and from RAM."""
+        self.layer_steps += steps
         self.expert_uses += uses
         row = self._layers.setdefault(layer, [0, 0, 0])
         row[0] += uses

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dsfp4 import Engine, RunOptions
@@ -93,9 +94,11 @@ def export_hf(model: Path, out: Path) -> Path:
     return out
 
 
-def peer_decode(hf: Path, ids: list[int], tokens: int, device: str, gpu: int, cpu: int) -> dict:
+def peer_decode(hf: Path, ids: list[int], tokens: int, device: str, gpu: int, cpu: int) -> tuple[dict, torch.Tensor]:
     """transformers + accelerate: load under the budgets, then time 1 token (prefill) and `tokens`: decode
-    tok/s = (tokens - 1) / the difference."""
+    tok/s = (tokens - 1) / the difference -> (results, the prompt's last logits [V] fp32). accelerate keeps
+    room on the GPU for the largest layer it offloads: when one MoE layer is larger than the budget, the
+    whole model stays on the CPU, as a user of device_map="auto" gets it."""
     from transformers import AutoModelForCausalLM
 
     memory = {"cpu": cpu} if device == "cpu" else {0: gpu, "cpu": cpu}
@@ -104,36 +107,41 @@ def peer_decode(hf: Path, ids: list[int], tokens: int, device: str, gpu: int, cp
         hf, dtype=torch.bfloat16, device_map="auto", max_memory=memory, offload_folder=str(hf / "offload")
     ).eval()
     load_s = time.perf_counter() - t0
-    x = torch.tensor([ids], device="cpu" if device == "cpu" else "cuda")
+    x = torch.tensor([ids], device=model.get_input_embeddings().weight.device)
+    with torch.inference_mode():
+        logits = model(x).logits[0, -1].float().cpu()
     times, out = [], None
     for n in (1, 1, tokens):  # the first call warms up (allocations, offload hooks), the next two are timed
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         times.append(time.perf_counter() - t0)
-    where = sorted({str(v) for v in getattr(model, "hf_device_map", {}).values()})
+    where = getattr(model, "hf_device_map", None) or {"": str(x.device)}  # not dispatched: one device
     return {
         "load_s": load_s,
         "ttft_s": times[1],
         "decode_tok_s": (tokens - 1) / (times[2] - times[1]),
         "token_ids": out[0, len(ids) :].tolist(),
-        "placement": where,
-    }
+        "placement": sorted({str(v) for v in where.values()}),
+    }, logits
 
 
-def dsfp4_decode(model: Path, ids: list[int], tokens: int, device: str, gpu_mem: str, cpu_mem: str) -> dict:
+def dsfp4_decode(
+    model: Path, ids: list[int], tokens: int, device: str, gpu_mem: str, cpu_mem: str
+) -> tuple[dict, torch.Tensor]:
     options = RunOptions(device=device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, max_context=len(ids) + tokens + 8)
     t0 = time.perf_counter()
     with Engine(model, options) as engine:
         load_s = time.perf_counter() - t0
         g = engine.generate(ids, max_tokens=tokens, temperature=0)
+        logits = engine.logits(ids)[-1]
     return {
         "load_s": load_s,
         "ttft_s": g.stats.ttft_s,
         "decode_tok_s": g.stats.decode_tok_s,
         "token_ids": g.token_ids,
         "decode_mode": g.stats.decode_mode,
-    }
+    }, logits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,12 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     hf = export_hf(a.model, a.model.with_name(a.model.name + "-hf"))
     ids = ChatTokenizer(a.model).encode_prompt(PROMPT, raw=True)
     gpu, cpu = parse_size(a.gpu_mem, "--gpu-mem"), parse_size(a.cpu_mem, "--cpu-mem")
+    peer, peer_logits = peer_decode(hf, ids, a.tokens, a.device, gpu, cpu)
+    ours, our_logits = dsfp4_decode(a.model, ids, a.tokens, a.device, a.gpu_mem, a.cpu_mem)
     res = {
         "budgets": {"gpu_mem": a.gpu_mem, "cpu_mem": a.cpu_mem},
         "prompt_tokens": len(ids),
         "tokens": a.tokens,
-        "transformers_accelerate": peer_decode(hf, ids, a.tokens, a.device, gpu, cpu),
-        "dsfp4": dsfp4_decode(a.model, ids, a.tokens, a.device, a.gpu_mem, a.cpu_mem),
+        "transformers_accelerate": peer,
+        "dsfp4": ours,
+        # the same model? (a random model's logits are nearly flat: greedy tokens can part on a near tie)
+        "first_logits_cosine": F.cosine_similarity(peer_logits, our_logits, dim=0).item(),
+        "first_logits_max_diff_over_std": ((peer_logits - our_logits).abs().max() / peer_logits.std()).item(),
     }
     p, d = res["transformers_accelerate"], res["dsfp4"]
     res["speedup"] = d["decode_tok_s"] / p["decode_tok_s"] if p["decode_tok_s"] else None
@@ -163,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in (("transformers + accelerate", p), ("dsfp4", d)):
         print(f"{name:<26}{r['load_s']:>9.1f}{r['ttft_s']:>9.2f}{r['decode_tok_s']:>14.2f}")
     speedup = f"{res['speedup']:.1f}x" if res["speedup"] else "n/a (the peer's decode time did not register)"
-    print(f"dsfp4 / peer: {speedup}; same greedy tokens: {p['token_ids'] == d['token_ids']}")
+    print(
+        f"dsfp4 / peer: {speedup}; same greedy tokens: {p['token_ids'] == d['token_ids']}; first logits: "
+        f"cosine {res['first_logits_cosine']:.5f}, max diff {res['first_logits_max_diff_over_std']:.3f} std"
+    )
+    print(f"peer placement: {', '.join(p['placement'])}; dsfp4: {d['decode_mode']}")
     return 0
 
 

@@ -20,6 +20,8 @@ def test_the_peer_decodes_the_same_tokens_as_dsfp4(converted, tmp_path, capsys):
     peer, ours = res["transformers_accelerate"], res["dsfp4"]
     assert peer["token_ids"] == ours["token_ids"] and len(ours["token_ids"]) == 6
     assert peer["decode_tok_s"] > 0 and ours["decode_tok_s"] > 0 and res["speedup"] > 0
+    assert res["first_logits_cosine"] > 0.999 and res["first_logits_max_diff_over_std"] < 0.1  # bf16 vs fp32
+    assert peer["placement"] == ["cpu"]
     hf = tmp_path / "model-hf"
     assert (hf / "model.safetensors.index.json").is_file() and not (tmp_path / "model-hf.partial").exists()
     assert export_hf(model, hf) == hf  # written once

@@ -269,7 +269,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
         tie_word_embeddings=f("tie_word_embeddings", bool, False),
     )
     if family == V4_FAMILY:
-        return _v4_args(c, f, common, rope, main_rope, source)
+        return _v4_args(c, f, common, rope, main_rope if nested else None, source)
     return ModelArgs(
         **common,
         inter_dim=f("intermediate_size", minimum=1),
@@ -310,7 +310,7 @@ def _v4_schedule(c: dict[str, Any], f: Callable[..., Any], n_blocks: int, source
 
 
 def _v4_args(
-    c: dict[str, Any], f: Callable[..., Any], common: dict[str, Any], rope: dict, main_rope: dict, source: str
+    c: dict[str, Any], f: Callable[..., Any], common: dict[str, Any], rope: dict, main_rope: dict | None, source: str
 ) -> ModelArgs:
     """DeepSeek-V4 (v4-flash-spec a.1): the official config.json keys, or transformers' spellings of them."""
     n_blocks = common["n_layers"] + common["n_mtp_layers"]
@@ -329,6 +329,9 @@ def _v4_args(
             raise ConfigError(f"{source}: mlp_layer_types must list every hash_moe layer first")
     else:
         n_hash = f("num_hash_layers")
+    # transformers' nested "compress" set holds its base; the official config.json a top-level key
+    nested = main_rope is not None
+    compress_theta = _field(rope, "rope_theta", float, source) if nested else f("compress_rope_theta", float)
     return ModelArgs(
         **common,
         inter_dim=common["moe_inter_dim"],  # no dense MLP; the shared expert has the routed width
@@ -340,7 +343,7 @@ def _v4_args(
         qk_nope_head_dim=head_dim - rope_dim,
         qk_rope_head_dim=rope_dim,
         v_head_dim=head_dim,
-        rope_theta=_field(main_rope, "rope_theta", float, source, None) or f("rope_theta", float),
+        rope_theta=_field(main_rope, "rope_theta", float, source) if nested else f("rope_theta", float),
         mscale=0.0,  # V4 scales neither cos/sin nor the softmax under YaRN
         mscale_all_dim=0.0,
         head_dim=head_dim,
@@ -349,7 +352,7 @@ def _v4_args(
         o_lora_rank=f("o_lora_rank", minimum=1),
         layer_kinds=kinds,
         compress_ratios=ratios,
-        compress_rope_theta=_field(rope, "rope_theta", float, source, None) or f("compress_rope_theta", float),
+        compress_rope_theta=compress_theta,
         index_n_heads=f("index_n_heads", minimum=1),
         index_head_dim=f("index_head_dim", minimum=1),
         index_topk=f("index_topk", minimum=1),

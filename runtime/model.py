@@ -20,6 +20,7 @@ from dsfp4.layout.quant import PLAIN_DTYPES
 from dsfp4.runtime.attention import MLA, DevicePosition
 from dsfp4.runtime.budget import resolve_budgets
 from dsfp4.runtime.expert_store import ExpertStore
+from dsfp4.runtime.model_v4 import TransformerV4
 from dsfp4.runtime.moe import MLP, MoE
 from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.options import RunOptions
@@ -55,9 +56,9 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), start_pos, freqs_cis, mask)
         return x + (self.ffn(self.ffn_norm(x), x) if self.moe else self.ffn(self.ffn_norm(x)))
 
-    def route(self, h: torch.Tensor) -> torch.Tensor:
-        """The experts this block's router would pick for residual stream h: [T, D] -> [T, K]."""
-        return self.ffn.gate(self.ffn_norm(h))[1]
+    def route(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts this block's router would pick for residual stream h: [B, T, D] -> [B T, K]."""
+        return self.ffn.gate(self.ffn_norm(h.view(-1, h.shape[-1])))[1]
 
 
 class MTP(nn.Module):
@@ -128,6 +129,11 @@ class Transformer(nn.Module):
         )
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, max_len).to(w.device), persistent=False)
 
+    def reusable(self, keep: int) -> int:
+        """How many of the cached tokens a call may keep when it would keep `keep`: all of those (the latent
+        cache is written by position, so a later call overwrites what follows)."""
+        return keep
+
     @staticmethod
     def causal_mask(t: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
         """[T, start_pos + T]: token i of this step sees cached positions and new tokens up to itself."""
@@ -167,7 +173,7 @@ def load_model(
     manifest: Manifest | None = None,
     options: RunOptions | None = None,
     plan: Plan | None = None,
-) -> Transformer:
+) -> Transformer | TransformerV4:
     """Build the model from a converted folder: weights on `device`, routed experts in an expert store
     sized by the planner from the budgets in `options` (default: this machine's free memory), or by
     `plan` when given (tests and benchmarks set slot counts directly)."""
@@ -177,7 +183,8 @@ def load_model(
     w = Weights(model_dir, manifest, device, dtype)
     experts = ExpertStore(model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify)
     try:
-        model = Transformer(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
+        family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
+        model = family(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
         a = manifest.args
         w.check_all_used(() if with_mtp else a.mtp_prefixes)
     except BaseException:

@@ -14,43 +14,84 @@ from torch import nn
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe import MoEKernel
+from dsfp4.kernels.moe_ref import ABSENT, record_at
+from dsfp4.layout.record import RecordLayout
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.weights import Weights
 
 
-class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x), for the dense layers and the shared experts."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate) * up; with a limit (V4's swiglu_limit), gate clamped above at it and up to +-it first."""
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
-    def __init__(self, prefix: str, dim: int, inter_dim: int, w: Weights):
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), for the dense layers and the shared experts (clamped at `limit`)."""
+
+    def __init__(self, prefix: str, dim: int, inter_dim: int, w: Weights, limit: float = 0.0):
         super().__init__()
         self.w1 = w.matrix(prefix + "w1", (inter_dim, dim))
         self.w3 = w.matrix(prefix + "w3", (inter_dim, dim))
         self.w2 = w.matrix(prefix + "w2", (dim, inter_dim))
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.w1)) * linear(x, self.w3), self.w2)
+        return linear(swiglu(linear(x, self.w1), linear(x, self.w3), self.limit), self.w2)
+
+
+class ClampedExpertsRef:
+    """The routed experts with V4's SwiGLU clamp, in torch on dense copies of each record (kernels/moe_ref.py's
+    formula with swiglu(limit)); the interface of kernels.moe.MoEKernel. The FP4 kernels have no clamp yet, so
+    a V4 model computes its experts here, on every device."""
+
+    triton = False  # the host reads the routing: no CUDA graph can hold this
+
+    def __init__(self, layout: RecordLayout, limit: float):
+        self.layout, self.limit = layout, limit
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E] -> y [T, D]."""
+        y = torch.zeros_like(x)
+        offs = offsets.tolist()
+        for e in sorted(set(ids.flatten().tolist())):
+            if offs[e] == ABSENT:
+                continue
+            w1, w3, w2 = self.layout.dequantize(record_at(records, offs[e], self.layout.nbytes), dtype=x.dtype)
+            token, j = (ids == e).nonzero(as_tuple=True)
+            h = F.linear(swiglu(F.linear(x[token], w1), F.linear(x[token], w3), self.limit), w2)  # [n, D]
+            y.index_add_(0, token, h * weights[token, j, None].to(x.dtype))
+        return y
+
+    def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
+        """Nothing to compile (MoEKernel's interface)."""
 
 
 GROUPED_METHODS = ("noaux_tc", "group_limited_greedy")  # "greedy" ignores expert groups (V2-Lite)
 
 
 class Gate(nn.Module):
-    """Scores every expert (sigmoid or softmax, in fp32), keeps the best n_limited_groups groups, picks the
-    top K, and weights them by their scores (without the selection bias), renormalized if configured, times
-    route_scale. V3: sigmoid + bias, group score = sum of the group's top 2. V2: softmax, group score = max."""
+    """Scores every expert (sigmoid, softmax or sqrt(softplus), in fp32), keeps the best n_limited_groups groups,
+    picks the top K, and weights them by their scores (without the selection bias), renormalized if configured,
+    times route_scale. V3: sigmoid + bias, group score = sum of the group's top 2. V2: softmax, group score =
+    max. V4: sqrt(softplus) + bias, no groups."""
 
     def __init__(self, args: ModelArgs, layer: int, w: Weights):
         super().__init__()
         p, self.args = f"layers.{layer}.ffn.gate.", args
         self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()  # as transformers
-        bias = w.plain(p + "bias", (args.n_routed_experts,), torch.float32) if args.has_gate_bias else None
+        has_bias = args.layer_has_gate_bias(layer)
+        bias = w.plain(p + "bias", (args.n_routed_experts,), torch.float32) if has_bias else None
         self.bias = bias  # kept in fp32 from the file: a bf16 round could flip near-tied selections
         self.grouped = args.n_expert_groups > 1 and args.topk_method in GROUPED_METHODS
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, K], expert ids [T, K]); `tokens` is the hash gate's, unused here."""
         a = self.args
-        logits = F.linear(x.float(), self.weight)  # [T, E]
-        scores = logits.sigmoid() if a.score_func == "sigmoid" else logits.softmax(dim=-1)
+        scores = expert_scores(x, self.weight, a.score_func)  # [T, E]
         choice = scores if self.bias is None else scores + self.bias
         if self.grouped:
             groups = choice.view(x.shape[0], a.n_expert_groups, -1)  # [T, G, E/G]
@@ -58,27 +99,67 @@ class Gate(nn.Module):
             keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(a.n_limited_groups, dim=-1)[1], True)
             choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
         indices = choice.topk(a.n_activated_experts, dim=-1)[1]  # [T, K]
-        weights = scores.gather(1, indices)
-        if a.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * a.route_scale, indices
+        return route_weights(scores, indices, a), indices
+
+
+class HashGate(nn.Module):
+    """V4's first layers: token id t goes to experts tid2eid[t] (so they are known before the layer runs);
+    the router's scores still weight them."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: Weights):
+        super().__init__()
+        p, self.args = f"layers.{layer}.ffn.gate.", args
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()
+        self.tid2eid = w.plain(p + "tid2eid", (args.vocab_size, args.n_activated_experts), torch.int64)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D], tokens: [T] -> (weights [T, K], expert ids [T, K])."""
+        indices = self.experts_of(tokens)
+        return route_weights(expert_scores(x, self.weight, self.args.score_func), indices, self.args), indices
+
+    def experts_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [...] -> their experts [..., K]."""
+        return self.tid2eid[tokens]
+
+
+def expert_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> torch.Tensor:
+    """x: [T, D], weight: [E, D] fp32 -> every expert's score [T, E], computed in fp32."""
+    logits = F.linear(x.float(), weight)
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    if score_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.softmax(dim=-1)
+
+
+def route_weights(scores: torch.Tensor, indices: torch.Tensor, a: ModelArgs) -> torch.Tensor:
+    """The chosen experts' scores [T, K], renormalized if configured, times route_scale."""
+    weights = scores.gather(1, indices)
+    if a.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * a.route_scale
 
 
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, kernel: MoEKernel):
         super().__init__()
         self.layer, self.experts, self.kernel = layer, experts, kernel
-        self.gate = Gate(args, layer, w)
-        inter = args.n_shared_experts * args.moe_inter_dim
-        self.shared_experts = MLP(f"layers.{layer}.ffn.shared_experts.", args.dim, inter, w) if inter else None
-        self.next_router: tuple[int, Callable[[torch.Tensor], torch.Tensor]] | None = None  # set by the model
+        self.gate = HashGate(args, layer, w) if args.is_hash_layer(layer) else Gate(args, layer, w)
+        inter, p = args.n_shared_experts * args.moe_inter_dim, f"layers.{layer}.ffn.shared_experts."
+        self.shared_experts = MLP(p, args.dim, inter, w, args.swiglu_limit) if inter else None
+        # set by the model: the next MoE layer and its predicted experts from (this layer's residual, tokens)
+        self.next_router: tuple[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] | None = None
         self.observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # a RoutingRecorder
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, T, D] normed input; residual: the stream x came from, for predicting the next layer."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, D] normed input; residual: the stream(s) x came from, for predicting the next layer's
+        experts; tokens: [B, T] ids (hash layers route by them)."""
         shape = x.shape
         x = x.view(-1, shape[-1])  # [T, D]
-        weights, indices = self.gate(x)  # [T, K], [T, K]
+        tokens = None if tokens is None else tokens.reshape(-1)
+        weights, indices = self.gate(x, tokens)  # [T, K], [T, K]
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
         if self.experts.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
@@ -87,7 +168,7 @@ class MoE(nn.Module):
             return (y if self.shared_experts is None else y + self.shared_experts(x)).view(shape)
         ask = [indices.flatten()]
         if self.next_router is not None and residual is not None:
-            ask.append(self.next_router[1](residual.view(-1, shape[-1])).flatten())  # next layer's choice
+            ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
         ids = torch.cat(ask).tolist()  # the one host sync of the layer: which records to bring in
         chosen = sorted(set(ids[: indices.numel()]))
         prefetch = (self.next_router[0], sorted(set(ids[indices.numel() :]))) if len(ask) > 1 else None

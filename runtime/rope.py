@@ -23,22 +23,35 @@ def _correction_dim(n_rotations: float, dim: int, base: float, max_len: int) -> 
     return dim * math.log(max_len / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def precompute_freqs_cis(args: ModelArgs, max_len: int) -> torch.Tensor:
-    """[max_len, rope_dim / 2] complex64: e^(i * position * theta_k) for every position and pair k."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
+def rope_freqs(args: ModelArgs, base: float, yarn: bool) -> torch.Tensor:
+    """[rope_dim / 2] inverse frequencies base^(-2k / rope_dim); with `yarn`, the slow pairs interpolated by
+    rope_factor (the ramp between the beta_fast and beta_slow correction dims)."""
+    dim = args.qk_rope_head_dim
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scale = 1.0
-    if args.rope_type == "yarn":
+    if yarn:
         low = max(math.floor(_correction_dim(args.beta_fast, dim, base, args.original_seq_len)), 0)
         high = min(math.ceil(_correction_dim(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
         freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)  # interpolate the slow dims only
+    return freqs
+
+
+def rotations(freqs: torch.Tensor, max_len: int, scale: float = 1.0) -> torch.Tensor:
+    """[max_len, len(freqs)] complex64: scale * e^(i * position * freq) for every position."""
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, scale), angles)
+
+
+def precompute_freqs_cis(args: ModelArgs, max_len: int) -> torch.Tensor:
+    """[max_len, rope_dim / 2] complex64: e^(i * position * theta_k) for every position and pair k."""
+    freqs = rope_freqs(args, args.rope_theta, args.rope_type == "yarn")
+    scale = 1.0
+    if args.rope_type == "yarn":
         if args.mscale and args.mscale_all_dim:
             scale = yarn_mscale(args.rope_factor, args.mscale) / yarn_mscale(args.rope_factor, args.mscale_all_dim)
         else:
             scale = yarn_mscale(args.rope_factor, 1.0)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
-    return torch.polar(torch.full_like(angles, scale), angles)
+    return rotations(freqs, max_len, scale)
 
 
 def softmax_scale(args: ModelArgs) -> float:
@@ -55,3 +68,10 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     out = torch.view_as_real(xc * freqs_cis.view(1, xc.shape[1], 1, xc.shape[-1]))
     return out.flatten(3).to(x.dtype)
+
+
+def apply_rotary_tail(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, W] with RoPE on its last R = 2 * freqs_cis.shape[-1] dims only (V4 puts the rotated dims
+    after the others), freqs_cis: [T, R/2]."""
+    r = 2 * freqs_cis.shape[-1]
+    return torch.cat([x[..., :-r], apply_rotary_emb(x[..., -r:], freqs_cis)], dim=-1)

@@ -7,6 +7,7 @@ there cannot hide here. transformers has no MTP block and zeros for tid2eid: tho
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -67,7 +68,10 @@ EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 def hf_config(cfg: dict):
     from transformers import DeepseekV4Config
 
-    keys = {k: v for k, v in cfg.items() if k not in ("architectures", "quantization_config", "torch_dtype")}
+    # transformers edits the dicts it is given (rope_scaling): keep the caller's intact
+    keys = copy.deepcopy(
+        {k: v for k, v in cfg.items() if k not in ("architectures", "quantization_config", "torch_dtype")}
+    )
     return DeepseekV4Config(**keys)
 
 

@@ -1,0 +1,110 @@
+"""DeepSeek-V4 attention: multi-query attention over one shared K=V vector per token (v4-flash-spec d.4-d.9).
+
+Every layer attends a sliding window of its last `window_size` tokens; HCA layers add every complete
+compressed entry, CSA layers the entries their lightning indexer picks. One softmax covers window and
+entries, with a per-head sink logit in the denominator. The values carry the RoPE'd dims, so the output is
+rotated back by -t before the grouped output projection (o_groups blocks of heads, then one mix).
+
+The cache keeps the window's last window_size - 1 vectors and the compressors' state; a call continues
+where the last one stopped or starts over at position 0 (chunked prefill and decoding alike).
+Legend: B batch, T new tokens, S keys (window and entries), H heads, W head_dim, G o_groups, O o_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsfp4.config import CSA, SLIDING, ModelArgs
+from dsfp4.kernels.linear import linear
+from dsfp4.runtime.attention import SCORE_ELEMENTS
+from dsfp4.runtime.compressor import Compressor, Indexer, visible_entries
+from dsfp4.runtime.norm import RMSNorm, rms_normalize
+from dsfp4.runtime.rope import apply_rotary_tail
+from dsfp4.runtime.weights import Weights
+
+
+class AttentionV4(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int, w: Weights, freqs_cis: torch.Tensor, max_batch: int, max_len: int):
+        """freqs_cis: [max_len, R/2], the layer's rotations (plain for sliding layers, compress + YaRN else)."""
+        super().__init__()
+        p, hd = f"layers.{layer}.attn.", a.head_dim
+        self.n_heads, self.head_dim, self.window, self.groups = a.n_heads, hd, a.window_size, a.o_groups
+        self.eps, self.freqs_cis = a.norm_eps, freqs_cis
+        self.wq_a = w.matrix(p + "wq_a", (a.q_lora_rank, a.dim))
+        self.q_norm = RMSNorm(w.plain(p + "q_norm.weight", (a.q_lora_rank,), torch.float32), a.norm_eps)
+        self.wq_b = w.matrix(p + "wq_b", (a.n_heads * hd, a.q_lora_rank))
+        self.wkv = w.matrix(p + "wkv", (hd, a.dim))
+        self.kv_norm = RMSNorm(w.plain(p + "kv_norm.weight", (hd,), torch.float32), a.norm_eps)
+        self.wo_a = w.matrix(p + "wo_a", (a.o_groups * a.o_lora_rank, a.n_heads * hd // a.o_groups))
+        self.wo_b = w.matrix(p + "wo_b", (a.dim, a.o_groups * a.o_lora_rank))
+        self.sink = w.plain(p + "attn_sink", (a.n_heads,), torch.float32)
+        kind, self.ratio = a.layer_kinds[layer], a.compress_ratios[layer]
+        self.compressor = (
+            Compressor(a, p + "compressor", w, self.ratio, kind == CSA, hd, freqs_cis, max_batch, max_len)
+            if kind != SLIDING
+            else None
+        )
+        self.indexer = Indexer(a, layer, w, freqs_cis, max_batch, max_len) if kind == CSA else None
+        self.register_buffer(
+            "window_kv", torch.zeros(max_batch, a.window_size - 1, hd, dtype=w.dtype, device=w.device), persistent=False
+        )
+        self.pos = 0  # tokens seen
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """x: [B, T, D] (attn_norm of the collapsed streams) at positions start_pos.. -> [B, T, D]."""
+        assert start_pos in (0, self.pos), "a V4 cache continues where it stopped (the model checks reusable())"
+        b, t, _ = x.shape
+        positions = torch.arange(start_pos, start_pos + t, device=x.device)
+        freqs = self.freqs_cis[positions]  # [T, R/2]
+        q_r = self.q_norm(linear(x, self.wq_a))  # [B, T, Q], the indexer's query input too
+        q = rms_normalize(linear(q_r, self.wq_b).view(b, t, self.n_heads, self.head_dim), self.eps)
+        q = apply_rotary_tail(q, freqs)  # [B, T, H, W]
+        kv = apply_rotary_tail(self.kv_norm(linear(x, self.wkv)).unsqueeze(2), freqs).squeeze(2)  # [B, T, W]
+        n_old = min(start_pos, self.window - 1)
+        window = torch.cat([self.window_kv[:b, self.window - 1 - n_old :], kv], dim=1)  # from start_pos - n_old
+        keys = window
+        key_pos = torch.arange(start_pos - n_old, start_pos + t, device=x.device)
+        # the window: key s visible to query t iff t - window < s <= t
+        since = key_pos.unsqueeze(0) - positions.unsqueeze(1)  # [T, S]
+        seen = (since <= 0) & (since > -self.window)
+        if self.compressor is not None:
+            entries = self.compressor(x, start_pos)  # [B, E, W]
+            visible = visible_entries(positions, entries.shape[1], self.ratio).unsqueeze(0).expand(b, -1, -1)
+            if self.indexer is not None:  # only the entries the indexer picked (its -1: none)
+                top = self.indexer(x, q_r, start_pos)  # [B, T, k]
+                picked = torch.zeros(b, t, entries.shape[1] + 1, dtype=torch.bool, device=x.device)
+                picked.scatter_(2, torch.where(top < 0, entries.shape[1], top), True)
+                visible = visible & picked[..., :-1]
+            keys = torch.cat([keys, entries], dim=1)
+            seen = torch.cat([seen.unsqueeze(0).expand(b, -1, -1), visible], dim=2)  # [B, T, S]
+        else:
+            seen = seen.unsqueeze(0).expand(b, -1, -1)
+        o = self._attend(q, keys, seen)  # [B, T, H, W]
+        self._keep_window(window)
+        self.pos = start_pos + t
+        o = apply_rotary_tail(o, freqs.conj())  # undo the values' rotation at the query's position
+        wo_a = self.wo_a.dequantize(x.dtype).view(self.groups, -1, o.shape[-1] * self.n_heads // self.groups)
+        z = torch.einsum("btgk,gok->btgo", o.reshape(b, t, self.groups, -1), wo_a)  # [B, T, G, O]
+        return linear(z.flatten(2), self.wo_b)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, H, W], keys (= values): [B, S, W], seen: [B, T, S] -> [B, T, H, W]; the sink logit of each
+        head joins the softmax's denominator only. Queries go in chunks, so scores stay bounded."""
+        b, t, h, _ = q.shape
+        step = max(1, SCORE_ELEMENTS // (b * h * keys.shape[1]))
+        sink = self.sink.view(1, 1, h, 1)
+        out = []
+        for t0 in range(0, t, step):
+            scores = torch.einsum("bthw,bsw->bths", q[:, t0 : t0 + step].float(), keys.float()) * self.head_dim**-0.5
+            scores = scores.masked_fill(~seen[:, t0 : t0 + step].unsqueeze(2), float("-inf"))
+            logits = torch.cat([scores, sink.expand(b, scores.shape[1], h, 1)], dim=-1)
+            probs = logits.softmax(dim=-1)[..., :-1]  # [B, t, H, S]
+            out.append(torch.einsum("bths,bsw->bthw", probs, keys.float()).to(q.dtype))
+        return torch.cat(out, dim=1)
+
+    def _keep_window(self, recent: torch.Tensor) -> None:
+        """recent: [B, n, W], the latest keys in order -> the cache keeps the last window_size - 1."""
+        keep = min(recent.shape[1], self.window - 1)
+        b = recent.shape[0]
+        self.window_kv[:b, self.window - 1 - keep :] = recent[:, recent.shape[1] - keep :]

@@ -98,8 +98,12 @@ def doctor(folder: Path, out: Path | None, scratch: str, as_json: bool) -> None:
 @click.option("--prompt", default=None, help="What to ask the tiny model.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=24, show_default=True)
-def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int) -> None:
-    """Build a tiny DeepSeek-V3 checkpoint, convert it, verify it and run a prompt: offline, end to end."""
+@click.option(
+    "--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True, help="DeepSeek-V3 or DeepSeek-V4."
+)
+def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int, family: str) -> None:
+    """Build a tiny DeepSeek-V3 (or --family v4) checkpoint, convert it, verify it and run a prompt: offline,
+    end to end."""
     import tempfile
 
     from dsfp4.demo import DEMO_PROMPT, run_demo
@@ -112,6 +116,7 @@ def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int)
             max_tokens,
             echo=lambda line: click.echo(line, err=True),
             on_text=lambda t: click.echo(t, nl=False),
+            family=family,
         )
         click.echo()
     click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)

@@ -1,5 +1,6 @@
 """`dsfp4 demo`: the whole path on a tiny model, offline. Build a DeepSeek-V3-shaped checkpoint in the
-official FP8 layout, convert it to layout v1, verify it, and answer a prompt with it."""
+official FP8 layout (or a DeepSeek-V4 one: FP8 backbone with E8M0 scales, MXFP4 experts), convert it to
+layout v1, verify it, and answer a prompt with it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.hf_checkpoint import build_synthetic_checkpoint
+from dsfp4.hf_checkpoint_v4 import build_synthetic_v4_checkpoint
 from dsfp4.layout.verify import verify
 from dsfp4.runtime.engine import Engine, Generation
 from dsfp4.runtime.options import RunOptions
@@ -16,6 +18,19 @@ from dsfp4.sizes import format_bytes
 
 DEMO_PROMPT = "Why does dsfp4 stream experts from the SSD?"
 DEMO_CONTEXT = 512  # the tiny model's KV cache: the prompt and a short answer fit
+# family -> (what step 1 builds, what step 2 makes of it, the builder)
+FAMILIES = {
+    "v3": (
+        "DeepSeek-V3 checkpoint (official FP8 layout",
+        "NVFP4 experts, FP8 backbone",
+        lambda src: build_synthetic_checkpoint(src, variant="fp8"),
+    ),
+    "v4": (
+        "DeepSeek-V4 checkpoint (official layout: FP8 with E8M0 scales, MXFP4 experts",
+        "MXFP4 experts repacked, FP8 backbone",
+        build_synthetic_v4_checkpoint,
+    ),
+}
 
 
 def run_demo(
@@ -25,11 +40,13 @@ def run_demo(
     max_tokens: int,
     echo: Callable[[str], None],
     on_text: Callable[[str], None],
+    family: str = "v3",
 ) -> Generation:
     src, model = Path(workdir) / "hf", Path(workdir) / "model"
-    echo(f"1/4 building a tiny DeepSeek-V3 checkpoint (official FP8 layout, random weights) in {src}")
-    build_synthetic_checkpoint(src, variant="fp8")
-    echo(f"2/4 converting it to dsfp4 layout v1 (NVFP4 experts, FP8 backbone) in {model}")
+    what, layout, build = FAMILIES[family]
+    echo(f"1/4 building a tiny {what}, random weights) in {src}")
+    build(src)
+    echo(f"2/4 converting it to dsfp4 layout v1 ({layout}) in {model}")
     result = convert(src, model, ConvertOptions(device=device, force=True), progress=False)
     for klass, err in result.quant_error.items():
         echo(f"    quantization error {klass}: {err:.4g} (relative RMS)")

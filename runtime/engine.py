@@ -169,6 +169,11 @@ class Engine:
         self.tokenizer = ChatTokenizer(self.model_dir, manifest.args.eos_token_ids)
         if self.options.mtp and not manifest.args.n_mtp_layers:
             raise ConfigError(f"--mtp: {self.model_dir} has no MTP layer (converted with --no-mtp?)")
+        if self.options.mtp and manifest.args.is_v4:
+            raise ConfigError(
+                f"--mtp: speculative decoding drives V3's MTP layer, not DeepSeek-V4's; run {self.model_dir} "
+                "without --mtp"
+            )
         self.model: Transformer | None = load_model(
             self.model_dir,
             device,
@@ -448,6 +453,7 @@ class Engine:
         start = time.perf_counter()
         common = _common_prefix(self.cached, prompt_ids)
         reuse = min(common, n - 1, self.speculator.reusable(common) if self.speculator else n)
+        reuse = self._model().reusable(reuse)  # V4's caches hold their last position only
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
         tokens: list[int] = []
         text, emitted, finish, detok = "", 0, "length", TextStream(self.tokenizer)

@@ -27,3 +27,12 @@ def test_demo_runs_without_transformers(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_v4_demo_builds_converts_verifies_and_answers(tmp_path):
+    args = ["demo", "--family", "v4", "--dir", str(tmp_path), "--device", "cpu", "--max-tokens", "4"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert "DeepSeek-V4 checkpoint" in r.stderr and "MXFP4 experts repacked" in r.stderr and "[length]" in r.stderr
+    manifest = (tmp_path / "model" / "manifest.json").read_text()
+    assert '"family": "deepseek_v4"' in manifest

@@ -16,14 +16,12 @@ class DeviceUseCounts:
     def __init__(self, blocks: int, experts: int, device: torch.device):
         self.uses = torch.zeros(blocks, experts, dtype=torch.int64, device=device)  # [L, E] (token, expert) pairs
         self.steps = torch.zeros(blocks, dtype=torch.int64, device=device)  # [L] layer steps
-        self._ones = torch.ones(64, dtype=torch.int64, device=device)
+        self._one = torch.ones(1, dtype=torch.int64, device=device)  # never replaced: graphs hold its address
 
     def add(self, layer: int, ids: torch.Tensor) -> None:
         """One step of `layer` with its routing ids: [T, K]."""
         flat = ids.flatten()
-        if flat.numel() > self._ones.numel():  # a longer prefill chunk (eager; graphs run one token)
-            self._ones = torch.ones(flat.numel(), dtype=torch.int64, device=flat.device)
-        self.uses[layer].index_add_(0, flat, self._ones[: flat.numel()])
+        self.uses[layer].index_add_(0, flat, self._one.expand(flat.numel()))  # no buffer sized by T
         self.steps[layer : layer + 1].add_(1)
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:

@@ -90,13 +90,15 @@ def test_mapped_uses_are_counted_on_the_device_by_tier_and_dropped_when_uncounte
         before = store.counters.snapshot()
         store.count_step(layer, ids)
         store.count_step(layer, ids[:1])
+        store.count_step(layer, torch.zeros(40, 2, dtype=torch.long))  # longer than any step before: a prefill
+        store.count_step(layer, ids[:1])
         with store.uncounted():
             store.count_step(layer, ids)  # a graph's warm-up run: not a step of any generation
         store.count_resident([layer], 99)  # a mapped run's graph replays count on the device, not here
         now = store.counters.snapshot()
-        pairs = ids.flatten().tolist() + ids[0].tolist()
+        pairs = ids.flatten().tolist() + ids[0].tolist() + [0] * 80 + ids[0].tolist()
         device = sum(e in on_device for e in pairs)
-        assert now["layer_steps"] - before["layer_steps"] == 2
+        assert now["layer_steps"] - before["layer_steps"] == 4
         assert now["expert_uses"] - before["expert_uses"] == len(pairs)
         assert now["gpu_hits"] - before["gpu_hits"] == device
         assert now["ram_hits"] - before["ram_hits"] == len(pairs) - device
@@ -117,11 +119,14 @@ def test_on_cuda_a_mapped_store_replays_graphs_with_the_tokens_of_resident_and_s
     for name, gpu, knobs in (("resident", n, {}), ("mapped", n // 2, {}), ("streamed", n // 2, {"zero_copy": False})):
         options = RunOptions(device="cuda", max_context=64, dtype="fp32", **knobs)
         with Engine(converted, options, plan=_plan(converted, cuda, gpu, n)) as engine:
-            runs[name] = engine.generate(" ".join([PROMPT] * 3), max_tokens=12, temperature=0)  # > 16 tokens: prefill
+            runs[name] = engine.generate(" ".join([PROMPT] * 2), max_tokens=12, temperature=0)  # > 16 tokens: prefill
             assert engine.model.experts.mapped == (name == "mapped")
     assert runs["mapped"].token_ids == runs["resident"].token_ids == runs["streamed"].token_ids
     assert runs["mapped"].stats.decode_mode.startswith("CUDA graph, zero-copy:")
     assert runs["streamed"].stats.decode_mode.startswith("eager: experts are streamed")
-    s = runs["mapped"].stats.store
-    assert s["gpu_hits"] + s["ram_hits"] == s["expert_uses"] > 0 and s["ram_hits"] > 0 and s["ssd_reads"] == 0
-    assert s["h2d_bytes"] == s["ram_hits"] * Manifest.read(converted).record.nbytes
+    g, m = runs["mapped"], Manifest.read(converted)
+    s, layers = g.stats.store, len(_plan(converted, cuda, 1, 1).expert_layers)
+    passes = g.stats.prompt_tokens + g.stats.generated_tokens - 1  # the prompt, then each token fed back but the last
+    assert s["expert_uses"] == passes * m.args.n_activated_experts * layers  # graph replays counted, exactly
+    assert s["gpu_hits"] + s["ram_hits"] == s["expert_uses"] and s["ram_hits"] > 0 and s["ssd_reads"] == 0
+    assert s["h2d_bytes"] == s["ram_hits"] * m.record.nbytes

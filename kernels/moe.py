@@ -19,21 +19,22 @@ class MoEKernel:
     """moe_ref's result for one record layout: the decode kernel for up to MAX_TOKENS tokens and the
     prefill kernel above, on CUDA with Triton; the reference elsewhere. Holds the decode workspaces."""
 
-    def __init__(self, layout: RecordLayout, top_k: int, device: torch.device):
-        self.layout, self.top_k = layout, top_k
+    def __init__(self, layout: RecordLayout, top_k: int, device: torch.device, limit: float = 0.0):
+        """limit: the SwiGLU clamp (kernels/swiglu.py; DeepSeek-V4's swiglu_limit), 0.0 for none."""
+        self.layout, self.top_k, self.limit = layout, top_k, limit
         self.triton = torch.device(device).type == "cuda" and triton is not None
         if self.triton:
-            self.decode = DecodeMoE(layout, top_k, device)
+            self.decode = DecodeMoE(layout, top_k, device, limit=limit)
 
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
         """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E] -> y [T, D]."""
         if not self.triton:
-            return moe_ref(x, ids, weights, records, offsets, self.layout)
+            return moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
         if x.shape[0] <= MAX_TOKENS:
             return self.decode(x, ids, weights, records, offsets)
-        return moe_prefill(x, ids, weights, records, offsets, self.layout)
+        return moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)
 
     def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
         """Compile every kernel variant a call of up to max_tokens tokens can take (each decode token count,

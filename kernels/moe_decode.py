@@ -31,6 +31,8 @@ MAX_TOKENS = 16  # tokens per call: beyond this, tokens grouped by expert on ten
 if triton is not None:
     import triton.language as tl
 
+    from dsfp4.kernels.swiglu import swiglu_tl
+
     _ABSENT = tl.constexpr(ABSENT)  # kernels read globals only as constexpr
     _UNBIAS = tl.constexpr(E2M1_UNBIAS)
 
@@ -121,7 +123,7 @@ if triton is not None:
         x_ptr, ids_ptr, rw_ptr, rec_ptr, off_ptr, act_ptr, T, stride_xt,
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
         G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr, LIMIT: tl.constexpr,
     ):  # fmt: skip
         """Launch 1: BN gate rows and the matching up rows of one expert, for every token that chose it."""
         nb = INTER // BN
@@ -146,7 +148,7 @@ if triton is not None:
                 dot = _rows_dot(wrow, srow, x_row, x_row + 1, 2, D, GROUP, E8M0, BK, USE_ASM, HW_E4M3)
                 gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
                 gate, up = gate * g_gate, up * g_up
-                tl.store(act_ptr + q * INTER + dest, gate * tl.sigmoid(gate) * up * tl.load(rw_ptr + q))
+                tl.store(act_ptr + q * INTER + dest, swiglu_tl(gate, up, LIMIT) * tl.load(rw_ptr + q))
             else:
                 acc = _rows_dot_run(
                     wrow,
@@ -172,7 +174,7 @@ if triton is not None:
                     dot = tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0)
                     gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
                     gate, up = gate * g_gate, up * g_up
-                    tl.store(act_ptr + q * INTER + dest, gate * tl.sigmoid(gate) * up * tl.load(rw_ptr + q))
+                    tl.store(act_ptr + q * INTER + dest, swiglu_tl(gate, up, LIMIT) * tl.load(rw_ptr + q))
 
     @triton.jit
     def _down_kernel(
@@ -238,7 +240,15 @@ class DecodeMoE:
     """The decode kernels for one record layout on one device, with their workspaces (an activation row and
     an output row per pair) kept across calls, so that a captured graph replays on the same memory."""
 
-    def __init__(self, layout: RecordLayout, top_k: int, device: torch.device, config: DecodeConfig | None = None):
+    def __init__(
+        self,
+        layout: RecordLayout,
+        top_k: int,
+        device: torch.device,
+        config: DecodeConfig | None = None,
+        limit: float = 0.0,
+    ):
+        """limit: the SwiGLU clamp (kernels/swiglu.py), 0.0 for none."""
         group = NVFP4_BLOCK if layout.format == "nvfp4" else MXFP4_BLOCK
         self.layout, self.top_k = layout, top_k
         self.config = c = (config or DecodeConfig()).fit(layout)
@@ -252,7 +262,7 @@ class DecodeMoE:
             E8M0=layout.format == "mxfp4", USE_ASM=not interpreted(), HW_E4M3=hw_e4m3(device),
             num_warps=c.num_warps,
         )  # fmt: skip
-        self.phase1 = dict(common, W13=p["w13"], S13=p["w13_scale"], BN=c.bn1, BK=c.bk1)
+        self.phase1 = dict(common, W13=p["w13"], S13=p["w13_scale"], BN=c.bn1, BK=c.bk1, LIMIT=float(limit))
         self.phase2 = dict(common, W2=p["w2"], S2=p["w2_scale"], BN=c.bn2, BK=c.bk2)
 
     def __call__(

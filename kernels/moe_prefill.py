@@ -22,11 +22,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dsfp4.errors import FormatError
 from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, interpreted, triton
 from dsfp4.kernels.moe_ref import ABSENT, record_at
+from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
@@ -110,6 +110,7 @@ if triton is not None:
     import triton.language as tl
 
     from dsfp4.kernels.fp4_decode import block_scale, e2m1_halves
+    from dsfp4.kernels.swiglu import swiglu_tl
 
     _ABSENT = tl.constexpr(ABSENT)
     _UNBIAS = tl.constexpr(E2M1_UNBIAS)
@@ -155,8 +156,9 @@ if triton is not None:
         TOP_K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
         G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         USE_ASM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr,
+        LIMIT: tl.constexpr,
     ):  # fmt: skip
-        """act[row] = silu(x W1^T) * (x W3^T) * routing weight for one column block (pid 0) of one block of
+        """act[row] = swiglu(x W1^T, x W3^T) * routing weight for one column block (pid 0) of one block of
         rows (pid 1); x [T, D] and act [L, INTER] hold even columns first."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         e = tl.load(experts_ptr + pid_m)
@@ -189,7 +191,7 @@ if triton is not None:
             g_gate, g_up = tl.load(gp) * _UNBIAS, tl.load(gp + 1) * _UNBIAS
         gate, up = acc_g * g_gate, acc_u * g_up
         rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)  # padding rows come out 0
-        h = tl.reshape(gate * tl.sigmoid(gate) * up * rw[:, None], (BM, 2, BN // 2))
+        h = tl.reshape(swiglu_tl(gate, up, LIMIT) * rw[:, None], (BM, 2, BN // 2))
         # [BM, 2, BN/2]: the even half goes to act[:, n0/2 ...], the odd half to act[:, INTER/2 + n0/2 ...]
         dest = (
             rows.to(tl.int64)[:, None, None] * INTER
@@ -278,16 +280,18 @@ def gate_up(
     offsets: torch.Tensor,
     layout: RecordLayout,
     blocks: PrefillBlocks,
+    limit: float = 0.0,
 ) -> torch.Tensor:
     """xs: split_columns(x) [T, D], weights: [T, K], pairs and block_experts from align_by_expert ->
-    act [L, I] in x's dtype, even columns first. Rows of unused blocks and of left-out experts are not written."""
+    act [L, I] in x's dtype, even columns first. Rows of unused blocks and of left-out experts are not written.
+    limit: the SwiGLU clamp (kernels/swiglu.py), 0.0 for none."""
     t, k = weights.shape
     i = layout.inter_dim
     act = _workspace((pairs.numel(), i), xs.dtype, xs.device)
     _gate_up_kernel[_grid(i // blocks.bn_up, block_experts)](
         xs, weights, pairs, block_experts, records, offsets, act, t * k,
         TOP_K=k, D=layout.dim, INTER=i, W13=layout.part("w13").offset, S13=layout.part("w13_scale").offset,
-        BN=blocks.bn_up, BK=blocks.bk_up, **_constants(layout, blocks, xs.dtype),
+        BN=blocks.bn_up, BK=blocks.bk_up, LIMIT=float(limit), **_constants(layout, blocks, xs.dtype),
     )  # fmt: skip
     return act
 
@@ -334,6 +338,7 @@ def gate_up_ref(
     records: torch.Tensor,
     offsets: torch.Tensor,
     layout: RecordLayout,
+    limit: float = 0.0,
 ) -> torch.Tensor:
     """Torch reference of gate_up (device slots only) in xs' dtype; the rows it does not define are zero."""
     x, k = merge_columns(xs), weights.shape[1]
@@ -341,7 +346,7 @@ def gate_up_ref(
     for e, rows, p in _experts(pairs, block_experts, offsets, weights.numel()):
         w1, w3, _ = _dense(records, offsets[e].item(), layout, x.dtype)
         xe = x[p // k]  # [n, D]
-        act[rows] = F.silu(xe @ w1.T) * (xe @ w3.T) * weights.reshape(-1)[p, None].to(x.dtype)
+        act[rows] = swiglu(xe @ w1.T, xe @ w3.T, limit) * weights.reshape(-1)[p, None].to(x.dtype)
     return split_columns(act)
 
 
@@ -370,10 +375,11 @@ def moe_prefill(
     offsets: torch.Tensor,
     layout: RecordLayout,
     blocks: PrefillBlocks | None = None,
+    limit: float = 0.0,
 ) -> torch.Tensor:
     """moe_ref's result from the grouped FP4 GEMMs. x: [T, D] bf16 or fp32, ids: [T, K] int, weights: [T, K]
     float, records: u8 slot pool, offsets: [E] int64 (multiples of 16, or ABSENT) -> y [T, D] in x's dtype.
-    `blocks` overrides prefill_blocks' tile sizes."""
+    `blocks` overrides prefill_blocks' tile sizes; limit: the SwiGLU clamp (kernels/swiglu.py)."""
     t, d = x.shape
     k, n_experts = ids.shape[1], offsets.numel()
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -384,6 +390,6 @@ def moe_prefill(
     blocks = blocks or prefill_blocks(t * k, n_experts, layout)
     pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.block_m)
     where = (pairs, block_experts, records, offsets.contiguous(), layout, blocks)
-    act = gate_up(split_columns(x), weights.contiguous(), *where)
+    act = gate_up(split_columns(x), weights.contiguous(), *where, limit)
     out = down(act, t * k, *where)
     return out.view(t, k, d).sum(1)  # each token's pairs in slot order: the same bits on every run

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.record import RecordLayout
 
 ABSENT = -1  # offsets are multiples of the slot alignment, so -1 never names a record
@@ -57,9 +58,11 @@ def moe_ref(
     records: torch.Tensor,
     offsets: torch.Tensor,
     layout: RecordLayout,
+    limit: float = 0.0,
 ) -> torch.Tensor:
     """x: [T, D], ids: [T, K] int, weights: [T, K] float, records: [S, nbytes] u8, offsets: [E] int64
-    -> y [T, D] in x's dtype, computed in x's dtype on dense copies of each expert (as DeepSeek's reference)."""
+    -> y [T, D] in x's dtype, computed in x's dtype on dense copies of each expert (as DeepSeek's reference);
+    limit: the SwiGLU clamp (kernels/swiglu.py), 0.0 for none."""
     y = torch.zeros_like(x)
     offs = offsets.tolist()
     for e in sorted(set(ids.flatten().tolist())):
@@ -67,6 +70,6 @@ def moe_ref(
             continue
         w1, w3, w2 = layout.dequantize(record_at(records, offs[e], layout.nbytes), dtype=x.dtype)
         token, j = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(F.silu(F.linear(x[token], w1)) * F.linear(x[token], w3), w2)  # [n, D]
+        h = F.linear(swiglu(F.linear(x[token], w1), F.linear(x[token], w3), limit), w2)  # [n, D]
         y.index_add_(0, token, h * weights[token, j, None].to(x.dtype))
     return y

@@ -36,6 +36,20 @@ def test_decode_kernel_matches_the_reference(fmt, t):
     assert not got.isnan().any() and _rel(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_decode_kernel_clamps_its_swiglu_like_the_reference(fmt):
+    """DeepSeek-V4's swiglu_limit: gate clamped above, up to +-limit; a limit the values cross."""
+    gen = torch.Generator().manual_seed(11)
+    layout, records, offsets = slot_pool(fmt, 64, 64, 6, gen)
+    ids, weights = routing(3, 2, 6, gen)
+    x = torch.randn(3, layout.dim, generator=gen) * 3
+    want = moe_ref(x.double(), ids, weights, records, offsets, layout, limit=0.5)
+    assert _rel(moe_ref(x.double(), ids, weights, records, offsets, layout), want) > 0.05  # the clamp bites
+    kernel = DecodeMoE(layout, 2, DEVICE, DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32), limit=0.5)
+    got = kernel(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets))).cpu()
+    assert _rel(got, want) < 1e-5
+
+
 def test_decode_kernel_writes_bf16_and_reads_a_padded_row_stride():
     gen = torch.Generator().manual_seed(7)
     layout, records, offsets = slot_pool("nvfp4", 64, 32, 4, gen)

@@ -73,6 +73,12 @@ def test_block_sizes_follow_the_pairs_per_expert():
     assert mp.prefill_blocks(40, 8, small) == mp.PrefillBlocks(16, 32, 32, 32, 32)
 
 
+def _case_pool(fmt: str, t: int, k: int, dim: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_case's records and reference offsets (device slots only)."""
+    _layout, records, offsets = slot_pool(fmt, dim, inter, 8, torch.Generator().manual_seed(t + dim), absent=(3,))
+    return records, offsets
+
+
 def _case(fmt: str, t: int, k: int, dim: int, inter: int, dtype: torch.dtype):
     """8 experts in shuffled slots, expert 3 left out and expert 5 read from a second ("host") buffer."""
     gen = torch.Generator().manual_seed(t + dim)
@@ -98,6 +104,18 @@ def test_moe_prefill_matches_the_reference(poisoned, fmt, t, k, dim, inter, dtyp
     assert got.dtype == dtype and got.shape == want.shape and not got.isnan().any()
     assert _rel(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert torch.equal(mp.moe_prefill(*args, layout), got)  # no atomics: the same bits every run
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_moe_prefill_clamps_its_swiglu_like_the_reference(poisoned, fmt):
+    """DeepSeek-V4's swiglu_limit in the grouped kernels, on a record read from the second buffer too."""
+    layout, args, _want, _host = _case(fmt, 17, 4, 64, 32, torch.float32)
+    x, ids, weights = (a.cpu() for a in args[:3])
+    records, offsets = _case_pool(fmt, 17, 4, 64, 32)
+    want = moe_ref(x.double(), ids, weights, records, offsets, layout, limit=0.5)
+    assert _rel(moe_ref(x.double(), ids, weights, records, offsets, layout), want) > 0.05  # the clamp bites
+    got = mp.moe_prefill(*args, layout, limit=0.5)
+    assert _rel(got.cpu(), want) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -2,7 +2,10 @@
 time of one token through every layer and the head, by CUDA-graph replay and by eager launches, against
 the bytes a step must read divided by the HBM read ceiling measured in the same run.
 
-    python scripts/bench_step.py WORKDIR [--layers 5] [--dense 1] [--steps 64] [--out DIR]
+    python scripts/bench_step.py WORKDIR [--layers 5] [--dense 1] [--steps 64] [--gpu-mem 76G] [--out DIR]
+
+With a --gpu-mem below the model's size the records that do not fit are read in place from pinned RAM
+(zero-copy): the step then reads them over PCIe, and the floor above counts them at HBM speed.
 
 The model is bench_model.py's (DeepSeek-V3 dimensions, random NVFP4 experts, FP8 backbone, bf16 head).
 Bytes per step: every backbone matrix in its stored format (the embedding: one row; routers: fp32, as the
@@ -79,6 +82,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--profile", action="store_true", help="also print the kernels of a step by device time")
+    ap.add_argument("--gpu-mem", default="76G", help="device budget (below the model: zero-copy)")
     a = ap.parse_args()
     path = a.workdir / "model"
     manifest = bench_model_at(path, n_layers=a.layers, n_dense=a.dense, with_tokenizer=True)
@@ -86,11 +90,12 @@ def main() -> int:
     nbytes = step_bytes(manifest)
     floor = nbytes / (lim["hbm_read_gbps"] * 1e9)
     res = {"ceilings": lim, "step_bytes": nbytes, "floor_ms": floor * 1e3, "layers": a.layers, "dense": a.dense}
-    options = RunOptions(device="cuda", max_context=1024, gpu_mem="76G", cpu_mem="32G", io_threads=8)
+    options = RunOptions(device="cuda", max_context=1024, gpu_mem=a.gpu_mem, cpu_mem="64G", io_threads=8)
     t0 = time.perf_counter()
     with Engine(path, options) as engine:
         res["load_s"] = time.perf_counter() - t0
         res["decode_mode"] = engine.decode_mode
+        res["gpu_slots"], res["total_records"] = engine.plan.gpu_slots, engine.plan.total_records
         engine.generate(PROMPT, max_tokens=1, temperature=0)  # the prompt is cached; steps follow it
         for graph in (True, False):
             s = time_steps(engine, a.steps, graph)

@@ -35,6 +35,8 @@ class DecodeGraphs:
         store = self.model.experts
         if self.device.type != "cuda":
             return "CUDA graphs need a CUDA device"
+        if self.model.why_eager is not None:
+            return self.model.why_eager
         if recording:
             return "routing is being recorded (--record-trace) on the host"
         if self.model.moe_kernel is not None and not self.model.moe_kernel.triton:

@@ -5,9 +5,8 @@
   RAM cache     page-aligned (pinned on CUDA) record slots; reads from the SSD land here directly
   SSD           O_DIRECT reads by a thread pool, several in flight, checksummed on first read
 
-When the device slots and the RAM cache hold every record the run uses, `map_all` places them once (the
-hottest on the device) and the kernels read RAM records in place over PCIe (zero-copy): nothing moves
-afterwards, no layer asks the host, and decode steps can be captured as CUDA graphs.
+When device and RAM hold every record the run uses, `map_all` places them once (hottest on the device) and
+kernels read RAM's in place over PCIe (zero-copy): nothing moves, no layer asks the host, graphs capture.
 
 Only the main thread touches the bookkeeping (two SlotPools); worker threads read and upload. A slot
 with a job in flight is pinned until the job and its copy event complete, and a device slot is only
@@ -39,15 +38,12 @@ from dsfp4.runtime.store_stats import StoreCounters
 from dsfp4.runtime.use_counts import DeviceUseCounts
 
 Key = tuple[int, int]  # (layer, expert)
-RUN_RECORDS = 4  # records per read when reading ahead: long enough to stream, short enough to run in parallel
-# (4 read fastest of 1, 4 and 16 on the H100 machine's disk, docs/BENCHMARKS.md)
+RUN_RECORDS = 4  # records per read ahead: streams, yet runs in parallel (fastest of 1, 4, 16: BENCHMARKS.md)
 
 
 def _done(job: Future) -> bool:
-    if not job.done():
-        return False
-    if job.exception() is not None:
-        return True
+    if not job.done() or job.exception() is not None:
+        return job.done()
     event = job.result()
     return event is None or event.query()
 
@@ -102,7 +98,6 @@ class ExpertStore:
         self._offsets_stale = True  # graphs captured the tensor's address: its contents change, never it
         self.mapped = False  # map_all: every record on the device or read from pinned RAM in place
         self._host_slots: torch.Tensor | None = None  # [blocks, experts] RAM slot of records read in place
-        self._on_device: np.ndarray | None = None  # [blocks, experts] bool, where mapped records sit
         self._device_counts: DeviceUseCounts | None = None  # uses counted by kernels, when mapped
         self.files = {layer: RecordFile(self.dir / ef.file) for layer, ef in manifest.experts.items()}
         self.notes = [
@@ -397,21 +392,17 @@ class ExpertStore:
         hottest first) in device slots, the others in the pinned RAM cache, where the kernels read them in
         place over PCIe (zero-copy: as many bytes as a copy, without the copy's wait or a slot). From then
         on nothing moves, MoE layers never ask the host, and their uses are counted on the device."""
-        p, a = self.plan, self.manifest.args
-        used = {(layer, e) for layer in p.expert_layers for e in range(a.n_routed_experts)}
-        assert set(ranked) == used and len(ranked) == len(used), "map_all() ranks every used record once"
+        p, n = self.plan, self.manifest.args.n_routed_experts
+        used = [(layer, e) for layer in sorted(p.expert_layers) for e in range(n)]
+        assert sorted(ranked) == used, "map_all() ranks every used record once"
         assert p.gpu_slots + p.ram_slots >= p.total_records, "map_all() needs a device or RAM slot per record"
         self._preload(ranked)
-        on_device = np.zeros((a.n_blocks, a.n_routed_experts), dtype=bool)
-        for layer, e in self.gpu_pool.slot_of:
-            on_device[layer, e] = True
-        host = torch.full(on_device.shape, -1, dtype=torch.int32)  # [blocks, experts]
+        tier = self.residency()  # [blocks, experts]: 2 on the device, 1 in RAM only
+        host = torch.full(tier.shape, -1, dtype=torch.int32)  # the RAM slots of the records read in place
         for (layer, e), rslot in self.ram_pool.slot_of.items():
-            if not on_device[layer, e]:
-                host[layer, e] = rslot
-        assert int(on_device.sum()) + int((host >= 0).sum()) == p.total_records, "a record found no slot"
-        self._on_device, self._host_slots = on_device, host.to(self.device)
-        self._device_counts = DeviceUseCounts(a.n_blocks, a.n_routed_experts, self.device)
+            host[layer, e] = rslot if tier[layer, e] == 1 else -1
+        assert int((tier > 0).sum()) == p.total_records, "a record found no slot"
+        self._host_slots, self._device_counts = host.to(self.device), DeviceUseCounts(tier == 2, self.device)
         self._offsets_stale, self.mapped = True, True
 
     def _preload(self, ranked: list[Key]) -> None:
@@ -444,14 +435,7 @@ class ExpertStore:
     def counters(self) -> StoreCounters:
         """The counters, with the uses that kernels counted on the device folded in (a sync when mapped)."""
         if self._device_counts is not None and self._counting:
-            uses, steps = self._device_counts.take()  # [blocks, experts], [blocks]
-            for layer in np.flatnonzero(steps):
-                n, device = int(uses[layer].sum()), int(uses[layer][self._on_device[layer]].sum())
-                self._counters.add_layer(int(layer), n, device, n - device, int(steps[layer]))
-                self._counters.gpu_hits += device
-                self._counters.ram_hits += n - device
-                # one record read over PCIe per (token, expert) pair: exact at decode, an upper bound in prefill
-                self._counters.h2d_bytes += (n - device) * self.layout.nbytes
+            self._device_counts.fold_into(self._counters, self.layout.nbytes)
         return self._counters
 
     @contextmanager
@@ -475,9 +459,8 @@ class ExpertStore:
             self.count_resident((layer,), ids.numel())
 
     def count_resident(self, layers: Iterable[int], uses: int) -> None:
-        """Count a step of each of `layers` whose `uses` were all found on the device (a graph replay of an
-        all-resident run; a mapped run's replays count on the device). Uses are (token, expert) pairs here,
-        distinct experts in load_waves: the same at decode, where one token runs."""
+        """Count a step of each of `layers` whose `uses` were all on the device (an all-resident graph replay;
+        mapped runs count on the device). Uses are (token, expert) pairs, as at decode in load_waves."""
         if not self._counting or self._device_counts is not None:
             return
         for layer in layers:

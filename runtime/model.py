@@ -98,6 +98,8 @@ class MTP(nn.Module):
 
 
 class Transformer(nn.Module):
+    why_eager: str | None = None  # decode steps can be captured as graphs (runtime/decode_graph.py)
+
     def __init__(
         self,
         args: ModelArgs,

@@ -14,10 +14,11 @@ from torch import nn
 
 from dsfp4.config import SLIDING, ModelArgs
 from dsfp4.kernels.linear import linear
+from dsfp4.kernels.moe import MoEKernel
 from dsfp4.runtime.attention_v4 import AttentionV4
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.mhc import HyperConnection, HyperHead, collapse
-from dsfp4.runtime.moe import ClampedExpertsRef, HashGate, MoE
+from dsfp4.runtime.moe import HashGate, MoE
 from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.rope import rope_freqs, rotations
 from dsfp4.runtime.weights import Weights
@@ -32,7 +33,7 @@ class BlockV4(nn.Module):
         layer: int,
         w: Weights,
         experts: ExpertStore,
-        kernel: ClampedExpertsRef | None,
+        kernel: MoEKernel | None,
         freqs_cis: torch.Tensor,
         max_batch: int,
         max_len: int,
@@ -88,6 +89,10 @@ class MTPV4(nn.Module):
 
 
 class TransformerV4(nn.Module):
+    # decode graphs replay a step at a device-side position (runtime/decode_graph.py); V4's windows and
+    # compressors advance by host positions, so its steps run eagerly
+    why_eager = "DeepSeek-V4's caches and compressors advance by host positions, which a graph cannot replay"
+
     def __init__(
         self,
         args: ModelArgs,
@@ -102,8 +107,8 @@ class TransformerV4(nn.Module):
         a = self.args = args
         self.max_len, self.experts = max_len, experts
         self.embed = w.plain("embed.weight", (a.vocab_size, a.dim))
-        # ClampedExpertsRef: the FP4 kernels have no SwiGLU clamp yet
-        self.moe_kernel = ClampedExpertsRef(experts.layout, a.swiglu_limit) if experts.layout else None
+        layout, k = experts.layout, a.n_activated_experts
+        self.moe_kernel = MoEKernel(layout, k, w.device, a.swiglu_limit) if layout else None
         # sliding layers rotate with the plain base; layers with a compressor with its base, YaRN where configured
         main = rotations(rope_freqs(a, a.rope_theta, False), max_len).to(w.device)
         compress = rotations(rope_freqs(a, a.compress_rope_theta, a.rope_type == "yarn"), max_len).to(w.device)

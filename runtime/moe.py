@@ -14,17 +14,9 @@ from torch import nn
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe import MoEKernel
-from dsfp4.kernels.moe_ref import ABSENT, record_at
-from dsfp4.layout.record import RecordLayout
+from dsfp4.kernels.swiglu import swiglu
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.weights import Weights
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(gate) * up; with a limit (V4's swiglu_limit), gate clamped above at it and up to +-it first."""
-    if limit:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -39,35 +31,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(swiglu(linear(x, self.w1), linear(x, self.w3), self.limit), self.w2)
-
-
-class ClampedExpertsRef:
-    """The routed experts with V4's SwiGLU clamp, in torch on dense copies of each record (kernels/moe_ref.py's
-    formula with swiglu(limit)); the interface of kernels.moe.MoEKernel. The FP4 kernels have no clamp yet, so
-    a V4 model computes its experts here, on every device."""
-
-    triton = False  # the host reads the routing: no CUDA graph can hold this
-
-    def __init__(self, layout: RecordLayout, limit: float):
-        self.layout, self.limit = layout, limit
-
-    def __call__(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E] -> y [T, D]."""
-        y = torch.zeros_like(x)
-        offs = offsets.tolist()
-        for e in sorted(set(ids.flatten().tolist())):
-            if offs[e] == ABSENT:
-                continue
-            w1, w3, w2 = self.layout.dequantize(record_at(records, offs[e], self.layout.nbytes), dtype=x.dtype)
-            token, j = (ids == e).nonzero(as_tuple=True)
-            h = F.linear(swiglu(F.linear(x[token], w1), F.linear(x[token], w3), self.limit), w2)  # [n, D]
-            y.index_add_(0, token, h * weights[token, j, None].to(x.dtype))
-        return y
-
-    def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
-        """Nothing to compile (MoEKernel's interface)."""
 
 
 GROUPED_METHODS = ("noaux_tc", "group_limited_greedy")  # "greedy" ignores expert groups (V2-Lite)

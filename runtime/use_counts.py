@@ -11,11 +11,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dsfp4.runtime.store_stats import StoreCounters
+
 
 class DeviceUseCounts:
-    def __init__(self, blocks: int, experts: int, device: torch.device):
-        self.uses = torch.zeros(blocks, experts, dtype=torch.int64, device=device)  # [L, E] (token, expert) pairs
-        self.steps = torch.zeros(blocks, dtype=torch.int64, device=device)  # [L] layer steps
+    def __init__(self, on_device: np.ndarray, device: torch.device):
+        """on_device: [L, E] bool, the records in device slots (the others are read from RAM in place)."""
+        self.on_device = on_device
+        self.uses = torch.zeros(on_device.shape, dtype=torch.int64, device=device)  # [L, E] (token, expert) pairs
+        self.steps = torch.zeros(on_device.shape[0], dtype=torch.int64, device=device)  # [L] layer steps
         self._one = torch.ones(1, dtype=torch.int64, device=device)  # never replaced: graphs hold its address
 
     def add(self, layer: int, ids: torch.Tensor) -> None:
@@ -30,3 +34,15 @@ class DeviceUseCounts:
         self.uses.zero_()
         self.steps.zero_()
         return uses, steps
+
+    def fold_into(self, counters: StoreCounters, record_bytes: int) -> None:
+        """Add the uses counted since the last take to `counters` by tier; each use of a RAM record is one
+        record read over PCIe (exact at decode, where a kernel reads an expert once per token; an upper
+        bound in prefill, where it reads it once per block of tokens)."""
+        uses, steps = self.take()
+        for layer in np.flatnonzero(steps):
+            n, device = int(uses[layer].sum()), int(uses[layer][self.on_device[layer]].sum())
+            counters.add_layer(int(layer), n, device, n - device, int(steps[layer]))
+            counters.gpu_hits += device
+            counters.ram_hits += n - device
+            counters.h2d_bytes += (n - device) * record_bytes

@@ -8,6 +8,8 @@ activations reach, so each of these shows in the logits (checked below).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from v4_checkpoint import hf_model
@@ -120,3 +122,22 @@ def test_mtp_block_runs_in_full_and_in_chunks(v4_converted):
         parts = [model.mtp[0](streams[:, a:b], tokens[:, a + 1 : b + 1], a) for a, b in ((0, 7), (7, 8), (8, 19))]
     assert full.shape == (1, 19, 640) and torch.isfinite(full).all()
     assert (torch.cat(parts, dim=1) - full).abs().max() <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("gpu_slots", "chunk"), [(None, 512), (3, 8)])  # resident, prefill kernel; mapped, decode
+def test_on_cuda_the_fp4_kernels_give_transformers_logits(setup, v4_converted, gpu_slots, chunk):
+    """The Triton MoE kernels (MXFP4 records, the SwiGLU clamp) in fp32 on CUDA, with every record on the
+    device or 3 there and the rest read from RAM in place (zero-copy), against transformers on the CPU."""
+    from dsfp4.runtime.engine import Engine, plan_engine
+    from dsfp4.runtime.options import RunOptions
+
+    _, tokens, expected = setup
+    options = RunOptions(device="cuda", dtype="fp32", max_context=128, prefill_chunk=chunk)
+    plan = plan_engine(v4_converted, options)
+    plan = dataclasses.replace(plan, gpu_slots=gpu_slots) if gpu_slots else plan
+    with Engine(v4_converted, options, plan=plan) as engine:
+        assert engine.model.moe_kernel.triton and engine.model.experts.mapped == (gpu_slots is not None)
+        got = engine.logits(tokens[0].tolist())  # [T, V]
+        assert engine.decode_mode.startswith("eager: DeepSeek-V4")
+    assert (got - expected[0]).abs().max() <= 1e-4

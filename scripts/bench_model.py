@@ -1,8 +1,9 @@
-"""Write a random benchmark model straight into dsfp4 layout v1, at DeepSeek-V3's full width.
+"""Write a random benchmark model straight into dsfp4 layout v1, at DeepSeek-V3's or V4-Flash's full width.
 
-GPU benchmarks of the expert store need a model with V3's real dims (7168-wide, 256 experts of 24.8 MB per
-MoE layer), and no real checkpoint is reachable offline; converting a synthetic HF checkpoint would cost
-twice the disk and hours of CPU quantization. This writes the converted layout directly: the same file
+GPU benchmarks of the expert store need a model with the real dims (V3: 7168-wide, 256 NVFP4 experts of
+24.8 MB per MoE layer; V4-Flash: 4096-wide, 256 MXFP4 experts of 13.4 MB in every layer, its config in
+bench_model_v4.py), and no real checkpoint is reachable offline; converting a synthetic HF checkpoint would
+cost twice the disk and hours of CPU quantization. This writes the converted layout directly: the same file
 names, tensor names, formats, record layout, offsets and sha256s as `dsfp4 convert --fp4`, so `dsfp4
 verify`, `dsfp4 inspect` and the runtime take it as they take a converted model.
 
@@ -14,11 +15,13 @@ their scales), which keeps every block scale exact and every value finite, at me
 
     python scripts/bench_model.py OUT --layers 6 --dense 1 [--seed 0] [--backbone nvfp4] [--tokenizer]
                                       [--dims hidden_size=1024 n_routed_experts=64 ...]
+    python scripts/bench_model.py OUT --family v4 --layers 4 [--tokenizer] [--mtp]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -33,21 +36,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_model_v4 import tid2eid_rows, v4_config
 
 from dsfp4.config import ModelArgs, from_hf_config
-from dsfp4.convert.hf_names import (
-    ATTN_RULES,
-    AUX,
-    DENSE_RULES,
-    LINEAR,
-    MOE_RULES,
-    MTP_RULES,
-    PLAIN,
-    TOP_RULES,
-    Rule,
-    part_name,
-)
-from dsfp4.hf_checkpoint import hf_config_dict, write_tokenizer
+from dsfp4.convert.hf_names import AUX, EXPERT, LINEAR, name_map, part_name
+from dsfp4.hf_checkpoint import ROPE_SCALING, hf_config_dict, write_tokenizer
+from dsfp4.hf_checkpoint_v4 import F32_NAMES
 from dsfp4.layout.atomic import fsync_dir
 from dsfp4.layout.formats import FORMATS, component_shapes, get_format
 from dsfp4.layout.fp4 import nvfp4_global_scale
@@ -79,15 +73,7 @@ V3_DIMS: dict = dict(
     v_head_dim=128,
     max_position_embeddings=163840,
     rope_theta=10000,
-    rope_scaling={
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    rope_scaling={**ROPE_SCALING, "factor": 40, "original_max_position_embeddings": 4096},  # yarn, mscale 1.0
     rms_norm_eps=1e-6,
     routed_scaling_factor=2.5,
     scoring_func="sigmoid",
@@ -99,22 +85,33 @@ V3_DIMS: dict = dict(
     eos_token_id=1,
 )
 BACKBONES = {"fp8_e4m3_b128": "fp8", "nvfp4": "fp4"}  # format of backbone matrices -> manifest option
-EXPERT_FORMAT = "nvfp4"
+EXPERT_FORMATS = {"v3": "nvfp4", "v4": "mxfp4"}  # what each family's conversion stores experts in
+DENSE_LAYERS = {"v3": 1, "v4": 0}  # default --dense: every V4 layer is MoE
 N_BASE_RECORDS = 4  # expert records quantized for real; the others are derived from them
 SLAB_ELEMENTS = 1 << 23  # elements of one backbone slab (fp32 while quantized)
 POOL_BYTES = 32 << 20  # random bytes the sign masks are cut from
 TRUNCATE = 6.0  # Gaussians are cut at 6 sigma, so NVFP4 global scales are known up front
 # Sign bits per stored byte pattern: e2m1 pairs (two nibbles), one-byte floats, little-endian bf16.
-SIGN_PATTERNS = {"U8": b"\x88", "F8_E4M3": b"\x80", "BF16": b"\x00\x80"}
+SIGN_PATTERNS = {"U8": b"\x88", "F8_E4M3": b"\x80", "BF16": b"\x00\x80", "F32": b"\x00\x00\x00\x80"}
 PLAIN_TORCH = {"bf16": torch.bfloat16, "f32": torch.float32}
+# plain tensors of fixed value, by name suffix: norm weights and V4's mHC scales 1; router biases, mHC biases
+# and V4's attention sinks 0 (so a forward pass starts from the plain residual path)
+ONES, ZEROS = ("norm.weight", "_scale"), ("gate.bias", "_base", "attn_sink")
 
 
-def model_args(n_layers: int, n_dense: int, dims: dict | None = None, mtp: bool = False) -> tuple[dict, ModelArgs]:
-    """The HF-style config.json dict (V3 dims, overridden by `dims`) and ModelArgs built from it."""
-    cfg = hf_config_dict(
-        {**V3_DIMS, **(dims or {}), "num_hidden_layers": n_layers, "first_k_dense_replace": n_dense}, "bf16"
-    )
-    cfg["num_nextn_predict_layers"] = int(mtp)
+def model_args(
+    n_layers: int, n_dense: int, dims: dict | None = None, mtp: bool = False, family: str = "v3"
+) -> tuple[dict, ModelArgs]:
+    """The HF-style config.json dict (V3's or V4-Flash's dims, overridden by `dims`) and ModelArgs built from it."""
+    if family == "v4":
+        if n_dense:
+            raise ValueError("DeepSeek-V4 has no dense layers: give --dense 0")
+        cfg = v4_config(n_layers, dims, mtp)
+    else:
+        cfg = hf_config_dict(
+            {**V3_DIMS, **(dims or {}), "num_hidden_layers": n_layers, "first_k_dense_replace": n_dense}, "bf16"
+        )
+        cfg["num_nextn_predict_layers"] = int(mtp)
     return cfg, from_hf_config(cfg, "bench model config")
 
 
@@ -183,27 +180,34 @@ def quantized_rows(fmt: str, rows: int, cols: int, std: float, gen: torch.Genera
     return out + [_u8(chunks[0][-1])][: FORMATS[fmt].global_scale]
 
 
+def stored_format(args: ModelArgs, ref: str, kind: str, backbone: str) -> str:
+    """The format the converter gives a backbone tensor: matrices DeepSeek ships in FP8 (and V3's MTP eh_proj)
+    the backbone format; V4's compressor and indexer matrices (AUX) BF16; the rest as the releases store them."""
+    if kind == LINEAR or (kind == AUX and not args.is_v4):
+        return backbone
+    if ref.endswith("tid2eid"):
+        return "i64"
+    return "f32" if F32_NAMES.fullmatch(ref) else "bf16"
+
+
+@functools.cache
+def backbone_tensors(args: ModelArgs, backbone: str) -> dict[int | None, tuple[tuple[str, str, tuple[int, ...]], ...]]:
+    """(ref, format, shape) of every backbone tensor, by block (None: the top file), in the converter's order:
+    the family's name map placed for this model, experts left out."""
+    out: dict[int | None, list] = {}
+    for rule, _, block, _, ctx in name_map(args).placed(args, True):
+        if rule.kind != EXPERT:
+            ref = ("" if block is None else f"layers.{block}.") + rule.ref
+            out.setdefault(block, []).append((ref, stored_format(args, ref, rule.kind, backbone), rule.shape(ctx)))
+    return {block: tuple(tensors) for block, tensors in out.items()}
+
+
 class BackbonePart:
     """One backbone safetensors file of the converter's: its tensors by reference name and format."""
 
     def __init__(self, args: ModelArgs, block: int | None, backbone: str):
-        self.name, self.block = part_name(block), block
-        if block is None:
-            rules: tuple[Rule, ...] = TOP_RULES
-        else:
-            rules = ATTN_RULES + (MOE_RULES if args.is_moe_layer(block) else DENSE_RULES)
-            rules += MTP_RULES if block >= args.n_layers else ()
-        prefix = "" if block is None else f"layers.{block}."
-        self.tensors: list[tuple[str, str, tuple[int, ...]]] = []  # (ref, format, shape)
-        for r in rules:
-            if r.when(args):
-                if r.kind in (LINEAR, AUX):  # AUX: the MTP module's eh_proj
-                    fmt = backbone
-                elif r.kind == PLAIN:
-                    fmt = "f32" if r.ref.endswith("gate.bias") else "bf16"  # as V3's release stores them
-                else:
-                    raise AssertionError(f"{r.ref}: a {r.kind} tensor in the backbone")
-                self.tensors.append((prefix + r.ref, fmt, r.shape(args)))
+        self.name, self.block, self.args = part_name(block), block, args
+        self.tensors = backbone_tensors(args, backbone)[block]  # (ref, format, shape)
 
     @property
     def file(self) -> str:
@@ -263,11 +267,14 @@ def write_backbone(out: Path, part: BackbonePart, seed: int, signs: SignMasks) -
     tmp = path.with_name(path.name + ".partial")
     sources: dict[str, Callable[[], Iterator[np.ndarray]]] = {}
     for ref, fmt, shape in part.tensors:
-        if ref.endswith(("norm.weight", "gate.bias")):
-            value = torch.ones if ref.endswith("norm.weight") else torch.zeros
+        if ref.endswith(ONES + ZEROS):
+            value = torch.ones if ref.endswith(ONES) else torch.zeros
             data = _u8(value(shape, dtype=PLAIN_TORCH[fmt]))
             sources[ref] = lambda data=data: iter([data])
-        else:  # embedding at unit scale (a residual stream of rms ~1), projections at 1/sqrt(fan_in)
+        elif ref.endswith("tid2eid"):  # V4's hash layers: valid, distinct experts per token
+            rng = _rng(seed, ref)
+            sources[ref] = lambda shape=shape, rng=rng: tid2eid_rows(shape, part.args.n_routed_experts, rng)
+        else:  # embedding at unit scale (a residual stream of rms ~1), projections (mHC's too) at 1/sqrt(fan_in)
             std = 1.0 if ref.endswith("embed.weight") else 1.0 / math.sqrt(shape[1])  # the MTP layer's too
             m = RandomMatrix(ref, fmt, shape, std, seed, signs)
             for c, name in part.names(ref, fmt).items():
@@ -372,25 +379,28 @@ def write_experts(out: Path, rel: str, layer: int, n_experts: int, records: Expe
 def write_bench_model(
     out: Path,
     n_layers: int = 6,
-    n_dense: int = 1,
+    n_dense: int | None = None,
     seed: int = 0,
     dims: dict | None = None,
     backbone: str = "fp8_e4m3_b128",
     with_tokenizer: bool = False,
     mtp: bool = False,
+    family: str = "v3",
 ) -> Manifest:
-    """Write a random model of V3's shape (`dims`: config.json keys overriding V3's) in layout v1 at `out`
-    (which must not exist or be empty): `n_layers` blocks, the first `n_dense` with a dense MLP, NVFP4
-    experts, backbone matrices in `backbone` (fp8_e4m3_b128 or nvfp4). manifest.json is written last."""
+    """Write a random model of V3's or (`family` v4) V4-Flash's shape (`dims`: config.json keys overriding the
+    real model's) in layout v1 at `out` (which must not exist or be empty): `n_layers` blocks, the first
+    `n_dense` (V3 default 1, V4 none) with a dense MLP, experts in the family's format (V3 NVFP4, V4 MXFP4),
+    backbone matrices in `backbone` (fp8_e4m3_b128 or nvfp4). manifest.json is written last."""
     if backbone not in BACKBONES:
         raise ValueError(f"backbone {backbone!r}: choose one of {', '.join(BACKBONES)}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new folder")
-    cfg, args = model_args(n_layers, n_dense, dims, mtp)
+    cfg, args = model_args(n_layers, DENSE_LAYERS[family] if n_dense is None else n_dense, dims, mtp, family)
+    expert_format = EXPERT_FORMATS[family]
     (out / "backbone").mkdir(parents=True, exist_ok=True)
     moe_layers = [b for b in range(args.n_blocks) if args.is_moe_layer(b)]
-    record = RecordLayout.for_expert(EXPERT_FORMAT, args.dim, args.moe_inter_dim) if moe_layers else None
+    record = RecordLayout.for_expert(expert_format, args.dim, args.moe_inter_dim) if moe_layers else None
     if moe_layers:
         (out / "experts").mkdir(exist_ok=True)
     signs = SignMasks(seed)
@@ -428,7 +438,7 @@ def write_bench_model(
         "n_shards": 0,
         "seed": seed,
     }
-    options = {"format": EXPERT_FORMAT, "backbone": BACKBONES[backbone], "mtp": mtp}
+    options = {"format": expert_format, "backbone": BACKBONES[backbone], "mtp": mtp}
     manifest = Manifest(args, source, options, tensors, files, record, experts)
     manifest.write(out)
     return manifest
@@ -458,16 +468,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="new folder for the model")
     p.add_argument("--layers", type=int, default=6, help="decoder blocks (default 6)")
-    p.add_argument("--dense", type=int, default=1, help="leading blocks with a dense MLP (default 1)")
+    p.add_argument("--family", choices=sorted(EXPERT_FORMATS), default="v3", help="DeepSeek-V3 or V4-Flash")
+    p.add_argument("--dense", type=int, help="leading blocks with a dense MLP (default: V3 1, V4 none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backbone", choices=sorted(BACKBONES), default="fp8_e4m3_b128")
     p.add_argument("--tokenizer", action="store_true", help="also write tokenizer.json and its config")
     p.add_argument("--mtp", action="store_true", help="also write an MTP layer (block N, with its experts)")
-    p.add_argument("--dims", nargs="*", default=[], metavar="KEY=VALUE", help="config.json keys overriding V3's")
+    p.add_argument("--dims", nargs="*", default=[], metavar="KEY=VALUE", help="config.json keys overriding the model's")
     a = p.parse_args(argv)
     dims = {k: _dim_value(v) for k, v in (d.split("=", 1) for d in a.dims)}
     t = time.perf_counter()
-    m = write_bench_model(a.out, a.layers, a.dense, a.seed, dims, a.backbone, a.tokenizer, a.mtp)
+    m = write_bench_model(a.out, a.layers, a.dense, a.seed, dims, a.backbone, a.tokenizer, a.mtp, a.family)
     seconds = time.perf_counter() - t
     peak = proc_status_bytes("VmHWM")
     n = written_bytes(m)

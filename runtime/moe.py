@@ -14,6 +14,7 @@ from torch import nn
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe import MoEKernel
+from dsfp4.kernels.route import can_route, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.weights import Weights
@@ -49,20 +50,18 @@ class Gate(nn.Module):
         has_bias = args.layer_has_gate_bias(layer)
         bias = w.plain(p + "bias", (args.n_routed_experts,), torch.float32) if has_bias else None
         self.bias = bias  # kept in fp32 from the file: a bf16 round could flip near-tied selections
-        self.grouped = args.n_expert_groups > 1 and args.topk_method in GROUPED_METHODS
+        grouped = args.n_expert_groups > 1 and args.topk_method in GROUPED_METHODS
+        self.groups = args.n_expert_groups if grouped else 1
+        self.kernel = self.weight.is_cuda and can_route(args.n_routed_experts, self.groups)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, K], expert ids [T, K]); `tokens` is the hash gate's, unused here."""
         a = self.args
         scores = expert_scores(x, self.weight, a.score_func)  # [T, E]
-        choice = scores if self.bias is None else scores + self.bias
-        if self.grouped:
-            groups = choice.view(x.shape[0], a.n_expert_groups, -1)  # [T, G, E/G]
-            g = groups.topk(2, dim=-1)[0].sum(-1) if self.bias is not None else groups.amax(dim=-1)
-            keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(a.n_limited_groups, dim=-1)[1], True)
-            choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        indices = choice.topk(a.n_activated_experts, dim=-1)[1]  # [T, K]
-        return route_weights(scores, indices, a), indices
+        select = route if self.kernel else route_ref  # one launch on CUDA (kernels/route.py)
+        return select(
+            scores, self.bias, self.groups, a.n_limited_groups, a.n_activated_experts, a.norm_topk_prob, a.route_scale
+        )
 
 
 class HashGate(nn.Module):

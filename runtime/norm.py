@@ -1,10 +1,14 @@
 """RMSNorm as transformers computes it: normalize in fp32, cast back, then scale by the weight (V3); with an
-fp32 weight (V4 keeps its norms in fp32, as its reference does) scale in fp32 and cast once."""
+fp32 weight (V4 keeps its norms in fp32, as its reference does) scale in fp32 and cast once. On CUDA one
+Triton pass (kernels/rmsnorm.py), elsewhere its torch reference."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 
 
 class RMSNorm(nn.Module):
@@ -14,11 +18,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight.dtype == torch.float32:
-            return (self.weight * normed).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        if x.is_cuda and triton is not None and x.stride(-1) == 1:
+            return rmsnorm(x, self.weight, self.eps)
+        return rmsnorm_ref(x, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

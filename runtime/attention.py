@@ -14,7 +14,10 @@ import torch
 from torch import nn
 
 from dsfp4.config import ModelArgs
+from dsfp4.kernels.fp4_decode import triton
 from dsfp4.kernels.linear import linear
+from dsfp4.kernels.mla_absorb import MAX_TOKENS as ABSORB_TOKENS
+from dsfp4.kernels.mla_absorb import absorb_keys, absorb_values
 from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.rope import apply_rotary_emb, softmax_scale
 from dsfp4.runtime.weights import Weights
@@ -79,10 +82,16 @@ class MLA(nn.Module):
             end = start_pos + t
             self.kv_cache[:b, start_pos:end] = self.kv_norm(kv)
             self.pe_cache[:b, start_pos:end] = k_pe
-        # wkv_b is dequantized per call, as DeepSeek's reference does (one Triton pass on CUDA); a kernel
-        # that multiplies by its FP8 blocks directly would save that write and read
-        wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
-        q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
+        # decode multiplies by wkv_b's FP8 blocks (kernels/mla_absorb.py); prefill dequantizes it once per call,
+        # as DeepSeek's reference does, and multiplies on tensor cores
+        fp8 = b * t <= ABSORB_TOKENS and self.wkv_b.format == "fp8_e4m3_b128" and x.is_cuda and triton is not None
+        h = self.n_heads
+        if fp8:
+            q8, s8 = self.wkv_b.parts
+            q_nope = absorb_keys(q_nope.reshape(b * t, h, -1), q8, s8, self.nope).view(b, t, h, -1)  # [B, T, H, C]
+        else:
+            wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
+            q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
         kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]
         # queries in chunks, so that a long prompt never holds all [B, T, H, S] scores at once
         step = max(1, SCORE_ELEMENTS // (b * self.n_heads * end))
@@ -95,5 +104,9 @@ class MLA(nn.Module):
                 scores = scores + mask[t0 : t0 + step].unsqueeze(1)  # mask: [T, S] -> [T, 1, S]
             probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
             out.append(torch.einsum("bths,bsc->bthc", probs, kv_all))
-        o = torch.einsum("bthc,hvc->bthv", torch.cat(out, dim=1), wkv_b[:, -self.v :])  # W_UV: [B, T, H, V]
+        lat = torch.cat(out, dim=1)  # [B, T, H, C]
+        if fp8:
+            o = absorb_values(lat.reshape(b * t, h, -1), q8, s8, self.nope).view(b, t, h, -1)  # [B, T, H, V]
+        else:
+            o = torch.einsum("bthc,hvc->bthv", lat, wkv_b[:, -self.v :])  # W_UV: [B, T, H, V]
         return linear(o.flatten(2), self.wo)

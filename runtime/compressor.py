@@ -51,8 +51,9 @@ class Compressor(nn.Module):
         self.register_buffer("entries", torch.zeros(max_batch, max_len // ratio, width, dtype=w.dtype, device=w.device))
         self.register_buffer("pending_kv", torch.zeros(max_batch, ratio, c * width, **f32))  # unfinished window
         self.register_buffer("pending_gate", torch.zeros(max_batch, ratio, c * width, **f32))
-        self.register_buffer("prev_kv", torch.zeros(max_batch, ratio, width, **f32))  # CSA: last window's 1st halves
-        self.register_buffer("prev_gate", torch.zeros(max_batch, ratio, width, **f32))
+        prev = ratio if overlap else 0  # CSA: the last window's first halves (HCA keeps none)
+        self.register_buffer("prev_kv", torch.zeros(max_batch, prev, width, **f32))
+        self.register_buffer("prev_gate", torch.zeros(max_batch, prev, width, **f32))
         self.pos = 0  # tokens seen
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsfp4.config import CSA, ModelArgs
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.moe import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
@@ -24,11 +25,13 @@ from dsfp4.runtime.speculative import MTP_BATCH
 from dsfp4.sizes import format_bytes
 
 FP32 = 4
+COMPLEX64 = 8  # an entry of the RoPE tables
 ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
 CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, cuBLAS and Triton, loaded after the plan
 # (0.63 GiB measured on the H100 machine, docs/BENCHMARKS.md)
 LOGIT_ROWS = 16  # positions whose logits exist at once (one while sampling, up to this many in Engine.logits)
 ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
+ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")  # tables a decode token reads one row of
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Plan:
             (f"device budget ({self.device})", format_bytes(self.budgets.gpu), ""),
             *([process] if on_cpu else []),
             ("  backbone", format_bytes(self.backbone), "weights in their stored formats"),
-            ("  KV cache", format_bytes(self.kv_cache), "latent cache for --max-context"),
+            ("  KV cache", format_bytes(self.kv_cache), "caches, their state and RoPE tables for --max-context"),
             ("  workspace", format_bytes(self.workspace), "transient tensors (estimate)"),
             ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
             ("RAM budget", format_bytes(self.budgets.cpu), ""),
@@ -103,13 +106,62 @@ def token_bytes(manifest: Manifest) -> tuple[int, int]:
         if name.startswith(a.mtp_prefixes):
             continue
         n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
-        if name == "embed.weight":
-            n = n // t.shape[0] + (n if a.tie_word_embeddings else 0)  # one row; all of it again as the head
+        if name.endswith(ONE_ROW):  # one row (V4's hash layers: the token's experts); a tied embedding is the head too
+            n = n // t.shape[0] + (n if name == "embed.weight" and a.tie_word_embeddings else 0)
         elif name.endswith(ROUTER_SUFFIXES):
             n = n * 32 // FORMATS[t.format].bits
         total += n
     record = sum(p.nbytes for p in manifest.record.parts) if manifest.record else 0
     return total, record
+
+
+def layer_cache_bytes(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int, int]:
+    """(bytes that grow with the context, fixed bytes) of one layer's caches for one sequence of `max_context`
+    tokens, as the model allocates them. V3: the latent cache and its RoPE part. V4: the sliding window's
+    window_size - 1 keys; on CSA and HCA layers max_context // m compressed entries and the compressor's fp32
+    state (the unfinished window's values and gates, CSA's previous window's first halves as well); on CSA
+    layers the indexer's entries and state too (an overlapping compressor at index_head_dim)."""
+    if not a.is_v4:
+        return max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt, 0
+    m, csa = a.compress_ratios[layer], a.layer_kinds[layer] == CSA
+    compressors = ([(a.head_dim, csa)] if m else []) + ([(a.index_head_dim, True)] if csa else [])
+    grows, fixed = 0, (a.window_size - 1) * a.head_dim * elt
+    for width, overlap in compressors:
+        grows += max_context // m * width * elt
+        fixed += 2 * m * width * (3 if overlap else 1) * FP32  # values and gates: pending [m, c W], CSA prev [m, W]
+    return grows, fixed
+
+
+def cache_bytes(a: ModelArgs, layers: range, max_context: int, elt: int) -> int:
+    """Every buffer the model allocates for `max_context`: the layers' caches and state, and the RoPE tables
+    ([max_context, rope_dim / 2] complex64; V4 one per base, plain and compress)."""
+    rope = (2 if a.is_v4 else 1) * max_context * (a.qk_rope_head_dim // 2) * COMPLEX64
+    return rope + sum(sum(layer_cache_bytes(a, i, max_context, elt)) for i in layers)
+
+
+def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
+    """Transient tensors of one forward of t tokens (upper estimates of what lives at once). V3: the residual
+    stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's scores. V4: the
+    mHC streams and their fp32 mixing, queries and outputs of every head, the compressors' fp32 projections and
+    window slots, the keys (window and every compressed entry) with their fp32 copy and masks, three copies of a
+    chunk's scores (masked, with the sink, softmax), the indexer's fp32 scores of every head and entry."""
+    if not a.is_v4:
+        acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
+        return acts + 2 * min(SCORE_ELEMENTS, t * a.n_heads * max_context) * FP32
+    ratios = [m for m in a.compress_ratios if m]
+    entries = max_context // min(ratios) if ratios else 0  # the most a layer attends besides its window
+    keys = a.window_size + t + entries
+    acts = t * a.hc_mult * a.dim * (4 * FP32 + 2 * elt)  # [T, N, D] streams
+    acts += t * a.n_heads * a.head_dim * (4 * elt + 2 * FP32)  # queries and outputs [T, H, W]
+    acts += t * a.index_n_heads * a.index_head_dim * (2 * elt + FP32) + t * a.dim * FP32  # indexer queries, fp32 x
+    acts += 8 * t * 2 * a.head_dim * FP32 + 6 * t * a.moe_inter_dim * elt  # compressor, expert hidden states
+    acts += keys * a.head_dim * (elt + 2 * FP32) + 3 * t * keys  # keys [S, W], masks [T, S]
+    acts += 3 * min(SCORE_ELEMENTS, t * a.n_heads * keys) * FP32
+    csa = [m for m, k in zip(a.compress_ratios, a.layer_kinds, strict=True) if k == CSA]
+    if csa:  # [T, H_i, E] relu'd scores and [T, E] index, masked
+        n = max_context // min(csa)
+        acts += 2 * t * a.index_n_heads * n * FP32 + 2 * t * n * FP32
+    return acts
 
 
 def make_plan(
@@ -130,15 +182,13 @@ def make_plan(
     used = expert_layers(manifest, with_mtp)
     total_records = len(used) * a.n_routed_experts
     backbone, largest = backbone_bytes(manifest, dtype, with_mtp)
-    kv = len(layers) * max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt
+    kv = cache_bytes(a, layers, max_context, elt)
     # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
     t = min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
-    # dequantizing a matrix goes through two fp32 copies, then the result; activations of one chunk:
-    # the residual stream and its temporaries, absorbed queries, attention scores, expert hidden states
+    # dequantizing a matrix goes through two fp32 copies, then the result; the activations of one chunk
     dequant = largest * (2 * FP32 + elt)
-    acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
-    scores = min(SCORE_ELEMENTS, t * a.n_heads * max_context)  # attention scores of one query chunk
-    workspace = dequant + acts + 2 * scores * FP32 + a.vocab_size * FP32 * 2 * LOGIT_ROWS  # two copies of logits
+    acts = activation_bytes(a, t, max_context, elt)
+    workspace = dequant + acts + a.vocab_size * FP32 * 2 * LOGIT_ROWS  # two copies of logits
     if manifest.record:  # the routed-expert kernels' workspaces
         workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
     workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0

@@ -42,8 +42,11 @@ def _text(record: dict) -> str:
     return next(m["content"] for m in record["messages"] if m["role"] == "user")
 
 
-def run_preset(model: Path, options: RunOptions, prompts: list[str], max_tokens: int, c: Ceilings) -> dict:
-    """One Engine under `options` (its preset), the prompts in turn (each its own conversation) -> results."""
+def run_preset(
+    model: Path, options: RunOptions, prompts: list[str], max_tokens: int, c: Ceilings, label: str | None = None
+) -> dict:
+    """One Engine under `options` (its preset or budgets, named `label`), the prompts in turn (each its own
+    conversation) -> results."""
     from dsfp4.runtime.engine import Engine
 
     t0 = time.perf_counter()
@@ -79,7 +82,7 @@ def run_preset(model: Path, options: RunOptions, prompts: list[str], max_tokens:
     layers = {str(layer): dict(zip(("uses", "device", "ram"), c, strict=True)) for layer, c in layer_uses.items()}
     prefill_s = sum(x.prefill_s for x in prefills)
     return {
-        "preset": options.preset or "this machine",
+        "preset": label or options.preset or "this machine",
         "gpu_budget": plan.budgets.gpu,
         "cpu_budget": plan.budgets.cpu,
         "gpu_slots": plan.gpu_slots,

@@ -35,6 +35,8 @@ def _command(ctx: click.Context) -> str:
     type=click.Choice(list(PRESETS)),
     help="Emulate a machine class (its GPU and RAM budgets); repeat for several. Default: this machine's.",
 )
+@click.option("--gpu-mem", help="Also run under this device budget (a size such as 6G), for a machine no preset names.")
+@click.option("--cpu-mem", help="RAM budget of that run (a size such as 8G).")
 @click.option("--prompts", type=click.IntRange(1, 64), default=4, show_default=True, help="Fixed prompts per preset.")
 @click.option("--max-tokens", type=click.IntRange(2), default=64, show_default=True, help="Tokens per answer.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -63,6 +65,8 @@ def bench(
     ceilings: Path | None,
     zero_copy: bool,
     out: Path,
+    gpu_mem: str | None,
+    cpu_mem: str | None,
 ) -> None:
     """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
     per layer), waiting against computing, peak memory, and efficiency (the floor the doctor's ceilings
@@ -81,10 +85,12 @@ def bench(
         c.save(path)
     texts = prompt_set(prompts)
     results = []
-    for preset in presets or (None,):
-        options = RunOptions(device=device, preset=preset, max_context=max_context, zero_copy=zero_copy)
-        click.echo(f"{preset or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
-        r = run_preset(model, options, texts, max_tokens, c)
+    custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
+    for budget in [{"preset": p} for p in presets] + custom or [{}]:
+        options = RunOptions(device=device, max_context=max_context, zero_copy=zero_copy, **budget)
+        label = budget.get("preset") or " ".join(f"--{k.replace('_', '-')} {v}" for k, v in budget.items() if v)
+        click.echo(f"{label or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
+        r = run_preset(model, options, texts, max_tokens, c, label or None)
         eff = f", efficiency {r['efficiency']:.0%}" if r["efficiency"] is not None else ""
         click.echo(
             f"{r['preset']}: decode {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_tok_s']:.1f} tok/s, "

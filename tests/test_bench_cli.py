@@ -66,3 +66,19 @@ def test_bench_runs_given_budgets_beside_the_presets(converted, tmp_path):
     data = json.loads((out / "bench.json").read_text())
     assert [x["preset"] for x in data["results"]] == ["80g", "--gpu-mem 1G --cpu-mem 1G"]
     assert data["results"][1]["gpu_budget"] == 1 << 30 and "--gpu-mem 1G --cpu-mem 1G" in data["command"]
+
+
+def test_bench_measures_decode_after_the_cached_prompt_on_deepseek_v4(v4_converted, tmp_path):
+    """V4's caches continue only where they stopped: the answer still follows the cached prompt, so a decode
+    token's bytes are one token's (no prefill counted in them)."""
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="cpu", hbm_read_gbps=100.0, pinned_h2d_gbps=10.0, random_read_gbps=1.0, disk="/nvme").save(ceil)
+    out = tmp_path / "report"
+    args = ["bench", str(v4_converted), "--device", "cpu", "--prompts", "1", "--max-tokens", "3"]
+    r = CliRunner().invoke(cli, [*args, "--ceilings", str(ceil), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    (res,) = json.loads((out / "bench.json").read_text())["results"]
+    m = Manifest.read(v4_converted)
+    backbone, record = token_bytes(m)
+    k = m.args.n_activated_experts * len(res["layers"])
+    assert res["bytes_per_token"]["device"] == pytest.approx(backbone + k * record)

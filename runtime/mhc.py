@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsfp4.config import ModelArgs
+from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.mhc_weights import mhc_weights, mhc_weights_ref
 from dsfp4.runtime.norm import rms_normalize
 from dsfp4.runtime.weights import Weights
 
@@ -37,18 +39,9 @@ class HyperConnection(nn.Module):
 
     def weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N] (fp32)."""
-        n = self.n
         mix = F.linear(rms_normalize(x.flatten(2).float(), self.norm_eps), self.fn)  # [B, T, (2 + N) N]
-        pre, post, comb = mix.split([n, n, n * n], dim=-1)
-        base_pre, base_post, base_comb = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre * self.scale[0] + base_pre) + self.eps
-        post = 2 * torch.sigmoid(post * self.scale[1] + base_post)
-        comb = torch.softmax((comb * self.scale[2] + base_comb).unflatten(-1, (n, n)), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)  # columns first, then rows and columns
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        return pre, post, comb
+        weights = mhc_weights if mix.is_cuda and triton is not None else mhc_weights_ref  # one launch on CUDA
+        return weights(mix, self.scale, self.base, self.n, self.iters, self.eps)
 
     @staticmethod
     def expand(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

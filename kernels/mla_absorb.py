@@ -18,7 +18,7 @@ from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
 MAX_TOKENS = 16  # beyond this, dequantize once and multiply on tensor cores
-KEY_COLUMNS, VALUE_ROWS = 64, 16  # a program's tile: [N, 64] of W_UK, [16, C] of W_UV
+KEY_ROWS, KEY_COLUMNS, VALUE_ROWS = 32, 128, 16  # a program's tiles: [32, 128] of W_UK, [16, C] of W_UV
 
 
 def _heads(q8: torch.Tensor, scale: torch.Tensor, heads: int) -> torch.Tensor:
@@ -51,19 +51,22 @@ if triton is not None:
     @triton.jit
     def _keys_kernel(
         q_ptr, w_ptr, s_ptr, out_ptr, M, stride_qm, stride_qh, stride_om, stride_oh, stride_w, stride_s,
-        N: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr,
+        N: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, RN: tl.constexpr, BC: tl.constexpr,
         SB: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
-        """Head pid 0, columns pid 1 * BC ..: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c]."""
+        """Head pid 0, columns pid 1 * BC ..: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c], RN rows at a time
+        (rows of BC contiguous bytes; a second token reads the tiles again from L2)."""
         h = tl.program_id(0)
-        n = tl.arange(0, NP)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
-        ok = (n < N)[:, None] & (c < C)[None, :]
-        w = _fp8_tile(w_ptr, s_ptr, h * HD + n, c, ok, stride_w, stride_s, SB, HW_E4M3)  # [NP, BC]
         for m in range(M):
-            qv = tl.load(q_ptr + m * stride_qm + h * stride_qh + n, mask=n < N, other=0.0).to(tl.float32)
-            y = tl.sum(w * qv[:, None], axis=0)  # [BC]
-            tl.store(out_ptr + m * stride_om + h * stride_oh + c, y.to(out_ptr.dtype.element_ty), mask=c < C)
+            acc = tl.zeros((BC,), dtype=tl.float32)
+            for n0 in tl.static_range(0, N, RN):
+                n = n0 + tl.arange(0, RN)
+                ok = (n < N)[:, None] & (c < C)[None, :]
+                w = _fp8_tile(w_ptr, s_ptr, h * HD + n, c, ok, stride_w, stride_s, SB, HW_E4M3)  # [RN, BC]
+                qv = tl.load(q_ptr + m * stride_qm + h * stride_qh + n, mask=n < N, other=0.0).to(tl.float32)
+                acc += tl.sum(w * qv[:, None], axis=0)
+            tl.store(out_ptr + m * stride_om + h * stride_oh + c, acc.to(out_ptr.dtype.element_ty), mask=c < C)
 
     @triton.jit
     def _values_kernel(
@@ -92,7 +95,7 @@ def absorb_keys(q: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: in
     _keys_kernel[(heads, triton.cdiv(c, KEY_COLUMNS))](
         q, q8.view(torch.uint8), scale, out, m, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         q8.stride(0), scale.stride(0),
-        N=n, HD=q8.shape[0] // heads, C=c, NP=next_pow2(n), BC=KEY_COLUMNS, SB=FP8_BLOCK, HW_E4M3=hw_e4m3(q.device),
+        N=n, HD=q8.shape[0] // heads, C=c, RN=KEY_ROWS, BC=KEY_COLUMNS, SB=FP8_BLOCK, HW_E4M3=hw_e4m3(q.device),
     )  # fmt: skip
     return out
 

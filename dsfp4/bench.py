@@ -5,7 +5,7 @@ Per preset: TTFT, prefill and decode tok/s, bytes per token from each tier, hit 
 layer), time waiting for experts against computing, peak device and process memory, and the efficiency
 floor / measured. The floor of a decode token is max(SSD bytes / SSD ceiling, host->GPU bytes / PCIe
 ceiling) + device bytes / HBM ceiling: the time its data movement needs at the measured ceilings, with
-SSD and PCIe overlapped (Ceilings.floor_s).
+SSD and PCIe overlapped, the SSD at its faster ceiling (Ceilings.floor_s).
 """
 
 from __future__ import annotations

@@ -61,11 +61,13 @@ class Ceilings:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def floor_s(self, device_bytes: float, ssd_bytes: float, h2d_bytes: float) -> float | None:
-        """The time a token's bytes need at these ceilings: SSD reads (random records, as the store reads)
-        and host->GPU copies overlap each other, device reads follow (None without a GPU measured)."""
+        """The time a token's bytes need at these ceilings: SSD reads and host->GPU copies overlap each other,
+        device reads follow (None without a GPU measured). SSD bytes go at the disk's faster ceiling: the
+        store reads runs of adjacent records, so some of its reads stream, and no pattern beats sequential."""
         if not (self.hbm_read_gbps and self.pinned_h2d_gbps and self.random_read_gbps):
             return None
-        links = max(ssd_bytes / (self.random_read_gbps * 1e9), h2d_bytes / (self.pinned_h2d_gbps * 1e9))
+        ssd = max(self.random_read_gbps, self.seq_read_gbps or 0.0)
+        links = max(ssd_bytes / (ssd * 1e9), h2d_bytes / (self.pinned_h2d_gbps * 1e9))
         return links + device_bytes / (self.hbm_read_gbps * 1e9)
 
     def save(self, path: Path) -> None:

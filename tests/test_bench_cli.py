@@ -45,6 +45,8 @@ def test_bench_writes_json_csv_and_html_with_the_ceilings_and_per_layer_hits(con
 def test_the_floor_overlaps_ssd_and_pcie_then_adds_the_device():
     c = Ceilings(gpu="x", hbm_read_gbps=1000.0, pinned_h2d_gbps=50.0, random_read_gbps=5.0)
     assert c.floor_s(device_bytes=1e9, ssd_bytes=1e9, h2d_bytes=1e9) == 1e9 / 5e9 + 1e9 / 1e12
+    faster = Ceilings(gpu="x", hbm_read_gbps=1000.0, pinned_h2d_gbps=50.0, random_read_gbps=5.0, seq_read_gbps=8.0)
+    assert faster.floor_s(device_bytes=1e9, ssd_bytes=1e9, h2d_bytes=0) == 1e9 / 8e9 + 1e9 / 1e12
     assert Ceilings().floor_s(1e9, 0, 0) is None  # no GPU measured: no floor
 
 

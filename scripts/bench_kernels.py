@@ -34,6 +34,7 @@ from dsfp4.layout.record import RecordLayout  # noqa: E402
 
 DEV = torch.device("cuda")
 DIM, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3
+V4_DIM, V4_TOP_K, V4_LIMIT = 4096, 6, 10.0  # DeepSeek-V4-Flash: width 2048 too, MXFP4, the SwiGLU clamp
 CALLS = 24  # distinct calls per graph
 
 
@@ -57,14 +58,14 @@ def graph_time(calls: list, reps: int = 5) -> float:
     return start.elapsed_time(end) / 1e3 / reps / len(calls)
 
 
-def expert_pool(fmt: str, gen: torch.Generator) -> tuple[RecordLayout, torch.Tensor]:
+def expert_pool(fmt: str, gen: torch.Generator, dim: int = DIM) -> tuple[RecordLayout, torch.Tensor]:
     """256 records on the device: 16 distinct random experts (quantized on the GPU), each repeated; the
     bytes differ only in content, so copies cost the same HBM reads."""
-    layout = RecordLayout.for_expert(fmt, DIM, INTER)
+    layout = RecordLayout.for_expert(fmt, dim, INTER)
     records = torch.empty(EXPERTS, layout.nbytes, dtype=torch.uint8, device=DEV)
     for e in range(16):
-        w13 = torch.randn(2 * INTER, DIM, device=DEV, generator=gen) * 0.02
-        w2 = torch.randn(DIM, INTER, device=DEV, generator=gen) * 0.02
+        w13 = torch.randn(2 * INTER, dim, device=DEV, generator=gen) * 0.02
+        w2 = torch.randn(dim, INTER, device=DEV, generator=gen) * 0.02
         if fmt == "nvfp4":
             (p13, s13, g13), (p2, s2, g2) = fp4.nvfp4_quantize(w13), fp4.nvfp4_quantize(w2)
             parts = {"w13": p13, "w13_scale": s13, "w2": p2, "w2_scale": s2, "scale_2": torch.stack([g13, g13, g2])}
@@ -80,13 +81,40 @@ def read_bytes(layout: RecordLayout) -> int:
     return sum(p.nbytes for p in layout.parts)
 
 
-def routings(t: int, gen: torch.Generator, n: int = CALLS) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+def routings(
+    t: int, gen: torch.Generator, n: int = CALLS, k: int = TOP_K
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """n random routings of t tokens: (ids [T, K], weights [T, K], distinct experts)."""
     out = []
     for _ in range(n):
-        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(t)])
-        out.append((ids.to(DEV), (torch.rand(t, TOP_K, generator=gen) + 0.1).to(DEV), len(set(ids.flatten().tolist()))))
+        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:k] for _ in range(t)])
+        out.append((ids.to(DEV), (torch.rand(t, k, generator=gen) + 0.1).to(DEV), len(set(ids.flatten().tolist()))))
     return out
+
+
+def decode_rows(
+    hbm: float, kernel: DecodeMoE, records: torch.Tensor, offsets: torch.Tensor, t: int, k: int, gen, **row
+) -> dict:
+    """One decode case over CALLS random routings of t tokens, captured in a graph."""
+    routes = routings(t, gen, k=k)
+    x = torch.randn(t, kernel.layout.dim, device=DEV, dtype=torch.bfloat16)
+    kernel(x, routes[0][0], routes[0][1], records, offsets)  # compiles before capture
+    s = graph_time([lambda r=r: kernel(x, r[0], r[1], records, offsets) for r in routes])
+    distinct = sum(r[2] for r in routes) / len(routes)
+    gbps = distinct * read_bytes(kernel.layout) / s / 1e9
+    return {"T": t, "us": s * 1e6, "distinct_experts": distinct, "GBps": gbps, "of_ceiling": gbps / hbm, **row}
+
+
+def bench_decode_v4(hbm: float) -> list[dict]:
+    """DeepSeek-V4-Flash's experts (dim 4096, width 2048, top-6 of 256, MXFP4, clamped SwiGLU) on the device."""
+    layout, records = expert_pool("mxfp4", torch.Generator(device=DEV).manual_seed(5), V4_DIM)
+    offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
+    kernel = DecodeMoE(layout, V4_TOP_K, DEV, limit=V4_LIMIT)
+    gen = torch.Generator().manual_seed(5)
+    return [
+        decode_rows(hbm, kernel, records, offsets, t, V4_TOP_K, gen, case="moe_decode_v4", fmt="mxfp4")
+        for t in (1, 2, 4, 8)
+    ]
 
 
 def bench_decode(hbm: float, sweep: bool) -> list[dict]:
@@ -105,23 +133,11 @@ def bench_decode(hbm: float, sweep: bool) -> list[dict]:
     for fmt in ("nvfp4", "mxfp4"):
         layout, records = expert_pool(fmt, gen)
         offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
-        per_expert = read_bytes(layout)
         for cfg in configs if fmt == "nvfp4" else configs[:1]:
             kernel = DecodeMoE(layout, TOP_K, DEV, cfg)
             for t in (1, 2, 4, 8, 16) if cfg == configs[0] else (1, 4):
-                routes = routings(t, cpu_gen)
-                x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
-                for ids, w, _ in routes[:1]:
-                    kernel(x, ids, w, records, offsets)  # compiles before capture
-                s = graph_time(
-                    [lambda r=r, k=kernel, x=x, rec=records, o=offsets: k(x, r[0], r[1], rec, o) for r in routes]
-                )
-                distinct = sum(r[2] for r in routes) / len(routes)
-                gbps = distinct * per_expert / s / 1e9
-                rows.append({
-                    "case": "moe_decode", "fmt": fmt, "T": t, "config": cfg.__dict__,
-                    "us": s * 1e6, "distinct_experts": distinct, "GBps": gbps, "of_ceiling": gbps / hbm,
-                })  # fmt: skip
+                row = dict(case="moe_decode", fmt=fmt, config=cfg.__dict__)
+                rows.append(decode_rows(hbm, kernel, records, offsets, t, TOP_K, cpu_gen, **row))
     return rows
 
 
@@ -230,7 +246,7 @@ def bench_fp8(hbm: float) -> list[dict]:
     return rows
 
 
-SECTIONS = ("decode", "decode_torch", "zero_copy", "prefill", "fp8")
+SECTIONS = ("decode", "decode_v4", "decode_torch", "zero_copy", "prefill", "fp8")
 
 
 def main() -> int:
@@ -245,6 +261,8 @@ def main() -> int:
     rows: list[dict] = []
     if "decode" in only:
         rows += bench_decode(hbm, a.sweep)
+    if "decode_v4" in only:
+        rows += bench_decode_v4(hbm)
     if "decode_torch" in only:
         rows += bench_decode_torch(hbm)
     if "zero_copy" in only:

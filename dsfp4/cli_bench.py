@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dsfp4.cli_options import EXISTING_DIR, PATH
+from dsfp4.cli_options import EXISTING_DIR, PATH, ZERO_COPY
 from dsfp4.runtime.budget import PRESETS
 
 
@@ -46,14 +46,7 @@ def _command(ctx: click.Context) -> str:
     type=PATH,
     help="The doctor's JSON (default: ~/.cache/dsfp4/doctor.json; measured on MODEL's disk now when missing).",
 )
-@click.option(
-    "--no-zero-copy",
-    "zero_copy",
-    is_flag=True,
-    flag_value=False,
-    default=True,
-    help="Stream experts through the device slots even where the device and RAM hold them all (as run's flag).",
-)
+@ZERO_COPY
 @click.option("--out", type=PATH, default=Path("bench"), show_default=True, help="Folder for the reports.")
 def bench(
     model: Path,

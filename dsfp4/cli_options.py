@@ -17,6 +17,15 @@ PATH = click.Path(path_type=Path)
 EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
 EXISTING_FILE = click.Path(path_type=Path, exists=True, dir_okay=False)
 RUN_DEFAULTS = RunOptions()
+ZERO_COPY = click.option(
+    "--no-zero-copy",
+    "zero_copy",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Stream experts through the device slots even when the device and RAM hold them all (by default "
+    "kernels then read RAM's records in place over PCIe, and decode steps replay as CUDA graphs).",
+)
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 
 

@@ -14,6 +14,7 @@ from dsfp4.cli_options import (
     EXISTING_DIR,
     PATH,
     RUN_DEFAULTS,
+    ZERO_COPY,
     budget_options,
     context_options,
     given_flags,
@@ -79,15 +80,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
     default=True,
     help="Launch every decode step's kernels one by one instead of replaying a captured CUDA graph.",
 )
-@click.option(
-    "--no-zero-copy",
-    "zero_copy",
-    is_flag=True,
-    flag_value=False,
-    default=True,
-    help="Stream experts through the device slots even when the device and RAM hold them all (by default "
-    "kernels then read RAM's records in place over PCIe, and decode steps replay as CUDA graphs).",
-)
+@ZERO_COPY
 @click.option(
     "--mtp",
     is_flag=True,

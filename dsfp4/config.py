@@ -185,8 +185,14 @@ class ModelArgs:
 
 
 _REQUIRED = object()
-_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "an object"}
-_KINDS[list] = "a list"
+_KINDS = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    dict: "an object",
+    list: "a list",
+}
 
 
 def _field(c: dict[str, Any], key: str, kind: type, source: str, default: Any = _REQUIRED, minimum: int = 0) -> Any:
@@ -287,7 +293,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
     )
 
 
-def _v4_schedule(c: dict[str, Any], f: Callable[..., Any], n_blocks: int, source: str) -> tuple[tuple, tuple]:
+def _v4_schedule(f: Callable[..., Any], n_blocks: int, source: str) -> tuple[tuple, tuple]:
     """(layer kinds, compress ratios) per block from the official compress_ratios (n_layers + MTP entries, the
     MTP ones last) or transformers' layer_types + compress_rates (main layers only: its MTP blocks are sliding,
     as the official schedule has them)."""
@@ -314,7 +320,7 @@ def _v4_args(
 ) -> ModelArgs:
     """DeepSeek-V4 (v4-flash-spec a.1): the official config.json keys, or transformers' spellings of them."""
     n_blocks = common["n_layers"] + common["n_mtp_layers"]
-    kinds, ratios = _v4_schedule(c, f, n_blocks, source)
+    kinds, ratios = _v4_schedule(f, n_blocks, source)
     head_dim = f("head_dim", minimum=1)
     if (kv_heads := f("num_key_value_heads", default=1)) != 1:
         raise ConfigError(f"{source}: num_key_value_heads is {kv_heads}; DeepSeek-V4 has one shared K=V head")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dsfp4.errors import ConfigError
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.routing_trace import RoutingTrace
 from dsfp4.runtime.calibration import calibration
@@ -83,6 +84,11 @@ def profile_model(
     on_start gets the plan, the layer count and the tokens, on_layer the layers done and the store's counters."""
     t0 = time.perf_counter()
     device, manifest, seq_len, dtype = run_target(model_dir, options)
+    if manifest.args.is_v4:  # its blocks take mHC streams and the tokens, not layer_pass's hidden states
+        raise ConfigError(
+            f"profile-hot: {model_dir} is a DeepSeek-V4 model, which the layer-by-layer pass does not run yet; "
+            "run it without a hot profile"
+        )
     calib = calibration(ChatTokenizer(model_dir), prompts, chat_format, tokens, seq_len)
     hidden_bytes = calib.tokens * manifest.args.dim * torch.empty((), dtype=dtype).element_size()
     plan = plan or plan_run(manifest, device, dtype, seq_len, options, False, host_extra=hidden_bytes)

@@ -93,6 +93,12 @@ def test_layerwise_counts_equal_ordinary_generation_and_each_record_is_read_once
     assert small.profile.counts == want and "read from the SSD more than once" in small.notes[0]
 
 
+def test_profile_hot_refuses_a_deepseek_v4_model_naming_it(v4_converted, prompts):
+    with pytest.raises(ConfigError, match="DeepSeek-V4") as e:
+        profile_model(v4_converted, RunOptions(device="cpu", max_context=SEQ), prompts, False, TOKENS)
+    assert "\n" not in str(e.value) and str(v4_converted) in str(e.value)
+
+
 def test_builtin_calibration_is_small_mixed_and_fills_the_sequences(converted):
     folder = Path(sys.modules["dsfp4"].__file__).parent / "calibration"
     assert sum((folder / name).stat().st_size for name in BUILTIN_FILES) < 400_000

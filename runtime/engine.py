@@ -30,6 +30,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.decode_graph import DecodeGraphs
 from dsfp4.runtime.model import Transformer, load_model, plan_run
+from dsfp4.runtime.model_v4 import TransformerV4
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import LOGIT_ROWS, Plan, hottest_first
 from dsfp4.runtime.reasoning import opens_thinking, partial_suffix
@@ -174,7 +175,7 @@ class Engine:
                 f"--mtp: speculative decoding drives V3's MTP layer, not DeepSeek-V4's; run {self.model_dir} "
                 "without --mtp"
             )
-        self.model: Transformer | None = load_model(
+        self.model: Transformer | TransformerV4 | None = load_model(
             self.model_dir,
             device,
             dtype,
@@ -370,7 +371,7 @@ class Engine:
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _model(self) -> Transformer:
+    def _model(self) -> Transformer | TransformerV4:
         if self.model is None:
             raise DsfpError("this engine is closed; create a new one")
         return self.model

@@ -57,7 +57,8 @@ class Block(nn.Module):
         return x + (self.ffn(self.ffn_norm(x), x) if self.moe else self.ffn(self.ffn_norm(x)))
 
     def route(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts this block's router would pick for residual stream h: [B, T, D] -> [B T, K]."""
+        """The experts this block's router would pick for residual stream h: [B, T, D] -> [B * T, K]. `tokens`
+        is unused: the signature is BlockV4.route's, whose hash layers route by token."""
         return self.ffn.gate(self.ffn_norm(h.view(-1, h.shape[-1])))[1]
 
 

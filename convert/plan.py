@@ -43,7 +43,7 @@ def expert_format(requested: str, tmap: TensorMap) -> str:
 class ConvertOptions:
     """Knobs of `dsfp4 convert`; each field is the flag of the same name."""
 
-    format: str = "auto"  # AUTO_FORMAT: the source's own FP4 format, else nvfp4
+    format: str = AUTO_FORMAT  # the source's own FP4 format, else nvfp4 (expert_format)
     backbone: str = "fp8"
     no_mtp: bool = False
     workers: int = 2

@@ -460,7 +460,8 @@ class ExpertStore:
 
     def count_resident(self, layers: Iterable[int], uses: int) -> None:
         """Count a step of each of `layers` whose `uses` were all on the device (an all-resident graph replay;
-        mapped runs count on the device). Uses are (token, expert) pairs, as at decode in load_waves."""
+        mapped runs count on the device). Uses are (token, expert) pairs: at decode (one token) the distinct
+        experts load_waves counts."""
         if not self._counting or self._device_counts is not None:
             return
         for layer in layers:

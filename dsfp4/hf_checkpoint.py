@@ -69,6 +69,8 @@ NVFP4_TENSORS = re.compile(
     r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight"
 )
 NORMS = re.compile(r".*(layernorm|norm)\.weight")
+# generation_config.json of the releases (sampling defaults DeepSeek recommends)
+GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>"]
 # R1's thinking tags are added tokens but not special ones: decoding keeps them, so the thinking can be split
 THINK_TOKENS = ["<think>", "</think>"]
@@ -214,6 +216,26 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     )
 
 
+def shard_files(n_shards: int) -> list[str]:
+    """The releases' shard names: model-00001-of-000163.safetensors ..."""
+    return [f"model-{k + 1:05d}-of-{n_shards:06d}.safetensors" for k in range(n_shards)]
+
+
+def write_checkpoint_files(out: Path, cfg: dict, weight_map: dict[str, str], total_size: int) -> None:
+    """What a release holds beside its shards: the index (tensor name -> shard), config.json,
+    generation_config.json (the releases' sampling defaults) and a tokenizer."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    write_tokenizer(out, cfg["vocab_size"])
+
+
+def name_generator(name: str, seed: int) -> torch.Generator:
+    """A generator seeded by the tensor's name: its values do not depend on which tensors come before it."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
 def write_checkpoint(
     out: Path,
     cfg: dict,
@@ -237,7 +259,7 @@ def write_checkpoint(
         acc += size
     if scales := [p[0] for p in planned if p[0].endswith("weight_scale_inv")]:
         shard_of[scales[0]] = n_shards - 1
-    files = [f"model-{k + 1:05d}-of-{n_shards:06d}.safetensors" for k in range(n_shards)]
+    files = shard_files(n_shards)
     writers = [
         SafetensorsWriter(out / f, [(p[0], p[1], p[2]) for p in planned if shard_of[p[0]] == k])
         for k, f in enumerate(files)
@@ -255,18 +277,7 @@ def write_checkpoint(
     for w in writers:
         w.close()
     weight_map = {p[0]: files[shard_of[p[0]]] for p in planned}
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps(
-            {"metadata": {"total_size": sum(w.nbytes - w.data_start for w in writers)}, "weight_map": weight_map},
-            indent=2,
-        )
-    )
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps(
-            {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}, indent=2
-        )
-    )
+    write_checkpoint_files(out, cfg, weight_map, sum(w.nbytes - w.data_start for w in writers))
     if variant == "nvfp4":
         excluded = sorted(
             {
@@ -289,7 +300,6 @@ def write_checkpoint(
                 indent=2,
             )
         )
-    write_tokenizer(out, cfg["vocab_size"])
     return out
 
 
@@ -307,7 +317,7 @@ def random_values(shapes: dict[str, tuple[int, ...]], seed: int) -> Callable[[st
     a small router bias, stand-in KV-cache scales."""
 
     def value(name: str) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        g = name_generator(name, seed)
         if NORMS.fullmatch(name):
             return 1.0 + 0.05 * torch.randn(shapes[name], generator=g)
         if name.endswith(("k_scale", "v_scale")):

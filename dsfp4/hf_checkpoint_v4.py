@@ -8,9 +8,7 @@ element in the low nibble) with E8M0 1x32 scales, the rest BF16, F32 or I64 as i
 
 from __future__ import annotations
 
-import json
 import re
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import torch
 
 from dsfp4.config import from_hf_config
 from dsfp4.convert.hf_names import EXPERT, LINEAR, source_names
-from dsfp4.hf_checkpoint import write_tokenizer
+from dsfp4.hf_checkpoint import name_generator, shard_files, write_checkpoint_files
 from dsfp4.layout.fp4 import E8M0_BIAS, mxfp4_quantize
 from dsfp4.layout.fp8 import fp8_block_quantize
 from dsfp4.layout.safetensors_file import SAFETENSORS_NAMES, SafetensorsWriter
@@ -120,7 +118,7 @@ def write_v4_checkpoint(out: Path, cfg: dict, value: Callable[[str], torch.Tenso
             raise ValueError(f"{name}: value of shape {list(w.shape)}, config.json implies {list(shape)}")
         tensors.update(stored_tensors(name, w, kind))
     names = list(tensors)
-    files = [f"model-{k + 1:05d}-of-{n_shards:06d}.safetensors" for k in range(n_shards)]
+    files = shard_files(n_shards)
     shard_of = {n: files[i * n_shards // len(names)] for i, n in enumerate(names)}
     for f in files:
         mine = [n for n in names if shard_of[n] == f]
@@ -130,12 +128,7 @@ def write_v4_checkpoint(out: Path, cfg: dict, value: Callable[[str], torch.Tenso
         for n in mine:
             writer.write(n, tensors[n])
         writer.close()
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": shard_of}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    generation = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    write_tokenizer(out, cfg["vocab_size"])
+    write_checkpoint_files(out, cfg, shard_of, sum(t.nbytes for t in tensors.values()))
     return out
 
 
@@ -145,7 +138,7 @@ def random_v4_values(cfg: dict, seed: int) -> Callable[[str], torch.Tensor]:
     shapes = {n: s for n, (s, _) in source_names(from_hf_config(cfg)).items()}
 
     def value(name: str) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        g = name_generator(name, seed)
         shape = shapes[name]
         if name.endswith("tid2eid"):
             return torch.stack(

@@ -2,17 +2,21 @@
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 500
+# the environment's own ruff first: a venv run by its python (not activated) has it only beside that python
+BESIDE = Path(sys.executable).with_name("ruff")
+RUFF = str(BESIDE) if BESIDE.is_file() else shutil.which("ruff")
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
+@pytest.mark.skipif(RUFF is None, reason="ruff is not installed")
 def test_ruff_clean():
-    out = subprocess.run(["ruff", "check", "--no-cache", str(ROOT)], capture_output=True, text=True)
+    out = subprocess.run([RUFF, "check", "--no-cache", str(ROOT)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 
 

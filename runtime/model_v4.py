@@ -131,7 +131,8 @@ class TransformerV4(nn.Module):
 
     def reusable(self, keep: int) -> int:
         """How many of the cached tokens a call may keep when it would keep `keep`: the compressors' and
-        windows' state exists only where the last call stopped, so all of them or none."""
+        windows' state exists only where the last call stopped, so all of them or none (none after a call
+        that stopped inside the layers, some of them advanced and the others not)."""
         return keep if keep == self.pos else 0
 
     def forward(
@@ -152,6 +153,7 @@ class TransformerV4(nn.Module):
         x = (
             F.embedding(tokens, self.embed).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
         )  # [B, T, N, D]
+        self.pos = -1  # until every layer has taken the tokens: a pass stopped halfway leaves nothing to continue
         for layer in self.layers:
             x = layer(x, start_pos, tokens)
         self.pos = start_pos + tokens.shape[1]

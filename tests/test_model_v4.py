@@ -110,6 +110,28 @@ def test_engine_chat_turns_reuse_the_cache_only_where_it_stopped(v4_converted):
         assert other.generate(cached + [20, 21]).token_ids == again.token_ids
 
 
+def test_a_pass_stopped_inside_the_layers_starts_the_next_turn_over(v4_converted):
+    """Ctrl-C in the chat can stop a pass after some layers advanced their caches and before the others did:
+    the next turn prefills from position 0 instead of continuing where the layers disagree."""
+    from dsfp4.runtime.engine import Engine
+
+    with Engine(v4_converted, device="cpu", max_context=128, max_tokens=4, temperature=0) as engine:
+        engine.generate([5, 6, 7, 8, 9, 10, 11])
+        cached, block = list(engine.cached), engine.model.layers[3]
+
+        def interrupt(*args, **kwargs):
+            del block.forward  # once: the next pass runs the block again
+            raise KeyboardInterrupt
+
+        block.forward = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(cached + [20, 21])
+        again = engine.generate(cached + [20, 21, 22])
+        assert engine.stats.cached_tokens == 0
+    with Engine(v4_converted, device="cpu", max_context=128, max_tokens=4, temperature=0) as other:
+        assert other.generate(cached + [20, 21, 22]).token_ids == again.token_ids
+
+
 def test_mtp_block_runs_in_full_and_in_chunks(v4_converted):
     """transformers has no MTP block: its logits are checked for shape and for agreeing with themselves when fed
     in chunks (the block's own window cache continues like the main layers')."""

@@ -90,7 +90,7 @@ def absorb_keys(q: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: in
     """absorb_keys_ref's result from one read of W_UK's FP8 blocks. q: [M, H, N], M <= MAX_TOKENS."""
     m, heads, n = q.shape
     c = q8.shape[1]
-    assert m <= MAX_TOKENS and n == nope and q.stride(2) == 1, "absorb_keys takes up to 16 tokens of [H, N] rows"
+    assert m <= MAX_TOKENS and n == nope and q.stride(2) == 1, f"absorb_keys takes up to {MAX_TOKENS} [H, N] rows"
     out = torch.empty(m, heads, c, dtype=q.dtype, device=q.device)
     _keys_kernel[(heads, triton.cdiv(c, KEY_COLUMNS))](
         q, q8.view(torch.uint8), scale, out, m, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -104,7 +104,7 @@ def absorb_values(o: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: 
     """absorb_values_ref's result from one read of W_UV's FP8 blocks. o: [M, H, C], M <= MAX_TOKENS."""
     m, heads, c = o.shape
     hd = q8.shape[0] // heads
-    assert m <= MAX_TOKENS and c == q8.shape[1] and o.stride(2) == 1, "absorb_values takes up to 16 tokens"
+    assert m <= MAX_TOKENS and c == q8.shape[1] and o.stride(2) == 1, f"absorb_values takes up to {MAX_TOKENS} tokens"
     out = torch.empty(m, heads, hd - nope, dtype=o.dtype, device=o.device)
     _values_kernel[(heads, triton.cdiv(hd - nope, VALUE_ROWS))](
         o, q8.view(torch.uint8), scale, out, m, o.stride(0), o.stride(1), out.stride(0), out.stride(1),

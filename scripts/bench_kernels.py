@@ -93,7 +93,14 @@ def routings(
 
 
 def decode_rows(
-    hbm: float, kernel: DecodeMoE, records: torch.Tensor, offsets: torch.Tensor, t: int, k: int, gen, **row
+    hbm: float,
+    kernel: DecodeMoE,
+    records: torch.Tensor,
+    offsets: torch.Tensor,
+    t: int,
+    k: int,
+    gen: torch.Generator,
+    **row: object,
 ) -> dict:
     """One decode case over CALLS random routings of t tokens, captured in a graph."""
     routes = routings(t, gen, k=k)

@@ -144,6 +144,16 @@ class Transformer(nn.Module):
             return None
         return torch.full((t, start_pos + t), float("-inf"), device=device).triu_(start_pos + 1)
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] -> the residual stream entering block 0, [B, T, D]."""
+        return F.embedding(tokens, self.embed)
+
+    def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Block i alone on x (what block i - 1 gave for tokens [B, T] at start_pos), as forward runs it (the
+        layer-by-layer profile runs the model this way)."""
+        freqs, mask = self.positions(x.shape[1], start_pos)
+        return self.layers[i](x, start_pos, freqs, mask)
+
     def positions(self, t: int, start_pos: int | DevicePosition) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""
         if isinstance(start_pos, DevicePosition):  # one token; the span's rows past it are masked out
@@ -157,7 +167,7 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: [B, T] at positions start_pos.. (or one token at a DevicePosition, as a captured decode step
         does) -> (logits [B, T or 1, V] fp32, final hidden [B, T, D])."""
-        h = F.embedding(tokens, self.embed)  # [B, T, D]
+        h = self.embed_tokens(tokens)  # [B, T, D]
         freqs, mask = self.positions(tokens.shape[1], start_pos)
         for layer in self.layers:
             h = layer(h, start_pos, freqs, mask)

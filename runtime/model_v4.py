@@ -143,6 +143,16 @@ class TransformerV4(nn.Module):
         h = self.norm(self.hc_head(self.streams(tokens, start_pos)))
         return linear(h[:, -1:] if last_only else h, self.head).float(), h
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] -> the residual streams entering block 0: the embedding in each, [B, T, N, D]."""
+        return F.embedding(tokens, self.embed).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
+
+    def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Block i alone on the streams x [B, T, N, D] of tokens [B, T] at start_pos (0, or where this block's
+        caches stopped), as streams() runs it; the model's own position is left invalid."""
+        self.pos = -1
+        return self.layers[i](x, start_pos, tokens)
+
     def streams(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """tokens: [B, T] -> the final residual streams [B, T, N, D] (the MTP block's input)."""
         first = self.layers[0].ffn
@@ -150,9 +160,7 @@ class TransformerV4(nn.Module):
             # layer 0's experts follow from the tokens alone: ask for them before its attention runs
             ids = sorted(set(first.gate.experts_of(tokens).flatten().tolist()))
             self.experts.prefetch(first.layer, ids, protect=set())
-        x = (
-            F.embedding(tokens, self.embed).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
-        )  # [B, T, N, D]
+        x = self.embed_tokens(tokens)  # [B, T, N, D]
         self.pos = -1  # until every layer has taken the tokens: a pass stopped halfway leaves nothing to continue
         for layer in self.layers:
             x = layer(x, start_pos, tokens)

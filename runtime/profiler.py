@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from dsfp4.errors import ConfigError
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.routing_trace import RoutingTrace
 from dsfp4.runtime.calibration import calibration
@@ -46,7 +44,8 @@ def layer_pass(model: Transformer, sequences: list[list[int]], chunk: int, on_la
     """Run every sequence through every block, one block at a time (hidden states wait on the host)."""
     store, device = model.experts, model.freqs_cis.device
     n_experts = model.args.n_routed_experts
-    hidden = [F.embedding(torch.tensor([s], device=device), model.embed).cpu() for s in sequences]  # [1, T, D]
+    tokens = [torch.tensor([s], device=device) for s in sequences]  # [1, T] each
+    hidden = [model.embed_tokens(t).cpu() for t in tokens]  # [1, T, D] (V4: [1, T, N, D], its streams)
     moe = [i for i, block in enumerate(model.layers) if block.moe]
     room = store.plan.ram_slots - n_experts  # RAM slots left beside one whole layer
 
@@ -60,11 +59,10 @@ def layer_pass(model: Transformer, sequences: list[list[int]], chunk: int, on_la
             later = [j for j in moe if j > i]
             if room and later:
                 store.read_ahead(records(later[0])[:room], set(mine))  # this layer's stay
-        for h in hidden:
+        for h, t in zip(hidden, tokens, strict=True):
             for a in range(0, h.shape[1], chunk):
-                x = h[:, a : a + chunk].to(device)  # [1, T, D]
-                freqs, mask = model.positions(x.shape[1], a)
-                h[:, a : a + chunk] = block(x, a, freqs, mask).to(h.device)
+                x = h[:, a : a + chunk].to(device)  # [1, T, ...]
+                h[:, a : a + chunk] = model.block_step(i, x, a, t[:, a : a + chunk]).to(h.device)
         on_layer(i + 1)
 
 
@@ -84,13 +82,9 @@ def profile_model(
     on_start gets the plan, the layer count and the tokens, on_layer the layers done and the store's counters."""
     t0 = time.perf_counter()
     device, manifest, seq_len, dtype = run_target(model_dir, options)
-    if manifest.args.is_v4:  # its blocks take mHC streams and the tokens, not layer_pass's hidden states
-        raise ConfigError(
-            f"profile-hot: {model_dir} is a DeepSeek-V4 model, which the layer-by-layer pass does not run yet; "
-            "run it without a hot profile"
-        )
     calib = calibration(ChatTokenizer(model_dir), prompts, chat_format, tokens, seq_len)
-    hidden_bytes = calib.tokens * manifest.args.dim * torch.empty((), dtype=dtype).element_size()
+    streams = max(1, manifest.args.hc_mult)  # V4's residual is hc_mult streams of dim
+    hidden_bytes = calib.tokens * streams * manifest.args.dim * torch.empty((), dtype=dtype).element_size()
     plan = plan or plan_run(manifest, device, dtype, seq_len, options, False, host_extra=hidden_bytes)
     options = dataclasses.replace(options, prefetch=False)  # predicting the next layer means nothing here
     model = load_model(model_dir, device, dtype, seq_len, manifest=manifest, options=options, plan=plan)

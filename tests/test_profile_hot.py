@@ -49,7 +49,7 @@ def _plan(model_dir: Path, gpu_slots: int, ram_slots: int):
     return dataclasses.replace(plan, gpu_slots=gpu_slots, ram_slots=ram_slots, staging=min(4, ram_slots))
 
 
-def _generation_counts(model_dir: Path, sequences: list[list[int]]) -> dict[int, tuple[int, ...]]:
+def _generation_counts(model_dir: Path, sequences: list[list[int]], n_experts: int = 8) -> dict[int, tuple[int, ...]]:
     """Each sequence through ordinary generation (prefill in CHUNK-token passes, as `dsfp4 run`), its
     routing counted by forward hooks on the routers (prefetch off: it would call them too)."""
     engine = Engine(model_dir, device="cpu", max_context=SEQ + 1, prefill_chunk=CHUNK, prefetch=False)
@@ -57,7 +57,7 @@ def _generation_counts(model_dir: Path, sequences: list[list[int]]) -> dict[int,
 
     def hook(layer: int):
         def count(module, inputs, output):
-            counts[layer] = counts.get(layer, 0) + np.bincount(output[1].flatten().numpy(), minlength=8)
+            counts[layer] = counts.get(layer, 0) + np.bincount(output[1].flatten().numpy(), minlength=n_experts)
 
         return count
 
@@ -93,10 +93,17 @@ def test_layerwise_counts_equal_ordinary_generation_and_each_record_is_read_once
     assert small.profile.counts == want and "read from the SSD more than once" in small.notes[0]
 
 
-def test_profile_hot_refuses_a_deepseek_v4_model_naming_it(v4_converted, prompts):
-    with pytest.raises(ConfigError, match="DeepSeek-V4") as e:
-        profile_model(v4_converted, RunOptions(device="cpu", max_context=SEQ), prompts, False, TOKENS)
-    assert "\n" not in str(e.value) and str(v4_converted) in str(e.value)
+def test_deepseek_v4_layerwise_counts_equal_ordinary_generation(v4_converted, prompts):
+    """V4's blocks take the mHC streams and the tokens (hash layers route by them); the layer-by-layer pass
+    gives the counts of ordinary generation, hash and scored layers alike."""
+    m = Manifest.read(v4_converted)
+    n = m.args.n_routed_experts
+    sequences = calibration(ChatTokenizer(v4_converted), prompts, False, TOKENS, SEQ).sequences
+    want = _generation_counts(v4_converted, sequences, n)
+    assert len(want) == m.args.n_layers and any(m.args.is_hash_layer(layer) for layer in want)
+    options = RunOptions(device="cpu", max_context=SEQ, prefill_chunk=CHUNK)
+    run = profile_model(v4_converted, options, prompts, False, TOKENS, plan=_plan(v4_converted, 3, n))
+    assert run.profile.counts == want and run.profile.tokens == TOKENS
 
 
 def test_builtin_calibration_is_small_mixed_and_fills_the_sequences(converted):

@@ -28,10 +28,16 @@ def route_ref(
         keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(limited_groups, dim=-1)[1], True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
     ids = choice.topk(k, dim=-1)[1]  # [T, K]
+    return chosen_weights(scores, ids, norm, scale), ids
+
+
+def chosen_weights(scores: torch.Tensor, ids: torch.Tensor, norm: bool, scale: float) -> torch.Tensor:
+    """scores: [T, E], ids: [T, K] -> the chosen experts' scores [T, K], renormalized to sum 1 if `norm`,
+    times `scale` (also how V4's hash layers weight the experts their table picks)."""
     weights = scores.gather(1, ids)
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
+    return weights * scale
 
 
 if triton is not None:

@@ -14,7 +14,7 @@ from torch import nn
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe import MoEKernel
-from dsfp4.kernels.route import can_route, route, route_ref
+from dsfp4.kernels.route import can_route, chosen_weights, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.weights import Weights
@@ -76,8 +76,9 @@ class HashGate(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D], tokens: [T] -> (weights [T, K], expert ids [T, K])."""
-        indices = self.experts_of(tokens)
-        return route_weights(expert_scores(x, self.weight, self.args.score_func), indices, self.args), indices
+        a, indices = self.args, self.experts_of(tokens)
+        scores = expert_scores(x, self.weight, a.score_func)  # [T, E]
+        return chosen_weights(scores, indices, a.norm_topk_prob, a.route_scale), indices
 
     def experts_of(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [...] -> their experts [..., K]."""
@@ -92,14 +93,6 @@ def expert_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> tor
     if score_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
     return logits.softmax(dim=-1)
-
-
-def route_weights(scores: torch.Tensor, indices: torch.Tensor, a: ModelArgs) -> torch.Tensor:
-    """The chosen experts' scores [T, K], renormalized if configured, times route_scale."""
-    weights = scores.gather(1, indices)
-    if a.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * a.route_scale
 
 
 class MoE(nn.Module):

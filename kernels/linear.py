@@ -28,9 +28,14 @@ class QuantizedWeight:
     shape: tuple[int, ...]
     name: str = "weight"
 
+    @property
+    def fp8_on_gpu(self) -> bool:
+        """FP8 blocks on a CUDA device with Triton: the kernels that read them as stored can run."""
+        return self.format == "fp8_e4m3_b128" and self.parts[0].is_cuda and triton is not None
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight [N, K] in `dtype` (FP8 blocks in one Triton pass on CUDA)."""
-        if self.format == "fp8_e4m3_b128" and self.parts[0].is_cuda and triton is not None:
+        if self.fp8_on_gpu:
             return fp8_dequantize(*self.parts, dtype=dtype)
         return dequantize(self.format, self.parts, self.name, dtype=dtype)
 

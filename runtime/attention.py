@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from dsfp4.config import ModelArgs
-from dsfp4.kernels.fp4_decode import triton
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.mla_absorb import MAX_TOKENS as ABSORB_TOKENS
 from dsfp4.kernels.mla_absorb import absorb_keys, absorb_values
@@ -51,6 +50,7 @@ class MLA(nn.Module):
         self.wkv_a = w.matrix(p + "wkv_a", (a.kv_lora_rank + a.qk_rope_head_dim, a.dim))
         self.kv_norm = RMSNorm(w.plain(p + "kv_norm.weight", (a.kv_lora_rank,)), a.norm_eps)
         self.wkv_b = w.matrix(p + "wkv_b", (a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank))
+        self.absorb_fp8 = self.wkv_b.fp8_on_gpu  # decode reads its FP8 blocks (kernels/mla_absorb.py)
         self.wo = w.matrix(p + "wo", (a.dim, a.n_heads * a.v_head_dim))
         self.scale = softmax_scale(a)
         self.register_buffer(
@@ -84,7 +84,7 @@ class MLA(nn.Module):
             self.pe_cache[:b, start_pos:end] = k_pe
         # decode multiplies by wkv_b's FP8 blocks (kernels/mla_absorb.py); prefill dequantizes it once per call,
         # as DeepSeek's reference does, and multiplies on tensor cores
-        fp8 = b * t <= ABSORB_TOKENS and self.wkv_b.format == "fp8_e4m3_b128" and x.is_cuda and triton is not None
+        fp8 = b * t <= ABSORB_TOKENS and self.absorb_fp8
         h = self.n_heads
         if fp8:
             q8, s8 = self.wkv_b.parts

@@ -58,10 +58,10 @@ def run_preset(
         for p in prompts:  # each prompt its own conversation: the prefill, then the answer after the cached prompt
             engine.reset()
             prefills.append(engine.generate(p, max_tokens=1, temperature=0).stats)
-            # the cache holds all but the last token: every model continues there (V4's caches only there)
             ids = engine.encode(p)
-            engine.reset()
-            engine.generate(ids[:-1], max_tokens=1, temperature=0)
+            if engine.model.reusable(len(ids) - 1) < len(ids) - 1:  # V4: its caches continue only where they stop
+                engine.reset()
+                engine.generate(ids[:-1], max_tokens=1, temperature=0)  # so they stop before the last token
             before = store.counters.layers()
             decodes.append(engine.generate(ids, max_tokens=max_tokens, temperature=0).stats)
             for layer, now in store.counters.layers().items():

@@ -63,6 +63,11 @@ class Manifest:
     version: int = MANIFEST_VERSION
     created_by: str = f"dsfp4 {__version__}"
 
+    def file_position(self, key: tuple[int, int]) -> tuple[int, int]:
+        """(layer, offset in its expert file) of the record of key (layer, expert): sorting records by it gives
+        the order of sequential reads."""
+        return key[0], self.experts[key[0]].offsets[key[1]]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": self.version,

@@ -215,7 +215,7 @@ class ExpertStore:
 
     def file_position(self, key: Key) -> tuple[int, int]:
         """(layer, offset in its file): sorting keys by it gives the order of a sequential read."""
-        return key[0], self.manifest.experts[key[0]].offsets[key[1]]
+        return self.manifest.file_position(key)
 
     def read_ahead(self, keys: Iterable[Key], protected: set[Key]) -> None:
         """Start reading the records of `keys` that are not in RAM from the SSD, in file order, adjacent

@@ -243,4 +243,4 @@ def hottest_first(manifest: Manifest, plan: Plan, profile: HotProfile | None) ->
     taken = set(ranked)
     n = manifest.args.n_routed_experts
     rest = [(layer, e) for layer in sorted(used) for e in range(n) if (layer, e) not in taken]
-    return ranked + sorted(rest, key=lambda k: (k[0], manifest.experts[k[0]].offsets[k[1]]))  # each layer's file
+    return ranked + sorted(rest, key=manifest.file_position)

@@ -12,6 +12,9 @@ When a step cannot be captured it runs eagerly, and `why_eager` says why (it goe
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator
+
 import torch
 
 from dsfp4.runtime.attention import DevicePosition
@@ -54,12 +57,46 @@ class DecodeGraphs:
 
     def step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's forward of one token at `pos` by graph replay -> (logits [1, 1, V], hidden [1, 1, D])."""
-        graph, logits, hidden = self.graphs[self.span(pos)]  # all captured by capture_all
         self.token.fill_(token)
+        logits, hidden = self._replay(pos)
+        return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
+
+    def tokens(
+        self, logits: torch.Tensor, pos: int, choose: Callable[[torch.Tensor], torch.Tensor], budget: int,
+        keep: Callable[[int], None],
+    ) -> Iterator[int]:  # fmt: skip
+        """Decode by replay one step ahead of the host, from the logits [V] after the token at pos - 1: each
+        token is chosen on the device (choose: logits [V] -> 0-d long) and its step launched before the host
+        reads it, so the host's work (detokenizing, stop rules, the caller's) overlaps the device's. At most
+        `budget` tokens; keep(token) runs when the caller asks for the next one (the step is then kept).
+        A step launched for a token the caller stops at is discarded (its cache row lies past the cached
+        tokens), but it ran: the expert counters include it, and closing waits for it, so timings do too."""
+        host = torch.empty(1, dtype=torch.long, pin_memory=True)
+        chosen = torch.cuda.Event()
+        token = choose(logits)
+        try:
+            for n in itertools.count(1):
+                host.copy_(token.view(1), non_blocking=True)
+                chosen.record()
+                if n < budget:  # the caller stops at the budget's last token: no step for it
+                    self.token.copy_(token.view(1, 1))
+                    logits = self._replay(pos + n - 1)[0][0, -1]
+                chosen.synchronize()  # the token, not the step launched after it
+                token_id = int(host[0])
+                yield token_id
+                keep(token_id)
+                token = choose(logits)
+        finally:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _replay(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step of the token in self.token at pos -> the graph's own outputs (logits [1, 1, V],
+        hidden [1, 1, D]), valid until the next replay."""
+        graph, logits, hidden = self.graphs[self.span(pos)]  # all captured by capture_all
         self.pos.fill_(pos)
         graph.replay()
         self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)  # Python skipped
-        return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
+        return logits, hidden
 
     def capture_all(self) -> None:
         """Capture every span now (at engine start), so that no decode step pays for a capture. Each writes

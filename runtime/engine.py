@@ -13,9 +13,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,14 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.decode_graph import DecodeGraphs
+from dsfp4.runtime.generation import Delta, Generation, Stream
 from dsfp4.runtime.model import Transformer, load_model, plan_run
 from dsfp4.runtime.model_v4 import TransformerV4
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.planner import LOGIT_ROWS, Plan, hottest_first
 from dsfp4.runtime.reasoning import opens_thinking, partial_suffix
 from dsfp4.runtime.routing import RoutingRecorder
-from dsfp4.runtime.sampling import SamplingParams, sample
+from dsfp4.runtime.sampling import SamplingParams, choose, sample
 from dsfp4.runtime.speculative import Speculator
 from dsfp4.runtime.stats import GenerationStats, peak_memory
 from dsfp4.runtime.store_stats import counters_since
@@ -43,58 +43,6 @@ from dsfp4.runtime.tokenizer import ChatTokenizer, TextStream
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
 THINK_TAIL = 8  # prompt tokens decoded to see whether the prompt opens a <think> block
-
-
-@dataclass
-class Generation:
-    """One finished generation: what went in, what came out, why it ended and what it cost."""
-
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled" (the caller's cancel event)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-    def to_dict(self) -> dict:
-        """What `dsfp4 run --json` prints."""
-        return {
-            "prompt_token_ids": self.prompt_ids,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "stats": self.stats.to_dict(),
-        }
-
-
-@dataclass(frozen=True)
-class Delta:
-    """One step of a stream: the token just generated and the text it completes."""
-
-    token_id: int | None  # None for the last flush of text held back (stop-string prefixes, unfinished UTF-8)
-    text: str  # may be empty while text is held back; the deltas' texts add up to Generation.text
-
-
-class Stream(Iterator[Delta]):
-    """The deltas of one generation as they are produced. Once the iteration ends, `generation` holds the
-    result. `close()` (or starting another call on the engine) cancels the rest; the cache stays valid."""
-
-    def __init__(self, steps: Generator[Delta, None, Generation], claim: Callable[[], AbstractContextManager]):
-        self._steps, self._claim = steps, claim
-        self.generation: Generation | None = None
-        self.superseded = False  # a later call on the engine ended it before it finished
-
-    def __next__(self) -> Delta:
-        if self.superseded:
-            raise DsfpError("this stream was ended by a later call on its engine")
-        with self._claim():
-            try:
-                return next(self._steps)
-            except StopIteration as end:
-                self.generation = end.value
-                raise
-
-    def close(self) -> None:
-        self._steps.close()
 
 
 class _Cancelled(Exception):
@@ -430,15 +378,34 @@ class Engine:
             yield self._pass(ids[i : i + chunk], cancel)
 
     def _decode(
-        self, ids: list[int], sampling: SamplingParams, gen: torch.Generator | None, cancel: threading.Event | None
+        self,
+        ids: list[int],
+        sampling: SamplingParams,
+        gen: torch.Generator | None,
+        cancel: threading.Event | None,
+        budget: int,
     ) -> Iterator[int]:
-        """Plain decoding: prefill ids after the cached tokens, then yield tokens; each is fed to the model
-        only when the next one is asked for (so the last one never is)."""
+        """Plain decoding: prefill ids after the cached tokens, then yield tokens. Replayed steps run one ahead
+        of the host (DecodeGraphs.tokens, sampling on the device); eager ones feed a token to the model only
+        when the next one is asked for (so the last one never is)."""
         logits = deque(self._feed(ids, cancel), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
+        if self.graphs is not None and self.graphs.ready:
+            on_device = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
+            yield from self.graphs.tokens(
+                logits, len(self.cached), lambda x: choose(x, sampling, on_device), budget,
+                lambda t: self._keep(t, cancel),
+            )  # fmt: skip
+            return
         while True:
             token = sample(logits, sampling, gen)
             yield token
             logits, _ = self._pass([token], cancel)
+
+    def _keep(self, token: int, cancel: threading.Event | None) -> None:
+        """A replayed step of `token` is kept: the caller asked for the token after it (unless cancelled)."""
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        self.cached.append(token)
 
     @torch.inference_mode()
     def _steps(
@@ -462,7 +429,7 @@ class Engine:
         if self.speculator is not None and budget > 1:
             source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget)
         else:
-            source = self._decode(prompt_ids[reuse:], sampling, gen, cancel)
+            source = self._decode(prompt_ids[reuse:], sampling, gen, cancel, budget)
         try:
             for token in source:
                 stats.generated_tokens += 1

@@ -41,6 +41,16 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
+def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits: [V] -> a token id as a 0-d long tensor on their device, with no host sync (pipelined decode).
+    Sampling is an exponential race, argmax(probs / E) with E ~ Exp(1) drawn by `generator` (on that
+    device): it draws the same distribution as a multinomial without leaving the device."""
+    if p.greedy:
+        return logits.argmax()
+    probs = distribution(logits, p)
+    return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax()
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [V] fp32 -> a token id."""
     if p.greedy:

@@ -208,6 +208,29 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
 
 
 @pytest.mark.gpu
+def test_on_cuda_replayed_steps_run_ahead_of_the_host_and_keep_the_cache_of_the_tokens_given(converted):
+    """Replayed steps are launched before the host reads their token (DecodeGraphs.tokens): a generation
+    ended by a stop string or the budget leaves the cache of the tokens it gave, so the next turn equals a
+    fresh engine's; seeded sampling on the device repeats."""
+    options = RunOptions(device="cuda", max_context=640, dtype="fp32")
+    with Engine(converted, options) as engine, Engine(converted, options) as fresh:
+        prompt = engine.tokenizer.encode("hello world")
+        full = engine.generate(prompt, max_tokens=12, temperature=0)
+        assert full.stats.decode_mode == "CUDA graph" and len(full.token_ids) == 12
+        stop = full.text[4:6]
+        g = engine.generate(prompt, max_tokens=12, stop=stop, temperature=0)
+        assert g.finish_reason == "stop" and g.text == full.text[: full.text.find(stop)]
+        assert engine.cached == (prompt + full.token_ids)[: len(engine.cached)]
+        follow = prompt + full.token_ids[:5]
+        assert (
+            engine.generate(follow, max_tokens=8, temperature=0).token_ids
+            == fresh.generate(follow, max_tokens=8, temperature=0).token_ids
+        )
+        a, b, c = (engine.generate(prompt, max_tokens=10, temperature=1.0, seed=s).token_ids for s in (7, 7, 8))
+        assert a == b and a != c
+
+
+@pytest.mark.gpu
 def test_on_cuda_tiny_budgets_give_the_tokens_of_everything_resident_and_stay_in_budget(converted):
     """Pinned RAM, the copy stream and its events: the same tokens as all-resident, and the device's peak
     (torch's max reserved) inside --gpu-mem set to the planner's minimum plus two slots."""

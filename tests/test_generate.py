@@ -8,7 +8,7 @@ import torch
 
 from dsfp4 import Engine
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.sampling import SamplingParams, sample
+from dsfp4.runtime.sampling import SamplingParams, choose, sample
 from dsfp4.runtime.tokenizer import ChatTokenizer
 
 GREEDY = {"temperature": 0.0}
@@ -63,6 +63,22 @@ def test_sampling_is_reproducible_and_filters(engine):
     logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
     picks = {sample(logits, SamplingParams(1.0, top_k=2), torch.Generator().manual_seed(s)) for s in range(50)}
     assert picks == {1, 2}
+
+
+def test_choose_draws_the_sampling_distribution_on_the_logits_device():
+    """The device-side pick that pipelined decoding uses: greedy is the argmax; sampling (an exponential race)
+    draws the filtered distribution, and a seed repeats it."""
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, 1.5])
+    assert int(choose(logits, SamplingParams(0.0), None)) == 2
+    p = SamplingParams(1.0, top_p=1.0)
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.stack([choose(logits, p, gen) for _ in range(4000)])
+    freq = torch.bincount(picks, minlength=5).float() / len(picks)
+    assert (freq - logits.softmax(0)).abs().max() < 0.03
+    top2 = {int(choose(logits, SamplingParams(1.0, top_k=2), gen)) for _ in range(200)}
+    assert top2 == {2, 4}
+    again = [int(choose(logits, p, torch.Generator().manual_seed(s))) for s in range(20)]
+    assert again == [int(choose(logits, p, torch.Generator().manual_seed(s))) for s in range(20)]
 
 
 def test_stop_strings_eos_and_streaming(engine):

@@ -5,8 +5,10 @@ compressed entry, CSA layers the entries their lightning indexer picks. One soft
 entries, with a per-head sink logit in the denominator. The values carry the RoPE'd dims, so the output is
 rotated back by -t before the grouped output projection (o_groups blocks of heads, then one mix).
 
-The cache keeps the window's last window_size - 1 vectors and the compressors' state; a call continues
-where the last one stopped or starts over at position 0 (chunked prefill and decoding alike).
+The window's keys sit in a ring of window_size slots, key p at slot p % window_size (as DeepSeek's reference
+keeps them), and the compressors' state is indexed by position too: a call continues where the last one
+stopped, redoes the last position or starts over at position 0 (chunked prefill and decoding alike), at
+positions from the host or, in a captured decode step, at a DevicePosition on the device.
 Legend: B batch, T new tokens, S keys (window and entries), H heads, W head_dim, G o_groups, O o_lora_rank.
 """
 
@@ -17,8 +19,8 @@ from torch import nn
 
 from dsfp4.config import CSA, SLIDING, ModelArgs
 from dsfp4.kernels.linear import linear
-from dsfp4.runtime.attention import SCORE_ELEMENTS
-from dsfp4.runtime.compressor import Compressor, Indexer, visible_entries
+from dsfp4.runtime.attention import SCORE_ELEMENTS, DevicePosition
+from dsfp4.runtime.compressor import Compressor, Indexer, token_positions, visible_entries
 from dsfp4.runtime.norm import RMSNorm, rms_normalize
 from dsfp4.runtime.rope import apply_rotary_tail
 from dsfp4.runtime.weights import Weights
@@ -46,28 +48,27 @@ class AttentionV4(nn.Module):
             else None
         )
         self.indexer = Indexer(a, layer, w, freqs_cis, max_batch, max_len) if kind == CSA else None
+        # window_size slots, one more than a query reads: a token's key replaces the one its own query no longer
+        # sees, so the last position can be redone (a replayed step the caller discarded)
         self.register_buffer(
-            "window_kv", torch.zeros(max_batch, a.window_size - 1, hd, dtype=w.dtype, device=w.device), persistent=False
+            "window_kv", torch.zeros(max_batch, a.window_size, hd, dtype=w.dtype, device=w.device), persistent=False
         )
-        self.pos = 0  # tokens seen
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """x: [B, T, D] (attn_norm of the collapsed streams) at positions start_pos.. -> [B, T, D]."""
-        assert start_pos in (0, self.pos), "a V4 cache continues where it stopped (the model checks reusable())"
+    def forward(self, x: torch.Tensor, start_pos: int | DevicePosition) -> torch.Tensor:
+        """x: [B, T, D] (attn_norm of the collapsed streams) at positions start_pos.. (or one token at a
+        DevicePosition) -> [B, T, D]."""
         b, t, _ = x.shape
-        positions = torch.arange(start_pos, start_pos + t, device=x.device)
-        freqs = self.freqs_cis[positions]  # [T, R/2]
+        positions = token_positions(start_pos, t, x.device)  # [T]
+        freqs = self.freqs_cis.index_select(0, positions)  # [T, R/2]
         q_r = self.q_norm(linear(x, self.wq_a))  # [B, T, Q], the indexer's query input too
         q = rms_normalize(linear(q_r, self.wq_b).view(b, t, self.n_heads, self.head_dim), self.eps)
         q = apply_rotary_tail(q, freqs)  # [B, T, H, W]
         kv = apply_rotary_tail(self.kv_norm(linear(x, self.wkv)).unsqueeze(2), freqs).squeeze(2)  # [B, T, W]
-        n_old = min(start_pos, self.window - 1)
-        window = torch.cat([self.window_kv[:b, self.window - 1 - n_old :], kv], dim=1)  # from start_pos - n_old
-        keys = window
-        key_pos = torch.arange(start_pos - n_old, start_pos + t, device=x.device)
-        # the window: key s visible to query t iff t - window < s <= t
+        keys = torch.cat([self.window_kv[:b], kv], dim=1)  # [B, window + T, W]: the ring, then the new keys
+        key_pos = torch.cat([ring_positions(positions[:1], self.window), positions])  # [window + T]
+        # the window: key s visible to query t iff t - window < s <= t (an empty slot's position is negative)
         since = key_pos.unsqueeze(0) - positions.unsqueeze(1)  # [T, S]
-        seen = (since <= 0) & (since > -self.window)
+        seen = (since <= 0) & (since > -self.window) & (key_pos >= 0)
         if self.compressor is not None:
             entries = self.compressor(x, start_pos)  # [B, E, W]
             visible = visible_entries(positions, entries.shape[1], self.ratio).unsqueeze(0).expand(b, -1, -1)
@@ -81,8 +82,7 @@ class AttentionV4(nn.Module):
         else:
             seen = seen.unsqueeze(0).expand(b, -1, -1)
         o = self._attend(q, keys, seen)  # [B, T, H, W]
-        self._keep_window(window)
-        self.pos = start_pos + t
+        self._keep_window(kv, positions)
         o = apply_rotary_tail(o, freqs.conj())  # undo the values' rotation at the query's position
         wo_a = self.wo_a.dequantize(x.dtype).view(self.groups, -1, o.shape[-1] * self.n_heads // self.groups)
         z = torch.einsum("btgk,gok->btgo", o.reshape(b, t, self.groups, -1), wo_a)  # [B, T, G, O]
@@ -103,8 +103,14 @@ class AttentionV4(nn.Module):
             out.append(torch.einsum("bths,bsw->bthw", probs, keys.float()).to(q.dtype))
         return torch.cat(out, dim=1)
 
-    def _keep_window(self, recent: torch.Tensor) -> None:
-        """recent: [B, n, W], the latest keys in order -> the cache keeps the last window_size - 1."""
-        keep = min(recent.shape[1], self.window - 1)
-        b = recent.shape[0]
-        self.window_kv[:b, self.window - 1 - keep :] = recent[:, recent.shape[1] - keep :]
+    def _keep_window(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """kv: [B, T, W], the new keys at positions [T] -> the ring keeps the last window_size, key p at p % size."""
+        size = self.window
+        self.window_kv[: kv.shape[0]].index_copy_(1, positions[-size:] % size, kv[:, -size:])
+
+
+def ring_positions(first: torch.Tensor, size: int) -> torch.Tensor:
+    """first: [1], the position of a call's first token -> [size]: the position whose key each ring slot holds
+    before the call, the last p < first with p % size == slot (negative: none yet)."""
+    last = first - 1
+    return last - (last - torch.arange(size, device=first.device)).remainder(size)

@@ -1,8 +1,9 @@
 """DeepSeek-V4 on layout v1: blocks with mHC residual streams, the transformer, the MTP block.
 
 Shares everything but the math with V3 (runtime/model.py): weights by name from the manifest, the routed
-experts through the ExpertStore and the MoE layer, the engine, server and stats. The caches continue where
-the last call stopped, or start over at position 0 (`reusable` tells the engine which prefixes it may keep).
+experts through the ExpertStore and the MoE layer, the engine, server and stats, the decode graphs (a step at
+a DevicePosition reads its position on the device). The caches continue where the last call stopped, redo
+its last position, or start over at position 0 (`reusable` tells the engine which prefixes it may keep).
 Legend: B batch, T tokens, N streams (hc_mult), D dim, V vocab.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 from dsfp4.config import SLIDING, ModelArgs
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe import MoEKernel
+from dsfp4.runtime.attention import DevicePosition
 from dsfp4.runtime.attention_v4 import AttentionV4
 from dsfp4.runtime.expert_store import ExpertStore
 from dsfp4.runtime.mhc import HyperConnection, HyperHead, collapse
@@ -46,7 +48,7 @@ class BlockV4(nn.Module):
         self.ffn_norm = RMSNorm(w.plain(p + "ffn_norm.weight", (a.dim,), f32), a.norm_eps)
         self.ffn = MoE(a, layer, w, experts, kernel)
 
-    def forward(self, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int | DevicePosition, tokens: torch.Tensor) -> torch.Tensor:
         """x: [B, T, N, D] streams, tokens: [B, T] -> the streams after attention and MoE."""
         pre, post, comb = self.attn_hc.weights(x)
         x = self.attn_hc.expand(x, self.attn(self.attn_norm(collapse(x, pre)), start_pos), post, comb)
@@ -127,19 +129,22 @@ class TransformerV4(nn.Module):
         self.head = w.matrix("head.weight", (a.vocab_size, a.dim))
         mtp = range(a.n_layers, a.n_blocks) if with_mtp else ()
         self.mtp = nn.ModuleList(MTPV4(a, i, w, block(i), self.embed, self.head) for i in mtp)
-        self.pos = 0  # tokens the caches hold
+        self.pos = 0  # tokens the caches hold (a replayed step's caller counts it: DecodeGraphs)
 
     def reusable(self, keep: int) -> int:
-        """How many of the cached tokens a call may keep when it would keep `keep`: the compressors' and
-        windows' state exists only where the last call stopped, so all of them or none (none after a call
-        that stopped inside the layers, some of them advanced and the others not)."""
-        return keep if keep == self.pos else 0
+        """How many of the cached tokens a call may keep when it would keep `keep`: the windows' and
+        compressors' state holds only the last positions, so all of them, all but the last (a position's
+        step writes only slots that its redo rewrites: a replayed step that the caller discarded leaves the
+        caches one past its tokens), or none (none after a call that stopped inside the layers, some of them
+        advanced and the others not)."""
+        return keep if self.pos - 1 <= keep <= self.pos else 0
 
     def forward(
-        self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False
+        self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens: [B, T] at positions start_pos.. (the caches' end, or 0) -> (logits [B, T or 1, V] fp32, final
-        hidden [B, T, D], normed)."""
+        """tokens: [B, T] at positions start_pos.. (0, or what reusable allows), or one token at a DevicePosition
+        (a captured decode step; its caller moves self.pos) -> (logits [B, T or 1, V] fp32, final hidden
+        [B, T, D], normed)."""
         h = self.norm(self.hc_head(self.streams(tokens, start_pos)))
         return linear(h[:, -1:] if last_only else h, self.head).float(), h
 
@@ -153,16 +158,24 @@ class TransformerV4(nn.Module):
         self.pos = -1
         return self.layers[i](x, start_pos, tokens)
 
-    def streams(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def streams(self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0) -> torch.Tensor:
         """tokens: [B, T] -> the final residual streams [B, T, N, D] (the MTP block's input)."""
+        if isinstance(start_pos, DevicePosition):  # nothing on the host: a graph replays this
+            return self._blocks(tokens, start_pos)
+        assert start_pos == 0 or self.reusable(start_pos) == start_pos, "the caches do not hold these positions"
         first = self.layers[0].ffn
         if isinstance(first.gate, HashGate) and not self.experts.visible:
             # layer 0's experts follow from the tokens alone: ask for them before its attention runs
             ids = sorted(set(first.gate.experts_of(tokens).flatten().tolist()))
             self.experts.prefetch(first.layer, ids, protect=set())
-        x = self.embed_tokens(tokens)  # [B, T, N, D]
         self.pos = -1  # until every layer has taken the tokens: a pass stopped halfway leaves nothing to continue
+        x = self._blocks(tokens, start_pos)
+        self.pos = start_pos + tokens.shape[1]
+        return x
+
+    def _blocks(self, tokens: torch.Tensor, start_pos: int | DevicePosition) -> torch.Tensor:
+        """tokens: [B, T] -> the streams [B, T, N, D] after every block."""
+        x = self.embed_tokens(tokens)  # [B, T, N, D]
         for layer in self.layers:
             x = layer(x, start_pos, tokens)
-        self.pos = start_pos + tokens.shape[1]
         return x

@@ -1,0 +1,112 @@
+"""DeepSeek-V4 decode steps at a DevicePosition, the step a CUDA graph replays (runtime/decode_graph.py): the
+window ring, the compressors' slots and entries, the indexer and RoPE read the position from a tensor.
+
+On the CPU the same code runs without capture: token by token at device positions it gives the logits of host
+positions and of transformers, over 100 tokens (the 8-token window wraps 12 times, 25 CSA and 12 HCA windows
+complete, the cache's 100 rows are no multiple of HCA's 8), mixed with eager chunks as the engine mixes prefill
+and replayed steps, and a step the caller discards (a replay launched ahead of the host) is redone in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from v4_checkpoint import hf_model
+
+from dsfp4.hf_checkpoint_v4 import V4_TINY
+from dsfp4.runtime.attention import DevicePosition
+from dsfp4.runtime.model import load_model
+from dsfp4.runtime.model_v4 import TransformerV4
+
+TOL = 1e-5  # as tests/test_model_v4.py: fp32 against transformers
+LONG = 100  # tokens, and the cache's rows: HCA's last window (96..103) never completes inside it
+LEAST_SPAN = 16  # DecodeGraphs.span's MIN_SPAN, scaled to the tiny model: the steps cross spans 16, 32, 64, 100
+VOCAB = V4_TINY["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def reference(v4_converted):
+    """(tokens [1, LONG], transformers' logits [1, LONG, V])."""
+    torch.manual_seed(0)
+    tokens = torch.randint(2, VOCAB, (1, LONG))
+    with torch.no_grad():
+        return tokens, hf_model(v4_converted)(tokens).logits
+
+
+@pytest.fixture(scope="module")
+def model(v4_converted) -> TransformerV4:
+    m = load_model(v4_converted, torch.device("cpu"), torch.float32, LONG)
+    assert isinstance(m, TransformerV4)
+    yield m
+    m.experts.close()
+
+
+def _span(pos: int) -> int:
+    """As DecodeGraphs.span: the smallest power of two above pos, within the context."""
+    return min(max(LEAST_SPAN, 1 << pos.bit_length()), LONG)
+
+
+def _steps(model: TransformerV4, tokens: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens start .. end - 1 one at a time at device positions -> logits [1, n, V]; the model's position is
+    moved after each, as DecodeGraphs._replay does."""
+    out = []
+    with torch.no_grad():
+        for p in range(start, end):
+            where = DevicePosition(torch.tensor([p]), _span(p))
+            out.append(model(tokens[:, p : p + 1], where)[0])
+            model.pos = p + 1
+    return torch.cat(out, dim=1)
+
+
+def _chunk(model: TransformerV4, tokens: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens start .. end - 1 in one pass at host positions -> logits [1, n, V]."""
+    with torch.no_grad():
+        return model(tokens[:, start:end], start)[0]
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_device_steps_give_the_logits_of_host_positions_and_transformers(model, reference):
+    tokens, expected = reference
+    host = _chunk(model, tokens, 0, LONG)
+    device = _steps(model, tokens, 0, LONG)
+    assert _gap(host, expected) <= TOL and _gap(device, expected) <= TOL
+    assert _gap(device, host) <= TOL
+
+
+def test_prefill_device_steps_and_eager_chunks_agree_with_one_pass(model, reference):
+    """The eager path and the device path share the caches' layout: each continues where the other stopped,
+    inside windows and across them (chunks of 13, 25, 23 cross the 8-token ring, CSA's 4 and HCA's 8)."""
+    tokens, expected = reference
+    parts = [
+        _chunk(model, tokens, 0, 13),
+        _steps(model, tokens, 13, 38),
+        _chunk(model, tokens, 38, 61),
+        _steps(model, tokens, 61, 67),
+        _chunk(model, tokens, 67, 68),  # a 1-token eager step between replayed ones
+        _steps(model, tokens, 68, 90),
+        _chunk(model, tokens, 90, LONG),
+    ]
+    assert _gap(torch.cat(parts, dim=1), expected) <= TOL
+
+
+@pytest.mark.parametrize("device_step", [True, False])
+def test_a_discarded_step_is_redone_in_place(model, reference, device_step):
+    """A replay launched for a token the caller then stops at leaves the caches one position past the
+    caller's tokens: reusable() keeps them, and the next call redoes that position. At 23 the wrong token
+    completes a CSA and an HCA window, at 43 a CSA window; it leaves a trace that the redo takes away."""
+    tokens, expected = reference
+    wrong = (tokens + 1) % VOCAB
+    run = _steps if device_step else _chunk
+    _chunk(model, tokens, 0, 23)
+    run(model, wrong, 23, 24)
+    assert model.pos == 24 and model.reusable(23) == 23 and model.reusable(22) == 0
+    assert _gap(_chunk(model, tokens, 24, 30), expected[:, 24:30]) > 100 * TOL  # not redone: off
+    _chunk(model, tokens, 0, 23)
+    run(model, wrong, 23, 24)
+    redone = [run(model, tokens, 23, 43)]  # from the position before the caches' end
+    run(model, wrong, 43, 44)
+    redone.append(_steps(model, tokens, 43, 50))
+    assert _gap(torch.cat(redone, dim=1), expected[:, 23:50]) <= TOL

@@ -4,9 +4,10 @@ A graph replays kernels with fixed arguments, so a step can be captured only whe
 host: the kernels reach every routed expert the run uses by themselves (all on the device, or mapped: the
 rest read in place from pinned RAM), so the MoE layers never ask the store to load one; no routing is
 recorded, and the device is CUDA. The token and its position live in device tensors that a replay
-reads. Attention in a graph covers a fixed span of the cache, rows past the position masked out; spans
-are powers of two (at least MIN_SPAN, at most the context), one graph each, all captured when the
-engine starts, in one memory pool.
+reads. Attention in a graph covers a fixed span of the cache, rows past the position masked out (V3's
+latent rows; DeepSeek-V4's compressed entries, its window ring being fixed); spans are powers of two (at
+least MIN_SPAN, at most the context), one graph each, all captured when the engine starts, in one memory
+pool. What a replay skips on the host is done after it: the experts' use counts, V4's cache position.
 When a step cannot be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
 """
 
@@ -19,12 +20,13 @@ import torch
 
 from dsfp4.runtime.attention import DevicePosition
 from dsfp4.runtime.model import Transformer
+from dsfp4.runtime.model_v4 import TransformerV4
 
 MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, max_context: int, device: torch.device, recording: bool):
+    def __init__(self, model: Transformer | TransformerV4, max_context: int, device: torch.device, recording: bool):
         self.model, self.max_context, self.device = model, max_context, device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.why_eager = self._why_not(recording)
@@ -32,7 +34,7 @@ class DecodeGraphs:
             self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
             self.pos = torch.zeros(1, dtype=torch.long, device=device)
             self.pool = torch.cuda.graph_pool_handle()
-        self.moe_layers = [b.ffn.layer for b in model.layers if b.moe]
+        self.moe_layers = [b.ffn.layer for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
 
     def _why_not(self, recording: bool) -> str | None:
         store = self.model.experts
@@ -96,6 +98,8 @@ class DecodeGraphs:
         self.pos.fill_(pos)
         graph.replay()
         self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)  # Python skipped
+        if isinstance(self.model, TransformerV4):
+            self.model.pos = pos + 1  # its caches now end after pos (a step the caller discards: reusable knows)
         return logits, hidden
 
     def capture_all(self) -> None:

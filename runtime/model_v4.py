@@ -91,9 +91,9 @@ class MTPV4(nn.Module):
 
 
 class TransformerV4(nn.Module):
-    # decode graphs replay a step at a device-side position (runtime/decode_graph.py); V4's windows and
-    # compressors advance by host positions, so its steps run eagerly
-    why_eager = "DeepSeek-V4's caches and compressors advance by host positions, which a graph cannot replay"
+    # decode steps can be captured as graphs (runtime/decode_graph.py): at a DevicePosition the window ring,
+    # the compressors and RoPE read the position on the device
+    why_eager: str | None = None
 
     def __init__(
         self,

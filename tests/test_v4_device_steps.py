@@ -5,16 +5,22 @@ On the CPU the same code runs without capture: token by token at device position
 positions and of transformers, over 100 tokens (the 8-token window wraps 12 times, 25 CSA and 12 HCA windows
 complete, the cache's 100 rows are no multiple of HCA's 8), mixed with eager chunks as the engine mixes prefill
 and replayed steps, and a step the caller discards (a replay launched ahead of the host) is redone in place.
+On CUDA (marked gpu) an engine decodes by graph replay with the greedy tokens of eager steps.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from v4_checkpoint import hf_model
+from v4_checkpoint import build_v4_checkpoint, hf_model
 
+from dsfp4.convert.pipeline import convert
+from dsfp4.convert.plan import ConvertOptions
 from dsfp4.hf_checkpoint_v4 import V4_TINY
 from dsfp4.runtime.attention import DevicePosition
+from dsfp4.runtime.decode_graph import DecodeGraphs
 from dsfp4.runtime.model import load_model
 from dsfp4.runtime.model_v4 import TransformerV4
 
@@ -110,3 +116,62 @@ def test_a_discarded_step_is_redone_in_place(model, reference, device_step):
     run(model, wrong, 43, 44)
     redone.append(_steps(model, tokens, 43, 50))
     assert _gap(torch.cat(redone, dim=1), expected[:, 23:50]) <= TOL
+
+
+def test_decode_graphs_take_v4_and_count_every_layer(model):
+    """V4 no longer refuses graphs; on the CPU the device does. Every V4 layer routes experts, hash layers too."""
+    assert model.why_eager is None
+    graphs = DecodeGraphs(model, LONG, torch.device("cpu"), recording=False)
+    assert graphs.why_eager == "CUDA graphs need a CUDA device" and not graphs.ready
+    assert graphs.moe_layers == list(range(model.args.n_layers))
+
+
+# -- on CUDA ----------------------------------------------------------------------------------------------
+
+CONTEXT = 640  # spans 256, 512 and 640
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+
+
+@pytest.fixture(scope="module")
+def v4_long(tmp_path_factory):
+    """The tiny V4 model (transformers' weights, converted) with positions up to 1024, so the context holds 640."""
+    root = tmp_path_factory.mktemp("v4long")
+    checkpoint = build_v4_checkpoint(root / "hf", {**V4_TINY, "max_position_embeddings": 1024})
+    convert(checkpoint, root / "model", ConvertOptions(), progress=False)
+    return root / "model"
+
+
+def _engines(path):
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.options import RunOptions
+
+    for graph in (True, False):
+        options = RunOptions(device="cuda", max_context=CONTEXT, dtype="fp32", cuda_graph=graph)
+        with Engine(path, options) as engine:
+            assert engine.model.experts.all_resident
+            assert engine.decode_mode == ("CUDA graph" if graph else "eager: --no-cuda-graph")
+            yield graph, engine
+
+
+@pytest.mark.gpu
+def test_on_cuda_v4_decodes_by_graph_replay_with_the_tokens_of_eager_steps(v4_long):
+    """Greedy tokens of replayed steps equal eager steps' past position 256 (two spans of entries)."""
+    runs = {graph: engine.generate(PROMPT, max_tokens=300, temperature=0) for graph, engine in _engines(v4_long)}
+    assert runs[True].stats.decode_mode == "CUDA graph"
+    assert len(PROMPT) + len(runs[True].token_ids) > 256, "an EOS came first: the second span went untested"
+    assert runs[True].token_ids == runs[False].token_ids
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_turn_after_a_stopped_stream_reuses_the_cache(v4_long):
+    """A stream the caller stops leaves a replayed step for its last token (launched before the host read it):
+    the next turn keeps every cached token and redoes that position, with eager steps' tokens."""
+    turns = {}
+    for graph, engine in _engines(v4_long):
+        stream = engine.stream(PROMPT, max_tokens=100, temperature=0)
+        first = [d.token_id for d in itertools.islice(stream, 40)]  # then stop reading
+        cached = list(engine.cached)
+        again = engine.generate(cached + [20, 21], max_tokens=60, temperature=0)
+        assert engine.stats.cached_tokens == len(cached) == len(PROMPT) + 39
+        turns[graph] = (first, again.token_ids)
+    assert turns[True] == turns[False]

@@ -118,14 +118,14 @@ def token_bytes(manifest: Manifest) -> tuple[int, int]:
 def layer_cache_bytes(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int, int]:
     """(bytes that grow with the context, fixed bytes) of one layer's caches for one sequence of `max_context`
     tokens, as the model allocates them. V3: the latent cache and its RoPE part. V4: the sliding window's
-    window_size - 1 keys; on CSA and HCA layers max_context // m compressed entries and the compressor's fp32
-    state (the unfinished window's values and gates, CSA's previous window's first halves as well); on CSA
+    ring of window_size keys; on CSA and HCA layers max_context // m compressed entries and the compressor's
+    fp32 state (rings of the recent projections' values and gates: own series [m, W], CSA's first halves [2m, W]); on CSA
     layers the indexer's entries and state too (an overlapping compressor at index_head_dim)."""
     if not a.is_v4:
         return max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt, 0
     m, csa = a.compress_ratios[layer], a.layer_kinds[layer] == CSA
     compressors = ([(a.head_dim, csa)] if m else []) + ([(a.index_head_dim, True)] if csa else [])
-    grows, fixed = 0, (a.window_size - 1) * a.head_dim * elt
+    grows, fixed = 0, a.window_size * a.head_dim * elt
     for width, overlap in compressors:
         grows += max_context // m * width * elt
         fixed += 2 * m * width * (3 if overlap else 1) * FP32  # values and gates: pending [m, c W], CSA prev [m, W]

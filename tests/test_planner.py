@@ -28,13 +28,13 @@ def test_planned_kv_cache_is_what_the_model_allocates(model, with_mtp, dtype, re
 
 
 def test_full_width_cache_sizes_match_the_spec():
-    """v4-flash-spec e.2: 6,880 B per token of context in BF16 (CSA 320, HCA 8, sliding 0), rings of 127 keys,
+    """v4-flash-spec e.2: 6,880 B per token of context in BF16 (CSA 320, HCA 8, sliding 0), rings of 128 keys,
     compressor state of 48 + 12 KiB per CSA layer and 512 KiB per HCA layer; V3's MLA 70,272 B per token."""
     _, a = model_args(43, 0, family="v4")
     sizes = [layer_cache_bytes(a, i, 1 << 20, 2) for i in range(a.n_layers)]
     assert sum(grows for grows, _ in sizes) == 6880 << 20
     assert [sizes[i][0] >> 20 for i in (0, 1, 2, 3, 42)] == [0, 0, 320, 8, 320]
-    window = 127 * 512 * 2
+    window = 128 * 512 * 2
     assert [sizes[i][1] - window for i in (0, 2, 3)] == [0, 60 << 10, 512 << 10]
     assert cache_bytes(a, range(a.n_layers), 1 << 20, 2) == (6880 + 2 * 32 * 8) * (1 << 20) + sum(f for _, f in sizes)
     _, v3 = model_args(61, 3)

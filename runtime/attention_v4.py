@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from dsfp4.config import CSA, SLIDING, ModelArgs
-from dsfp4.kernels.linear import linear
+from dsfp4.kernels.fp8_linear import GEMV_MAX_TOKENS
+from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.runtime.attention import SCORE_ELEMENTS, DevicePosition
 from dsfp4.runtime.compressor import Compressor, Indexer, token_positions, visible_entries
 from dsfp4.runtime.norm import RMSNorm, rms_normalize
@@ -84,9 +85,9 @@ class AttentionV4(nn.Module):
         o = self._attend(q, keys, seen)  # [B, T, H, W]
         self._keep_window(kv, positions)
         o = apply_rotary_tail(o, freqs.conj())  # undo the values' rotation at the query's position
-        wo_a = self.wo_a.dequantize(x.dtype).view(self.groups, -1, o.shape[-1] * self.n_heads // self.groups)
-        z = torch.einsum("btgk,gok->btgo", o.reshape(b, t, self.groups, -1), wo_a)  # [B, T, G, O]
-        return linear(z.flatten(2), self.wo_b)
+        o = o.reshape(b, t, self.groups, -1)  # [B, T, G, K]: each group's heads
+        z = grouped_output(o, self.wo_a, stored=o.is_cuda and b * t * self.groups <= GEMV_MAX_TOKENS)
+        return linear(z.flatten(2), self.wo_b)  # z: [B, T, G, O]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H, W], keys (= values): [B, S, W], seen: [B, T, S] -> [B, T, H, W]; the sink logit of each
@@ -114,3 +115,15 @@ def ring_positions(first: torch.Tensor, size: int) -> torch.Tensor:
     before the call, the last p < first with p % size == slot (negative: none yet)."""
     last = first - 1
     return last - (last - torch.arange(size, device=first.device)).remainder(size)
+
+
+def grouped_output(o: torch.Tensor, wo_a: QuantizedWeight, stored: bool) -> torch.Tensor:
+    """o: [B, T, G, K] -> [B, T, G, O], group g times its block of wo_a [G O, K]. `stored`: one GEMV over
+    every group's rows, each group keeping its own block of the output: decode reads wo_a's stored bytes
+    once (G times the multiplies, none of the bytes of a dequantized copy). Else wo_a is dequantized once
+    for the call and the groups multiply on tensor cores (prefill)."""
+    b, t, g, k = o.shape
+    if stored:
+        y = linear(o.reshape(b * t * g, k), wo_a).view(b * t, g, g, -1)  # [BT, G inputs, G blocks, O]
+        return y.diagonal(dim1=1, dim2=2).movedim(-1, 1).reshape(b, t, g, -1)  # input g with block g
+    return torch.einsum("btgk,gok->btgo", o, wo_a.dequantize(o.dtype).view(g, -1, k))

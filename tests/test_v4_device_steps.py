@@ -19,7 +19,10 @@ from v4_checkpoint import build_v4_checkpoint, hf_model
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.hf_checkpoint_v4 import V4_TINY
+from dsfp4.kernels.linear import QuantizedWeight
+from dsfp4.layout.quant import quantize
 from dsfp4.runtime.attention import DevicePosition
+from dsfp4.runtime.attention_v4 import grouped_output
 from dsfp4.runtime.decode_graph import DecodeGraphs
 from dsfp4.runtime.model import load_model
 from dsfp4.runtime.model_v4 import TransformerV4
@@ -175,3 +178,18 @@ def test_on_cuda_a_turn_after_a_stopped_stream_reuses_the_cache(v4_long):
         assert engine.stats.cached_tokens == len(cached) == len(PROMPT) + 39
         turns[graph] = (first, again.token_ids)
     assert turns[True] == turns[False]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_grouped_output_by_one_gemv_over_stored_bytes_equals_the_dequantized_groups(tokens):
+    """Decode's grouped output projection (one GEMV over every group's rows, the diagonal blocks kept) gives
+    each group its own block's product, as the dequantized einsum of prefill does."""
+    g, o, k = 4, 256, 384
+    w = torch.randn(g * o, k, generator=torch.Generator().manual_seed(0)) * 0.05
+    wo_a = QuantizedWeight("fp8_e4m3_b128", quantize("fp8_e4m3_b128", w), (g * o, k))
+    x = torch.randn(2, tokens, g, k, generator=torch.Generator().manual_seed(1))
+    fused, plain = grouped_output(x, wo_a, stored=True), grouped_output(x, wo_a, stored=False)
+    assert fused.shape == plain.shape == (2, tokens, g, o)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    blocks = wo_a.dequantize(torch.float32).view(g, o, k)
+    torch.testing.assert_close(fused[1, -1, 2], blocks[2] @ x[1, -1, 2], rtol=1e-5, atol=1e-5)

@@ -85,8 +85,9 @@ class HubSource:
 
     def disk_need(self, parts: list[set[str]]) -> int:
         """Bytes of source the run will add to the disk at its peak. Parts are finalized one behind the
-        part being read, so a part's shards live alongside the next part's, the window ahead and any shard
-        a later part still reads; without --delete-source every shard stays."""
+        part being read, and the workers' job window reaches into the next part, so a part's shards live
+        alongside the previous and the next part's, the window ahead and any shard a later part still
+        reads; without --delete-source every shard stays."""
         size = {n: f.size for n, f in self.files.items()}
         order = _order(parts)
         missing = {s for s in order if not self._present(s)}
@@ -96,9 +97,9 @@ class HubSource:
         last = {s: max(k for k, p in enumerate(parts) if s in p) for s in order}
         peak = 0
         for k, shards in enumerate(parts):
-            live = shards | (parts[k - 1] if k else set())
+            live = shards | (parts[k - 1] if k else set()) | (parts[k + 1] if k + 1 < len(parts) else set())
             live |= {s for s in order if first[s] < k < last[s]}  # held for a later part
-            live |= set([s for s in order if first[s] > k][: self.ahead])
+            live |= set([s for s in order if first[s] > k + 1][: self.ahead])
             peak = max(peak, sum(size[s] for s in live & missing))
         return peak
 

@@ -119,8 +119,8 @@ def layer_cache_bytes(a: ModelArgs, layer: int, max_context: int, elt: int) -> t
     """(bytes that grow with the context, fixed bytes) of one layer's caches for one sequence of `max_context`
     tokens, as the model allocates them. V3: the latent cache and its RoPE part. V4: the sliding window's
     ring of window_size keys; on CSA and HCA layers max_context // m compressed entries and the compressor's
-    fp32 state (rings of the recent projections' values and gates: own series [m, W], CSA's first halves [2m, W]); on CSA
-    layers the indexer's entries and state too (an overlapping compressor at index_head_dim)."""
+    fp32 state (rings of the recent projections' values and gates: own series [m, W], CSA's first halves
+    [2m, W]); on CSA layers the indexer's entries and state too (an overlapping compressor at index_head_dim)."""
     if not a.is_v4:
         return max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt, 0
     m, csa = a.compress_ratios[layer], a.layer_kinds[layer] == CSA

@@ -45,13 +45,14 @@ def test_streaming_conversion_matches_a_local_one_and_keeps_few_shards(checkpoin
         HubSource(REPO, tmp_path / "out.source", delete=True, ahead=1, endpoint=hub.url) as source,
     ):
         assert not any(p.suffix == ".safetensors" for p in (tmp_path / "out.source").iterdir())  # headers only
-        result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(), False, source)
+        # one worker: parts are read one after the other (several workers' job window may reach a part further)
+        result = pipeline.convert(tmp_path / "out.source", tmp_path / "out", ConvertOptions(workers=1), False, source)
     assert result.done and _data(tmp_path / "out") == _data(converted)
     a, b = Manifest.read(tmp_path / "out"), Manifest.read(converted)
     assert a.tensors == b.tensors and a.experts == b.experts and a.files == b.files
     assert not any((tmp_path / "out.source").glob("*.safetensors"))  # every shard deleted once converted
     biggest = sorted((p.stat().st_size for p in shards), reverse=True)
-    assert 0 < source.peak <= sum(biggest[:3]) < sum(biggest)  # two parts' shards, one ahead: never the whole
+    assert 0 < source.peak <= sum(biggest[:3]) < sum(biggest)  # a part finalizing, one read, one ahead
     shutil.rmtree(tmp_path / "out.source")
 
 

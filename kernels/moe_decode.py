@@ -220,8 +220,8 @@ class DecodeConfig:
 
     bn1: int = 16  # the best of a sweep on the H100 (docs/BENCHMARKS.md)
     bk1: int = 256
-    bn2: int = 4  # down: few rows, long contiguous pieces (1 KiB per row per step): scripts/probe_decode.py
-    bk2: int = 2048
+    bn2: int = 16
+    bk2: int = 256
     num_warps: int = 4
 
     def fit(self, layout: RecordLayout) -> DecodeConfig:

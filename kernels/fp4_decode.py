@@ -25,6 +25,22 @@ except ImportError:  # the CPU build of torch comes without Triton: the torch re
     triton = None
 
 E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
+X16_TOP = 32768.0  # words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
+
+
+def _words_ptx() -> str:
+    """PTX of words_sums for two code words ($2, $3) and their x quads ($4, $5: x0 x4 x1 x5; $6, $7: x2 x6
+    x3 x7, fp16): word << 4k holds the codes of elements 3 - k and 7 - k at the top of its two halves; sign
+    to bit 15 and magnitude to bits 9-11 make them fp16 pairs (code * 2^-14) that meet (x[3-k], x[7-k]) in
+    one fp16x2 FMA. The two lanes' sums, in fp32, go to both outputs."""
+    lines = ["{", ".reg .b32 t, a, w, acc, p<4>;", ".reg .b16 l, h;", ".reg .f32 fl, fh;", "mov.b32 acc, 0;"]
+    for i in range(2):
+        lines += [f"mov.b64 {{p0, p1}}, ${4 + i};", f"mov.b64 {{p2, p3}}, ${6 + i};"]
+        for k in range(4):
+            lines += [f"shl.b32 t, ${2 + i}, {4 * k};", "and.b32 a, t, 0x70007000;", "shr.b32 a, a, 3;"]
+            lines += ["and.b32 w, t, 0x80008000;", "or.b32 w, w, a;", f"fma.rn.f16x2 acc, w, p{3 - k}, acc;"]
+    lines += ["mov.b32 {l, h}, acc;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", "add.f32 $0, fl, fh;"]
+    return "\n".join([*lines, "mov.b32 $1, $0;", "}"])
 
 
 def interpreted() -> bool:
@@ -99,6 +115,36 @@ if triton is not None:
         lo = ((lo & 8) << 12) | ((lo & 7) << 9)
         hi = ((hi & 8) << 12) | ((hi & 7) << 9)
         return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
+
+    _WORDS_PTX = tl.constexpr(_words_ptx())
+
+    @triton.jit
+    def _half(v):
+        """The fp16 in the low 16 bits of an unsigned integer."""
+        return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def words_sums(words, xa, xb, USE_ASM: tl.constexpr):
+        """Sums of code * 2^-14 * x per 8-byte piece of FP4 rows, in fp16 products: [R, BW / 2] fp32 (words:
+        i32 [R, BW] as loaded, 8 codes each; xa, xb: i64 [1, BW], the pieces' x quads as X16_TOP scaling and
+        the 0 4 1 5 2 6 3 7 order leave them). No byte is unpacked: about half the instructions of
+        e2m1_halves and fp32 FMAs (scripts/probe_decode.py)."""
+        R: tl.constexpr = words.shape[0]
+        NP: tl.constexpr = words.shape[1] // 2
+        if USE_ASM:
+            y = tl.inline_asm_elementwise(
+                _WORDS_PTX, "=r,=r,r,r,l,l,l,l", [words, xa, xb], dtype=tl.float32, is_pure=True, pack=2
+            )
+            return tl.max(tl.reshape(y, (R, NP, 2)), 2)  # a piece's two outputs are equal
+        w = words.to(tl.uint32, bitcast=True)
+        xa, xb = xa.to(tl.uint64, bitcast=True), xb.to(tl.uint64, bitcast=True)
+        acc = tl.zeros(words.shape, tl.float16)
+        for k in tl.static_range(4):
+            t = w << (4 * k)
+            o = (t & 0x80008000) | ((t & 0x70007000) >> 3)
+            x = (xb if k < 2 else xa) >> (32 * ((k + 1) % 2))  # x[3 - k], x[7 - k]
+            acc += _half(o) * _half(x) + _half(o >> 16) * _half(x >> 16)
+        return tl.sum(tl.reshape(acc, (R, NP, 2)), 2).to(tl.float32)
 
     @triton.jit
     def block_scale(b, E8M0: tl.constexpr, HW_E4M3: tl.constexpr = False):

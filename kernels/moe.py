@@ -58,7 +58,7 @@ def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: in
     """Device memory the kernels hold for a call of `tokens` tokens: the decode workspaces (kept), and above
     MAX_TOKENS the prefill's split activations, padded expert rows, per-pair outputs and result."""
     elt = torch.empty((), dtype=dtype).element_size()
-    decode = MAX_TOKENS * top_k * (layout.inter_dim + layout.dim) * 4
+    decode = MAX_TOKENS * top_k * (layout.inter_dim + layout.dim) * 4 + MAX_TOKENS * (layout.dim * 2 + 4)  # + fp16 x
     if tokens <= MAX_TOKENS:
         return decode
     pairs = tokens * top_k

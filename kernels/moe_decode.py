@@ -1,5 +1,6 @@
 """The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in three launches.
 
+  0. (bf16 and fp16 x) x scaled per token by a power of two, in fp16, permuted to meet whole code words.
   1. gate+up: a program per (pair, BN1 rows of the expert width). Only the first pair to choose an expert
      works: it reads the expert's rows once for every token that chose it (its run) and writes
      silu(gate) * up * routing weight to an fp32 row per pair, even elements first, so launch 2 loads
@@ -7,6 +8,9 @@
   2. down: a program per (pair, BN2 rows of the model dim), the same way: W2 rows times each run pair's
      activation, an fp32 output row per pair.
   3. the sum over a token's K pairs, in slot order (torch): no atomics, the same bits on every run.
+Gate+up multiplies in fp16 products on the code words as loaded (fp4_decode.words_sums: about half the
+instructions per byte; relative error ~6e-4), except for fp32 x, the exact runs; down multiplies in fp32
+(its activations are not scaled per token, and V3's have no clamp to bound them).
 Experts are found on the device through `offsets` (kernels/moe_ref.py), so routing needs no host sync and
 the launches can be captured in a CUDA graph. Records in pinned host memory are read over PCIe (zero-copy).
 A single persistent launch with a grid-wide barrier between the phases was measured slower on the H100
@@ -20,7 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, hw_e4m3, interpreted, triton
+from dsfp4.kernels.fp4_decode import (
+    E2M1_UNBIAS,
+    X16_TOP,
+    block_scale,
+    e2m1_halves,
+    hw_e4m3,
+    interpreted,
+    triton,
+    words_sums,
+)
 from dsfp4.kernels.moe_ref import ABSENT
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
@@ -105,6 +118,57 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _prep_kernel(x_ptr, stride_xt, xq_ptr, inv_ptr, D: tl.constexpr, BD: tl.constexpr):
+        """Token t's x for words_sums: times 2^s (largest |x| in [2^14, 2^15), so no fp16 product overflows
+        or loses much to subnormals), fp16, each 8 elements in the order 0 4 1 5 2 6 3 7; and 2^-s."""
+        t = tl.program_id(0)
+        i = tl.arange(0, BD)
+        x = tl.load(x_ptr + t * stride_xt + i, mask=i < D, other=0).to(tl.float32)
+        s = tl.floor(tl.log2(X16_TOP / tl.maximum(tl.max(tl.abs(x), 0), 1e-30)))
+        dest = i - i % 8 + 2 * (i % 4) + (i % 8) // 4
+        tl.store(xq_ptr + t * D + dest, (x * tl.exp2(s)).to(tl.float16), mask=i < D)
+        tl.store(inv_ptr + t, tl.exp2(-s))
+
+    @triton.jit
+    def _words_chunk(wrow, srow, kb, GROUP: tl.constexpr, BK: tl.constexpr, MASK):
+        """_chunk as code words: i32 [R, BK/8] and scale bytes [R, BK/G] of the chunk at byte kb."""
+        cols = tl.arange(0, BK // 8)[None, :]
+        groups = tl.arange(0, BK // GROUP)[None, :]
+        live = tl.where(MASK, BK, 0)
+        words = tl.load(wrow.to(tl.pointer_type(tl.int32)) + kb // 4 + cols, mask=cols < live, other=0)
+        sb = tl.load(srow + kb // (GROUP // 2) + groups, mask=groups < live, other=0)
+        return words, sb
+
+    @triton.jit
+    def _x_quads(xq_row, kb, BK: tl.constexpr):
+        """The x quads (i64 [1, BK/8] twice) that meet the code words of the chunk at byte kb."""
+        i = (kb // 4 + tl.arange(0, BK // 8))[:, None] * 2 + tl.arange(0, 2)[None, :]
+        xa, xb = tl.split(tl.load(xq_row + i))
+        return xa[None, :], xb[None, :]
+
+    @triton.jit
+    def _rows_dot_words(
+        wrow, srow, xq_rows, qs, lanes, n_run,
+        ROW_DIV: tl.constexpr, ROW_WORDS: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr,
+        E8M0: tl.constexpr, BK: tl.constexpr, RUN_PAD: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
+    ):  # fmt: skip
+        """_rows_dot_run in fp16 products (words_sums): pair q reads the x quads of row q // ROW_DIV of xq_rows
+        (i64, ROW_WORDS apart): [RUN_PAD, R], before the global scale, 2^14 and the tokens' 2^-s."""
+        R: tl.constexpr = wrow.shape[0]
+        acc = tl.zeros((RUN_PAD, R), dtype=tl.float32)
+        words, sb = _words_chunk(wrow, srow, 0, GROUP, BK, True)
+        for kb in range(0, KDIM // 2, BK // 2):
+            nxt, nsb = _words_chunk(wrow, srow, kb + BK // 2, GROUP, BK, kb + BK // 2 < KDIM // 2)
+            s = block_scale(sb, E8M0, HW_E4M3)
+            for i in range(n_run):
+                xa, xb = _x_quads(xq_rows + (_pick(qs, lanes, i) // ROW_DIV) * ROW_WORDS, kb, BK)
+                pieces = words_sums(words, xa, xb, USE_ASM)  # [R, BK / 16]
+                dot = tl.sum(tl.sum(tl.reshape(pieces, (R, BK // GROUP, GROUP // 16)), 2) * s, 1)  # [R]
+                acc += tl.where(lanes[:, None] == i, dot[None, :], 0.0)
+            words, sb = nxt, nsb
+        return acc
+
+    @triton.jit
     def _run(ids_ptr, p, n_pairs, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr):
         """Expert e of pair p; whether p is the first pair to choose it; the pairs that chose it (its run,
         qs [RUN_PAD]) and how many (a token picks an expert once, so at most one pair per token)."""
@@ -119,13 +183,22 @@ if triton is not None:
         return e, leader, qs, lanes, tl.sum(match.to(tl.int32), 0)
 
     @triton.jit
+    def _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER: tl.constexpr, LIMIT: tl.constexpr):
+        """Pair q's gate and up rows (dot: [2 BN], gate rows first) -> silu(gate) * up * its weight, at dest."""
+        BN: tl.constexpr = dot.shape[0] // 2
+        gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
+        tl.store(act_ptr + q * INTER + dest, swiglu_tl(gate * g_gate, up * g_up, LIMIT) * tl.load(rw_ptr + q))
+
+    @triton.jit
     def _gate_up_kernel(
-        x_ptr, ids_ptr, rw_ptr, rec_ptr, off_ptr, act_ptr, T, stride_xt,
+        x_ptr, xq_ptr, inv_ptr, ids_ptr, rw_ptr, rec_ptr, off_ptr, act_ptr, T, stride_xt,
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
         G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr, LIMIT: tl.constexpr,
+        WORDS: tl.constexpr,
     ):  # fmt: skip
-        """Launch 1: BN gate rows and the matching up rows of one expert, for every token that chose it."""
+        """Launch 1: BN gate rows and the matching up rows of one expert, for every token that chose it.
+        WORDS: fp16 products on the code words, x from _prep_kernel (xq: i64 quads, inv: 2^-s per token)."""
         nb = INTER // BN
         e, leader, qs, lanes, n_run = _run(ids_ptr, tl.program_id(0) // nb, T * K, P_PAD, RUN_PAD)
         off = tl.load(off_ptr + e)
@@ -142,39 +215,28 @@ if triton is not None:
                 g_gate, g_up = tl.load(gp) * _UNBIAS, tl.load(gp + 1) * _UNBIAS
             n = (tl.program_id(0) % nb) * BN + tl.arange(0, BN)
             dest = (n % 2) * (INTER // 2) + n // 2  # even rows first
-            if n_run == 1:  # most runs at decode: one token, a 2-D accumulator
+            if WORDS:
+                acc = _rows_dot_words(
+                    wrow, srow, xq_ptr, qs, lanes, n_run, K, D // 4, D, GROUP, E8M0, BK, RUN_PAD, USE_ASM, HW_E4M3
+                )  # fmt: skip
+                for i in range(n_run):
+                    q = _pick(qs, lanes, i)
+                    dot = tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0) * tl.load(inv_ptr + q // K)
+                    _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER, LIMIT)
+            elif n_run == 1:  # most runs at decode: one token, a 2-D accumulator
                 q = _pick(qs, lanes, 0)
                 x_row = x_ptr + (q // K) * stride_xt
                 dot = _rows_dot(wrow, srow, x_row, x_row + 1, 2, D, GROUP, E8M0, BK, USE_ASM, HW_E4M3)
-                gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
-                gate, up = gate * g_gate, up * g_up
-                tl.store(act_ptr + q * INTER + dest, swiglu_tl(gate, up, LIMIT) * tl.load(rw_ptr + q))
+                _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER, LIMIT)
             else:
                 acc = _rows_dot_run(
-                    wrow,
-                    srow,
-                    x_ptr,
-                    stride_xt,
-                    qs,
-                    lanes,
-                    n_run,
-                    K,
-                    2,
-                    1,
-                    D,
-                    GROUP,
-                    E8M0,
-                    BK,
-                    RUN_PAD,
-                    USE_ASM,
+                    wrow, srow, x_ptr, stride_xt, qs, lanes, n_run, K, 2, 1, D, GROUP, E8M0, BK, RUN_PAD, USE_ASM,
                     HW_E4M3,
-                )  # [RUN_PAD, 2 * BN]
+                )  # fmt: skip
                 for i in range(n_run):
                     q = _pick(qs, lanes, i)
                     dot = tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0)
-                    gate, up = tl.split(tl.permute(tl.reshape(dot, (2, BN)), (1, 0)))
-                    gate, up = gate * g_gate, up * g_up
-                    tl.store(act_ptr + q * INTER + dest, swiglu_tl(gate, up, LIMIT) * tl.load(rw_ptr + q))
+                    _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER, LIMIT)
 
     @triton.jit
     def _down_kernel(
@@ -254,6 +316,9 @@ class DecodeMoE:
         self.config = c = (config or DecodeConfig()).fit(layout)
         assert c.bk1 >= group and c.bk2 >= group, f"K steps must hold whole {group}-element scale blocks"
         pairs = MAX_TOKENS * top_k
+        self.words = layout.dim % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
+        self.xq = torch.empty(MAX_TOKENS, layout.dim, dtype=torch.float16, device=device)
+        self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
         self.act = torch.empty(pairs, layout.inter_dim, dtype=torch.float32, device=device)
         self.out = torch.empty(pairs, layout.dim, dtype=torch.float32, device=device)
         p = {part.name: part.offset for part in layout.parts}
@@ -276,8 +341,12 @@ class DecodeMoE:
         ids, weights, offsets = ids.contiguous(), weights.float().contiguous(), offsets.contiguous()
         run = dict(P_PAD=next_pow2(t * k), RUN_PAD=next_pow2(t))
         c = self.config
+        words = self.words and x.dtype != torch.float32  # fp32 runs (the exact ones) keep fp32 products
+        if words:
+            _prep_kernel[(t,)](x, x.stride(0), self.xq, self.inv, D=self.layout.dim, BD=next_pow2(self.layout.dim))
+        xq = self.xq.view(torch.int64)  # [MAX_TOKENS, D / 4] quads
         _gate_up_kernel[(t * k * (self.layout.inter_dim // c.bn1),)](
-            x, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1
+            x, xq, self.inv, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1, WORDS=words
         )
         _down_kernel[(t * k * (self.layout.dim // c.bn2),)](
             ids, records, offsets, self.act, self.out, t, **run, **self.phase2

@@ -50,6 +50,28 @@ def test_decode_kernel_clamps_its_swiglu_like_the_reference(fmt):
     assert _rel(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("scale", [3.0, 5000.0])
+def test_decode_kernel_in_fp16_products_for_bf16_x_matches_the_reference(fmt, t, scale):
+    """bf16 x takes gate+up's fp16 products on the code words: x scaled per token by a power of two, so an
+    x far past fp16's range (5000 * N(0, 1): products of 6 * 5000 summed) neither overflows nor loses
+    precision; runs of tokens sharing an expert (t = 16 of 6 experts) included."""
+    gen = torch.Generator().manual_seed(t)
+    n_experts, k = 6, 3
+    layout, records, offsets = slot_pool(fmt, 64, 64, n_experts, gen, absent=(4,))
+    ids, weights = routing(t, k, n_experts, gen)
+    x = (torch.randn(t, layout.dim, generator=gen) * scale).bfloat16()
+    want = moe_ref(x.double(), ids, weights, records, offsets, layout)
+    kernel = DecodeMoE(layout, k, DEVICE, DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32))
+    assert kernel.words
+    args = [a.to(DEVICE) for a in (x, ids, weights, records, offsets)]
+    kernel.act.fill_(float("nan"))
+    kernel.out.fill_(float("nan"))
+    got = kernel(*args).float().cpu()
+    assert not got.isnan().any() and not got.isinf().any() and _rel(got, want) < 1e-2
+
+
 def test_decode_kernel_writes_bf16_and_reads_a_padded_row_stride():
     gen = torch.Generator().manual_seed(7)
     layout, records, offsets = slot_pool("nvfp4", 64, 32, 4, gen)

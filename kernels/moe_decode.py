@@ -48,6 +48,7 @@ if triton is not None:
 
     _ABSENT = tl.constexpr(ABSENT)  # kernels read globals only as constexpr
     _UNBIAS = tl.constexpr(E2M1_UNBIAS)
+    _X16_TOP = tl.constexpr(X16_TOP)
 
     @triton.jit
     def _pick(vec, lane, i):
@@ -124,7 +125,7 @@ if triton is not None:
         t = tl.program_id(0)
         i = tl.arange(0, BD)
         x = tl.load(x_ptr + t * stride_xt + i, mask=i < D, other=0).to(tl.float32)
-        s = tl.floor(tl.log2(X16_TOP / tl.maximum(tl.max(tl.abs(x), 0), 1e-30)))
+        s = tl.floor(tl.log2(_X16_TOP / tl.maximum(tl.max(tl.abs(x), 0), 1e-30)))
         dest = i - i % 8 + 2 * (i % 4) + (i % 8) // 4
         tl.store(xq_ptr + t * D + dest, (x * tl.exp2(s)).to(tl.float16), mask=i < D)
         tl.store(inv_ptr + t, tl.exp2(-s))

@@ -25,7 +25,7 @@ except ImportError:  # the CPU build of torch comes without Triton: the torch re
     triton = None
 
 E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
-X16_TOP = 32768.0  # words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
+X16_TOP_EXP = 15  # words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
 
 
 def _words_ptx() -> str:
@@ -126,7 +126,7 @@ if triton is not None:
     @triton.jit
     def words_sums(words, xa, xb, USE_ASM: tl.constexpr):
         """Sums of code * 2^-14 * x per 8-byte piece of FP4 rows, in fp16 products: [R, BW / 2] fp32 (words:
-        i32 [R, BW] as loaded, 8 codes each; xa, xb: i64 [1, BW], the pieces' x quads as X16_TOP scaling and
+        i32 [R, BW] as loaded, 8 codes each; xa, xb: i64 [1, BW], the pieces' x quads as X16_TOP_EXP scaling and
         the 0 4 1 5 2 6 3 7 order leave them). No byte is unpacked: about half the instructions of
         e2m1_halves and fp32 FMAs (scripts/probe_decode.py)."""
         R: tl.constexpr = words.shape[0]

@@ -56,13 +56,16 @@ if triton is not None:
         return tl.sum(tl.where(lane == i, vec, 0), axis=0)
 
     @triton.jit
-    def _chunk(wrow, srow, kb, GROUP: tl.constexpr, BK: tl.constexpr, MASK):
-        """Code bytes [R, BK/2] and scale bytes [R, BK/G] of the chunk starting at byte kb of FP4 rows
-        (zeros where MASK is false). Counting in bytes keeps the loads' 16-byte alignment visible to Triton."""
-        cols = tl.arange(0, BK // 2)[None, :]
+    def _chunk(wrow, srow, kb, GROUP: tl.constexpr, BK: tl.constexpr, MASK, WORDS: tl.constexpr = False):
+        """Code bytes [R, BK/2] (WORDS: i32 code words [R, BK/8]) and scale bytes [R, BK/G] of the chunk starting
+        at byte kb of FP4 rows (zeros where MASK is false). Counting in bytes keeps the loads' 16-byte alignment
+        visible to Triton."""
+        E: tl.constexpr = 4 if WORDS else 1  # bytes per element loaded
+        cols = tl.arange(0, BK // (2 * E))[None, :]
         groups = tl.arange(0, BK // GROUP)[None, :]
         live = tl.where(MASK, BK, 0)  # masks built by comparison: the interpreter rejects a broadcast scalar one
-        packed = tl.load(wrow + kb + cols, mask=cols < live, other=0)
+        rows = wrow.to(tl.pointer_type(tl.int32)) if WORDS else wrow
+        packed = tl.load(rows + kb // E + cols, mask=cols < live, other=0)
         sb = tl.load(srow + kb // (GROUP // 2) + groups, mask=groups < live, other=0)
         return packed, sb
 
@@ -131,16 +134,6 @@ if triton is not None:
         tl.store(inv_ptr + t, tl.exp2(-s))
 
     @triton.jit
-    def _words_chunk(wrow, srow, kb, GROUP: tl.constexpr, BK: tl.constexpr, MASK):
-        """_chunk as code words: i32 [R, BK/8] and scale bytes [R, BK/G] of the chunk at byte kb."""
-        cols = tl.arange(0, BK // 8)[None, :]
-        groups = tl.arange(0, BK // GROUP)[None, :]
-        live = tl.where(MASK, BK, 0)
-        words = tl.load(wrow.to(tl.pointer_type(tl.int32)) + kb // 4 + cols, mask=cols < live, other=0)
-        sb = tl.load(srow + kb // (GROUP // 2) + groups, mask=groups < live, other=0)
-        return words, sb
-
-    @triton.jit
     def _x_quads(xq_row, kb, BK: tl.constexpr):
         """The x quads (i64 [1, BK/8] twice) that meet the code words of the chunk at byte kb."""
         i = (kb // 4 + tl.arange(0, BK // 8))[:, None] * 2 + tl.arange(0, 2)[None, :]
@@ -157,9 +150,9 @@ if triton is not None:
         (i64, ROW_WORDS apart): [RUN_PAD, R], before the global scale, 2^14 and the tokens' 2^-s."""
         R: tl.constexpr = wrow.shape[0]
         acc = tl.zeros((RUN_PAD, R), dtype=tl.float32)
-        words, sb = _words_chunk(wrow, srow, 0, GROUP, BK, True)
+        words, sb = _chunk(wrow, srow, 0, GROUP, BK, True, True)
         for kb in range(0, KDIM // 2, BK // 2):
-            nxt, nsb = _words_chunk(wrow, srow, kb + BK // 2, GROUP, BK, kb + BK // 2 < KDIM // 2)
+            nxt, nsb = _chunk(wrow, srow, kb + BK // 2, GROUP, BK, kb + BK // 2 < KDIM // 2, True)
             s = block_scale(sb, E8M0, HW_E4M3)
             for i in range(n_run):
                 xa, xb = _x_quads(xq_rows + (_pick(qs, lanes, i) // ROW_DIV) * ROW_WORDS, kb, BK)
@@ -320,6 +313,7 @@ class DecodeMoE:
         self.words = layout.dim % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
         self.xq = torch.empty(MAX_TOKENS, layout.dim, dtype=torch.float16, device=device)
         self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
+        self.quads = self.xq.view(torch.int64)  # [MAX_TOKENS, D / 4]: what gate+up reads of xq
         self.act = torch.empty(pairs, layout.inter_dim, dtype=torch.float32, device=device)
         self.out = torch.empty(pairs, layout.dim, dtype=torch.float32, device=device)
         p = {part.name: part.offset for part in layout.parts}
@@ -347,10 +341,10 @@ class DecodeMoE:
         words = self.words and x.dtype != torch.float32 and (t > 1 or self.layout.format == "mxfp4")
         if words:
             _prep_kernel[(t,)](x, x.stride(0), self.xq, self.inv, D=self.layout.dim, BD=next_pow2(self.layout.dim))
-        xq = self.xq.view(torch.int64)  # [MAX_TOKENS, D / 4] quads
         _gate_up_kernel[(t * k * (self.layout.inter_dim // c.bn1),)](
-            x, xq, self.inv, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1, WORDS=words
-        )
+            x, self.quads, self.inv, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1,
+            WORDS=words,
+        )  # fmt: skip
         _down_kernel[(t * k * (self.layout.dim // c.bn2),)](
             ids, records, offsets, self.act, self.out, t, **run, **self.phase2
         )

@@ -33,6 +33,13 @@ class DevicePosition:
     span: int
 
 
+def token_positions(start_pos: int | DevicePosition, t: int, device: torch.device) -> torch.Tensor:
+    """[T] positions of a call's tokens: start_pos.. from the host, or a captured step's one on the device."""
+    if isinstance(start_pos, DevicePosition):
+        return start_pos.pos
+    return torch.arange(start_pos, start_pos + t, device=device)
+
+
 class MLA(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights, max_batch: int, max_len: int):
         super().__init__()

@@ -20,8 +20,8 @@ from torch import nn
 from dsfp4.config import CSA, SLIDING, ModelArgs
 from dsfp4.kernels.fp8_linear import GEMV_MAX_TOKENS
 from dsfp4.kernels.linear import QuantizedWeight, linear
-from dsfp4.runtime.attention import SCORE_ELEMENTS, DevicePosition
-from dsfp4.runtime.compressor import Compressor, Indexer, token_positions, visible_entries
+from dsfp4.runtime.attention import SCORE_ELEMENTS, DevicePosition, token_positions
+from dsfp4.runtime.compressor import Compressor, Indexer, visible_entries
 from dsfp4.runtime.norm import RMSNorm, rms_normalize
 from dsfp4.runtime.rope import apply_rotary_tail
 from dsfp4.runtime.weights import Weights

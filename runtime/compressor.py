@@ -24,17 +24,10 @@ from torch import nn
 
 from dsfp4.config import ModelArgs
 from dsfp4.kernels.linear import linear
-from dsfp4.runtime.attention import DevicePosition
+from dsfp4.runtime.attention import DevicePosition, token_positions
 from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.rope import apply_rotary_tail
 from dsfp4.runtime.weights import Weights
-
-
-def token_positions(start_pos: int | DevicePosition, t: int, device: torch.device) -> torch.Tensor:
-    """[T] positions of a call's tokens: start_pos.. from the host, or a captured step's one on the device."""
-    if isinstance(start_pos, DevicePosition):
-        return start_pos.pos
-    return torch.arange(start_pos, start_pos + t, device=device)
 
 
 class Compressor(nn.Module):
@@ -71,7 +64,8 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int | DevicePosition) -> torch.Tensor:
         """x: [B, T, D] (the attention's normed input) at start_pos.. -> the entries [B, E, W]: every one so far
         at host positions; at a DevicePosition its span's first span // m rows (the complete ones valid)."""
-        kv, gate = linear(x.float(), self.wkv), linear(x.float(), self.wgate)  # [B, T, C W]
+        xf = x.float()  # projections and gating in fp32
+        kv, gate = linear(xf, self.wkv), linear(xf, self.wgate)  # [B, T, C W]
         if isinstance(start_pos, DevicePosition):
             return self._step(kv, gate, start_pos)
         b, t, _ = x.shape

@@ -1,40 +1,66 @@
-"""CUDA graphs for the decode step: one token through every layer and the head, replayed as one graph.
+"""CUDA graphs for the decode step: one token through every layer and the head, replayed.
 
-A graph replays kernels with fixed arguments, so a step can be captured only when nothing in it needs the
-host: the kernels reach every routed expert the run uses by themselves (all on the device, or mapped: the
-rest read in place from pinned RAM), so the MoE layers never ask the store to load one; no routing is
-recorded, and the device is CUDA. The token and its position live in device tensors that a replay
-reads. Attention in a graph covers a fixed span of the cache, rows past the position masked out (V3's
-latent rows; DeepSeek-V4's compressed entries, its window ring being fixed); spans are powers of two (at
-least MIN_SPAN, at most the context), one graph each, all captured when the engine starts, in one memory
-pool. What a replay skips on the host is done after it: the experts' use counts, V4's cache position.
-When a step cannot be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
+A graph replays kernels with fixed arguments, so nothing inside one may need the host. When the kernels
+reach every routed expert by themselves (all on the device, or mapped: the rest read in place from pinned
+RAM), a step is one graph. When experts are streamed, each MoE layer's loads need the host (read its
+routing, bring the records in): the step is captured in pieces, cut before each such layer's expert
+kernel, and a replay runs the loads between the pieces; the kernel then finds the records through the
+store's offsets table, refreshed in place. No routing may be recorded, and the device must be CUDA.
+The token and its position live in device tensors that a replay reads. Attention in a graph covers a
+fixed span of the cache, rows past the position masked out (V3's latent rows; DeepSeek-V4's compressed
+entries, its window ring being fixed); spans are powers of two (at least MIN_SPAN, at most the context),
+one step each, all captured when the engine starts, in one memory pool. What a replay skips on the host
+is done after it: the experts' use counts (when nothing streams), V4's cache position. When a step cannot
+be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from dsfp4.runtime.attention import DevicePosition
 from dsfp4.runtime.model import Transformer
 from dsfp4.runtime.model_v4 import TransformerV4
+from dsfp4.runtime.moe import LayerLoad
 
 MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
+
+
+@functools.lru_cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture (capture cannot run on the default stream): each new
+    stream would get, and keep for the process, a cuBLAS workspace of its own."""
+    return torch.cuda.Stream(device)
+
+
+@dataclass
+class CapturedStep:
+    """A decode step as graphs: each piece, then the expert loads to run before the next one (None after
+    the last), and the last piece's outputs."""
+
+    pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]]
+    logits: torch.Tensor  # [1, 1, V]
+    hidden: torch.Tensor  # [1, 1, D]
 
 
 class DecodeGraphs:
     def __init__(self, model: Transformer | TransformerV4, max_context: int, device: torch.device, recording: bool):
         self.model, self.max_context, self.device = model, max_context, device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, CapturedStep] = {}
+        store = model.experts
+        self.streamed = store.layout is not None and not store.visible  # loads between pieces
         self.why_eager = self._why_not(recording)
         if self.why_eager is None:
             self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
             self.pos = torch.zeros(1, dtype=torch.long, device=device)
             self.pool = torch.cuda.graph_pool_handle()
-        self.moe_layers = [b.ffn.layer for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
+        self.moe = [b.ffn for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
+        self.moe_layers = [m.layer for m in self.moe]
 
     def _why_not(self, recording: bool) -> str | None:
         store = self.model.experts
@@ -46,11 +72,9 @@ class DecodeGraphs:
             return "routing is being recorded (--record-trace) on the host"
         if self.model.moe_kernel is not None and not self.model.moe_kernel.triton:
             return "Triton is not installed: the experts' torch reference asks the host for its routing"
-        if store.layout is not None and not store.visible:
-            return (
-                f"experts are streamed ({store.plan.gpu_slots} of {store.plan.total_records} records fit on "
-                f"the device, {store.plan.ram_slots} in RAM), so each layer waits for the host"
-            )
+        k = self.model.args.n_activated_experts
+        if self.streamed and store.plan.gpu_slots < k:
+            return f"experts are streamed through {store.plan.gpu_slots} device slots, fewer than a token's {k}"
         return None
 
     def span(self, pos: int) -> int:
@@ -93,14 +117,30 @@ class DecodeGraphs:
 
     def _replay(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the step of the token in self.token at pos -> the graph's own outputs (logits [1, 1, V],
-        hidden [1, 1, D]), valid until the next replay."""
-        graph, logits, hidden = self.graphs[self.span(pos)]  # all captured by capture_all
+        hidden [1, 1, D]), valid until the next replay. Streamed experts load between the pieces."""
+        step = self.graphs[self.span(pos)]  # all captured by capture_all
         self.pos.fill_(pos)
-        graph.replay()
-        self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)  # Python skipped
+        waves = None
+        for graph, load in step.pieces:
+            graph.replay()
+            if waves is not None:
+                next(waves, None)  # the wave's slots may be refilled after the piece that computed with them
+            waves = None if load is None else self._bring(load)
+        if not self.streamed:  # the loads count what streams; here Python skipped the counting
+            self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)
         if isinstance(self.model, TransformerV4):
             self.model.pos = pos + 1  # its caches now end after pos (a step the caller discards: reusable knows)
-        return logits, hidden
+        return step.logits, step.hidden
+
+    def _bring(self, load: LayerLoad) -> Iterator[list[int]]:
+        """Run a layer's loads between two pieces (the host waits for the first piece's routing) -> the
+        store's waves, left open so that the slots are released after the next piece."""
+        store = self.model.experts
+        chosen, waves = load.waves(store)
+        wave = next(waves)
+        assert len(wave) == len(chosen), "a decode step's experts fit the device slots (_why_not checks it)"
+        store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it
+        return waves
 
     def capture_all(self) -> None:
         """Capture every span now (at engine start), so that no decode step pays for a capture. Each writes
@@ -116,17 +156,52 @@ class DecodeGraphs:
                 self.graphs[span] = self._capture(span)
             pos = span
 
-    def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture(self, span: int) -> CapturedStep:
         """Run the step once eagerly (it writes the same cache row the replay will), then capture it: every
         kernel is compiled by then, so nothing is tuned or built during capture. The eager run stays on the
-        current stream: each new stream would get (and keep, for the process) its own cuBLAS workspace."""
-        where = DevicePosition(self.pos, span)
-        with self.model.experts.uncounted():  # neither run is a token of a generation
-            self.model(self.token, where, last_only=True)
+        current stream. Streamed experts: the capture is cut before each MoE layer's expert kernel (MoE.cut),
+        with nothing in flight and the offsets table up to date, so the pieces read it in place."""
+        where, store = DevicePosition(self.pos, span), self.model.experts
+        pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]] = []
+
+        def begin() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits, hidden = self.model(self.token, where, last_only=True)
-        return graph, logits, hidden
+            graph.capture_begin(pool=self.pool)
+            return graph
+
+        def cut(load: LayerLoad) -> torch.Tensor:
+            nonlocal graph
+            graph.capture_end()
+            pieces.append((graph, load))
+            graph = begin()
+            return store.offsets(load.layer)
+
+        with store.uncounted():  # neither run is a token of a generation
+            self.model(self.token, where, last_only=True)
+            if self.streamed:
+                store.sync()
+                store.offsets(0)
+            torch.cuda.synchronize(self.device)
+            stream = capture_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                graph = begin()
+                for m in self.moe if self.streamed else ():
+                    m.cut = cut
+                try:
+                    logits, hidden = self.model(self.token, where, last_only=True)
+                finally:
+                    for m in self.moe:
+                        m.cut = None
+                graph.capture_end()
+                pieces.append((graph, None))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        return CapturedStep(pieces, logits, hidden)
+
+    @property
+    def pieces(self) -> int:
+        """Graphs per captured step: one, or one more than the MoE layers whose experts stream."""
+        return len(next(iter(self.graphs.values())).pieces) if self.graphs else 0
 
     @property
     def ready(self) -> bool:

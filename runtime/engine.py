@@ -180,6 +180,8 @@ class Engine:
         if not self.graphs.ready:
             return f"eager: {self.graphs.why_eager}"
         mode = "CUDA graph (plain steps; MTP verify steps eagerly)" if self.speculator else "CUDA graph"
+        if self.graphs.streamed:
+            return f"{mode} in {self.graphs.pieces} pieces, streamed experts loaded between them"
         if not self._model().experts.mapped:
             return mode
         p = self.plan

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,8 +44,7 @@ RUN_RECORDS = 4  # records per read ahead: streams, yet runs in parallel (fastes
 def _done(job: Future) -> bool:
     if not job.done() or job.exception() is not None:
         return job.done()
-    event = job.result()
-    return event is None or event.query()
+    return job.result() is None or job.result().query()  # and its copy event, if any, has passed
 
 
 def _unregister(host: torch.Tensor) -> None:
@@ -327,7 +326,8 @@ class ExpertStore:
             try:
                 event = job.result()  # the SSD read and the copy are queued (or a checksum error)
             except BaseException:
-                self._retire()  # forget the failed record before the error leaves the store
+                wait(jobs)  # the wave's other jobs may share the failed read: all end, then every failure is forgotten
+                self._retire()
                 raise
             self._counters.stall_s += time.perf_counter() - t0
             if event is not None:

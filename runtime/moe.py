@@ -5,7 +5,8 @@ Legend: T tokens, D dim, E routed experts, K activated experts per token, G expe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,9 @@ class MoE(nn.Module):
         # set by the model: the next MoE layer and its predicted experts from (this layer's residual, tokens)
         self.next_router: tuple[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] | None = None
         self.observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # a RoutingRecorder
+        # set while a decode step is captured in pieces (runtime/decode_graph.py): ends the piece before this
+        # layer's loads and gives the offsets the next piece's kernel reads once they are done
+        self.cut: Callable[[LayerLoad], torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, tokens: torch.Tensor | None = None
@@ -121,18 +125,40 @@ class MoE(nn.Module):
             self.experts.count_step(self.layer, indices)
             y = self.kernel(x, indices, weights, self.experts.gpu, self.experts.offsets(self.layer))
             return (y if self.shared_experts is None else y + self.shared_experts(x)).view(shape)
-        ask = [indices.flatten()]
+        ask, after = [indices.flatten()], None
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
-        ids = torch.cat(ask).tolist()  # the one host sync of the layer: which records to bring in
-        chosen = sorted(set(ids[: indices.numel()]))
-        prefetch = (self.next_router[0], sorted(set(ids[indices.numel() :]))) if len(ask) > 1 else None
-        parts = []
-        for wave in self.experts.load_waves(self.layer, chosen, prefetch):  # one wave unless slots run short
-            offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
-            parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
-        # several waves add up in fp32: each is rounded once, as one wave would be
-        y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
+            after = self.next_router[0]
+        load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after)
+        if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
+            y = self.kernel(x, indices, weights, self.experts.gpu, self.cut(load))
+        else:
+            parts = []
+            chosen, waves = load.waves(self.experts)
+            for wave in waves:  # one wave unless slots run short
+                offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
+                parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
+            # several waves add up in fp32: each is rounded once, as one wave would be
+            y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """What a streamed MoE layer asks the store for: the experts its tokens chose (ids[:chosen]) and, when
+    `after` is set, those predicted for that next MoE layer (ids[chosen:]), to prefetch."""
+
+    layer: int
+    ids: torch.Tensor  # [chosen + predicted] on the device
+    chosen: int
+    after: int | None
+
+    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]]]:
+        """Read the ids (the one host sync of the layer) -> (the distinct chosen experts, the store's waves of
+        them: each yielded once its records are on the device for compute queued next)."""
+        ids = self.ids.tolist()
+        chosen = sorted(set(ids[: self.chosen]))
+        prefetch = None if self.after is None else (self.after, sorted(set(ids[self.chosen :])))
+        return chosen, store.load_waves(self.layer, chosen, prefetch)

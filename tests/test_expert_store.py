@@ -258,6 +258,29 @@ def test_on_cuda_tiny_budgets_give_the_tokens_of_everything_resident_and_stay_in
 
 
 @pytest.mark.gpu
+def test_on_cuda_streamed_experts_decode_by_graph_pieces_with_the_tokens_of_eager_steps(converted):
+    """Fewer device and RAM slots than records, nothing mapped: a decode step replays in pieces, each MoE
+    layer's loads run between them; the tokens equal eager steps' across two attention spans, and the loads
+    count the same uses (plus, at most, the step launched ahead for a token the caller stopped at)."""
+    cuda = torch.device("cuda")
+    manifest = Manifest.read(converted)
+    runs = {}
+    for graph in (True, False):
+        options = RunOptions(device="cuda", max_context=640, dtype="fp32", cuda_graph=graph, zero_copy=False)
+        plan = plan_run(manifest, cuda, torch.float32, 640, options, False)
+        plan = dataclasses.replace(plan, gpu_slots=3, ram_slots=5, staging=4)
+        with Engine(converted, options, plan=plan) as engine:
+            runs[graph] = engine.generate(PROMPT, max_tokens=300, temperature=0)
+    g, e, layers = runs[True], runs[False], len(plan.expert_layers)
+    assert g.stats.decode_mode == f"CUDA graph in {layers + 1} pieces, streamed experts loaded between them"
+    assert e.stats.decode_mode == "eager: --no-cuda-graph"
+    assert g.token_ids == e.token_ids and g.stats.prompt_tokens + len(g.token_ids) > 256
+    assert g.stats.store["ssd_reads"] > 0
+    extra = g.stats.store["expert_uses"] - e.stats.store["expert_uses"]
+    assert extra in (0, layers * manifest.args.n_activated_experts)
+
+
+@pytest.mark.gpu
 def test_on_cuda_everything_resident_decodes_by_graph_replay_with_the_tokens_of_eager_steps(converted):
     """Every expert fits: the engine fills the device and replays captured decode steps; the tokens equal
     eager steps' (the same kernels), across several attention spans of the cache."""

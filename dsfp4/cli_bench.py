@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dsfp4.cli_options import EXISTING_DIR, PATH, ZERO_COPY
+from dsfp4.cli_options import CUDA_GRAPH, EXISTING_DIR, PATH, ZERO_COPY
 from dsfp4.runtime.budget import PRESETS
 
 
@@ -47,6 +47,7 @@ def _command(ctx: click.Context) -> str:
     help="The doctor's JSON (default: ~/.cache/dsfp4/doctor.json; measured on MODEL's disk now when missing).",
 )
 @ZERO_COPY
+@CUDA_GRAPH
 @click.option("--out", type=PATH, default=Path("bench"), show_default=True, help="Folder for the reports.")
 def bench(
     model: Path,
@@ -57,6 +58,7 @@ def bench(
     max_context: int,
     ceilings: Path | None,
     zero_copy: bool,
+    cuda_graph: bool,
     out: Path,
     gpu_mem: str | None,
     cpu_mem: str | None,
@@ -80,7 +82,9 @@ def bench(
     results = []
     custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
     for budget in [{"preset": p} for p in presets] + custom or [{}]:
-        options = RunOptions(device=device, max_context=max_context, zero_copy=zero_copy, **budget)
+        options = RunOptions(
+            device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph, **budget
+        )
         label = budget.get("preset") or " ".join(f"--{k.replace('_', '-')} {v}" for k, v in budget.items() if v)
         click.echo(f"{label or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
         r = run_preset(model, options, texts, max_tokens, c, label or None)

@@ -26,6 +26,14 @@ ZERO_COPY = click.option(
     help="Stream experts through the device slots even when the device and RAM hold them all (by default "
     "kernels then read RAM's records in place over PCIe, and decode steps replay as CUDA graphs).",
 )
+CUDA_GRAPH = click.option(
+    "--no-cuda-graph",
+    "cuda_graph",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Launch every decode step's kernels one by one instead of replaying captured CUDA graphs.",
+)
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dsfp4.cli_options import (
+    CUDA_GRAPH,
     EXISTING_DIR,
     PATH,
     RUN_DEFAULTS,
@@ -72,14 +73,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
     default=True,
     help="Do not predict the next layer's experts.",
 )
-@click.option(
-    "--no-cuda-graph",
-    "cuda_graph",
-    is_flag=True,
-    flag_value=False,
-    default=True,
-    help="Launch every decode step's kernels one by one instead of replaying a captured CUDA graph.",
-)
+@CUDA_GRAPH
 @ZERO_COPY
 @click.option(
     "--mtp",

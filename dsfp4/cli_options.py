@@ -24,7 +24,7 @@ ZERO_COPY = click.option(
     flag_value=False,
     default=True,
     help="Stream experts through the device slots even when the device and RAM hold them all (by default "
-    "kernels then read RAM's records in place over PCIe, and decode steps replay as CUDA graphs).",
+    "kernels then read RAM's records in place over PCIe, and a decode step replays as one CUDA graph).",
 )
 CUDA_GRAPH = click.option(
     "--no-cuda-graph",

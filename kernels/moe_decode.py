@@ -1,16 +1,17 @@
 """The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in three launches.
 
-  0. (bf16 and fp16 x) x scaled per token by a power of two, in fp16, permuted to meet whole code words.
+  0. (bf16 and fp16 x, words) x scaled per token by a power of two, in fp16, permuted to meet whole code words.
   1. gate+up: a program per (pair, BN1 rows of the expert width). Only the first pair to choose an expert
      works: it reads the expert's rows once for every token that chose it (its run) and writes
      silu(gate) * up * routing weight to an fp32 row per pair, even elements first, so launch 2 loads
-     each half contiguously.
+     each half contiguously (in order when down takes the words: step 1b prepares them).
+  1b. (down on the words) each pair's activation row scaled, fp16 and permuted the way step 0 does x.
   2. down: a program per (pair, BN2 rows of the model dim), the same way: W2 rows times each run pair's
      activation, an fp32 output row per pair.
   3. the sum over a token's K pairs, in slot order (torch): no atomics, the same bits on every run.
-Gate+up multiplies in fp16 products on the code words as loaded (fp4_decode.words_sums: about half the
-instructions per byte; relative error ~6e-4), except for fp32 x, the exact runs; down multiplies in fp32
-(its activations are not scaled per token, and V3's have no clamp to bound them).
+Either product multiplies in fp32, or in fp16 products on the code words as loaded (fp4_decode.words_sums:
+about half the instructions per byte; relative error ~6e-4) when DecodeConfig asks for it, except for fp32
+x, the exact runs. A pair's run of one (every run at one token) takes a straight loop over its chunks.
 Experts are found on the device through `offsets` (kernels/moe_ref.py), so routing needs no host sync and
 the launches can be captured in a CUDA graph. Records in pinned host memory are read over PCIe (zero-copy).
 A single persistent launch with a grid-wide barrier between the phases was measured slower on the H100
@@ -20,6 +21,7 @@ Legend: T tokens, K experts per token, D dim, I expert width, G scale block, P =
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,23 +81,46 @@ if triton is not None:
         return tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (R, NB, GROUP // 2)), 2)
 
     @triton.jit
+    def _x_quads(xq_row, kb, BK: tl.constexpr):
+        """The x quads (i64 [1, BK/8] twice) that meet the code words of the chunk at byte kb."""
+        i = (kb // 4 + tl.arange(0, BK // 8))[:, None] * 2 + tl.arange(0, 2)[None, :]
+        xa, xb = tl.split(tl.load(xq_row + i))
+        return xa[None, :], xb[None, :]
+
+    @triton.jit
+    def _block_sums(
+        packed, xrow, kb, XS: tl.constexpr, ODD: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr,
+        WORDS: tl.constexpr, USE_ASM: tl.constexpr,
+    ):  # fmt: skip
+        """Per scale block, sum of code * x over the chunk at byte kb (from _chunk): [R, BK/G], before the
+        global scale and 2^14. Bytes: fp32 products, byte j's low nibble meeting xrow[j * XS], its high one
+        ODD further. WORDS: fp16 products on the x quads of xrow (i64, from _prep_kernel: still times 2^s)."""
+        R: tl.constexpr = packed.shape[0]
+        if WORDS:  # if/else, not an early return: the compiler would still build the code after it
+            xa, xb = _x_quads(xrow, kb, BK)
+            pieces = words_sums(packed, xa, xb, USE_ASM)  # [R, BK / 16]
+            sums = tl.sum(tl.reshape(pieces, (R, BK // GROUP, GROUP // 16)), 2)
+        else:
+            j = (kb + tl.arange(0, BK // 2)) * XS
+            xe = tl.load(xrow + j).to(tl.float32)
+            xo = tl.load(xrow + j + ODD).to(tl.float32)
+            sums = _group_sums(packed, xe, xo, GROUP, USE_ASM)
+        return sums
+
+    @triton.jit
     def _rows_dot(
-        wrow, srow, xe_ptr, xo_ptr,
-        XS: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BK: tl.constexpr,
-        USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
+        wrow, srow, xrow, XS: tl.constexpr, ODD: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr,
+        E8M0: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         """sum_k W[r, k] x[k] for FP4 rows (wrow, srow: [R, 1] row pointers to codes and scale bytes) and one
-        activation row split in halves (byte j's low nibble meets xe[j * XS], its high nibble xo[j * XS]),
-        before the global scale and 2^14: [R]. The next chunk is loaded before this one is computed."""
+        activation row (xrow, read as _block_sums does), before the global scale and 2^14: [R]. The next chunk
+        is loaded before this one is computed."""
         R: tl.constexpr = wrow.shape[0]
         acc = tl.zeros((R, BK // GROUP), dtype=tl.float32)  # reduced once at the end, not per chunk
-        packed, sb = _chunk(wrow, srow, 0, GROUP, BK, True)
+        packed, sb = _chunk(wrow, srow, 0, GROUP, BK, True, WORDS)
         for kb in range(0, KDIM // 2, BK // 2):
-            nxt, nsb = _chunk(wrow, srow, kb + BK // 2, GROUP, BK, kb + BK // 2 < KDIM // 2)
-            j = (kb + tl.arange(0, BK // 2)) * XS
-            xe = tl.load(xe_ptr + j).to(tl.float32)
-            xo = tl.load(xo_ptr + j).to(tl.float32)
-            acc += _group_sums(packed, xe, xo, GROUP, USE_ASM) * block_scale(sb, E8M0, HW_E4M3)
+            nxt, nsb = _chunk(wrow, srow, kb + BK // 2, GROUP, BK, kb + BK // 2 < KDIM // 2, WORDS)
+            acc += _block_sums(packed, xrow, kb, XS, ODD, GROUP, BK, WORDS, USE_ASM) * block_scale(sb, E8M0, HW_E4M3)
             packed, sb = nxt, nsb
         return tl.sum(acc, 1)
 
@@ -103,27 +128,38 @@ if triton is not None:
     def _rows_dot_run(
         wrow, srow, src, stride, qs, lanes, n_run,
         ROW_DIV: tl.constexpr, XS: tl.constexpr, ODD: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr,
-        E8M0: tl.constexpr, BK: tl.constexpr, RUN_PAD: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
+        E8M0: tl.constexpr, BK: tl.constexpr, RUN_PAD: tl.constexpr, WORDS: tl.constexpr, USE_ASM: tl.constexpr,
+        HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         """_rows_dot for the n_run pairs qs of a run, each weight chunk loaded once for all of them: [RUN_PAD, R].
-        Pair q reads row q // ROW_DIV of `src` (stride apart): element j of a half at j * XS, odd half ODD on."""
+        Pair q reads row q // ROW_DIV of `src` (stride elements apart). Only the words load a chunk ahead (the
+        bytes' fp32 run spends its registers: 128 a thread at 32 rows x 128 B, 167 with the chunk ahead)."""
         R: tl.constexpr = wrow.shape[0]
         acc = tl.zeros((RUN_PAD, R), dtype=tl.float32)
-        half = tl.arange(0, BK // 2)
+        AHEAD: tl.constexpr = BK // 2 if WORDS else 0  # bytes per row loaded ahead
+        packed, sb = _chunk(wrow, srow, 0, GROUP, BK, True, WORDS)
         for kb in range(0, KDIM // 2, BK // 2):
-            packed, sb = _chunk(wrow, srow, kb, GROUP, BK, True)
+            nxt, nsb = _chunk(wrow, srow, kb + AHEAD, GROUP, BK, kb + AHEAD < KDIM // 2, WORDS)
+            if AHEAD == 0:
+                packed, sb = nxt, nsb
             s = block_scale(sb, E8M0, HW_E4M3)
             for i in range(n_run):
-                row = src + (_pick(qs, lanes, i) // ROW_DIV) * stride + (kb + half) * XS
-                xe = tl.load(row).to(tl.float32)
-                xo = tl.load(row + ODD).to(tl.float32)
-                dot = tl.sum(_group_sums(packed, xe, xo, GROUP, USE_ASM) * s, 1)  # [R]
+                row = src + (_pick(qs, lanes, i) // ROW_DIV) * stride
+                dot = tl.sum(_block_sums(packed, row, kb, XS, ODD, GROUP, BK, WORDS, USE_ASM) * s, 1)  # [R]
                 acc += tl.where(lanes[:, None] == i, dot[None, :], 0.0)
+            packed, sb = nxt, nsb
         return acc
 
     @triton.jit
+    def _unscale(dot, inv_ptr, row, WORDS: tl.constexpr):
+        """dot times row's 2^-s where the words read its x scaled by _prep_kernel."""
+        if WORDS:
+            dot = dot * tl.load(inv_ptr + row)
+        return dot
+
+    @triton.jit
     def _prep_kernel(x_ptr, stride_xt, xq_ptr, inv_ptr, D: tl.constexpr, BD: tl.constexpr):
-        """Token t's x for words_sums: times 2^s (largest |x| in [2^14, 2^15), so no fp16 product overflows
+        """Row t of x for words_sums: times 2^s (largest |x| in [2^14, 2^15), so no fp16 product overflows
         or loses much to subnormals), fp16, each 8 elements in the order 0 4 1 5 2 6 3 7; and 2^-s."""
         t = tl.program_id(0)
         i = tl.arange(0, BD)
@@ -134,47 +170,22 @@ if triton is not None:
         tl.store(inv_ptr + t, tl.exp2(-s))
 
     @triton.jit
-    def _x_quads(xq_row, kb, BK: tl.constexpr):
-        """The x quads (i64 [1, BK/8] twice) that meet the code words of the chunk at byte kb."""
-        i = (kb // 4 + tl.arange(0, BK // 8))[:, None] * 2 + tl.arange(0, 2)[None, :]
-        xa, xb = tl.split(tl.load(xq_row + i))
-        return xa[None, :], xb[None, :]
-
-    @triton.jit
-    def _rows_dot_words(
-        wrow, srow, xq_rows, qs, lanes, n_run,
-        ROW_DIV: tl.constexpr, ROW_WORDS: tl.constexpr, KDIM: tl.constexpr, GROUP: tl.constexpr,
-        E8M0: tl.constexpr, BK: tl.constexpr, RUN_PAD: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
-    ):  # fmt: skip
-        """_rows_dot_run in fp16 products (words_sums): pair q reads the x quads of row q // ROW_DIV of xq_rows
-        (i64, ROW_WORDS apart): [RUN_PAD, R], before the global scale, 2^14 and the tokens' 2^-s."""
-        R: tl.constexpr = wrow.shape[0]
-        acc = tl.zeros((RUN_PAD, R), dtype=tl.float32)
-        words, sb = _chunk(wrow, srow, 0, GROUP, BK, True, True)
-        for kb in range(0, KDIM // 2, BK // 2):
-            nxt, nsb = _chunk(wrow, srow, kb + BK // 2, GROUP, BK, kb + BK // 2 < KDIM // 2, True)
-            s = block_scale(sb, E8M0, HW_E4M3)
-            for i in range(n_run):
-                xa, xb = _x_quads(xq_rows + (_pick(qs, lanes, i) // ROW_DIV) * ROW_WORDS, kb, BK)
-                pieces = words_sums(words, xa, xb, USE_ASM)  # [R, BK / 16]
-                dot = tl.sum(tl.sum(tl.reshape(pieces, (R, BK // GROUP, GROUP // 16)), 2) * s, 1)  # [R]
-                acc += tl.where(lanes[:, None] == i, dot[None, :], 0.0)
-            words, sb = nxt, nsb
-        return acc
-
-    @triton.jit
     def _run(ids_ptr, p, n_pairs, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr):
         """Expert e of pair p; whether p is the first pair to choose it; the pairs that chose it (its run,
         qs [RUN_PAD]) and how many (a token picks an expert once, so at most one pair per token)."""
         e = tl.load(ids_ptr + p).to(tl.int32)
-        plane = tl.arange(0, P_PAD)
-        pair_e = tl.load(ids_ptr + plane, mask=plane < n_pairs, other=-1).to(tl.int32)  # [P_PAD]
-        match = pair_e == e
-        leader = tl.sum((match & (plane < p)).to(tl.int32), 0) == 0
         lanes = tl.arange(0, RUN_PAD)
-        rank = tl.cumsum(match.to(tl.int32), 0) - 1  # position of each matching pair in the run
-        qs = tl.sum(tl.where(match[None, :] & (rank[None, :] == lanes[:, None]), plane[None, :], 0), 1)
-        return e, leader, qs, lanes, tl.sum(match.to(tl.int32), 0)
+        if RUN_PAD == 1:  # one token: every pair is its own run and leads it, no scan of the others
+            leader, qs, n_run = tl.full((), 1, tl.int1), lanes + p, tl.full((), 1, tl.int32)  # constants fold
+        else:
+            plane = tl.arange(0, P_PAD)
+            pair_e = tl.load(ids_ptr + plane, mask=plane < n_pairs, other=-1).to(tl.int32)  # [P_PAD]
+            match = pair_e == e
+            leader = tl.sum((match & (plane < p)).to(tl.int32), 0) == 0
+            rank = tl.cumsum(match.to(tl.int32), 0) - 1  # position of each matching pair in the run
+            qs = tl.sum(tl.where(match[None, :] & (rank[None, :] == lanes[:, None]), plane[None, :], 0), 1)
+            n_run = tl.sum(match.to(tl.int32), 0)
+        return e, leader, qs, lanes, n_run
 
     @triton.jit
     def _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER: tl.constexpr, LIMIT: tl.constexpr):
@@ -189,10 +200,11 @@ if triton is not None:
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
         G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr, LIMIT: tl.constexpr,
-        WORDS: tl.constexpr,
+        WORDS: tl.constexpr, HALVES: tl.constexpr,
     ):  # fmt: skip
         """Launch 1: BN gate rows and the matching up rows of one expert, for every token that chose it.
-        WORDS: fp16 products on the code words, x from _prep_kernel (xq: i64 quads, inv: 2^-s per token)."""
+        WORDS: fp16 products on the code words, x from _prep_kernel (xq: i64 quads, inv: 2^-s per token).
+        HALVES: activations even elements first (for down's fp32 products), else in order."""
         nb = INTER // BN
         e, leader, qs, lanes, n_run = _run(ids_ptr, tl.program_id(0) // nb, T * K, P_PAD, RUN_PAD)
         off = tl.load(off_ptr + e)
@@ -208,39 +220,35 @@ if triton is not None:
                 gp = (wbase + G).to(tl.pointer_type(tl.float32))
                 g_gate, g_up = tl.load(gp) * _UNBIAS, tl.load(gp + 1) * _UNBIAS
             n = (tl.program_id(0) % nb) * BN + tl.arange(0, BN)
-            dest = (n % 2) * (INTER // 2) + n // 2  # even rows first
-            if WORDS:
-                acc = _rows_dot_words(
-                    wrow, srow, xq_ptr, qs, lanes, n_run, K, D // 4, D, GROUP, E8M0, BK, RUN_PAD, USE_ASM, HW_E4M3
-                )  # fmt: skip
-                for i in range(n_run):
-                    q = _pick(qs, lanes, i)
-                    dot = tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0) * tl.load(inv_ptr + q // K)
-                    _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER, LIMIT)
-            elif n_run == 1:  # most runs at decode: one token, a 2-D accumulator
+            dest = (n % 2) * (INTER // 2) + n // 2 if HALVES else n
+            src = xq_ptr if WORDS else x_ptr  # token t's x (WORDS: its quads) at src + t * stride
+            stride = D // 4 if WORDS else stride_xt
+            if n_run == 1:  # most runs at decode (all at one token): one token, a 2-D accumulator
                 q = _pick(qs, lanes, 0)
-                x_row = x_ptr + (q // K) * stride_xt
-                dot = _rows_dot(wrow, srow, x_row, x_row + 1, 2, D, GROUP, E8M0, BK, USE_ASM, HW_E4M3)
-                _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER, LIMIT)
+                dot = _rows_dot(
+                    wrow, srow, src + (q // K) * stride, 2, 1, D, GROUP, E8M0, BK, WORDS, USE_ASM, HW_E4M3
+                )  # fmt: skip
+                _emit(act_ptr, rw_ptr, q, _unscale(dot, inv_ptr, q // K, WORDS), dest, g_gate, g_up, INTER, LIMIT)
             else:
                 acc = _rows_dot_run(
-                    wrow, srow, x_ptr, stride_xt, qs, lanes, n_run, K, 2, 1, D, GROUP, E8M0, BK, RUN_PAD, USE_ASM,
+                    wrow, srow, src, stride, qs, lanes, n_run, K, 2, 1, D, GROUP, E8M0, BK, RUN_PAD, WORDS, USE_ASM,
                     HW_E4M3,
                 )  # fmt: skip
                 for i in range(n_run):
                     q = _pick(qs, lanes, i)
-                    dot = tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0)
+                    dot = _unscale(tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0), inv_ptr, q // K, WORDS)
                     _emit(act_ptr, rw_ptr, q, dot, dest, g_gate, g_up, INTER, LIMIT)
 
     @triton.jit
     def _down_kernel(
-        ids_ptr, rec_ptr, off_ptr, act_ptr, out_ptr, T,
+        ids_ptr, rec_ptr, off_ptr, act_ptr, inv_ptr, out_ptr, T,
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W2: tl.constexpr, S2: tl.constexpr,
         G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr, WORDS: tl.constexpr,
     ):  # fmt: skip
         """Launch 2: BN rows of one expert's W2 times the activation of every pair that chose it; pairs of an
-        absent expert get zeros (the sum over slots reads every pair's row)."""
+        absent expert get zeros (the sum over slots reads every pair's row) and their activations are not read.
+        act: fp32 rows in halves, or (WORDS) i64 quads from _prep_kernel with inv: 2^-s per pair."""
         nb = D // BN
         p = tl.program_id(0) // nb
         e, leader, qs, lanes, n_run = _run(ids_ptr, p, T * K, P_PAD, RUN_PAD)
@@ -255,30 +263,38 @@ if triton is not None:
             g = _UNBIAS
             if G >= 0:  # NVFP4 global scale of w2
                 g = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * _UNBIAS
+            stride = INTER // 4 if WORDS else INTER  # pair q's activation row at act + q * stride
             if n_run == 1:
-                act = act_ptr + p * INTER
-                dot = _rows_dot(wrow, srow, act, act + INTER // 2, 1, INTER, GROUP, E8M0, BK, USE_ASM, HW_E4M3)
-                tl.store(out_ptr + p * D + rows, dot * g)
+                dot = _rows_dot(
+                    wrow, srow, act_ptr + p * stride, 1, INTER // 2, INTER, GROUP, E8M0, BK, WORDS, USE_ASM, HW_E4M3
+                )  # fmt: skip
+                tl.store(out_ptr + p * D + rows, _unscale(dot, inv_ptr, p, WORDS) * g)
             else:
                 acc = _rows_dot_run(
-                    wrow, srow, act_ptr, INTER, qs, lanes, n_run, 1, 1, INTER // 2, INTER, GROUP, E8M0, BK, RUN_PAD,
-                    USE_ASM, HW_E4M3,
+                    wrow, srow, act_ptr, stride, qs, lanes, n_run, 1, 1, INTER // 2, INTER, GROUP, E8M0, BK, RUN_PAD,
+                    WORDS, USE_ASM, HW_E4M3,
                 )  # fmt: skip
                 for i in range(n_run):
                     q = _pick(qs, lanes, i)
-                    tl.store(out_ptr + q * D + rows, tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0) * g)
+                    dot = _unscale(tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0), inv_ptr, q, WORDS)
+                    tl.store(out_ptr + q * D + rows, dot * g)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tile sizes: BN1 rows of the expert width per gate+up program, BN2 rows of the model dim per down
-    program, BK1/BK2 input elements per step (a power of two, at least one scale block); warps per program."""
+    program, BK1/BK2 input elements per step (a power of two, at least one scale block); warps per gate+up
+    and per down program. words1/words2: gate+up/down in fp16 products on the code words for bf16 and fp16 x
+    (fp32 x keeps fp32 products)."""
 
     bn1: int = 16  # the best of a sweep on the H100 (docs/BENCHMARKS.md)
     bk1: int = 256
     bn2: int = 16
     bk2: int = 256
     num_warps: int = 4
+    num_warps2: int = 4
+    words1: bool = True
+    words2: bool = False
 
     def fit(self, layout: RecordLayout) -> DecodeConfig:
         """Shrink the tiles to a small model's shape (every size a power of two dividing it)."""
@@ -289,12 +305,20 @@ class DecodeConfig:
             return b
 
         d, i = layout.dim, layout.inter_dim
-        return DecodeConfig(div(self.bn1, i), div(self.bk1, d), div(self.bn2, d), div(self.bk2, i), self.num_warps)
+        return dataclasses.replace(self, bn1=div(self.bn1, i), bk1=div(self.bk1, d), bn2=div(self.bn2, d),
+                                   bk2=div(self.bk2, i))  # fmt: skip
+
+
+def workspace_bytes(layout: RecordLayout, top_k: int) -> int:
+    """Device memory a DecodeMoE holds: per pair an fp32 activation row, its fp16 copy and 2^-s for the down
+    words and an fp32 output row; per token x in fp16 and its 2^-s."""
+    pairs = MAX_TOKENS * top_k
+    return pairs * (layout.inter_dim * (4 + 2) + 4 + layout.dim * 4) + MAX_TOKENS * (layout.dim * 2 + 4)
 
 
 class DecodeMoE:
-    """The decode kernels for one record layout on one device, with their workspaces (an activation row and
-    an output row per pair) kept across calls, so that a captured graph replays on the same memory."""
+    """The decode kernels for one record layout on one device, with their workspaces (workspace_bytes) kept
+    across calls, so that a captured graph replays on the same memory."""
 
     def __init__(
         self,
@@ -309,21 +333,25 @@ class DecodeMoE:
         self.layout, self.top_k = layout, top_k
         self.config = c = (config or DecodeConfig()).fit(layout)
         assert c.bk1 >= group and c.bk2 >= group, f"K steps must hold whole {group}-element scale blocks"
-        pairs = MAX_TOKENS * top_k
-        self.words = layout.dim % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
-        self.xq = torch.empty(MAX_TOKENS, layout.dim, dtype=torch.float16, device=device)
+        pairs, d, i = MAX_TOKENS * top_k, layout.dim, layout.inter_dim
+        self.words = d % 8 == 0 and i % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
+        self.xq = torch.empty(MAX_TOKENS, d, dtype=torch.float16, device=device)
         self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
         self.quads = self.xq.view(torch.int64)  # [MAX_TOKENS, D / 4]: what gate+up reads of xq
-        self.act = torch.empty(pairs, layout.inter_dim, dtype=torch.float32, device=device)
-        self.out = torch.empty(pairs, layout.dim, dtype=torch.float32, device=device)
+        self.act = torch.empty(pairs, i, dtype=torch.float32, device=device)
+        self.act_q = torch.empty(pairs, i, dtype=torch.float16, device=device)  # act as the down words read it
+        self.act_inv = torch.empty(pairs, dtype=torch.float32, device=device)
+        self.act_quads = self.act_q.view(torch.int64)
+        self.out = torch.empty(pairs, d, dtype=torch.float32, device=device)
         p = {part.name: part.offset for part in layout.parts}
         common = dict(
-            K=top_k, D=layout.dim, INTER=layout.inter_dim, G=p.get("scale_2", -1), GROUP=group,
-            E8M0=layout.format == "mxfp4", USE_ASM=not interpreted(), HW_E4M3=hw_e4m3(device),
-            num_warps=c.num_warps,
+            K=top_k, D=d, INTER=i, G=p.get("scale_2", -1), GROUP=group, E8M0=layout.format == "mxfp4",
+            USE_ASM=not interpreted(), HW_E4M3=hw_e4m3(device),
         )  # fmt: skip
-        self.phase1 = dict(common, W13=p["w13"], S13=p["w13_scale"], BN=c.bn1, BK=c.bk1, LIMIT=float(limit))
-        self.phase2 = dict(common, W2=p["w2"], S2=p["w2_scale"], BN=c.bn2, BK=c.bk2)
+        self.phase1 = dict(
+            common, W13=p["w13"], S13=p["w13_scale"], BN=c.bn1, BK=c.bk1, LIMIT=float(limit), num_warps=c.num_warps
+        )  # fmt: skip
+        self.phase2 = dict(common, W2=p["w2"], S2=p["w2_scale"], BN=c.bn2, BK=c.bk2, num_warps=c.num_warps2)
 
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
@@ -335,17 +363,19 @@ class DecodeMoE:
         assert records.data_ptr() % 16 == 0, "records: a 16-byte aligned u8 slot pool"
         ids, weights, offsets = ids.contiguous(), weights.float().contiguous(), offsets.contiguous()
         run = dict(P_PAD=next_pow2(t * k), RUN_PAD=next_pow2(t))
-        c = self.config
-        # fp32 runs (the exact ones) keep fp32 products; so does NVFP4 at one token, where fp16 products on
-        # the words measured slower on the H100 (141.6 against 130.5 us; faster at 2-16 tokens and for MXFP4)
-        words = self.words and x.dtype != torch.float32 and (t > 1 or self.layout.format == "mxfp4")
-        if words:
-            _prep_kernel[(t,)](x, x.stride(0), self.xq, self.inv, D=self.layout.dim, BD=next_pow2(self.layout.dim))
-        _gate_up_kernel[(t * k * (self.layout.inter_dim // c.bn1),)](
+        c, d, i = self.config, self.layout.dim, self.layout.inter_dim
+        words = self.words and x.dtype != torch.float32  # fp32 runs (the exact ones) keep fp32 products
+        words1, words2 = words and c.words1, words and c.words2
+        if words1:
+            _prep_kernel[(t,)](x, x.stride(0), self.xq, self.inv, D=d, BD=next_pow2(d))
+        _gate_up_kernel[(t * k * (i // c.bn1),)](
             x, self.quads, self.inv, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1,
-            WORDS=words,
+            WORDS=words1, HALVES=not words2,
         )  # fmt: skip
-        _down_kernel[(t * k * (self.layout.dim // c.bn2),)](
-            ids, records, offsets, self.act, self.out, t, **run, **self.phase2
-        )
+        if words2:
+            _prep_kernel[(t * k,)](self.act, i, self.act_q, self.act_inv, D=i, BD=next_pow2(i))
+        _down_kernel[(t * k * (d // c.bn2),)](
+            ids, records, offsets, self.act_quads if words2 else self.act, self.act_inv, self.out, t, **run,
+            **self.phase2, WORDS=words2,
+        )  # fmt: skip
         return self.out[: t * k].view(t, k, -1).sum(1).to(x.dtype)  # [T, D], slots summed in order

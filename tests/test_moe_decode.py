@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from moe_records import random_expert, routing, slot_pool
 
 from dsfp4.kernels.fp4_decode import triton
-from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE
+from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE, workspace_bytes
 from dsfp4.kernels.moe_ref import moe_ref, record_offsets
 from dsfp4.layout.record import RecordLayout
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32 = DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words1=False)
+WORDS = {  # fp16 products on the code words in gate+up, down or both (bf16 and fp16 x)
+    "gate_up": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32),
+    "down": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words1=False, words2=True),
+    "both": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=2048, num_warps2=8, words2=True),  # down: whole rows (fit)
+}
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def _poisoned(kernel: DecodeMoE) -> DecodeMoE:
+    """Every workspace NaN: each row read must have been written in the same call."""
+    for w in (kernel.xq, kernel.inv, kernel.act, kernel.act_q, kernel.act_inv, kernel.out):
+        w.fill_(float("nan"))
+    return kernel
+
+
+def _absent_picked(ids: torch.Tensor, expert: int) -> torch.Tensor:
+    """ids with token 0 choosing `expert` (still distinct per token)."""
+    if expert not in ids[0]:
+        ids[0, 0] = expert
+    return ids
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -28,48 +50,69 @@ def test_decode_kernel_matches_the_reference(fmt, t):
     ids, weights = routing(t, k, n_experts, gen)
     x = torch.randn(t, layout.dim, generator=gen) * 3
     want = moe_ref(x.double(), ids, weights, records, offsets, layout)
-    kernel = DecodeMoE(layout, k, DEVICE, DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32))
-    args = [a.to(DEVICE) for a in (x, ids, weights, records, offsets)]
-    kernel.act.fill_(float("nan"))  # poisoned workspaces: every row read must have been written
-    kernel.out.fill_(float("nan"))
-    got = kernel(*args).cpu()
+    kernel = _poisoned(DecodeMoE(layout, k, DEVICE, FP32))
+    got = kernel(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets))).cpu()
     assert not got.isnan().any() and _rel(got, want) < 1e-5
 
 
+def test_fp32_x_keeps_fp32_products_whatever_the_config():
+    """The exact runs: a config asking for the words changes no bit of an fp32 x's result."""
+    gen = torch.Generator().manual_seed(5)
+    layout, records, offsets = slot_pool("nvfp4", 64, 64, 6, gen, absent=(4,))
+    ids, weights = routing(3, 3, 6, gen)
+    args = [a.to(DEVICE) for a in (torch.randn(3, layout.dim, generator=gen), ids, weights, records, offsets)]
+    plain = DecodeMoE(layout, 3, DEVICE, dataclasses.replace(WORDS["both"], words1=False, words2=False))(*args)
+    assert torch.equal(_poisoned(DecodeMoE(layout, 3, DEVICE, WORDS["both"]))(*args), plain)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_decode_kernel_clamps_its_swiglu_like_the_reference(fmt):
-    """DeepSeek-V4's swiglu_limit: gate clamped above, up to +-limit; a limit the values cross."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_clamps_its_swiglu_like_the_reference(fmt, dtype):
+    """DeepSeek-V4's swiglu_limit: gate clamped above, up to +-limit; a limit the values cross (bf16 x: on
+    the words in both launches)."""
     gen = torch.Generator().manual_seed(11)
     layout, records, offsets = slot_pool(fmt, 64, 64, 6, gen)
     ids, weights = routing(3, 2, 6, gen)
-    x = torch.randn(3, layout.dim, generator=gen) * 3
+    x = (torch.randn(3, layout.dim, generator=gen) * 3).to(dtype)
     want = moe_ref(x.double(), ids, weights, records, offsets, layout, limit=0.5)
     assert _rel(moe_ref(x.double(), ids, weights, records, offsets, layout), want) > 0.05  # the clamp bites
-    kernel = DecodeMoE(layout, 2, DEVICE, DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32), limit=0.5)
-    got = kernel(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets))).cpu()
-    assert _rel(got, want) < 1e-5
+    config = FP32 if dtype == torch.float32 else WORDS["both"]
+    kernel = _poisoned(DecodeMoE(layout, 2, DEVICE, config, limit=0.5))
+    got = kernel(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets))).float().cpu()
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("t", [1, 3, 16])
-@pytest.mark.parametrize("scale", [3.0, 5000.0])
-def test_decode_kernel_in_fp16_products_for_bf16_x_matches_the_reference(fmt, t, scale):
-    """bf16 x takes gate+up's fp16 products on the code words: x scaled per token by a power of two, so an
-    x far past fp16's range (5000 * N(0, 1): products of 6 * 5000 summed) neither overflows nor loses
-    precision; runs of tokens sharing an expert (t = 16 of 6 experts) included."""
+@pytest.mark.parametrize(
+    ("words", "t", "scale"),
+    [("both", t, scale) for t in (1, 3) for scale in (3.0, 5000.0)]
+    + [(words, t, 5000.0) for words, t in (("both", 16), ("gate_up", 1), ("gate_up", 3), ("down", 1), ("down", 3))],
+)
+def test_decode_kernel_in_fp16_products_for_bf16_x_matches_the_reference(fmt, words, t, scale):
+    """bf16 x takes fp16 products on the code words: x (for down, each pair's activation) scaled by a power
+    of two, so an x far past fp16's range (5000 * N(0, 1): products of 6 * 5000 summed) neither overflows
+    nor loses precision. Token 0 picks the absent expert; runs of tokens sharing an expert (t = 3 and 16 of
+    6 experts) included; at t = 1 every pair is its own run."""
     gen = torch.Generator().manual_seed(t)
     n_experts, k = 6, 3
     layout, records, offsets = slot_pool(fmt, 64, 64, n_experts, gen, absent=(4,))
     ids, weights = routing(t, k, n_experts, gen)
+    ids = _absent_picked(ids, 4)
+    assert t == 1 or len(set(ids.flatten().tolist())) < ids.numel()  # shared runs
     x = (torch.randn(t, layout.dim, generator=gen) * scale).bfloat16()
     want = moe_ref(x.double(), ids, weights, records, offsets, layout)
-    kernel = DecodeMoE(layout, k, DEVICE, DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32))
+    kernel = _poisoned(DecodeMoE(layout, k, DEVICE, WORDS[words]))
     assert kernel.words
-    args = [a.to(DEVICE) for a in (x, ids, weights, records, offsets)]
-    kernel.act.fill_(float("nan"))
-    kernel.out.fill_(float("nan"))
-    got = kernel(*args).float().cpu()
+    got = kernel(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets))).float().cpu()
     assert not got.isnan().any() and not got.isinf().any() and _rel(got, want) < 1e-2
+
+
+def test_decode_config_fits_a_small_layout_and_workspace_bytes_counts_the_workspaces():
+    layout = RecordLayout.for_expert("mxfp4", 64, 32)
+    assert WORDS["both"].fit(layout) == DecodeConfig(16, 64, 32, 32, 4, 8, True, True)
+    kernel = DecodeMoE(layout, 3, "cpu")
+    held = {w.data_ptr(): w.numel() * w.element_size() for w in vars(kernel).values() if torch.is_tensor(w)}
+    assert workspace_bytes(layout, 3) == sum(held.values())
 
 
 def test_decode_kernel_writes_bf16_and_reads_a_padded_row_stride():
@@ -97,8 +140,10 @@ def test_record_offsets_point_at_device_slots_then_host_slots():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("t", [1, 4, 16])
-def test_decode_kernel_at_deepseek_v3_size(fmt, t):
-    """V3 expert shape, 8 of 256 experts, records on the device and (zero-copy) in pinned host memory."""
+@pytest.mark.parametrize("config", [DecodeConfig(), DecodeConfig(bn2=8, bk2=2048, num_warps2=8, words2=True)])
+def test_decode_kernel_at_deepseek_v3_size(fmt, t, config):
+    """V3 expert shape, 8 of 256 experts, records on the device and (zero-copy) in pinned host memory; down
+    in fp32 products or on the words."""
     gen = torch.Generator().manual_seed(0)
     layout = RecordLayout.for_expert(fmt, 7168, 2048)
     distinct = [torch.frombuffer(bytearray(random_expert(layout, gen)), dtype=torch.uint8) for _ in range(4)]
@@ -109,7 +154,7 @@ def test_decode_kernel_at_deepseek_v3_size(fmt, t):
     x = torch.randn(t, layout.dim, generator=gen).bfloat16()
     args = [x.cuda(), ids.cuda(), weights.cuda(), records, offsets]
     want = moe_ref(args[0].double(), *args[1:], layout)  # float64 on the GPU: the CPU takes minutes
-    kernel = DecodeMoE(layout, 8, torch.device("cuda"))
+    kernel = DecodeMoE(layout, 8, torch.device("cuda"), config)
     for _ in range(2):
         got = kernel(*args)
         assert not got.isnan().any() and _rel(got, want) < 1e-2

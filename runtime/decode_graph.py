@@ -128,8 +128,7 @@ class DecodeGraphs:
             waves = None if load is None else self._bring(load)
         if not self.streamed:  # the loads count what streams; here Python skipped the counting
             self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)
-        if isinstance(self.model, TransformerV4):
-            self.model.pos = pos + 1  # its caches now end after pos (a step the caller discards: reusable knows)
+        self.model.replayed(pos)  # V4's caches now end after pos (a step the caller discards: reusable knows)
         return step.logits, step.hidden
 
     def _bring(self, load: LayerLoad) -> Iterator[list[int]]:

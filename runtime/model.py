@@ -137,6 +137,9 @@ class Transformer(nn.Module):
         cache is written by position, so a later call overwrites what follows)."""
         return keep
 
+    def replayed(self, pos: int) -> None:
+        """A captured step at pos was replayed: nothing to move (the latent cache is written by position)."""
+
     @staticmethod
     def causal_mask(t: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
         """[T, start_pos + T]: token i of this step sees cached positions and new tokens up to itself."""

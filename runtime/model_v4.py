@@ -129,7 +129,7 @@ class TransformerV4(nn.Module):
         self.head = w.matrix("head.weight", (a.vocab_size, a.dim))
         mtp = range(a.n_layers, a.n_blocks) if with_mtp else ()
         self.mtp = nn.ModuleList(MTPV4(a, i, w, block(i), self.embed, self.head) for i in mtp)
-        self.pos = 0  # tokens the caches hold (a replayed step's caller counts it: DecodeGraphs)
+        self.pos = 0  # tokens the caches hold (a replayed step: `replayed`)
 
     def reusable(self, keep: int) -> int:
         """How many of the cached tokens a call may keep when it would keep `keep`: the windows' and
@@ -139,11 +139,15 @@ class TransformerV4(nn.Module):
         advanced and the others not)."""
         return keep if self.pos - 1 <= keep <= self.pos else 0
 
+    def replayed(self, pos: int) -> None:
+        """A captured step at pos was replayed (its Python did not run): the caches now end after pos."""
+        self.pos = pos + 1
+
     def forward(
         self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: [B, T] at positions start_pos.. (0, or what reusable allows), or one token at a DevicePosition
-        (a captured decode step; its caller moves self.pos) -> (logits [B, T or 1, V] fp32, final hidden
+        (a captured decode step; its replays call `replayed`) -> (logits [B, T or 1, V] fp32, final hidden
         [B, T, D], normed)."""
         h = self.norm(self.hc_head(self.streams(tokens, start_pos)))
         return linear(h[:, -1:] if last_only else h, self.head).float(), h

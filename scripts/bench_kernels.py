@@ -36,6 +36,19 @@ DEV = torch.device("cuda")
 DIM, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3
 V4_DIM, V4_TOP_K, V4_LIMIT = 4096, 6, 10.0  # DeepSeek-V4-Flash: width 2048 too, MXFP4, the SwiGLU clamp
 CALLS = 24  # distinct calls per graph
+SWEEP = [  # --sweep, beside DecodeConfig(): down over whole rows (the probe's fastest: 8 rows x 1 KiB, 8 warps) on
+    # the words and in fp32, other down and gate+up tilings, gate+up in fp32 products (NVFP4 at T = 1 before)
+    DecodeConfig(bn2=8, bk2=INTER, num_warps2=8, words2=True),
+    DecodeConfig(bn2=8, bk2=INTER, num_warps2=8),
+    DecodeConfig(bn2=4, bk2=INTER, num_warps2=4, words2=True),
+    DecodeConfig(bn2=8, bk2=INTER, num_warps2=4, words2=True),
+    DecodeConfig(bn2=16, bk2=INTER, num_warps2=8, words2=True),
+    DecodeConfig(words2=True),
+    DecodeConfig(words1=False),
+    DecodeConfig(words1=False, bn2=8, bk2=INTER, num_warps2=8, words2=True),
+    DecodeConfig(bn1=8, bk1=512, bn2=8, bk2=INTER, num_warps2=8, words2=True),
+    DecodeConfig(bn1=4, bk1=1024, bn2=8, bk2=INTER, num_warps2=8, words2=True),
+]
 
 
 def graph_time(calls: list, reps: int = 5) -> float:
@@ -112,38 +125,40 @@ def decode_rows(
     return {"T": t, "us": s * 1e6, "distinct_experts": distinct, "GBps": gbps, "of_ceiling": gbps / hbm, **row}
 
 
-def bench_decode_v4(hbm: float) -> list[dict]:
-    """DeepSeek-V4-Flash's experts (dim 4096, width 2048, top-6 of 256, MXFP4, clamped SwiGLU) on the device."""
+def config_name(c: dict) -> str:
+    """A DecodeConfig's launches: rows x bytes per row per chunk, warps, products (words or fp32)."""
+    products = {True: "words", False: "fp32"}
+    gate_up = f"{2 * c['bn1']}x{c['bk1'] // 2}B w{c['num_warps']} {products[c['words1']]}"
+    return f"gate_up {gate_up} | down {c['bn2']}x{c['bk2'] // 2}B w{c['num_warps2']} {products[c['words2']]}"
+
+
+def bench_decode_v4(hbm: float, sweep: bool) -> list[dict]:
+    """DeepSeek-V4-Flash's experts (dim 4096, width 2048, top-6 of 256, MXFP4, clamped SwiGLU) on the device;
+    --sweep: also the first of SWEEP."""
     layout, records = expert_pool("mxfp4", torch.Generator(device=DEV).manual_seed(5), V4_DIM)
     offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
-    kernel = DecodeMoE(layout, V4_TOP_K, DEV, limit=V4_LIMIT)
-    gen = torch.Generator().manual_seed(5)
-    return [
-        decode_rows(hbm, kernel, records, offsets, t, V4_TOP_K, gen, case="moe_decode_v4", fmt="mxfp4")
-        for t in (1, 2, 4, 8)
-    ]
+    gen, rows = torch.Generator().manual_seed(5), []
+    for cfg in [DecodeConfig()] + SWEEP[:1] * sweep:
+        kernel = DecodeMoE(layout, V4_TOP_K, DEV, cfg, limit=V4_LIMIT)
+        row = dict(case="moe_decode_v4", fmt="mxfp4", config=kernel.config.__dict__)
+        rows += [decode_rows(hbm, kernel, records, offsets, t, V4_TOP_K, gen, **row) for t in (1, 2, 4, 8)]
+    return rows
 
 
 def bench_decode(hbm: float, sweep: bool) -> list[dict]:
+    """V3's experts, NVFP4 and MXFP4: DecodeConfig() at 1-16 tokens; --sweep: SWEEP at 1-8 tokens (MXFP4: the
+    first of it)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     rows = []
-    configs = [DecodeConfig()]
-    if sweep:
-        configs += [
-            DecodeConfig(16, 256, 16, 256, 4),
-            DecodeConfig(8, 512, 8, 512, 4),
-            DecodeConfig(8, 512, 16, 512, 8),
-            DecodeConfig(8, 1024, 16, 1024, 4),
-            DecodeConfig(4, 1024, 8, 1024, 4),
-        ]
+    configs = [DecodeConfig()] + SWEEP * sweep
     for fmt in ("nvfp4", "mxfp4"):
         layout, records = expert_pool(fmt, gen)
         offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
-        for cfg in configs if fmt == "nvfp4" else configs[:1]:
+        for cfg in configs if fmt == "nvfp4" else configs[:2]:
             kernel = DecodeMoE(layout, TOP_K, DEV, cfg)
-            for t in (1, 2, 4, 8, 16) if cfg == configs[0] else (1, 4):
-                row = dict(case="moe_decode", fmt=fmt, config=cfg.__dict__)
+            for t in (1, 2, 4, 8, 16) if cfg == configs[0] else (1, 2, 4, 8):
+                row = dict(case="moe_decode", fmt=fmt, config=kernel.config.__dict__)
                 rows.append(decode_rows(hbm, kernel, records, offsets, t, TOP_K, cpu_gen, **row))
     return rows
 
@@ -269,7 +284,7 @@ def main() -> int:
     if "decode" in only:
         rows += bench_decode(hbm, a.sweep)
     if "decode_v4" in only:
-        rows += bench_decode_v4(hbm)
+        rows += bench_decode_v4(hbm, a.sweep)
     if "decode_torch" in only:
         rows += bench_decode_torch(hbm)
     if "zero_copy" in only:
@@ -282,7 +297,7 @@ def main() -> int:
     (a.out / "bench_kernels.json").write_text(json.dumps({"ceilings": lim, "rows": rows}, indent=1))
     print(f"ceilings: {json.dumps(lim)}")
     for r in rows:
-        cfg = "/".join(str(v) for v in r["config"].values()) if "config" in r else ""
+        cfg = config_name(r["config"]) if "config" in r else ""
         if "TFLOPs" in r:
             rate = f"{r['TFLOPs']:>8.1f} TFLOP/s"
         else:

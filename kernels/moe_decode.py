@@ -293,8 +293,8 @@ class DecodeConfig:
     bk2: int = 256
     num_warps: int = 4
     num_warps2: int = 4
-    words1: bool = True
-    words2: bool = False
+    words1: bool = True  # NVFP4 at one token too, now on a straight loop: 6.7 SASS per code byte against fp32's 14.6
+    words2: bool = False  # to be measured (scripts/bench_kernels.py --sweep): the probe's best was 8 x 1 KiB, 8 warps
 
     def fit(self, layout: RecordLayout) -> DecodeConfig:
         """Shrink the tiles to a small model's shape (every size a power of two dividing it)."""
@@ -372,7 +372,7 @@ class DecodeMoE:
             x, self.quads, self.inv, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1,
             WORDS=words1, HALVES=not words2,
         )  # fmt: skip
-        if words2:
+        if words2:  # absent experts' pairs prepare whatever their rows hold: down never reads them
             _prep_kernel[(t * k,)](self.act, i, self.act_q, self.act_inv, D=i, BD=next_pow2(i))
         _down_kernel[(t * k * (d // c.bn2),)](
             ids, records, offsets, self.act_quads if words2 else self.act, self.act_inv, self.out, t, **run,

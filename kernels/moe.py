@@ -10,6 +10,7 @@ import torch
 
 from dsfp4.kernels.fp4_decode import triton
 from dsfp4.kernels.moe_decode import MAX_TOKENS, DecodeMoE
+from dsfp4.kernels.moe_decode import workspace_bytes as decode_workspace_bytes
 from dsfp4.kernels.moe_prefill import max_blocks, moe_prefill, prefill_blocks
 from dsfp4.kernels.moe_ref import ABSENT, moe_ref
 from dsfp4.layout.record import RecordLayout
@@ -58,7 +59,7 @@ def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: in
     """Device memory the kernels hold for a call of `tokens` tokens: the decode workspaces (kept), and above
     MAX_TOKENS the prefill's split activations, padded expert rows, per-pair outputs and result."""
     elt = torch.empty((), dtype=dtype).element_size()
-    decode = MAX_TOKENS * top_k * (layout.inter_dim + layout.dim) * 4 + MAX_TOKENS * (layout.dim * 2 + 4)  # + fp16 x
+    decode = decode_workspace_bytes(layout, top_k)
     if tokens <= MAX_TOKENS:
         return decode
     pairs = tokens * top_k

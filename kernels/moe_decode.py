@@ -287,14 +287,16 @@ class DecodeConfig:
     and per down program. words1/words2: gate+up/down in fp16 products on the code words for bf16 and fp16 x
     (fp32 x keeps fp32 products)."""
 
-    bn1: int = 16  # the best of a sweep on the H100 (docs/BENCHMARKS.md)
-    bk1: int = 256
-    bn2: int = 16
-    bk2: int = 256
+    # the best of sweeps on the H100 (docs/BENCHMARKS.md): gate+up 16 rows x 256 B per step; down 8 rows, each
+    # read whole in one step (2048 elements: V3's and V4's expert width; fit() shrinks it for narrower ones)
+    bn1: int = 8
+    bk1: int = 512
+    bn2: int = 8
+    bk2: int = 2048
     num_warps: int = 4
     num_warps2: int = 4
-    words1: bool = True  # NVFP4 at one token too, now on a straight loop: 6.7 SASS per code byte against fp32's 14.6
-    words2: bool = False  # to be measured (scripts/bench_kernels.py --sweep): the probe's best was 8 x 1 KiB, 8 warps
+    words1: bool = True  # 6.7 SASS instructions per code byte on a straight loop, against fp32's 14.6
+    words2: bool = True
 
     def fit(self, layout: RecordLayout) -> DecodeConfig:
         """Shrink the tiles to a small model's shape (every size a power of two dividing it)."""

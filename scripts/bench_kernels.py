@@ -36,18 +36,17 @@ DEV = torch.device("cuda")
 DIM, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3
 V4_DIM, V4_TOP_K, V4_LIMIT = 4096, 6, 10.0  # DeepSeek-V4-Flash: width 2048 too, MXFP4, the SwiGLU clamp
 CALLS = 24  # distinct calls per graph
-SWEEP = [  # --sweep, beside DecodeConfig(): down over whole rows (the probe's fastest: 8 rows x 1 KiB, 8 warps) on
-    # the words and in fp32, other down and gate+up tilings, gate+up in fp32 products (NVFP4 at T = 1 before)
-    DecodeConfig(bn2=8, bk2=INTER, num_warps2=8, words2=True),
-    DecodeConfig(bn2=8, bk2=INTER, num_warps2=8),
-    DecodeConfig(bn2=4, bk2=INTER, num_warps2=4, words2=True),
-    DecodeConfig(bn2=8, bk2=INTER, num_warps2=4, words2=True),
-    DecodeConfig(bn2=16, bk2=INTER, num_warps2=8, words2=True),
-    DecodeConfig(words2=True),
-    DecodeConfig(words1=False),
-    DecodeConfig(words1=False, bn2=8, bk2=INTER, num_warps2=8, words2=True),
-    DecodeConfig(bn1=8, bk1=512, bn2=8, bk2=INTER, num_warps2=8, words2=True),
-    DecodeConfig(bn1=4, bk1=1024, bn2=8, bk2=INTER, num_warps2=8, words2=True),
+SWEEP = [  # --sweep, beside DecodeConfig(): neighbours of its tiles (rows x bytes per step, warps), the earlier
+    # defaults (gate+up 32 rows x 128 B, down 16 x 128 B in fp32 products), and fp32 products
+    DecodeConfig(num_warps2=8),
+    DecodeConfig(bn1=16, bk1=256),
+    DecodeConfig(bn1=4, bk1=1024),
+    DecodeConfig(bn1=16, bk1=512),
+    DecodeConfig(num_warps=8),
+    DecodeConfig(bn2=16),
+    DecodeConfig(bn2=4, num_warps2=2),
+    DecodeConfig(bn1=16, bk1=256, bn2=16, bk2=256, words2=False),
+    DecodeConfig(words1=False, words2=False),
 ]
 
 

@@ -15,9 +15,9 @@ from dsfp4.layout.record import RecordLayout
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FP32 = DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words1=False)
+FP32 = DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words1=False, words2=False)
 WORDS = {  # fp16 products on the code words in gate+up, down or both (bf16 and fp16 x)
-    "gate_up": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32),
+    "gate_up": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words2=False),
     "down": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words1=False, words2=True),
     "both": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=2048, num_warps2=8, words2=True),  # down: whole rows (fit)
 }
@@ -140,10 +140,10 @@ def test_record_offsets_point_at_device_slots_then_host_slots():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("t", [1, 4, 16])
-@pytest.mark.parametrize("config", [DecodeConfig(), DecodeConfig(bn2=8, bk2=2048, num_warps2=8, words2=True)])
+@pytest.mark.parametrize("config", [DecodeConfig(), DecodeConfig(bn1=16, bk1=256, bn2=16, bk2=256, words2=False)])
 def test_decode_kernel_at_deepseek_v3_size(fmt, t, config):
     """V3 expert shape, 8 of 256 experts, records on the device and (zero-copy) in pinned host memory; down
-    in fp32 products or on the words."""
+    on the words (the default) or in fp32 products (the earlier default)."""
     gen = torch.Generator().manual_seed(0)
     layout = RecordLayout.for_expert(fmt, 7168, 2048)
     distinct = [torch.frombuffer(bytearray(random_expert(layout, gen)), dtype=torch.uint8) for _ in range(4)]

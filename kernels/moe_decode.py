@@ -1,4 +1,4 @@
-"""The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in three launches.
+"""The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in a few small launches.
 
   0. (bf16 and fp16 x, words) x scaled per token by a power of two, in fp16, permuted to meet whole code words.
   1. gate+up: a program per (pair, BN1 rows of the expert width). Only the first pair to choose an expert

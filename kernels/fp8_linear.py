@@ -2,10 +2,12 @@
 into memory.
 
 `fp8_linear` picks a Triton kernel by token count:
-  - fp8_gemv (T <= GEMV_MAX_TOKENS, decode): W8A16 on CUDA cores. A program converts BLOCK_N rows of e4m3
-    to fp32 in registers once per K step and applies them to every token; the block scale multiplies each
-    128-wide partial sum. When N alone gives too few programs, K is split and the fp32 partials of the
-    splits are summed in a fixed order by a second small kernel: no atomics, the same bits on every run.
+  - fp8_gemv (T <= GEMV_MAX_TOKENS, decode): W8A16 on CUDA cores, two kernels. bf16/fp16 x takes the piece
+    kernel (kernels/fp8_gemv.py: rows read in 8-byte pieces, one thread per piece and row, fp16x2 products on x
+    scaled per piece, or fp32 products; GEMV_MATH picks); fp32 x (the exact runs) takes fp8_gemv_kernel, which
+    converts BLOCK_N rows to fp32 once per K step and multiplies each 128-wide partial sum by its block scale.
+    When the rows give too few programs, K is split and the fp32 partials of the splits are summed in a fixed
+    order by a second small kernel: no atomics, the same bits on every run.
   - fp8_gemm (larger T, prefill): W8A8 on FP8 tensor cores, as DeepSeek's gemm_impl="fp8" and as the model
     was trained: act_quant rounds x to e4m3 per token and 128-wide K group, then every K step adds
     tl.dot(x_q, w_q) * x_scale * w_scale. Rounding x to 3 mantissa bits costs about 2.6% relative error
@@ -23,14 +25,22 @@ import torch
 import torch.nn.functional as F
 
 from dsfp4.kernels.fp4_decode import cuda_props, hw_e4m3, interpreted, triton
+from dsfp4.kernels.fp8_gemv import PIECE
 from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
 
 GEMV_MAX_TOKENS = 16  # decode and speculative verify batches; above it tensor cores pay
-GEMV_BLOCK_N = 16  # rows per GEMV program: small tiles keep many programs reading (kernels-limits 4.1)
-GEMV_MAX_BLOCK_K = 512  # input columns per GEMV step: 8 KiB of weights in flight per program
+GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
+GEMV_ROWS = ((4, 16), (8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows
+# fp32 accumulators and 8 bytes of every row per step in registers (16 rows at T = 4 fill sm_90's 255)
+GEMV_MIN_ROWS = 4  # the piece kernel halves its rows down to this while the row blocks leave SMs idle
+GEMV_WARPS = 4
+GEMV_PIECES = 1  # pieces per thread and row in one step: BLOCK_K = PIECE * 32 lanes * warps * pieces
+GEMV_BLOCK_N = 16  # fp8_gemv_kernel's rows per program: small tiles keep many programs reading (kernels-limits 4.1)
+GEMV_MAX_BLOCK_K = 512  # fp8_gemv_kernel's columns per step: 8 KiB of weights in flight per program
 PROGRAMS_PER_SM = 2  # the GEMV splits K until its grid reaches this many programs per SM
+WARP = 32
 SUM_BLOCK = 1024  # outputs per program of the split-sum kernel
 GEMM_BLOCK_N = 128
 GEMM_BLOCK_M = (64, 128)  # token rows per GEMM tile: the large one once the tiles fill every SM
@@ -42,14 +52,17 @@ REFERENCE_SMS = 132  # off CUDA (the interpreter) the plans assume an H100
 
 @dataclass(frozen=True)
 class GemvPlan:
-    """block_t: token lanes (T rounded up to a power of two); block_n x block_k: the weight tile of one step;
-    split: programs along K, each covering k_split columns."""
+    """math: "legacy" (fp8_gemv_kernel), "f16x2" or "f32" (the piece kernel); block_t: fp8_gemv_kernel's token
+    lanes (T rounded up to a power of two); block_n x block_k: the weight tile of one step; split: programs along
+    K, each covering k_split columns."""
 
     block_t: int
     block_n: int
     block_k: int
     split: int
     k_split: int
+    math: str = "legacy"
+    num_warps: int = 4
 
 
 @dataclass(frozen=True)
@@ -62,14 +75,35 @@ class GemmPlan:
     num_stages: int
 
 
-def gemv_plan(t: int, n: int, k: int, n_sms: int) -> GemvPlan:
-    """The GEMV's tiles: 16 rows per program, up to 512 columns per step, and K split only when the row
-    blocks alone leave SMs idle (q_a 1536x7168 splits 3 ways, kv_a 576x7168 7 ways, o 7168x16384 not at all)."""
-    block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, next_pow2(k)))
+def _split(n: int, k: int, rows: int, block_k: int, n_sms: int) -> tuple[int, int]:
+    """(split, k_split): K split in whole steps until the grid reaches PROGRAMS_PER_SM programs per SM."""
     k_tiles = ceil_div(k, block_k)
-    want = ceil_div(PROGRAMS_PER_SM * n_sms, ceil_div(n, GEMV_BLOCK_N))
-    per_split = ceil_div(k_tiles, min(k_tiles, want))
-    return GemvPlan(next_pow2(t), GEMV_BLOCK_N, block_k, ceil_div(k_tiles, per_split), per_split * block_k)
+    per_split = ceil_div(k_tiles, min(k_tiles, ceil_div(PROGRAMS_PER_SM * n_sms, ceil_div(n, rows))))
+    return ceil_div(k_tiles, per_split), per_split * block_k
+
+
+def gemv_plan(
+    t: int, n: int, k: int, n_sms: int, math: str | None = None, rows: int | None = None, block_k: int | None = None,
+    warps: int = GEMV_WARPS,
+) -> GemvPlan:  # fmt: skip
+    """The GEMV's tiles for `math` (GEMV_MATH when None). legacy: 16 rows per program, up to 512 columns per step,
+    K split when the row blocks leave SMs idle (q_a 1536x7168 3 ways, kv_a 576x7168 7 ways, o not at all). Piece
+    kernel: GEMV_ROWS's rows for T, halved (to GEMV_MIN_ROWS) while the row blocks number fewer than the SMs, K
+    split only past that (none of DeepSeek's shapes: kv_a takes 4 rows, q_a 8); `rows` and `block_k` pin a tile."""
+    math = GEMV_MATH if math is None else math
+    if math == "legacy":
+        block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, next_pow2(k)))
+        return GemvPlan(next_pow2(t), GEMV_BLOCK_N, block_k, *_split(n, k, GEMV_BLOCK_N, block_k, n_sms))
+    assert math in ("f16x2", "f32"), f"unknown GEMV math {math!r}"
+    block_k = block_k or min(PIECE * WARP * warps * GEMV_PIECES, max(PIECE * WARP, next_pow2(k)))  # small K: fewer idle
+    if rows is None:
+        rows = next(r for most, r in GEMV_ROWS if t <= most)
+        while rows > GEMV_MIN_ROWS and ceil_div(n, rows) < n_sms:
+            rows //= 2
+    assert FP8_BLOCK % rows == 0 and block_k % PIECE == 0, "a program's rows share one row of block scales"
+    whole = (1, ceil_div(k, block_k) * block_k)
+    split, k_split = _split(n, k, rows, block_k, n_sms) if ceil_div(n, rows) < n_sms else whole
+    return GemvPlan(next_pow2(t), rows, block_k, split, k_split, math, warps)
 
 
 def gemm_plan(t: int, n: int, n_sms: int) -> GemmPlan:
@@ -130,6 +164,8 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 
 if triton is not None:
     import triton.language as tl
+
+    from dsfp4.kernels.fp8_gemv import fp8_gemv_pieces_kernel
 
     E4M3_MANTISSA_BITS = tl.constexpr(3)
     E4M3_MIN_EXP = tl.constexpr(-6)  # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
@@ -239,18 +275,41 @@ if triton is not None:
 # ---- wrappers ------------------------------------------------------------------------------------------
 
 
-def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [T, K] (T <= 16) bf16/f16/f32, q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> y [T, N] in x's dtype."""
+def gemv_math(x: torch.Tensor, k: int, math: str | None = None) -> str:
+    """The GEMV kernel x takes: fp32 x and K off the piece grid the legacy one, else `math` or GEMV_MATH."""
+    return "legacy" if x.dtype == torch.float32 or k % PIECE else (math or GEMV_MATH)
+
+
+def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | None = None) -> torch.Tensor:
+    """x: [T, K] (T <= 16) bf16/f16/f32, q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> y [T, N] in x's dtype.
+    math overrides GEMV_MATH for bf16/fp16 x (gemv_math)."""
     x, q, scale = _check(x, q, scale)
     (t, k), n = x.shape, q.shape[0]
     assert 0 < t <= GEMV_MAX_TOKENS, f"the GEMV takes 1..{GEMV_MAX_TOKENS} tokens"
-    p = gemv_plan(t, n, k, _n_sms(x.device))
-    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    return gemv_launch(x, q, scale, gemv_plan(t, n, k, _n_sms(x.device), gemv_math(x, k, math)))
+
+
+def gemv_launch(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPlan, x_inv: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp8_gemv with a given plan (scripts/probe_fp8.py times tiles through it): x, q, scale as _check leaves them.
+    x_inv (f16x2 only): x is fp16 pre-scaled per token by 2^s (max |x| under 2^X16_TOP), x_inv [T] its 2^-s."""
+    (t, k), n = x.shape, q.shape[0]
+    y = torch.empty(t, n, dtype=x.dtype if x_inv is None else torch.bfloat16, device=x.device)
     out = y if p.split == 1 else torch.empty(p.split, t, n, dtype=torch.float32, device=x.device)
-    fp8_gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](
-        x, q, scale, out, t, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
-        BLOCK_T=p.block_t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK,
-    )  # fmt: skip
+    grid = (triton.cdiv(n, p.block_n), p.split)
+    args = (x, q, scale, out)
+    if p.math == "legacy":
+        fp8_gemv_kernel[grid](
+            *args, t, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
+            BLOCK_T=p.block_t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK,
+        )  # fmt: skip
+    else:
+        fp8_gemv_pieces_kernel[grid](
+            *args, x if x_inv is None else x_inv, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
+            T=t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK, F16X2=p.math == "f16x2",
+            USE_ASM=not interpreted(), X16=x_inv is not None, num_warps=p.num_warps,
+        )  # fmt: skip
     if p.split > 1:
         sum_splits_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](out, y, t * n, p.split, BLOCK=SUM_BLOCK)
     return y

@@ -18,7 +18,7 @@ from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
 MAX_TOKENS = 16  # beyond this, dequantize once and multiply on tensor cores
-KEY_ROWS, KEY_COLUMNS, VALUE_ROWS = 32, 128, 16  # a program's tiles: [32, 128] of W_UK, [16, C] of W_UV
+KEY_ROWS, VALUE_ROWS = 32, 16  # a program's tiles: [32, FP8_BLOCK] of W_UK per step, [16, C] of W_UV
 
 
 def _heads(q8: torch.Tensor, scale: torch.Tensor, heads: int) -> torch.Tensor:
@@ -42,47 +42,56 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _fp8_tile(w_ptr, s_ptr, rows, cols, ok, stride_w, stride_s, SB: tl.constexpr, HW_E4M3: tl.constexpr):
-        """[R, K] rows x cols of the FP8 matrix in fp32, each element times its 128x128 block's scale."""
+    def _fp8_tile(w_ptr, rows, cols, ok, stride_w, HW_E4M3: tl.constexpr):
+        """[R, K] rows x cols of the FP8 matrix in fp32, unscaled: callers fold the block scales into the
+        vector they multiply (a scale per element would cost a gathered load and a multiply per weight)."""
         b = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok, other=0)
-        s = tl.load(s_ptr + (rows // SB)[:, None] * stride_s + (cols // SB)[None, :], mask=ok, other=0.0)
-        return block_scale(b, False, HW_E4M3) * s
+        return block_scale(b, False, HW_E4M3)
 
     @triton.jit
     def _keys_kernel(
         q_ptr, w_ptr, s_ptr, out_ptr, M, stride_qm, stride_qh, stride_om, stride_oh, stride_w, stride_s,
-        N: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, RN: tl.constexpr, BC: tl.constexpr,
-        SB: tl.constexpr, HW_E4M3: tl.constexpr,
+        N: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, RN: tl.constexpr, SB: tl.constexpr,
+        HW_E4M3: tl.constexpr,
     ):  # fmt: skip
-        """Head pid 0, columns pid 1 * BC ..: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c], RN rows at a time
-        (rows of BC contiguous bytes; a second token reads the tiles again from L2)."""
+        """Head pid 0, columns pid 1 * SB ..: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c], RN rows at a time
+        (rows of SB contiguous bytes, one scale block wide, so each row's scale multiplies q's element; a
+        second token reads the tiles again from L2)."""
         h = tl.program_id(0)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        c = tl.program_id(1) * SB + tl.arange(0, SB)
         for m in range(M):
-            acc = tl.zeros((BC,), dtype=tl.float32)
+            acc = tl.zeros((SB,), dtype=tl.float32)
             for n0 in tl.static_range(0, N, RN):
                 n = n0 + tl.arange(0, RN)
                 ok = (n < N)[:, None] & (c < C)[None, :]
-                w = _fp8_tile(w_ptr, s_ptr, h * HD + n, c, ok, stride_w, stride_s, SB, HW_E4M3)  # [RN, BC]
+                w = _fp8_tile(w_ptr, h * HD + n, c, ok, stride_w, HW_E4M3)  # [RN, SB]
+                s = tl.load(s_ptr + ((h * HD + n) // SB) * stride_s + tl.program_id(1), mask=n < N, other=0.0)
                 qv = tl.load(q_ptr + m * stride_qm + h * stride_qh + n, mask=n < N, other=0.0).to(tl.float32)
-                acc += tl.sum(w * qv[:, None], axis=0)
+                acc += tl.sum(w * (qv * s)[:, None], axis=0)
             tl.store(out_ptr + m * stride_om + h * stride_oh + c, acc.to(out_ptr.dtype.element_ty), mask=c < C)
 
     @triton.jit
     def _values_kernel(
         o_ptr, w_ptr, s_ptr, out_ptr, M, stride_om, stride_oh, stride_ym, stride_yh, stride_w, stride_s,
         N: tl.constexpr, V: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-        BV: tl.constexpr, SB: tl.constexpr, HW_E4M3: tl.constexpr,
+        BV: tl.constexpr, SB: tl.constexpr, HW_E4M3: tl.constexpr, ONE_ROW_BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """Head pid 0, value rows pid 1 * BV ..: out[m, h, v] = sum_c o[m, h, c] W[h HD + N + v, c]."""
+        """Head pid 0, value rows pid 1 * BV ..: out[m, h, v] = sum_c o[m, h, c] W[h HD + N + v, c]. With
+        ONE_ROW_BLOCK (the BV rows sit in one 128-row block) the scales multiply o's elements, else W's."""
         h = tl.program_id(0)
         v = tl.program_id(1) * BV + tl.arange(0, BV)
         c = tl.arange(0, CP)
         ok = (v < V)[:, None] & (c < C)[None, :]
-        w = _fp8_tile(w_ptr, s_ptr, h * HD + N + v, c, ok, stride_w, stride_s, SB, HW_E4M3)  # [BV, CP]
+        rows = h * HD + N + v
+        w = _fp8_tile(w_ptr, rows, c, ok, stride_w, HW_E4M3)  # [BV, CP]
+        if ONE_ROW_BLOCK:
+            s = tl.load(s_ptr + (tl.min(rows, 0) // SB) * stride_s + c // SB, mask=c < C, other=0.0)  # [CP]
+        else:
+            w *= tl.load(s_ptr + (rows // SB)[:, None] * stride_s + (c // SB)[None, :], mask=ok, other=0.0)
+            s = tl.full((CP,), 1.0, tl.float32)
         for m in range(M):
             lat = tl.load(o_ptr + m * stride_om + h * stride_oh + c, mask=c < C, other=0.0).to(tl.float32)
-            y = tl.sum(w * lat[None, :], axis=1)  # [BV]
+            y = tl.sum(w * (lat * s)[None, :], axis=1)  # [BV]
             tl.store(out_ptr + m * stride_ym + h * stride_yh + v, y.to(out_ptr.dtype.element_ty), mask=v < V)
 
 
@@ -92,10 +101,10 @@ def absorb_keys(q: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: in
     c = q8.shape[1]
     assert m <= MAX_TOKENS and n == nope and q.stride(2) == 1, f"absorb_keys takes up to {MAX_TOKENS} [H, N] rows"
     out = torch.empty(m, heads, c, dtype=q.dtype, device=q.device)
-    _keys_kernel[(heads, triton.cdiv(c, KEY_COLUMNS))](
+    _keys_kernel[(heads, triton.cdiv(c, FP8_BLOCK))](
         q, q8.view(torch.uint8), scale, out, m, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         q8.stride(0), scale.stride(0),
-        N=n, HD=q8.shape[0] // heads, C=c, RN=KEY_ROWS, BC=KEY_COLUMNS, SB=FP8_BLOCK, HW_E4M3=hw_e4m3(q.device),
+        N=n, HD=q8.shape[0] // heads, C=c, RN=KEY_ROWS, SB=FP8_BLOCK, HW_E4M3=hw_e4m3(q.device),
     )  # fmt: skip
     return out
 
@@ -110,5 +119,6 @@ def absorb_values(o: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: 
         o, q8.view(torch.uint8), scale, out, m, o.stride(0), o.stride(1), out.stride(0), out.stride(1),
         q8.stride(0), scale.stride(0),
         N=nope, V=hd - nope, HD=hd, C=c, CP=next_pow2(c), BV=VALUE_ROWS, SB=FP8_BLOCK, HW_E4M3=hw_e4m3(o.device),
+        ONE_ROW_BLOCK=hd % VALUE_ROWS == 0 and nope % VALUE_ROWS == 0,  # tiles then start on multiples of BV
     )  # fmt: skip
     return out

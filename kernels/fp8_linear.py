@@ -32,9 +32,9 @@ from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
 
 GEMV_MAX_TOKENS = 16  # decode and speculative verify batches; above it tensor cores pay
 GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
-GEMV_ROWS = ((4, 16), (8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows
-# fp32 accumulators and 8 bytes of every row per step in registers (16 rows at T = 4 fill sm_90's 255)
-GEMV_MIN_ROWS = 4  # the piece kernel halves its rows down to this while the row blocks leave SMs idle
+GEMV_ROWS = ((8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32
+# accumulators and 8 bytes of every row per step in registers (16 rows: slower at T = 1, spills at T = 4 on sm_90)
+GEMV_MIN_ROWS = 4  # the piece kernel halves its rows down to this while fewer than PROGRAMS_PER_SM row blocks per SM
 GEMV_WARPS = 4
 GEMV_PIECES = 1  # pieces per thread and row in one step: BLOCK_K = PIECE * 32 lanes * warps * pieces
 GEMV_BLOCK_N = 16  # fp8_gemv_kernel's rows per program: small tiles keep many programs reading (kernels-limits 4.1)
@@ -88,8 +88,9 @@ def gemv_plan(
 ) -> GemvPlan:  # fmt: skip
     """The GEMV's tiles for `math` (GEMV_MATH when None). legacy: 16 rows per program, up to 512 columns per step,
     K split when the row blocks leave SMs idle (q_a 1536x7168 3 ways, kv_a 576x7168 7 ways, o not at all). Piece
-    kernel: GEMV_ROWS's rows for T, halved (to GEMV_MIN_ROWS) while the row blocks number fewer than the SMs, K
-    split only past that (none of DeepSeek's shapes: kv_a takes 4 rows, q_a 8); `rows` and `block_k` pin a tile."""
+    kernel: GEMV_ROWS's rows for T, halved (to GEMV_MIN_ROWS) while the row blocks number fewer than two per SM, K
+    split only when they number fewer than the SMs (none of DeepSeek's shapes: q_a, kv_a and the shared expert's
+    w1/w3 take 4 rows); `rows` and `block_k` pin a tile (scripts/probe_fp8.py measured the rules)."""
     math = GEMV_MATH if math is None else math
     if math == "legacy":
         block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, next_pow2(k)))
@@ -98,7 +99,7 @@ def gemv_plan(
     block_k = block_k or min(PIECE * WARP * warps * GEMV_PIECES, max(PIECE * WARP, next_pow2(k)))  # small K: fewer idle
     if rows is None:
         rows = next(r for most, r in GEMV_ROWS if t <= most)
-        while rows > GEMV_MIN_ROWS and ceil_div(n, rows) < n_sms:
+        while rows > GEMV_MIN_ROWS and ceil_div(n, rows) < PROGRAMS_PER_SM * n_sms:
             rows //= 2
     assert FP8_BLOCK % rows == 0 and block_k % PIECE == 0, "a program's rows share one row of block scales"
     whole = (1, ceil_div(k, block_k) * block_k)

@@ -238,16 +238,18 @@ def test_gemv_plan_splits_k_only_where_rows_leave_sms_idle():
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
 def test_piece_plan_fills_the_sms_without_splitting_deepseek_shapes(t):
-    """Rows per program follow GEMV_ROWS for T, halved while the row blocks number fewer than the SMs: every V3
-    shape gets a program per SM without a K split (q_a 8 rows, kv_a 4 at T = 1)."""
+    """Rows per program follow GEMV_ROWS for T, halved while the row blocks number fewer than two per SM: every
+    V3 shape gets a program per SM without a K split (q_a and kv_a 4 rows, o 8 at T = 1)."""
     most = next(rows for top, rows in f8.GEMV_ROWS if t <= top)
     for name, n, k in ATTENTION_SHAPES + MLP_SHAPES:
         p = f8.gemv_plan(t, n, k, H100_SMS, "f16x2")
         assert p.split == 1 and p.k_split >= k and 128 % p.block_n == 0, name
-        assert p.block_n == most or (f8.GEMV_MIN_ROWS <= p.block_n < most and -(-n // (2 * p.block_n)) < H100_SMS)
+        halved = -(-n // (2 * p.block_n)) < f8.PROGRAMS_PER_SM * H100_SMS
+        assert p.block_n == most or (f8.GEMV_MIN_ROWS <= p.block_n < most and halved), name
         assert -(-n // p.block_n) >= H100_SMS, name
     assert f8.gemv_plan(1, 576, 7168, H100_SMS, "f16x2").block_n == 4
-    assert f8.gemv_plan(1, 1536, 7168, H100_SMS, "f16x2").block_n == 8
+    assert f8.gemv_plan(1, 1536, 7168, H100_SMS, "f16x2").block_n == 4
+    assert f8.gemv_plan(1, 7168, 16384, H100_SMS, "f16x2").block_n == 8
     assert f8.gemv_plan(4, 72, 1280, f8.REFERENCE_SMS, "f16x2").split == 2  # too few rows: K splits after all
 
 

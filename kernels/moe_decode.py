@@ -41,6 +41,7 @@ from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
 
+WARP, WORD_PAIR = 32, 2  # threads per warp; code words per words_sums PTX call
 MAX_TOKENS = 16  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
 
 if triton is not None:
@@ -337,6 +338,10 @@ class DecodeMoE:
         assert c.bk1 >= group and c.bk2 >= group, f"K steps must hold whole {group}-element scale blocks"
         pairs, d, i = MAX_TOKENS * top_k, layout.dim, layout.inter_dim
         self.words = d % 8 == 0 and i % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
+        # words_sums' PTX takes two adjacent words per thread (pack=2): a chunk must give every thread two, else
+        # the GPU pairs words of different threads (a small model's tiles): fp32 products there
+        self.words1 = self.words and c.words1 and 2 * c.bn1 * c.bk1 // 8 >= WORD_PAIR * WARP * c.num_warps
+        self.words2 = self.words and c.words2 and c.bn2 * c.bk2 // 8 >= WORD_PAIR * WARP * c.num_warps2
         self.xq = torch.empty(MAX_TOKENS, d, dtype=torch.float16, device=device)
         self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
         self.quads = self.xq.view(torch.int64)  # [MAX_TOKENS, D / 4]: what gate+up reads of xq
@@ -366,8 +371,8 @@ class DecodeMoE:
         ids, weights, offsets = ids.contiguous(), weights.float().contiguous(), offsets.contiguous()
         run = dict(P_PAD=next_pow2(t * k), RUN_PAD=next_pow2(t))
         c, d, i = self.config, self.layout.dim, self.layout.inter_dim
-        words = self.words and x.dtype != torch.float32  # fp32 runs (the exact ones) keep fp32 products
-        words1, words2 = words and c.words1, words and c.words2
+        exact = x.dtype == torch.float32  # fp32 runs (the exact ones) keep fp32 products
+        words1, words2 = self.words1 and not exact, self.words2 and not exact
         if words1:
             _prep_kernel[(t,)](x, x.stride(0), self.xq, self.inv, D=d, BD=next_pow2(d))
         _gate_up_kernel[(t * k * (i // c.bn1),)](

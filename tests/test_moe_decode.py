@@ -18,9 +18,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32 = DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words1=False, words2=False)
 WORDS = {  # fp16 products on the code words in gate+up, down or both (bf16 and fp16 x)
     "gate_up": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words2=False),
-    "down": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=32, words1=False, words2=True),
-    "both": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=2048, num_warps2=8, words2=True),  # down: whole rows (fit)
-}
+    "down": DecodeConfig(bn1=16, bk1=64, bn2=16, bk2=64, num_warps2=2, words1=False, words2=True),
+    "both": DecodeConfig(bn1=16, bk1=64, bn2=32, bk2=2048, num_warps2=4, words2=True),  # down: whole rows (fit)
+}  # each gives a thread two code words per chunk at 64 x 64 (words_sums' pairs; fewer take fp32 products)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -102,14 +102,16 @@ def test_decode_kernel_in_fp16_products_for_bf16_x_matches_the_reference(fmt, wo
     x = (torch.randn(t, layout.dim, generator=gen) * scale).bfloat16()
     want = moe_ref(x.double(), ids, weights, records, offsets, layout)
     kernel = _poisoned(DecodeMoE(layout, k, DEVICE, WORDS[words]))
-    assert kernel.words
+    assert kernel.words and (kernel.words1, kernel.words2) == (words != "down", words != "gate_up")
     got = kernel(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets))).float().cpu()
     assert not got.isnan().any() and not got.isinf().any() and _rel(got, want) < 1e-2
 
 
 def test_decode_config_fits_a_small_layout_and_workspace_bytes_counts_the_workspaces():
     layout = RecordLayout.for_expert("mxfp4", 64, 32)
-    assert WORDS["both"].fit(layout) == DecodeConfig(16, 64, 32, 32, 4, 8, True, True)
+    assert WORDS["both"].fit(layout) == DecodeConfig(16, 64, 32, 32, 4, 4, True, True)
+    small = DecodeMoE(layout, 3, "cpu", DecodeConfig(bn1=8, bk1=64, bn2=8, bk2=32))  # 64 and 32 words a chunk
+    assert small.words and not small.words1 and not small.words2  # fewer than two per thread: fp32 products
     kernel = DecodeMoE(layout, 3, "cpu")
     held = {w.data_ptr(): w.numel() * w.element_size() for w in vars(kernel).values() if torch.is_tensor(w)}
     assert workspace_bytes(layout, 3) == sum(held.values())

@@ -25,6 +25,7 @@ except ImportError:  # the CPU build of torch comes without Triton: the torch re
     triton = None
 
 E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
+WARP = 32  # threads per warp, for tile rules that count threads
 X16_TOP_EXP = 15  # words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
 
 
@@ -119,7 +120,7 @@ if triton is not None:
     _WORDS_PTX = tl.constexpr(_words_ptx())
 
     @triton.jit
-    def _half(v):
+    def fp16_low(v):
         """The fp16 in the low 16 bits of an unsigned integer."""
         return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
 
@@ -143,7 +144,7 @@ if triton is not None:
             t = w << (4 * k)
             o = (t & 0x80008000) | ((t & 0x70007000) >> 3)
             x = (xb if k < 2 else xa) >> (32 * ((k + 1) % 2))  # x[3 - k], x[7 - k]
-            acc += _half(o) * _half(x) + _half(o >> 16) * _half(x >> 16)
+            acc += fp16_low(o) * fp16_low(x) + fp16_low(o >> 16) * fp16_low(x >> 16)
         return tl.sum(tl.reshape(acc, (R, NP, 2)), 2).to(tl.float32)
 
     @triton.jit

@@ -77,6 +77,8 @@ cvt.rn.f16x2.e4m3x2 $1, h;
 if triton is not None:
     import triton.language as tl
 
+    from dsfp4.kernels.fp4_decode import fp16_low
+
     _PIECE_PTX = tl.constexpr(piece_ptx())
     _X16_PTX = tl.constexpr(x16_ptx())
     _PAIRS_PTX = tl.constexpr(PAIRS_PTX)
@@ -88,11 +90,6 @@ if triton is not None:
         """u32 words [P, BN, W] -> their bytes as fp16 [P, BN, W, 4] (exact), byte 0 the lowest."""
         b = (w[:, :, :, None] >> (8 * tl.arange(0, _WORD))) & 0xFF
         return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-    @triton.jit
-    def _half(v):
-        """fp16 in the low 16 bits of unsigned integers."""
-        return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
 
     @triton.jit
     def _pairs(w, USE_ASM: tl.constexpr):
@@ -116,9 +113,9 @@ if triton is not None:
             return tl.inline_asm_elementwise(_PIECE_PTX, "=r,l,l,l,l", [a, b, xa, xb], dtype=tl.float32,
                                              is_pure=True, pack=1)  # fmt: skip
         pairs = tl.join(tl.join(lo0, lo1), tl.join(hi0, hi1))  # [P, BN, word, pair]
-        w = tl.join(_half(pairs), _half(pairs >> 16))  # [P, BN, word, pair, lane]
+        w = tl.join(fp16_low(pairs), fp16_low(pairs >> 16))  # [P, BN, word, pair, lane]
         quads = tl.join(xa, xb)  # [P, 1, word]
-        x = _half(quads[:, :, :, None] >> (16 * tl.arange(0, _WORD)))  # [P, 1, word, 4]
+        x = fp16_low(quads[:, :, :, None] >> (16 * tl.arange(0, _WORD)))  # [P, 1, word, 4]
         prod = w * tl.reshape(x, (xa.shape[0], 1, 2, 2, 2))  # rounded to fp16
         lanes = tl.sum(tl.reshape(prod, (lo0.shape[0], lo0.shape[1], _PIECE // 2, 2)), 2)  # even, odd columns
         even, odd = tl.split(lanes)
@@ -127,7 +124,8 @@ if triton is not None:
     @triton.jit
     def _bytes_f32(lo, hi):
         """_pairs -> the bytes as fp32 [P, BN, 8], in memory order (exact)."""
-        b = tl.join(tl.join(_half(lo), _half(hi)), tl.join(_half(lo >> 16), _half(hi >> 16)))  # [P, BN, 2, 2, 2]
+        b = tl.join(tl.join(fp16_low(lo), fp16_low(hi)), tl.join(fp16_low(lo >> 16), fp16_low(hi >> 16)))
+        # b: [P, BN, 2, 2, 2]
         return tl.reshape(b.to(tl.float32), (lo.shape[0], lo.shape[1], _PIECE))
 
     @triton.jit
@@ -170,14 +168,13 @@ if triton is not None:
 
     @triton.jit
     def fp8_gemv_pieces_kernel(
-        x_ptr, q_ptr, s_ptr, out_ptr, x_inv_ptr,
+        x_ptr, q_ptr, s_ptr, out_ptr,
         N, K, stride_xt, stride_qn, stride_sn, stride_ot, stride_os, k_split,
         T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-        F16X2: tl.constexpr, USE_ASM: tl.constexpr, X16: tl.constexpr = False,
+        F16X2: tl.constexpr, USE_ASM: tl.constexpr,
     ):  # fmt: skip
         """out[split, t, rows] = the split's K range of x[t] . W[rows] (out: y itself when there is one split).
-        BLOCK_N divides SCALE_BLOCK, so a program's rows share one row of scales; K is a multiple of PIECE.
-        X16 (f16x2, scripts/probe_fp8.py's comparison): x is fp16 already scaled per token, x_inv_ptr its 2^-s [T]."""
+        BLOCK_N divides SCALE_BLOCK, so a program's rows share one row of scales; K is a multiple of PIECE."""
         P: tl.constexpr = BLOCK_K // _PIECE
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]; rows past N read row r % N, dropped at the store
@@ -199,10 +196,7 @@ if triton is not None:
             new = ()
             for t in tl.static_range(T):
                 x = tl.load(x_ptr + t * stride_xt + k0 + cols, mask=live, other=0.0)  # [P, 1, 8]
-                if X16:
-                    xa, xb = _quads(x)
-                    part = _piece_sums(lo, hi, xa, xb, USE_ASM) * (tl.load(x_inv_ptr + t) * sb)
-                elif F16X2:
+                if F16X2:
                     xa, xb, down = _x16(x.to(tl.float32), USE_ASM)
                     part = _piece_sums(lo, hi, xa, xb, USE_ASM) * (down * sb)
                 else:

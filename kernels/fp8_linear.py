@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4_decode import cuda_props, hw_e4m3, interpreted, triton
+from dsfp4.kernels.fp4_decode import WARP, cuda_props, hw_e4m3, interpreted, triton
 from dsfp4.kernels.fp8_gemv import PIECE
 from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
@@ -40,7 +40,6 @@ GEMV_PIECES = 1  # pieces per thread and row in one step: BLOCK_K = PIECE * 32 l
 GEMV_BLOCK_N = 16  # fp8_gemv_kernel's rows per program: small tiles keep many programs reading (kernels-limits 4.1)
 GEMV_MAX_BLOCK_K = 512  # fp8_gemv_kernel's columns per step: 8 KiB of weights in flight per program
 PROGRAMS_PER_SM = 2  # the GEMV splits K until its grid reaches this many programs per SM
-WARP = 32
 SUM_BLOCK = 1024  # outputs per program of the split-sum kernel
 GEMM_BLOCK_N = 128
 GEMM_BLOCK_M = (64, 128)  # token rows per GEMM tile: the large one once the tiles fill every SM
@@ -290,13 +289,10 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | 
     return gemv_launch(x, q, scale, gemv_plan(t, n, k, _n_sms(x.device), gemv_math(x, k, math)))
 
 
-def gemv_launch(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPlan, x_inv: torch.Tensor | None = None
-) -> torch.Tensor:
-    """fp8_gemv with a given plan (scripts/probe_fp8.py times tiles through it): x, q, scale as _check leaves them.
-    x_inv (f16x2 only): x is fp16 pre-scaled per token by 2^s (max |x| under 2^X16_TOP), x_inv [T] its 2^-s."""
+def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPlan) -> torch.Tensor:
+    """fp8_gemv with a given plan (scripts/probe_fp8.py times tiles through it): x, q, scale as _check leaves them."""
     (t, k), n = x.shape, q.shape[0]
-    y = torch.empty(t, n, dtype=x.dtype if x_inv is None else torch.bfloat16, device=x.device)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     out = y if p.split == 1 else torch.empty(p.split, t, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, p.block_n), p.split)
     args = (x, q, scale, out)
@@ -307,9 +303,9 @@ def gemv_launch(
         )  # fmt: skip
     else:
         fp8_gemv_pieces_kernel[grid](
-            *args, x if x_inv is None else x_inv, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
+            *args, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
             T=t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK, F16X2=p.math == "f16x2",
-            USE_ASM=not interpreted(), X16=x_inv is not None, num_warps=p.num_warps,
+            USE_ASM=not interpreted(), num_warps=p.num_warps,
         )  # fmt: skip
     if p.split > 1:
         sum_splits_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](out, y, t * n, p.split, BLOCK=SUM_BLOCK)

@@ -43,8 +43,8 @@ if triton is not None:
 
     @triton.jit
     def _fp8_tile(w_ptr, rows, cols, ok, stride_w, HW_E4M3: tl.constexpr):
-        """[R, K] rows x cols of the FP8 matrix in fp32, unscaled: callers fold the block scales into the
-        vector they multiply (a scale per element would cost a gathered load and a multiply per weight)."""
+        """[R, K] rows x cols of the FP8 matrix in fp32, before the block scales (each caller applies them where
+        it measured cheapest)."""
         b = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok, other=0)
         return block_scale(b, False, HW_E4M3)
 
@@ -85,14 +85,15 @@ if triton is not None:
         ok = (v < V)[:, None] & (c < C)[None, :]
         rows = h * HD + N + v
         w = _fp8_tile(w_ptr, rows, c, ok, stride_w, HW_E4M3)  # [BV, CP]
-        if ONE_ROW_BLOCK:
+        if ONE_ROW_BLOCK:  # one scale per column block: it multiplies o's elements, not every weight
             s = tl.load(s_ptr + (tl.min(rows, 0) // SB) * stride_s + c // SB, mask=c < C, other=0.0)  # [CP]
         else:
             w *= tl.load(s_ptr + (rows // SB)[:, None] * stride_s + (c // SB)[None, :], mask=ok, other=0.0)
-            s = tl.full((CP,), 1.0, tl.float32)
         for m in range(M):
             lat = tl.load(o_ptr + m * stride_om + h * stride_oh + c, mask=c < C, other=0.0).to(tl.float32)
-            y = tl.sum(w * (lat * s)[None, :], axis=1)  # [BV]
+            if ONE_ROW_BLOCK:
+                lat *= s
+            y = tl.sum(w * lat[None, :], axis=1)  # [BV]
             tl.store(out_ptr + m * stride_ym + h * stride_yh + v, y.to(out_ptr.dtype.element_ty), mask=v < V)
 
 

@@ -28,6 +28,7 @@ import torch
 
 from dsfp4.kernels.fp4_decode import (
     E2M1_UNBIAS,
+    WARP,
     X16_TOP_EXP,
     block_scale,
     e2m1_halves,
@@ -41,7 +42,7 @@ from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
 
-WARP, WORD_PAIR = 32, 2  # threads per warp; code words per words_sums PTX call
+WORD_PAIR = 2  # code words per words_sums PTX call
 MAX_TOKENS = 16  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
 
 if triton is not None:

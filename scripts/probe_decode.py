@@ -78,17 +78,15 @@ def fp16x2_asm(words: bool, scale: bool) -> str:
 if triton is not None:
     import triton.language as tl
 
+    from dsfp4.kernels.fp4_decode import fp16_low, words_sums
+
     _HFMA2, _HFMA2_PRE = tl.constexpr(fp16x2_asm(False, True)), tl.constexpr(fp16x2_asm(False, False))
-    _WORDS, _WORDS_PRE = tl.constexpr(fp16x2_asm(True, True)), tl.constexpr(fp16x2_asm(True, False))
+    _WORDS = tl.constexpr(fp16x2_asm(True, True))  # unscaled x (the pre-scaled one: fp4_decode.words_sums)
     _PACK8 = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
     @triton.jit
     def _first(a, b):
         return a
-
-    @triton.jit
-    def _h(v):  # the fp16 in the low 16 bits of an unsigned integer
-        return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
 
     @triton.jit
     def _chunk(wrow, srow, kb, KB: tl.constexpr, BKB: tl.constexpr, GB: tl.constexpr, E: tl.constexpr):
@@ -115,13 +113,15 @@ if triton is not None:
 
     @triton.jit
     def _sums_words(words, xa, xb, GB: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr):
-        """_sums16 from code words (i32 [R, BW]) and permuted x quads (i64 [1, BW]): PTX, or the same in Triton."""
+        """_sums16 from code words (i32 [R, BW]) and permuted x quads (i64 [1, BW]). PRE: the product's
+        fp4_decode.words_sums; else codes times 2^14 meet unscaled x (PTX, or the same in Triton)."""
         R: tl.constexpr = words.shape[0]
         NP: tl.constexpr = words.shape[1] // 2
-        if ASM:
-            asm: tl.constexpr = _WORDS_PRE if PRE else _WORDS
-            y = tl.inline_asm_elementwise(asm, "=r,=r,r,r,l,l,l,l", [words, xa, xb], dtype=tl.float32, is_pure=True,
-                                          pack=2)  # fmt: skip
+        if PRE:
+            piece = words_sums(words, xa, xb, ASM)
+        elif ASM:
+            y = tl.inline_asm_elementwise(_WORDS, "=r,=r,r,r,l,l,l,l", [words, xa, xb], dtype=tl.float32,
+                                          is_pure=True, pack=2)  # fmt: skip
             piece = tl.reduce(tl.reshape(y, (R, NP, 2)), 2, _first)
         else:
             w = words.to(tl.uint32, bitcast=True)
@@ -130,10 +130,9 @@ if triton is not None:
             for k in tl.static_range(4):
                 t = w << (4 * k)
                 o = (t & 0x80008000) | ((t & 0x70007000) >> 3)
-                lo = (_h(o) * (1.0 if PRE else 16384.0)).to(tl.float16)
-                hi = (_h(o >> 16) * (1.0 if PRE else 16384.0)).to(tl.float16)
                 x = (xb if k < 2 else xa) >> (32 * ((k + 1) % 2))  # pair 3 - k
-                acc += lo * _h(x) + hi * _h(x >> 16)
+                scaled = (fp16_low(o) * 16384.0).to(tl.float16) * fp16_low(x)
+                acc += scaled + (fp16_low(o >> 16) * 16384.0).to(tl.float16) * fp16_low(x >> 16)
             piece = tl.sum(tl.reshape(acc, (R, NP, 2)), 2).to(tl.float32)
         return tl.sum(tl.reshape(piece, (R, NP * 8 // GB, GB // 8)), 2)
 

@@ -11,9 +11,7 @@ timed in a CUDA graph over enough copies of the weights that L2 keeps none of th
   product      fp8_gemv as shipped: GEMV_MATH with gemv_plan's tiles;
   loads        the piece kernel's reads alone (its words summed as int32), per tiling;
   f32, f16x2   the piece kernel's maths per tiling: rows per program, columns per step, warps (K split by
-               gemv_plan's rule where the rows leave SMs idle); f16x2 is its PTX, with x scaled per piece;
-  f16x2pre     f16x2 on x pre-scaled per token into fp16 outside the timing (what a shared prep launch could
-               save at best), at the first three tilings.
+               gemv_plan's rule where the rows leave SMs idle); f16x2 is its PTX, with x scaled per piece.
 Prints per shape and T: us, GB/s, % of the HBM read ceiling measured in the same run, error; then per variant the
 sums over one MoE layer (attention + shared expert), one dense layer and bench_model's step (4 MoE + 1 dense), and
 per maths the fastest tiling of each shape. Writes probe_fp8.json under $OUT or --out.
@@ -39,7 +37,7 @@ from ceilings import gpu_ceilings  # noqa: E402
 
 from dsfp4.kernels import fp8_linear as f8  # noqa: E402
 from dsfp4.kernels.fp4_decode import interpreted, triton  # noqa: E402
-from dsfp4.kernels.fp8_gemv import PIECE, WORD, X16_TOP, fp8_gemv_pieces_kernel  # noqa: E402
+from dsfp4.kernels.fp8_gemv import PIECE, WORD, fp8_gemv_pieces_kernel  # noqa: E402
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_quantize  # noqa: E402
 
 SHAPES = {  # (N, K) of DeepSeek-V3's backbone matrices
@@ -86,7 +84,7 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class Var:
-    """A variant: kind (legacy, product, loads, f32, f16x2, f16x2pre) and, for the piece kernel's, its tiling."""
+    """A variant: kind (legacy, product, loads, f32, f16x2) and, for the piece kernel's, its tiling."""
 
     kind: str
     rows: int = 0
@@ -100,7 +98,7 @@ class Var:
     def plan(self, t: int, n: int, k: int, n_sms: int) -> f8.GemvPlan:
         if self.kind in ("legacy", "product"):
             return f8.gemv_plan(t, n, k, n_sms, "legacy" if self.kind == "legacy" else None)
-        math = {"loads": "f32", "f16x2pre": "f16x2"}.get(self.kind, self.kind)
+        math = "f32" if self.kind == "loads" else self.kind
         return f8.gemv_plan(t, n, k, n_sms, math, self.rows, self.block_k, self.warps)
 
 
@@ -115,17 +113,8 @@ def loads_expected(q: torch.Tensor, p: f8.GemvPlan) -> torch.Tensor:
     return ((sums + 2**31) % 2**32 - 2**31).to(torch.int32)
 
 
-def prescale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (fp16 x * 2^s per token, largest |x| * 2^s in [2^(X16_TOP - 1), 2^X16_TOP); 2^-s [T] fp32)."""
-    e = torch.frexp(x.float().abs().amax(1).clamp_min(2.0**-100))[1]  # largest |x| = m * 2^e, m in [0.5, 1)
-    s = (X16_TOP - e).float()
-    return (x.float() * torch.exp2(s)[:, None]).half(), torch.exp2(-s)
-
-
-def launch(v: Var, x, q: torch.Tensor, s: torch.Tensor, p: f8.GemvPlan, out: torch.Tensor | None):
-    """One call of v (x: [T, K], or for f16x2pre prescale's pair)."""
-    if v.kind == "f16x2pre":
-        return f8.gemv_launch(x[0], q, s, p, x[1])
+def launch(v: Var, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, p: f8.GemvPlan, out: torch.Tensor | None):
+    """One call of v (x: [T, K])."""
     if v.kind != "loads":
         return f8.gemv_launch(x, q, s, p)
     n, k = q.shape
@@ -146,8 +135,7 @@ class Probe:
         p = v.plan(t, n, k, self.n_sms)
         q, s = mats[0]
         out = torch.empty(p.split * triton.cdiv(n, p.block_n), dtype=torch.int32, device=self.dev)
-        xin = prescale(x) if v.kind == "f16x2pre" else x
-        got = launch(v, xin, q, s, p, out)
+        got = launch(v, x, q, s, p, out)
         if v.kind == "loads":
             err = float(not torch.equal(got, loads_expected(q, p)))
         else:
@@ -158,7 +146,7 @@ class Probe:
         if not err <= (0.0 if v.kind == "loads" else TOL):
             self.failed.append(f"{shape} T={t} {v.name()}: error {err:.2e}")
         if self.hbm:
-            calls = [lambda m=m: launch(v, xin, *m, p, out) for m in mats] * -(-CALLS // len(mats))
+            calls = [lambda m=m: launch(v, x, *m, p, out) for m in mats] * -(-CALLS // len(mats))
             sec = bk.graph_time(calls)
             gbps = row["bytes"] / sec / 1e9
             row.update(us=sec * 1e6, GBps=gbps, of_ceiling=gbps / self.hbm)
@@ -218,8 +206,7 @@ def report(rows: list[dict], sums: list[dict]) -> None:
 def variants(t: int, tilings: tuple) -> list[Var]:
     tiles = [tile for tile in tilings[: None if t == 1 else 4] if tile[0] * t <= MAX_ACC_ROWS]
     out = [Var("legacy"), Var("product")] + [Var("loads", *tile) for tile in tiles if t == 1]
-    out += [Var(kind, *tile) for kind in ("f32", "f16x2") for tile in tiles]
-    return out + [Var("f16x2pre", *tile) for tile in tiles[:3]]
+    return out + [Var(kind, *tile) for kind in ("f32", "f16x2") for tile in tiles]
 
 
 def weights(n: int, k: int, dev: torch.device, copies: int) -> list:
@@ -257,7 +244,7 @@ def probe(a) -> int:
 # ---- --aot: sm_90 builds without a GPU -------------------------------------------------------------------------
 
 AOT_INTS = ("N", "K", "stride_xt", "stride_qn", "stride_ot", "stride_os", "k_split")  # multiples of 16, specialized
-AOT_PTRS = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16", x_inv_ptr="*fp32")
+AOT_PTRS = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16")
 
 
 def aot_build(fn, consts: dict, warps: int, ptrs: dict = AOT_PTRS) -> tuple[int, int, str]:
@@ -306,14 +293,11 @@ def aot(tilings: tuple) -> int:
             tile = dict(BLOCK_N=rows, BLOCK_K=block_k)
             if t == 1:
                 builds.append((f"loads r{rows} k{block_k} w{warps}", _loads_kernel, tile, warps, 1))
-            for math in ("f32", "f16x2", "f16x2pre"):
-                consts = tile | dict(
-                    T=t, SCALE_BLOCK=FP8_BLOCK, F16X2=math != "f32", USE_ASM=True, X16=math == "f16x2pre"
-                )
+            for math in ("f32", "f16x2"):
+                consts = tile | dict(T=t, SCALE_BLOCK=FP8_BLOCK, F16X2=math == "f16x2", USE_ASM=True)
                 builds.append((f"{math} r{rows} k{block_k} w{warps} T={t}", fp8_gemv_pieces_kernel, consts, warps, t))
     for name, fn, consts, warps, t in builds:
-        ptrs = AOT_PTRS | ({"x_ptr": "*fp16"} if consts.get("X16") else {})
-        ptrs = dict(q_ptr="*fp8e4nv", out_ptr="*i32") if fn is _loads_kernel else ptrs
+        ptrs = dict(q_ptr="*fp8e4nv", out_ptr="*i32") if fn is _loads_kernel else AOT_PTRS
         regs, stack, sass = aot_build(fn, consts, warps, ptrs)
         per_thread = consts["BLOCK_N"] * consts["BLOCK_K"] / (32 * warps)  # weight bytes per thread and step
         n = step_instructions(sass, t)

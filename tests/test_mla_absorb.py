@@ -24,8 +24,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
-# heads whose rows straddle 128-row scale blocks (N + V = 96), a C that is not a multiple of the tile
-@pytest.mark.parametrize(("heads", "nope", "v", "c", "m"), [(3, 64, 32, 160, 1), (2, 128, 128, 512, 5)])
+# heads whose rows straddle 128-row scale blocks (N + V = 96), a C that is not a multiple of the tile; value
+# tiles that straddle them too (N = 24: the scales multiply each weight, not the latent)
+@pytest.mark.parametrize(
+    ("heads", "nope", "v", "c", "m"), [(3, 64, 32, 160, 1), (2, 128, 128, 512, 5), (5, 24, 40, 160, 2)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_absorb_kernels_match_their_references(heads, nope, v, c, m, dtype):
     q8, scale = _wkv_b(heads, nope, v, c, heads + c)

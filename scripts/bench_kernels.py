@@ -1,7 +1,7 @@
 """Kernel benchmarks on the GPU machine (docs/BENCHMARKS.md), each against the HBM read ceiling measured in
 the same run:
 
-    python scripts/bench_kernels.py [--only decode,zero_copy,...] [--sweep] [--out DIR]
+    python scripts/bench_kernels.py [--only decode,zero_copy,gate,...] [--sweep] [--out DIR]
 
 Timing: every case is captured in a CUDA graph over weights distinct from one call to the next (random
 experts out of 256 records, or several copies of a dense matrix), so no launch gap and no L2 reuse flatter
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import gpu_ceilings  # noqa: E402
 
 from dsfp4.kernels.fp8_linear import fp8_linear  # noqa: E402
+from dsfp4.kernels.gate_scores import GateTiles, gate_scores, gate_scores_ref  # noqa: E402
 from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE  # noqa: E402
 from dsfp4.kernels.moe_prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks, split_columns  # noqa: E402
 from dsfp4.kernels.moe_ref import record_offsets  # noqa: E402
@@ -267,7 +268,47 @@ def bench_fp8(hbm: float) -> list[dict]:
     return rows
 
 
-SECTIONS = ("decode", "decode_v4", "decode_torch", "zero_copy", "prefill", "fp8")
+GATE_TILES = [  # the router's scores: GateTiles() first, then neighbours (rows, columns per step, warps)
+    GateTiles(),
+    GateTiles(num_warps=4),
+    GateTiles(block_d=2048),
+    GateTiles(block_e=2),
+    GateTiles(block_e=2, block_d=512, num_warps=4),
+    GateTiles(block_d=512, num_warps=2),
+]
+GATE_CASES = {"gate_v3": (DIM, "sigmoid"), "gate_v4": (V4_DIM, "sqrtsoftplus")}  # E = EXPERTS in both
+GATE_BYTES = 100e6  # distinct router weights per graph: twice the H100's 50 MB L2, so the copies come from HBM
+
+
+def bench_gate(hbm: float) -> list[dict]:
+    """The router's scores (x [T, D] bf16 @ weight [E, D] fp32 and the score function) at T = 1 and 4: gate_scores
+    in GATE_TILES' tiles against the torch formula (cast, cuBLAS fp32 GEMV, score: three launches). Bytes: the fp32
+    weight; max_err: the largest difference from the formula."""
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    rows = []
+    for case, (dim, score_func) in GATE_CASES.items():
+        nbytes = EXPERTS * dim * 4
+        copies = -(-int(GATE_BYTES) // nbytes)
+        weights = [torch.randn(EXPERTS, dim, device=DEV, generator=gen) / dim**0.5 for _ in range(copies)]
+        for t in (1, 4):
+            x = torch.randn(t, dim, device=DEV, generator=gen).to(torch.bfloat16)
+            calls = (weights * CALLS)[: max(CALLS, copies)]  # each copy's weight, in turn
+            want = gate_scores_ref(x, weights[0], score_func)
+            variants = [(f"{case}_torch", None)] + [(case, tiles) for tiles in GATE_TILES]
+            for name, tiles in variants:
+                if tiles is None:
+                    fn, label, err = gate_scores_ref, "cast + cuBLAS fp32 GEMV + score", 0.0
+                else:
+                    fn = partial(gate_scores, tiles=tiles)
+                    label = f"{tiles.block_e} rows x {tiles.block_d} cols w{tiles.num_warps}"
+                    err = (fn(x, weights[0], score_func) - want).abs().max().item()  # compiles before capture
+                s = graph_time([partial(fn, x, w, score_func) for w in calls])
+                rows.append({"case": name, "T": t, "us": s * 1e6, "GBps": nbytes / s / 1e9,
+                             "of_ceiling": nbytes / s / 1e9 / hbm, "tiles": label, "max_err": err})  # fmt: skip
+    return rows
+
+
+SECTIONS = ("decode", "decode_v4", "decode_torch", "zero_copy", "prefill", "fp8", "gate")
 
 
 def main() -> int:
@@ -292,11 +333,14 @@ def main() -> int:
         rows += bench_prefill(hbm)
     if "fp8" in only:
         rows += bench_fp8(hbm)
+    if "gate" in only:
+        rows += bench_gate(hbm)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_kernels.json").write_text(json.dumps({"ceilings": lim, "rows": rows}, indent=1))
     print(f"ceilings: {json.dumps(lim)}")
     for r in rows:
         cfg = config_name(r["config"]) if "config" in r else ""
+        cfg = f"{r['tiles']}, max err {r['max_err']:.1e}" if "tiles" in r else cfg
         if "TFLOPs" in r:
             rate = f"{r['TFLOPs']:>8.1f} TFLOP/s"
         else:

@@ -28,14 +28,23 @@ class MoEKernel:
             self.decode = DecodeMoE(layout, top_k, device, limit=limit)
 
     def __call__(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        records: torch.Tensor,
+        offsets: torch.Tensor,
+        add: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E] -> y [T, D]."""
+        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E], add: None or [T, D] in
+        x's dtype (the shared experts' output) -> y [T, D]: the routed experts' sum in x's dtype, plus add."""
+        if self.triton and x.shape[0] <= MAX_TOKENS:  # the decode kernel adds it in its final launch
+            return self.decode(x, ids, weights, records, offsets, add)
         if not self.triton:
-            return moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
-        if x.shape[0] <= MAX_TOKENS:
-            return self.decode(x, ids, weights, records, offsets)
-        return moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)
+            y = moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
+        else:
+            y = moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)
+        return y if add is None else y + add  # y: [T, D]
 
     def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
         """Compile every kernel variant a call of up to max_tokens tokens can take (each decode token count,
@@ -52,7 +61,9 @@ class MoEKernel:
         for t in sizes.values():
             x = torch.zeros(t, self.layout.dim, dtype=dtype, device=records.device)
             ids = torch.arange(t * self.top_k, device=records.device).view(t, self.top_k) % n_experts
-            self(x, ids, torch.zeros(t, self.top_k, device=records.device), records, offsets)
+            adds = (None, x) if t <= MAX_TOKENS else (None,)  # decode's last launch takes the shared experts' too
+            for add in adds:
+                self(x, ids, torch.zeros(t, self.top_k, device=records.device), records, offsets, add)
 
 
 def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: int, dtype: torch.dtype) -> int:

@@ -8,7 +8,9 @@
   1b. (down on the words) each pair's activation row scaled, fp16 and permuted the way step 0 does x.
   2. down: a program per (pair, BN2 rows of the model dim), the same way: W2 rows times each run pair's
      activation, an fp32 output row per pair.
-  3. the sum over a token's K pairs, in slot order (torch): no atomics, the same bits on every run.
+  3. combine: the sum over a token's K pairs in fp32, in slot order (no atomics, the same bits on every run),
+     rounded to x's dtype, plus an optional addend (the shared experts' output) rounded again: a program per
+     (token, BN3 columns), so that one token's row still spreads over the SMs.
 Either product multiplies in fp32, or in fp16 products on the code words as loaded (fp4_decode.words_sums:
 about half the instructions per byte; relative error ~6e-4) when DecodeConfig asks for it, except for fp32
 x, the exact runs. A pair's run of one (every run at one token) takes a straight loop over its chunks.
@@ -43,11 +45,13 @@ from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
 
 WORD_PAIR = 2  # code words per words_sums PTX call
+LOAD_FP32 = 4  # fp32 elements per 16-byte load: combine gives each thread one such load per pair
 MAX_TOKENS = 16  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
 
 if triton is not None:
     import triton.language as tl
 
+    from dsfp4.kernels.moe_prefill import _round
     from dsfp4.kernels.swiglu import swiglu_tl
 
     _ABSENT = tl.constexpr(ABSENT)  # kernels read globals only as constexpr
@@ -281,13 +285,33 @@ if triton is not None:
                     dot = _unscale(tl.sum(tl.where(lanes[:, None] == i, acc, 0.0), 0), inv_ptr, q, WORDS)
                     tl.store(out_ptr + q * D + rows, dot * g)
 
+    @triton.jit
+    def _combine_kernel(
+        out_ptr, add_ptr, y_ptr, stride_add,
+        K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    ):  # fmt: skip
+        """Launch 3: BD columns of token t's y (combine_ref): its K pairs' fp32 rows from down summed in slot
+        order, rounded to y's dtype; ADD: plus add's row in fp32, rounded again (torch's y.to(dtype) + add).
+        EMULATE_RNE: the interpreter's bf16 rounding made the GPU's (moe_prefill._round)."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        rows = out_ptr + t * K * D + cols  # pair t * K + j's row at rows + j * D
+        acc = tl.load(rows)
+        for j in tl.static_range(1, K):  # unrolled: every pair's load in flight at once
+            acc += tl.load(rows + j * D)
+        y = _round(acc, y_ptr.dtype.element_ty, EMULATE_RNE)
+        if ADD:
+            more = tl.load(add_ptr + t * stride_add + cols).to(tl.float32)
+            y = _round(y.to(tl.float32) + more, y_ptr.dtype.element_ty, EMULATE_RNE)
+        tl.store(y_ptr + t * D + cols, y)
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tile sizes: BN1 rows of the expert width per gate+up program, BN2 rows of the model dim per down
     program, BK1/BK2 input elements per step (a power of two, at least one scale block); warps per gate+up
     and per down program. words1/words2: gate+up/down in fp16 products on the code words for bf16 and fp16 x
-    (fp32 x keeps fp32 products)."""
+    (fp32 x keeps fp32 products). BN3: columns of the model dim per combine program (a warp per 128)."""
 
     # the best of sweeps on the H100 (docs/BENCHMARKS.md): gate+up 16 rows x 256 B per step; down 8 rows, each
     # read whole in one step (2048 elements: V3's and V4's expert width; fit() shrinks it for narrower ones)
@@ -299,6 +323,8 @@ class DecodeConfig:
     num_warps2: int = 4
     words1: bool = True  # 6.7 SASS instructions per code byte on a straight loop, against fp32's 14.6
     words2: bool = True
+    # combine at one token: V3's 7168 columns in 56 programs of one warp, one 16-byte load per thread and pair
+    bn3: int = 128
 
     def fit(self, layout: RecordLayout) -> DecodeConfig:
         """Shrink the tiles to a small model's shape (every size a power of two dividing it)."""
@@ -310,7 +336,18 @@ class DecodeConfig:
 
         d, i = layout.dim, layout.inter_dim
         return dataclasses.replace(self, bn1=div(self.bn1, i), bk1=div(self.bk1, d), bn2=div(self.bn2, d),
-                                   bk2=div(self.bk2, i))  # fmt: skip
+                                   bk2=div(self.bk2, i), bn3=div(self.bn3, d))  # fmt: skip
+
+
+def combine_ref(out: torch.Tensor, t: int, k: int, dtype: torch.dtype, add: torch.Tensor | None = None) -> torch.Tensor:
+    """_combine_kernel's result: out [>= T * K, D] fp32 pair rows, each token's K summed in slot order, in
+    dtype, plus add [T, D] (in dtype, added in fp32 and rounded: torch's own bf16 and fp16 addition)."""
+    rows = out[: t * k].view(t, k, -1)  # [T, K, D]
+    acc = rows[:, 0]
+    for j in range(1, k):  # one add at a time: the kernel's order, not torch.sum's
+        acc = acc + rows[:, j]
+    y = acc.to(dtype)  # [T, D]
+    return y if add is None else y + add
 
 
 def workspace_bytes(layout: RecordLayout, top_k: int) -> int:
@@ -362,9 +399,16 @@ class DecodeMoE:
         self.phase2 = dict(common, W2=p["w2"], S2=p["w2_scale"], BN=c.bn2, BK=c.bk2, num_warps=c.num_warps2)
 
     def __call__(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        records: torch.Tensor,
+        offsets: torch.Tensor,
+        add: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes] u8, offsets: [E] i64 -> y [T, D]."""
+        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes] u8, offsets: [E] i64, add: None or
+        [T, D] in x's dtype -> y [T, D] in x's dtype (the routed sum rounded, then plus add rounded)."""
         t, k = x.shape[0], self.top_k
         assert 0 < t <= MAX_TOKENS and ids.shape == (t, k), f"decode takes 1..{MAX_TOKENS} tokens of top-{k} ids"
         assert x.shape[1] == self.layout.dim and x.stride(1) == 1 and records.shape[1] == self.layout.nbytes
@@ -386,4 +430,19 @@ class DecodeMoE:
             ids, records, offsets, self.act_quads if words2 else self.act, self.act_inv, self.out, t, **run,
             **self.phase2, WORDS=words2,
         )  # fmt: skip
-        return self.out[: t * k].view(t, k, -1).sum(1).to(x.dtype)  # [T, D], slots summed in order
+        return self.combine(t, x.dtype, add)
+
+    def combine(self, t: int, dtype: torch.dtype, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Launch 3 on the first t tokens' pair rows in `out` -> y [T, D] in dtype (combine_ref). y is allocated
+        here, as torch ops do: a graph capture keeps its memory."""
+        d = self.layout.dim
+        if add is not None:
+            assert add.shape == (t, d) and add.dtype == dtype and add.stride(1) == 1, "add: [T, D] in x's dtype"
+        y = torch.empty(t, d, dtype=dtype, device=self.out.device)  # [T, D]
+        bd = self.config.bn3
+        _combine_kernel[(t, d // bd)](
+            self.out, y if add is None else add, y, 0 if add is None else add.stride(0), K=self.top_k, D=d, BD=bd,
+            ADD=add is not None, EMULATE_RNE=interpreted() and dtype == torch.bfloat16,
+            num_warps=max(1, bd // (LOAD_FP32 * WARP)),
+        )  # fmt: skip
+        return y

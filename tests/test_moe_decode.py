@@ -9,7 +9,8 @@ import torch
 from moe_records import random_expert, routing, slot_pool
 
 from dsfp4.kernels.fp4_decode import triton
-from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE, workspace_bytes
+from dsfp4.kernels.moe import MoEKernel
+from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE, combine_ref, workspace_bytes
 from dsfp4.kernels.moe_ref import moe_ref, record_offsets
 from dsfp4.layout.record import RecordLayout
 
@@ -109,12 +110,64 @@ def test_decode_kernel_in_fp16_products_for_bf16_x_matches_the_reference(fmt, wo
 
 def test_decode_config_fits_a_small_layout_and_workspace_bytes_counts_the_workspaces():
     layout = RecordLayout.for_expert("mxfp4", 64, 32)
-    assert WORDS["both"].fit(layout) == DecodeConfig(16, 64, 32, 32, 4, 4, True, True)
+    assert WORDS["both"].fit(layout) == DecodeConfig(16, 64, 32, 32, 4, 4, True, True, 64)
     small = DecodeMoE(layout, 3, "cpu", DecodeConfig(bn1=8, bk1=64, bn2=8, bk2=32))  # 64 and 32 words a chunk
     assert small.words and not small.words1 and not small.words2  # fewer than two per thread: fp32 products
     kernel = DecodeMoE(layout, 3, "cpu")
     held = {w.data_ptr(): w.numel() * w.element_size() for w in vars(kernel).values() if torch.is_tensor(w)}
     assert workspace_bytes(layout, 3) == sum(held.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t", [1, 3, 5])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_combine_matches_its_reference_bit_for_bit(dtype, t, with_add):
+    """The final launch alone: pair rows over many magnitudes (slot order and each rounding matter) and some
+    exact bf16 ties (to even, as torch and the GPU round; the interpreter's own cast truncates); the rows past
+    T * K NaN, never read. Two column blocks per token."""
+    gen = torch.Generator().manual_seed(t)
+    layout, k = RecordLayout.for_expert("nvfp4", 64, 32), 4
+    kernel = _poisoned(DecodeMoE(layout, k, DEVICE, DecodeConfig(bn3=32)))
+    scale = 2.0 ** torch.randint(-20, 8, (t * k, layout.dim), generator=gen)
+    rows = torch.randn(t * k, layout.dim, generator=gen) * scale  # [T * K, D]
+    ties = 1 + 2.0**-8 * torch.arange(1, 16, 2)  # halfway between bf16 neighbours, odd and even below
+    rows.view(t, k, -1)[:, 0, : ties.numel()], rows.view(t, k, -1)[:, 1:, : ties.numel()] = ties, 0.0
+    kernel.out[: t * k] = rows.to(DEVICE)
+    add = (torch.randn(t, layout.dim, generator=gen) * 1000).to(dtype).to(DEVICE) if with_add else None
+    got = kernel.combine(t, dtype, add)
+    want = combine_ref(kernel.out, t, k, dtype, add)
+    assert got.dtype == dtype and not got.isnan().any() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("t", "dtype"), [(1, torch.bfloat16), (3, torch.float32), (5, torch.bfloat16)])
+def test_decode_kernel_adds_the_addend_after_rounding(t, dtype):
+    """add= (the shared experts' output) gives exactly torch's y + add on the kernel's own y, on poisoned
+    workspaces, and the routed sum still matches the reference."""
+    gen = torch.Generator().manual_seed(20 + t)
+    n_experts, k = 6, 3
+    layout, records, offsets = slot_pool("nvfp4", 64, 64, n_experts, gen, absent=(4,))
+    ids, weights = routing(t, k, n_experts, gen)
+    x = (torch.randn(t, layout.dim, generator=gen) * 3).to(dtype)
+    add = (torch.randn(t, layout.dim, generator=gen) * 30).to(dtype)
+    want = moe_ref(x.double(), ids, weights, records, offsets, layout)
+    config = FP32 if dtype == torch.float32 else WORDS["both"]
+    args = [a.to(DEVICE) for a in (x, ids, weights, records, offsets)]
+    plain = _poisoned(DecodeMoE(layout, k, DEVICE, config))(*args)
+    got = _poisoned(DecodeMoE(layout, k, DEVICE, config))(*args, add=add.to(DEVICE))
+    assert got.dtype == dtype and not got.isnan().any() and torch.equal(got, plain + add.to(DEVICE))
+    assert _rel(plain.float().cpu(), want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("t", [3, 20])
+def test_moe_kernel_adds_the_addend_on_every_path(t):
+    """MoEKernel's add= is y + add on each path: the reference (CPU), decode (up to 16 tokens), prefill."""
+    gen = torch.Generator().manual_seed(t)
+    layout, records, offsets = slot_pool("mxfp4", 64, 64, 6, gen)
+    ids, weights = routing(t, 2, 6, gen)
+    x, add = (torch.randn(t, layout.dim, generator=gen).bfloat16().to(DEVICE) for _ in range(2))
+    kernel = MoEKernel(layout, 2, torch.device(DEVICE))
+    args = [x, *(a.to(DEVICE) for a in (ids, weights, records, offsets))]
+    assert torch.equal(kernel(*args, add=add), kernel(*args) + add)
 
 
 def test_decode_kernel_writes_bf16_and_reads_a_padded_row_stride():
@@ -139,6 +192,18 @@ def test_record_offsets_point_at_device_slots_then_host_slots():
     assert off == [2 * 4096, delta, -1, 0]
 
 
+def _v3_case(fmt: str, t: int, gen: torch.Generator):
+    """V3 expert shape, 8 of 256 experts (4 distinct records in shuffled device slots): (layout, slots, args
+    [x bf16, ids, weights, records, offsets] on the GPU)."""
+    layout = RecordLayout.for_expert(fmt, 7168, 2048)
+    distinct = [torch.frombuffer(bytearray(random_expert(layout, gen)), dtype=torch.uint8) for _ in range(4)]
+    records = torch.stack(distinct).repeat(64, 1).cuda()  # 256 slots, 4 distinct records
+    slots = torch.randperm(256, generator=gen).cuda()
+    ids, weights = routing(t, 8, 256, gen)
+    x = torch.randn(t, layout.dim, generator=gen).bfloat16()
+    return layout, slots, [x.cuda(), ids.cuda(), weights.cuda(), records, record_offsets(slots, records)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("t", [1, 4, 16])
@@ -147,14 +212,8 @@ def test_decode_kernel_at_deepseek_v3_size(fmt, t, config):
     """V3 expert shape, 8 of 256 experts, records on the device and (zero-copy) in pinned host memory; down
     on the words (the default) or in fp32 products (the earlier default)."""
     gen = torch.Generator().manual_seed(0)
-    layout = RecordLayout.for_expert(fmt, 7168, 2048)
-    distinct = [torch.frombuffer(bytearray(random_expert(layout, gen)), dtype=torch.uint8) for _ in range(4)]
-    records = torch.stack(distinct).repeat(64, 1).cuda()  # 256 slots, 4 distinct records
-    slots = torch.randperm(256, generator=gen).cuda()
-    offsets = record_offsets(slots, records)
-    ids, weights = routing(t, 8, 256, gen)
-    x = torch.randn(t, layout.dim, generator=gen).bfloat16()
-    args = [x.cuda(), ids.cuda(), weights.cuda(), records, offsets]
+    layout, slots, args = _v3_case(fmt, t, gen)
+    records = args[3]
     want = moe_ref(args[0].double(), *args[1:], layout)  # float64 on the GPU: the CPU takes minutes
     kernel = DecodeMoE(layout, 8, torch.device("cuda"), config)
     for _ in range(2):
@@ -164,3 +223,25 @@ def test_decode_kernel_at_deepseek_v3_size(fmt, t, config):
     from_host = record_offsets(torch.full_like(slots, -1), records, slots, host)
     got = kernel(*args[:4], from_host)
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5])
+def test_decode_kernel_with_an_addend_replays_in_a_cuda_graph_at_v3_size(t):
+    """add= at V3 size (7168 columns, top-8): captured with its output allocation, replayed on new x and add,
+    bit for bit the eager call's y + add and combine_ref's sum of the pair rows."""
+    gen = torch.Generator().manual_seed(t)
+    layout, _, args = _v3_case("nvfp4", t, gen)
+    add = torch.randn(t, layout.dim, generator=gen).bfloat16().cuda()  # the shared experts' output
+    kernel = _poisoned(DecodeMoE(layout, 8, torch.device("cuda")))
+    kernel(*args, add=add)  # compiles before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernel(*args, add=add)
+    args[0].copy_(torch.randn(t, layout.dim, generator=gen).bfloat16())
+    add.copy_(torch.randn(t, layout.dim, generator=gen).bfloat16())
+    graph.replay()
+    assert torch.equal(y, combine_ref(kernel.out, t, 8, torch.bfloat16, add))
+    assert torch.equal(y, kernel(*args) + add)
+    want = moe_ref(args[0].double(), *args[1:], layout) + add.double()
+    assert not y.isnan().any() and _rel(y, want) < 1e-2

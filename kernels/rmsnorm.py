@@ -23,34 +23,74 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * normed.to(x.dtype)
 
 
+def add_rmsnorm_ref(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta: [..., D] -> (x + delta in x's dtype, rmsnorm_ref of it)."""
+    total = x + delta
+    return total, rmsnorm_ref(total, weight, eps)
+
+
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _rmsnorm_kernel(
-        x_ptr, w_ptr, out_ptr, stride_x, eps,
-        D: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr,
-    ):  # fmt: skip
-        """One row: the sum of squares in fp32, then rmsnorm_ref's roundings."""
-        cols = tl.arange(0, BLOCK)
-        ok = cols < D
-        x = tl.load(x_ptr + tl.program_id(0) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    def rms_row(x, w_ptr, cols, ok, eps, dtype: tl.constexpr, D: tl.constexpr, W_FP32: tl.constexpr):
+        """x: [BLOCK] fp32 (zero past D) -> rmsnorm_ref's row in `dtype`: the sum of squares in fp32, then its
+        roundings."""
         normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))  # IEEE sqrt and divide, as torch's rsqrt
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty
         y = w * normed if W_FP32 else w * normed.to(dtype).to(tl.float32)  # the product rounded once, as torch's
-        tl.store(out_ptr + tl.program_id(0) * D + cols, y.to(dtype), mask=ok)
+        return y.to(dtype)
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_d, eps,
+        D: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr, ADD: tl.constexpr,
+    ):  # fmt: skip
+        """One row; with ADD, of x + delta rounded to x's dtype (torch's add), which is stored too."""
+        row, cols = tl.program_id(0), tl.arange(0, BLOCK)
+        ok = cols < D
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if ADD:
+            x = (x + tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(sum_ptr + row * D + cols, x, mask=ok)
+            x = x.to(tl.float32)
+        tl.store(out_ptr + row * D + cols, rms_row(x, w_ptr, cols, ok, eps, dtype, D, W_FP32), mask=ok)
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [..., D] -> [R, D], a view for the contiguous activations the model passes."""
+    rows = x.reshape(-1, x.shape[-1])
+    assert rows.stride(1) == 1 and weight.shape == (x.shape[-1],), "rmsnorm takes rows of unit stride, a [D] weight"
+    return rows
+
+
+def _launch(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per row -> (x + delta, its norm), each shaped as x; without a delta, (norm, norm)."""
+    rows, d = _rows(x, weight), x.shape[-1]
+    deltas = rows if delta is None else _rows(delta, weight)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    total = out if delta is None else torch.empty_like(out)
+    block = next_pow2(d)
+    _rmsnorm_kernel[(rows.shape[0],)](
+        rows, deltas, weight, total, out, rows.stride(0), deltas.stride(0), eps,
+        D=d, BLOCK=block, W_FP32=weight.dtype == torch.float32, ADD=delta is not None,
+        num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return total.view(x.shape), out.view(x.shape)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rmsnorm_ref's values, one program per row. x: [..., D] with unit stride in D, weight: [D] -> [..., D]."""
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)  # [R, D]: a view for the contiguous activations the model passes
-    assert rows.stride(1) == 1 and weight.shape == (d,), "rmsnorm takes rows of unit stride and a [D] weight"
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    block = next_pow2(d)
-    _rmsnorm_kernel[(rows.shape[0],)](
-        rows, weight, out, rows.stride(0), eps,
-        D=d, BLOCK=block, W_FP32=weight.dtype == torch.float32, num_warps=min(16, max(1, block // 512)),
-    )  # fmt: skip
-    return out.view(x.shape)
+    return _launch(x, None, weight, eps)[1]
+
+
+def add_rmsnorm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rmsnorm_ref's values in one launch (a residual add and the norm after it). x, delta: [..., D]."""
+    return _launch(x, delta, weight, eps)

@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from dsfp4.config import ModelArgs
+from dsfp4.kernels.fp4_decode import triton
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.mla_absorb import MAX_TOKENS as ABSORB_TOKENS
 from dsfp4.kernels.mla_absorb import absorb_keys, absorb_values
+from dsfp4.kernels.mla_cache import mla_cache, mla_cache_ref
 from dsfp4.runtime.norm import RMSNorm
-from dsfp4.runtime.rope import apply_rotary_emb, softmax_scale
+from dsfp4.runtime.rope import softmax_scale
 from dsfp4.runtime.weights import Weights
 
 SCORE_ELEMENTS = 1 << 26  # attention scores held at once (256 MiB in fp32)
@@ -77,18 +79,13 @@ class MLA(nn.Module):
         b, t, _ = x.shape  # x: [B, T, D]
         q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
         q = q.view(b, t, self.n_heads, self.nope + self.rope)
+        end = start_pos.span if isinstance(start_pos, DevicePosition) else start_pos + t
+        # q's rope dims rotated in place; the normed latent and rotated key written at the tokens' cache rows
+        kv = linear(x, self.wkv_a)  # [B, T, C + R]
+        rows = token_positions(start_pos, t, x.device)  # [T]
+        write = mla_cache if x.is_cuda and triton is not None else mla_cache_ref
+        write(q, kv, freqs_cis, self.kv_norm.weight, self.kv_norm.eps, self.kv_cache, self.pe_cache, rows)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
-        q_pe = apply_rotary_emb(q_pe, freqs_cis)
-        kv, k_pe = linear(x, self.wkv_a).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, T, C], [B, T, R]
-        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
-        if isinstance(start_pos, DevicePosition):  # a captured step: the row is found on the device
-            end = start_pos.span
-            self.kv_cache[:b].index_copy_(1, start_pos.pos, self.kv_norm(kv))
-            self.pe_cache[:b].index_copy_(1, start_pos.pos, k_pe)
-        else:
-            end = start_pos + t
-            self.kv_cache[:b, start_pos:end] = self.kv_norm(kv)
-            self.pe_cache[:b, start_pos:end] = k_pe
         # decode multiplies by wkv_b's FP8 blocks (kernels/mla_absorb.py); prefill dequantizes it once per call,
         # as DeepSeek's reference does, and multiplies on tensor cores
         fp8 = b * t <= ABSORB_TOKENS and self.absorb_fp8

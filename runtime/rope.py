@@ -1,4 +1,4 @@
-"""Rotary embedding with YaRN, as complex rotations of adjacent pairs (DeepSeek's reference layout).
+"""Rotary embedding with YaRN: the rotations per position (the pairs are rotated by kernels/rope.py).
 
 YaRN is on exactly when config.json's rope_scaling says "yarn". DeepSeek's reference code applies it only
 when its max_seq_len exceeds original_seq_len (its default 16384 > 4096 makes that true for V3);
@@ -13,6 +13,7 @@ import math
 import torch
 
 from dsfp4.config import ModelArgs
+from dsfp4.kernels.rope import apply_rotary_emb
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -61,13 +62,6 @@ def softmax_scale(args: ModelArgs) -> float:
     if args.rope_type == "yarn" and args.mscale_all_dim:
         scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
     return scale
-
-
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, R] rotated by freqs_cis: [T, R/2], adjacent elements paired."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    out = torch.view_as_real(xc * freqs_cis.view(1, xc.shape[1], 1, xc.shape[-1]))
-    return out.flatten(3).to(x.dtype)
 
 
 def apply_rotary_tail(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""MLA's per-token glue before the attention product, in one launch: rotate the query's rope dims in place,
+normalize the latent c_kv and rotate the shared key k_pe straight into their cache rows.
+
+In torch this is ~10 small kernels per layer at decode (casts of strided slices, two complex products and
+their casts back, the norm, two cache copies), several times the time of the few KB they move.
+`mla_cache_ref` is the formula runtime/attention.py used before: apply_rotary_emb, rmsnorm_ref, index_copy_.
+Legend: B batch, T tokens, H heads, N nope dim, R rope dim, C kv_lora_rank, L cache rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.rmsnorm import rmsnorm_ref
+from dsfp4.kernels.rope import apply_rotary_emb
+from dsfp4.layout.formats import next_pow2
+
+
+def mla_cache_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    kv_cache: torch.Tensor,
+    pe_cache: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """q: [B, T, H, N + R], its last R dims rotated in place; kv: [B, T, C + R] (wkv_a's output): the first C
+    normalized by weight into kv_cache[:B, rows], the last R rotated into pe_cache[:B, rows]; freqs_cis:
+    [T, R/2] complex64; rows: [T] int64 cache positions."""
+    b, r = q.shape[0], pe_cache.shape[-1]
+    q[..., -r:] = apply_rotary_emb(q[..., -r:], freqs_cis)
+    c_kv, k_pe = kv.split([kv.shape[-1] - r, r], dim=-1)  # [B, T, C], [B, T, R]
+    kv_cache[:b].index_copy_(1, rows, rmsnorm_ref(c_kv, weight, eps))
+    pe_cache[:b].index_copy_(1, rows, apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2))
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from dsfp4.kernels.rmsnorm import rms_row
+    from dsfp4.kernels.rope import rotate_pairs
+
+    @triton.jit
+    def _mla_cache_kernel(
+        q_ptr, kv_ptr, f_ptr, w_ptr, kvc_ptr, pec_ptr, rows_ptr, T, eps,
+        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_ft, stride_cb, stride_cl, stride_pb, stride_pl,
+        H: tl.constexpr, HP: tl.constexpr, N: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr, C: tl.constexpr,
+        CP: tl.constexpr,
+        W_FP32: tl.constexpr,
+    ):  # fmt: skip
+        """One token (b, t) per program: its H query heads, its latent row and its key row."""
+        b, t = tl.program_id(0) // T, tl.program_id(0) % T
+        pairs = tl.arange(0, HALFP)
+        in_r = pairs < HALF
+        cos = tl.load(f_ptr + t * stride_ft + 2 * pairs, mask=in_r)  # freqs_cis as (real, imaginary) fp32 pairs
+        sin = tl.load(f_ptr + t * stride_ft + 2 * pairs + 1, mask=in_r)
+        # the query's rope dims, every head at once: [HP, HALF] pairs, rotated where they are
+        heads = tl.arange(0, HP)[:, None]
+        qp = q_ptr + b * stride_qb + t * stride_qt + heads * stride_qh + N + 2 * pairs[None, :]
+        ok = (heads < H) & in_r[None, :]
+        re, im = rotate_pairs(
+            tl.load(qp, mask=ok).to(tl.float32), tl.load(qp + 1, mask=ok).to(tl.float32), cos[None, :], sin[None, :]
+        )
+        tl.store(qp, re.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(qp + 1, im.to(q_ptr.dtype.element_ty), mask=ok)
+        # the latent, normalized into its cache row; the shared key after it, rotated into its own
+        row = tl.load(rows_ptr + t)
+        src = kv_ptr + b * stride_kb + t * stride_kt
+        cols = tl.arange(0, CP)
+        in_c = cols < C
+        c_kv = tl.load(src + cols, mask=in_c, other=0.0).to(tl.float32)
+        dtype = kvc_ptr.dtype.element_ty
+        normed = rms_row(c_kv, w_ptr, cols, in_c, eps, dtype, C, W_FP32)
+        tl.store(kvc_ptr + b * stride_cb + row * stride_cl + cols, normed, mask=in_c)
+        re, im = rotate_pairs(
+            tl.load(src + C + 2 * pairs, mask=in_r).to(tl.float32),
+            tl.load(src + C + 2 * pairs + 1, mask=in_r).to(tl.float32),
+            cos,
+            sin,
+        )
+        pe = pec_ptr + b * stride_pb + row * stride_pl + 2 * pairs
+        tl.store(pe, re.to(pec_ptr.dtype.element_ty), mask=in_r)
+        tl.store(pe + 1, im.to(pec_ptr.dtype.element_ty), mask=in_r)
+
+
+def mla_cache(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    kv_cache: torch.Tensor,
+    pe_cache: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """mla_cache_ref's effect in one launch, a program per token (the caller takes the reference where Triton
+    cannot run)."""
+    b, t, h, _ = q.shape
+    r, c = pe_cache.shape[-1], kv_cache.shape[-1]
+    assert q.stride(-1) == kv.stride(-1) == 1 and kv.shape[-1] == c + r and freqs_cis.shape == (t, r // 2)
+    assert kv_cache.stride(-1) == pe_cache.stride(-1) == 1, "caches of unit stride in their last dim"
+    f = torch.view_as_real(freqs_cis)  # [T, R/2, 2] fp32
+    assert f.stride(1) == 2, "freqs_cis: rows of contiguous pairs"
+    _mla_cache_kernel[(b * t,)](
+        q, kv, f, weight, kv_cache, pe_cache, rows, t, eps,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), f.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
+        H=h, HP=next_pow2(h), N=q.shape[-1] - r, HALF=r // 2, HALFP=next_pow2(r // 2), C=c, CP=next_pow2(c),
+        W_FP32=weight.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip

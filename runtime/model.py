@@ -53,8 +53,8 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, start_pos: int | DevicePosition, freqs_cis: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), start_pos, freqs_cis, mask)
-        return x + (self.ffn(self.ffn_norm(x), x) if self.moe else self.ffn(self.ffn_norm(x)))
+        x, h = self.ffn_norm.after_add(x, self.attn(self.attn_norm(x), start_pos, freqs_cis, mask))
+        return x + (self.ffn(h, x) if self.moe else self.ffn(h))
 
     def route(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The experts this block's router would pick for residual stream h: [B, T, D] -> [B * T, K]. `tokens`

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dsfp4.kernels.fp4_decode import triton
-from dsfp4.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from dsfp4.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,12 @@ class RMSNorm(nn.Module):
         if x.is_cuda and triton is not None and x.stride(-1) == 1:
             return rmsnorm(x, self.weight, self.eps)
         return rmsnorm_ref(x, self.weight, self.eps)
+
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and this norm of its result, in one pass on CUDA: -> (x + delta, norm(x + delta))."""
+        if x.is_cuda and triton is not None and x.stride(-1) == delta.stride(-1) == 1:
+            return add_rmsnorm(x, delta, self.weight, self.eps)
+        return add_rmsnorm_ref(x, delta, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

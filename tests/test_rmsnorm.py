@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsfp4.kernels.fp4_decode import triton
-from dsfp4.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from dsfp4.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,3 +50,17 @@ def test_rmsnorm_at_deepseek_v3_sizes(d):
     got = rmsnorm(x.cuda(), w.cuda(), 1e-6).cpu()
     want = rmsnorm_ref(x.cuda(), w.cuda(), 1e-6).cpu()
     assert ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize(("shape", "wdtype"), [((2, 3, 96), torch.bfloat16), ((1, 200), torch.float32)])
+def test_add_rmsnorm_matches_the_reference(shape, wdtype):
+    x, w = _case(shape, torch.bfloat16, wdtype, 7)
+    delta = _case(shape, torch.bfloat16, wdtype, 8)[0]
+    want_sum = add_rmsnorm_ref(x, delta, w, 1e-6)[0]
+    got_sum, got = (y.cpu() for y in add_rmsnorm(x.to(DEVICE), delta.to(DEVICE), w.to(DEVICE), 1e-6))
+    ulp = 2**-7 if DEVICE == "cuda" else 2**-6  # the CPU interpreter truncates its casts
+    if DEVICE == "cuda":
+        assert torch.equal(got_sum, want_sum), "the sum rounds once to bf16, as torch's add"
+    assert ((got_sum.float() - want_sum.float()).abs() <= ulp * want_sum.float().abs()).all()
+    want = rmsnorm_ref(got_sum, w, 1e-6)  # the norm of the sum the kernel stored
+    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-6).all()

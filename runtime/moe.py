@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsfp4.config import ModelArgs
+from dsfp4.kernels.gate_scores import gate_scores, gate_scores_ref
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe import MoEKernel
 from dsfp4.kernels.route import can_route, chosen_weights, route, route_ref
@@ -87,13 +87,9 @@ class HashGate(nn.Module):
 
 
 def expert_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> torch.Tensor:
-    """x: [T, D], weight: [E, D] fp32 -> every expert's score [T, E], computed in fp32."""
-    logits = F.linear(x.float(), weight)
-    if score_func == "sigmoid":
-        return logits.sigmoid()
-    if score_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    return logits.softmax(dim=-1)
+    """x: [T, D], weight: [E, D] fp32 -> every expert's score [T, E], computed in fp32 (one launch at decode on
+    CUDA: kernels/gate_scores.py)."""
+    return (gate_scores if x.is_cuda else gate_scores_ref)(x, weight, score_func)
 
 
 class MoE(nn.Module):
@@ -121,28 +117,27 @@ class MoE(nn.Module):
         weights, indices = self.gate(x, tokens)  # [T, K], [T, K]
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
+        # the shared experts' output is added by the routed kernel as it sums each token's experts (at decode)
+        shared = None if self.shared_experts is None else self.shared_experts(x)  # [T, D]
         if self.experts.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
             self.experts.count_step(self.layer, indices)
-            y = self.kernel(x, indices, weights, self.experts.gpu, self.experts.offsets(self.layer))
-            return (y if self.shared_experts is None else y + self.shared_experts(x)).view(shape)
+            offsets = self.experts.offsets(self.layer)
+            return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
         ask, after = [indices.flatten()], None
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
             after = self.next_router[0]
         load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after)
         if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
-            y = self.kernel(x, indices, weights, self.experts.gpu, self.cut(load))
-        else:
-            parts = []
-            chosen, waves = load.waves(self.experts)
-            for wave in waves:  # one wave unless slots run short
-                offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
-                parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
-            # several waves add up in fp32: each is rounded once, as one wave would be
-            y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y.view(shape)
+            return self.kernel(x, indices, weights, self.experts.gpu, self.cut(load), add=shared).view(shape)
+        parts = []
+        chosen, waves = load.waves(self.experts)
+        for wave in waves:  # one wave unless slots run short
+            offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
+            parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
+        # several waves add up in fp32: each is rounded once, as one wave would be
+        y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
+        return (y if shared is None else y + shared).view(shape)
 
 
 @dataclass(frozen=True)

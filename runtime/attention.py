@@ -19,6 +19,8 @@ from dsfp4.kernels.linear import linear
 from dsfp4.kernels.mla_absorb import MAX_TOKENS as ABSORB_TOKENS
 from dsfp4.kernels.mla_absorb import absorb_keys, absorb_values
 from dsfp4.kernels.mla_cache import mla_cache, mla_cache_ref
+from dsfp4.kernels.mla_decode import MAX_TOKENS as DECODE_TOKENS
+from dsfp4.kernels.mla_decode import mla_decode, mla_decode_ref
 from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.rope import softmax_scale
 from dsfp4.runtime.weights import Weights
@@ -97,20 +99,35 @@ class MLA(nn.Module):
             wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
             q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
         kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]
-        # queries in chunks, so that a long prompt never holds all [B, T, H, S] scores at once
-        step = max(1, SCORE_ELEMENTS // (b * self.n_heads * end))
-        out = []
-        for t0 in range(0, t, step):
-            qn, qp = q_nope[:, t0 : t0 + step], q_pe[:, t0 : t0 + step]
-            scores = torch.einsum("bthc,bsc->bths", qn, kv_all) + torch.einsum("bthr,bsr->bths", qp, pe_all)
-            scores = scores * self.scale
-            if mask is not None:
-                scores = scores + mask[t0 : t0 + step].unsqueeze(1)  # mask: [T, S] -> [T, 1, S]
-            probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
-            out.append(torch.einsum("bths,bsc->bthc", probs, kv_all))
-        lat = torch.cat(out, dim=1)  # [B, T, H, C]
+        if x.is_cuda and triton is not None and b * t <= DECODE_TOKENS:  # flash-decoding: one or two launches
+            lat = mla_decode(q_nope, q_pe, kv_all, pe_all, self.scale, mask)  # [B, T, H, C]
+        else:
+            lat = self.attend(q_nope, q_pe, kv_all, pe_all, mask)
         if fp8:
             o = absorb_values(lat.reshape(b * t, h, -1), q8, s8, self.nope).view(b, t, h, -1)  # [B, T, H, V]
         else:
             o = torch.einsum("bthc,hvc->bthv", lat, wkv_b[:, -self.v :])  # W_UV: [B, T, H, V]
         return linear(o.flatten(2), self.wo)
+
+    def attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """mla_decode_ref over query chunks, so that a long prompt never holds all [B, T, H, S] scores at once:
+        q_nope [B, T, H, C], q_pe [B, T, H, R], kv [B, S, C], pe [B, S, R], mask [T, S] or None -> [B, T, H, C]."""
+        b, t, h, _ = q_nope.shape
+        step = max(1, SCORE_ELEMENTS // (b * h * kv.shape[1]))
+        chunks = range(0, t, step)
+        return torch.cat(
+            [
+                mla_decode_ref(
+                    q_nope[:, t0 : t0 + step],
+                    q_pe[:, t0 : t0 + step],
+                    kv,
+                    pe,
+                    self.scale,
+                    None if mask is None else mask[t0 : t0 + step],
+                )  # fmt: skip
+                for t0 in chunks
+            ],
+            dim=1,
+        )

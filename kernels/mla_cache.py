@@ -44,46 +44,50 @@ if triton is not None:
     from dsfp4.kernels.rope import rotate_pairs
 
     @triton.jit
+    def _pairs(ptrs, ok):
+        """Load [M, 2 HALFP] values as fp32 (even, odd) halves [M, HALFP]: contiguous loads, split in registers."""
+        x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+
+    @triton.jit
+    def _joined(re, im, dtype: tl.constexpr):
+        """The inverse of _pairs: (even, odd) [M, HALFP] -> [M, 2 HALFP] interleaved in `dtype`."""
+        x = tl.join(re, im)
+        return tl.reshape(x, (x.shape[0], x.shape[1] * 2)).to(dtype)
+
+    @triton.jit(do_not_specialize=["T"])
     def _mla_cache_kernel(
         q_ptr, kv_ptr, f_ptr, w_ptr, kvc_ptr, pec_ptr, rows_ptr, T, eps,
         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_ft, stride_cb, stride_cl, stride_pb, stride_pl,
-        H: tl.constexpr, HP: tl.constexpr, N: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr, C: tl.constexpr,
-        CP: tl.constexpr,
-        W_FP32: tl.constexpr,
+        H: tl.constexpr, HP: tl.constexpr, N: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, C: tl.constexpr,
+        CP: tl.constexpr, W_FP32: tl.constexpr,
     ):  # fmt: skip
-        """One token (b, t) per program: its H query heads, its latent row and its key row."""
+        """One token (b, t) per program: its H query heads, its latent row and its key row. Every load comes
+        before the first store: the compiler cannot tell that the stores miss what is loaded after them, so
+        interleaving them would chain one memory latency after another."""
         b, t = tl.program_id(0) // T, tl.program_id(0) % T
-        pairs = tl.arange(0, HALFP)
-        in_r = pairs < HALF
-        cos = tl.load(f_ptr + t * stride_ft + 2 * pairs, mask=in_r)  # freqs_cis as (real, imaginary) fp32 pairs
-        sin = tl.load(f_ptr + t * stride_ft + 2 * pairs + 1, mask=in_r)
-        # the query's rope dims, every head at once: [HP, HALF] pairs, rotated where they are
+        dims = tl.arange(0, RP)[None, :]  # [1, RP]: the rope dims as a row, for _pairs
+        in_r = dims < R
+        cos, sin = _pairs(f_ptr + t * stride_ft + dims, in_r)  # freqs_cis as (real, imaginary) fp32 pairs
         heads = tl.arange(0, HP)[:, None]
-        qp = q_ptr + b * stride_qb + t * stride_qt + heads * stride_qh + N + 2 * pairs[None, :]
-        ok = (heads < H) & in_r[None, :]
-        re, im = rotate_pairs(
-            tl.load(qp, mask=ok).to(tl.float32), tl.load(qp + 1, mask=ok).to(tl.float32), cos[None, :], sin[None, :]
-        )
-        tl.store(qp, re.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(qp + 1, im.to(q_ptr.dtype.element_ty), mask=ok)
-        # the latent, normalized into its cache row; the shared key after it, rotated into its own
-        row = tl.load(rows_ptr + t)
+        qp = q_ptr + b * stride_qb + t * stride_qt + heads * stride_qh + N + dims  # [HP, RP] rope dims
+        q_ok = (heads < H) & in_r
+        q_re, q_im = _pairs(qp, q_ok)
         src = kv_ptr + b * stride_kb + t * stride_kt
         cols = tl.arange(0, CP)
         in_c = cols < C
         c_kv = tl.load(src + cols, mask=in_c, other=0.0).to(tl.float32)
-        dtype = kvc_ptr.dtype.element_ty
-        normed = rms_row(c_kv, w_ptr, cols, in_c, eps, dtype, C, W_FP32)
+        k_re, k_im = _pairs(src + C + dims, in_r)
+        row = tl.load(rows_ptr + t)
+        normed = rms_row(c_kv, w_ptr, cols, in_c, eps, kvc_ptr.dtype.element_ty, C, W_FP32)
+        # the query's rope dims rotated where they are; the normed latent and the rotated key into their rows
+        q_re, q_im = rotate_pairs(q_re, q_im, cos, sin)
+        tl.store(qp, _joined(q_re, q_im, q_ptr.dtype.element_ty), mask=q_ok)
         tl.store(kvc_ptr + b * stride_cb + row * stride_cl + cols, normed, mask=in_c)
-        re, im = rotate_pairs(
-            tl.load(src + C + 2 * pairs, mask=in_r).to(tl.float32),
-            tl.load(src + C + 2 * pairs + 1, mask=in_r).to(tl.float32),
-            cos,
-            sin,
+        k_re, k_im = rotate_pairs(k_re, k_im, cos, sin)
+        tl.store(
+            pec_ptr + b * stride_pb + row * stride_pl + dims, _joined(k_re, k_im, pec_ptr.dtype.element_ty), mask=in_r
         )
-        pe = pec_ptr + b * stride_pb + row * stride_pl + 2 * pairs
-        tl.store(pe, re.to(pec_ptr.dtype.element_ty), mask=in_r)
-        tl.store(pe + 1, im.to(pec_ptr.dtype.element_ty), mask=in_r)
 
 
 def mla_cache(
@@ -108,6 +112,6 @@ def mla_cache(
         q, kv, f, weight, kv_cache, pe_cache, rows, t, eps,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), f.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
-        H=h, HP=next_pow2(h), N=q.shape[-1] - r, HALF=r // 2, HALFP=next_pow2(r // 2), C=c, CP=next_pow2(c),
+        H=h, HP=next_pow2(h), N=q.shape[-1] - r, R=r, RP=2 * next_pow2(r // 2), C=c, CP=next_pow2(c),
         W_FP32=weight.dtype == torch.float32, num_warps=4,
     )  # fmt: skip

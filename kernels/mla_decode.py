@@ -88,7 +88,8 @@ if triton is not None:
             return add.to(tl.float32) * _LOG2E
         return tl.where(s_ok[None, :], tl.zeros((HB, s.shape[0]), dtype=tl.float32), float("-inf"))
 
-    @triton.jit
+    # the span and its splits change at every eager decode step: one compiled variant for all of them
+    @triton.jit(do_not_specialize=["S", "chunk", "splits", "stride_mt"])
     def _split_kernel(
         qn_ptr, qp_ptr, kv_ptr, pe_ptr, mask_ptr, part_ptr, ml_ptr, lat_ptr, qk_scale, S, chunk, splits,
         stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
@@ -157,7 +158,7 @@ if triton is not None:
             tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
             tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])
     def _combine_kernel(part_ptr, ml_ptr, lat_ptr, splits, C: tl.constexpr, SP: tl.constexpr, CB: tl.constexpr):
         """Row pid 0, latent columns pid 1 * CB ..: the splits' sums rescaled to their common max, over the sum."""
         row = tl.program_id(0).to(tl.int64)

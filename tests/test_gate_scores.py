@@ -80,7 +80,7 @@ def test_a_tokens_scores_do_not_depend_on_the_others():
 
 
 def test_the_reference_takes_what_the_kernel_does_not(monkeypatch):
-    x, w = _inputs(MAX_TOKENS + 1, 16, 96, torch.bfloat16, seed=4)
+    x, w = (t.to(DEVICE) for t in _inputs(MAX_TOKENS + 1, 16, 96, torch.bfloat16, seed=4))
     assert "softmax" in can_score(x[:2], w, "softmax")
     assert "T <= 16" in can_score(x, w, "sigmoid")
     assert "unit stride" in can_score(x[:2, ::2], w[:, ::2], "sigmoid")

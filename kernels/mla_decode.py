@@ -214,7 +214,8 @@ def mla_decode(
         num_stages=cfg.stages,
     )  # fmt: skip
     if not direct:
-        sp = next_pow2(splits)
+        # the most splits any span gets at this shape, so that one variant serves a growing span (no recompile)
+        sp = next_pow2(split_plan(1 << 30, b * row_blocks, _n_sms(qn.device), cfg)[0])
         cb = min(cfg.combine_block, next_pow2(c), max(1, COMBINE_TILE // sp))  # many splits: fewer columns
         _combine_kernel[(b * t * h, triton.cdiv(c, cb))](
             part, ml, lat, splits, C=c, SP=sp, CB=cb, num_warps=cfg.combine_warps

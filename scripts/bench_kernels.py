@@ -37,16 +37,15 @@ DEV = torch.device("cuda")
 DIM, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3
 V4_DIM, V4_TOP_K, V4_LIMIT = 4096, 6, 10.0  # DeepSeek-V4-Flash: width 2048 too, MXFP4, the SwiGLU clamp
 CALLS = 24  # distinct calls per graph
-SWEEP = [  # --sweep, beside DecodeConfig(): neighbours of its tiles (rows x bytes per step, warps), the earlier
-    # defaults (gate+up 32 rows x 128 B, down 16 x 128 B in fp32 products), and fp32 products
-    DecodeConfig(num_warps2=8),
-    DecodeConfig(bn1=16, bk1=256),
-    DecodeConfig(bn1=4, bk1=1024),
-    DecodeConfig(bn1=16, bk1=512),
-    DecodeConfig(num_warps=8),
+SWEEP = [  # --sweep, beside DecodeConfig(): tiles for 2-8 tokens (gate+up rows x bytes per step, warps) around the
+    # default, and fp32 products
+    DecodeConfig(bn1=16),
+    DecodeConfig(bn1=16, bn2=16),
+    DecodeConfig(bn1=16, num_warps=8),
+    DecodeConfig(bn1=16, bk1=1024),
+    DecodeConfig(bn1=32, bk1=256),
     DecodeConfig(bn2=16),
-    DecodeConfig(bn2=4, num_warps2=2),
-    DecodeConfig(bn1=16, bk1=256, bn2=16, bk2=256, words2=False),
+    DecodeConfig(bn1=16, bn2=16, num_warps2=8),
     DecodeConfig(words1=False, words2=False),
 ]
 

@@ -325,6 +325,11 @@ class DecodeConfig:
     words2: bool = True
     # combine at one token: V3's 7168 columns in 56 programs of one warp, one 16-byte load per thread and pair
     bn3: int = 128
+    # from wide_from tokens on, gate+up reads 32 rows x 512 B per step (each tile serves more tokens): 84% of the
+    # H100's ceiling at 4 tokens and 81% at 8, against 79% and 77% on the narrow tile (docs/BENCHMARKS.md)
+    wide_from: int = 4
+    bn1_wide: int = 16
+    bk1_wide: int = 1024
 
     def fit(self, layout: RecordLayout) -> DecodeConfig:
         """Shrink the tiles to a small model's shape (every size a power of two dividing it)."""
@@ -336,7 +341,12 @@ class DecodeConfig:
 
         d, i = layout.dim, layout.inter_dim
         return dataclasses.replace(self, bn1=div(self.bn1, i), bk1=div(self.bk1, d), bn2=div(self.bn2, d),
-                                   bk2=div(self.bk2, i), bn3=div(self.bn3, d))  # fmt: skip
+                                   bk2=div(self.bk2, i), bn3=div(self.bn3, d), bn1_wide=div(self.bn1_wide, i),
+                                   bk1_wide=div(self.bk1_wide, d))  # fmt: skip
+
+    def gate_up(self, t: int) -> tuple[int, int]:
+        """Gate+up's (rows, elements per step) for a call of t tokens."""
+        return (self.bn1_wide, self.bk1_wide) if t >= self.wide_from else (self.bn1, self.bk1)
 
 
 def combine_ref(out: torch.Tensor, t: int, k: int, dtype: torch.dtype, add: torch.Tensor | None = None) -> torch.Tensor:
@@ -373,12 +383,16 @@ class DecodeMoE:
         group = NVFP4_BLOCK if layout.format == "nvfp4" else MXFP4_BLOCK
         self.layout, self.top_k = layout, top_k
         self.config = c = (config or DecodeConfig()).fit(layout)
-        assert c.bk1 >= group and c.bk2 >= group, f"K steps must hold whole {group}-element scale blocks"
+        assert min(c.bk1, c.bk1_wide, c.bk2) >= group, f"K steps must hold whole {group}-element scale blocks"
         pairs, d, i = MAX_TOKENS * top_k, layout.dim, layout.inter_dim
         self.words = d % 8 == 0 and i % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
         # words_sums' PTX takes two adjacent words per thread (pack=2): a chunk must give every thread two, else
         # the GPU pairs words of different threads (a small model's tiles): fp32 products there
-        self.words1 = self.words and c.words1 and 2 * c.bn1 * c.bk1 // 8 >= WORD_PAIR * WARP * c.num_warps
+        # (per gate+up tile: the narrow one of few tokens, the wide one of more)
+        self.words1 = {
+            tile: self.words and c.words1 and 2 * tile[0] * tile[1] // 8 >= WORD_PAIR * WARP * c.num_warps
+            for tile in (c.gate_up(1), c.gate_up(MAX_TOKENS))
+        }
         self.words2 = self.words and c.words2 and c.bn2 * c.bk2 // 8 >= WORD_PAIR * WARP * c.num_warps2
         self.xq = torch.empty(MAX_TOKENS, d, dtype=torch.float16, device=device)
         self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
@@ -393,9 +407,7 @@ class DecodeMoE:
             K=top_k, D=d, INTER=i, G=p.get("scale_2", -1), GROUP=group, E8M0=layout.format == "mxfp4",
             USE_ASM=not interpreted(), HW_E4M3=hw_e4m3(device),
         )  # fmt: skip
-        self.phase1 = dict(
-            common, W13=p["w13"], S13=p["w13_scale"], BN=c.bn1, BK=c.bk1, LIMIT=float(limit), num_warps=c.num_warps
-        )  # fmt: skip
+        self.phase1 = dict(common, W13=p["w13"], S13=p["w13_scale"], LIMIT=float(limit), num_warps=c.num_warps)
         self.phase2 = dict(common, W2=p["w2"], S2=p["w2_scale"], BN=c.bn2, BK=c.bk2, num_warps=c.num_warps2)
 
     def __call__(
@@ -417,12 +429,13 @@ class DecodeMoE:
         run = dict(P_PAD=next_pow2(t * k), RUN_PAD=next_pow2(t))
         c, d, i = self.config, self.layout.dim, self.layout.inter_dim
         exact = x.dtype == torch.float32  # fp32 runs (the exact ones) keep fp32 products
-        words1, words2 = self.words1 and not exact, self.words2 and not exact
+        bn1, bk1 = c.gate_up(t)
+        words1, words2 = self.words1[bn1, bk1] and not exact, self.words2 and not exact
         if words1:
             _prep_kernel[(t,)](x, x.stride(0), self.xq, self.inv, D=d, BD=next_pow2(d))
-        _gate_up_kernel[(t * k * (i // c.bn1),)](
+        _gate_up_kernel[(t * k * (i // bn1),)](
             x, self.quads, self.inv, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1,
-            WORDS=words1, HALVES=not words2,
+            BN=bn1, BK=bk1, WORDS=words1, HALVES=not words2,
         )  # fmt: skip
         if words2:  # absent experts' pairs prepare whatever their rows hold: down never reads them
             _prep_kernel[(t * k,)](self.act, i, self.act_q, self.act_inv, D=i, BD=next_pow2(i))

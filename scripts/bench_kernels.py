@@ -26,7 +26,7 @@ from ceilings import gpu_ceilings  # noqa: E402
 
 from dsfp4.kernels.fp8_linear import fp8_linear  # noqa: E402
 from dsfp4.kernels.gate_scores import GateTiles, gate_scores, gate_scores_ref  # noqa: E402
-from dsfp4.kernels.moe_decode import DecodeConfig, DecodeMoE  # noqa: E402
+from dsfp4.kernels.moe_decode import MAX_TOKENS, DecodeConfig, DecodeMoE  # noqa: E402
 from dsfp4.kernels.moe_prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks, split_columns  # noqa: E402
 from dsfp4.kernels.moe_ref import record_offsets  # noqa: E402
 from dsfp4.layout import fp4  # noqa: E402
@@ -37,15 +37,17 @@ DEV = torch.device("cuda")
 DIM, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3
 V4_DIM, V4_TOP_K, V4_LIMIT = 4096, 6, 10.0  # DeepSeek-V4-Flash: width 2048 too, MXFP4, the SwiGLU clamp
 CALLS = 24  # distinct calls per graph
-SWEEP = [  # --sweep, beside DecodeConfig(): tiles for 2-8 tokens (gate+up rows x bytes per step, warps) around the
-    # default, and fp32 products
-    DecodeConfig(bn1=16),
-    DecodeConfig(bn1=16, bn2=16),
-    DecodeConfig(bn1=16, num_warps=8),
-    DecodeConfig(bn1=16, bk1=1024),
-    DecodeConfig(bn1=32, bk1=256),
-    DecodeConfig(bn2=16),
-    DecodeConfig(bn1=16, bn2=16, num_warps2=8),
+FIXED = MAX_TOKENS + 1  # wide_from for a sweep's config: its gate+up tile at every token count
+
+
+SWEEP = [  # --sweep, beside DecodeConfig(): one tile at every token count (gate+up rows x bytes per step, warps): the
+    # default's narrow and wide tiles, neighbours of them, and fp32 products
+    DecodeConfig(wide_from=FIXED),
+    DecodeConfig(wide_from=FIXED, bn1=16, bk1=1024),
+    DecodeConfig(wide_from=FIXED, bn1=16),
+    DecodeConfig(wide_from=FIXED, bn1=16, bn2=16),
+    DecodeConfig(wide_from=FIXED, bn1=16, bk1=1024, bn2=16),
+    DecodeConfig(wide_from=FIXED, bn2=16),
     DecodeConfig(words1=False, words2=False),
 ]
 
@@ -124,10 +126,11 @@ def decode_rows(
     return {"T": t, "us": s * 1e6, "distinct_experts": distinct, "GBps": gbps, "of_ceiling": gbps / hbm, **row}
 
 
-def config_name(c: dict) -> str:
-    """A DecodeConfig's launches: rows x bytes per row per chunk, warps, products (words or fp32)."""
+def config_name(c: dict, t: int) -> str:
+    """A DecodeConfig's launches at t tokens: rows x bytes per row per chunk, warps, products (words or fp32)."""
     products = {True: "words", False: "fp32"}
-    gate_up = f"{2 * c['bn1']}x{c['bk1'] // 2}B w{c['num_warps']} {products[c['words1']]}"
+    bn1, bk1 = DecodeConfig(**c).gate_up(t)
+    gate_up = f"{2 * bn1}x{bk1 // 2}B w{c['num_warps']} {products[c['words1']]}"
     return f"gate_up {gate_up} | down {c['bn2']}x{c['bk2'] // 2}B w{c['num_warps2']} {products[c['words2']]}"
 
 
@@ -145,8 +148,8 @@ def bench_decode_v4(hbm: float, sweep: bool) -> list[dict]:
 
 
 def bench_decode(hbm: float, sweep: bool) -> list[dict]:
-    """V3's experts, NVFP4 and MXFP4: DecodeConfig() at 1-16 tokens; --sweep: SWEEP at 1-8 tokens (MXFP4: the
-    first of it)."""
+    """V3's experts, NVFP4 and MXFP4: DecodeConfig() at 1-8 and 16 tokens; --sweep: SWEEP at 1, 2, 4 and 8 tokens
+    (MXFP4: the first of it)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     rows = []
@@ -156,7 +159,7 @@ def bench_decode(hbm: float, sweep: bool) -> list[dict]:
         offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
         for cfg in configs if fmt == "nvfp4" else configs[:2]:
             kernel = DecodeMoE(layout, TOP_K, DEV, cfg)
-            for t in (1, 2, 4, 8, 16) if cfg == configs[0] else (1, 2, 4, 8):
+            for t in (*range(1, 9), 16) if cfg == configs[0] else (1, 2, 4, 8):
                 row = dict(case="moe_decode", fmt=fmt, config=kernel.config.__dict__)
                 rows.append(decode_rows(hbm, kernel, records, offsets, t, TOP_K, cpu_gen, **row))
     return rows
@@ -338,7 +341,7 @@ def main() -> int:
     (a.out / "bench_kernels.json").write_text(json.dumps({"ceilings": lim, "rows": rows}, indent=1))
     print(f"ceilings: {json.dumps(lim)}")
     for r in rows:
-        cfg = config_name(r["config"]) if "config" in r else ""
+        cfg = config_name(r["config"], r["T"]) if "config" in r else ""
         cfg = f"{r['tiles']}, max err {r['max_err']:.1e}" if "tiles" in r else cfg
         if "TFLOPs" in r:
             rate = f"{r['TFLOPs']:>8.1f} TFLOP/s"

@@ -372,18 +372,19 @@ def baseline(pr: Probe, c: Case) -> None:
     """DecodeMoE, and its two launches alone with the arguments its __call__ gives them."""
     kern, P = DecodeMoE(c.layout, c.k, bk.DEV), c.t * c.k
     cfg, run = kern.config, dict(P_PAD=next_pow2(P), RUN_PAD=next_pow2(c.t))
-    gu_grid, dn_grid = (P * (c.layout.inter_dim // cfg.bn1),), (P * (c.layout.dim // cfg.bn2),)
+    bn1, bk1 = cfg.gate_up(c.t)
+    gu_grid, dn_grid = (P * (c.layout.inter_dim // bn1),), (P * (c.layout.dim // cfg.bn2),)
     y = kern(c.x, c.routes[0][0], c.routes[0][1], c.records, c.offsets)
     act, out = kern.act[:P].clone(), kern.out[:P].clone()
     whole = lambda r: kern(c.x, r[0], r[1], c.records, c.offsets)  # noqa: E731
     gu = lambda r: _gate_up_kernel[gu_grid](  # noqa: E731  (fp32 products, activations in halves)
         c.x, kern.quads, kern.inv, r[0], r[1], c.records, c.offsets, kern.act, c.t, c.x.stride(0), **run,
-        **kern.phase1, WORDS=False, HALVES=True)  # fmt: skip
+        **kern.phase1, BN=bn1, BK=bk1, WORDS=False, HALVES=True)  # fmt: skip
     dn = lambda r: _down_kernel[dn_grid](  # noqa: E731
         r[0], c.records, c.offsets, kern.act, kern.act_inv, kern.out, c.t, **run, **kern.phase2,
         WORDS=False)  # fmt: skip
     pr.add(c, "base", "DecodeMoE (bf16 out)", whole, y, c.y_ref, bk.read_bytes(c.layout))
-    gu_name = f"gate_up r{2 * cfg.bn1}x{cfg.bk1 // 2}B"
+    gu_name = f"gate_up r{2 * bn1}x{bk1 // 2}B"
     pr.add(c, "base", gu_name + " fp32", gu, act, halves(c.act_ref), c.gu_bytes)
     pr.add(c, "base", f"down r{cfg.bn2}x{cfg.bk2 // 2}B fp32", dn, out, c.out_ref, c.dn_bytes)
 

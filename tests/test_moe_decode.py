@@ -103,16 +103,22 @@ def test_decode_kernel_in_fp16_products_for_bf16_x_matches_the_reference(fmt, wo
     x = (torch.randn(t, layout.dim, generator=gen) * scale).bfloat16()
     want = moe_ref(x.double(), ids, weights, records, offsets, layout)
     kernel = _poisoned(DecodeMoE(layout, k, DEVICE, WORDS[words]))
-    assert kernel.words and (kernel.words1, kernel.words2) == (words != "down", words != "gate_up")
+    assert kernel.words and (kernel.words1[kernel.config.gate_up(t)], kernel.words2) == (
+        words != "down",
+        words != "gate_up",
+    )
     got = kernel(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets))).float().cpu()
     assert not got.isnan().any() and not got.isinf().any() and _rel(got, want) < 1e-2
 
 
 def test_decode_config_fits_a_small_layout_and_workspace_bytes_counts_the_workspaces():
     layout = RecordLayout.for_expert("mxfp4", 64, 32)
-    assert WORDS["both"].fit(layout) == DecodeConfig(16, 64, 32, 32, 4, 4, True, True, 64)
+    fitted = dict(bn1=16, bk1=64, bn2=32, bk2=32, num_warps2=4, bn3=64, bn1_wide=16, bk1_wide=64)
+    assert WORDS["both"].fit(layout) == DecodeConfig(**fitted)
+    assert WORDS["both"].gate_up(3) == (16, 64) and DecodeConfig(bn1=8).fit(layout).gate_up(4) == (16, 64)
     small = DecodeMoE(layout, 3, "cpu", DecodeConfig(bn1=8, bk1=64, bn2=8, bk2=32))  # 64 and 32 words a chunk
-    assert small.words and not small.words1 and not small.words2  # fewer than two per thread: fp32 products
+    # fewer than two words per thread (the narrow gate+up tile, down): fp32 products; the wide tile has 128
+    assert small.words and small.words1 == {(8, 64): False, (16, 64): True} and not small.words2
     kernel = DecodeMoE(layout, 3, "cpu")
     held = {w.data_ptr(): w.numel() * w.element_size() for w in vars(kernel).values() if torch.is_tensor(w)}
     assert workspace_bytes(layout, 3) == sum(held.values())

@@ -148,7 +148,7 @@ def bench_decode_v4(hbm: float, sweep: bool) -> list[dict]:
 
 
 def bench_decode(hbm: float, sweep: bool) -> list[dict]:
-    """V3's experts, NVFP4 and MXFP4: DecodeConfig() at 1-8 and 16 tokens; --sweep: SWEEP at 1, 2, 4 and 8 tokens
+    """V3's experts, NVFP4 and MXFP4: DecodeConfig() at 1-8 and 16 tokens; --sweep: SWEEP at 1-4 and 8 tokens
     (MXFP4: the first of it)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
@@ -159,7 +159,7 @@ def bench_decode(hbm: float, sweep: bool) -> list[dict]:
         offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
         for cfg in configs if fmt == "nvfp4" else configs[:2]:
             kernel = DecodeMoE(layout, TOP_K, DEV, cfg)
-            for t in (*range(1, 9), 16) if cfg == configs[0] else (1, 2, 4, 8):
+            for t in (*range(1, 9), 16) if cfg == configs[0] else (1, 2, 3, 4, 8):
                 row = dict(case="moe_decode", fmt=fmt, config=kernel.config.__dict__)
                 rows.append(decode_rows(hbm, kernel, records, offsets, t, TOP_K, cpu_gen, **row))
     return rows

@@ -53,7 +53,7 @@ def time_steps(engine: Engine, steps: int, graph: bool) -> float:
             model(tokens, pos + i, last_only=True)
 
     with torch.inference_mode():
-        for i in range(3):
+        for i in range(steps):  # each position once untimed: eager steps compile kernel variants as the span grows
             one(i)
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -326,8 +326,9 @@ class DecodeConfig:
     # combine at one token: V3's 7168 columns in 56 programs of one warp, one 16-byte load per thread and pair
     bn3: int = 128
     # from wide_from tokens on, gate+up reads 32 rows x 512 B per step (each tile serves more tokens): 84% of the
-    # H100's ceiling at 4 tokens and 81% at 8, against 79% and 77% on the narrow tile (docs/BENCHMARKS.md)
-    wide_from: int = 4
+    # H100's ceiling at 3 and 4 tokens, 80-81% at 8, against 79-80%, 79% and 77% on the narrow tile; the narrow
+    # one stays for 1 and 2 tokens (78% and 80%, against 74% and 77% wide; docs/BENCHMARKS.md)
+    wide_from: int = 3
     bn1_wide: int = 16
     bk1_wide: int = 1024
 

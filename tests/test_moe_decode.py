@@ -115,7 +115,7 @@ def test_decode_config_fits_a_small_layout_and_workspace_bytes_counts_the_worksp
     layout = RecordLayout.for_expert("mxfp4", 64, 32)
     fitted = dict(bn1=16, bk1=64, bn2=32, bk2=32, num_warps2=4, bn3=64, bn1_wide=16, bk1_wide=64)
     assert WORDS["both"].fit(layout) == DecodeConfig(**fitted)
-    assert WORDS["both"].gate_up(3) == (16, 64) and DecodeConfig(bn1=8).fit(layout).gate_up(4) == (16, 64)
+    assert WORDS["both"].gate_up(2) == (16, 64) and DecodeConfig(bn1=8).fit(layout).gate_up(3) == (16, 64)
     small = DecodeMoE(layout, 3, "cpu", DecodeConfig(bn1=8, bk1=64, bn2=8, bk2=32))  # 64 and 32 words a chunk
     # fewer than two words per thread (the narrow gate+up tile, down): fp32 products; the wide tile has 128
     assert small.words and small.words1 == {(8, 64): False, (16, 64): True} and not small.words2

@@ -101,8 +101,9 @@ def test_split_plan_covers_the_span_without_empty_splits():
         for row_blocks in (8, 32):
             splits, chunk = split_plan(s, row_blocks, 132, cfg)
             assert chunk % cfg.block_s == 0 and (splits - 1) * chunk < s <= splits * chunk
-            assert splits * row_blocks <= 132 + row_blocks or splits == triton.cdiv(s, cfg.block_s)
-    assert split_plan(4096, 8, 132, cfg) == (16, 256)  # V3 at B T = 1: 8 blocks of 16 heads, 128 programs
+            assert splits * row_blocks <= 132 * cfg.waves + row_blocks or splits == triton.cdiv(s, cfg.block_s)
+    assert split_plan(4096, 8, 132, MLADecodeConfig(waves=1)) == (16, 256)  # V3 at B T = 1: 8 x 16 heads, 128 programs
+    assert split_plan(4096, 8, 132, MLADecodeConfig(waves=2)) == (32, 128)  # two programs per SM
     assert split_plan(300, 8, 132, MLADecodeConfig(splits=2)) == (2, 192)
 
 

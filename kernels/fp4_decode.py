@@ -58,6 +58,14 @@ def cuda_props(index: int):
     return torch.cuda.get_device_properties(index)
 
 
+REFERENCE_SMS = 132  # off CUDA (the interpreter) the kernels' plans assume an H100
+
+
+def n_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors, for grid sizing (REFERENCE_SMS off CUDA)."""
+    return cuda_props(device.index or 0).multi_processor_count if device.type == "cuda" else REFERENCE_SMS
+
+
 def hw_e4m3(device: torch.device) -> bool:
     """Whether kernels on `device` may convert e4m3 by the GPU's instruction (else by bits), the Triton fp8
     types included."""
@@ -161,3 +169,12 @@ if triton is not None:
         normal = (((b >> 7) << 31) | ((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
         sub = man.to(tl.float32) * (1.0 / 512.0)  # e4m3 subnormals: m * 2^-9
         return tl.where(ex == 0, tl.where((b >> 7) != 0, -sub, sub), normal)
+
+    @triton.jit
+    def rounded(v, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+        """fp32 -> DTYPE. The interpreter truncates fp32 to bf16; adding half an ulp (ties to even) to the bits
+        first gives the GPU's rounding for every finite value."""
+        if EMULATE_RNE:
+            bits = v.to(tl.uint32, bitcast=True)
+            v = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        return v.to(DTYPE)

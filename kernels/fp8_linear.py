@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4_decode import WARP, cuda_props, hw_e4m3, interpreted, triton
+from dsfp4.kernels.fp4_decode import WARP, hw_e4m3, interpreted, n_sms, triton
 from dsfp4.kernels.fp8_gemv import PIECE
 from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
@@ -46,7 +46,6 @@ GEMM_BLOCK_M = (64, 128)  # token rows per GEMM tile: the large one once the til
 GEMM_STAGES = 3  # K steps in flight: 3 x 32 KiB of shared memory at 128x128
 GEMM_GROUP_M = 8  # row tiles that take turns on one weight column tile while it sits in L2
 ACT_GROUPS = 8  # 128-wide groups per act_quant program
-REFERENCE_SMS = 132  # off CUDA (the interpreter) the plans assume an H100
 
 
 @dataclass(frozen=True)
@@ -112,10 +111,6 @@ def gemm_plan(t: int, n: int, n_sms: int) -> GemmPlan:
     if ceil_div(t, large) * ceil_div(n, GEMM_BLOCK_N) >= n_sms:
         return GemmPlan(large, GEMM_BLOCK_N, 8, GEMM_STAGES)
     return GemmPlan(small, GEMM_BLOCK_N, 4, GEMM_STAGES)
-
-
-def _n_sms(device: torch.device) -> int:
-    return cuda_props(device.index or 0).multi_processor_count if device.type == "cuda" else REFERENCE_SMS
 
 
 def has_fp8_kernels(device: torch.device) -> bool:
@@ -286,7 +281,7 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | 
     x, q, scale = _check(x, q, scale)
     (t, k), n = x.shape, q.shape[0]
     assert 0 < t <= GEMV_MAX_TOKENS, f"the GEMV takes 1..{GEMV_MAX_TOKENS} tokens"
-    return gemv_launch(x, q, scale, gemv_plan(t, n, k, _n_sms(x.device), gemv_math(x, k, math)))
+    return gemv_launch(x, q, scale, gemv_plan(t, n, k, n_sms(x.device), gemv_math(x, k, math)))
 
 
 def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPlan) -> torch.Tensor:
@@ -332,7 +327,7 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     x, q, scale = _check(x, q, scale)
     (t, k), n = x.shape, q.shape[0]
     x_q, x_s = act_quant(x)
-    p = gemm_plan(t, n, _n_sms(x.device))
+    p = gemm_plan(t, n, n_sms(x.device))
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     fp8_gemm_kernel[(triton.cdiv(t, p.block_m) * triton.cdiv(n, p.block_n),)](
         x_q, x_s, q, scale, y, t, n, k, x_q.stride(0), x_s.stride(0), q.stride(0), scale.stride(0), y.stride(0),

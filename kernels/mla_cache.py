@@ -1,9 +1,11 @@
-"""MLA's per-token glue before the attention product, in one launch: rotate the query's rope dims in place,
-normalize the latent c_kv and rotate the shared key k_pe straight into their cache rows.
+"""MLA's per-token glue before the attention product, in one launch on CUDA (prefill and decode): rotate the
+query's rope dims in place, normalize the latent c_kv and rotate the shared key k_pe straight into their cache rows.
 
-In torch this is ~10 small kernels per layer at decode (casts of strided slices, two complex products and
+In torch this is ~10 small kernels per layer, which at decode (casts of strided slices, two complex products and
 their casts back, the norm, two cache copies), several times the time of the few KB they move.
-`mla_cache_ref` is the formula runtime/attention.py used before: apply_rotary_emb, rmsnorm_ref, index_copy_.
+`mla_cache_ref` is the formula (apply_rotary_emb, rmsnorm_ref, index_copy_), which runtime/attention.py runs off
+CUDA. Rows must lie within the cache: the engine bounds the context (a slice assignment would raise, the kernel
+would write past the buffer).
 Legend: B batch, T tokens, H heads, N nope dim, R rope dim, C kv_lora_rank, L cache rows.
 """
 
@@ -65,7 +67,7 @@ if triton is not None:
         """One token (b, t) per program: its H query heads, its latent row and its key row. Every load comes
         before the first store: the compiler cannot tell that the stores miss what is loaded after them, so
         interleaving them would chain one memory latency after another."""
-        b, t = tl.program_id(0) // T, tl.program_id(0) % T
+        b, t = (tl.program_id(0) // T).to(tl.int64), tl.program_id(0) % T  # b * a cache's batch stride: past 2^31
         dims = tl.arange(0, RP)[None, :]  # [1, RP]: the rope dims as a row, for _pairs
         in_r = dims < R
         cos, sin = _pairs(f_ptr + t * stride_ft + dims, in_r)  # freqs_cis as (real, imaginary) fp32 pairs

@@ -13,16 +13,17 @@ S the attention span, M = T H query rows of a sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.fp4_decode import interpreted, triton
-from dsfp4.kernels.fp8_linear import _n_sms
+from dsfp4.kernels.fp4_decode import cuda_props, interpreted, n_sms, triton
 from dsfp4.layout.formats import next_pow2
 
 MAX_TOKENS = 16  # B * T at most: beyond it (prefill) the torch formula's gemms are the right tool
+MIN_BLOCK_S = 16  # tl.dot's smallest tile side
 COMBINE_TILE = 4096  # [splits, columns] elements a merge program holds at most (32 fp32 registers a thread at 4 warps)
 LOG2E = math.log2(math.e)  # scores are kept in base-2 units: exp2 is the hardware's exponential
 
@@ -61,6 +62,19 @@ def mla_decode_ref(
         scores = scores + mask.unsqueeze(1)  # [T, S] -> [T, 1, S]
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(qn.dtype, torch.float32)).to(qn.dtype)
     return torch.einsum("bths,bsc->bthc", probs, kv)  # lat: [B, T, H, C]
+
+
+def fitted(cfg: MLADecodeConfig, device: torch.device, c: int, r: int, elt: int) -> MLADecodeConfig:
+    """cfg with positions per tile halved until `stages` cache tiles fit one SM's shared memory (an upper estimate:
+    the default's 64 positions of V3's 576 bf16 columns compile to 98 KB on sm_89 against 147 KB estimated). Hopper
+    and the A100 (164-228 KB) keep 64; Ampere and Ada consumer GPUs (100 KB) take 32."""
+    if device.type != "cuda":
+        return cfg
+    smem = getattr(cuda_props(device.index or 0), "shared_memory_per_multiprocessor", None)
+    block_s, tile = cfg.block_s, (next_pow2(c) + next_pow2(r)) * elt
+    while smem is not None and block_s > MIN_BLOCK_S and cfg.stages * block_s * tile > smem:
+        block_s //= 2
+    return dataclasses.replace(cfg, block_s=block_s)
 
 
 def split_plan(s: int, row_blocks: int, n_sms: int, cfg: MLADecodeConfig = DEFAULT) -> tuple[int, int]:
@@ -189,6 +203,7 @@ def mla_decode(
     every row of the mask must leave a position unmasked. No host sync, no data-dependent allocation: it can
     be captured in a CUDA graph (the splits depend on the shapes only)."""
     b, t, h, c = qn.shape
+    cfg = fitted(cfg, qn.device, c, pe.shape[2], kv.element_size())
     s, r = kv.shape[1], pe.shape[2]
     assert b * t <= MAX_TOKENS, f"mla_decode takes up to {MAX_TOKENS} tokens (B T = {b * t})"
     assert qp.shape == (b, t, h, r) and kv.shape == (b, s, c) and pe.shape == (b, s, r), "mla_decode: shapes"
@@ -196,7 +211,7 @@ def mla_decode(
     assert mask is None or mask.shape == (t, s), f"mla_decode takes a [T, S] mask, got {tuple(mask.shape)}"
     lat = torch.empty(b, t, h, c, dtype=qn.dtype, device=qn.device)
     row_blocks = triton.cdiv(t * h, cfg.rows)
-    splits, chunk = split_plan(s, b * row_blocks, _n_sms(qn.device), cfg)  # off CUDA: an H100's SMs
+    splits, chunk = split_plan(s, b * row_blocks, n_sms(qn.device), cfg)  # off CUDA: an H100's SMs
     direct = splits == 1
     # fp32 products for fp32 caches, and under the interpreter (its bf16 tl.dot is wrong)
     exact = kv.dtype == torch.float32 or interpreted()
@@ -215,7 +230,7 @@ def mla_decode(
     )  # fmt: skip
     if not direct:
         # the most splits any span gets at this shape, so that one variant serves a growing span (no recompile)
-        sp = next_pow2(split_plan(1 << 30, b * row_blocks, _n_sms(qn.device), cfg)[0])
+        sp = next_pow2(split_plan(1 << 30, b * row_blocks, n_sms(qn.device), cfg)[0])
         cb = min(cfg.combine_block, next_pow2(c), max(1, COMBINE_TILE // sp))  # many splits: fewer columns
         _combine_kernel[(b * t * h, triton.cdiv(c, cb))](
             part, ml, lat, splits, C=c, SP=sp, CB=cb, num_warps=cfg.combine_warps

@@ -36,6 +36,7 @@ from dsfp4.kernels.fp4_decode import (
     e2m1_halves,
     hw_e4m3,
     interpreted,
+    rounded,
     triton,
     words_sums,
 )
@@ -51,7 +52,6 @@ MAX_TOKENS = 16  # tokens per call: beyond this, tokens grouped by expert on ten
 if triton is not None:
     import triton.language as tl
 
-    from dsfp4.kernels.moe_prefill import _round
     from dsfp4.kernels.swiglu import swiglu_tl
 
     _ABSENT = tl.constexpr(ABSENT)  # kernels read globals only as constexpr
@@ -292,26 +292,27 @@ if triton is not None:
     ):  # fmt: skip
         """Launch 3: BD columns of token t's y (combine_ref): its K pairs' fp32 rows from down summed in slot
         order, rounded to y's dtype; ADD: plus add's row in fp32, rounded again (torch's y.to(dtype) + add).
-        EMULATE_RNE: the interpreter's bf16 rounding made the GPU's (moe_prefill._round)."""
+        EMULATE_RNE: the interpreter's bf16 rounding made the GPU's (fp4_decode.rounded)."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         rows = out_ptr + t * K * D + cols  # pair t * K + j's row at rows + j * D
         acc = tl.load(rows)
         for j in tl.static_range(1, K):  # unrolled: every pair's load in flight at once
             acc += tl.load(rows + j * D)
-        y = _round(acc, y_ptr.dtype.element_ty, EMULATE_RNE)
+        y = rounded(acc, y_ptr.dtype.element_ty, EMULATE_RNE)
         if ADD:
             more = tl.load(add_ptr + t * stride_add + cols).to(tl.float32)
-            y = _round(y.to(tl.float32) + more, y_ptr.dtype.element_ty, EMULATE_RNE)
+            y = rounded(y.to(tl.float32) + more, y_ptr.dtype.element_ty, EMULATE_RNE)
         tl.store(y_ptr + t * D + cols, y)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile sizes: BN1 rows of the expert width per gate+up program, BN2 rows of the model dim per down
-    program, BK1/BK2 input elements per step (a power of two, at least one scale block); warps per gate+up
-    and per down program. words1/words2: gate+up/down in fp16 products on the code words for bf16 and fp16 x
-    (fp32 x keeps fp32 products). BN3: columns of the model dim per combine program (a warp per 128)."""
+    """Tile sizes: BN1 rows of the expert width per gate+up program below wide_from tokens (BN1_WIDE from it on),
+    BN2 rows of the model dim per down program, BK1 (BK1_WIDE)/BK2 input elements per step (a power of two, at
+    least one scale block); warps per gate+up and per down program. gate_up(t) names the gate+up tile of a call.
+    words1/words2: gate+up/down in fp16 products on the code words for bf16 and fp16 x (fp32 x keeps fp32
+    products). BN3: columns of the model dim per combine program (a warp per 128)."""
 
     # the best of sweeps on the H100 (docs/BENCHMARKS.md): gate+up 16 rows x 256 B per step; down 8 rows, each
     # read whole in one step (2048 elements: V3's and V4's expert width; fit() shrinks it for narrower ones)

@@ -109,7 +109,7 @@ def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> Prefil
 if triton is not None:
     import triton.language as tl
 
-    from dsfp4.kernels.fp4_decode import block_scale, e2m1_halves
+    from dsfp4.kernels.fp4_decode import block_scale, e2m1_halves, rounded
     from dsfp4.kernels.swiglu import swiglu_tl
 
     _ABSENT = tl.constexpr(ABSENT)
@@ -140,15 +140,6 @@ if triton is not None:
         lo = tl.reshape(tl.reshape(lo, (BN, BK // GROUP, GROUP // 2)) * scale, (BN, BK // 2))
         hi = tl.reshape(tl.reshape(hi, (BN, BK // GROUP, GROUP // 2)) * scale, (BN, BK // 2))
         return lo.to(DOT), hi.to(DOT)
-
-    @triton.jit
-    def _round(v, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-        """fp32 -> DTYPE. The interpreter truncates fp32 to bf16; adding half an ulp (ties to even) to the bits
-        first gives the GPU's rounding for every finite value."""
-        if EMULATE_RNE:
-            bits = v.to(tl.uint32, bitcast=True)
-            v = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-        return v.to(DTYPE)
 
     @triton.jit
     def _gate_up_kernel(
@@ -198,7 +189,7 @@ if triton is not None:
             + tl.arange(0, 2)[None, :, None] * (INTER // 2)
             + (pid_n * (BN // 2) + tl.arange(0, BN // 2))[None, None, :]
         )
-        tl.store(act_ptr + dest, _round(h, act_ptr.dtype.element_ty, EMULATE_RNE))
+        tl.store(act_ptr + dest, rounded(h, act_ptr.dtype.element_ty, EMULATE_RNE))
 
     @triton.jit
     def _down_kernel(
@@ -233,7 +224,7 @@ if triton is not None:
         scale = _UNBIAS
         if G >= 0:  # NVFP4 global scale of w2
             scale = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * _UNBIAS
-        tl.store(out, _round(acc * scale, DTYPE, EMULATE_RNE), mask=valid[:, None])
+        tl.store(out, rounded(acc * scale, DTYPE, EMULATE_RNE), mask=valid[:, None])
 
 
 def _workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -72,6 +72,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One program per row -> (x + delta, its norm), each shaped as x; without a delta, (norm, norm)."""
     rows, d = _rows(x, weight), x.shape[-1]
+    assert delta is None or (delta.shape, delta.dtype) == (x.shape, x.dtype), "add_rmsnorm: delta shaped as x"
     deltas = rows if delta is None else _rows(delta, weight)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     total = out if delta is None else torch.empty_like(out)

@@ -117,7 +117,8 @@ class MoE(nn.Module):
         weights, indices = self.gate(x, tokens)  # [T, K], [T, K]
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
-        # the shared experts' output is added by the routed kernel as it sums each token's experts (at decode)
+        # the shared experts' output goes to the routed kernel, which adds it as it sums each token's experts (on
+        # CUDA, up to 16 tokens); streamed waves add it after their sum
         shared = None if self.shared_experts is None else self.shared_experts(x)  # [T, D]
         if self.experts.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
             self.experts.count_step(self.layer, indices)

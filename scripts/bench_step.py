@@ -41,8 +41,10 @@ def step_bytes(m: Manifest) -> int:
     return backbone + len(expert_layers(m)) * m.args.n_activated_experts * record
 
 
-def time_steps(engine: Engine, steps: int, graph: bool) -> float:
-    """Seconds per decode step after the engine's cached prompt: graph replays or eager forwards."""
+def time_steps(engine: Engine, steps: int, graph: bool, warm: bool = True) -> float:
+    """Seconds per decode step after the engine's cached prompt: graph replays or eager forwards. warm: run every
+    position once untimed first, so that no kernel variant compiles inside the timing (a fresh machine's Triton
+    cache is empty)."""
     model, pos, token = engine.model, len(engine.cached), engine.cached[-1]
     tokens = torch.tensor([[token]], device=engine.device)
 
@@ -53,7 +55,7 @@ def time_steps(engine: Engine, steps: int, graph: bool) -> float:
             model(tokens, pos + i, last_only=True)
 
     with torch.inference_mode():
-        for i in range(steps):  # each position once untimed: eager steps compile kernel variants as the span grows
+        for i in range(steps if warm else 0):
             one(i)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -69,7 +71,7 @@ def profile_step(engine: Engine, steps: int) -> list[tuple[str, float, int]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time_steps(engine, steps, graph=False)
+        time_steps(engine, steps, graph=False, warm=False)  # main() has run these positions: per step = / steps
     rows = [(e.key[:90], e.device_time_total / steps, e.count // steps) for e in prof.key_averages()]
     return sorted(rows, key=lambda r: -r[1])
 

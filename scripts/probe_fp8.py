@@ -36,7 +36,7 @@ import bench_kernels as bk  # noqa: E402
 from ceilings import gpu_ceilings  # noqa: E402
 
 from dsfp4.kernels import fp8_linear as f8  # noqa: E402
-from dsfp4.kernels.fp4_decode import interpreted, triton  # noqa: E402
+from dsfp4.kernels.fp4_decode import interpreted, n_sms, triton  # noqa: E402
 from dsfp4.kernels.fp8_gemv import PIECE, WORD, fp8_gemv_pieces_kernel  # noqa: E402
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_quantize  # noqa: E402
 
@@ -221,8 +221,7 @@ def probe(a) -> int:
     if a.tiny:
         assert interpreted(), "--tiny runs on the CPU interpreter: set TRITON_INTERPRET=1"
     lim = {} if a.tiny else gpu_ceilings()
-    n_sms = f8._n_sms(dev)
-    pr = Probe(lim.get("hbm_read_gbps", 0.0), n_sms, dev)
+    pr = Probe(lim.get("hbm_read_gbps", 0.0), n_sms(dev), dev)
     shapes, tilings = (TINY_SHAPES, TINY_TILINGS) if a.tiny else (SHAPES, QUICK_TILINGS if a.quick else TILINGS)
     for shape, (n, k) in shapes.items():
         mats = weights(n, k, dev, 1 if a.tiny else max(2, -(-GRAPH_BYTES // (n * k))))

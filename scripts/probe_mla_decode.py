@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
 from ceilings import gpu_ceilings  # noqa: E402
 
-from dsfp4.kernels.fp4_decode import interpreted, triton  # noqa: E402
-from dsfp4.kernels.fp8_linear import _n_sms  # noqa: E402
+from dsfp4.kernels.fp4_decode import interpreted, n_sms, triton  # noqa: E402
 from dsfp4.kernels.mla_decode import MLADecodeConfig, mla_decode, mla_decode_ref, split_plan  # noqa: E402
 
 V3 = dict(h=128, c=512, r=64)  # heads, kv_lora_rank, qk_rope_head_dim
@@ -91,14 +90,14 @@ def probe_case(b: int, t: int, s: int, pos: int, shape: dict, variants: dict, de
     scale = (c + r) ** -0.5
     kv, pe = caches[0]
     want = mla_decode_ref(qn.double(), qp.double(), kv.double(), pe.double(), scale, mask.double())
-    rows, n_sms = [], _n_sms(dev)
+    rows, sms = [], n_sms(dev)
     for name, cfg in {"torch": None, **variants}.items():
         got = launch(cfg, qn, qp, kv, pe, scale, mask)
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         row = dict(S=s, B=b, T=t, live=pos + t, variant=name, bytes=span_bytes, rel_err=err)
         if cfg is not None:
             row_blocks = b * triton.cdiv(t * shape["h"], cfg.rows)
-            row.update(dataclasses.asdict(cfg), splits=split_plan(s, row_blocks, n_sms, cfg)[0])
+            row.update(dataclasses.asdict(cfg), splits=split_plan(s, row_blocks, sms, cfg)[0])
         if timed:
             calls = [lambda kv=kv, pe=pe, cfg=cfg: launch(cfg, qn, qp, kv, pe, scale, mask) for kv, pe in caches]
             sec = bk.graph_time(calls * -(-CALLS // len(calls)))

@@ -12,6 +12,7 @@ import torch
 
 from dsfp4.kernels import fp8_gemv as g8
 from dsfp4.kernels import fp8_linear as f8
+from dsfp4.kernels.fp4_decode import REFERENCE_SMS
 from dsfp4.kernels.fp4_matmul import fp4_matmul, fp4_matmul_ref, triton
 from dsfp4.kernels.fp8_dequant import fp8_dequantize, fp8_dequantize_ref
 from dsfp4.kernels.linear import QuantizedWeight, linear, linear_triton
@@ -233,7 +234,7 @@ def test_gemv_plan_splits_k_only_where_rows_leave_sms_idle():
     for name, _, k in ATTENTION_SHAPES:  # splits cover K exactly once, in whole steps
         p = plan[name]
         assert p.k_split % p.block_k == 0 and (p.split - 1) * p.k_split < k <= p.split * p.k_split
-    assert f8.gemv_plan(4, 72, 1280, f8.REFERENCE_SMS, "legacy").split == 3  # the split case of SHAPES on the CPU
+    assert f8.gemv_plan(4, 72, 1280, REFERENCE_SMS, "legacy").split == 3  # the split case of SHAPES on the CPU
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
@@ -250,7 +251,7 @@ def test_piece_plan_fills_the_sms_without_splitting_deepseek_shapes(t):
     assert f8.gemv_plan(1, 576, 7168, H100_SMS, "f16x2").block_n == 4
     assert f8.gemv_plan(1, 1536, 7168, H100_SMS, "f16x2").block_n == 4
     assert f8.gemv_plan(1, 7168, 16384, H100_SMS, "f16x2").block_n == 8
-    assert f8.gemv_plan(4, 72, 1280, f8.REFERENCE_SMS, "f16x2").split == 2  # too few rows: K splits after all
+    assert f8.gemv_plan(4, 72, 1280, REFERENCE_SMS, "f16x2").split == 2  # too few rows: K splits after all
 
 
 @pytest.mark.parametrize("math", MATHS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dsfp4.kernels.mla_decode as mla_decode_module
 from dsfp4.kernels.fp4_decode import triton
 from dsfp4.kernels.mla_decode import MAX_TOKENS, MLADecodeConfig, mla_decode, mla_decode_ref, split_plan
 
@@ -124,3 +125,13 @@ def test_mla_decode_at_deepseek_v3_size(b, t, s):
     want = _f64(*args)
     err, ref_err = _rel(got, want), _rel(mla_decode_ref(*args), want)
     assert not got.isnan().any() and err < 1e-2 and err <= ref_err + SLACK, (err, ref_err)
+
+
+@pytest.mark.parametrize(("smem", "block_s"), [(233472, 64), (167936, 64), (102400, 32), (40000, 16)])
+def test_tiles_fit_the_gpus_shared_memory(monkeypatch, smem, block_s):
+    """H100, A100, RTX 4090-class, and a GPU too small even for 32 positions (the floor is tl.dot's 16)."""
+    props = type("Props", (), {"shared_memory_per_multiprocessor": smem})()
+    monkeypatch.setattr(mla_decode_module, "cuda_props", lambda index: props)
+    cfg = mla_decode_module.fitted(MLADecodeConfig(), torch.device("cuda", 0), 512, 64, 2)  # V3's latent, bf16
+    assert cfg.block_s == block_s and cfg.stages == MLADecodeConfig().stages
+    assert mla_decode_module.fitted(MLADecodeConfig(), torch.device("cpu"), 512, 64, 2) == MLADecodeConfig()

@@ -166,7 +166,8 @@ def test_decode_kernel_adds_the_addend_after_rounding(t, dtype):
 
 @pytest.mark.parametrize("t", [3, 20])
 def test_moe_kernel_adds_the_addend_on_every_path(t):
-    """MoEKernel's add= is y + add on each path: the reference (CPU), decode (up to 16 tokens), prefill."""
+    """MoEKernel's add= is y + add on each path: on the CPU the reference's (both token counts), on CUDA the decode
+    kernel's (3 tokens) and the prefill kernels' (20)."""
     gen = torch.Generator().manual_seed(t)
     layout, records, offsets = slot_pool("mxfp4", 64, 64, 6, gen)
     ids, weights = routing(t, 2, 6, gen)

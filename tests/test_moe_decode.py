@@ -252,3 +252,16 @@ def test_decode_kernel_with_an_addend_replays_in_a_cuda_graph_at_v3_size(t):
     assert torch.equal(y, kernel(*args) + add)
     want = moe_ref(args[0].double(), *args[1:], layout) + add.double()
     assert not y.isnan().any() and _rel(y, want) < 1e-2
+
+
+@pytest.mark.parametrize("t", [2, 3, 5])
+def test_narrow_and_wide_gate_up_tiles_both_match_the_reference(t):
+    """Below wide_from tokens gate+up takes the narrow tile, from it on the wide one: two different launches."""
+    gen = torch.Generator().manual_seed(40 + t)
+    layout, records, offsets = slot_pool("nvfp4", 64, 64, 6, gen, absent=(2,))
+    ids, weights = routing(t, 3, 6, gen)
+    x = torch.randn(t, layout.dim, generator=gen) * 3
+    config = dataclasses.replace(FP32, bn1=4, bk1=32, bn1_wide=16, bk1_wide=64)
+    assert config.gate_up(2) == (4, 32) and config.gate_up(3) == (16, 64)
+    got = _poisoned(DecodeMoE(layout, 3, DEVICE, config))(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets)))
+    assert _rel(got.cpu(), moe_ref(x.double(), ids, weights, records, offsets, layout)) < 1e-5

@@ -26,6 +26,9 @@ except ImportError:  # the CPU build of torch comes without Triton: the torch re
 
 E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
 WARP = 32  # threads per warp, for tile rules that count threads
+# tokens per call that the decode kernels (GEMVs on CUDA cores) take: decode steps and MTP verify batches; above
+# it the prefill paths on tensor cores win. One bound for all of them, so a call never mixes the two
+DECODE_TOKENS = 16
 X16_TOP_EXP = 15  # words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4_decode import E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
+from dsfp4.kernels.fp4_decode import DECODE_TOKENS, E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_dequantize, nvfp4_dequantize
 
-GEMV_MAX_TOKENS = 16  # beyond it tensor cores beat per-token FMA (kernels-limits 4.1)
+GEMV_MAX_TOKENS = DECODE_TOKENS  # beyond it tensor cores beat per-token FMA (kernels-limits 4.1)
 GEMV_BLOCK_N = 16  # rows per GEMV program: many small programs keep the memory system busy
 GEMV_MAX_BLOCK_K = 256  # elements per GEMV step (128 bytes of each row)
 GEMM_LARGE_T = 1024  # from here 128-token tiles amortize each decoded weight tile over more tokens

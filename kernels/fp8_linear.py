@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4_decode import WARP, hw_e4m3, interpreted, n_sms, triton
+from dsfp4.kernels.fp4_decode import DECODE_TOKENS, WARP, hw_e4m3, interpreted, n_sms, triton
 from dsfp4.kernels.fp8_gemv import PIECE
 from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
 
-GEMV_MAX_TOKENS = 16  # decode and speculative verify batches; above it tensor cores pay
+GEMV_MAX_TOKENS = DECODE_TOKENS  # decode and speculative verify batches; above it tensor cores pay
 GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
 GEMV_ROWS = ((8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32
 # accumulators and 8 bytes of every row per step in registers (16 rows: slower at T = 1, spills at T = 4 on sm_90)

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4_decode import interpreted, triton
+from dsfp4.kernels.fp4_decode import DECODE_TOKENS, interpreted, triton
 from dsfp4.layout.formats import next_pow2
 
 KERNEL_SCORES = ("sigmoid", "sqrtsoftplus")  # softmax needs the whole row of E: it stays with the reference
-MAX_TOKENS = 16  # decode token counts (MTP included); prefill's T goes to cuBLAS, which wins there
+MAX_TOKENS = DECODE_TOKENS  # decode token counts (MTP included); prefill's T goes to cuBLAS, which wins there
 SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: above it softplus(z) returns z
 INDEX_LIMIT = 2**31  # the kernel's offsets are int32
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4_decode import block_scale, hw_e4m3, triton
+from dsfp4.kernels.fp4_decode import DECODE_TOKENS, block_scale, hw_e4m3, triton
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
-MAX_TOKENS = 16  # beyond this, dequantize once and multiply on tensor cores
+MAX_TOKENS = DECODE_TOKENS  # beyond this, dequantize once and multiply on tensor cores
 KEY_ROWS, VALUE_ROWS = 32, 16  # a program's tiles: [32, FP8_BLOCK] of W_UK per step, [16, C] of W_UV
 
 

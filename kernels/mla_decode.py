@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.fp4_decode import cuda_props, interpreted, n_sms, triton
+from dsfp4.kernels.fp4_decode import DECODE_TOKENS, cuda_props, interpreted, n_sms, triton
 from dsfp4.layout.formats import next_pow2
 
-MAX_TOKENS = 16  # B * T at most: beyond it (prefill) the torch formula's gemms are the right tool
+MAX_TOKENS = DECODE_TOKENS  # B * T at most: beyond it (prefill) the torch formula's gemms are the right tool
 MIN_BLOCK_S = 16  # tl.dot's smallest tile side
 COMBINE_TILE = 4096  # [splits, columns] elements a merge program holds at most (32 fp32 registers a thread at 4 warps)
 LOG2E = math.log2(math.e)  # scores are kept in base-2 units: exp2 is the hardware's exponential
@@ -74,7 +74,7 @@ def fitted(cfg: MLADecodeConfig, device: torch.device, c: int, r: int, elt: int)
     block_s, tile = cfg.block_s, (next_pow2(c) + next_pow2(r)) * elt
     while smem is not None and block_s > MIN_BLOCK_S and cfg.stages * block_s * tile > smem:
         block_s //= 2
-    return dataclasses.replace(cfg, block_s=block_s)
+    return cfg if block_s == cfg.block_s else dataclasses.replace(cfg, block_s=block_s)
 
 
 def split_plan(s: int, row_blocks: int, n_sms: int, cfg: MLADecodeConfig = DEFAULT) -> tuple[int, int]:
@@ -203,15 +203,15 @@ def mla_decode(
     every row of the mask must leave a position unmasked. No host sync, no data-dependent allocation: it can
     be captured in a CUDA graph (the splits depend on the shapes only)."""
     b, t, h, c = qn.shape
-    cfg = fitted(cfg, qn.device, c, pe.shape[2], kv.element_size())
     s, r = kv.shape[1], pe.shape[2]
+    cfg, sms = fitted(cfg, qn.device, c, r, kv.element_size()), n_sms(qn.device)  # off CUDA: an H100's SMs
     assert b * t <= MAX_TOKENS, f"mla_decode takes up to {MAX_TOKENS} tokens (B T = {b * t})"
     assert qp.shape == (b, t, h, r) and kv.shape == (b, s, c) and pe.shape == (b, s, r), "mla_decode: shapes"
     assert all(x.stride(-1) == 1 for x in (qn, qp, kv, pe)), "mla_decode reads rows of unit stride"
     assert mask is None or mask.shape == (t, s), f"mla_decode takes a [T, S] mask, got {tuple(mask.shape)}"
     lat = torch.empty(b, t, h, c, dtype=qn.dtype, device=qn.device)
     row_blocks = triton.cdiv(t * h, cfg.rows)
-    splits, chunk = split_plan(s, b * row_blocks, n_sms(qn.device), cfg)  # off CUDA: an H100's SMs
+    splits, chunk = split_plan(s, b * row_blocks, sms, cfg)
     direct = splits == 1
     # fp32 products for fp32 caches, and under the interpreter (its bf16 tl.dot is wrong)
     exact = kv.dtype == torch.float32 or interpreted()
@@ -230,7 +230,7 @@ def mla_decode(
     )  # fmt: skip
     if not direct:
         # the most splits any span gets at this shape, so that one variant serves a growing span (no recompile)
-        sp = next_pow2(split_plan(1 << 30, b * row_blocks, n_sms(qn.device), cfg)[0])
+        sp = next_pow2(split_plan(1 << 30, b * row_blocks, sms, cfg)[0])
         cb = min(cfg.combine_block, next_pow2(c), max(1, COMBINE_TILE // sp))  # many splits: fewer columns
         _combine_kernel[(b * t * h, triton.cdiv(c, cb))](
             part, ml, lat, splits, C=c, SP=sp, CB=cb, num_warps=cfg.combine_warps

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.kernels.fp4_decode import (
+    DECODE_TOKENS,
     E2M1_UNBIAS,
     WARP,
     X16_TOP_EXP,
@@ -47,7 +48,7 @@ from dsfp4.layout.record import RecordLayout
 
 WORD_PAIR = 2  # code words per words_sums PTX call
 LOAD_FP32 = 4  # fp32 elements per 16-byte load: combine gives each thread one such load per pair
-MAX_TOKENS = 16  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
+MAX_TOKENS = DECODE_TOKENS  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
 
 if triton is not None:
     import triton.language as tl
@@ -388,14 +389,17 @@ class DecodeMoE:
         assert min(c.bk1, c.bk1_wide, c.bk2) >= group, f"K steps must hold whole {group}-element scale blocks"
         pairs, d, i = MAX_TOKENS * top_k, layout.dim, layout.inter_dim
         self.words = d % 8 == 0 and i % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
+
         # words_sums' PTX takes two adjacent words per thread (pack=2): a chunk must give every thread two, else
         # the GPU pairs words of different threads (a small model's tiles): fp32 products there
-        # (per gate+up tile: the narrow one of few tokens, the wide one of more)
+        def fits(rows: int, k: int, warps: int) -> bool:  # rows x k codes a chunk, 8 to a word
+            return self.words and rows * k // 8 >= WORD_PAIR * WARP * warps
+
+        # per gate+up tile (gate and up rows: 2 x BN1), the narrow one of few tokens and the wide one of more
         self.words1 = {
-            tile: self.words and c.words1 and 2 * tile[0] * tile[1] // 8 >= WORD_PAIR * WARP * c.num_warps
-            for tile in (c.gate_up(1), c.gate_up(MAX_TOKENS))
+            tile: c.words1 and fits(2 * tile[0], tile[1], c.num_warps) for tile in (c.gate_up(1), c.gate_up(MAX_TOKENS))
         }
-        self.words2 = self.words and c.words2 and c.bn2 * c.bk2 // 8 >= WORD_PAIR * WARP * c.num_warps2
+        self.words2 = c.words2 and fits(c.bn2, c.bk2, c.num_warps2)
         self.xq = torch.empty(MAX_TOKENS, d, dtype=torch.float16, device=device)
         self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
         self.quads = self.xq.view(torch.int64)  # [MAX_TOKENS, D / 4]: what gate+up reads of xq

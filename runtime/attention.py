@@ -14,12 +14,10 @@ import torch
 from torch import nn
 
 from dsfp4.config import ModelArgs
-from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.fp4_decode import DECODE_TOKENS, triton
 from dsfp4.kernels.linear import linear
-from dsfp4.kernels.mla_absorb import MAX_TOKENS as ABSORB_TOKENS
 from dsfp4.kernels.mla_absorb import absorb_keys, absorb_values
 from dsfp4.kernels.mla_cache import mla_cache, mla_cache_ref
-from dsfp4.kernels.mla_decode import MAX_TOKENS as DECODE_TOKENS
 from dsfp4.kernels.mla_decode import mla_decode, mla_decode_ref
 from dsfp4.runtime.norm import RMSNorm
 from dsfp4.runtime.rope import softmax_scale
@@ -82,15 +80,16 @@ class MLA(nn.Module):
         q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
         q = q.view(b, t, self.n_heads, self.nope + self.rope)
         end = start_pos.span if isinstance(start_pos, DevicePosition) else start_pos + t
+        kernels, decode = x.is_cuda and triton is not None, b * t <= DECODE_TOKENS
         # q's rope dims rotated in place; the normed latent and rotated key written at the tokens' cache rows
         kv = linear(x, self.wkv_a)  # [B, T, C + R]
         rows = token_positions(start_pos, t, x.device)  # [T]
-        write = mla_cache if x.is_cuda and triton is not None else mla_cache_ref
+        write = mla_cache if kernels else mla_cache_ref
         write(q, kv, freqs_cis, self.kv_norm.weight, self.kv_norm.eps, self.kv_cache, self.pe_cache, rows)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
         # decode multiplies by wkv_b's FP8 blocks (kernels/mla_absorb.py); prefill dequantizes it once per call,
         # as DeepSeek's reference does, and multiplies on tensor cores
-        fp8 = b * t <= ABSORB_TOKENS and self.absorb_fp8
+        fp8 = decode and self.absorb_fp8
         h = self.n_heads
         if fp8:
             q8, s8 = self.wkv_b.parts
@@ -99,7 +98,7 @@ class MLA(nn.Module):
             wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
             q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
         kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]
-        if x.is_cuda and triton is not None and b * t <= DECODE_TOKENS:  # flash-decoding: one or two launches
+        if kernels and decode:  # flash-decoding: one or two launches
             lat = mla_decode(q_nope, q_pe, kv_all, pe_all, self.scale, mask)  # [B, T, H, C]
         else:
             lat = self.attend(q_nope, q_pe, kv_all, pe_all, mask)
@@ -116,18 +115,9 @@ class MLA(nn.Module):
         q_nope [B, T, H, C], q_pe [B, T, H, R], kv [B, S, C], pe [B, S, R], mask [T, S] or None -> [B, T, H, C]."""
         b, t, h, _ = q_nope.shape
         step = max(1, SCORE_ELEMENTS // (b * h * kv.shape[1]))
-        chunks = range(0, t, step)
-        return torch.cat(
-            [
-                mla_decode_ref(
-                    q_nope[:, t0 : t0 + step],
-                    q_pe[:, t0 : t0 + step],
-                    kv,
-                    pe,
-                    self.scale,
-                    None if mask is None else mask[t0 : t0 + step],
-                )  # fmt: skip
-                for t0 in chunks
-            ],
-            dim=1,
-        )
+        out = []
+        for t0 in range(0, t, step):
+            chunk = slice(t0, t0 + step)
+            m = None if mask is None else mask[chunk]
+            out.append(mla_decode_ref(q_nope[:, chunk], q_pe[:, chunk], kv, pe, self.scale, m))
+        return torch.cat(out, dim=1)

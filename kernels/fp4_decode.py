@@ -25,6 +25,13 @@ except ImportError:  # the CPU build of torch comes without Triton: the torch re
     triton = None
 
 E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
+# e2m1_bf16 places codes as bf16 code * 2^-126 (0.5 the subnormal 2^-127). One bf16 product with an e4m3 scale
+# lifted by 2^119 (at most 448 * 2^119 < 2^128) is code * scale * 2^-7 exactly: at most 6 significant bits, and
+# from 0.5 * 2^-9 * 2^-7 up, all normal. e8m0 scales span 2^-127..2^127, so MXFP4 takes two products: 2^126, then
+# the scale
+E4M3_LIFT = 2.0**119
+E4M3_LIFT_UNBIAS = 128.0  # 2^7, folded into the epilogue
+E8M0_LIFT = 2.0**126
 WARP = 32  # threads per warp, for tile rules that count threads
 # tokens per call that the decode kernels (GEMVs on CUDA cores) take: decode steps and MTP verify batches; above
 # it the prefill paths on tensor cores win. One bound for all of them, so a call never mixes the two
@@ -127,6 +134,53 @@ if triton is not None:
         lo = ((lo & 8) << 12) | ((lo & 7) << 9)
         hi = ((hi & 8) << 12) | ((hi & 7) << 9)
         return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def e2m1_bf16(packed, USE_ASM: tl.constexpr):
+        """packed: uint8 [...] -> (low nibbles, high nibbles), each e2m1 * 2^-126: bf16 by bit placement on the
+        GPU (sign to bit 15, magnitude to bits 6-8), fp32 under the interpreter (which flushes bf16 subnormals)."""
+        if USE_ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                """
+                {
+                .reg .b32 t01, t23, a, b;
+                prmt.b32 t01, $4, 0, 0x4140;
+                prmt.b32 t23, $4, 0, 0x4342;
+                shl.b32 a, t01, 12;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t01, 6;
+                and.b32 b, b, 0x01C001C0;
+                or.b32 $0, b, a;
+                shl.b32 a, t23, 12;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t23, 6;
+                and.b32 b, b, 0x01C001C0;
+                or.b32 $1, b, a;
+                shl.b32 a, t01, 8;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t01, 2;
+                and.b32 b, b, 0x01C001C0;
+                or.b32 $2, b, a;
+                shl.b32 a, t23, 8;
+                and.b32 a, a, 0x80008000;
+                shl.b32 b, t23, 2;
+                and.b32 b, b, 0x01C001C0;
+                or.b32 $3, b, a;
+                }
+                """,
+                "=r,=r,=r,=r,r",
+                [packed],
+                dtype=(tl.uint16, tl.uint16),
+                is_pure=True,
+                pack=4,
+            )
+            lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+        else:  # the same placement in fp32's fields: sign to bit 31, magnitude to bits 22-24
+            lo = (packed & 15).to(tl.uint32)
+            hi = (packed >> 4).to(tl.uint32)
+            lo = (((lo & 8) << 28) | ((lo & 7) << 22)).to(tl.float32, bitcast=True)
+            hi = (((hi & 8) << 28) | ((hi & 7) << 22)).to(tl.float32, bitcast=True)
+        return lo, hi
 
     _WORDS_PTX = tl.constexpr(_words_ptx())
 

@@ -27,7 +27,7 @@ from ceilings import gpu_ceilings  # noqa: E402
 from dsfp4.kernels.fp8_linear import fp8_linear  # noqa: E402
 from dsfp4.kernels.gate_scores import GateTiles, gate_scores, gate_scores_ref  # noqa: E402
 from dsfp4.kernels.moe_decode import MAX_TOKENS, DecodeConfig, DecodeMoE  # noqa: E402
-from dsfp4.kernels.moe_prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks, split_columns  # noqa: E402
+from dsfp4.kernels.moe_prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks  # noqa: E402
 from dsfp4.kernels.moe_ref import record_offsets  # noqa: E402
 from dsfp4.layout import fp4  # noqa: E402
 from dsfp4.layout.fp8 import fp8_block_quantize  # noqa: E402
@@ -220,14 +220,13 @@ def bench_prefill(hbm: float) -> list[dict]:
             x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
             n_experts = offsets.numel()
             blocks = prefill_blocks(t * TOP_K, n_experts, layout)
-            xs = split_columns(x)
             stages = []
             for ids, w, _ in routes:
                 pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.block_m)
                 where = (pairs, block_experts, records, offsets, layout, blocks)
-                act = gate_up(xs, w, *where)
+                act = gate_up(x, w, *where)
                 stages.append((w, where, act))
-            up = graph_time([partial(gate_up, xs, st[0], *st[1]) for st in stages], reps=3)
+            up = graph_time([partial(gate_up, x, st[0], *st[1]) for st in stages], reps=3)
             dn = graph_time([partial(down, st[2], t * TOP_K, *st[1]) for st in stages], reps=3)
             whole = graph_time([partial(moe_prefill, x, r[0], r[1], records, offsets, layout) for r in routes], 3)
             flops_up, flops_dn = 2 * t * TOP_K * 2 * INTER * DIM, 2 * t * TOP_K * DIM * INTER

@@ -68,7 +68,9 @@ def test_block_sizes_follow_the_pairs_per_expert():
     v3 = RecordLayout.for_expert("nvfp4", 7168, 2048)
     tokens = (17, 512, 1024, 2048, 4096, 16384)
     assert [mp.prefill_blocks(t * 8, 256, v3).block_m for t in tokens] == [16, 32, 64, 128, 128, 128]
-    assert mp.prefill_blocks(4096 * 8, 256, v3) == mp.PrefillBlocks(128, 64, 128, 64, 128)
+    assert mp.prefill_blocks(4096 * 8, 256, v3) == mp.PrefillBlocks(128, 32, 128, 64, 128)
+    v3_mx = RecordLayout.for_expert("mxfp4", 7168, 2048)
+    assert mp.prefill_blocks(4096 * 8, 256, v3_mx) == mp.PrefillBlocks(128, 32, 64, 64, 64)
     small = RecordLayout.for_expert("mxfp4", 96, 32)
     assert mp.prefill_blocks(40, 8, small) == mp.PrefillBlocks(16, 32, 32, 32, 32)
 
@@ -118,6 +120,25 @@ def test_moe_prefill_clamps_its_swiglu_like_the_reference(poisoned, fmt):
     assert _rel(got.cpu(), want) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("fmt", "scale_bytes"), [("nvfp4", (0x01, 0x07, 0x08, 0x3F, 0x7E)), ("mxfp4", (1, 100, 127, 135))]
+)
+def test_moe_prefill_is_exact_at_the_ends_of_the_scale_range(poisoned, fmt, scale_bytes):
+    """e4m3 scales from the subnormal 2^-9 to 448 (NVFP4's one lifted bf16 product, fp4_decode.E4M3_LIFT) and
+    e8m0 scales from 2^-126 to 2^8 (MXFP4's two), on every code: fp32 activations see any rounding."""
+    gen = torch.Generator().manual_seed(7)
+    layout, records, offsets = slot_pool(fmt, 64, 32, 4, gen)
+    for name in ("w13_scale", "w2_scale"):
+        part = layout.part(name)
+        cycle = torch.tensor(scale_bytes, dtype=torch.uint8).repeat(part.nbytes // len(scale_bytes) + 1)
+        records[:, part.offset : part.offset + part.nbytes] = cycle[: part.nbytes]
+    ids, weights = routing(17, 2, 4, gen)
+    x = torch.randn(17, 64, generator=gen)
+    want = moe_ref(x.double(), ids, weights, records, offsets, layout)
+    got = mp.moe_prefill(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets)), layout)
+    assert not got.isnan().any() and _rel(got.cpu(), want) < 1e-5
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_prefill_kernels_match_their_references_over_several_tiles(poisoned, fmt):
     """Small tiles: several K steps and column blocks per program, many blocks of block_m rows."""
@@ -125,11 +146,10 @@ def test_prefill_kernels_match_their_references_over_several_tiles(poisoned, fmt
     blocks = mp.PrefillBlocks(block_m=16, bn_up=16, bk_up=32, bn_down=32, bk_down=32)
     pairs, block_experts, _ = mp.align_by_expert(ids, 8, blocks.block_m)
     where = (pairs, block_experts, records, offsets, layout, blocks)
-    xs = mp.split_columns(x)
-    act = mp.gate_up(xs, weights, *where)
+    act = mp.gate_up(x, weights, *where)
     ref_offsets = offsets.clone()
     ref_offsets[5] = ABSENT  # the references read device slots only: compare expert 5 end to end
-    act_ref = mp.gate_up_ref(xs, weights, pairs, block_experts, records, ref_offsets, layout)
+    act_ref = mp.gate_up_ref(x, weights, pairs, block_experts, records, ref_offsets, layout)
     row_e = block_experts.long().repeat_interleave(blocks.block_m)
     defined = (row_e >= 0) & (ref_offsets[row_e.clamp(min=0)] != ABSENT)
     assert _rel(act[defined].cpu(), act_ref[defined].cpu()) < 1e-5

@@ -54,6 +54,20 @@ def _words_ptx() -> str:
     return "\n".join([*lines, "mov.b32 $1, $0;", "}"])
 
 
+def _placement_ptx(mag_low: int, mag_high: int, mag_mask: int) -> str:
+    """PTX placing the 8 codes of 4 bytes (b0..b3 in $4) as 16-bit floats: prmt spreads two bytes into the two
+    halves of a register, then sign (bit 3 or 7) goes to bit 15 and magnitude (bits 0-2 or 4-6) is shifted left by
+    mag_low or mag_high and masked. $0, $1: low nibbles of b0 b1, b2 b3; $2, $3: their high nibbles."""
+    lines = ["{", ".reg .b32 t01, t23, a, b;", "prmt.b32 t01, $4, 0, 0x4140;", "prmt.b32 t23, $4, 0, 0x4342;"]
+    out = 0
+    for sign, mag in ((12, mag_low), (8, mag_high)):
+        for t in ("t01", "t23"):
+            lines += [f"shl.b32 a, {t}, {sign};", "and.b32 a, a, 0x80008000;", f"shl.b32 b, {t}, {mag};"]
+            lines += [f"and.b32 b, b, {mag_mask:#010x};", f"or.b32 ${out}, b, a;"]
+            out += 1
+    return "\n".join([*lines, "}"])
+
+
 def interpreted() -> bool:
     """True when Triton runs kernels on the CPU interpreter (inline PTX is not available there)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -87,48 +101,22 @@ def hw_e4m3(device: torch.device) -> bool:
 
 
 if triton is not None:
+    _FP16_PTX = tl.constexpr(_placement_ptx(9, 5, 0x0E000E00))  # magnitude to bits 9-11: code * 2^-14 in fp16
+    _BF16_PTX = tl.constexpr(_placement_ptx(6, 2, 0x01C001C0))  # magnitude to bits 6-8: code * 2^-126 in bf16
+
+    @triton.jit
+    def _placed(packed, PTX: tl.constexpr):
+        """packed: uint8 [...] -> (low nibbles, high nibbles) as uint16 bit patterns, placed by PTX."""
+        return tl.inline_asm_elementwise(
+            PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.uint16, tl.uint16), is_pure=True, pack=4
+        )
 
     @triton.jit
     def e2m1_halves(packed, USE_ASM: tl.constexpr):
         """packed: uint8 [...] -> (low nibbles, high nibbles) as fp32 [...], each e2m1 * 2^-14."""
         if USE_ASM:
-            # one 32-bit register holds 4 bytes b0..b3; prmt spreads two bytes into the two fp16 halves,
-            # then sign (bit 3 or 7) goes to bit 15 and magnitude (bits 0-2 or 4-6) to bits 9-11
-            lo, hi = tl.inline_asm_elementwise(
-                """
-                {
-                .reg .b32 t01, t23, a, b;
-                prmt.b32 t01, $4, 0, 0x4140;
-                prmt.b32 t23, $4, 0, 0x4342;
-                shl.b32 a, t01, 12;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t01, 9;
-                and.b32 b, b, 0x0E000E00;
-                or.b32 $0, b, a;
-                shl.b32 a, t23, 12;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t23, 9;
-                and.b32 b, b, 0x0E000E00;
-                or.b32 $1, b, a;
-                shl.b32 a, t01, 8;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t01, 5;
-                and.b32 b, b, 0x0E000E00;
-                or.b32 $2, b, a;
-                shl.b32 a, t23, 8;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t23, 5;
-                and.b32 b, b, 0x0E000E00;
-                or.b32 $3, b, a;
-                }
-                """,
-                "=r,=r,=r,=r,r",
-                [packed],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
-            return lo.to(tl.float32), hi.to(tl.float32)
+            lo, hi = _placed(packed, _FP16_PTX)
+            return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
         lo = (packed & 15).to(tl.uint16)
         hi = (packed >> 4).to(tl.uint16)
         lo = ((lo & 8) << 12) | ((lo & 7) << 9)
@@ -140,40 +128,7 @@ if triton is not None:
         """packed: uint8 [...] -> (low nibbles, high nibbles), each e2m1 * 2^-126: bf16 by bit placement on the
         GPU (sign to bit 15, magnitude to bits 6-8), fp32 under the interpreter (which flushes bf16 subnormals)."""
         if USE_ASM:
-            lo, hi = tl.inline_asm_elementwise(
-                """
-                {
-                .reg .b32 t01, t23, a, b;
-                prmt.b32 t01, $4, 0, 0x4140;
-                prmt.b32 t23, $4, 0, 0x4342;
-                shl.b32 a, t01, 12;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t01, 6;
-                and.b32 b, b, 0x01C001C0;
-                or.b32 $0, b, a;
-                shl.b32 a, t23, 12;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t23, 6;
-                and.b32 b, b, 0x01C001C0;
-                or.b32 $1, b, a;
-                shl.b32 a, t01, 8;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t01, 2;
-                and.b32 b, b, 0x01C001C0;
-                or.b32 $2, b, a;
-                shl.b32 a, t23, 8;
-                and.b32 a, a, 0x80008000;
-                shl.b32 b, t23, 2;
-                and.b32 b, b, 0x01C001C0;
-                or.b32 $3, b, a;
-                }
-                """,
-                "=r,=r,=r,=r,r",
-                [packed],
-                dtype=(tl.uint16, tl.uint16),
-                is_pure=True,
-                pack=4,
-            )
+            lo, hi = _placed(packed, _BF16_PTX)
             lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
         else:  # the same placement in fp32's fields: sign to bit 31, magnitude to bits 22-24
             lo = (packed & 15).to(tl.uint32)

@@ -1,14 +1,14 @@
 """Triton building blocks shared by the FP4 kernels: e2m1 codes and block scales decoded in registers.
 
 A packed byte holds two e2m1 codes along K: the even element in the low nibble, the odd one in the high
-nibble (layout/fp4.py). Kernels keep that order and split the activations instead: byte j of a row
-multiplies x[2j] (low) and x[2j+1] (high), so no weight is ever re-packed or shuffled.
+nibble (layout/fp4.py). No weight is ever re-packed: the GEMVs split the activations instead (byte j of a
+row multiplies x[2j] and x[2j+1]); the prefill GEMMs join both nibbles of a byte side by side.
 
-Codes become fp16 by bit placement, sign to bit 15 and the three magnitude bits to bits 9..11: that is
-exactly e2m1 * 2^-14, subnormal 0.5 included, so kernels multiply by E2M1_UNBIAS once per output instead
-of once per weight. On the GPU the placement runs as packed PTX (two prmt then and/shift/or on fp16
-pairs, which ptxas folds to about 2.3 integer ops per weight); under TRITON_INTERPRET the same bits come
-from plain integer ops.
+Codes become floats by bit placement, sign to bit 15 and the three magnitude bits to bits 9..11 of an fp16
+(e2m1_halves: exactly e2m1 * 2^-14, subnormal 0.5 included, so kernels multiply by E2M1_UNBIAS once per
+output instead of once per weight) or to bits 6..8 of a bf16 (e2m1_bf16: e2m1 * 2^-126, see E4M3_LIFT). On
+the GPU the placement runs as packed PTX (two prmt then and/shift/or on 16-bit pairs, which ptxas folds to
+about 2.3 integer ops per weight); under TRITON_INTERPRET the same bits come from plain integer ops.
 """
 
 from __future__ import annotations
@@ -112,29 +112,31 @@ if triton is not None:
         )
 
     @triton.jit
+    def _placed_bits(packed, SIGN: tl.constexpr, MAG: tl.constexpr, UINT: tl.constexpr):
+        """_placed's placement in plain integer ops of UINT (the interpreter's path): sign to bit SIGN, magnitude
+        to bits MAG..MAG + 2."""
+        lo, hi = (packed & 15).to(UINT), (packed >> 4).to(UINT)
+        return ((lo & 8) << (SIGN - 3)) | ((lo & 7) << MAG), ((hi & 8) << (SIGN - 3)) | ((hi & 7) << MAG)
+
+    @triton.jit
     def e2m1_halves(packed, USE_ASM: tl.constexpr):
         """packed: uint8 [...] -> (low nibbles, high nibbles) as fp32 [...], each e2m1 * 2^-14."""
         if USE_ASM:
             lo, hi = _placed(packed, _FP16_PTX)
-            return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
-        lo = (packed & 15).to(tl.uint16)
-        hi = (packed >> 4).to(tl.uint16)
-        lo = ((lo & 8) << 12) | ((lo & 7) << 9)
-        hi = ((hi & 8) << 12) | ((hi & 7) << 9)
+        else:
+            lo, hi = _placed_bits(packed, 15, 9, tl.uint16)
         return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def e2m1_bf16(packed, USE_ASM: tl.constexpr):
-        """packed: uint8 [...] -> (low nibbles, high nibbles), each e2m1 * 2^-126: bf16 by bit placement on the
-        GPU (sign to bit 15, magnitude to bits 6-8), fp32 under the interpreter (which flushes bf16 subnormals)."""
-        if USE_ASM:
+        """packed: uint8 [...] -> (low nibbles, high nibbles), each e2m1 * 2^-126: bf16 on the GPU, fp32 under the
+        interpreter (which flushes bf16 subnormals; the same placement in fp32's fields)."""
+        if USE_ASM:  # one return below: Triton wants every return of a function to have the same type
             lo, hi = _placed(packed, _BF16_PTX)
             lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
-        else:  # the same placement in fp32's fields: sign to bit 31, magnitude to bits 22-24
-            lo = (packed & 15).to(tl.uint32)
-            hi = (packed >> 4).to(tl.uint32)
-            lo = (((lo & 8) << 28) | ((lo & 7) << 22)).to(tl.float32, bitcast=True)
-            hi = (((hi & 8) << 28) | ((hi & 7) << 22)).to(tl.float32, bitcast=True)
+        else:
+            lo, hi = _placed_bits(packed, 31, 22, tl.uint32)
+            lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
         return lo, hi
 
     _WORDS_PTX = tl.constexpr(_words_ptx())

@@ -68,6 +68,19 @@ def _placement_ptx(mag_low: int, mag_high: int, mag_mask: int) -> str:
     return "\n".join([*lines, "}"])
 
 
+def _bf16_placement_ptx() -> str:
+    """_placement_ptx's outputs for bf16 (sign to bit 15, magnitude to bits 6-8) in 14 ops for 8 codes instead of 18:
+    prmt puts b0 b1 (then b2 b3) in bytes 1 and 3 with zero bytes below them, so the low nibble's sign (bit 11)
+    and magnitude (bits 8-10) reach bits 15 and 6-8 by shifts whose other bits land on zeros, and one and/or of
+    three inputs merges them; the high nibble's sign is already at bit 15."""
+    lines = ["{", ".reg .b32 t, a, b;"]
+    for i, select in enumerate((0x1404, 0x3424)):
+        lines += [f"prmt.b32 t, $4, 0, {select:#x};", "shl.b32 a, t, 4;", "shr.b32 b, t, 2;", "or.b32 a, a, b;"]
+        lines += [f"and.b32 ${i}, a, 0x81C081C0;", "shr.b32 b, t, 6;", "and.b32 b, b, 0x01C001C0;"]
+        lines += ["and.b32 a, t, 0x80008000;", f"or.b32 ${i + 2}, a, b;"]
+    return "\n".join([*lines, "}"])
+
+
 def interpreted() -> bool:
     """True when Triton runs kernels on the CPU interpreter (inline PTX is not available there)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -102,7 +115,7 @@ def hw_e4m3(device: torch.device) -> bool:
 
 if triton is not None:
     _FP16_PTX = tl.constexpr(_placement_ptx(9, 5, 0x0E000E00))  # magnitude to bits 9-11: code * 2^-14 in fp16
-    _BF16_PTX = tl.constexpr(_placement_ptx(6, 2, 0x01C001C0))  # magnitude to bits 6-8: code * 2^-126 in bf16
+    _BF16_PTX = tl.constexpr(_bf16_placement_ptx())  # magnitude to bits 6-8: code * 2^-126 in bf16
 
     @triton.jit
     def _placed(packed, PTX: tl.constexpr):

@@ -74,6 +74,6 @@ def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: in
     if tokens <= MAX_TOKENS:
         return decode
     pairs = tokens * top_k
-    block_m = prefill_blocks(pairs, n_experts, layout).block_m
-    rows = max_blocks(pairs, n_experts, block_m) * block_m
+    block_rows = prefill_blocks(pairs, n_experts, layout).rows
+    rows = max_blocks(pairs, n_experts, block_rows) * block_rows
     return decode + elt * (rows * layout.inter_dim + pairs * layout.dim + 2 * tokens * layout.dim)

@@ -28,22 +28,25 @@ from dsfp4.errors import FormatError
 from dsfp4.kernels.fp4_decode import E4M3_LIFT, E4M3_LIFT_UNBIAS, E8M0_LIFT, hw_e4m3, interpreted, triton
 from dsfp4.kernels.moe_ref import ABSENT, record_at
 from dsfp4.kernels.swiglu import swiglu
-from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from dsfp4.layout.record import RecordLayout
 
 BLOCK_M_RANGE = (16, 128)  # tl.dot needs 16 rows; a [2 BN, 128] fp32 accumulator per program
 BLOCK_M_HEADROOM = 1.25  # a block holds 1.25x the mean rows per expert, so most experts fit in one
+TAIL_SHARE = 4  # a block's tail holds block_m / 4 rows (at least 16): the rows past a power of two
 # Chosen by H100 sweeps at 4,096 tokens (docs/BENCHMARKS.md): 32 columns of gate and of up (64 weight rows: one
 # warpgroup's MMA) and 64 of down per program, 128 input elements per step (64 for MXFP4, whose two bf16
-# products per weight cost more registers), 3 stages: ~107 KB of shared memory and ~225 registers, two programs
-# an SM, one decoding while the other's MMAs run. Wider tiles (two warpgroups) or more stages fit one program
-# an SM and lost 15-25%.
+# products per weight cost more registers). Wider tiles (two warpgroups) fit one program an SM and lost 15-25%.
 BN_UP_CHOICES = (32, 16)
 BN_DOWN_CHOICES = (64, 32, 16)
 BK_CHOICES = {"nvfp4": (128, 64, 32, 16), "mxfp4": (64, 32)}  # input elements per step, whole scale blocks
 NUM_WARPS = 4
-NUM_STAGES = 3
+# Pipeline stages: as many as fit a program's share of shared memory when two programs run on an SM (one decodes
+# while the other's MMAs run; H100: 227 KB an SM), within STAGES_RANGE. The sweeps' best: 2 for NVFP4 at 160 rows
+# x 128 elements, 4 for MXFP4 at 160 x 64; a third stage that pushed the program to one per SM lost 8%.
+STAGE_BUDGET = 96 * 1024
+STAGES_RANGE = (2, 4)
+ACT_BYTES = 2  # bf16 activations, the stage budget's unit (fp32 ones, in tests, take twice the memory)
 
 
 def max_blocks(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -77,24 +80,48 @@ def align_by_expert(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[to
 
 @dataclass(frozen=True)
 class PrefillBlocks:
-    """Tile sizes: block_m pair rows per block (one expert each); bn_up columns of gate and of up per
-    program, bk_up model-dim elements per step; bn_down, bk_down the same for down over the expert width."""
+    """Tile sizes: block_m + tail_m pair rows per block (one expert each), the tail a second, narrower MMA on
+    the same decoded weights; bn_up columns of gate and of up per program, bk_up model-dim elements per step;
+    bn_down, bk_down the same for down over the expert width; stages_up, stages_down the kernels' pipelines."""
 
     block_m: int
+    tail_m: int
     bn_up: int
     bk_up: int
     bn_down: int
     bk_down: int
+    stages_up: int = STAGES_RANGE[0]
+    stages_down: int = STAGES_RANGE[0]
+
+    @property
+    def rows(self) -> int:
+        return self.block_m + self.tail_m
+
+
+def tail_rows(block_m: int) -> int:
+    return max(BLOCK_M_RANGE[0], block_m // TAIL_SHARE)
+
+
+def pipeline_stages(rows: int, weight_rows: int, bk: int, group: int) -> int:
+    """Stages of a K step's buffers (activations [rows, bk], codes [weight_rows, bk / 2], scale bytes
+    [weight_rows, bk / group]) that fit STAGE_BUDGET, within STAGES_RANGE."""
+    lo, hi = STAGES_RANGE
+    stage = rows * bk * ACT_BYTES + weight_rows * (bk // 2 + bk // group)
+    return min(hi, max(lo, STAGE_BUDGET // stage))
 
 
 @functools.lru_cache  # asked per MoE layer and chunk, with the same few arguments
 def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> PrefillBlocks:
-    """block_m: the smallest power of two holding BLOCK_M_HEADROOM x the mean rows per expert, within
-    BLOCK_M_RANGE (DeepSeek-V3, 256 experts, top-8: 32 at 512 tokens, 128 from 2048 on). BN, BK: the largest
+    """block_m: the smallest power of two whose block (with its tail) holds BLOCK_M_HEADROOM x the mean rows
+    per expert, within BLOCK_M_RANGE (DeepSeek-V3, 256 experts, top-8: 16 + 16 rows at 512 tokens, 64 + 16 at
+    2048, 128 + 32 from 4096 on). A uniform routing gives an expert mean +- sqrt(mean) rows: a power of two
+    alone would pad half the experts into a second block and decode their weights twice. BN, BK: the largest
     choices that divide the matrix (BK: for the layout's format)."""
     lo, hi = BLOCK_M_RANGE
     want = math.ceil(BLOCK_M_HEADROOM * n_pairs / n_experts)
-    block_m = min(hi, max(lo, next_pow2(want)))
+    block_m = lo
+    while block_m < hi and block_m + tail_rows(block_m) < want:
+        block_m *= 2
 
     def fit(choices: tuple[int, ...], n: int) -> int:
         if n % choices[-1]:
@@ -102,7 +129,15 @@ def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> Prefil
         return next(b for b in choices if n % b == 0)
 
     d, i, bk = layout.dim, layout.inter_dim, BK_CHOICES[layout.format]
-    return PrefillBlocks(block_m, fit(BN_UP_CHOICES, i), fit(bk, d), fit(BN_DOWN_CHOICES, d), fit(bk, i))
+    tail_m, group = tail_rows(block_m), _group(layout)
+    bn_up, bk_up, bn_down, bk_down = fit(BN_UP_CHOICES, i), fit(bk, d), fit(BN_DOWN_CHOICES, d), fit(bk, i)
+    stages_up = pipeline_stages(block_m + tail_m, 2 * bn_up, bk_up, group)
+    stages_down = pipeline_stages(block_m + tail_m, bn_down, bk_down, group)
+    return PrefillBlocks(block_m, tail_m, bn_up, bk_up, bn_down, bk_down, stages_up, stages_down)
+
+
+def _group(layout: RecordLayout) -> int:
+    return NVFP4_BLOCK if layout.format == "nvfp4" else MXFP4_BLOCK
 
 
 if triton is not None:
@@ -138,15 +173,31 @@ if triton is not None:
         return tl.reshape(tl.reshape(w, (R, BK // GROUP, GROUP)) * scale[:, :, None], (R, BK)).to(DOT)
 
     @triton.jit
+    def _gate_up_store(
+        acc, rows, pairs, valid, rw_ptr, act_ptr, g_gate, g_up, col0,
+        INTER: tl.constexpr, LIMIT: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    ):  # fmt: skip
+        """acc [2 BN, R] (gate and up rows alternating by 8) -> act[rows, col0 : col0 + BN]."""
+        BN: tl.constexpr = acc.shape[0] // 2
+        R: tl.constexpr = acc.shape[1]
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BN // 8, 2, 8, R)), (0, 2, 3, 1)))  # [BN/8, 8, R] each
+        gate, up = tl.reshape(gate, (BN, R)) * g_gate, tl.reshape(up, (BN, R)) * g_up
+        rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)  # padding rows come out 0
+        h = swiglu_tl(gate, up, LIMIT) * rw[None, :]  # [BN, R]
+        dest = rows.to(tl.int64)[None, :] * INTER + (col0 + tl.arange(0, BN))[:, None]
+        tl.store(act_ptr + dest, rounded(h, act_ptr.dtype.element_ty, EMULATE_RNE))
+
+    @triton.jit
     def _gate_up_kernel(
         x_ptr, rw_ptr, pairs_ptr, experts_ptr, rec_ptr, off_ptr, act_ptr, n_pairs,
         TOP_K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
-        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        HW_E4M3: tl.constexpr, USE_ASM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-        EMULATE_RNE: tl.constexpr, UNBIAS: tl.constexpr, LIMIT: tl.constexpr,
+        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, HW_E4M3: tl.constexpr, USE_ASM: tl.constexpr, DOT: tl.constexpr,
+        PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr, UNBIAS: tl.constexpr, LIMIT: tl.constexpr,
     ):  # fmt: skip
-        """act[row] = swiglu(x W1^T, x W3^T) * routing weight for BN columns (pid 0) of one block of rows
-        (pid 1): x [T, D], act [L, INTER]."""
+        """act[row] = swiglu(x W1^T, x W3^T) * routing weight for BN columns (pid 0) of one block of BM + BT
+        rows (pid 1): x [T, D], act [L, INTER]. The BT tail rows reuse each decoded weight tile in a second MMA,
+        run only when the tail holds a pair."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         e = tl.load(experts_ptr + pid_m)
         if e < 0:  # past the used rows
@@ -155,64 +206,86 @@ if triton is not None:
         if off == _ABSENT:  # the down kernel writes these pairs' zeros
             return
         wbase = rec_ptr + tl.multiple_of(off, 16)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pairs = tl.load(pairs_ptr + rows)  # [BM]
-        valid = pairs < n_pairs
+        rows = pid_m * (BM + BT) + tl.arange(0, BM)
+        rows_t = pid_m * (BM + BT) + BM + tl.arange(0, BT)
+        pairs, pairs_t = tl.load(pairs_ptr + rows), tl.load(pairs_ptr + rows_t)  # [BM], [BT]
+        valid, valid_t = pairs < n_pairs, pairs_t < n_pairs
         # weight row c: 8 gate rows, then the same 8 up rows (a thread of the MMA holds rows r and r + 8)
         c = tl.arange(0, 2 * BN)
         wrows = pid_n * BN + (c // 16) * 8 + c % 8 + ((c // 8) % 2) * INTER
         xp = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * D + tl.arange(0, BK)[None, :]
+        xp_t = x_ptr + (pairs_t // TOP_K).to(tl.int64)[:, None] * D + tl.arange(0, BK)[None, :]
         acc = tl.zeros((2 * BN, BM), dtype=tl.float32)
-        for kb in range(0, D, BK):
-            x = tl.load(xp + kb, mask=valid[:, None], other=0.0).to(DOT)  # [BM, BK]
-            w = _fp4_rows(wbase + W13, wbase + S13, wrows, kb, D, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [2 BN, BM]
+        acc_t = tl.zeros((2 * BN, BT), dtype=tl.float32)
+        if tl.load(pairs_ptr + pid_m * (BM + BT) + BM) < n_pairs:  # a run fills its rows in order
+            for kb in range(0, D, BK):
+                x = tl.load(xp + kb, mask=valid[:, None], other=0.0).to(DOT)  # [BM, BK]
+                x_t = tl.load(xp_t + kb, mask=valid_t[:, None], other=0.0).to(DOT)  # [BT, BK]
+                w = _fp4_rows(wbase + W13, wbase + S13, wrows, kb, D, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [2 BN, BM]
+                acc_t = tl.dot(w, tl.trans(x_t), acc_t, input_precision=PRECISION)  # [2 BN, BT]
+        else:
+            for kb in range(0, D, BK):
+                x = tl.load(xp + kb, mask=valid[:, None], other=0.0).to(DOT)  # [BM, BK]
+                w = _fp4_rows(wbase + W13, wbase + S13, wrows, kb, D, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [2 BN, BM]
         g_gate, g_up = UNBIAS, UNBIAS
         if G >= 0:  # NVFP4 global scales of w1 and w3
             gp = (wbase + G).to(tl.pointer_type(tl.float32))
             g_gate, g_up = tl.load(gp) * UNBIAS, tl.load(gp + 1) * UNBIAS
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BN // 8, 2, 8, BM)), (0, 2, 3, 1)))  # [BN/8, 8, BM] each
-        gate, up = tl.reshape(gate, (BN, BM)) * g_gate, tl.reshape(up, (BN, BM)) * g_up
-        rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)  # padding rows come out 0
-        h = swiglu_tl(gate, up, LIMIT) * rw[None, :]  # [BN, BM]
-        dest = rows.to(tl.int64)[None, :] * INTER + (pid_n * BN + tl.arange(0, BN))[:, None]
-        tl.store(act_ptr + dest, rounded(h, act_ptr.dtype.element_ty, EMULATE_RNE))
+        _gate_up_store(acc, rows, pairs, valid, rw_ptr, act_ptr, g_gate, g_up, pid_n * BN, INTER, LIMIT, EMULATE_RNE)
+        _gate_up_store(acc_t, rows_t, pairs_t, valid_t, rw_ptr, act_ptr, g_gate, g_up, pid_n * BN, INTER, LIMIT,
+                       EMULATE_RNE)  # fmt: skip
 
     @triton.jit
     def _down_kernel(
         act_ptr, pairs_ptr, experts_ptr, rec_ptr, off_ptr, out_ptr, n_pairs,
         D: tl.constexpr, INTER: tl.constexpr, W2: tl.constexpr, S2: tl.constexpr, G: tl.constexpr,
-        GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        HW_E4M3: tl.constexpr, USE_ASM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+        GROUP: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr, HW_E4M3: tl.constexpr, USE_ASM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
         EMULATE_RNE: tl.constexpr, UNBIAS: tl.constexpr,
     ):  # fmt: skip
-        """out[pair] = act[row] W2^T for BN columns (pid 0) of one block of rows (pid 1); zeros for the pairs
-        of a left-out expert, so every pair's row is written."""
+        """out[pair] = act[row] W2^T for BN columns (pid 0) of one block of BM + BT rows (pid 1); zeros for the
+        pairs of a left-out expert, so every pair's row is written. The tail as in _gate_up_kernel."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         e = tl.load(experts_ptr + pid_m)
         if e < 0:
             return
-        rows = pid_m * BM + tl.arange(0, BM)
-        pairs = tl.load(pairs_ptr + rows)
-        valid = pairs < n_pairs
+        rows = pid_m * (BM + BT) + tl.arange(0, BM)
+        rows_t = pid_m * (BM + BT) + BM + tl.arange(0, BT)
+        pairs, pairs_t = tl.load(pairs_ptr + rows), tl.load(pairs_ptr + rows_t)
+        valid, valid_t = pairs < n_pairs, pairs_t < n_pairs
         cols = pid_n * BN + tl.arange(0, BN)
         out = out_ptr + pairs.to(tl.int64)[None, :] * D + cols[:, None]  # [BN, BM]
+        out_t = out_ptr + pairs_t.to(tl.int64)[None, :] * D + cols[:, None]  # [BN, BT]
         DTYPE: tl.constexpr = out_ptr.dtype.element_ty
         off = tl.load(off_ptr + e)
         if off == _ABSENT:
             tl.store(out, tl.zeros((BN, BM), dtype=DTYPE), mask=valid[None, :])
+            tl.store(out_t, tl.zeros((BN, BT), dtype=DTYPE), mask=valid_t[None, :])
             return
         wbase = rec_ptr + tl.multiple_of(off, 16)
         ap = act_ptr + rows.to(tl.int64)[:, None] * INTER + tl.arange(0, BK)[None, :]
+        ap_t = act_ptr + rows_t.to(tl.int64)[:, None] * INTER + tl.arange(0, BK)[None, :]
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for kb in range(0, INTER, BK):
-            a = tl.load(ap + kb).to(DOT)  # [BM, BK]: gate_up wrote every row of the block (padding: zeros)
-            w = _fp4_rows(wbase + W2, wbase + S2, cols, kb, INTER, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
-            acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+        acc_t = tl.zeros((BN, BT), dtype=tl.float32)
+        # gate_up wrote every row of the block (padding: zeros)
+        if tl.load(pairs_ptr + pid_m * (BM + BT) + BM) < n_pairs:
+            for kb in range(0, INTER, BK):
+                a, a_t = tl.load(ap + kb).to(DOT), tl.load(ap_t + kb).to(DOT)  # [BM, BK], [BT, BK]
+                w = _fp4_rows(wbase + W2, wbase + S2, cols, kb, INTER, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+                acc_t = tl.dot(w, tl.trans(a_t), acc_t, input_precision=PRECISION)
+        else:
+            for kb in range(0, INTER, BK):
+                a = tl.load(ap + kb).to(DOT)  # [BM, BK]
+                w = _fp4_rows(wbase + W2, wbase + S2, cols, kb, INTER, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
         scale = UNBIAS
         if G >= 0:  # NVFP4 global scale of w2
             scale = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * UNBIAS
         tl.store(out, rounded(acc * scale, DTYPE, EMULATE_RNE), mask=valid[None, :])
+        tl.store(out_t, rounded(acc_t * scale, DTYPE, EMULATE_RNE), mask=valid_t[None, :])
 
 
 def _workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -228,16 +301,16 @@ def _grid(n_cols: int, block_experts: torch.Tensor) -> tuple[int, int]:
 
 
 def _constants(layout: RecordLayout, blocks: PrefillBlocks, dtype: torch.dtype, device: torch.device) -> dict:
-    group = NVFP4_BLOCK if layout.format == "nvfp4" else MXFP4_BLOCK
+    group = _group(layout)
     assert blocks.bk_up % group == 0 and blocks.bk_down % group == 0, f"K steps must hold whole {group}-blocks"
     nvfp4 = layout.format == "nvfp4"
     return dict(
         G=layout.part("scale_2").offset if nvfp4 else -1, GROUP=group, E8M0=not nvfp4, BM=blocks.block_m,
-        HW_E4M3=hw_e4m3(device), USE_ASM=not interpreted(), UNBIAS=E4M3_LIFT_UNBIAS if nvfp4 else 1.0,
+        BT=blocks.tail_m, HW_E4M3=hw_e4m3(device), USE_ASM=not interpreted(), UNBIAS=E4M3_LIFT_UNBIAS if nvfp4 else 1.0,
         # the interpreter's tl.dot multiplies bf16 bit patterns as integers: it gets exact fp32 operands
         DOT=tl.float32 if dtype == torch.float32 or interpreted() else tl.bfloat16,
         EMULATE_RNE=interpreted() and dtype == torch.bfloat16,
-        PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
@@ -261,7 +334,8 @@ def gate_up(
     _gate_up_kernel[_grid(i // blocks.bn_up, block_experts)](
         x, weights, pairs, block_experts, records, offsets, act, t * k,
         TOP_K=k, D=layout.dim, INTER=i, W13=layout.part("w13").offset, S13=layout.part("w13_scale").offset,
-        BN=blocks.bn_up, BK=blocks.bk_up, LIMIT=float(limit), **_constants(layout, blocks, x.dtype, x.device),
+        BN=blocks.bn_up, BK=blocks.bk_up, LIMIT=float(limit), num_stages=blocks.stages_up,
+        **_constants(layout, blocks, x.dtype, x.device),
     )  # fmt: skip
     return act
 
@@ -282,7 +356,8 @@ def down(
     _down_kernel[_grid(d // blocks.bn_down, block_experts)](
         act, pairs, block_experts, records, offsets, out, n_pairs,
         D=d, INTER=layout.inter_dim, W2=layout.part("w2").offset, S2=layout.part("w2_scale").offset,
-        BN=blocks.bn_down, BK=blocks.bk_down, **_constants(layout, blocks, act.dtype, act.device),
+        BN=blocks.bn_down, BK=blocks.bk_down, num_stages=blocks.stages_down,
+        **_constants(layout, blocks, act.dtype, act.device),
     )  # fmt: skip
     return out
 
@@ -357,7 +432,7 @@ def moe_prefill(
     assert records.dtype == torch.uint8 and records.data_ptr() % 16 == 0, "records: a 16-byte aligned u8 slot pool"
     assert offsets.dtype == torch.int64, "offsets: int64 byte offsets from records' address"
     blocks = blocks or prefill_blocks(t * k, n_experts, layout)
-    pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.block_m)
+    pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.rows)
     where = (pairs, block_experts, records, offsets.contiguous(), layout, blocks)
     act = gate_up(x.contiguous(), weights.contiguous(), *where, limit)
     out = down(act, t * k, *where)

@@ -222,7 +222,7 @@ def bench_prefill(hbm: float) -> list[dict]:
             blocks = prefill_blocks(t * TOP_K, n_experts, layout)
             stages = []
             for ids, w, _ in routes:
-                pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.block_m)
+                pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.rows)
                 where = (pairs, block_experts, records, offsets, layout, blocks)
                 act = gate_up(x, w, *where)
                 stages.append((w, where, act))
@@ -233,7 +233,7 @@ def bench_prefill(hbm: float) -> list[dict]:
             for case, sec, flops in (("prefill_gate_up", up, flops_up), ("prefill_down", dn, flops_dn),
                                      ("prefill_moe", whole, flops_up + flops_dn)):  # fmt: skip
                 rows.append({"case": case, "fmt": fmt, "T": t, "us": sec * 1e6, "TFLOPs": flops / sec / 1e12,
-                             "block_m": blocks.block_m})  # fmt: skip
+                             "block_m": blocks.block_m, "tail_m": blocks.tail_m})  # fmt: skip
     return rows
 
 

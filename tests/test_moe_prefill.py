@@ -67,12 +67,15 @@ def test_align_by_expert_matches_a_python_reference(t, k, n_experts, block_m, dt
 def test_block_sizes_follow_the_pairs_per_expert():
     v3 = RecordLayout.for_expert("nvfp4", 7168, 2048)
     tokens = (17, 512, 1024, 2048, 4096, 16384)
-    assert [mp.prefill_blocks(t * 8, 256, v3).block_m for t in tokens] == [16, 32, 64, 128, 128, 128]
-    assert mp.prefill_blocks(4096 * 8, 256, v3) == mp.PrefillBlocks(128, 32, 128, 64, 128)
+    blocks = [mp.prefill_blocks(t * 8, 256, v3) for t in tokens]
+    assert [(b.block_m, b.tail_m) for b in blocks] == [(16, 16), (16, 16), (32, 16), (64, 16), (128, 32), (128, 32)]
+    assert all(b.rows >= 1.25 * t * 8 / 256 for b, t in zip(blocks, tokens, strict=True) if b.block_m < 128)
+    assert mp.prefill_blocks(4096 * 8, 256, v3) == mp.PrefillBlocks(128, 32, 32, 128, 64, 128, 2, 2)
+    assert [(b.stages_up, b.stages_down) for b in blocks] == [(4, 4), (4, 4), (4, 4), (3, 3), (2, 2), (2, 2)]
     v3_mx = RecordLayout.for_expert("mxfp4", 7168, 2048)
-    assert mp.prefill_blocks(4096 * 8, 256, v3_mx) == mp.PrefillBlocks(128, 32, 64, 64, 64)
+    assert mp.prefill_blocks(4096 * 8, 256, v3_mx) == mp.PrefillBlocks(128, 32, 32, 64, 64, 64, 4, 4)
     small = RecordLayout.for_expert("mxfp4", 96, 32)
-    assert mp.prefill_blocks(40, 8, small) == mp.PrefillBlocks(16, 32, 32, 32, 32)
+    assert mp.prefill_blocks(40, 8, small) == mp.PrefillBlocks(16, 16, 32, 32, 32, 32, 4, 4)
 
 
 def _case_pool(fmt: str, t: int, k: int, dim: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,16 +144,21 @@ def test_moe_prefill_is_exact_at_the_ends_of_the_scale_range(poisoned, fmt, scal
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_prefill_kernels_match_their_references_over_several_tiles(poisoned, fmt):
-    """Small tiles: several K steps and column blocks per program, many blocks of block_m rows."""
-    layout, (x, ids, weights, records, offsets), want, _host = _case(fmt, 24, 3, 128, 64, torch.float32)
-    blocks = mp.PrefillBlocks(block_m=16, bn_up=16, bk_up=32, bn_down=32, bk_down=32)
-    pairs, block_experts, _ = mp.align_by_expert(ids, 8, blocks.block_m)
+    """Small tiles: several K steps and column blocks per program, many blocks of block_m + tail_m rows. Expert 1
+    is in every token's top-k: a full tail, then a second block; the other experts' tails stay empty or not."""
+    layout, (x, ids, weights, records, offsets), _want, _host = _case(fmt, 40, 3, 128, 64, torch.float32)
+    ids = ids.clone()
+    ids[(ids != 1).all(1), 0] = 1
+    counts = torch.bincount(ids.flatten().cpu(), minlength=8)
+    assert counts[1] == 40 and ((counts > 16) & (counts < 32)).any() and (counts <= 16).any()
+    blocks = mp.PrefillBlocks(block_m=16, tail_m=16, bn_up=16, bk_up=32, bn_down=32, bk_down=32)
+    pairs, block_experts, _ = mp.align_by_expert(ids, 8, blocks.rows)
     where = (pairs, block_experts, records, offsets, layout, blocks)
     act = mp.gate_up(x, weights, *where)
     ref_offsets = offsets.clone()
     ref_offsets[5] = ABSENT  # the references read device slots only: compare expert 5 end to end
     act_ref = mp.gate_up_ref(x, weights, pairs, block_experts, records, ref_offsets, layout)
-    row_e = block_experts.long().repeat_interleave(blocks.block_m)
+    row_e = block_experts.long().repeat_interleave(blocks.rows)
     defined = (row_e >= 0) & (ref_offsets[row_e.clamp(min=0)] != ABSENT)
     assert _rel(act[defined].cpu(), act_ref[defined].cpu()) < 1e-5
     out = mp.down(act, ids.numel(), *where)
@@ -159,6 +167,8 @@ def test_prefill_kernels_match_their_references_over_several_tiles(poisoned, fmt
     assert _rel(out[by_ref].cpu(), out_ref[by_ref].cpu()) < 1e-5
     assert (out[ids.flatten() == 3] == 0).all()  # the left-out expert's pairs are zeros
     got = mp.moe_prefill(x, ids, weights, records, offsets, layout, blocks)
+    records_ref, offsets_ref = _case_pool(fmt, 40, 3, 128, 64)
+    want = moe_ref(x.cpu().double(), ids.cpu(), weights.cpu(), records_ref, offsets_ref, layout)
     assert _rel(got.cpu(), want) < 1e-5
 
 
@@ -206,3 +216,22 @@ def test_moe_prefill_at_deepseek_v3_size(poisoned, fmt, t):
     assert got.dtype == torch.bfloat16 and not got.isnan().any()
     assert _rel(got, want) < 1e-2
     assert torch.equal(mp.moe_prefill(x, ids, weights, records, mixed, layout), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("fmt", "bk", "stages"),
+    [("nvfp4", 128, 2), ("nvfp4", 64, 3), ("nvfp4", 32, 4), ("mxfp4", 64, 2), ("mxfp4", 64, 4), ("mxfp4", 32, 4)],
+)
+def test_moe_prefill_tiles_and_pipelines_on_the_gpu(poisoned, fmt, bk, stages):
+    """Each K step and pipeline depth the tile rules may pick, at 64 + 16 rows a block: mean 75 rows an expert,
+    so blocks with empty, partial and full tails and second blocks all occur."""
+    gen = torch.Generator(device="cuda").manual_seed(bk + stages)
+    layout, records, slots = _v3_pool(fmt, 16, gen)
+    offsets = record_offsets(slots, records)
+    ids = torch.rand(300, 16, generator=gen, device="cuda").topk(4).indices
+    weights = torch.rand(300, 4, generator=gen, device="cuda") + 0.1
+    x = torch.randn(300, layout.dim, generator=gen, device="cuda").bfloat16()
+    blocks = mp.PrefillBlocks(64, 16, 32, bk, 64, bk, stages, stages)
+    got = mp.moe_prefill(x, ids, weights, records, offsets, layout, blocks)
+    assert not got.isnan().any() and _rel(got, moe_ref(x.double(), ids, weights, records, offsets, layout)) < 1e-2

@@ -34,19 +34,19 @@ from dsfp4.layout.record import RecordLayout
 BLOCK_M_RANGE = (16, 128)  # tl.dot needs 16 rows; a [2 BN, 128] fp32 accumulator per program
 BLOCK_M_HEADROOM = 1.25  # a block holds 1.25x the mean rows per expert, so most experts fit in one
 TAIL_SHARE = 4  # a block's tail holds block_m / 4 rows (at least 16): the rows past a power of two
-# Chosen by H100 sweeps at 4,096 tokens (docs/BENCHMARKS.md): 32 columns of gate and of up (64 weight rows: one
-# warpgroup's MMA) and 64 of down per program, 128 input elements per step (64 for MXFP4, whose two bf16
-# products per weight cost more registers). Wider tiles (two warpgroups) fit one program an SM and lost 15-25%.
-BN_UP_CHOICES = (32, 16)
-BN_DOWN_CHOICES = (64, 32, 16)
-BK_CHOICES = {"nvfp4": (128, 64, 32, 16), "mxfp4": (64, 32)}  # input elements per step, whole scale blocks
-NUM_WARPS = 4
-# Pipeline stages: as many as fit a program's share of shared memory when two programs run on an SM (one decodes
-# while the other's MMAs run; H100: 227 KB an SM), within STAGES_RANGE. The sweeps' best: 2 for NVFP4 at 160 rows
-# x 128 elements, 4 for MXFP4 at 160 x 64; a third stage that pushed the program to one per SM lost 8%.
-STAGE_BUDGET = 96 * 1024
-STAGES_RANGE = (2, 4)
-ACT_BYTES = 2  # bf16 activations, the stage budget's unit (fp32 ones, in tests, take twice the memory)
+NUM_WARPS = 4  # one warpgroup: its MMA takes 64 decoded weight rows (2 BN of gate+up, BN of down) from registers
+WIDE_ROWS = 64  # blocks of at least this many main rows take the wide tiles below
+# (bn_up, bk_up, bn_down, bk_down, stages_up, stages_down) by format, for narrow and wide blocks, chosen by H100
+# sweeps (docs/BENCHMARKS.md). A program re-reads its block's activations from L2 for every BN columns, which
+# bounds big blocks: 64 gate+up columns (two MMAs of 64 rows) and 128 down columns per program there. Small
+# blocks keep narrow tiles, which give more programs to fill the SMs. 2-4 stages keep two programs an SM.
+TILES = {
+    "nvfp4": ((32, 128, 64, 128, 4, 4), (64, 64, 128, 64, 2, 3)),
+    "mxfp4": ((32, 64, 64, 64, 4, 4), (64, 64, 128, 64, 3, 3)),
+}
+# Triton 3.6 on an H100 summed wrongly (a few NaN or off outputs, varying by run) with K steps of 32 elements and 3 or
+# 4 stages (runs 38, 43); 2 were right. Steps below 64 elements, for dims that 64 does not divide, take 2 stages
+SAFE_BK = 64
 
 
 def max_blocks(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -90,8 +90,8 @@ class PrefillBlocks:
     bk_up: int
     bn_down: int
     bk_down: int
-    stages_up: int = STAGES_RANGE[0]
-    stages_down: int = STAGES_RANGE[0]
+    stages_up: int = 2
+    stages_down: int = 2
 
     @property
     def rows(self) -> int:
@@ -102,38 +102,34 @@ def tail_rows(block_m: int) -> int:
     return max(BLOCK_M_RANGE[0], block_m // TAIL_SHARE)
 
 
-def pipeline_stages(rows: int, weight_rows: int, bk: int, group: int) -> int:
-    """Stages of a K step's buffers (activations [rows, bk], codes [weight_rows, bk / 2], scale bytes
-    [weight_rows, bk / group]) that fit STAGE_BUDGET, within STAGES_RANGE."""
-    lo, hi = STAGES_RANGE
-    stage = rows * bk * ACT_BYTES + weight_rows * (bk // 2 + bk // group)
-    return min(hi, max(lo, STAGE_BUDGET // stage))
-
-
 @functools.lru_cache  # asked per MoE layer and chunk, with the same few arguments
 def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> PrefillBlocks:
     """block_m: the smallest power of two whose block (with its tail) holds BLOCK_M_HEADROOM x the mean rows
     per expert, within BLOCK_M_RANGE (DeepSeek-V3, 256 experts, top-8: 16 + 16 rows at 512 tokens, 64 + 16 at
     2048, 128 + 32 from 4096 on). A uniform routing gives an expert mean +- sqrt(mean) rows: a power of two
-    alone would pad half the experts into a second block and decode their weights twice. BN, BK: the largest
-    choices that divide the matrix (BK: for the layout's format)."""
+    alone would pad half the experts into a second block and decode their weights twice. BN, BK: TILES', halved
+    until they divide the matrix (BN down to 16, BK down to one scale block)."""
     lo, hi = BLOCK_M_RANGE
     want = math.ceil(BLOCK_M_HEADROOM * n_pairs / n_experts)
     block_m = lo
     while block_m < hi and block_m + tail_rows(block_m) < want:
         block_m *= 2
 
-    def fit(choices: tuple[int, ...], n: int) -> int:
-        if n % choices[-1]:
-            raise FormatError(f"moe_prefill needs expert dims that are multiples of {choices[-1]}, got {n}")
-        return next(b for b in choices if n % b == 0)
+    def fit(want: int, n: int, least: int) -> int:  # the largest power of two <= want that divides n
+        b = want
+        while n % b and b > least:
+            b //= 2
+        if n % b:
+            raise FormatError(f"moe_prefill needs expert dims that are multiples of {least}, got {n}")
+        return b
 
-    d, i, bk = layout.dim, layout.inter_dim, BK_CHOICES[layout.format]
-    tail_m, group = tail_rows(block_m), _group(layout)
-    bn_up, bk_up, bn_down, bk_down = fit(BN_UP_CHOICES, i), fit(bk, d), fit(BN_DOWN_CHOICES, d), fit(bk, i)
-    stages_up = pipeline_stages(block_m + tail_m, 2 * bn_up, bk_up, group)
-    stages_down = pipeline_stages(block_m + tail_m, bn_down, bk_down, group)
-    return PrefillBlocks(block_m, tail_m, bn_up, bk_up, bn_down, bk_down, stages_up, stages_down)
+    group = _group(layout)
+    bn_up, bk_up, bn_down, bk_down, st_up, st_down = TILES[layout.format][block_m >= WIDE_ROWS]
+    d, i = layout.dim, layout.inter_dim
+    bn_up, bn_down = fit(bn_up, i, BLOCK_M_RANGE[0]), fit(bn_down, d, BLOCK_M_RANGE[0])
+    bk_up, bk_down = fit(bk_up, d, group), fit(bk_down, i, group)
+    st_up, st_down = (st if bk >= SAFE_BK else 2 for st, bk in ((st_up, bk_up), (st_down, bk_down)))
+    return PrefillBlocks(block_m, tail_rows(block_m), bn_up, bk_up, bn_down, bk_down, st_up, st_down)
 
 
 def _group(layout: RecordLayout) -> int:

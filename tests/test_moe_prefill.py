@@ -70,12 +70,14 @@ def test_block_sizes_follow_the_pairs_per_expert():
     blocks = [mp.prefill_blocks(t * 8, 256, v3) for t in tokens]
     assert [(b.block_m, b.tail_m) for b in blocks] == [(16, 16), (16, 16), (32, 16), (64, 16), (128, 32), (128, 32)]
     assert all(b.rows >= 1.25 * t * 8 / 256 for b, t in zip(blocks, tokens, strict=True) if b.block_m < 128)
-    assert mp.prefill_blocks(4096 * 8, 256, v3) == mp.PrefillBlocks(128, 32, 32, 128, 64, 128, 2, 2)
-    assert [(b.stages_up, b.stages_down) for b in blocks] == [(4, 4), (4, 4), (4, 4), (3, 3), (2, 2), (2, 2)]
+    assert mp.prefill_blocks(512 * 8, 256, v3) == mp.PrefillBlocks(16, 16, 32, 128, 64, 128, 4, 4)  # narrow
+    assert mp.prefill_blocks(4096 * 8, 256, v3) == mp.PrefillBlocks(128, 32, 64, 64, 128, 64, 2, 3)  # wide
     v3_mx = RecordLayout.for_expert("mxfp4", 7168, 2048)
-    assert mp.prefill_blocks(4096 * 8, 256, v3_mx) == mp.PrefillBlocks(128, 32, 32, 64, 64, 64, 4, 4)
-    small = RecordLayout.for_expert("mxfp4", 96, 32)
-    assert mp.prefill_blocks(40, 8, small) == mp.PrefillBlocks(16, 16, 32, 32, 32, 32, 4, 4)
+    assert mp.prefill_blocks(4096 * 8, 256, v3_mx) == mp.PrefillBlocks(128, 32, 64, 64, 128, 64, 3, 3)
+    small = RecordLayout.for_expert("mxfp4", 96, 32)  # 32-element K steps: 2 stages (SAFE_BK)
+    assert mp.prefill_blocks(40, 8, small) == mp.PrefillBlocks(16, 16, 32, 32, 32, 32, 2, 2)
+    odd = RecordLayout.for_expert("nvfp4", 64, 48)  # BN and BK halve until they divide
+    assert mp.prefill_blocks(4096, 8, odd) == mp.PrefillBlocks(128, 32, 16, 64, 64, 16, 2, 2)
 
 
 def _case_pool(fmt: str, t: int, k: int, dim: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,17 +223,19 @@ def test_moe_prefill_at_deepseek_v3_size(poisoned, fmt, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("fmt", "bk", "stages"),
-    [("nvfp4", 128, 2), ("nvfp4", 64, 3), ("nvfp4", 32, 4), ("mxfp4", 64, 2), ("mxfp4", 64, 4), ("mxfp4", 32, 4)],
+    [("nvfp4", 128, 4), ("nvfp4", 64, 2), ("nvfp4", 64, 3), ("nvfp4", 32, 2), ("mxfp4", 64, 3), ("mxfp4", 32, 2)],
 )
-def test_moe_prefill_tiles_and_pipelines_on_the_gpu(poisoned, fmt, bk, stages):
-    """Each K step and pipeline depth the tile rules may pick, at 64 + 16 rows a block: mean 75 rows an expert,
-    so blocks with empty, partial and full tails and second blocks all occur."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_moe_prefill_tiles_and_pipelines_on_the_gpu(poisoned, fmt, bk, stages, wide):
+    """Each K step, pipeline depth and tile width the tile rules may pick, at 64 + 16 rows a block: mean 75 rows
+    an expert, so blocks with empty, partial and full tails and second blocks all occur."""
     gen = torch.Generator(device="cuda").manual_seed(bk + stages)
     layout, records, slots = _v3_pool(fmt, 16, gen)
     offsets = record_offsets(slots, records)
     ids = torch.rand(300, 16, generator=gen, device="cuda").topk(4).indices
     weights = torch.rand(300, 4, generator=gen, device="cuda") + 0.1
     x = torch.randn(300, layout.dim, generator=gen, device="cuda").bfloat16()
-    blocks = mp.PrefillBlocks(64, 16, 32, bk, 64, bk, stages, stages)
+    bn_up, bn_down = (64, 128) if wide else (32, 64)
+    blocks = mp.PrefillBlocks(64, 16, bn_up, bk, bn_down, bk, stages, stages)
     got = mp.moe_prefill(x, ids, weights, records, offsets, layout, blocks)
     assert not got.isnan().any() and _rel(got, moe_ref(x.double(), ids, weights, records, offsets, layout)) < 1e-2

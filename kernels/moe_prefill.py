@@ -44,8 +44,9 @@ TILES = {
     "nvfp4": ((32, 128, 64, 128, 4, 4), (64, 64, 128, 64, 2, 3)),
     "mxfp4": ((32, 64, 64, 64, 4, 4), (64, 64, 128, 64, 3, 3)),
 }
-# Triton 3.6 on an H100 summed wrongly (a few NaN or off outputs, varying by run) with K steps of 32 elements and 3 or
-# 4 stages (runs 38, 43); 2 were right. Steps below 64 elements, for dims that 64 does not divide, take 2 stages
+# Triton 3.6 on an H100 summed wrongly (a few NaN or off outputs, varying by run) with K steps of 32 elements and
+# 3 or 4 stages (docs/BENCHMARKS.md, runs 38, 39, 45); 2 were right. Steps below 64 elements (dims that 64 does not
+# divide) take 2 stages
 SAFE_BK = 64
 
 

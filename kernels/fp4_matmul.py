@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from dsfp4.kernels.fp4_decode import DECODE_TOKENS, E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
-from dsfp4.layout.formats import next_pow2
-from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_dequantize, nvfp4_dequantize
+from dsfp4.layout.formats import get_format, next_pow2
+from dsfp4.layout.fp4 import mxfp4_dequantize, nvfp4_dequantize
 
 GEMV_MAX_TOKENS = DECODE_TOKENS  # beyond it tensor cores beat per-token FMA (kernels-limits 4.1)
 GEMV_BLOCK_N = 16  # rows per GEMV program: many small programs keep the memory system busy
@@ -148,7 +148,7 @@ def fp4_matmul(
     activations beyond 16 tokens are multiplied as bf16)."""
     t, k = x.shape
     n = packed.shape[0]
-    group = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
+    group = get_format(fmt).block[1]
     assert packed.shape[1] * 2 == k and scale.shape == (n, k // group), "record part shapes do not fit x"
     assert g is None or (g.dtype == torch.float32 and g.is_contiguous()), "global scales: contiguous fp32"
     x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous().view(torch.uint8)

@@ -68,7 +68,7 @@ class MoEKernel:
 
 def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: int, dtype: torch.dtype) -> int:
     """Device memory the kernels hold for a call of `tokens` tokens: the decode workspaces (kept), and above
-    MAX_TOKENS the prefill's split activations, padded expert rows, per-pair outputs and result."""
+    MAX_TOKENS the prefill's padded expert rows, per-pair outputs, result and its sum with the shared experts'."""
     elt = torch.empty((), dtype=dtype).element_size()
     decode = decode_workspace_bytes(layout, top_k)
     if tokens <= MAX_TOKENS:

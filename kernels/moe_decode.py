@@ -42,8 +42,7 @@ from dsfp4.kernels.fp4_decode import (
     words_sums,
 )
 from dsfp4.kernels.moe_ref import ABSENT
-from dsfp4.layout.formats import next_pow2
-from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
+from dsfp4.layout.formats import get_format, next_pow2
 from dsfp4.layout.record import RecordLayout
 
 WORD_PAIR = 2  # code words per words_sums PTX call
@@ -383,7 +382,7 @@ class DecodeMoE:
         limit: float = 0.0,
     ):
         """limit: the SwiGLU clamp (kernels/swiglu.py), 0.0 for none."""
-        group = NVFP4_BLOCK if layout.format == "nvfp4" else MXFP4_BLOCK
+        group = get_format(layout.format).block[1]
         self.layout, self.top_k = layout, top_k
         self.config = c = (config or DecodeConfig()).fit(layout)
         assert min(c.bk1, c.bk1_wide, c.bk2) >= group, f"K steps must hold whole {group}-element scale blocks"

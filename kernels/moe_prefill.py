@@ -2,8 +2,10 @@
 on tensor cores, straight from the expert records (the formula and the record convention: moe_ref.py).
 
   1. `align_by_expert` (torch, fixed-size outputs, no host sync): pairs sorted by expert, each expert's run
-     padded to whole blocks of BLOCK_M rows, and the expert of every block (vLLM's moe_align_block_size).
-  2. gate+up: a program per (block, BN columns of the expert width) computes [2 BN weight rows, BLOCK_M pairs]
+     padded to whole blocks of block_m + tail_m rows, and the expert of every block (vLLM's
+     moe_align_block_size). The tail rows are a second, narrower MMA on the same decoded weights, skipped
+     while empty, so an expert a few rows over block_m does not decode its weights twice.
+  2. gate+up: a program per (block, BN columns of the expert width) computes [2 BN weight rows, block pairs]
      = W x^T: the weights are the MMA's left operand, decoded in registers (wgmma reads that operand from
      registers on Hopper, so decoded weights never pass through shared memory), the gathered activations
      the right one. Gate and up rows alternate by 8, so a thread holds both halves of the rows it owns, and
@@ -13,7 +15,7 @@ on tensor cores, straight from the expert records (the formula and the record co
 FP4 tiles are decoded to bf16 with the block scale in one bf16 product (NVFP4; fp4_decode.E4M3_LIFT), both
 nibbles of a byte side by side, so activations keep their natural column order. `moe_ref` (moe_ref.py) is
 the torch reference. Legend: T tokens, K experts per token, E routed experts, D dim, I expert width, G scale
-block, P = T * K pairs, L padded rows, B blocks of BLOCK_M rows.
+block, P = T * K pairs, L padded rows, B blocks of block_m + tail_m rows.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dsfp4.errors import FormatError
 from dsfp4.kernels.fp4_decode import E4M3_LIFT, E4M3_LIFT_UNBIAS, E8M0_LIFT, hw_e4m3, interpreted, triton
 from dsfp4.kernels.moe_ref import ABSENT, record_at
 from dsfp4.kernels.swiglu import swiglu
-from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK
+from dsfp4.layout.formats import get_format
 from dsfp4.layout.record import RecordLayout
 
 BLOCK_M_RANGE = (16, 128)  # tl.dot needs 16 rows; a [2 BN, 128] fp32 accumulator per program
@@ -124,17 +126,13 @@ def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> Prefil
             raise FormatError(f"moe_prefill needs expert dims that are multiples of {least}, got {n}")
         return b
 
-    group = _group(layout)
+    group = get_format(layout.format).block[1]
     bn_up, bk_up, bn_down, bk_down, st_up, st_down = TILES[layout.format][block_m >= WIDE_ROWS]
     d, i = layout.dim, layout.inter_dim
     bn_up, bn_down = fit(bn_up, i, BLOCK_M_RANGE[0]), fit(bn_down, d, BLOCK_M_RANGE[0])
     bk_up, bk_down = fit(bk_up, d, group), fit(bk_down, i, group)
     st_up, st_down = (st if bk >= SAFE_BK else 2 for st, bk in ((st_up, bk_up), (st_down, bk_down)))
     return PrefillBlocks(block_m, tail_rows(block_m), bn_up, bk_up, bn_down, bk_down, st_up, st_down)
-
-
-def _group(layout: RecordLayout) -> int:
-    return NVFP4_BLOCK if layout.format == "nvfp4" else MXFP4_BLOCK
 
 
 if triton is not None:
@@ -170,6 +168,42 @@ if triton is not None:
         return tl.reshape(tl.reshape(w, (R, BK // GROUP, GROUP)) * scale[:, :, None], (R, BK)).to(DOT)
 
     @triton.jit
+    def _block_rows(pairs_ptr, pid_m, n_pairs, BM: tl.constexpr, BT: tl.constexpr):
+        """Block pid_m's main and tail rows of the padded order, their pairs, which pairs are real, and whether the
+        tail holds one (a run fills its rows in order)."""
+        first = pid_m * (BM + BT)
+        rows, rows_t = first + tl.arange(0, BM), first + BM + tl.arange(0, BT)
+        pairs, pairs_t = tl.load(pairs_ptr + rows), tl.load(pairs_ptr + rows_t)  # [BM], [BT]
+        has_tail = tl.load(pairs_ptr + first + BM) < n_pairs
+        return rows, rows_t, pairs, pairs_t, pairs < n_pairs, pairs_t < n_pairs, has_tail
+
+    @triton.jit
+    def _block_mma(
+        a_ptrs, a_ptrs_t, valid, valid_t, has_tail, w_ptr, s_ptr, wrows,
+        K: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, HW_E4M3: tl.constexpr,
+        USE_ASM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """W[wrows] a^T over K for a block's main rows (a_ptrs [BM, BK] at column 0) and tail rows (a_ptrs_t
+        [BT, BK]) -> (acc [R, BM], acc_t [R, BT]) fp32: each decoded weight tile feeds both MMAs, and a loop
+        without the tail's runs when it is empty (acc_t stays 0). Rows that are not real are not read."""
+        R: tl.constexpr = wrows.shape[0]
+        acc = tl.zeros((R, a_ptrs.shape[0]), dtype=tl.float32)
+        acc_t = tl.zeros((R, a_ptrs_t.shape[0]), dtype=tl.float32)
+        if has_tail:
+            for kb in range(0, K, BK):
+                a = tl.load(a_ptrs + kb, mask=valid[:, None], other=0.0).to(DOT)  # [BM, BK]
+                a_t = tl.load(a_ptrs_t + kb, mask=valid_t[:, None], other=0.0).to(DOT)  # [BT, BK]
+                w = _fp4_rows(w_ptr, s_ptr, wrows, kb, K, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)  # [R, BK]
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+                acc_t = tl.dot(w, tl.trans(a_t), acc_t, input_precision=PRECISION)
+        else:
+            for kb in range(0, K, BK):
+                a = tl.load(a_ptrs + kb, mask=valid[:, None], other=0.0).to(DOT)  # [BM, BK]
+                w = _fp4_rows(w_ptr, s_ptr, wrows, kb, K, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+        return acc, acc_t
+
+    @triton.jit
     def _gate_up_store(
         acc, rows, pairs, valid, rw_ptr, act_ptr, g_gate, g_up, col0,
         INTER: tl.constexpr, LIMIT: tl.constexpr, EMULATE_RNE: tl.constexpr,
@@ -203,29 +237,16 @@ if triton is not None:
         if off == _ABSENT:  # the down kernel writes these pairs' zeros
             return
         wbase = rec_ptr + tl.multiple_of(off, 16)
-        rows = pid_m * (BM + BT) + tl.arange(0, BM)
-        rows_t = pid_m * (BM + BT) + BM + tl.arange(0, BT)
-        pairs, pairs_t = tl.load(pairs_ptr + rows), tl.load(pairs_ptr + rows_t)  # [BM], [BT]
-        valid, valid_t = pairs < n_pairs, pairs_t < n_pairs
+        rows, rows_t, pairs, pairs_t, valid, valid_t, has_tail = _block_rows(pairs_ptr, pid_m, n_pairs, BM, BT)
         # weight row c: 8 gate rows, then the same 8 up rows (a thread of the MMA holds rows r and r + 8)
         c = tl.arange(0, 2 * BN)
         wrows = pid_n * BN + (c // 16) * 8 + c % 8 + ((c // 8) % 2) * INTER
         xp = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * D + tl.arange(0, BK)[None, :]
         xp_t = x_ptr + (pairs_t // TOP_K).to(tl.int64)[:, None] * D + tl.arange(0, BK)[None, :]
-        acc = tl.zeros((2 * BN, BM), dtype=tl.float32)
-        acc_t = tl.zeros((2 * BN, BT), dtype=tl.float32)
-        if tl.load(pairs_ptr + pid_m * (BM + BT) + BM) < n_pairs:  # a run fills its rows in order
-            for kb in range(0, D, BK):
-                x = tl.load(xp + kb, mask=valid[:, None], other=0.0).to(DOT)  # [BM, BK]
-                x_t = tl.load(xp_t + kb, mask=valid_t[:, None], other=0.0).to(DOT)  # [BT, BK]
-                w = _fp4_rows(wbase + W13, wbase + S13, wrows, kb, D, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [2 BN, BM]
-                acc_t = tl.dot(w, tl.trans(x_t), acc_t, input_precision=PRECISION)  # [2 BN, BT]
-        else:
-            for kb in range(0, D, BK):
-                x = tl.load(xp + kb, mask=valid[:, None], other=0.0).to(DOT)  # [BM, BK]
-                w = _fp4_rows(wbase + W13, wbase + S13, wrows, kb, D, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [2 BN, BM]
+        acc, acc_t = _block_mma(
+            xp, xp_t, valid, valid_t, has_tail, wbase + W13, wbase + S13, wrows, D, BK, GROUP, E8M0, HW_E4M3,
+            USE_ASM, DOT, PRECISION,
+        )  # fmt: skip
         g_gate, g_up = UNBIAS, UNBIAS
         if G >= 0:  # NVFP4 global scales of w1 and w3
             gp = (wbase + G).to(tl.pointer_type(tl.float32))
@@ -248,10 +269,7 @@ if triton is not None:
         e = tl.load(experts_ptr + pid_m)
         if e < 0:
             return
-        rows = pid_m * (BM + BT) + tl.arange(0, BM)
-        rows_t = pid_m * (BM + BT) + BM + tl.arange(0, BT)
-        pairs, pairs_t = tl.load(pairs_ptr + rows), tl.load(pairs_ptr + rows_t)
-        valid, valid_t = pairs < n_pairs, pairs_t < n_pairs
+        rows, rows_t, pairs, pairs_t, valid, valid_t, has_tail = _block_rows(pairs_ptr, pid_m, n_pairs, BM, BT)
         cols = pid_n * BN + tl.arange(0, BN)
         out = out_ptr + pairs.to(tl.int64)[None, :] * D + cols[:, None]  # [BN, BM]
         out_t = out_ptr + pairs_t.to(tl.int64)[None, :] * D + cols[:, None]  # [BN, BT]
@@ -264,20 +282,12 @@ if triton is not None:
         wbase = rec_ptr + tl.multiple_of(off, 16)
         ap = act_ptr + rows.to(tl.int64)[:, None] * INTER + tl.arange(0, BK)[None, :]
         ap_t = act_ptr + rows_t.to(tl.int64)[:, None] * INTER + tl.arange(0, BK)[None, :]
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_t = tl.zeros((BN, BT), dtype=tl.float32)
-        # gate_up wrote every row of the block (padding: zeros)
-        if tl.load(pairs_ptr + pid_m * (BM + BT) + BM) < n_pairs:
-            for kb in range(0, INTER, BK):
-                a, a_t = tl.load(ap + kb).to(DOT), tl.load(ap_t + kb).to(DOT)  # [BM, BK], [BT, BK]
-                w = _fp4_rows(wbase + W2, wbase + S2, cols, kb, INTER, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
-                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
-                acc_t = tl.dot(w, tl.trans(a_t), acc_t, input_precision=PRECISION)
-        else:
-            for kb in range(0, INTER, BK):
-                a = tl.load(ap + kb).to(DOT)  # [BM, BK]
-                w = _fp4_rows(wbase + W2, wbase + S2, cols, kb, INTER, BK, GROUP, E8M0, HW_E4M3, USE_ASM, DOT)
-                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+        # gate_up wrote every row of the block (padding: zeros), so all load unmasked: masks cost 12% (run 48)
+        every, every_t = tl.full((BM,), True, tl.int1), tl.full((BT,), True, tl.int1)
+        acc, acc_t = _block_mma(
+            ap, ap_t, every, every_t, has_tail, wbase + W2, wbase + S2, cols, INTER, BK, GROUP, E8M0, HW_E4M3,
+            USE_ASM, DOT, PRECISION,
+        )  # fmt: skip
         scale = UNBIAS
         if G >= 0:  # NVFP4 global scale of w2
             scale = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * UNBIAS
@@ -298,7 +308,7 @@ def _grid(n_cols: int, block_experts: torch.Tensor) -> tuple[int, int]:
 
 
 def _constants(layout: RecordLayout, blocks: PrefillBlocks, dtype: torch.dtype, device: torch.device) -> dict:
-    group = _group(layout)
+    group = get_format(layout.format).block[1]
     assert blocks.bk_up % group == 0 and blocks.bk_down % group == 0, f"K steps must hold whole {group}-blocks"
     nvfp4 = layout.format == "nvfp4"
     return dict(

@@ -37,8 +37,7 @@ from dsfp4.kernels.fp4_decode import block_scale, e2m1_halves, hw_e4m3, interpre
 from dsfp4.kernels.moe_decode import DecodeMoE, _down_kernel, _gate_up_kernel, _group_sums  # noqa: E402
 from dsfp4.kernels.moe_ref import record_at, record_offsets  # noqa: E402
 from dsfp4.kernels.swiglu import swiglu_tl  # noqa: E402
-from dsfp4.layout.formats import next_pow2  # noqa: E402
-from dsfp4.layout.fp4 import MXFP4_BLOCK, NVFP4_BLOCK  # noqa: E402
+from dsfp4.layout.formats import get_format, next_pow2  # noqa: E402
 
 TILINGS = ((32, 128), (16, 256), (8, 512), (4, 1024), (8, 1024))  # (rows per program, bytes per row per chunk)
 GU_MATHS = (("f32", "x2"), ("f32", "split"), ("f16", "split"), ("hfma2", "x2"), ("hfma2", "split"),
@@ -293,7 +292,7 @@ class Case:
         """The record's and the device's compile-time constants, and v's warps."""
         p = {part.name: part.offset for part in self.layout.parts}
         return dict(D=self.layout.dim, INTER=self.layout.inter_dim, W13=p["w13"], S13=p["w13_scale"], W2=p["w2"],
-                    S2=p["w2_scale"], G=p.get("scale_2", -1), GROUP=NVFP4_BLOCK if self.fmt == "nvfp4" else MXFP4_BLOCK,
+                    S2=p["w2_scale"], G=p.get("scale_2", -1), GROUP=get_format(self.fmt).block[1],
                     E8M0=self.fmt == "mxfp4", HW_E4M3=hw_e4m3(bk.DEV), USE_ASM=not interpreted(),
                     num_warps=v.warps)  # fmt: skip
 

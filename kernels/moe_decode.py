@@ -1,6 +1,8 @@
 """The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in a few small launches.
 
-  0. (bf16 and fp16 x, words) x scaled per token by a power of two, in fp16, permuted to meet whole code words.
+  0. (bf16 and fp16 x, words) x scaled per token by a power of two, in fp16, permuted to meet whole code words;
+     and (two tokens or more) in one more program of the same launch the plan: each expert's run, the pairs
+     that chose it, found once for launches 1 and 2 instead of by each of their programs.
   1. gate+up: a program per (pair, BN1 rows of the expert width). Only the first pair to choose an expert
      works: it reads the expert's rows once for every token that chose it (its run) and writes
      silu(gate) * up * routing weight to an fp32 row per pair, even elements first, so launch 2 loads
@@ -164,33 +166,52 @@ if triton is not None:
         return dot
 
     @triton.jit
-    def _prep_kernel(x_ptr, stride_xt, xq_ptr, inv_ptr, D: tl.constexpr, BD: tl.constexpr):
-        """Row t of x for words_sums: times 2^s (largest |x| in [2^14, 2^15), so no fp16 product overflows
-        or loses much to subnormals), fp16, each 8 elements in the order 0 4 1 5 2 6 3 7; and 2^-s."""
-        t = tl.program_id(0)
-        i = tl.arange(0, BD)
-        x = tl.load(x_ptr + t * stride_xt + i, mask=i < D, other=0).to(tl.float32)
-        s = tl.floor(-tl.log2(tl.maximum(tl.max(tl.abs(x), 0), 1e-30)) + _X16_TOP_EXP)
-        dest = i - i % 8 + 2 * (i % 4) + (i % 8) // 4
-        tl.store(xq_ptr + t * D + dest, (x * tl.exp2(s)).to(tl.float16), mask=i < D)
-        tl.store(inv_ptr + t, tl.exp2(-s))
+    def _plan(ids_ptr, plan_ptr, n_pairs, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr):
+        """Every pair's run, found once for both launches: row p of plan [P, 1 + RUN_PAD] holds how many pairs chose
+        p's expert if p is the first of them (its leader), else 0, then (leader rows) those pairs in order."""
+        p = tl.arange(0, P_PAD)
+        live = p < n_pairs
+        e = tl.load(ids_ptr + p, mask=live, other=-1)
+        match = (e[:, None] == e[None, :]) & live[:, None] & live[None, :]  # [P_PAD, P_PAD]: same expert
+        rank = tl.sum((match & (p[None, :] < p[:, None])).to(tl.int32), 1)  # p's position in its run
+        lead = tl.min(tl.where(match, p[None, :], P_PAD), 1)  # its run's first pair
+        n_run = tl.sum(match.to(tl.int32), 1)
+        tl.store(plan_ptr + p * (1 + RUN_PAD), tl.where(rank == 0, n_run, 0), mask=live)
+        tl.store(plan_ptr + lead * (1 + RUN_PAD) + 1 + rank, p, mask=live)
 
     @triton.jit
-    def _run(ids_ptr, p, n_pairs, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr):
+    def _prep_kernel(
+        x_ptr, stride_xt, xq_ptr, inv_ptr, n_rows, ids_ptr, plan_ptr, n_pairs,
+        D: tl.constexpr, BD: tl.constexpr, PLAN: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
+    ):  # fmt: skip
+        """Programs below n_rows: row t of x for words_sums, times 2^s (largest |x| in [2^14, 2^15), so no fp16
+        product overflows or loses much to subnormals), fp16, each 8 elements in the order 0 4 1 5 2 6 3 7; and
+        2^-s. PLAN: one more program, the plan (_plan), in the same launch (a launch of its own cost 2.5 us more)."""
+        t = tl.program_id(0)
+        if t < n_rows:
+            i = tl.arange(0, BD)
+            x = tl.load(x_ptr + t * stride_xt + i, mask=i < D, other=0).to(tl.float32)
+            s = tl.floor(-tl.log2(tl.maximum(tl.max(tl.abs(x), 0), 1e-30)) + _X16_TOP_EXP)
+            dest = i - i % 8 + 2 * (i % 4) + (i % 8) // 4
+            tl.store(xq_ptr + t * D + dest, (x * tl.exp2(s)).to(tl.float16), mask=i < D)
+            tl.store(inv_ptr + t, tl.exp2(-s))
+        if PLAN:  # noqa: SIM102 (a constexpr test apart: no plan code at all in launch 1b)
+            if t == n_rows:
+                _plan(ids_ptr, plan_ptr, n_pairs, P_PAD, RUN_PAD)
+
+    @triton.jit
+    def _run(ids_ptr, plan_ptr, p, RUN_PAD: tl.constexpr):
         """Expert e of pair p; whether p is the first pair to choose it; the pairs that chose it (its run,
         qs [RUN_PAD]) and how many (a token picks an expert once, so at most one pair per token)."""
         e = tl.load(ids_ptr + p).to(tl.int32)
         lanes = tl.arange(0, RUN_PAD)
-        if RUN_PAD == 1:  # one token: every pair is its own run and leads it, no scan of the others
+        if RUN_PAD == 1:  # one token: every pair is its own run and leads it, no plan
             leader, qs, n_run = tl.full((), 1, tl.int1), lanes + p, tl.full((), 1, tl.int32)  # constants fold
-        else:
-            plane = tl.arange(0, P_PAD)
-            pair_e = tl.load(ids_ptr + plane, mask=plane < n_pairs, other=-1).to(tl.int32)  # [P_PAD]
-            match = pair_e == e
-            leader = tl.sum((match & (plane < p)).to(tl.int32), 0) == 0
-            rank = tl.cumsum(match.to(tl.int32), 0) - 1  # position of each matching pair in the run
-            qs = tl.sum(tl.where(match[None, :] & (rank[None, :] == lanes[:, None]), plane[None, :], 0), 1)
-            n_run = tl.sum(match.to(tl.int32), 0)
+        else:  # from _plan: thousands of programs each scanning every pair cost 5% of the time at 8 tokens, 12% at 16
+            row = plan_ptr + p * (1 + RUN_PAD)
+            n_run = tl.load(row)
+            qs = tl.load(row + 1 + lanes)
+            leader = n_run > 0
         return e, leader, qs, lanes, n_run
 
     @triton.jit
@@ -202,9 +223,9 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(
-        x_ptr, xq_ptr, inv_ptr, ids_ptr, rw_ptr, rec_ptr, off_ptr, act_ptr, T, stride_xt,
+        x_ptr, xq_ptr, inv_ptr, ids_ptr, plan_ptr, rw_ptr, rec_ptr, off_ptr, act_ptr, stride_xt,
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W13: tl.constexpr, S13: tl.constexpr,
-        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
+        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, RUN_PAD: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr, LIMIT: tl.constexpr,
         WORDS: tl.constexpr, HALVES: tl.constexpr,
     ):  # fmt: skip
@@ -212,7 +233,7 @@ if triton is not None:
         WORDS: fp16 products on the code words, x from _prep_kernel (xq: i64 quads, inv: 2^-s per token).
         HALVES: activations even elements first (for down's fp32 products), else in order."""
         nb = INTER // BN
-        e, leader, qs, lanes, n_run = _run(ids_ptr, tl.program_id(0) // nb, T * K, P_PAD, RUN_PAD)
+        e, leader, qs, lanes, n_run = _run(ids_ptr, plan_ptr, tl.program_id(0) // nb, RUN_PAD)
         off = tl.load(off_ptr + e)
         if leader & (off != _ABSENT):
             wbase = rec_ptr + tl.multiple_of(off, 16)  # offsets are multiples of 16 (record_offsets asserts it)
@@ -247,9 +268,9 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        ids_ptr, rec_ptr, off_ptr, act_ptr, inv_ptr, out_ptr, T,
+        ids_ptr, plan_ptr, rec_ptr, off_ptr, act_ptr, inv_ptr, out_ptr,
         K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, W2: tl.constexpr, S2: tl.constexpr,
-        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
+        G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, RUN_PAD: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, HW_E4M3: tl.constexpr, WORDS: tl.constexpr,
     ):  # fmt: skip
         """Launch 2: BN rows of one expert's W2 times the activation of every pair that chose it; pairs of an
@@ -257,7 +278,7 @@ if triton is not None:
         act: fp32 rows in halves, or (WORDS) i64 quads from _prep_kernel with inv: 2^-s per pair."""
         nb = D // BN
         p = tl.program_id(0) // nb
-        e, leader, qs, lanes, n_run = _run(ids_ptr, p, T * K, P_PAD, RUN_PAD)
+        e, leader, qs, lanes, n_run = _run(ids_ptr, plan_ptr, p, RUN_PAD)
         off = tl.load(off_ptr + e)
         rows = (tl.program_id(0) % nb) * BN + tl.arange(0, BN)
         if off == _ABSENT:
@@ -327,9 +348,9 @@ class DecodeConfig:
     # combine at one token: V3's 7168 columns in 56 programs of one warp, one 16-byte load per thread and pair
     bn3: int = 128
     # from wide_from tokens on, gate+up reads 32 rows x 512 B per step (each tile serves more tokens): 84% of the
-    # H100's ceiling at 3 and 4 tokens, 80-81% at 8, against 79-80%, 79% and 77% on the narrow tile; the narrow
-    # one stays for 1 and 2 tokens (78% and 80%, against 74% and 77% wide; docs/BENCHMARKS.md)
-    wide_from: int = 3
+    # H100's ceiling at 3 and 4 tokens against 79-80% and 79% on the narrow tile; at 2 tokens, since the plan,
+    # gate+up takes 99 us against the narrow tile's 107. 1 token keeps the narrow one (78% against 74%)
+    wide_from: int = 2
     bn1_wide: int = 16
     bk1_wide: int = 1024
 
@@ -364,9 +385,10 @@ def combine_ref(out: torch.Tensor, t: int, k: int, dtype: torch.dtype, add: torc
 
 def workspace_bytes(layout: RecordLayout, top_k: int) -> int:
     """Device memory a DecodeMoE holds: per pair an fp32 activation row, its fp16 copy and 2^-s for the down
-    words and an fp32 output row; per token x in fp16 and its 2^-s."""
+    words, an fp32 output row and its run (i32); per token x in fp16 and its 2^-s."""
     pairs = MAX_TOKENS * top_k
-    return pairs * (layout.inter_dim * (4 + 2) + 4 + layout.dim * 4) + MAX_TOKENS * (layout.dim * 2 + 4)
+    per_pair = layout.inter_dim * (4 + 2) + 4 + layout.dim * 4 + (1 + MAX_TOKENS) * 4
+    return pairs * per_pair + MAX_TOKENS * (layout.dim * 2 + 4)
 
 
 class DecodeMoE:
@@ -407,6 +429,7 @@ class DecodeMoE:
         self.act_inv = torch.empty(pairs, dtype=torch.float32, device=device)
         self.act_quads = self.act_q.view(torch.int64)
         self.out = torch.empty(pairs, d, dtype=torch.float32, device=device)
+        self.plan = torch.empty(pairs, 1 + MAX_TOKENS, dtype=torch.int32, device=device)  # _plan's runs
         p = {part.name: part.offset for part in layout.parts}
         common = dict(
             K=top_k, D=d, INTER=i, G=p.get("scale_2", -1), GROUP=group, E8M0=layout.format == "mxfp4",
@@ -431,21 +454,28 @@ class DecodeMoE:
         assert x.shape[1] == self.layout.dim and x.stride(1) == 1 and records.shape[1] == self.layout.nbytes
         assert records.data_ptr() % 16 == 0, "records: a 16-byte aligned u8 slot pool"
         ids, weights, offsets = ids.contiguous(), weights.float().contiguous(), offsets.contiguous()
-        run = dict(P_PAD=next_pow2(t * k), RUN_PAD=next_pow2(t))
+        run = dict(RUN_PAD=next_pow2(t))
         c, d, i = self.config, self.layout.dim, self.layout.inter_dim
         exact = x.dtype == torch.float32  # fp32 runs (the exact ones) keep fp32 products
         bn1, bk1 = c.gate_up(t)
         words1, words2 = self.words1[bn1, bk1] and not exact, self.words2 and not exact
-        if words1:
-            _prep_kernel[(t,)](x, x.stride(0), self.xq, self.inv, D=d, BD=next_pow2(d))
+        rows, plan = t if words1 else 0, t > 1  # one token needs no plan: every pair leads its own run
+        if rows or plan:
+            _prep_kernel[(rows + plan,)](
+                x, x.stride(0), self.xq, self.inv, rows, ids, self.plan, t * k, D=d, BD=next_pow2(d), PLAN=plan,
+                P_PAD=next_pow2(t * k), **run,
+            )  # fmt: skip
         _gate_up_kernel[(t * k * (i // bn1),)](
-            x, self.quads, self.inv, ids, weights, records, offsets, self.act, t, x.stride(0), **run, **self.phase1,
-            BN=bn1, BK=bk1, WORDS=words1, HALVES=not words2,
+            x, self.quads, self.inv, ids, self.plan, weights, records, offsets, self.act, x.stride(0), **run,
+            **self.phase1, BN=bn1, BK=bk1, WORDS=words1, HALVES=not words2,
         )  # fmt: skip
         if words2:  # absent experts' pairs prepare whatever their rows hold: down never reads them
-            _prep_kernel[(t * k,)](self.act, i, self.act_q, self.act_inv, D=i, BD=next_pow2(i))
+            _prep_kernel[(t * k,)](
+                self.act, i, self.act_q, self.act_inv, t * k, ids, self.plan, 0, D=i, BD=next_pow2(i), PLAN=False,
+                P_PAD=1, RUN_PAD=1,
+            )  # fmt: skip
         _down_kernel[(t * k * (d // c.bn2),)](
-            ids, records, offsets, self.act_quads if words2 else self.act, self.act_inv, self.out, t, **run,
+            ids, self.plan, records, offsets, self.act_quads if words2 else self.act, self.act_inv, self.out, **run,
             **self.phase2, WORDS=words2,
         )  # fmt: skip
         return self.combine(t, x.dtype, add)

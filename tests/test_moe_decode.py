@@ -32,6 +32,7 @@ def _poisoned(kernel: DecodeMoE) -> DecodeMoE:
     """Every workspace NaN: each row read must have been written in the same call."""
     for w in (kernel.xq, kernel.inv, kernel.act, kernel.act_q, kernel.act_inv, kernel.out):
         w.fill_(float("nan"))
+    kernel.plan.fill_(-1)  # a stale plan row leads no run: its pairs' rows stay NaN
     return kernel
 
 
@@ -115,7 +116,7 @@ def test_decode_config_fits_a_small_layout_and_workspace_bytes_counts_the_worksp
     layout = RecordLayout.for_expert("mxfp4", 64, 32)
     fitted = dict(bn1=16, bk1=64, bn2=32, bk2=32, num_warps2=4, bn3=64, bn1_wide=16, bk1_wide=64)
     assert WORDS["both"].fit(layout) == DecodeConfig(**fitted)
-    assert WORDS["both"].gate_up(2) == (16, 64) and DecodeConfig(bn1=8).fit(layout).gate_up(3) == (16, 64)
+    assert WORDS["both"].gate_up(1) == (16, 64) and DecodeConfig(bn1=8).fit(layout).gate_up(3) == (16, 64)
     small = DecodeMoE(layout, 3, "cpu", DecodeConfig(bn1=8, bk1=64, bn2=8, bk2=32))  # 64 and 32 words a chunk
     # fewer than two words per thread (the narrow gate+up tile, down): fp32 products; the wide tile has 128
     assert small.words and small.words1 == {(8, 64): False, (16, 64): True} and not small.words2
@@ -261,7 +262,7 @@ def test_narrow_and_wide_gate_up_tiles_both_match_the_reference(t):
     layout, records, offsets = slot_pool("nvfp4", 64, 64, 6, gen, absent=(2,))
     ids, weights = routing(t, 3, 6, gen)
     x = torch.randn(t, layout.dim, generator=gen) * 3
-    config = dataclasses.replace(FP32, bn1=4, bk1=32, bn1_wide=16, bk1_wide=64)
+    config = dataclasses.replace(FP32, bn1=4, bk1=32, bn1_wide=16, bk1_wide=64, wide_from=3)
     assert config.gate_up(2) == (4, 32) and config.gate_up(3) == (16, 64)
     got = _poisoned(DecodeMoE(layout, 3, DEVICE, config))(*(a.to(DEVICE) for a in (x, ids, weights, records, offsets)))
     assert _rel(got.cpu(), moe_ref(x.double(), ids, weights, records, offsets, layout)) < 1e-5

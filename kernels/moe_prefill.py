@@ -37,14 +37,16 @@ BLOCK_M_RANGE = (16, 128)  # tl.dot needs 16 rows; a [2 BN, 128] fp32 accumulato
 BLOCK_M_HEADROOM = 1.25  # a block holds 1.25x the mean rows per expert, so most experts fit in one
 TAIL_SHARE = 4  # a block's tail holds block_m / 4 rows (at least 16): the rows past a power of two
 NUM_WARPS = 4  # one warpgroup: its MMA takes 64 decoded weight rows (2 BN of gate+up, BN of down) from registers
-WIDE_ROWS = 64  # blocks of at least this many main rows take the wide tiles below
-# (bn_up, bk_up, bn_down, bk_down, stages_up, stages_down) by format, for narrow and wide blocks, chosen by H100
-# sweeps (docs/BENCHMARKS.md). A program re-reads its block's activations from L2 for every BN columns, which
-# bounds big blocks: 64 gate+up columns (two MMAs of 64 rows) and 128 down columns per program there. Small
-# blocks keep narrow tiles, which give more programs to fill the SMs. 2-4 stages keep two programs an SM.
+# (bn_up, bk_up, bn_down, bk_down, stages_up, stages_down) by format and block_m, chosen by H100 sweeps
+# (docs/BENCHMARKS.md). A program re-reads its block's activations from L2 for every BN columns, which bounds big
+# blocks: 64 gate+up columns (two MMAs of 64 rows) and 128 down columns per program from 64 rows on. Smaller
+# blocks keep narrow tiles, which give more programs to fill the SMs. Stages as swept per block size: NVFP4 takes 3
+# up to 64 main rows (4 measured 20-25% slower at 32 and 64) and 2 for gate+up at 128, where 3 left one program an SM
+_NARROW_NV, _WIDE = (32, 128, 64, 128, 3, 3), (64, 64, 128, 64, 3, 3)
+_NARROW_MX = (32, 64, 64, 64, 4, 4)
 TILES = {
-    "nvfp4": ((32, 128, 64, 128, 4, 4), (64, 64, 128, 64, 2, 3)),
-    "mxfp4": ((32, 64, 64, 64, 4, 4), (64, 64, 128, 64, 3, 3)),
+    "nvfp4": {16: _NARROW_NV, 32: _NARROW_NV, 64: _WIDE, 128: (64, 64, 128, 64, 2, 3)},
+    "mxfp4": {16: _NARROW_MX, 32: _NARROW_MX, 64: _WIDE, 128: _WIDE},
 }
 # Triton 3.6 on an H100 summed wrongly (a few NaN or off outputs, varying by run) with K steps of 32 elements and
 # 3 or 4 stages (docs/BENCHMARKS.md, runs 38, 39, 45); 2 were right. Steps below 64 elements (dims that 64 does not
@@ -127,7 +129,7 @@ def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> Prefil
         return b
 
     group = get_format(layout.format).block[1]
-    bn_up, bk_up, bn_down, bk_down, st_up, st_down = TILES[layout.format][block_m >= WIDE_ROWS]
+    bn_up, bk_up, bn_down, bk_down, st_up, st_down = TILES[layout.format][block_m]
     d, i = layout.dim, layout.inter_dim
     bn_up, bn_down = fit(bn_up, i, BLOCK_M_RANGE[0]), fit(bn_down, d, BLOCK_M_RANGE[0])
     bk_up, bk_down = fit(bk_up, d, group), fit(bk_down, i, group)

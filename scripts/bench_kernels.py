@@ -215,7 +215,7 @@ def bench_prefill(hbm: float) -> list[dict]:
     for fmt in ("nvfp4", "mxfp4"):
         layout, records = expert_pool(fmt, gen)
         offsets = record_offsets(torch.randperm(EXPERTS, device=DEV), records)
-        for t in (512, 2048, 4096) if fmt == "nvfp4" else (4096,):
+        for t in (512, 1024, 2048, 4096) if fmt == "nvfp4" else (4096,):
             routes = routings(t, torch.Generator().manual_seed(t), 2)
             x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
             n_experts = offsets.numel()

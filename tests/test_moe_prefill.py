@@ -70,8 +70,14 @@ def test_block_sizes_follow_the_pairs_per_expert():
     blocks = [mp.prefill_blocks(t * 8, 256, v3) for t in tokens]
     assert [(b.block_m, b.tail_m) for b in blocks] == [(16, 16), (16, 16), (32, 16), (64, 16), (128, 32), (128, 32)]
     assert all(b.rows >= 1.25 * t * 8 / 256 for b, t in zip(blocks, tokens, strict=True) if b.block_m < 128)
-    assert mp.prefill_blocks(512 * 8, 256, v3) == mp.PrefillBlocks(16, 16, 32, 128, 64, 128, 4, 4)  # narrow
-    assert mp.prefill_blocks(4096 * 8, 256, v3) == mp.PrefillBlocks(128, 32, 64, 64, 128, 64, 2, 3)  # wide
+    assert set(mp.TILES["nvfp4"]) == set(mp.TILES["mxfp4"]) == {16, 32, 64, 128}  # every block_m the rule picks
+    narrow, wide = (32, 128, 64, 128, 3, 3), (64, 64, 128, 64)
+    assert [mp.prefill_blocks(t * 8, 256, v3) for t in (512, 1024, 2048, 4096)] == [
+        mp.PrefillBlocks(16, 16, *narrow),
+        mp.PrefillBlocks(32, 16, *narrow),
+        mp.PrefillBlocks(64, 16, *wide, 3, 3),
+        mp.PrefillBlocks(128, 32, *wide, 2, 3),  # 3 gate+up stages would leave one program an SM
+    ]
     v3_mx = RecordLayout.for_expert("mxfp4", 7168, 2048)
     assert mp.prefill_blocks(4096 * 8, 256, v3_mx) == mp.PrefillBlocks(128, 32, 64, 64, 128, 64, 3, 3)
     small = RecordLayout.for_expert("mxfp4", 96, 32)  # 32-element K steps: 2 stages (SAFE_BK)
@@ -223,7 +229,15 @@ def test_moe_prefill_at_deepseek_v3_size(poisoned, fmt, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("fmt", "bk", "stages"),
-    [("nvfp4", 128, 4), ("nvfp4", 64, 2), ("nvfp4", 64, 3), ("nvfp4", 32, 2), ("mxfp4", 64, 3), ("mxfp4", 32, 2)],
+    [
+        ("nvfp4", 128, 3),
+        ("nvfp4", 64, 2),
+        ("nvfp4", 64, 3),
+        ("nvfp4", 32, 2),
+        ("mxfp4", 64, 3),
+        ("mxfp4", 64, 4),
+        ("mxfp4", 32, 2),
+    ],
 )
 @pytest.mark.parametrize("wide", [False, True])
 def test_moe_prefill_tiles_and_pipelines_on_the_gpu(poisoned, fmt, bk, stages, wide):

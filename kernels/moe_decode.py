@@ -177,7 +177,7 @@ if triton is not None:
         lead = tl.min(tl.where(match, p[None, :], P_PAD), 1)  # its run's first pair
         n_run = tl.sum(match.to(tl.int32), 1)
         tl.store(plan_ptr + p * (1 + RUN_PAD), tl.where(rank == 0, n_run, 0), mask=live)
-        tl.store(plan_ptr + lead * (1 + RUN_PAD) + 1 + rank, p, mask=live)
+        tl.store(plan_ptr + lead * (1 + RUN_PAD) + 1 + rank, p, mask=live & (rank < RUN_PAD))  # in its row, always
 
     @triton.jit
     def _prep_kernel(

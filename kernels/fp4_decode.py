@@ -54,22 +54,22 @@ def _words_ptx() -> str:
     return "\n".join([*lines, "mov.b32 $1, $0;", "}"])
 
 
-def _placement_ptx(mag_low: int, mag_high: int, mag_mask: int) -> str:
-    """PTX placing the 8 codes of 4 bytes (b0..b3 in $4) as 16-bit floats: prmt spreads two bytes into the two
-    halves of a register, then sign (bit 3 or 7) goes to bit 15 and magnitude (bits 0-2 or 4-6) is shifted left by
-    mag_low or mag_high and masked. $0, $1: low nibbles of b0 b1, b2 b3; $2, $3: their high nibbles."""
+def _fp16_placement_ptx() -> str:
+    """PTX placing the 8 codes of 4 bytes (b0..b3 in $4) as fp16 code * 2^-14: prmt spreads two bytes into the two
+    halves of a register, then sign (bit 3 or 7) goes to bit 15 and magnitude (bits 0-2 or 4-6) to bits 9-11.
+    $0, $1: low nibbles of b0 b1, b2 b3; $2, $3: their high nibbles."""
     lines = ["{", ".reg .b32 t01, t23, a, b;", "prmt.b32 t01, $4, 0, 0x4140;", "prmt.b32 t23, $4, 0, 0x4342;"]
     out = 0
-    for sign, mag in ((12, mag_low), (8, mag_high)):
+    for sign, mag in ((12, 9), (8, 5)):  # the low nibble's bits, then the high nibble's (4 bits further up)
         for t in ("t01", "t23"):
             lines += [f"shl.b32 a, {t}, {sign};", "and.b32 a, a, 0x80008000;", f"shl.b32 b, {t}, {mag};"]
-            lines += [f"and.b32 b, b, {mag_mask:#010x};", f"or.b32 ${out}, b, a;"]
+            lines += ["and.b32 b, b, 0x0e000e00;", f"or.b32 ${out}, b, a;"]
             out += 1
     return "\n".join([*lines, "}"])
 
 
 def _bf16_placement_ptx() -> str:
-    """_placement_ptx's outputs for bf16 (sign to bit 15, magnitude to bits 6-8) in 14 ops for 8 codes instead of 18:
+    """_fp16_placement_ptx's outputs for bf16 (sign to bit 15, magnitude to bits 6-8) in 14 ops for 8 codes, not 18:
     prmt puts b0 b1 (then b2 b3) in bytes 1 and 3 with zero bytes below them, so the low nibble's sign (bit 11)
     and magnitude (bits 8-10) reach bits 15 and 6-8 by shifts whose other bits land on zeros, and one and/or of
     three inputs merges them; the high nibble's sign is already at bit 15."""
@@ -114,7 +114,7 @@ def hw_e4m3(device: torch.device) -> bool:
 
 
 if triton is not None:
-    _FP16_PTX = tl.constexpr(_placement_ptx(9, 5, 0x0E000E00))  # magnitude to bits 9-11: code * 2^-14 in fp16
+    _FP16_PTX = tl.constexpr(_fp16_placement_ptx())  # magnitude to bits 9-11: code * 2^-14 in fp16
     _BF16_PTX = tl.constexpr(_bf16_placement_ptx())  # magnitude to bits 6-8: code * 2^-126 in bf16
 
     @triton.jit

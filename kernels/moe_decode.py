@@ -1,8 +1,7 @@
 """The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in a few small launches.
 
   0. (bf16 and fp16 x, words) x scaled per token by a power of two, in fp16, permuted to meet whole code words;
-     and (two tokens or more) in one more program of the same launch the plan: each expert's run, the pairs
-     that chose it, found once for launches 1 and 2 instead of by each of their programs.
+     from 2 tokens on, one more program writes the plan: each expert's run (the pairs that chose it) for 1 and 2.
   1. gate+up: a program per (pair, BN1 rows of the expert width). Only the first pair to choose an expert
      works: it reads the expert's rows once for every token that chose it (its run) and writes
      silu(gate) * up * routing weight to an fp32 row per pair, even elements first, so launch 2 loads
@@ -102,7 +101,7 @@ if triton is not None:
     ):  # fmt: skip
         """Per scale block, sum of code * x over the chunk at byte kb (from _chunk): [R, BK/G], before the
         global scale and 2^14. Bytes: fp32 products, byte j's low nibble meeting xrow[j * XS], its high one
-        ODD further. WORDS: fp16 products on the x quads of xrow (i64, from _prep_kernel: still times 2^s)."""
+        ODD further. WORDS: fp16 products on the x quads of xrow (i64, from _scaled_quads: still times 2^s)."""
         R: tl.constexpr = packed.shape[0]
         if WORDS:  # if/else, not an early return: the compiler would still build the code after it
             xa, xb = _x_quads(xrow, kb, BK)
@@ -160,7 +159,7 @@ if triton is not None:
 
     @triton.jit
     def _unscale(dot, inv_ptr, row, WORDS: tl.constexpr):
-        """dot times row's 2^-s where the words read its x scaled by _prep_kernel."""
+        """dot times row's 2^-s where the words read its x scaled by _scaled_quads."""
         if WORDS:
             dot = dot * tl.load(inv_ptr + row)
         return dot
@@ -180,24 +179,34 @@ if triton is not None:
         tl.store(plan_ptr + lead * (1 + RUN_PAD) + 1 + rank, p, mask=live & (rank < RUN_PAD))  # in its row, always
 
     @triton.jit
+    def _scaled_quads(src, dst, inv_ptr, D: tl.constexpr, BD: tl.constexpr):
+        """A row of D elements at src for words_sums at dst: times 2^s (largest |x| in [2^14, 2^15): no fp16 product
+        overflows or loses much to subnormals), fp16, each 8 elements in the order 0 4 1 5 2 6 3 7; 2^-s at inv_ptr."""
+        i = tl.arange(0, BD)
+        x = tl.load(src + i, mask=i < D, other=0).to(tl.float32)
+        s = tl.floor(-tl.log2(tl.maximum(tl.max(tl.abs(x), 0), 1e-30)) + _X16_TOP_EXP)
+        dest = i - i % 8 + 2 * (i % 4) + (i % 8) // 4
+        tl.store(dst + dest, (x * tl.exp2(s)).to(tl.float16), mask=i < D)
+        tl.store(inv_ptr, tl.exp2(-s))
+
+    @triton.jit
     def _prep_kernel(
         x_ptr, stride_xt, xq_ptr, inv_ptr, n_rows, ids_ptr, plan_ptr, n_pairs,
-        D: tl.constexpr, BD: tl.constexpr, PLAN: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
+        D: tl.constexpr, BD: tl.constexpr, P_PAD: tl.constexpr, RUN_PAD: tl.constexpr,
     ):  # fmt: skip
-        """Programs below n_rows: row t of x for words_sums, times 2^s (largest |x| in [2^14, 2^15), so no fp16
-        product overflows or loses much to subnormals), fp16, each 8 elements in the order 0 4 1 5 2 6 3 7; and
-        2^-s. PLAN: one more program, the plan (_plan), in the same launch (a launch of its own cost 2.5 us more)."""
+        """Launch 0: programs below n_rows prepare row t of x (_scaled_quads); one program after them, when
+        launched, writes the plan (_plan): in this launch, as a launch of its own it cost 2.5 us more."""
         t = tl.program_id(0)
         if t < n_rows:
-            i = tl.arange(0, BD)
-            x = tl.load(x_ptr + t * stride_xt + i, mask=i < D, other=0).to(tl.float32)
-            s = tl.floor(-tl.log2(tl.maximum(tl.max(tl.abs(x), 0), 1e-30)) + _X16_TOP_EXP)
-            dest = i - i % 8 + 2 * (i % 4) + (i % 8) // 4
-            tl.store(xq_ptr + t * D + dest, (x * tl.exp2(s)).to(tl.float16), mask=i < D)
-            tl.store(inv_ptr + t, tl.exp2(-s))
-        if PLAN:  # noqa: SIM102 (a constexpr test apart: no plan code at all in launch 1b)
-            if t == n_rows:
-                _plan(ids_ptr, plan_ptr, n_pairs, P_PAD, RUN_PAD)
+            _scaled_quads(x_ptr + t * stride_xt, xq_ptr + t * D, inv_ptr + t, D, BD)
+        else:
+            _plan(ids_ptr, plan_ptr, n_pairs, P_PAD, RUN_PAD)
+
+    @triton.jit
+    def _act_prep_kernel(act_ptr, act_q_ptr, act_inv_ptr, INTER: tl.constexpr, BI: tl.constexpr):
+        """Launch 1b: pair p's activation row for down's words (_scaled_quads)."""
+        p = tl.program_id(0)
+        _scaled_quads(act_ptr + p * INTER, act_q_ptr + p * INTER, act_inv_ptr + p, INTER, BI)
 
     @triton.jit
     def _run(ids_ptr, plan_ptr, p, RUN_PAD: tl.constexpr):
@@ -275,7 +284,7 @@ if triton is not None:
     ):  # fmt: skip
         """Launch 2: BN rows of one expert's W2 times the activation of every pair that chose it; pairs of an
         absent expert get zeros (the sum over slots reads every pair's row) and their activations are not read.
-        act: fp32 rows in halves, or (WORDS) i64 quads from _prep_kernel with inv: 2^-s per pair."""
+        act: fp32 rows in halves, or (WORDS) i64 quads from _act_prep_kernel with inv: 2^-s per pair."""
         nb = D // BN
         p = tl.program_id(0) // nb
         e, leader, qs, lanes, n_run = _run(ids_ptr, plan_ptr, p, RUN_PAD)
@@ -416,10 +425,8 @@ class DecodeMoE:
         def fits(rows: int, k: int, warps: int) -> bool:  # rows x k codes a chunk, 8 to a word
             return self.words and rows * k // 8 >= WORD_PAIR * WARP * warps
 
-        # per gate+up tile (gate and up rows: 2 x BN1), the narrow one of few tokens and the wide one of more
-        self.words1 = {
-            tile: c.words1 and fits(2 * tile[0], tile[1], c.num_warps) for tile in (c.gate_up(1), c.gate_up(MAX_TOKENS))
-        }
+        tiles = (c.gate_up(1), c.gate_up(MAX_TOKENS))  # gate+up's narrow and wide tiles (gate and up: 2 x BN1 rows)
+        self.words1 = {tile: c.words1 and fits(2 * tile[0], tile[1], c.num_warps) for tile in tiles}
         self.words2 = c.words2 and fits(c.bn2, c.bk2, c.num_warps2)
         self.xq = torch.empty(MAX_TOKENS, d, dtype=torch.float16, device=device)
         self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
@@ -462,7 +469,7 @@ class DecodeMoE:
         rows, plan = t if words1 else 0, t > 1  # one token needs no plan: every pair leads its own run
         if rows or plan:
             _prep_kernel[(rows + plan,)](
-                x, x.stride(0), self.xq, self.inv, rows, ids, self.plan, t * k, D=d, BD=next_pow2(d), PLAN=plan,
+                x, x.stride(0), self.xq, self.inv, rows, ids, self.plan, t * k, D=d, BD=next_pow2(d),
                 P_PAD=next_pow2(t * k), **run,
             )  # fmt: skip
         _gate_up_kernel[(t * k * (i // bn1),)](
@@ -470,10 +477,7 @@ class DecodeMoE:
             **self.phase1, BN=bn1, BK=bk1, WORDS=words1, HALVES=not words2,
         )  # fmt: skip
         if words2:  # absent experts' pairs prepare whatever their rows hold: down never reads them
-            _prep_kernel[(t * k,)](
-                self.act, i, self.act_q, self.act_inv, t * k, ids, self.plan, 0, D=i, BD=next_pow2(i), PLAN=False,
-                P_PAD=1, RUN_PAD=1,
-            )  # fmt: skip
+            _act_prep_kernel[(t * k,)](self.act, self.act_q, self.act_inv, INTER=i, BI=next_pow2(i))
         _down_kernel[(t * k * (d // c.bn2),)](
             ids, self.plan, records, offsets, self.act_quads if words2 else self.act, self.act_inv, self.out, **run,
             **self.phase2, WORDS=words2,

@@ -54,30 +54,33 @@ TILES = {
 SAFE_BK = 64
 
 
-def max_blocks(n_pairs: int, n_experts: int, block_m: int) -> int:
-    """Blocks in the worst case: at most min(E, P) experts have pairs, and each pads by < block_m rows."""
-    return (n_pairs + min(n_experts, n_pairs) * (block_m - 1)) // block_m
+def max_blocks(n_pairs: int, n_experts: int, block_rows: int) -> int:
+    """Blocks of block_rows rows (PrefillBlocks.rows) in the worst case: at most min(E, P) experts have pairs,
+    and each pads by < block_rows rows."""
+    return (n_pairs + min(n_experts, n_pairs) * (block_rows - 1)) // block_rows
 
 
-def align_by_expert(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids: [T, K] int in [0, E) -> (sorted_pairs [B * block_m] i32, block_experts [B] i32, n_padded [1] i32).
+def align_by_expert(
+    ids: torch.Tensor, n_experts: int, block_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids: [T, K] int in [0, E) -> (sorted_pairs [B * block_rows] i32, block_experts [B] i32, n_padded [1] i32).
 
     sorted_pairs lists the pairs p = t * K + j by expert (stable: token order within an expert), each
-    expert's run padded to a multiple of block_m with the sentinel P; block_experts holds each block's
-    expert, -1 past the n_padded used rows. B = max_blocks(P, E, block_m) depends on shapes only, so
+    expert's run padded to a multiple of block_rows with the sentinel P; block_experts holds each block's
+    expert, -1 past the n_padded used rows. B = max_blocks(P, E, block_rows) depends on shapes only, so
     nothing waits for the device and the call can be captured in a CUDA graph."""
     flat = ids.reshape(-1).long()  # [P]
     n_pairs, dev = flat.numel(), flat.device
-    n_blocks = max_blocks(n_pairs, n_experts, block_m)
+    n_blocks = max_blocks(n_pairs, n_experts, block_rows)
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded = (counts + block_rows - 1) // block_rows * block_rows  # [E]
     ends = padded.cumsum(0)  # [E] end of each expert's padded run
     order = torch.sort(flat, stable=True).indices  # [P] pairs by expert
     expert = flat[order]
     rank = torch.arange(n_pairs, device=dev) - (counts.cumsum(0) - counts)[expert]  # position in its run
-    sorted_pairs = torch.full((n_blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.full((n_blocks * block_rows,), n_pairs, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, ends[expert] - padded[expert] + rank, order.int())
-    starts = torch.arange(n_blocks, device=dev) * block_m  # [B] first row of each block
+    starts = torch.arange(n_blocks, device=dev) * block_rows  # [B] first row of each block
     block_experts = torch.searchsorted(ends, starts, right=True)  # the expert whose run covers the row
     block_experts = torch.where(starts < ends[-1], block_experts, -1).int()
     return sorted_pairs, block_experts, ends[-1:].int()

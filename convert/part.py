@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dsfp4.convert.plan import Part, Plan
-from dsfp4.convert.source import SourceCheckpoint
+from dsfp4.convert.source.checkpoint import SourceCheckpoint
 from dsfp4.convert.transform import ErrorStats, expert_record, write_backbone_tensor
 from dsfp4.layout.atomic import fsync_dir
 from dsfp4.layout.record import record_sha256

@@ -25,18 +25,18 @@ from typing import TypeVar
 import torch
 from tqdm import tqdm
 
-from dsfp4.convert.hf_names import map_tensors
-from dsfp4.convert.hub_source import HubSource
+from dsfp4.convert.names.family import map_tensors
 from dsfp4.convert.part import JobResult, PartRun
 from dsfp4.convert.plan import ConvertOptions, Part, Plan, make_plan
 from dsfp4.convert.resume import ResumeState
-from dsfp4.convert.source import AUX_FILES, INDEX_NAME, SourceCheckpoint
+from dsfp4.convert.source.checkpoint import AUX_FILES, INDEX_NAME, SourceCheckpoint
+from dsfp4.convert.source.hub import HubSource
 from dsfp4.convert.transform import ErrorStats
 from dsfp4.device import resolve_device
 from dsfp4.errors import OutputError
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
 from dsfp4.layout.safetensors_file import file_sha256
-from dsfp4.sizes import format_bytes, free_bytes
+from dsfp4.units import format_bytes, free_bytes
 
 T = TypeVar("T")
 

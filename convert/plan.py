@@ -13,15 +13,15 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from dsfp4 import __version__
-from dsfp4.config import ModelArgs
-from dsfp4.convert.hf_names import AUX, EXPERT, LINEAR, MappedTensor, TensorMap, part_name
-from dsfp4.convert.source import INDEX_NAME, SourceCheckpoint
+from dsfp4.convert.names.rules import AUX, EXPERT, LINEAR, MappedTensor, TensorMap, part_name
+from dsfp4.convert.source.checkpoint import INDEX_NAME, SourceCheckpoint
 from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, FP4_FORMATS, component_shapes, get_format, stored_nbytes
 from dsfp4.layout.manifest import MANIFEST_VERSION
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.record import RecordLayout
-from dsfp4.sizes import format_bytes
+from dsfp4.units import format_bytes
+from dsfp4.version import __version__
 
 BACKBONE_MODES = ("fp8", "fp4")
 GATE_UP_PAIRS = {"w1": "w3", "w3": "w1"}  # reference names of an MLP's gate and up projections

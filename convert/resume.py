@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dsfp4.convert.source import AUX_FILES
+from dsfp4.convert.source.checkpoint import AUX_FILES
 from dsfp4.errors import OutputError
 from dsfp4.layout.atomic import LOCK_NAME, atomic_write_json, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.convert.hf_names import MappedTensor
+from dsfp4.convert.names.rules import MappedTensor
 from dsfp4.convert.plan import OutTensor
-from dsfp4.convert.source import SourceCheckpoint
+from dsfp4.convert.source.checkpoint import SourceCheckpoint
 from dsfp4.layout.formats import FORMATS, ceil_div
 from dsfp4.layout.fp8 import FP8_BLOCK, e8m0_scales
 from dsfp4.layout.quant import dequantize, quantize

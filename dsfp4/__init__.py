@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from dsfp4.version import __version__
+
 __all__ = ["DsfpError", "Engine", "Generation", "RunOptions", "__version__"]
 
 _LAZY = {

@@ -1,7 +1,7 @@
 """Backbone matmuls on weights kept in their stored format (FP8 blocks, NVFP4, MXFP4, plain).
 
 `linear` is the interface the model calls: on CUDA it is `linear_triton`, the Triton kernels on the stored
-parts (kernels/fp8_linear.py for fp8_e4m3_b128, kernels/fp4_matmul.py for nvfp4 and mxfp4); elsewhere it
+parts (kernels/fp8/linear.py for fp8_e4m3_b128, kernels/fp4/matmul.py for nvfp4 and mxfp4); elsewhere it
 is `linear_ref`, the torch reference (dequantize, then one dense matmul, as DeepSeek's reference does with
 gemm_impl="bf16"). Plain weights are one F.linear everywhere.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4_matmul import fp4_matmul, triton
-from dsfp4.kernels.fp8_dequant import fp8_dequantize
-from dsfp4.kernels.fp8_linear import fp8_linear
+from dsfp4.kernels.fp4.matmul import fp4_matmul, triton
+from dsfp4.kernels.fp8.dequant import fp8_dequantize
+from dsfp4.kernels.fp8.linear import fp8_linear
 from dsfp4.layout.quant import dequantize
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.fp4.codes import triton
 from dsfp4.layout.formats import next_pow2
 
 

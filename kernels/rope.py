@@ -1,5 +1,5 @@
 """Rotary embedding applied to adjacent pairs, as complex rotations (DeepSeek's reference layout): the torch
-formula, and the same rotation inside Triton kernels. The frequencies themselves (YaRN) are runtime/rope.py's.
+formula, and the same rotation inside Triton kernels. The frequencies themselves (YaRN) are runtime/models/rope.py's.
 Legend: B batch, T tokens, H heads, R rotated dims.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.fp4.codes import triton
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

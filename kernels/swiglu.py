@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4_decode import triton
+from dsfp4.kernels.fp4.codes import triton
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:

@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dsfp4.layout.manifest import Manifest
-from dsfp4.sizes import format_bytes
+from dsfp4.units import format_bytes
 
 
 def describe(model_dir: Path, tensors: bool = False) -> str:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsfp4 import __version__
-from dsfp4.config import ModelArgs
 from dsfp4.errors import ConfigError, ManifestError
 from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.record import RecordLayout
+from dsfp4.version import __version__
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1

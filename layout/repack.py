@@ -28,7 +28,7 @@ from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import ExpertFile, Manifest
 from dsfp4.layout.record import record_sha256
 from dsfp4.layout.safetensors_file import pwrite_all
-from dsfp4.sizes import format_bytes
+from dsfp4.units import format_bytes
 
 EXPERTS_DIR = "experts"
 COPY_RECORDS = 8  # records per write while copying a layer

@@ -27,19 +27,19 @@ from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import write_trace
-from dsfp4.runtime.decode_graph import DecodeGraphs
-from dsfp4.runtime.generation import Delta, Generation, Stream
-from dsfp4.runtime.model import Transformer, load_model, plan_run
-from dsfp4.runtime.model_v4 import TransformerV4
+from dsfp4.runtime.generate.decode_graph import DecodeGraphs
+from dsfp4.runtime.generate.generation import Delta, Generation, Stream
+from dsfp4.runtime.generate.reasoning import opens_thinking, partial_suffix
+from dsfp4.runtime.generate.sampling import SamplingParams, choose, sample
+from dsfp4.runtime.generate.speculative import Speculator
+from dsfp4.runtime.generate.stats import GenerationStats, peak_memory
+from dsfp4.runtime.generate.tokenizer import ChatTokenizer, TextStream
+from dsfp4.runtime.models.v3.model import Transformer, load_model, plan_run
+from dsfp4.runtime.models.v4.model import TransformerV4
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.planner import LOGIT_ROWS, Plan, hottest_first
-from dsfp4.runtime.reasoning import opens_thinking, partial_suffix
-from dsfp4.runtime.routing import RoutingRecorder
-from dsfp4.runtime.sampling import SamplingParams, choose, sample
-from dsfp4.runtime.speculative import Speculator
-from dsfp4.runtime.stats import GenerationStats, peak_memory
-from dsfp4.runtime.store_stats import counters_since
-from dsfp4.runtime.tokenizer import ChatTokenizer, TextStream
+from dsfp4.runtime.plan.planner import LOGIT_ROWS, Plan, hottest_first
+from dsfp4.runtime.profile.recorder import RoutingRecorder
+from dsfp4.runtime.store.counters import counters_since
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
 THINK_TAIL = 8  # prompt tokens decoded to see whether the prompt opens a <think> block

@@ -9,8 +9,8 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import check_trace_path
-from dsfp4.runtime.policy import TIER_POLICIES
-from dsfp4.runtime.sampling import SamplingParams
+from dsfp4.runtime.generate.sampling import SamplingParams
+from dsfp4.runtime.store.policy import TIER_POLICIES
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -29,14 +29,14 @@ class RunOptions:
     gpu_mem: str | None = None  # budgets: sizes such as 14G; None: the preset, else free memory
     cpu_mem: str | None = None
     preset: str | None = None
-    policy: str = "mix"  # eviction of the tiers (runtime/policy.py TIER_POLICIES; chosen on traces)
+    policy: str = "mix"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on traces)
     prefetch: bool = True  # predict the next MoE layer's experts with its router
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
     record_trace: Path | None = None  # where the engine writes its routing trace when it closes
-    mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/speculative.py)
-    cuda_graph: bool = True  # replay decode steps as CUDA graphs when they can be captured (runtime/decode_graph.py)
+    mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/generate/speculative.py)
+    cuda_graph: bool = True  # replay decode steps as CUDA graphs where they can be captured (generate/decode_graph.py)
     zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
 
     def __post_init__(self) -> None:

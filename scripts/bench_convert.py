@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ceilings import gpu_ceilings, odirect_read_gbps  # noqa: E402
-from tiny_checkpoint import build_checkpoint  # noqa: E402
+from dsfp4.synthetic.hf_v3 import build_synthetic_checkpoint  # noqa: E402
+from dsfp4.tools.ceilings import gpu_ceilings, odirect_read_gbps  # noqa: E402
 
 V3_2G = dict(
     hidden_size=7168,
@@ -45,21 +44,7 @@ V3_2G = dict(
     v_head_dim=128,
     vocab_size=4096,
 )
-RUN = """
-import json, sys
-from dsfp4.convert.pipeline import convert
-from dsfp4.convert.plan import ConvertOptions
-
-def status_kib(field):  # per-process: ru_maxrss would carry the parent's peak across fork + exec
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
-
-base = status_kib("VmRSS")
-import time
-t = time.perf_counter()
-r = convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=int(sys.argv[3]), device=sys.argv[4]), progress=False)
-print(json.dumps({"seconds": time.perf_counter() - t, "base_kib": base, "bytes": r.converted_bytes,
-                  "peak_kib": status_kib("VmHWM"), "quant_error": r.quant_error}))
-"""
+RSS_PROBE = Path(__file__).with_name("convert_rss.py")  # one conversion in a fresh process
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -105,7 +90,7 @@ def main() -> None:
     src = a.workdir / "src-v3-2g"
     if not (src / "config.json").exists():
         t = time.perf_counter()
-        build_checkpoint(src, "fp8", V3_2G, n_shards=4, synthetic=True)
+        build_synthetic_checkpoint(src, V3_2G, "fp8", n_shards=4)
         print(f"built {src} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     shards = sorted(src.glob("*.safetensors"))
     size = sum(p.stat().st_size for p in shards)
@@ -131,7 +116,9 @@ def main() -> None:
             else:
                 buffered_cold_read_gbps(shards)  # reads the shards into the page cache
             p = subprocess.run(
-                [sys.executable, "-c", RUN, str(src), str(out), str(workers), device], capture_output=True, text=True
+                [sys.executable, str(RSS_PROBE), str(src), str(out), str(workers), device],
+                capture_output=True,
+                text=True,
             )
             if p.returncode:
                 print(p.stderr, file=sys.stderr)

@@ -21,13 +21,11 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import bench_model_at  # noqa: E402
-from bench_store import ceilings  # noqa: E402
-
 from dsfp4 import Engine, RunOptions  # noqa: E402
-from dsfp4.runtime.budget import process_rss  # noqa: E402
-from dsfp4.sizes import format_bytes  # noqa: E402
+from dsfp4.runtime.plan.budget import process_rss  # noqa: E402
+from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
+from dsfp4.tools.ceilings import model_ceilings as ceilings  # noqa: E402
+from dsfp4.units import format_bytes  # noqa: E402
 
 DEV = torch.device("cuda")
 

@@ -14,24 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ceilings import gpu_ceilings  # noqa: E402
-
-from dsfp4.kernels.fp8_linear import fp8_linear  # noqa: E402
-from dsfp4.kernels.gate_scores import GateTiles, gate_scores, gate_scores_ref  # noqa: E402
-from dsfp4.kernels.moe_decode import MAX_TOKENS, DecodeConfig, DecodeMoE  # noqa: E402
-from dsfp4.kernels.moe_prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks  # noqa: E402
-from dsfp4.kernels.moe_ref import record_offsets  # noqa: E402
+from dsfp4.kernels.fp8.linear import fp8_linear  # noqa: E402
+from dsfp4.kernels.moe.decode import MAX_TOKENS, DecodeConfig, DecodeMoE  # noqa: E402
+from dsfp4.kernels.moe.prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks  # noqa: E402
+from dsfp4.kernels.moe.ref import record_offsets  # noqa: E402
+from dsfp4.kernels.router.gate_scores import GateTiles, gate_scores, gate_scores_ref  # noqa: E402
 from dsfp4.layout import fp4  # noqa: E402
 from dsfp4.layout.fp8 import fp8_block_quantize  # noqa: E402
 from dsfp4.layout.record import RecordLayout  # noqa: E402
+from dsfp4.tools.ceilings import gpu_ceilings  # noqa: E402
 
 DEV = torch.device("cuda")
 DIM, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3

@@ -26,14 +26,12 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import bench_model_at  # noqa: E402
-from bench_store import ceilings  # noqa: E402
-
 from dsfp4 import Engine, RunOptions  # noqa: E402
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
-from dsfp4.runtime import speculative  # noqa: E402
-from dsfp4.runtime.sampling import check_draft  # noqa: E402
+from dsfp4.runtime.generate import speculative  # noqa: E402
+from dsfp4.runtime.generate.sampling import check_draft  # noqa: E402
+from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
+from dsfp4.tools.ceilings import model_ceilings as ceilings  # noqa: E402
 
 PROMPT = "Which experts are hot?"
 

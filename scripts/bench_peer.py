@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dsfp4 import Engine, RunOptions
-from dsfp4.config import ModelArgs
-from dsfp4.convert.hf_names import map_tensors, plain_checkpoint_names
+from dsfp4.convert.names.family import map_tensors, plain_checkpoint_names
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import PLAIN_DTYPES
 from dsfp4.layout.safetensors_file import TensorInfo
-from dsfp4.runtime.budget import parse_size
-from dsfp4.runtime.tokenizer import ChatTokenizer
-from dsfp4.runtime.weights import Weights
+from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+from dsfp4.runtime.models.weights import Weights
+from dsfp4.runtime.plan.budget import parse_size
 
 PROMPT = "Explain, step by step, why a model that does not fit in memory runs slowly"
 SHARD = 4 << 30  # bytes per safetensors shard of the export

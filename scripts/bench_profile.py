@@ -23,25 +23,27 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import bench_model_at  # noqa: E402
-from bench_store import DEV, GB, ceilings, preset_shares  # noqa: E402
-from ceilings import odirect_write_gbps  # noqa: E402
-
 from dsfp4.layout.direct_io import RecordFile  # noqa: E402
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
 from dsfp4.layout.manifest import Manifest  # noqa: E402
 from dsfp4.layout.repack import repack  # noqa: E402
-from dsfp4.runtime.calibration import calibration  # noqa: E402
 from dsfp4.runtime.engine import Engine  # noqa: E402
-from dsfp4.runtime.expert_store import ExpertStore  # noqa: E402
-from dsfp4.runtime.model import plan_run  # noqa: E402
+from dsfp4.runtime.generate.stats import peak_memory  # noqa: E402
+from dsfp4.runtime.generate.tokenizer import ChatTokenizer  # noqa: E402
+from dsfp4.runtime.models.v3.model import plan_run  # noqa: E402
 from dsfp4.runtime.options import RunOptions  # noqa: E402
-from dsfp4.runtime.profiler import profile_model  # noqa: E402
-from dsfp4.runtime.stats import peak_memory  # noqa: E402
-from dsfp4.runtime.tokenizer import ChatTokenizer  # noqa: E402
+from dsfp4.runtime.profile.calibration import calibration  # noqa: E402
+from dsfp4.runtime.profile.profiler import profile_model  # noqa: E402
+from dsfp4.runtime.store.expert_store import ExpertStore  # noqa: E402
+from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
+from dsfp4.tools.ceilings import model_ceilings as ceilings  # noqa: E402
+from dsfp4.tools.ceilings import odirect_write_gbps  # noqa: E402
+from dsfp4.tools.full_model import preset_shares  # noqa: E402
 
 READS: list[int] = []  # bytes of each RecordFile.read_into call
+
+DEV = torch.device("cuda")
+GB = 1e9
 
 
 def _count_reads() -> None:

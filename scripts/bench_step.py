@@ -18,19 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import bench_model_at  # noqa: E402
-from ceilings import gpu_ceilings  # noqa: E402
-
 from dsfp4 import Engine, RunOptions  # noqa: E402
 from dsfp4.layout.manifest import Manifest  # noqa: E402
-from dsfp4.runtime.planner import expert_layers, token_bytes  # noqa: E402
+from dsfp4.runtime.plan.planner import expert_layers, token_bytes  # noqa: E402
+from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
+from dsfp4.tools.ceilings import gpu_ceilings  # noqa: E402
 
 PROMPT = "Count the ways a decode step can waste memory bandwidth"
 

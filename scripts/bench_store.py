@@ -25,55 +25,17 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import BackbonePart, bench_model_at, model_args  # noqa: E402
-from ceilings import gpu_ceilings, odirect_read_gbps  # noqa: E402
-
 from dsfp4.layout.hot_profile import HotProfile  # noqa: E402
-from dsfp4.layout.manifest import ExpertFile, Manifest, TensorEntry  # noqa: E402
-from dsfp4.layout.record import RecordLayout  # noqa: E402
-from dsfp4.runtime.budget import PRESETS, Budgets  # noqa: E402
-from dsfp4.runtime.model import load_model, plan_run  # noqa: E402
+from dsfp4.layout.manifest import Manifest  # noqa: E402
+from dsfp4.runtime.generate.stats import peak_memory  # noqa: E402
+from dsfp4.runtime.models.v3.model import load_model, plan_run  # noqa: E402
 from dsfp4.runtime.options import RunOptions  # noqa: E402
-from dsfp4.runtime.planner import make_plan  # noqa: E402
-from dsfp4.runtime.stats import peak_memory  # noqa: E402
+from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
+from dsfp4.tools.ceilings import model_ceilings  # noqa: E402
+from dsfp4.tools.full_model import preset_shares  # noqa: E402
 
 DEV = torch.device("cuda")
 GB = 1e9
-
-
-def ceilings(manifest_dir: Path, manifest: Manifest) -> dict[str, float]:
-    """HBM read, pinned host -> GPU copy, O_DIRECT read of the expert files (best of a few depths), GB/s."""
-    gpu = gpu_ceilings()
-    files = [manifest_dir / ef.file for ef in manifest.experts.values()]
-    best = max(
-        odirect_read_gbps(files, threads, chunk) for threads, chunk in ((4, 32 << 20), (8, 32 << 20), (16, 8 << 20))
-    )
-    return {"hbm_gb_s": gpu["hbm_read_gbps"], "h2d_gb_s": gpu["pinned_h2d_gbps"], "odirect_gb_s": best}
-
-
-def preset_shares() -> dict[str, tuple[float, float, str]]:
-    """Share of all experts the planner puts on the device and in RAM for the full V3 under each preset
-    (16g with the NVFP4 backbone, which a 16 GB card needs; 24g with the FP8 release backbone)."""
-    out = {}
-    for preset, backbone in (("16g", "nvfp4"), ("24g", "fp8_e4m3_b128")):
-        _, args = model_args(61, 3)
-        tensors = {}
-        for block in [None, *range(args.n_layers)]:
-            part = BackbonePart(args, block, backbone)
-            for ref, fmt, shape in part.tensors:
-                tensors[ref] = TensorEntry(part.file, fmt, shape, part.names(ref, fmt))
-        record = RecordLayout.for_expert("nvfp4", args.dim, args.moe_inter_dim)
-        experts = {
-            i: ExpertFile(f"experts/layer-{i:03d}.bin", (0,) * args.n_routed_experts, ("",) * args.n_routed_experts)
-            for i in range(args.n_layers)
-            if args.is_moe_layer(i)
-        }
-        m = Manifest(args, {}, {}, tensors, {}, record, experts)
-        p = PRESETS[preset]
-        plan = make_plan(m, DEV, torch.bfloat16, Budgets(p.gpu, p.cpu, preset), 4096, 512, 4)
-        out[preset] = (plan.gpu_slots / plan.total_records, plan.ram_slots / plan.total_records, plan.table())
-    return out
 
 
 def decode(model, tokens: int, prompt: int = 8) -> dict:
@@ -156,7 +118,7 @@ def main() -> int:
     manifest = bench_model_at(path, n_layers=a.layers)
     n_moe, n_rec = len(manifest.experts), len(manifest.experts) * manifest.args.n_routed_experts
     res: dict = {"write_s": time.perf_counter() - t0, "moe_layers": n_moe, "records": n_rec}
-    res["ceilings"] = c = ceilings(path, manifest)
+    res["ceilings"] = c = model_ceilings(path, manifest)
     shares = preset_shares()
     res["presets"] = {k: {"gpu_share": g, "ram_share": r, "plan": t} for k, (g, r, t) in shares.items()}
     runs = {}
@@ -212,7 +174,7 @@ def main() -> int:
 
 def budget_check(path: Path, gpu_mem: str, cpu_mem: str, tokens: int) -> int:
     """Open through the planner with these budgets, decode, and compare the peaks with the budgets."""
-    from dsfp4.runtime.budget import parse_size
+    from dsfp4.runtime.plan.budget import parse_size
 
     options = RunOptions(device="cuda", max_context=4096, gpu_mem=gpu_mem, cpu_mem=cpu_mem)
     torch.cuda.reset_peak_memory_stats(DEV)

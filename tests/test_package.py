@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_subpackages_import_from_outside_the_repo(tmp_path):
     code = (
-        "import dsfp4, dsfp4.cli, dsfp4.config, dsfp4.convert.pipeline, dsfp4.layout.manifest, "
+        "import dsfp4, dsfp4.cli.main, dsfp4.convert.source.hf_config, dsfp4.convert.pipeline, dsfp4.layout.manifest, "
         "dsfp4.runtime, dsfp4.kernels; import importlib.util as u; "
         "assert u.find_spec('convert') is None and u.find_spec('layout') is None; print(dsfp4.__version__)"
     )

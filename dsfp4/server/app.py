@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from dsfp4.errors import ConfigError, ContextLengthError
 from dsfp4.runtime.engine import Delta, Engine, Generation
-from dsfp4.runtime.reasoning import ReasoningSplitter, split_reasoning
+from dsfp4.runtime.generate.reasoning import ReasoningSplitter, split_reasoning
 from dsfp4.server.answers import Answer, sse, stats
 from dsfp4.server.metrics import Metrics
 from dsfp4.server.requests import ApiError, GenRequest, parse_request

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from dsfp4.runtime.stats import GenerationStats, ratio
+from dsfp4.runtime.generate.stats import GenerationStats, ratio
 
 TIERS = ("gpu_hits", "ram_hits")
 

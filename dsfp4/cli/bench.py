@@ -1,0 +1,107 @@
+"""`dsfp4 bench`: end-to-end speed of a converted model under hardware presets (dsfp4/tools/bench.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from dsfp4.cli.options import CUDA_GRAPH, EXISTING_DIR, PATH, ZERO_COPY
+from dsfp4.runtime.plan.budget import PRESETS
+
+
+def _command(ctx: click.Context) -> str:
+    """The command line this run is equivalent to (every option, defaults included)."""
+    parts = ["dsfp4", "bench"]
+    for name, value in ctx.params.items():
+        if name == "model":
+            parts.insert(2, str(value))
+        elif name == "presets":
+            parts += [f"--preset {p}" for p in value]
+        elif isinstance(value, bool):  # the flags default to on: only --no-X shows
+            parts += [] if value else [f"--no-{name.replace('_', '-')}"]
+        elif value is not None:
+            parts.append(f"--{name.replace('_', '-')} {value}")
+    return " ".join(parts)
+
+
+@click.command()
+@click.argument("model", type=EXISTING_DIR)
+@click.option(
+    "--preset",
+    "presets",
+    multiple=True,
+    type=click.Choice(list(PRESETS)),
+    help="Emulate a machine class (its GPU and RAM budgets); repeat for several. Default: this machine's.",
+)
+@click.option("--gpu-mem", help="Also run under this device budget (a size such as 6G), for a machine no preset names.")
+@click.option("--cpu-mem", help="RAM budget of that run (a size such as 8G).")
+@click.option("--prompts", type=click.IntRange(1, 64), default=4, show_default=True, help="Fixed prompts per preset.")
+@click.option("--max-tokens", type=click.IntRange(2), default=64, show_default=True, help="Tokens per answer.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--max-context", type=click.IntRange(2), default=2048, show_default=True)
+@click.option(
+    "--ceilings",
+    type=PATH,
+    help="The doctor's JSON (default: ~/.cache/dsfp4/doctor.json; measured on MODEL's disk now when missing).",
+)
+@ZERO_COPY
+@CUDA_GRAPH
+@click.option("--out", type=PATH, default=Path("bench"), show_default=True, help="Folder for the reports.")
+def bench(
+    model: Path,
+    presets: tuple[str, ...],
+    prompts: int,
+    max_tokens: int,
+    device: str,
+    max_context: int,
+    ceilings: Path | None,
+    zero_copy: bool,
+    cuda_graph: bool,
+    out: Path,
+    gpu_mem: str | None,
+    cpu_mem: str | None,
+) -> None:
+    """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
+    per layer), waiting against computing, peak memory, and efficiency (the floor the doctor's ceilings
+    allow / the measured time) for each --preset; writes bench.json, bench.csv and bench.html to --out."""
+    from dsfp4.runtime.options import RunOptions
+    from dsfp4.tools.bench import commit, device_name, prompt_set, run_preset
+    from dsfp4.tools.bench_report import write_reports
+    from dsfp4.tools.doctor import default_path, folder_model, load, measure
+
+    path = ceilings or default_path()
+    if path.is_file():
+        c = load(path)
+    else:
+        click.echo(f"no ceilings at {path}: measuring them (dsfp4 doctor)", err=True)
+        c = measure(model, model=folder_model(model))
+        c.save(path)
+    texts = prompt_set(prompts)
+    results = []
+    custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
+    for budget in [{"preset": p} for p in presets] + custom or [{}]:
+        options = RunOptions(
+            device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph, **budget
+        )
+        label = budget.get("preset") or " ".join(f"--{k.replace('_', '-')} {v}" for k, v in budget.items() if v)
+        click.echo(f"{label or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
+        r = run_preset(model, options, texts, max_tokens, c, label or None)
+        eff = f", efficiency {r['efficiency']:.0%}" if r["efficiency"] is not None else ""
+        click.echo(
+            f"{r['preset']}: decode {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_tok_s']:.1f} tok/s, "
+            f"TTFT {r['ttft_s']:.2f} s, device hits {r['gpu_hit_rate']:.0%}{eff} ({r['decode_mode']})"
+        )
+        results.append(r)
+    meta = {
+        "commit": commit(),
+        "command": _command(click.get_current_context()),
+        "model": str(model.resolve()),
+        "device": device_name(RunOptions(device=device)),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "ceilings": c.to_dict(),
+        "max_tokens": max_tokens,
+    }
+    for p in write_reports(out, meta, results):
+        click.echo(f"wrote {p}", err=True)

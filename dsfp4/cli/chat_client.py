@@ -1,0 +1,84 @@
+"""`dsfp4 chat --url URL`: the chat loop's backend on a server (dsfp4's, or another OpenAI-compatible one),
+through streamed /v1/chat/completions. The server keeps no conversation: each turn sends the whole
+history, and dsfp4's server reuses the cached prefix by itself."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from dsfp4.errors import DsfpError
+from dsfp4.runtime.generate.stats import GenerationStats
+
+CONNECT_S = 10.0  # a server that does not accept within this is not there; reads wait as long as generation takes
+
+
+class RemoteError(DsfpError):
+    """The server cannot be reached, or refused or failed a request."""
+
+
+def _refusal(response: httpx.Response) -> RemoteError:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200] or response.reason_phrase
+    return RemoteError(f"{response.request.url}: {response.status_code} {message}")
+
+
+class RemoteChat:
+    def __init__(self, url: str, api_key: str | None, sampling: dict[str, Any], model: str | None = None):
+        base = url.rstrip("/")
+        self.base = base if base.endswith("/v1") else base + "/v1"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(None, connect=CONNECT_S))
+        self.sampling = sampling
+        self.last: GenerationStats | None = None
+        self.model = model or self._served_model()
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            response = self.client.request(method, self.base + path, **kw)
+        except httpx.HTTPError as e:
+            raise RemoteError(f"{self.base}: {e} (is a server running there? `dsfp4 run MODEL --serve`)") from e
+        if response.status_code != 200:
+            raise _refusal(response)
+        return response
+
+    def _served_model(self) -> str:
+        data = self._request("GET", "/models").json().get("data") or []
+        if not data:
+            raise RemoteError(f"{self.base}/models lists no model")
+        return data[0]["id"]
+
+    def reply(self, messages: list[dict[str, str]]) -> Iterator[tuple[str, str]]:
+        body = {"model": self.model, "messages": messages, "stream": True, **self.sampling}
+        self.last = None  # a server that sends no stats leaves none
+        try:
+            with self.client.stream("POST", self.base + "/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise _refusal(response)
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        return
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:
+                        raise RemoteError(f"{self.base}: {chunk['error'].get('message')}")
+                    for choice in chunk.get("choices", []):
+                        delta = choice.get("delta") or {}
+                        yield delta.get("reasoning_content") or "", delta.get("content") or ""
+                    if "stats" in chunk:
+                        self.last = GenerationStats.from_dict(chunk["stats"])
+        except httpx.HTTPError as e:
+            raise RemoteError(f"{self.base}: {e}") from e
+
+    def reset(self) -> None:
+        """Nothing to do on the server: it holds no conversation."""
+
+    def close(self) -> None:
+        self.client.close()

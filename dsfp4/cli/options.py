@@ -1,0 +1,133 @@
+"""Click option blocks shared by commands: where a model runs and under which memory budgets (`run`,
+`profile-hot`), how it samples (`run`, `chat`), which hub revision (`download`, `convert`). Each run flag
+sets the RunOptions field of the same name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.budget import PRESETS
+
+PATH = click.Path(path_type=Path)
+EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
+EXISTING_FILE = click.Path(path_type=Path, exists=True, dir_okay=False)
+RUN_DEFAULTS = RunOptions()
+ZERO_COPY = click.option(
+    "--no-zero-copy",
+    "zero_copy",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Stream experts through the device slots even when the device and RAM hold them all (by default "
+    "kernels then read RAM's records in place over PCIe, and a decode step replays as one CUDA graph).",
+)
+CUDA_GRAPH = click.option(
+    "--no-cuda-graph",
+    "cuda_graph",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Launch every decode step's kernels one by one instead of replaying captured CUDA graphs.",
+)
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+
+
+def _stack(*decorators: Callable) -> Callable:
+    def apply(f: Callable) -> Callable:
+        for d in reversed(decorators):
+            f = d(f)
+        return f
+
+    return apply
+
+
+def context_options(max_context: int, context_help: str, prefill_chunk: int) -> Callable:
+    """--max-context and --prefill-chunk, with the command's own defaults."""
+    return _stack(
+        click.option(
+            "--max-context", type=click.IntRange(min=2), default=max_context, show_default=True, help=context_help
+        ),
+        click.option(
+            "--prefill-chunk",
+            type=click.IntRange(min=1),
+            default=prefill_chunk,
+            show_default=True,
+            help="Prompt tokens per forward pass: larger loads each expert fewer times, smaller needs less workspace.",
+        ),
+    )
+
+
+budget_options = _stack(
+    click.option("--device", default=RUN_DEFAULTS.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
+    click.option(
+        "--dtype",
+        type=click.Choice(["auto", "bf16", "fp32"]),
+        default=RUN_DEFAULTS.dtype,
+        show_default=True,
+        help="Compute dtype; auto is bf16 on CUDA, fp32 on the CPU.",
+    ),
+    click.option(
+        "--gpu-mem", help="Device memory budget, e.g. 14G (default: the preset, else free VRAM less a margin)."
+    ),
+    click.option("--cpu-mem", help="RAM budget of the process, e.g. 64G (default: the preset, else 80% of available)."),
+    click.option("--preset", type=click.Choice(list(PRESETS)), help="Budgets of a hardware class (see run --plan)."),
+    click.option(
+        "--io-threads",
+        type=click.IntRange(min=1),
+        default=RUN_DEFAULTS.io_threads,
+        show_default=True,
+        help="SSD reads in flight.",
+    ),
+    click.option(
+        "--no-verify",
+        "verify",
+        is_flag=True,
+        flag_value=False,
+        default=True,
+        help="Skip the sha256 check of each record's first read.",
+    ),
+)
+
+
+sampling_options = _stack(
+    click.option("--max-tokens", type=click.IntRange(min=1), default=RUN_DEFAULTS.max_tokens, show_default=True),
+    click.option(
+        "--temperature",
+        type=click.FloatRange(min=0),
+        default=RUN_DEFAULTS.temperature,
+        show_default=True,
+        help="0 means greedy.",
+    ),
+    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=RUN_DEFAULTS.top_p, show_default=True),
+    click.option(
+        "--top-k", type=click.IntRange(min=0), default=RUN_DEFAULTS.top_k, show_default=True, help="0 means off."
+    ),
+    click.option("--seed", type=int, help="Makes sampling reproducible."),
+    click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
+)
+
+
+def hub_options(prefix: str = "") -> Callable:
+    """--revision and --token of the commands that read from the Hugging Face hub."""
+    return _stack(
+        click.option("--revision", default="main", show_default=True, help=f"{prefix}Branch, tag or commit to fetch."),
+        click.option(
+            "--token", help=f"{prefix}Hub token for gated or private repos (default: HF_TOKEN or the saved login)."
+        ),
+    )
+
+
+def given_params(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """The parameters among `names` that the user gave on the command line."""
+    return [n for n in names if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+
+
+def given_flags(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """The flags among `names` (parameter names) that the user typed, as they are spelled."""
+    spelled = {p.name: p.opts[0] for p in ctx.command.params}
+    return [spelled[n] for n in given_params(ctx, names)]

@@ -1,0 +1,229 @@
+"""The commands that generate: `dsfp4 run MODEL` (one --prompt, --chat, or --serve the OpenAI API) and
+`dsfp4 chat --url URL` (the chat loop on a server). Thin shells over Engine, the server and the chat loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from dsfp4.cli.options import (
+    CUDA_GRAPH,
+    EXISTING_DIR,
+    PATH,
+    RUN_DEFAULTS,
+    ZERO_COPY,
+    budget_options,
+    context_options,
+    given_flags,
+    given_params,
+    sampling_options,
+)
+from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.policy import TIER_POLICIES
+
+if TYPE_CHECKING:
+    from dsfp4.runtime.engine import Engine, Generation
+
+SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
+PROMPT_FLAGS = ("raw", "show_stats")  # --chat has /stats; a server answers with stats
+
+
+def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> Generation:
+    stream = engine.stream(ids)
+    for delta in stream:
+        if not as_json:
+            click.echo(delta.text, nl=False)
+    g = stream.generation
+    if as_json:
+        click.echo(json.dumps(g.to_dict(), ensure_ascii=False))
+    else:
+        click.echo()
+        click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
+    if show_stats:
+        click.echo(g.stats.table(), err=True)
+    return g
+
+
+@click.command()
+@click.argument("model", type=EXISTING_DIR)
+@click.option("--prompt", help="Text to answer (rendered with the model's chat template unless --raw).")
+@click.option("--chat", is_flag=True, help="Interactive chat (/help inside lists the commands).")
+@click.option("--serve", is_flag=True, help="Serve the OpenAI API: /v1/chat/completions, /v1/completions, ...")
+@click.option("--system", help="System message for the chat template.")
+@click.option("--raw", is_flag=True, help="Feed --prompt as plain text, without the chat template.")
+@sampling_options
+@click.option(
+    "--policy",
+    type=click.Choice(list(TIER_POLICIES)),
+    default=RUN_DEFAULTS.policy,
+    show_default=True,
+    help="Expert eviction: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM).",
+)
+@click.option(
+    "--no-prefetch",
+    "prefetch",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Do not predict the next layer's experts.",
+)
+@CUDA_GRAPH
+@ZERO_COPY
+@click.option(
+    "--mtp",
+    is_flag=True,
+    help="Speculative decoding with the checkpoint's MTP module: it drafts a token, one forward checks it "
+    "(stops drafting when that does not pay).",
+)
+@budget_options
+@context_options(
+    RUN_DEFAULTS.max_context,
+    "Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
+    RUN_DEFAULTS.prefill_chunk,
+)
+@click.option(
+    "--record-trace",
+    type=PATH,
+    help="Write the routing of every token computed to this .npy (ids) or .npz (ids, weights, tokens) at exit.",
+)
+@click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object on stdout: prompt and generated token ids, text, finish reason, stats "
+    "(with --plan: the plan).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="With --serve: the address to listen on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="With --serve.")
+@click.option(
+    "--api-key", envvar="DSFP4_API_KEY", help="With --serve: require 'Authorization: Bearer KEY' (or DSFP4_API_KEY)."
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=0),
+    default=16,
+    show_default=True,
+    help="With --serve: requests that may wait while one generates; more are answered 503.",
+)
+def run(
+    model: Path,
+    prompt: str | None,
+    chat: bool,
+    serve: bool,
+    system: str | None,
+    raw: bool,
+    show_plan: bool,
+    show_stats: bool,
+    as_json: bool,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_queue: int,
+    **knobs,
+) -> None:
+    """Generate with a converted MODEL: one --prompt (the answer, then a stats line on stderr), --chat, or
+    --serve the OpenAI API (the sampling flags are then each request's defaults).
+
+    \b
+    Examples:
+      dsfp4 run model/ --prompt "Why is the sky blue?"
+      dsfp4 run model/ --prompt "2+2?" --temperature 0 --json
+      dsfp4 run model/ --chat --temperature 0.6
+      dsfp4 run model/ --serve --port 8000
+      dsfp4 run model/ --preset 24g --plan
+    """
+    from dsfp4.cli.repl import LocalChat, chat_repl
+    from dsfp4.runtime.engine import Engine, plan_engine
+
+    ctx = click.get_current_context()
+    options = RunOptions(**knobs)
+    if show_plan:
+        from dsfp4.tools.doctor import expected_floor
+
+        plan = plan_engine(model, options)
+        floor, line = expected_floor(plan, Manifest.read(model))
+        click.echo(json.dumps({**dataclasses.asdict(plan), "floor_s_per_token": floor}) if as_json else plan.table())
+        if not as_json:
+            click.echo(line)
+        return
+    if sum((prompt is not None, chat, serve)) != 1:
+        raise click.UsageError("give one of --prompt TEXT, --chat or --serve")
+    if as_json and prompt is None:
+        raise click.UsageError("--json applies to --prompt (or --plan)")
+    if not serve and (flags := given_flags(ctx, SERVE_FLAGS)):
+        raise click.UsageError(f"{', '.join(flags)} only apply with --serve")
+    if prompt is None and (flags := given_flags(ctx, PROMPT_FLAGS)):
+        raise click.UsageError(f"{', '.join(flags)} only apply with --prompt")
+    if raw and system is not None:
+        raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
+    if serve:  # before the model loads: a missing server library fails in a second, not after minutes
+        try:
+            from dsfp4.server.app import Served
+            from dsfp4.server.app import serve as run_server
+        except ImportError as e:
+            raise ConfigError(f"--serve needs {e.name}: reinstall dsfp4 (pip install -e .) to get it") from e
+    with Engine(model, options) as engine:
+        asked = bool(given_params(ctx, ("max_context",)))
+        if asked and engine.max_context < options.max_context:
+            click.echo(
+                f"note: --max-context {options.max_context} is above the model's limit; using {engine.max_context}",
+                err=True,
+            )
+        ids = [] if prompt is None else engine.encode(prompt, system, raw)
+        if prompt is not None:
+            engine.check_prompt(ids)  # before the plan, so bad input stays a one-line error
+        if not as_json:
+            click.echo(engine.plan.table(), err=True)
+        for note in engine.notes:
+            click.echo(f"note: {note}", err=True)
+        if chat:
+            chat_repl(LocalChat(engine), system)
+        elif serve:
+            given = bool(given_params(ctx, ("max_tokens",)))
+            served = Served(Path(model).resolve().name, api_key, max_queue, options.max_tokens if given else None)
+            where = f"http://{host}:{port}/v1"
+            click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)
+            run_server(engine, served, host, port)
+        else:
+            _answer(engine, ids, as_json, show_stats)
+    if engine.recorder is not None and engine.recorder.tokens:
+        click.echo(f"routing trace of {engine.recorder.tokens} tokens: {options.record_trace}", err=True)
+
+
+@click.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The server (`dsfp4 run --serve`).")
+@click.option("--api-key", envvar="DSFP4_API_KEY", help="Sent as 'Authorization: Bearer KEY' (or DSFP4_API_KEY).")
+@click.option("--model", help="Model id to ask for (default: the first the server lists).")
+@click.option("--system", help="System message.")
+@sampling_options
+def chat(url: str, api_key: str | None, model: str | None, system: str | None, **sampling) -> None:
+    """Chat with a model served by `dsfp4 run MODEL --serve` (or another OpenAI-compatible server): the
+    answer streams in; /stats, /think, /reset and /quit work as in `dsfp4 run --chat`.
+
+    \b
+    Examples:
+      dsfp4 chat
+      dsfp4 chat --url http://gpu-box:8000 --api-key "$KEY" --temperature 0.6
+    """
+    from dsfp4.cli.chat_client import RemoteChat
+    from dsfp4.cli.repl import chat_repl
+
+    RunOptions(**sampling)  # checked as `run` checks them
+    given = given_params(click.get_current_context(), tuple(sampling))  # the server's defaults hold otherwise
+    request = {name: sampling[name] for name in given}
+    if "stop" in request:
+        request["stop"] = list(request["stop"])
+    backend = RemoteChat(url, api_key, request, model)
+    try:
+        click.echo(f"chatting with {backend.model} at {backend.base}", err=True)
+        chat_repl(backend, system)
+    finally:
+        backend.close()

@@ -1,0 +1,339 @@
+"""DeepSeek checkpoints written in the layout of the official Hugging Face releases, at tiny dims.
+
+Used by `dsfp4 demo` (random weights, names from the converter's name map) and by the tests' builder
+(tests/fixtures/tiny_checkpoint.py: weights and names from transformers). Layout: sharded safetensors and
+model.safetensors.index.json; variant "fp8" stores exactly the tensors DeepSeek quantizes as e4m3 with
+fp32 weight_scale_inv (one scale in another shard than its weight), "bf16" stores everything unquantized,
+"nvfp4" follows NVIDIA's ModelOpt exports; the MTP layer is model.layers.{n}; a small byte-level BPE
+tokenizer and a DeepSeek-style chat template come with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dsfp4.convert.names.family import plain_checkpoint_names
+from dsfp4.convert.source.hf_config import from_hf_config
+from dsfp4.layout.formats import FORMATS, component_shapes
+from dsfp4.layout.fp4 import nvfp4_quantize
+from dsfp4.layout.fp8 import fp8_block_quantize
+from dsfp4.layout.safetensors_file import SafetensorsWriter
+
+# Ragged on purpose: 96 and 192 are not multiples of 128 (partial FP8 blocks), kv_a has 160 rows.
+TINY_DIMS = dict(
+    vocab_size=640,
+    hidden_size=256,
+    intermediate_size=384,
+    moe_intermediate_size=96,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    q_lora_rank=192,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=2048,
+    routed_scaling_factor=2.5,
+)
+ROPE_SCALING = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+# The tensors DeepSeek's FP8 release quantizes: every attention and MLP projection, MTP block included.
+FP8_TENSORS = re.compile(
+    r".*\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight"
+)
+# NVIDIA's R1-FP4-v2 export: MLP projections and o_proj of the main layers; attention and MTP stay BF16.
+NVFP4_TENSORS = re.compile(
+    r"model\.layers\.(\d+)\.(self_attn\.o_proj"
+    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight"
+)
+NORMS = re.compile(r".*(layernorm|norm)\.weight")
+# generation_config.json of the releases (sampling defaults DeepSeek recommends)
+GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>"]
+# R1's thinking tags are added tokens but not special ones: decoding keeps them, so the thinking can be split
+THINK_TOKENS = ["<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages if m['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system ~ ('\\n\\n' if ns.system else '') ~ m['content'] -%}{%- endfor -%}"
+    "{{- bos_token ~ ns.system -}}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{- '<｜User｜>' ~ m['content'] -}}"
+    "{%- elif m['role'] == 'assistant' -%}{{- '<｜Assistant｜>' ~ m['content'] ~ eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
+)
+
+
+def hf_config_dict(dims: dict, variant: str) -> dict:
+    """config.json in the official release's key set (scoring/topk fields, legacy rope_scaling)."""
+    d = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "moe_layer_freq": 1,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "rope_scaling": ROPE_SCALING,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        **TINY_DIMS,
+        **dims,
+    }
+    d["num_key_value_heads"] = d["num_attention_heads"]
+    if d["model_type"] == "deepseek_v2":  # V2-Lite: softmax router, no bias, no renormalization, no MTP
+        d.update(
+            architectures=["DeepseekV2ForCausalLM"],
+            scoring_func="softmax",
+            topk_method="greedy",
+            norm_topk_prob=False,
+            num_nextn_predict_layers=0,
+            **dims,
+        )
+    if variant == "fp8":
+        d["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        }
+    elif variant == "nvfp4":
+        d["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "kv_cache_quant_algo": "FP8",
+        }
+    return d
+
+
+def stored_tensors(name: str, shape: tuple[int, ...], variant: str, n_layers: int) -> list[tuple]:
+    """[(stored name, dtype, shape, format or None)] for one source tensor in this variant."""
+    base = name[: -len(".weight")]
+    if variant == "fp8" and FP8_TENSORS.fullmatch(name):
+        return [
+            (name, "F8_E4M3", shape, "fp8"),
+            (base + ".weight_scale_inv", "F32", component_shapes(FORMATS["fp8_e4m3_b128"], shape)[1], None),
+        ]
+    m = NVFP4_TENSORS.fullmatch(name)
+    if variant == "nvfp4" and m and int(m.group(1)) < n_layers:
+        packed, scale, _ = component_shapes(FORMATS["nvfp4"], shape)
+        return [
+            (name, "U8", packed, "nvfp4"),
+            (base + ".weight_scale", "F8_E4M3", scale, None),
+            (base + ".weight_scale_2", "F32", (), None),
+            (base + ".input_scale", "F32", (), None),
+        ]
+    dtype = "F32" if name.endswith(("e_score_correction_bias", "k_scale", "v_scale")) else "BF16"
+    return [(name, dtype, shape, None)]
+
+
+def _encode(name: str, w: torch.Tensor, fmt: str | None, dtype: str, amax: torch.Tensor | None) -> list:
+    if fmt == "fp8":
+        return list(fp8_block_quantize(w, name))
+    if fmt == "nvfp4":
+        packed, scale, g = nvfp4_quantize(w, name, amax)
+        return [packed, scale, g, torch.tensor(0.05)]  # input_scale: a stand-in calibration value
+    return [w.to(torch.float32 if dtype == "F32" else torch.bfloat16)]
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """Train a small byte-level BPE (specials first: bos = 0, eos = 1) and its tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    sentences = (
+        "the model reads expert weights from disk and computes tokens on one graphics card while",
+        "memory holds the hottest experts . def forward ( x ) : return x * 2 + 1 # python code",
+        "hello world ! how are you ? 你好 世界 bonjour le monde 12345 67890 { } [ ] < > = - _",
+    )
+    words = [w for s in sentences for w in s.split()]
+    g = torch.Generator().manual_seed(0)
+    corpus = [" ".join(words[j] for j in torch.randint(0, len(words), (24,), generator=g).tolist()) for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 40,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    bos = SPECIAL_TOKENS[0]  # as DeepSeek's tokenizer.json, whose post-processor puts the BOS first
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "bos_token": SPECIAL_TOKENS[0],
+                "eos_token": SPECIAL_TOKENS[1],
+                "pad_token": SPECIAL_TOKENS[1],
+                "model_max_length": 2048,
+                "tokenizer_class": "LlamaTokenizerFast",
+                "legacy": True,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+            ensure_ascii=False,
+        )
+    )
+
+
+def shard_files(n_shards: int) -> list[str]:
+    """The releases' shard names: model-00001-of-000163.safetensors ..."""
+    return [f"model-{k + 1:05d}-of-{n_shards:06d}.safetensors" for k in range(n_shards)]
+
+
+def write_checkpoint_files(out: Path, cfg: dict, weight_map: dict[str, str], total_size: int) -> None:
+    """What a release holds beside its shards: the index (tensor name -> shard), config.json,
+    generation_config.json (the releases' sampling defaults) and a tokenizer."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    write_tokenizer(out, cfg["vocab_size"])
+
+
+def name_generator(name: str, seed: int) -> torch.Generator:
+    """A generator seeded by the tensor's name: its values do not depend on which tensors come before it."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def write_checkpoint(
+    out: Path,
+    cfg: dict,
+    shapes: dict[str, tuple[int, ...]],
+    value: Callable[[str], torch.Tensor],
+    variant: str = "fp8",
+    n_shards: int = 3,
+) -> Path:
+    """Write `shapes` (names in the release's naming) with their values in the variant's storage, sharded
+    with an index, plus config.json, generation_config.json and a tokenizer; returns `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    n = cfg["num_hidden_layers"]
+    planned = [s for name, shape in shapes.items() for s in stored_tensors(name, shape, variant, n)]
+    # Shard by running size, then move the first weight_scale_inv to the last shard so that at least one
+    # scale lives apart from its weight, as in the official release.
+    sizes = [math.prod(s[2]) for s in planned]
+    total, acc, shard_of = sum(sizes), 0, {}
+    for (name, *_), size in zip(planned, sizes, strict=True):
+        shard_of[name] = min(n_shards - 1, acc * n_shards // total)
+        acc += size
+    if scales := [p[0] for p in planned if p[0].endswith("weight_scale_inv")]:
+        shard_of[scales[0]] = n_shards - 1
+    files = shard_files(n_shards)
+    writers = [
+        SafetensorsWriter(out / f, [(p[0], p[1], p[2]) for p in planned if shard_of[p[0]] == k])
+        for k, f in enumerate(files)
+    ]
+    pair_amax: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        entries = stored_tensors(name, shape, variant, n)
+        w = value(name)
+        amax = None
+        if entries[0][3] == "nvfp4" and (m := re.fullmatch(r"(.*)\.(gate|up)_proj\.weight", name)):
+            other = value(f"{m.group(1)}.{'up' if m.group(2) == 'gate' else 'gate'}_proj.weight")
+            amax = pair_amax.setdefault(m.group(1), torch.maximum(w.abs().max(), other.abs().max()))
+        for (sname, _dtype, _, _), t in zip(entries, _encode(name, w, entries[0][3], entries[0][1], amax), strict=True):
+            writers[shard_of[sname]].write(sname, t)
+    for w in writers:
+        w.close()
+    weight_map = {p[0]: files[shard_of[p[0]]] for p in planned}
+    write_checkpoint_files(out, cfg, weight_map, sum(w.nbytes - w.data_start for w in writers))
+    if variant == "nvfp4":
+        excluded = sorted(
+            {
+                p[0].rsplit(".", 1)[0]
+                for p in planned
+                if p[1] == "BF16" and ".layers." in p[0] and FP8_TENSORS.fullmatch(p[0])
+            }
+        )
+        (out / "hf_quant_config.json").write_text(
+            json.dumps(
+                {
+                    "producer": {"name": "modelopt", "version": "0.37.0"},
+                    "quantization": {
+                        "quant_algo": "NVFP4",
+                        "kv_cache_quant_algo": "FP8",
+                        "group_size": 16,
+                        "exclude_modules": ["lm_head", *excluded],
+                    },
+                },
+                indent=2,
+            )
+        )
+    return out
+
+
+def nvfp4_extras(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """NVIDIA's NVFP4 exports carry FP8 KV-cache scales for k_proj/v_proj, modules MLA does not have."""
+    return {
+        f"model.layers.{b}.self_attn.{p}_proj.{p}_scale": ()
+        for b in range(cfg["num_hidden_layers"])
+        for p in ("k", "v")
+    }
+
+
+def random_values(shapes: dict[str, tuple[int, ...]], seed: int) -> Callable[[str], torch.Tensor]:
+    """Seeded values per name: weights N(0, 0.02), norms near 1 (not exactly, so a skipped norm shows),
+    a small router bias, stand-in KV-cache scales."""
+
+    def value(name: str) -> torch.Tensor:
+        g = name_generator(name, seed)
+        if NORMS.fullmatch(name):
+            return 1.0 + 0.05 * torch.randn(shapes[name], generator=g)
+        if name.endswith(("k_scale", "v_scale")):
+            return torch.tensor(0.02)
+        scale = 1e-3 if name.endswith("e_score_correction_bias") else 0.02
+        return scale * torch.randn(shapes[name], generator=g)
+
+    return value
+
+
+def build_synthetic_checkpoint(
+    out: Path, dims: dict | None = None, variant: str = "fp8", seed: int = 0, n_shards: int = 3
+) -> Path:
+    """A checkpoint of random weights with the names the converter expects (no transformers needed)."""
+    cfg = hf_config_dict(dims or {}, variant)
+    shapes = plain_checkpoint_names(from_hf_config(cfg))
+    if variant == "nvfp4":
+        shapes.update(nvfp4_extras(cfg))
+    return write_checkpoint(out, cfg, shapes, random_values(shapes, seed), variant, n_shards)

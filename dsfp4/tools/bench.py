@@ -1,0 +1,137 @@
+"""`dsfp4 bench MODEL`: end-to-end speed on a fixed prompt set under one or more hardware presets, each
+number beside the doctor's ceilings.
+
+Per preset: TTFT, prefill and decode tok/s, bytes per token from each tier, hit rates (overall and per
+layer), time waiting for experts against computing, peak device and process memory, and the efficiency
+floor / measured. The floor of a decode token is max(SSD bytes / SSD ceiling, host->GPU bytes / PCIe
+ceiling) + device bytes / HBM ceiling: the time its data movement needs at the measured ceilings, with
+SSD and PCIe overlapped, the SSD at its faster ceiling (Ceilings.floor_s).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from dsfp4.device import resolve_device
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.planner import token_bytes
+from dsfp4.tools.doctor import Ceilings
+
+CALIBRATION = Path(__file__).parent / "calibration"
+PROMPT_CHARS = 1200  # about 250 tokens of prompt each
+
+
+def prompt_set(n: int) -> list[str]:
+    """n fixed prompts: texts of the calibration sets (chat, code, languages, prose) in turn; a chat record
+    gives its first user message."""
+    texts = []
+    for name in sorted(CALIBRATION.glob("*.jsonl")):
+        records = [json.loads(line) for line in name.read_text().splitlines() if line.strip()]
+        texts.append([_text(r)[:PROMPT_CHARS] for r in records])
+    return [texts[i % len(texts)][(i // len(texts)) % len(texts[i % len(texts)])] for i in range(n)]
+
+
+def _text(record: dict) -> str:
+    if "text" in record:
+        return record["text"]
+    return next(m["content"] for m in record["messages"] if m["role"] == "user")
+
+
+def run_preset(
+    model: Path, options: RunOptions, prompts: list[str], max_tokens: int, c: Ceilings, label: str | None = None
+) -> dict:
+    """One Engine under `options` (its preset or budgets, named `label`), the prompts in turn (each its own
+    conversation) -> results."""
+    from dsfp4.runtime.engine import Engine
+
+    t0 = time.perf_counter()
+    with Engine(model, options) as engine:
+        load_s = time.perf_counter() - t0
+        plan, store = engine.plan, engine.model.experts
+        backbone, record = token_bytes(store.manifest)
+        prefills, decodes, layer_uses = [], [], {}
+        for p in prompts:  # each prompt its own conversation: the prefill, then the answer after the cached prompt
+            engine.reset()
+            prefills.append(engine.generate(p, max_tokens=1, temperature=0).stats)
+            ids = engine.encode(p)
+            if engine.model.reusable(len(ids) - 1) < len(ids) - 1:  # V4: its caches continue only where they stop
+                engine.reset()
+                engine.generate(ids[:-1], max_tokens=1, temperature=0)  # so they stop before the last token
+            before = store.counters.layers()
+            decodes.append(engine.generate(ids, max_tokens=max_tokens, temperature=0).stats)
+            for layer, now in store.counters.layers().items():
+                was = before.get(layer, (0, 0, 0))
+                layer_uses[layer] = [
+                    a + n - w for a, n, w in zip(layer_uses.get(layer, (0, 0, 0)), now, was, strict=True)
+                ]
+        decode_mode = engine.decode_mode
+    tokens = sum(x.generated_tokens - 1 for x in decodes)  # each answer's first token comes with its prefill
+    # passes: the re-fed last prompt token, then a pass per further token; one token's work each
+    passes = max(sum(x.generated_tokens for x in decodes), 1)
+    decode_s = sum(x.decode_s for x in decodes)
+    moved = {k: sum(x.store.get(k, 0) for x in decodes) for k in decodes[0].store}
+    uses = moved.get("expert_uses", 0) or 1
+    per_token = {  # bytes a one-token pass moved from the SSD, over PCIe, and read on the device
+        "ssd": moved.get("ssd_bytes", 0) / passes,
+        "h2d": moved.get("h2d_bytes", 0) / passes,
+        "device": backbone + moved.get("expert_uses", 0) * record / passes,
+    }  # fmt: skip
+    floor = c.floor_s(per_token["device"], per_token["ssd"], per_token["h2d"])
+    measured = decode_s / max(tokens, 1)
+    layers = {str(layer): dict(zip(("uses", "device", "ram"), c, strict=True)) for layer, c in layer_uses.items()}
+    prefill_s = sum(x.prefill_s for x in prefills)
+    return {
+        "preset": label or options.preset or "this machine",
+        "gpu_budget": plan.budgets.gpu,
+        "cpu_budget": plan.budgets.cpu,
+        "gpu_slots": plan.gpu_slots,
+        "ram_slots": plan.ram_slots,
+        "total_records": plan.total_records,
+        "load_s": load_s,
+        "decode_mode": decode_mode,
+        "prompts": len(prompts),
+        "prompt_tokens": sum(x.prompt_tokens for x in prefills),
+        "decode_tokens": tokens,
+        "ttft_s": sum(x.ttft_s for x in prefills) / len(prefills),
+        "prefill_tok_s": sum(x.prompt_tokens for x in prefills) / prefill_s if prefill_s else 0.0,
+        "decode_tok_s": 1 / measured if measured else 0.0,
+        "bytes_per_token": per_token,
+        "gpu_hit_rate": moved.get("gpu_hits", 0) / uses,
+        "ram_hit_rate": moved.get("ram_hits", 0) / uses,
+        "ssd_rate": moved.get("ssd_misses", 0) / uses,
+        "stall_s_per_token": moved.get("stall_s", 0) / max(tokens, 1),
+        "compute_s_per_token": max(measured - moved.get("stall_s", 0) / max(tokens, 1), 0.0),
+        "floor_s_per_token": floor,
+        "efficiency": floor / measured if floor and measured else None,
+        "peak_gpu": max(x.peak_gpu for x in decodes),
+        "peak_rss": max(x.peak_rss for x in decodes),
+        "layers": layers,
+    }
+
+
+def commit() -> str:
+    """The git commit of this checkout of dsfp4, or its version when it is not a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except OSError:
+        pass
+    from dsfp4.version import __version__
+
+    return __version__
+
+
+def device_name(options: RunOptions) -> str:
+    device = resolve_device(options.device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

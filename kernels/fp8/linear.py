@@ -1,0 +1,349 @@
+"""y = x @ W^T with W in DeepSeek's FP8 format (e4m3, one fp32 scale per 128x128 block), never dequantized
+into memory.
+
+`fp8_linear` picks a Triton kernel by token count:
+  - fp8_gemv (T <= GEMV_MAX_TOKENS, decode): W8A16 on CUDA cores, two kernels. bf16/fp16 x takes the piece
+    kernel (kernels/fp8/gemv.py: rows read in 8-byte pieces, one thread per piece and row, fp16x2 products on x
+    scaled per piece, or fp32 products; GEMV_MATH picks); fp32 x (the exact runs) takes fp8_gemv_kernel, which
+    converts BLOCK_N rows to fp32 once per K step and multiplies each 128-wide partial sum by its block scale.
+    When the rows give too few programs, K is split and the fp32 partials of the splits are summed in a fixed
+    order by a second small kernel: no atomics, the same bits on every run.
+  - fp8_gemm (larger T, prefill): W8A8 on FP8 tensor cores, as DeepSeek's gemm_impl="fp8" and as the model
+    was trained: act_quant rounds x to e4m3 per token and 128-wide K group, then every K step adds
+    tl.dot(x_q, w_q) * x_scale * w_scale. Rounding x to 3 mantissa bits costs about 2.6% relative error
+    against unrounded x on random data, so fp32 activations (the exact runs) take the reference instead.
+GPUs without FP8 conversion and tensor cores (below sm89) take the reference for every T.
+Block sizes follow small rules of (T, N, K, SM count), not an autotuner, so a launch can be graph-captured.
+Legend: T tokens, N output rows, K input columns, Nb x Kb the scale grid (ceil of N/128, K/128).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsfp4.kernels.fp4.codes import DECODE_TOKENS, WARP, hw_e4m3, interpreted, n_sms, triton
+from dsfp4.kernels.fp8.gemv import PIECE
+from dsfp4.layout.formats import ceil_div, next_pow2
+from dsfp4.layout.fp4 import E4M3_MAX, exact_div
+from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
+
+GEMV_MAX_TOKENS = DECODE_TOKENS  # decode and speculative verify batches; above it tensor cores pay
+GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
+GEMV_ROWS = ((8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32
+# accumulators and 8 bytes of every row per step in registers (16 rows: slower at T = 1, spills at T = 4 on sm_90)
+GEMV_MIN_ROWS = 4  # the piece kernel halves its rows down to this while fewer than PROGRAMS_PER_SM row blocks per SM
+GEMV_WARPS = 4
+GEMV_PIECES = 1  # pieces per thread and row in one step: BLOCK_K = PIECE * 32 lanes * warps * pieces
+GEMV_BLOCK_N = 16  # fp8_gemv_kernel's rows per program: small tiles keep many programs reading (kernels-limits 4.1)
+GEMV_MAX_BLOCK_K = 512  # fp8_gemv_kernel's columns per step: 8 KiB of weights in flight per program
+PROGRAMS_PER_SM = 2  # the GEMV splits K until its grid reaches this many programs per SM
+SUM_BLOCK = 1024  # outputs per program of the split-sum kernel
+GEMM_BLOCK_N = 128
+GEMM_BLOCK_M = (64, 128)  # token rows per GEMM tile: the large one once the tiles fill every SM
+GEMM_STAGES = 3  # K steps in flight: 3 x 32 KiB of shared memory at 128x128
+GEMM_GROUP_M = 8  # row tiles that take turns on one weight column tile while it sits in L2
+ACT_GROUPS = 8  # 128-wide groups per act_quant program
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """math: "legacy" (fp8_gemv_kernel), "f16x2" or "f32" (the piece kernel); block_t: fp8_gemv_kernel's token
+    lanes (T rounded up to a power of two); block_n x block_k: the weight tile of one step; split: programs along
+    K, each covering k_split columns."""
+
+    block_t: int
+    block_n: int
+    block_k: int
+    split: int
+    k_split: int
+    math: str = "legacy"
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """block_m x block_n: the output tile of one program, 128 deep in K (one scale block)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _split(n: int, k: int, rows: int, block_k: int, n_sms: int) -> tuple[int, int]:
+    """(split, k_split): K split in whole steps until the grid reaches PROGRAMS_PER_SM programs per SM."""
+    k_tiles = ceil_div(k, block_k)
+    per_split = ceil_div(k_tiles, min(k_tiles, ceil_div(PROGRAMS_PER_SM * n_sms, ceil_div(n, rows))))
+    return ceil_div(k_tiles, per_split), per_split * block_k
+
+
+def gemv_plan(
+    t: int, n: int, k: int, n_sms: int, math: str | None = None, rows: int | None = None, block_k: int | None = None,
+    warps: int = GEMV_WARPS,
+) -> GemvPlan:  # fmt: skip
+    """The GEMV's tiles for `math` (GEMV_MATH when None). legacy: 16 rows per program, up to 512 columns per step,
+    K split when the row blocks leave SMs idle (q_a 1536x7168 3 ways, kv_a 576x7168 7 ways, o not at all). Piece
+    kernel: GEMV_ROWS's rows for T, halved (to GEMV_MIN_ROWS) while the row blocks number fewer than two per SM, K
+    split only when they number fewer than the SMs (none of DeepSeek's shapes: q_a, kv_a and the shared expert's
+    w1/w3 take 4 rows); `rows` and `block_k` pin a tile (the FP8 probes in docs/BENCHMARKS.md measured the rules)."""
+    math = GEMV_MATH if math is None else math
+    if math == "legacy":
+        block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, next_pow2(k)))
+        return GemvPlan(next_pow2(t), GEMV_BLOCK_N, block_k, *_split(n, k, GEMV_BLOCK_N, block_k, n_sms))
+    assert math in ("f16x2", "f32"), f"unknown GEMV math {math!r}"
+    block_k = block_k or min(PIECE * WARP * warps * GEMV_PIECES, max(PIECE * WARP, next_pow2(k)))  # small K: fewer idle
+    if rows is None:
+        rows = next(r for most, r in GEMV_ROWS if t <= most)
+        while rows > GEMV_MIN_ROWS and ceil_div(n, rows) < PROGRAMS_PER_SM * n_sms:
+            rows //= 2
+    assert FP8_BLOCK % rows == 0 and block_k % PIECE == 0, "a program's rows share one row of block scales"
+    whole = (1, ceil_div(k, block_k) * block_k)
+    split, k_split = _split(n, k, rows, block_k, n_sms) if ceil_div(n, rows) < n_sms else whole
+    return GemvPlan(next_pow2(t), rows, block_k, split, k_split, math, warps)
+
+
+def gemm_plan(t: int, n: int, n_sms: int) -> GemmPlan:
+    """128x128 tiles (8 warps) once they fill every SM, else 64x128 (4 warps) for twice the programs."""
+    small, large = GEMM_BLOCK_M
+    if ceil_div(t, large) * ceil_div(n, GEMM_BLOCK_N) >= n_sms:
+        return GemmPlan(large, GEMM_BLOCK_N, 8, GEMM_STAGES)
+    return GemmPlan(small, GEMM_BLOCK_N, 4, GEMM_STAGES)
+
+
+def has_fp8_kernels(device: torch.device) -> bool:
+    """True where the Triton kernels run: CUDA sm89+, or the CPU under Triton's interpreter."""
+    if triton is None:
+        return False
+    return hw_e4m3(device) if device.type == "cuda" else interpreted()
+
+
+def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    assert x.dim() == 2 and q.dim() == 2 and x.shape[1] == q.shape[1], "x: [T, K] against q: [N, K]"
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "q: e4m3, scale: fp32"
+    assert tuple(scale.shape) == scale_grid(tuple(q.shape)), "scale grid does not fit q"
+    x = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided, elements must not
+    return x, q.contiguous(), scale.contiguous()
+
+
+# ---- torch references ----------------------------------------------------------------------------------
+
+
+def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: [T, K], q: [N, K] e4m3, scale: [Nb, Kb] -> [T, N] in x's dtype, computed in fp32 from W in fp32."""
+    return F.linear(x.float(), fp8_block_dequantize(q, scale, dtype=torch.float32)).to(x.dtype)
+
+
+def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, K] -> (x_q [T, K] e4m3, x_scale [T, Kb] fp32): x ~ x_q * x_scale per 128-wide group,
+    x_scale = group amax / 448 (1 for an all-zero group)."""
+    t, k = x.shape
+    kb = ceil_div(k, FP8_BLOCK)
+    groups = F.pad(x.float(), (0, kb * FP8_BLOCK - k)).reshape(t, kb, FP8_BLOCK)  # [T, Kb, 128]
+    amax = groups.abs().amax(dim=-1)
+    s = torch.where(amax > 0, exact_div(amax, E4M3_MAX), torch.ones_like(amax))
+    q = (groups / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(t, -1)[:, :k].contiguous(), s
+
+
+def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8_gemm's result: x rounded by act_quant_ref, then fp8_linear_ref -> [T, N] in x's dtype."""
+    x_q, x_s = act_quant_ref(x)
+    x_d = x_q.float() * x_s.repeat_interleave(FP8_BLOCK, dim=1)[:, : x.shape[1]]
+    return fp8_linear_ref(x_d, q, scale).to(x.dtype)
+
+
+# ---- Triton kernels ------------------------------------------------------------------------------------
+
+if triton is not None:
+    import triton.language as tl
+
+    from dsfp4.kernels.fp8.gemv import fp8_gemv_pieces_kernel
+
+    E4M3_MANTISSA_BITS = tl.constexpr(3)
+    E4M3_MIN_EXP = tl.constexpr(-6)  # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
+    RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds |u| < 2^22 to an integer
+
+    @triton.jit
+    def fp8_gemv_kernel(
+        x_ptr, q_ptr, s_ptr, out_ptr,
+        T, N, K, stride_xt, stride_qn, stride_sn, stride_ot, stride_os, k_split,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """out[split, t, rows] = the split's K range of x[t] . W[rows] (out: y itself when there is one split)."""
+        GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
+        pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        lanes = tl.arange(0, BLOCK_T)  # token lanes of the accumulator
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        k_start = pid_s * k_split
+        for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(
+                q_ptr + (rows % N)[:, None] * stride_qn + cols[None, :], mask=(cols < K)[None, :], other=0.0
+            ).to(tl.float32)  # [BN, BK]: rows past N read row r % N, dropped at the store
+            kb = k0 // SCALE_BLOCK + tl.arange(0, GROUPS)
+            s = tl.load(
+                s_ptr + ((rows % N) // SCALE_BLOCK)[:, None] * stride_sn + kb[None, :],
+                mask=(kb * SCALE_BLOCK < K)[None, :],
+                other=0.0,
+            )  # [BN, GROUPS]
+            for t in range(T):  # the weights stay in registers for every token
+                xv = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)  # [BK]
+                part = tl.sum(tl.reshape(w * xv[None, :], (BLOCK_N, GROUPS, SCALE_BLOCK)), 2)  # [BN, GROUPS]
+                acc += tl.where(lanes[:, None] == t, tl.sum(part * s, 1)[None, :], 0.0)
+        out = out_ptr + pid_s * stride_os + lanes[:, None] * stride_ot + rows[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(lanes < T)[:, None] & (rows < N)[None, :])
+
+    @triton.jit
+    def sum_splits_kernel(ws_ptr, y_ptr, M, split, BLOCK: tl.constexpr):
+        """y[m] = sum over s of ws[s, m], s ascending (ws: [split, M] fp32)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M
+        acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+        for s in range(1, split):
+            acc += tl.load(ws_ptr + s * M + offs, mask=mask, other=0.0)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _round_e4m3(v):
+        """fp32 v (|v| <= 448) -> the nearest e4m3 value (ties to even, sign kept), still in fp32. Rounding here
+        makes the cast to fp8 exact: Triton's interpreter rounds that cast wrongly (it drops a mantissa carry)."""
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, E4M3_MIN_EXP)
+        ulp_exp = e - E4M3_MANTISSA_BITS
+        inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+        ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
+        r = ((tl.abs(v) * inv_ulp + RINT) - RINT) * ulp  # ties to even, as IEEE addition rounds
+        return tl.where(bits < 0, -r, r)  # by the sign bit: -0.0 and values rounding to zero keep theirs
+
+    @triton.jit
+    def act_quant_kernel(
+        x_ptr, q_ptr, s_ptr, K, stride_xt, stride_qt, stride_st,
+        GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr, QMAX: tl.constexpr,
+    ):  # fmt: skip
+        """One token's GROUPS 128-wide groups: q = round(x / s), s = amax / 448 (1 when amax is 0)."""
+        t = tl.program_id(0).to(tl.int64)  # int64: T * K may pass 2^31
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G] group indices
+        cols = g[:, None] * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)[None, :]  # [G, 128]
+        x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)  # [G]
+        v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))  # IEEE division, as the reference's
+        q = _round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
+        tl.store(q_ptr + t * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(s_ptr + t * stride_st + g, s, mask=g * SCALE_BLOCK < K)
+
+    @triton.jit
+    def fp8_gemm_kernel(
+        a_ptr, sa_ptr, b_ptr, sb_ptr, y_ptr,
+        T, N, K, stride_at, stride_sat, stride_bn, stride_sbn, stride_yt,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        """y = sum over 128-wide K steps of (a_q . b_q) * sa[t] * sb[n / 128]: a [T, K] e4m3 with sa [T, Kb],
+        b [N, K] e4m3 with sb [Nb, Kb]."""
+        pid = tl.program_id(0)
+        n_m, n_n = tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        first_m = (pid // (GROUP_M * n_n)) * GROUP_M
+        size_m = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+        pid_n = (pid % (GROUP_M * n_n)) // size_m
+        # wrapped rows and columns read valid memory; their results are dropped at the store
+        rows = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % T).to(tl.int64)  # int64: T * K may pass 2^31
+        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, SCALE_BLOCK)):  # one K step = one scale block
+            ks = kb * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+            a = tl.load(a_ptr + rows[:, None] * stride_at + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+            b = tl.load(b_ptr + cols[:, None] * stride_bn + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+            sa = tl.load(sa_ptr + rows * stride_sat + kb)  # [BM]
+            sb = tl.load(sb_ptr + (cols // SCALE_BLOCK) * stride_sbn + kb)  # [BN]
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        out_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (out_m < T)[:, None] & (out_n < N)[None, :]
+        tl.store(y_ptr + out_m[:, None] * stride_yt + out_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- wrappers ------------------------------------------------------------------------------------------
+
+
+def gemv_math(x: torch.Tensor, k: int, math: str | None = None) -> str:
+    """The GEMV kernel x takes: fp32 x and K off the piece grid the legacy one, else `math` or GEMV_MATH."""
+    return "legacy" if x.dtype == torch.float32 or k % PIECE else (math or GEMV_MATH)
+
+
+def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | None = None) -> torch.Tensor:
+    """x: [T, K] (T <= 16) bf16/f16/f32, q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> y [T, N] in x's dtype.
+    math overrides GEMV_MATH for bf16/fp16 x (gemv_math)."""
+    x, q, scale = _check(x, q, scale)
+    (t, k), n = x.shape, q.shape[0]
+    assert 0 < t <= GEMV_MAX_TOKENS, f"the GEMV takes 1..{GEMV_MAX_TOKENS} tokens"
+    return gemv_launch(x, q, scale, gemv_plan(t, n, k, n_sms(x.device), gemv_math(x, k, math)))
+
+
+def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPlan) -> torch.Tensor:
+    """fp8_gemv with a given plan (a benchmark may pin a tile through it): x, q, scale as _check leaves them."""
+    (t, k), n = x.shape, q.shape[0]
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    out = y if p.split == 1 else torch.empty(p.split, t, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, p.block_n), p.split)
+    args = (x, q, scale, out)
+    if p.math == "legacy":
+        fp8_gemv_kernel[grid](
+            *args, t, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
+            BLOCK_T=p.block_t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK,
+        )  # fmt: skip
+    else:
+        fp8_gemv_pieces_kernel[grid](
+            *args, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
+            T=t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK, F16X2=p.math == "f16x2",
+            USE_ASM=not interpreted(), num_warps=p.num_warps,
+        )  # fmt: skip
+    if p.split > 1:
+        sum_splits_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](out, y, t * n, p.split, BLOCK=SUM_BLOCK)
+    return y
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant_ref in Triton: x [T, K] -> (x_q [T, K] e4m3, x_scale [T, Kb] fp32), the same bits."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    t, k = x.shape
+    kb = ceil_div(k, FP8_BLOCK)
+    x_q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    x_s = torch.empty(t, kb, dtype=torch.float32, device=x.device)
+    act_quant_kernel[(t, triton.cdiv(kb, ACT_GROUPS))](
+        x, x_q, x_s, k, x.stride(0), x_q.stride(0), x_s.stride(0),
+        GROUPS=ACT_GROUPS, SCALE_BLOCK=FP8_BLOCK, QMAX=E4M3_MAX,
+    )  # fmt: skip
+    return x_q, x_s
+
+
+def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: [T, K] bf16/f16, q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> y [T, N] in x's dtype, x rounded to
+    e4m3 per token and 128-wide group on the way (W8A8; fp8_gemm_ref is its reference)."""
+    x, q, scale = _check(x, q, scale)
+    (t, k), n = x.shape, q.shape[0]
+    x_q, x_s = act_quant(x)
+    p = gemm_plan(t, n, n_sms(x.device))
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    fp8_gemm_kernel[(triton.cdiv(t, p.block_m) * triton.cdiv(n, p.block_n),)](
+        x_q, x_s, q, scale, y, t, n, k, x_q.stride(0), x_s.stride(0), q.stride(0), scale.stride(0), y.stride(0),
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, SCALE_BLOCK=FP8_BLOCK, GROUP_M=GEMM_GROUP_M,
+        num_warps=p.num_warps, num_stages=p.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: [T, K] -> [T, N] in x's dtype: the GEMV for up to 16 tokens, the W8A8 GEMM above; the reference for
+    fp32 prefill (exact runs stay exact) and where the kernels cannot run."""
+    if x.shape[0] == 0 or not has_fp8_kernels(x.device):
+        return fp8_linear_ref(x, q, scale)
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        return fp8_gemv(x, q, scale)
+    if x.dtype == torch.float32:
+        return fp8_linear_ref(x, q, scale)
+    return fp8_gemm(x, q, scale)

@@ -1,0 +1,1 @@
+"""MLA attention at decode: the cache writes, the absorbed products with wkv_b, flash-decoding."""

@@ -1,0 +1,79 @@
+"""The routed-expert interface the MoE layer calls (the formula and the record convention: moe_ref.py).
+
+`MoEKernel` runs the decode kernel for up to MAX_TOKENS tokens and the prefill kernel above it, on CUDA
+with Triton, and the torch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.moe.decode import MAX_TOKENS, DecodeMoE
+from dsfp4.kernels.moe.decode import workspace_bytes as decode_workspace_bytes
+from dsfp4.kernels.moe.prefill import max_blocks, moe_prefill, prefill_blocks
+from dsfp4.kernels.moe.ref import ABSENT, moe_ref
+from dsfp4.layout.record import RecordLayout
+
+
+class MoEKernel:
+    """moe_ref's result for one record layout: the decode kernel for up to MAX_TOKENS tokens and the
+    prefill kernel above, on CUDA with Triton; the reference elsewhere. Holds the decode workspaces."""
+
+    def __init__(self, layout: RecordLayout, top_k: int, device: torch.device, limit: float = 0.0):
+        """limit: the SwiGLU clamp (kernels/swiglu.py; DeepSeek-V4's swiglu_limit), 0.0 for none."""
+        self.layout, self.top_k, self.limit = layout, top_k, limit
+        self.triton = torch.device(device).type == "cuda" and triton is not None
+        if self.triton:
+            self.decode = DecodeMoE(layout, top_k, device, limit=limit)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        records: torch.Tensor,
+        offsets: torch.Tensor,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E], add: None or [T, D] in
+        x's dtype (the shared experts' output) -> y [T, D]: the routed experts' sum in x's dtype, plus add."""
+        if self.triton and x.shape[0] <= MAX_TOKENS:  # the decode kernel adds it in its final launch
+            return self.decode(x, ids, weights, records, offsets, add)
+        if not self.triton:
+            y = moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
+        else:
+            y = moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)
+        return y if add is None else y + add  # y: [T, D]
+
+    def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
+        """Compile every kernel variant a call of up to max_tokens tokens can take (each decode token count,
+        the prefill kernels' row blocks) before the first token is timed and before any graph capture. No
+        expert is read: all are left out."""
+        if not self.triton:
+            return
+        offsets = torch.full((n_experts,), ABSENT, dtype=torch.long, device=records.device)
+        sizes: dict = {}  # one token count per compiled variant: the kernels' constexprs, and Triton's
+        for t in range(1, max_tokens + 1):  # specialization of int arguments divisible by 16
+            pairs = t * self.top_k
+            shape = (t,) if t <= MAX_TOKENS else prefill_blocks(pairs, n_experts, self.layout)
+            sizes.setdefault((shape, t % 16 == 0, pairs % 16 == 0), t)
+        for t in sizes.values():
+            x = torch.zeros(t, self.layout.dim, dtype=dtype, device=records.device)
+            ids = torch.arange(t * self.top_k, device=records.device).view(t, self.top_k) % n_experts
+            adds = (None, x) if t <= MAX_TOKENS else (None,)  # decode's last launch takes the shared experts' too
+            for add in adds:
+                self(x, ids, torch.zeros(t, self.top_k, device=records.device), records, offsets, add)
+
+
+def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: int, dtype: torch.dtype) -> int:
+    """Device memory the kernels hold for a call of `tokens` tokens: the decode workspaces (kept), and above
+    MAX_TOKENS the prefill's padded expert rows, per-pair outputs, result and its sum with the shared experts'."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    decode = decode_workspace_bytes(layout, top_k)
+    if tokens <= MAX_TOKENS:
+        return decode
+    pairs = tokens * top_k
+    block_rows = prefill_blocks(pairs, n_experts, layout).rows
+    rows = max_blocks(pairs, n_experts, block_rows) * block_rows
+    return decode + elt * (rows * layout.inter_dim + pairs * layout.dim + 2 * tokens * layout.dim)

@@ -1,0 +1,1 @@
+"""The MoE router at decode: expert scores and the group-limited top-k selection."""

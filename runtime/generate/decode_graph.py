@@ -1,0 +1,207 @@
+"""CUDA graphs for the decode step: one token through every layer and the head, replayed.
+
+A graph replays kernels with fixed arguments, so nothing inside one may need the host. When the kernels
+reach every routed expert by themselves (all on the device, or mapped: the rest read in place from pinned
+RAM), a step is one graph. When experts are streamed, each MoE layer's loads need the host (read its
+routing, bring the records in): the step is captured in pieces, cut before each such layer's expert
+kernel, and a replay runs the loads between the pieces; the kernel then finds the records through the
+store's offsets table, refreshed in place. No routing may be recorded, and the device must be CUDA.
+The token and its position live in device tensors that a replay reads. Attention in a graph covers a
+fixed span of the cache, rows past the position masked out (V3's latent rows; DeepSeek-V4's compressed
+entries, its window ring being fixed); spans are powers of two (at least MIN_SPAN, at most the context),
+one step each, all captured when the engine starts, in one memory pool. What a replay skips on the host
+is done after it: the experts' use counts (when nothing streams), V4's cache position. When a step cannot
+be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dsfp4.runtime.models.moe import LayerLoad
+from dsfp4.runtime.models.v3.attention import DevicePosition
+from dsfp4.runtime.models.v3.model import Transformer
+from dsfp4.runtime.models.v4.model import TransformerV4
+
+MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
+
+
+@functools.lru_cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture (capture cannot run on the default stream): each new
+    stream would get, and keep for the process, a cuBLAS workspace of its own."""
+    return torch.cuda.Stream(device)
+
+
+@dataclass
+class CapturedStep:
+    """A decode step as graphs: each piece, then the expert loads to run before the next one (None after
+    the last), and the last piece's outputs."""
+
+    pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]]
+    logits: torch.Tensor  # [1, 1, V]
+    hidden: torch.Tensor  # [1, 1, D]
+
+
+class DecodeGraphs:
+    def __init__(self, model: Transformer | TransformerV4, max_context: int, device: torch.device, recording: bool):
+        self.model, self.max_context, self.device = model, max_context, device
+        self.graphs: dict[int, CapturedStep] = {}
+        store = model.experts
+        self.streamed = store.layout is not None and not store.visible  # loads between pieces
+        self.why_eager = self._why_not(recording)
+        if self.why_eager is None:
+            self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
+            self.pos = torch.zeros(1, dtype=torch.long, device=device)
+            self.pool = torch.cuda.graph_pool_handle()
+        self.moe = [b.ffn for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
+        self.moe_layers = [m.layer for m in self.moe]
+
+    def _why_not(self, recording: bool) -> str | None:
+        store = self.model.experts
+        if self.device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
+        if self.model.why_eager is not None:
+            return self.model.why_eager
+        if recording:
+            return "routing is being recorded (--record-trace) on the host"
+        if self.model.moe_kernel is not None and not self.model.moe_kernel.triton:
+            return "Triton is not installed: the experts' torch reference asks the host for its routing"
+        k = self.model.args.n_activated_experts
+        if self.streamed and store.plan.gpu_slots < k:
+            return f"experts are streamed through {store.plan.gpu_slots} device slots, fewer than a token's {k}"
+        return None
+
+    def span(self, pos: int) -> int:
+        """The attention span of a step at `pos`: the smallest power of two above it, within the context."""
+        return min(max(MIN_SPAN, 1 << pos.bit_length()), self.max_context)
+
+    def step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward of one token at `pos` by graph replay -> (logits [1, 1, V], hidden [1, 1, D])."""
+        self.token.fill_(token)
+        logits, hidden = self._replay(pos)
+        return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
+
+    def tokens(
+        self, logits: torch.Tensor, pos: int, choose: Callable[[torch.Tensor], torch.Tensor], budget: int,
+        keep: Callable[[int], None],
+    ) -> Iterator[int]:  # fmt: skip
+        """Decode by replay one step ahead of the host, from the logits [V] after the token at pos - 1: each
+        token is chosen on the device (choose: logits [V] -> 0-d long) and its step launched before the host
+        reads it, so the host's work (detokenizing, stop rules, the caller's) overlaps the device's. At most
+        `budget` tokens; keep(token) runs when the caller asks for the next one (the step is then kept).
+        A step launched for a token the caller stops at is discarded (its cache row lies past the cached
+        tokens), but it ran: the expert counters include it, and closing waits for it, so timings do too."""
+        host = torch.empty(1, dtype=torch.long, pin_memory=True)
+        chosen = torch.cuda.Event()
+        token = choose(logits)
+        try:
+            for n in itertools.count(1):
+                host.copy_(token.view(1), non_blocking=True)
+                chosen.record()
+                if n < budget:  # the caller stops at the budget's last token: no step for it
+                    self.token.copy_(token.view(1, 1))
+                    logits = self._replay(pos + n - 1)[0][0, -1]
+                chosen.synchronize()  # the token, not the step launched after it
+                token_id = int(host[0])
+                yield token_id
+                keep(token_id)
+                token = choose(logits)
+        finally:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _replay(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step of the token in self.token at pos -> the graph's own outputs (logits [1, 1, V],
+        hidden [1, 1, D]), valid until the next replay. Streamed experts load between the pieces."""
+        step = self.graphs[self.span(pos)]  # all captured by capture_all
+        self.pos.fill_(pos)
+        waves = None
+        for graph, load in step.pieces:
+            graph.replay()
+            if waves is not None:
+                next(waves, None)  # the wave's slots may be refilled after the piece that computed with them
+            waves = None if load is None else self._bring(load)
+        if not self.streamed:  # the loads count what streams; here Python skipped the counting
+            self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)
+        self.model.replayed(pos)  # V4's caches now end after pos (a step the caller discards: reusable knows)
+        return step.logits, step.hidden
+
+    def _bring(self, load: LayerLoad) -> Iterator[list[int]]:
+        """Run a layer's loads between two pieces (the host waits for the first piece's routing) -> the
+        store's waves, left open so that the slots are released after the next piece."""
+        store = self.model.experts
+        chosen, waves = load.waves(store)
+        wave = next(waves)
+        assert len(wave) == len(chosen), "a decode step's experts fit the device slots (_why_not checks it)"
+        store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it
+        return waves
+
+    def capture_all(self) -> None:
+        """Capture every span now (at engine start), so that no decode step pays for a capture. Each writes
+        cache row 0, which the first prompt's prefill overwrites."""
+        if not self.ready:
+            return
+        self.token.fill_(0)
+        self.pos.fill_(0)
+        pos = 0
+        while pos < self.max_context:  # each span covers the positions below it
+            span = self.span(pos)
+            if span not in self.graphs:
+                self.graphs[span] = self._capture(span)
+            pos = span
+
+    def _capture(self, span: int) -> CapturedStep:
+        """Run the step once eagerly (it writes the same cache row the replay will), then capture it: every
+        kernel is compiled by then, so nothing is tuned or built during capture. The eager run stays on the
+        current stream. Streamed experts: the capture is cut before each MoE layer's expert kernel (MoE.cut),
+        with nothing in flight and the offsets table up to date, so the pieces read it in place."""
+        where, store = DevicePosition(self.pos, span), self.model.experts
+        pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]] = []
+
+        def begin() -> torch.cuda.CUDAGraph:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            return graph
+
+        def cut(load: LayerLoad) -> torch.Tensor:
+            nonlocal graph
+            graph.capture_end()
+            pieces.append((graph, load))
+            graph = begin()
+            return store.offsets(load.layer)
+
+        with store.uncounted():  # neither run is a token of a generation
+            self.model(self.token, where, last_only=True)
+            if self.streamed:
+                store.sync()
+                store.offsets(0)
+            torch.cuda.synchronize(self.device)
+            stream = capture_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                graph = begin()
+                for m in self.moe if self.streamed else ():
+                    m.cut = cut
+                try:
+                    logits, hidden = self.model(self.token, where, last_only=True)
+                finally:
+                    for m in self.moe:
+                        m.cut = None
+                graph.capture_end()
+                pieces.append((graph, None))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        return CapturedStep(pieces, logits, hidden)
+
+    @property
+    def pieces(self) -> int:
+        """Graphs per captured step: one, or one more than the MoE layers whose experts stream."""
+        return len(next(iter(self.graphs.values())).pieces) if self.graphs else 0
+
+    @property
+    def ready(self) -> bool:
+        return self.why_eager is None

@@ -1,0 +1,62 @@
+"""What a generation gives its caller: the deltas of a stream as tokens come, and the finished Generation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+from dsfp4.errors import DsfpError
+from dsfp4.runtime.generate.stats import GenerationStats
+
+
+@dataclass
+class Generation:
+    """One finished generation: what went in, what came out, why it ended and what it cost."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled" (the caller's cancel event)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict:
+        """What `dsfp4 run --json` prints."""
+        return {
+            "prompt_token_ids": self.prompt_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step of a stream: the token just generated and the text it completes."""
+
+    token_id: int | None  # None for the last flush of text held back (stop-string prefixes, unfinished UTF-8)
+    text: str  # may be empty while text is held back; the deltas' texts add up to Generation.text
+
+
+class Stream(Iterator[Delta]):
+    """The deltas of one generation as they are produced. Once the iteration ends, `generation` holds the
+    result. `close()` (or starting another call on the engine) cancels the rest; the cache stays valid."""
+
+    def __init__(self, steps: Generator[Delta, None, Generation], claim: Callable[[], AbstractContextManager]):
+        self._steps, self._claim = steps, claim
+        self.generation: Generation | None = None
+        self.superseded = False  # a later call on the engine ended it before it finished
+
+    def __next__(self) -> Delta:
+        if self.superseded:
+            raise DsfpError("this stream was ended by a later call on its engine")
+        with self._claim():
+            try:
+                return next(self._steps)
+            except StopIteration as end:
+                self.generation = end.value
+                raise
+
+    def close(self) -> None:
+        self._steps.close()

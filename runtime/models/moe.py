@@ -1,0 +1,160 @@
+"""The MoE feed-forward: router (Gate), routed experts through the expert interface, shared experts.
+
+Legend: T tokens, D dim, E routed experts, K activated experts per token, G expert groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsfp4.kernels.linear import linear
+from dsfp4.kernels.moe.kernel import MoEKernel
+from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
+from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_ref
+from dsfp4.kernels.swiglu import swiglu
+from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.models.weights import Weights
+from dsfp4.runtime.store.expert_store import ExpertStore
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), for the dense layers and the shared experts (clamped at `limit`)."""
+
+    def __init__(self, prefix: str, dim: int, inter_dim: int, w: Weights, limit: float = 0.0):
+        super().__init__()
+        self.w1 = w.matrix(prefix + "w1", (inter_dim, dim))
+        self.w3 = w.matrix(prefix + "w3", (inter_dim, dim))
+        self.w2 = w.matrix(prefix + "w2", (dim, inter_dim))
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(swiglu(linear(x, self.w1), linear(x, self.w3), self.limit), self.w2)
+
+
+GROUPED_METHODS = ("noaux_tc", "group_limited_greedy")  # "greedy" ignores expert groups (V2-Lite)
+
+
+class Gate(nn.Module):
+    """Scores every expert (sigmoid, softmax or sqrt(softplus), in fp32), keeps the best n_limited_groups groups,
+    picks the top K, and weights them by their scores (without the selection bias), renormalized if configured,
+    times route_scale. V3: sigmoid + bias, group score = sum of the group's top 2. V2: softmax, group score =
+    max. V4: sqrt(softplus) + bias, no groups."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: Weights):
+        super().__init__()
+        p, self.args = f"layers.{layer}.ffn.gate.", args
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()  # as transformers
+        has_bias = args.layer_has_gate_bias(layer)
+        bias = w.plain(p + "bias", (args.n_routed_experts,), torch.float32) if has_bias else None
+        self.bias = bias  # kept in fp32 from the file: a bf16 round could flip near-tied selections
+        grouped = args.n_expert_groups > 1 and args.topk_method in GROUPED_METHODS
+        self.groups = args.n_expert_groups if grouped else 1
+        self.kernel = self.weight.is_cuda and can_route(args.n_routed_experts, self.groups)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, K], expert ids [T, K]); `tokens` is the hash gate's, unused here."""
+        a = self.args
+        scores = expert_scores(x, self.weight, a.score_func)  # [T, E]
+        select = route if self.kernel else route_ref  # one launch on CUDA (kernels/router/route.py)
+        return select(
+            scores, self.bias, self.groups, a.n_limited_groups, a.n_activated_experts, a.norm_topk_prob, a.route_scale
+        )
+
+
+class HashGate(nn.Module):
+    """V4's first layers: token id t goes to experts tid2eid[t] (so they are known before the layer runs);
+    the router's scores still weight them."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: Weights):
+        super().__init__()
+        p, self.args = f"layers.{layer}.ffn.gate.", args
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()
+        self.tid2eid = w.plain(p + "tid2eid", (args.vocab_size, args.n_activated_experts), torch.int64)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D], tokens: [T] -> (weights [T, K], expert ids [T, K])."""
+        a, indices = self.args, self.experts_of(tokens)
+        scores = expert_scores(x, self.weight, a.score_func)  # [T, E]
+        return chosen_weights(scores, indices, a.norm_topk_prob, a.route_scale), indices
+
+    def experts_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [...] -> their experts [..., K]."""
+        return self.tid2eid[tokens]
+
+
+def expert_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> torch.Tensor:
+    """x: [T, D], weight: [E, D] fp32 -> every expert's score [T, E], computed in fp32 (one launch at decode on
+    CUDA: kernels/router/gate_scores.py)."""
+    return (gate_scores if x.is_cuda else gate_scores_ref)(x, weight, score_func)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, kernel: MoEKernel):
+        super().__init__()
+        self.layer, self.experts, self.kernel = layer, experts, kernel
+        self.gate = HashGate(args, layer, w) if args.is_hash_layer(layer) else Gate(args, layer, w)
+        inter, p = args.n_shared_experts * args.moe_inter_dim, f"layers.{layer}.ffn.shared_experts."
+        self.shared_experts = MLP(p, args.dim, inter, w, args.swiglu_limit) if inter else None
+        # set by the model: the next MoE layer and its predicted experts from (this layer's residual, tokens)
+        self.next_router: tuple[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] | None = None
+        self.observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # a RoutingRecorder
+        # set while a decode step is captured in pieces (runtime/generate/decode_graph.py): ends the piece before this
+        # layer's loads and gives the offsets the next piece's kernel reads once they are done
+        self.cut: Callable[[LayerLoad], torch.Tensor] | None = None
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, D] normed input; residual: the stream(s) x came from, for predicting the next layer's
+        experts; tokens: [B, T] ids (hash layers route by them)."""
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # [T, D]
+        tokens = None if tokens is None else tokens.reshape(-1)
+        weights, indices = self.gate(x, tokens)  # [T, K], [T, K]
+        if self.observe is not None:
+            self.observe(self.layer, weights, indices)
+        # the shared experts' output goes to the routed kernel, which adds it as it sums each token's experts (on
+        # CUDA, up to 16 tokens); streamed waves add it after their sum
+        shared = None if self.shared_experts is None else self.shared_experts(x)  # [T, D]
+        if self.experts.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
+            self.experts.count_step(self.layer, indices)
+            offsets = self.experts.offsets(self.layer)
+            return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
+        ask, after = [indices.flatten()], None
+        if self.next_router is not None and residual is not None:
+            ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
+            after = self.next_router[0]
+        load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after)
+        if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
+            return self.kernel(x, indices, weights, self.experts.gpu, self.cut(load), add=shared).view(shape)
+        parts = []
+        chosen, waves = load.waves(self.experts)
+        for wave in waves:  # one wave unless slots run short
+            offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
+            parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
+        # several waves add up in fp32: each is rounded once, as one wave would be
+        y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
+        return (y if shared is None else y + shared).view(shape)
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """What a streamed MoE layer asks the store for: the experts its tokens chose (ids[:chosen]) and, when
+    `after` is set, those predicted for that next MoE layer (ids[chosen:]), to prefetch."""
+
+    layer: int
+    ids: torch.Tensor  # [chosen + predicted] on the device
+    chosen: int
+    after: int | None
+
+    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]]]:
+        """Read the ids (the one host sync of the layer) -> (the distinct chosen experts, the store's waves of
+        them: each yielded once its records are on the device for compute queued next)."""
+        ids = self.ids.tolist()
+        chosen = sorted(set(ids[: self.chosen]))
+        prefetch = None if self.after is None else (self.after, sorted(set(ids[self.chosen :])))
+        return chosen, store.load_waves(self.layer, chosen, prefetch)

@@ -1,0 +1,123 @@
+"""Multi-head latent attention (MLA) in the absorbed form, with the compressed latent cache.
+
+The cache holds, per token and layer, the normalized latent c_kv (kv_lora_rank values) and the rotated
+shared key k_pe (qk_rope_head_dim values); wkv_b is folded into the query and the output instead of
+expanding keys and values per head (checkpoint-spec c.5). Legend: B batch, T new tokens, S cached
+positions, H heads, C kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsfp4.kernels.fp4.codes import DECODE_TOKENS, triton
+from dsfp4.kernels.linear import linear
+from dsfp4.kernels.mla.absorb import absorb_keys, absorb_values
+from dsfp4.kernels.mla.cache import mla_cache, mla_cache_ref
+from dsfp4.kernels.mla.decode import mla_decode, mla_decode_ref
+from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.models.norm import RMSNorm
+from dsfp4.runtime.models.rope import softmax_scale
+from dsfp4.runtime.models.weights import Weights
+
+SCORE_ELEMENTS = 1 << 26  # attention scores held at once (256 MiB in fp32)
+
+
+@dataclass(frozen=True)
+class DevicePosition:
+    """Where a captured decode step's token goes: pos [1] int64 on the device (read when the graph replays);
+    attention covers the first `span` cached rows, those past pos masked out."""
+
+    pos: torch.Tensor
+    span: int
+
+
+def token_positions(start_pos: int | DevicePosition, t: int, device: torch.device) -> torch.Tensor:
+    """[T] positions of a call's tokens: start_pos.. from the host, or a captured step's one on the device."""
+    if isinstance(start_pos, DevicePosition):
+        return start_pos.pos
+    return torch.arange(start_pos, start_pos + t, device=device)
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, max_batch: int, max_len: int):
+        super().__init__()
+        p, a = f"layers.{layer}.attn.", args
+        self.n_heads, self.nope, self.rope, self.v = a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        self.kv_lora_rank = a.kv_lora_rank
+        q_out = a.n_heads * a.qk_head_dim
+        self.q_lora = a.q_lora_rank > 0
+        if self.q_lora:
+            self.wq_a = w.matrix(p + "wq_a", (a.q_lora_rank, a.dim))
+            self.q_norm = RMSNorm(w.plain(p + "q_norm.weight", (a.q_lora_rank,)), a.norm_eps)
+            self.wq_b = w.matrix(p + "wq_b", (q_out, a.q_lora_rank))
+        else:
+            self.wq = w.matrix(p + "wq", (q_out, a.dim))
+        self.wkv_a = w.matrix(p + "wkv_a", (a.kv_lora_rank + a.qk_rope_head_dim, a.dim))
+        self.kv_norm = RMSNorm(w.plain(p + "kv_norm.weight", (a.kv_lora_rank,)), a.norm_eps)
+        self.wkv_b = w.matrix(p + "wkv_b", (a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank))
+        self.absorb_fp8 = self.wkv_b.fp8_on_gpu  # decode reads its FP8 blocks (kernels/mla/absorb.py)
+        self.wo = w.matrix(p + "wo", (a.dim, a.n_heads * a.v_head_dim))
+        self.scale = softmax_scale(a)
+        self.register_buffer(
+            "kv_cache",
+            torch.zeros(max_batch, max_len, a.kv_lora_rank, dtype=w.dtype, device=w.device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "pe_cache",
+            torch.zeros(max_batch, max_len, a.qk_rope_head_dim, dtype=w.dtype, device=w.device),
+            persistent=False,
+        )
+
+    def forward(
+        self, x: torch.Tensor, start_pos: int | DevicePosition, freqs_cis: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape  # x: [B, T, D]
+        q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
+        q = q.view(b, t, self.n_heads, self.nope + self.rope)
+        end = start_pos.span if isinstance(start_pos, DevicePosition) else start_pos + t
+        kernels, decode = x.is_cuda and triton is not None, b * t <= DECODE_TOKENS
+        # q's rope dims rotated in place; the normed latent and rotated key written at the tokens' cache rows
+        kv = linear(x, self.wkv_a)  # [B, T, C + R]
+        rows = token_positions(start_pos, t, x.device)  # [T]
+        write = mla_cache if kernels else mla_cache_ref
+        write(q, kv, freqs_cis, self.kv_norm.weight, self.kv_norm.eps, self.kv_cache, self.pe_cache, rows)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
+        # decode multiplies by wkv_b's FP8 blocks (kernels/mla/absorb.py); prefill dequantizes it once per call,
+        # as DeepSeek's reference does, and multiplies on tensor cores
+        fp8 = decode and self.absorb_fp8
+        h = self.n_heads
+        if fp8:
+            q8, s8 = self.wkv_b.parts
+            q_nope = absorb_keys(q_nope.reshape(b * t, h, -1), q8, s8, self.nope).view(b, t, h, -1)  # [B, T, H, C]
+        else:
+            wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
+            q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
+        kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]
+        if kernels and decode:  # flash-decoding: one or two launches
+            lat = mla_decode(q_nope, q_pe, kv_all, pe_all, self.scale, mask)  # [B, T, H, C]
+        else:
+            lat = self.attend(q_nope, q_pe, kv_all, pe_all, mask)
+        if fp8:
+            o = absorb_values(lat.reshape(b * t, h, -1), q8, s8, self.nope).view(b, t, h, -1)  # [B, T, H, V]
+        else:
+            o = torch.einsum("bthc,hvc->bthv", lat, wkv_b[:, -self.v :])  # W_UV: [B, T, H, V]
+        return linear(o.flatten(2), self.wo)
+
+    def attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """mla_decode_ref over query chunks, so that a long prompt never holds all [B, T, H, S] scores at once:
+        q_nope [B, T, H, C], q_pe [B, T, H, R], kv [B, S, C], pe [B, S, R], mask [T, S] or None -> [B, T, H, C]."""
+        b, t, h, _ = q_nope.shape
+        step = max(1, SCORE_ELEMENTS // (b * h * kv.shape[1]))
+        out = []
+        for t0 in range(0, t, step):
+            chunk = slice(t0, t0 + step)
+            m = None if mask is None else mask[chunk]
+            out.append(mla_decode_ref(q_nope[:, chunk], q_pe[:, chunk], kv, pe, self.scale, m))
+        return torch.cat(out, dim=1)

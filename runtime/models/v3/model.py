@@ -1,0 +1,225 @@
+"""DeepSeek-V3 (and the V2-Lite family) on layout v1: blocks, the transformer, the MTP module.
+
+Names follow DeepSeek's reference inference/model.py. Everything comes from the manifest: the shape
+(ModelArgs), every backbone weight by name, the expert records. Legend: B batch, T tokens, D dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsfp4.kernels.linear import QuantizedWeight, linear
+from dsfp4.kernels.moe.kernel import MoEKernel
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.model_args import ModelArgs
+from dsfp4.layout.quant import PLAIN_DTYPES
+from dsfp4.runtime.models.moe import MLP, MoE
+from dsfp4.runtime.models.norm import RMSNorm
+from dsfp4.runtime.models.rope import precompute_freqs_cis
+from dsfp4.runtime.models.v3.attention import MLA, DevicePosition
+from dsfp4.runtime.models.v4.model import TransformerV4
+from dsfp4.runtime.models.weights import Weights
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.budget import resolve_budgets
+from dsfp4.runtime.plan.planner import Plan, make_plan
+from dsfp4.runtime.store.expert_store import ExpertStore
+
+PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}  # dtype -> plain format name
+
+
+class Block(nn.Module):
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer: int,
+        w: Weights,
+        experts: ExpertStore,
+        kernel: MoEKernel | None,
+        max_batch: int,
+        max_len: int,
+    ):
+        super().__init__()
+        p = f"layers.{layer}."
+        self.attn_norm = RMSNorm(w.plain(p + "attn_norm.weight", (args.dim,)), args.norm_eps)
+        self.attn = MLA(args, layer, w, max_batch, max_len)
+        self.ffn_norm = RMSNorm(w.plain(p + "ffn_norm.weight", (args.dim,)), args.norm_eps)
+        self.moe = args.is_moe_layer(layer)
+        self.ffn = MoE(args, layer, w, experts, kernel) if self.moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
+
+    def forward(
+        self, x: torch.Tensor, start_pos: int | DevicePosition, freqs_cis: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        x, h = self.ffn_norm.after_add(x, self.attn(self.attn_norm(x), start_pos, freqs_cis, mask))
+        return x + (self.ffn(h, x) if self.moe else self.ffn(h))
+
+    def route(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts this block's router would pick for residual stream h: [B, T, D] -> [B * T, K]. `tokens`
+        is unused: the signature is BlockV4.route's, whose hash layers route by token."""
+        return self.ffn.gate(self.ffn_norm(h.view(-1, h.shape[-1])))[1]
+
+
+class MTP(nn.Module):
+    """Multi-token prediction module (checkpoint-spec c.9): from the main model's final (normed) hidden
+    state at position i and the embedding of token i+1, predict token i+2 with its own decoder block."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: Weights, block: Block):
+        """`block`: the module's decoder block (layer `layer`), built like the main model's."""
+        super().__init__()
+        p, d = f"layers.{layer}.", args.dim
+        self.embed = w.plain(p + "embed.weight", (args.vocab_size, d))
+        self.enorm = RMSNorm(w.plain(p + "enorm.weight", (d,)), args.norm_eps)
+        self.hnorm = RMSNorm(w.plain(p + "hnorm.weight", (d,)), args.norm_eps)
+        self.eh_proj = w.matrix(p + "eh_proj", (d, 2 * d))
+        self.block = block
+        self.head_norm = RMSNorm(w.plain(p + "head_norm.weight", (d,)), args.norm_eps)
+        self.head = w.matrix(p + "head.weight", (args.vocab_size, d))
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        next_tokens: torch.Tensor,
+        start_pos: int,
+        freqs_cis: torch.Tensor,
+        mask: torch.Tensor | None,
+        last_only: bool = False,
+        head: bool = True,
+    ) -> torch.Tensor | None:
+        """h: [B, T, D] main hidden states, next_tokens: [B, T] -> logits [B, T or 1, V] for the token after
+        (None without `head`: only the block's KV cache is filled)."""
+        e = F.embedding(next_tokens, self.embed)
+        u = linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)  # embedding half first
+        u = self.block(u, start_pos, freqs_cis, mask)
+        if not head:
+            return None
+        return linear(self.head_norm(u[:, -1:] if last_only else u), self.head).float()
+
+
+class Transformer(nn.Module):
+    why_eager: str | None = None  # decode steps can be captured as graphs (runtime/generate/decode_graph.py)
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        w: Weights,
+        experts: ExpertStore,
+        max_batch: int,
+        max_len: int,
+        with_mtp: bool = False,
+        prefetch: bool = True,
+    ):
+        super().__init__()
+        self.args, self.max_len, self.experts = args, max_len, experts
+        self.embed = w.plain("embed.weight", (args.vocab_size, args.dim))
+        layout = experts.layout
+        self.moe_kernel = MoEKernel(layout, args.n_activated_experts, w.device) if layout else None
+        blocks = (Block(args, i, w, experts, self.moe_kernel, max_batch, max_len) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(blocks)
+        moe = [b for b in self.layers if b.moe]
+        for here, nxt in zip(moe, moe[1:], strict=False) if prefetch else ():
+            here.ffn.next_router = (nxt.ffn.layer, nxt.route)  # predict the next MoE layer's experts
+        self.norm = RMSNorm(w.plain("norm.weight", (args.dim,)), args.norm_eps)
+        if args.tie_word_embeddings:
+            self.head = QuantizedWeight(PLAIN_FORMATS[w.dtype], (self.embed,), tuple(self.embed.shape), "embed.weight")
+        else:
+            self.head = w.matrix("head.weight", (args.vocab_size, args.dim))
+        mtp = range(args.n_layers, args.n_blocks) if with_mtp else ()
+        self.mtp = nn.ModuleList(
+            MTP(args, i, w, Block(args, i, w, experts, self.moe_kernel, max_batch, max_len)) for i in mtp
+        )
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args, max_len).to(w.device), persistent=False)
+
+    def reusable(self, keep: int) -> int:
+        """How many of the cached tokens a call may keep when it would keep `keep`: all of those (the latent
+        cache is written by position, so a later call overwrites what follows)."""
+        return keep
+
+    def replayed(self, pos: int) -> None:
+        """A captured step at pos was replayed: nothing to move (the latent cache is written by position)."""
+
+    @staticmethod
+    def causal_mask(t: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
+        """[T, start_pos + T]: token i of this step sees cached positions and new tokens up to itself."""
+        if t == 1:
+            return None
+        return torch.full((t, start_pos + t), float("-inf"), device=device).triu_(start_pos + 1)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] -> the residual stream entering block 0, [B, T, D]."""
+        return F.embedding(tokens, self.embed)
+
+    def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Block i alone on x (what block i - 1 gave for tokens [B, T] at start_pos), as forward runs it (the
+        layer-by-layer profile runs the model this way)."""
+        freqs, mask = self.positions(x.shape[1], start_pos)
+        return self.layers[i](x, start_pos, freqs, mask)
+
+    def positions(self, t: int, start_pos: int | DevicePosition) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""
+        if isinstance(start_pos, DevicePosition):  # one token; the span's rows past it are masked out
+            rows = torch.arange(start_pos.span, device=self.freqs_cis.device)
+            mask = torch.zeros(1, start_pos.span, device=rows.device).masked_fill_(rows > start_pos.pos, float("-inf"))
+            return self.freqs_cis.index_select(0, start_pos.pos), mask
+        return self.freqs_cis[start_pos : start_pos + t], self.causal_mask(t, start_pos, self.freqs_cis.device)
+
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens: [B, T] at positions start_pos.. (or one token at a DevicePosition, as a captured decode step
+        does) -> (logits [B, T or 1, V] fp32, final hidden [B, T, D])."""
+        h = self.embed_tokens(tokens)  # [B, T, D]
+        freqs, mask = self.positions(tokens.shape[1], start_pos)
+        for layer in self.layers:
+            h = layer(h, start_pos, freqs, mask)
+        h = self.norm(h)
+        logits = linear(h[:, -1:] if last_only else h, self.head).float()
+        return logits, h
+
+
+def load_model(
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    max_batch: int = 1,
+    with_mtp: bool = False,
+    manifest: Manifest | None = None,
+    options: RunOptions | None = None,
+    plan: Plan | None = None,
+) -> Transformer | TransformerV4:
+    """Build the model from a converted folder: weights on `device`, routed experts in an expert store
+    sized by the planner from the budgets in `options` (default: this machine's free memory), or by
+    `plan` when given (tests and benchmarks set slot counts directly)."""
+    manifest = manifest or Manifest.read(model_dir)
+    options = options or RunOptions()
+    plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
+    w = Weights(model_dir, manifest, device, dtype)
+    experts = ExpertStore(model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify)
+    try:
+        family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
+        model = family(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
+        a = manifest.args
+        w.check_all_used(() if with_mtp else a.mtp_prefixes)
+    except BaseException:
+        experts.close()
+        raise
+    finally:
+        w.close()
+    return model.eval()
+
+
+def plan_run(
+    manifest: Manifest,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    options: RunOptions,
+    with_mtp: bool,
+    host_extra: int = 0,
+) -> Plan:
+    budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
+    chunk, threads = options.prefill_chunk, options.io_threads
+    return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra)

@@ -1,0 +1,1 @@
+"""Budgets in, placement out: the memory plan of a run."""

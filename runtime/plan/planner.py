@@ -1,0 +1,246 @@
+"""The planner: budgets in, placement out. It decides what lives on the device (backbone, KV cache,
+workspace, expert slots) and in RAM (the record cache and its staging), refuses budgets that cannot
+hold one token's working set, and prints the plan as a table (`dsfp4 run --plan`).
+
+Every number comes from the manifest (stored sizes, record size) and the run options; the workspace
+is an upper estimate of transient tensors (dequantized backbone matrices, prefill activations),
+checked against measured peaks on the GPU machine (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
+from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.model_args import CSA, ModelArgs
+from dsfp4.runtime.generate.speculative import MTP_BATCH
+from dsfp4.runtime.models.v3.attention import SCORE_ELEMENTS
+from dsfp4.runtime.plan.budget import Budgets, process_rss
+from dsfp4.units import format_bytes
+
+FP32 = 4
+COMPLEX64 = 8  # an entry of the RoPE tables
+ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
+CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, cuBLAS and Triton, loaded after the plan
+# (0.63 GiB measured on the H100 machine, docs/BENCHMARKS.md)
+LOGIT_ROWS = 16  # positions whose logits exist at once (one while sampling, up to this many in Engine.logits)
+ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
+ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")  # tables a decode token reads one row of
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    budgets: Budgets
+    backbone: int  # bytes of backbone weights on the device
+    kv_cache: int
+    workspace: int
+    record: int  # bytes per expert record (one slot)
+    gpu_slots: int
+    ram_slots: int
+    staging: int  # RAM slots that reads in flight may hold at once (part of ram_slots)
+    host_base: int  # process memory before the RAM cache (interpreter, libraries, loading)
+    total_records: int
+    expert_layers: tuple[int, ...] = ()  # MoE layers whose records the run uses
+
+    def table(self) -> str:
+        r, n = self.record, self.total_records
+        on_cpu = self.device == "cpu"  # both tiers are host memory: the process is counted on the device side
+        process = ("  process", format_bytes(self.host_base), "interpreter, libraries, loading")
+        rows = [
+            ("budgets", self.budgets.source, ""),
+            (f"device budget ({self.device})", format_bytes(self.budgets.gpu), ""),
+            *([process] if on_cpu else []),
+            ("  backbone", format_bytes(self.backbone), "weights in their stored formats"),
+            ("  KV cache", format_bytes(self.kv_cache), "caches, their state and RoPE tables for --max-context"),
+            ("  workspace", format_bytes(self.workspace), "transient tensors (estimate)"),
+            ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
+            ("RAM budget", format_bytes(self.budgets.cpu), ""),
+            *([] if on_cpu else [process]),
+            ("  record cache", format_bytes(self.ram_slots * r), f"{self.ram_slots} slots, {self.staging} for reads"),
+            ("experts", f"{n} records", f"{self.gpu_slots / n:.0%} on {self.device}, {self.ram_slots / n:.0%} in RAM"),
+        ]
+        w = max(len(a) for a, _, _ in rows)
+        return "\n".join(f"{a:<{w}}  {b:>12}  {c}".rstrip() for a, b, c in rows)
+
+
+def _used_layers(manifest: Manifest, with_mtp: bool) -> range:
+    a = manifest.args
+    return range(a.n_blocks if with_mtp else a.n_layers)
+
+
+def expert_layers(manifest: Manifest, with_mtp: bool = False) -> tuple[int, ...]:
+    """The MoE layers with expert records that a run uses (the MTP layer's only `with_mtp`)."""
+    return tuple(i for i in _used_layers(manifest, with_mtp) if i in manifest.experts)
+
+
+def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> tuple[int, int]:
+    """(bytes on the device, largest quantized matrix's element count) of the backbone as loaded:
+    quantized matrices as stored, plain tensors cast to the runtime dtype (the router to fp32)."""
+    a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
+    total, largest = 0, 0
+    for name, t in manifest.tensors.items():
+        if not with_mtp and name.startswith(a.mtp_prefixes):
+            continue
+        spec = FORMATS[t.format]
+        if spec.scale is None:
+            total += shape_numel(t.shape) * (FP32 if name.endswith(ROUTER_SUFFIXES) else elt)
+        else:
+            total += stored_nbytes(spec, t.shape)
+            largest = max(largest, shape_numel(t.shape))
+    return total, largest
+
+
+def token_bytes(manifest: Manifest) -> tuple[int, int]:
+    """(backbone bytes a decode token of the main model reads: every matrix as stored, one embedding row,
+    routers in fp32 as the runtime holds them, the MTP layers left out; bytes the kernels read of one expert
+    record: codes and scales, no padding)."""
+    a, total = manifest.args, 0
+    for name, t in manifest.tensors.items():
+        if name.startswith(a.mtp_prefixes):
+            continue
+        n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
+        if name.endswith(ONE_ROW):  # one row (V4's hash layers: the token's experts); a tied embedding is the head too
+            n = n // t.shape[0] + (n if name == "embed.weight" and a.tie_word_embeddings else 0)
+        elif name.endswith(ROUTER_SUFFIXES):
+            n = n * 32 // FORMATS[t.format].bits
+        total += n
+    record = sum(p.nbytes for p in manifest.record.parts) if manifest.record else 0
+    return total, record
+
+
+def layer_cache_bytes(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int, int]:
+    """(bytes that grow with the context, fixed bytes) of one layer's caches for one sequence of `max_context`
+    tokens, as the model allocates them. V3: the latent cache and its RoPE part. V4: the sliding window's
+    ring of window_size keys; on CSA and HCA layers max_context // m compressed entries and the compressor's
+    fp32 state (rings of the recent projections' values and gates: own series [m, W], CSA's first halves
+    [2m, W]); on CSA layers the indexer's entries and state too (an overlapping compressor at index_head_dim)."""
+    if not a.is_v4:
+        return max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt, 0
+    m, csa = a.compress_ratios[layer], a.layer_kinds[layer] == CSA
+    compressors = ([(a.head_dim, csa)] if m else []) + ([(a.index_head_dim, True)] if csa else [])
+    grows, fixed = 0, a.window_size * a.head_dim * elt
+    for width, overlap in compressors:
+        grows += max_context // m * width * elt
+        fixed += 2 * m * width * (3 if overlap else 1) * FP32  # values and gates: pending [m, c W], CSA prev [m, W]
+    return grows, fixed
+
+
+def cache_bytes(a: ModelArgs, layers: range, max_context: int, elt: int) -> int:
+    """Every buffer the model allocates for `max_context`: the layers' caches and state, and the RoPE tables
+    ([max_context, rope_dim / 2] complex64; V4 one per base, plain and compress)."""
+    rope = (2 if a.is_v4 else 1) * max_context * (a.qk_rope_head_dim // 2) * COMPLEX64
+    return rope + sum(sum(layer_cache_bytes(a, i, max_context, elt)) for i in layers)
+
+
+def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
+    """Transient tensors of one forward of t tokens (upper estimates of what lives at once). V3: the residual
+    stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's scores. V4: the
+    mHC streams and their fp32 mixing, queries and outputs of every head, the compressors' fp32 projections and
+    window slots, the keys (window and every compressed entry) with their fp32 copy and masks, three copies of a
+    chunk's scores (masked, with the sink, softmax), the indexer's fp32 scores of every head and entry."""
+    if not a.is_v4:
+        acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
+        return acts + 2 * min(SCORE_ELEMENTS, t * a.n_heads * max_context) * FP32
+    ratios = [m for m in a.compress_ratios if m]
+    entries = max_context // min(ratios) if ratios else 0  # the most a layer attends besides its window
+    keys = a.window_size + t + entries
+    acts = t * a.hc_mult * a.dim * (4 * FP32 + 2 * elt)  # [T, N, D] streams
+    acts += t * a.n_heads * a.head_dim * (4 * elt + 2 * FP32)  # queries and outputs [T, H, W]
+    acts += t * a.index_n_heads * a.index_head_dim * (2 * elt + FP32) + t * a.dim * FP32  # indexer queries, fp32 x
+    acts += 8 * t * 2 * a.head_dim * FP32 + 6 * t * a.moe_inter_dim * elt  # compressor, expert hidden states
+    acts += keys * a.head_dim * (elt + 2 * FP32) + 3 * t * keys  # keys [S, W], masks [T, S]
+    acts += 3 * min(SCORE_ELEMENTS, t * a.n_heads * keys) * FP32
+    csa = [m for m, k in zip(a.compress_ratios, a.layer_kinds, strict=True) if k == CSA]
+    if csa:  # [T, H_i, E] relu'd scores and [T, E] index, masked
+        n = max_context // min(csa)
+        acts += 2 * t * a.index_n_heads * n * FP32 + 2 * t * n * FP32
+    return acts
+
+
+def make_plan(
+    manifest: Manifest,
+    device: torch.device,
+    dtype: torch.dtype,
+    budgets: Budgets,
+    max_context: int,
+    prefill_chunk: int,
+    io_threads: int,
+    with_mtp: bool = False,
+    host_extra: int = 0,
+) -> Plan:
+    """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states)."""
+    a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
+    layers = _used_layers(manifest, with_mtp)
+    record = manifest.record.nbytes if manifest.record else 0
+    used = expert_layers(manifest, with_mtp)
+    total_records = len(used) * a.n_routed_experts
+    backbone, largest = backbone_bytes(manifest, dtype, with_mtp)
+    kv = cache_bytes(a, layers, max_context, elt)
+    # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
+    t = min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
+    # dequantizing a matrix goes through two fp32 copies, then the result; the activations of one chunk
+    dequant = largest * (2 * FP32 + elt)
+    acts = activation_bytes(a, t, max_context, elt)
+    workspace = dequant + acts + a.vocab_size * FP32 * 2 * LOGIT_ROWS  # two copies of logits
+    if manifest.record:  # the routed-expert kernels' workspaces
+        workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
+    workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
+    fixed = backbone + kv + workspace
+    top_k = a.n_activated_experts if total_records else 0
+    # the process now, plus the largest backbone file, mapped while its tensors are read
+    largest_file = max((f.nbytes for n, f in manifest.files.items() if n.startswith("backbone/")), default=0)
+    host_base = process_rss() + largest_file + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
+    if device.type == "cpu":  # the 'device' tier is host memory too: count the process there
+        fixed += host_base
+    min_gpu = fixed + top_k * record
+    if budgets.gpu < min_gpu:
+        raise ConfigError(
+            f"--gpu-mem {format_bytes(budgets.gpu)} is too small: this model needs at least "
+            f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}, KV cache for "
+            f"--max-context {max_context} {format_bytes(kv)}, workspace {format_bytes(workspace)}, "
+            f"{top_k} expert slots {format_bytes(top_k * record)}); lower --max-context or --prefill-chunk, "
+            f"or convert with --backbone fp4"
+        )
+    gpu_slots = min((budgets.gpu - fixed) // record, total_records) if record else 0
+    staging = min(io_threads, total_records) if record else 0
+    host_cpu = 0 if device.type == "cpu" else host_base
+    min_cpu = host_cpu + staging * record
+    if budgets.cpu < min_cpu:
+        raise ConfigError(
+            f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu)} "
+            f"and needs {format_bytes(staging * record)} more to read {staging} records at once; give at "
+            f"least {format_bytes(min_cpu)} (or fewer --io-threads)"
+        )
+    ram_slots = max(min((budgets.cpu - host_cpu) // record, total_records), staging) if record else 0
+    return Plan(
+        str(device),
+        budgets,
+        backbone,
+        kv,
+        workspace,
+        record,
+        gpu_slots,
+        ram_slots,
+        staging,
+        host_base,
+        total_records,
+        used,
+    )
+
+
+def hottest_first(manifest: Manifest, plan: Plan, profile: HotProfile | None) -> list[tuple[int, int]]:
+    """Every (layer, expert) record the plan uses, in the order tiers should take them: the hot profile's
+    ranking first (when there is one), the rest in file order."""
+    used = plan.expert_layers
+    ranked = [k for k in profile.ranked() if k[0] in used] if profile is not None else []
+    taken = set(ranked)
+    n = manifest.args.n_routed_experts
+    rest = [(layer, e) for layer in sorted(used) for e in range(n) if (layer, e) not in taken]
+    return ranked + sorted(rest, key=manifest.file_position)

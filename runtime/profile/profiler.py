@@ -1,0 +1,119 @@
+"""Layer-wise routing profile (`dsfp4 profile-hot`): every calibration token through layer L, then L+1.
+
+Why layer by layer: each MoE layer's records are read from the SSD once per run, into the RAM cache (as
+much of the next layer's as fits while this one computes), not once per sequence, so a profile costs one
+pass over the expert files wherever RAM holds one layer, even when the model does not fit in memory.
+Each sequence goes through each block in the chunks and shapes of ordinary prefill (`dsfp4 run --raw`
+with the same --prefill-chunk), the block's KV cache holding the sequence's earlier chunks, so the
+routing, and so the counts, are those of ordinary generation bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.routing_trace import RoutingTrace
+from dsfp4.runtime.engine import run_target
+from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+from dsfp4.runtime.models.v3.model import Transformer, load_model, plan_run
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.planner import Plan
+from dsfp4.runtime.profile.calibration import calibration
+from dsfp4.runtime.profile.recorder import RoutingRecorder
+
+
+@dataclass
+class ProfileRun:
+    profile: HotProfile
+    trace: RoutingTrace | None
+    plan: Plan
+    counters: dict[str, float]  # the expert store's, for the whole pass
+    seconds: float
+    notes: list[str]
+
+
+@torch.inference_mode()
+def layer_pass(model: Transformer, sequences: list[list[int]], chunk: int, on_layer: Callable[[int], None]) -> None:
+    """Run every sequence through every block, one block at a time (hidden states wait on the host)."""
+    store, device = model.experts, model.freqs_cis.device
+    n_experts = model.args.n_routed_experts
+    tokens = [torch.tensor([s], device=device) for s in sequences]  # [1, T] each
+    hidden = [model.embed_tokens(t).cpu() for t in tokens]  # [1, T, D] (V4: [1, T, N, D], its streams)
+    moe = [i for i, block in enumerate(model.layers) if block.moe]
+    room = store.plan.ram_slots - n_experts  # RAM slots left beside one whole layer
+
+    def records(layer: int) -> list[tuple[int, int]]:
+        return sorted(((layer, e) for e in range(n_experts)), key=store.file_position)
+
+    for i, block in enumerate(model.layers):
+        if block.moe and room >= 0:  # this layer's records, then as much of the next one as fits behind them
+            mine = records(i)
+            store.read_ahead(mine, set())
+            later = [j for j in moe if j > i]
+            if room and later:
+                store.read_ahead(records(later[0])[:room], set(mine))  # this layer's stay
+        for h, t in zip(hidden, tokens, strict=True):
+            for a in range(0, h.shape[1], chunk):
+                x = h[:, a : a + chunk].to(device)  # [1, T, ...]
+                h[:, a : a + chunk] = model.block_step(i, x, a, t[:, a : a + chunk]).to(h.device)
+        on_layer(i + 1)
+
+
+def profile_model(
+    model_dir: Path,
+    options: RunOptions,
+    prompts: Path | None,
+    chat_format: bool,
+    tokens: int,
+    trace: bool = False,
+    plan: Plan | None = None,
+    on_start: Callable[[Plan, int, int], None] = lambda plan, n_layers, n_tokens: None,
+    on_layer: Callable[[int, dict[str, float]], None] = lambda done, counters: None,
+) -> ProfileRun:
+    """Profile MODEL on calibration text: sequences of options.max_context tokens, each prefilled in
+    chunks of options.prefill_chunk, under the run's budgets (or `plan`, for tests and benchmarks).
+    on_start gets the plan, the layer count and the tokens, on_layer the layers done and the store's counters."""
+    t0 = time.perf_counter()
+    device, manifest, seq_len, dtype = run_target(model_dir, options)
+    calib = calibration(ChatTokenizer(model_dir), prompts, chat_format, tokens, seq_len)
+    streams = max(1, manifest.args.hc_mult)  # V4's residual is hc_mult streams of dim
+    hidden_bytes = calib.tokens * streams * manifest.args.dim * torch.empty((), dtype=dtype).element_size()
+    plan = plan or plan_run(manifest, device, dtype, seq_len, options, False, host_extra=hidden_bytes)
+    options = dataclasses.replace(options, prefetch=False)  # predicting the next layer means nothing here
+    model = load_model(model_dir, device, dtype, seq_len, manifest=manifest, options=options, plan=plan)
+    notes = list(model.experts.notes)
+    if calib.available < tokens:
+        notes.append(f"the calibration text holds {calib.available} tokens, fewer than --tokens {tokens}")
+    if plan.ram_slots < manifest.args.n_routed_experts:
+        notes.append(
+            f"the RAM cache holds {plan.ram_slots} records, less than one layer's {manifest.args.n_routed_experts}: "
+            f"records are read from the SSD more than once (raise --cpu-mem)"
+        )
+    recorder = None
+    try:
+        recorder = RoutingRecorder(model, trace)
+        on_start(plan, len(model.layers), calib.tokens)
+        store = model.experts
+        layer_pass(model, calib.sequences, options.prefill_chunk, lambda i: on_layer(i, store.counters.snapshot()))
+        recorder.commit([t for s in calib.sequences for t in s])  # every layer has seen every token
+        model.experts.sync()
+        profile = recorder.profile(manifest.conversion_sha256(), (calib.source,))
+        return ProfileRun(
+            profile,
+            recorder.routing_trace() if trace else None,
+            plan,
+            model.experts.counters.snapshot(),
+            time.perf_counter() - t0,
+            notes,
+        )
+    finally:
+        if recorder is not None:
+            recorder.detach()  # the recorder and the model point at each other: let both go now
+        model.experts.close()

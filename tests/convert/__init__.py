@@ -1,0 +1,1 @@
+"""convert/: sources, name maps, the conversion pipeline."""

@@ -1,0 +1,1 @@
+"""The face: the CLI, the server, the hub, the tools and the synthetic models."""

@@ -1,0 +1,87 @@
+"""`dsfp4 bench`: a run per preset on the tiny model, with the doctor's ceilings, and reports a person can read."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dsfp4.cli.main import cli
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.plan.planner import token_bytes
+from dsfp4.tools.bench import prompt_set
+from dsfp4.tools.doctor import Ceilings
+
+
+def test_bench_writes_json_csv_and_html_with_the_ceilings_and_per_layer_hits(converted, tmp_path):
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="H100", hbm_read_gbps=3000.0, pinned_h2d_gbps=50.0, random_read_gbps=2.0, disk="/nvme").save(ceil)
+    out = tmp_path / "report"
+    args = ["bench", str(converted), "--device", "cpu", "--prompts", "2", "--max-tokens", "4"]
+    r = CliRunner().invoke(cli, [*args, "--max-context", "2048", "--ceilings", str(ceil), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "bench.json").read_text())
+    assert data["ceilings"]["hbm_read_gbps"] == 3000.0 and data["commit"]
+    assert data["command"].startswith(f"dsfp4 bench {converted} ") and "--max-tokens 4" in data["command"]
+    (res,) = data["results"]
+    assert res["prompts"] == 2 and res["decode_tokens"] == 6 and res["decode_tok_s"] > 0
+    m = Manifest.read(converted)
+    assert set(res["layers"]) == {str(layer) for layer in m.experts if layer < m.args.n_layers}  # not MTP
+    assert all(v["uses"] > 0 for v in res["layers"].values())
+    per, (backbone, record) = res["bytes_per_token"], token_bytes(m)
+    k = m.args.n_activated_experts * len(res["layers"])  # every MoE layer's experts, one token per pass
+    assert per["device"] == pytest.approx(backbone + k * record)  # the resident tiny model: no SSD, no copies
+    assert per["ssd"] == per["h2d"] == 0
+    assert res["floor_s_per_token"] == pytest.approx(per["device"] / 3000e9)
+    assert res["efficiency"] == pytest.approx(res["floor_s_per_token"] * res["decode_tok_s"])
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert rows[0]["preset"] == "this machine" and float(rows[0]["decode_tok_s"]) > 0
+    page = (out / "bench.html").read_text()
+    assert page.count("<svg") == 3 and "where each layer" in page and "against its floor" in page
+
+
+def test_the_floor_overlaps_ssd_and_pcie_then_adds_the_device():
+    c = Ceilings(gpu="x", hbm_read_gbps=1000.0, pinned_h2d_gbps=50.0, random_read_gbps=5.0)
+    assert c.floor_s(device_bytes=1e9, ssd_bytes=1e9, h2d_bytes=1e9) == 1e9 / 5e9 + 1e9 / 1e12
+    faster = Ceilings(gpu="x", hbm_read_gbps=1000.0, pinned_h2d_gbps=50.0, random_read_gbps=5.0, seq_read_gbps=8.0)
+    assert faster.floor_s(device_bytes=1e9, ssd_bytes=1e9, h2d_bytes=0) == 1e9 / 8e9 + 1e9 / 1e12
+    assert Ceilings().floor_s(1e9, 0, 0) is None  # no GPU measured: no floor
+
+
+def test_prompt_set_is_fixed_and_mixes_the_calibration_sets(converted):
+    a, b = prompt_set(4), prompt_set(4)
+    assert a == b and len(set(a)) == 4
+    backbone, record = token_bytes(Manifest.read(converted))
+    assert backbone > 0 and record > 0
+
+
+def test_bench_runs_given_budgets_beside_the_presets_and_records_its_flags(converted, tmp_path):
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="cpu", hbm_read_gbps=100.0, pinned_h2d_gbps=10.0, random_read_gbps=1.0, disk="/nvme").save(ceil)
+    out = tmp_path / "report"
+    args = ["bench", str(converted), "--device", "cpu", "--prompts", "1", "--max-tokens", "3", "--preset", "80g"]
+    args += ["--gpu-mem", "1G", "--cpu-mem", "1G", "--no-zero-copy"]
+    r = CliRunner().invoke(cli, [*args, "--ceilings", str(ceil), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "bench.json").read_text())
+    assert [x["preset"] for x in data["results"]] == ["80g", "--gpu-mem 1G --cpu-mem 1G"]
+    assert data["results"][1]["gpu_budget"] == 1 << 30 and "--gpu-mem 1G --cpu-mem 1G" in data["command"]
+    assert "--no-zero-copy" in data["command"]  # a flag that is on by default shows only when turned off
+
+
+def test_bench_measures_decode_after_the_cached_prompt_on_deepseek_v4(v4_converted, tmp_path):
+    """V4's caches continue only where they stopped: the answer still follows the cached prompt, so a decode
+    token's bytes are one token's (no prefill counted in them)."""
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="cpu", hbm_read_gbps=100.0, pinned_h2d_gbps=10.0, random_read_gbps=1.0, disk="/nvme").save(ceil)
+    out = tmp_path / "report"
+    args = ["bench", str(v4_converted), "--device", "cpu", "--prompts", "1", "--max-tokens", "3"]
+    r = CliRunner().invoke(cli, [*args, "--ceilings", str(ceil), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    (res,) = json.loads((out / "bench.json").read_text())["results"]
+    m = Manifest.read(v4_converted)
+    backbone, record = token_bytes(m)
+    k = m.args.n_activated_experts * len(res["layers"])
+    assert res["bytes_per_token"]["device"] == pytest.approx(backbone + k * record)

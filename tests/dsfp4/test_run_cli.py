@@ -1,0 +1,173 @@
+"""`dsfp4 run`: a prompt, the chat REPL driven through a pseudo-terminal, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsfp4.layout.manifest import MANIFEST_NAME
+from tests.fixtures.cli import assert_one_line_error, run_cli
+
+
+def test_run_prints_the_plan_the_completion_then_a_stats_line(converted):
+    r = run_cli("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip()
+    plan, last = r.stderr.splitlines()[0], r.stderr.splitlines()[-1]
+    assert plan.startswith("budgets") and "expert slots" in r.stderr and "record cache" in r.stderr
+    assert last.startswith("[length] prompt ") and "tok/s" in last and "on device" in last
+    again = run_cli("run", converted, "--prompt", "hi", "--max-tokens", "6", "--temperature", "0", "--device", "cpu")
+    assert again.stdout == r.stdout
+
+
+def test_bad_models_and_flags_give_one_line_errors(converted, tmp_path):
+    assert_one_line_error(run_cli("run", tmp_path, "--prompt", "hi"), "manifest.json not found")
+    newer = shutil.copytree(converted, tmp_path / "newer")
+    m = json.loads((newer / MANIFEST_NAME).read_text())
+    m["format_version"] = 2
+    (newer / MANIFEST_NAME).write_text(json.dumps(m))
+    assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "layout version 2", "upgrade dsfp4")
+    (newer / MANIFEST_NAME).write_text("{ not json")
+    assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "not valid JSON")
+    assert_one_line_error(
+        run_cli("run", converted, "--prompt", "hi " * 40, "--max-context", "16", "--device", "cpu"),
+        "the context holds 16",
+    )
+    assert_one_line_error(run_cli("run", converted, "--prompt", "hi", "--device", "tpu"), "--device tpu")
+    assert run_cli("run", converted).exit_code == 2  # neither --prompt nor --chat
+
+
+def test_a_damaged_expert_record_is_caught_at_load(converted, tmp_path):
+    model = shutil.copytree(converted, tmp_path / "model")
+    path = next((model / "experts").iterdir())
+    data = bytearray(path.read_bytes())
+    for offset in range(0, len(data), 4096):
+        data[offset + 7] ^= 0xFF  # every record of the layer
+    path.write_bytes(bytes(data))
+    assert_one_line_error(
+        run_cli("run", model, "--prompt", "hi", "--device", "cpu", "--max-tokens", "2"),
+        "sha256",
+        "dsfp4 verify",
+        after_start=True,
+    )
+
+
+def _read_until(fd: int, needle: bytes, timeout: float = 60.0) -> bytes:
+    out, deadline = b"", time.time() + timeout
+    while needle not in out:
+        if time.time() > deadline or not select.select([fd], [], [], deadline - time.time())[0]:
+            raise AssertionError(f"timed out waiting for {needle!r}; got {out[-500:]!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        out += chunk
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminal test")
+def test_chat_repl_in_a_pseudo_terminal(converted):
+    master, slave = pty.openpty()
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsfp4.cli.main",
+        "run",
+        str(converted),
+        "--chat",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    try:
+        _read_until(master, b"> ")
+        for line, expect in (
+            (b"/help\n", b"/reset"),
+            (b"hello\n", b"> "),
+            (b"/stats\n", b"tok/s"),
+            (b"/reset\n", b"conversation cleared"),
+            (b"/nope\n", b"unknown command"),
+        ):
+            os.write(master, line)
+            _read_until(master, expect)
+        os.write(master, b"/quit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+
+
+def test_broken_tokenizer_files_and_bad_run_flags_give_one_line_errors(converted, tmp_path):
+    model = shutil.copytree(converted, tmp_path / "model")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--stop", ""), "--stop")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu:1"), "--device cpu:1")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{% for m in messages %}"}))
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "chat template does not compile")
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": None}))
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "no chat template", "--raw")
+    assert run_cli("run", model, "--prompt", "hi", "--raw", "--device", "cpu", "--max-tokens", "2").exit_code == 0
+    (model / "tokenizer_config.json").write_text("{ broken")
+    assert_one_line_error(
+        run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "tokenizer_config.json", "not valid JSON"
+    )
+    (model / "tokenizer.json").write_text("{}")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "not a valid tokenizer.json")
+
+
+def test_a_damaged_backbone_file_is_a_one_line_error(converted, tmp_path):
+    model = shutil.copytree(converted, tmp_path / "model")
+    path = model / "backbone" / "layer-001.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    assert_one_line_error(
+        run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "layer-001.safetensors", "dsfp4 verify"
+    )
+
+
+def test_list_form_chat_template_is_used(converted, tmp_path):
+    from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+
+    model = shutil.copytree(converted, tmp_path / "model")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "tool_use", "template": "x"},
+        {"name": "default", "template": cfg["chat_template"]},
+    ]
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert ChatTokenizer(model).render_chat([{"role": "user", "content": "hi"}]).endswith("hi<｜Assistant｜>")
+
+
+def test_plan_prints_the_budget_table_and_small_budgets_name_the_minimum(converted):
+    r = run_cli("run", converted, "--plan", "--device", "cpu", "--gpu-mem", "2G", "--cpu-mem", "1G")
+    assert r.exit_code == 0 and "expert slots" in r.stdout and "--gpu-mem, --cpu-mem" in r.stdout
+    preset = run_cli("run", converted, "--plan", "--device", "cpu", "--preset", "16g")
+    assert preset.exit_code == 0 and "preset 16g" in preset.stdout
+    small = run_cli("run", converted, "--prompt", "hi", "--device", "cpu", "--gpu-mem", "1M")
+    assert_one_line_error(small, "--gpu-mem 1.00 MiB is too small", "needs at least")
+    assert_one_line_error(run_cli("run", converted, "--plan", "--gpu-mem", "lots"), "--gpu-mem 'lots'")
+
+
+def test_peak_rss_stays_within_the_budgets(converted):
+    """A real process (not this test's): on a CPU device both budgets are host memory."""
+    budget = {"--gpu-mem": 1536 << 20, "--cpu-mem": 64 << 20}
+    args = [a for k, v in budget.items() for a in (k, str(v))]
+    cmd = [sys.executable, "-m", "dsfp4.cli.main", "run", str(converted), "--prompt", "hi", "--device", "cpu", *args]
+    r = subprocess.run([*cmd, "--max-tokens", "4", "--stats"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rss = re.search(r"process RSS ([0-9.]+) (MiB|GiB)", r.stderr)
+    peak = float(rss.group(1)) * (1 << (20 if rss.group(2) == "MiB" else 30))
+    assert 0 < peak <= sum(budget.values()), r.stderr

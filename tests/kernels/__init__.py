@@ -1,0 +1,1 @@
+"""kernels/: each Triton kernel against its torch reference."""

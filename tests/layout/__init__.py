@@ -1,0 +1,1 @@
+"""layout/: formats, records, manifest, repack."""

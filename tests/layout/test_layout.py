@@ -1,0 +1,103 @@
+"""Layout v1 invariants: record layout and alignment, safetensors writer, manifest schema and versions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsfp4.errors import FormatError, ManifestError, SourceError
+from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
+from dsfp4.layout.record import PART_ALIGN, RECORD_ALIGN, RecordLayout
+from dsfp4.layout.safetensors_file import SafetensorsWriter, read_header
+
+DATA = Path(__file__).parents[1] / "data"
+
+
+def test_v3_record_sizes_match_the_spec():
+    nv = RecordLayout.for_expert("nvfp4", 7168, 2048)
+    assert nv.nbytes == 24_776_704  # checkpoint-spec b.4, 4 KiB-aligned
+    assert [p.name for p in nv.parts] == ["w13", "w13_scale", "w2", "w2_scale", "scale_2"]
+    assert nv.part("w13").shape == (4096, 3584) and nv.part("w2_scale").shape == (7168, 128)
+    assert RecordLayout.for_expert("mxfp4", 7168, 2048).nbytes == 23_396_352
+    for layout in (nv, RecordLayout.for_expert("mxfp4", 256, 96)):
+        assert layout.nbytes % RECORD_ALIGN == 0 and all(p.offset % PART_ALIGN == 0 for p in layout.parts)
+    with pytest.raises(FormatError, match="nvfp4 or mxfp4"):
+        RecordLayout.for_expert("fp8_e4m3_b128", 256, 96)
+
+
+def test_record_pack_unpack_round_trip_and_type_checks():
+    layout = RecordLayout.for_expert("nvfp4", 256, 96)
+    g = torch.Generator().manual_seed(0)
+    parts = {p.name: torch.randint(0, 256, p.shape, dtype=torch.uint8, generator=g) for p in layout.parts}
+    parts["w13_scale"] = parts["w13_scale"].view(torch.float8_e4m3fn)
+    parts["w2_scale"] = parts["w2_scale"].view(torch.float8_e4m3fn)
+    parts["scale_2"] = torch.rand(3, generator=g)
+    buf = layout.pack(parts)
+    assert len(buf) == layout.nbytes and buf[-16:] == bytes(16)
+    back = layout.unpack(buf)
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in parts.items())
+    assert RecordLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(FormatError, match="record part w2"):
+        layout.pack({**parts, "w2": parts["w2"].float()})
+
+
+def test_writer_output_is_order_independent_and_loads_with_safetensors(tmp_path):
+    entries = [("a", "F32", (3, 5)), ("b", "BF16", (7,)), ("c", "U8", (9, 2)), ("s", "F32", ())]
+    values = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).bfloat16(),
+        "c": torch.arange(18, dtype=torch.uint8).view(9, 2),
+        "s": torch.tensor(2.5),
+    }
+    for name, order in (("x", "abcs"), ("y", "scba")):
+        w = SafetensorsWriter(tmp_path / f"{name}.safetensors", entries)
+        for k in order:
+            w.write(k, values[k])
+        w.close()
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "y.safetensors").read_bytes()
+    loaded = load_file(tmp_path / "x.safetensors")
+    assert all(torch.equal(loaded[k], v) for k, v in values.items())
+    w = SafetensorsWriter(tmp_path / "z.safetensors", entries)
+    with pytest.raises(ValueError, match="never written"):
+        w.close()
+
+
+def test_read_header_rejects_garbage_and_truncation(tmp_path):
+    (tmp_path / "g.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(SourceError, match="truncated or not a safetensors file"):
+        read_header(tmp_path / "g.safetensors")
+    w = SafetensorsWriter(tmp_path / "t.safetensors", [("a", "F32", (100,))])
+    w.write("a", torch.zeros(100))
+    w.close()
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[:-4])
+    with pytest.raises(SourceError, match="truncated: tensor a"):
+        read_header(tmp_path / "t.safetensors")
+
+
+def test_golden_v1_manifest_still_loads(tmp_path):
+    shutil.copy(DATA / "manifest_v1.json", tmp_path / MANIFEST_NAME)
+    m = Manifest.read(tmp_path)
+    assert m.version == 1 and m.record.format == "nvfp4" and m.args.family == "deepseek_v3"
+    assert m.tensors["layers.1.attn.wkv_a"].shape == (160, 256)
+    assert Manifest.read(tmp_path).to_json() == (DATA / "manifest_v1.json").read_bytes()
+
+
+@pytest.mark.parametrize(("version", "message"), [(2, "upgrade dsfp4"), (0, "convert the model again")])
+def test_other_manifest_versions_are_refused(tmp_path, version, message):
+    d = json.loads((DATA / "manifest_v1.json").read_text())
+    d["format_version"] = version
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ManifestError, match=message):
+        Manifest.read(tmp_path)
+
+
+def test_malformed_manifest_is_refused(tmp_path):
+    (tmp_path / MANIFEST_NAME).write_text('{"format_version": 1}')
+    with pytest.raises(ManifestError, match="malformed manifest"):
+        Manifest.read(tmp_path)

@@ -1,0 +1,1 @@
+"""runtime/: models, the expert store, the plan, generation, profiling."""

@@ -1,0 +1,54 @@
+"""The planner's sizes: the KV cache it plans is what the model allocates (V3's latent cache, V4's windows,
+compressed entries and compressor state), at full width the spec's numbers, and token_bytes reads one row of
+V4's hash tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.models.v3.model import load_model
+from dsfp4.runtime.plan.planner import cache_bytes, expert_layers, layer_cache_bytes, token_bytes
+from dsfp4.synthetic.bench_model import model_args
+
+
+@pytest.mark.parametrize(
+    ("model", "with_mtp", "dtype"),
+    [("converted", False, torch.float32), ("converted", True, torch.bfloat16), ("v4_converted", False, torch.bfloat16)],
+)
+def test_planned_kv_cache_is_what_the_model_allocates(model, with_mtp, dtype, request):
+    path = request.getfixturevalue(model)
+    m = load_model(path, torch.device("cpu"), dtype, max_len=300, with_mtp=with_mtp)  # 300: not a multiple of m
+    try:
+        allocated = {b.data_ptr(): b.nbytes for b in m.buffers()}  # caches, compressor state, RoPE tables
+        assert m.experts.plan.kv_cache == sum(allocated.values())
+    finally:
+        m.experts.close()
+
+
+def test_full_width_cache_sizes_match_the_spec():
+    """v4-flash-spec e.2: 6,880 B per token of context in BF16 (CSA 320, HCA 8, sliding 0), rings of 128 keys,
+    compressor state of 48 + 12 KiB per CSA layer and 512 KiB per HCA layer; V3's MLA 70,272 B per token."""
+    _, a = model_args(43, 0, family="v4")
+    sizes = [layer_cache_bytes(a, i, 1 << 20, 2) for i in range(a.n_layers)]
+    assert sum(grows for grows, _ in sizes) == 6880 << 20
+    assert [sizes[i][0] >> 20 for i in (0, 1, 2, 3, 42)] == [0, 0, 320, 8, 320]
+    window = 128 * 512 * 2
+    assert [sizes[i][1] - window for i in (0, 2, 3)] == [0, 60 << 10, 512 << 10]
+    assert cache_bytes(a, range(a.n_layers), 1 << 20, 2) == (6880 + 2 * 32 * 8) * (1 << 20) + sum(f for _, f in sizes)
+    _, v3 = model_args(61, 3)
+    assert 61 * layer_cache_bytes(v3, 0, 1, 2)[0] == 70_272 and layer_cache_bytes(v3, 0, 1, 2)[1] == 0
+
+
+def test_token_bytes_reads_one_row_of_the_hash_tables(v4_converted):
+    m = Manifest.read(v4_converted)
+    a = m.args
+    tables = {n for n in m.tensors if n.endswith("tid2eid") and not n.startswith(a.mtp_prefixes)}
+    assert len(tables) == a.n_hash_layers == 2
+    plain = Manifest(m.args, m.source, m.options, {n: t for n, t in m.tensors.items() if n not in tables},
+                     m.files, m.record, m.experts)  # fmt: skip
+    (backbone, record), (without, _) = token_bytes(m), token_bytes(plain)
+    assert backbone - without == a.n_hash_layers * a.n_activated_experts * 8  # the token's k expert ids (int64)
+    assert record == sum(p.nbytes for p in m.record.parts)
+    assert expert_layers(m) == tuple(range(a.n_layers))  # every V4 layer reads top-k records, hash layers too

@@ -20,14 +20,15 @@ __all__ = ["DsfpError", "Engine", "Generation", "RunOptions", "__version__"]
 
 _LAZY = {
     "Engine": "dsfp4.runtime.engine",
-    "Generation": "dsfp4.runtime.engine",
+    "Generation": "dsfp4.runtime.generate.generation",
     "RunOptions": "dsfp4.runtime.options",
     "DsfpError": "dsfp4.errors",
 }
 
 if TYPE_CHECKING:
     from dsfp4.errors import DsfpError
-    from dsfp4.runtime.engine import Engine, Generation
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.generate.generation import Generation
     from dsfp4.runtime.options import RunOptions
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4.matmul import fp4_matmul, triton
+from dsfp4.kernels.backend import use_kernels
+from dsfp4.kernels.fp4.matmul import fp4_matmul
 from dsfp4.kernels.fp8.dequant import fp8_dequantize
 from dsfp4.kernels.fp8.linear import fp8_linear
 from dsfp4.layout.quant import dequantize
@@ -31,7 +32,7 @@ class QuantizedWeight:
     @property
     def fp8_on_gpu(self) -> bool:
         """FP8 blocks on a CUDA device with Triton: the kernels that read them as stored can run."""
-        return self.format == "fp8_e4m3_b128" and self.parts[0].is_cuda and triton is not None
+        return self.format == "fp8_e4m3_b128" and use_kernels(self.parts[0])
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight [N, K] in `dtype` (FP8 blocks in one Triton pass on CUDA)."""
@@ -71,6 +72,6 @@ def linear_triton(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype."""
-    if x.is_cuda and triton is not None:
+    if use_kernels(x):
         return linear_triton(x, w)
     return linear_ref(x, w)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import tl, triton
 from dsfp4.layout.formats import next_pow2
 
 
@@ -34,7 +34,6 @@ def mhc_weights_ref(
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _mhc_kernel(

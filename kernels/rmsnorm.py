@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import tl, triton
 from dsfp4.layout.formats import next_pow2
 
 
@@ -32,7 +32,6 @@ def add_rmsnorm_ref(
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def rms_row(x, w_ptr, cols, ok, eps, dtype: tl.constexpr, D: tl.constexpr, W_FP32: tl.constexpr):

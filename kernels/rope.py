@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -19,7 +19,6 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    import triton.language as tl  # noqa: F401  (Triton's interpreter needs it beside every jit function)
 
     @triton.jit
     def rotate_pairs(re, im, cos, sin):

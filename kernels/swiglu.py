@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import tl, triton
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
@@ -18,7 +18,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Te
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def swiglu_tl(gate, up, LIMIT: tl.constexpr):

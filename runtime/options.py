@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,3 +69,11 @@ class RunOptions:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def with_knobs(options: RunOptions, knobs: Mapping[str, Any]) -> RunOptions:
+    """options with the given fields replaced (and checked); an unknown name is a one-line error."""
+    names = {f.name for f in dataclasses.fields(RunOptions)}
+    if unknown := sorted(set(knobs) - names):
+        raise ConfigError(f"unknown option {', '.join(unknown)}; RunOptions has {', '.join(sorted(names))}")
+    return dataclasses.replace(options, **knobs)

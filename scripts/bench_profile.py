@@ -30,11 +30,12 @@ from dsfp4.layout.repack import repack  # noqa: E402
 from dsfp4.runtime.engine import Engine  # noqa: E402
 from dsfp4.runtime.generate.stats import peak_memory  # noqa: E402
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer  # noqa: E402
-from dsfp4.runtime.models.v3.model import plan_run  # noqa: E402
+from dsfp4.runtime.models.load import plan_run  # noqa: E402
 from dsfp4.runtime.options import RunOptions  # noqa: E402
 from dsfp4.runtime.profile.calibration import calibration  # noqa: E402
 from dsfp4.runtime.profile.profiler import profile_model  # noqa: E402
 from dsfp4.runtime.store.expert_store import ExpertStore  # noqa: E402
+from dsfp4.runtime.store.placement import warm_start  # noqa: E402
 from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
 from dsfp4.tools.ceilings import model_ceilings as ceilings  # noqa: E402
 from dsfp4.tools.ceilings import odirect_write_gbps  # noqa: E402
@@ -87,7 +88,7 @@ def warm(path: Path, profile: HotProfile, gpu_slots: int, ram_slots: int) -> dic
     plan = dataclasses.replace(plan, gpu_slots=gpu_slots, ram_slots=ram_slots, staging=8)
     store = ExpertStore(path, manifest, DEV, plan, io_threads=8)
     READS.clear()
-    store.warm_start(profile)
+    warm_start(store, profile)
     c = store.counters
     store.close()
     return {"seconds": c.warm_s, "records": c.warm_records, "reads": len(READS), "gb_s": c.ssd_bytes / c.warm_s / GB}

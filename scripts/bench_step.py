@@ -47,7 +47,7 @@ def time_steps(engine: Engine, steps: int, graph: bool, warm: bool = True) -> fl
 
     def one(i: int) -> None:
         if graph:
-            engine.graphs.step(token, pos + i)
+            engine.decoder.graphs.step(token, pos + i)
         else:
             model(tokens, pos + i, last_only=True)
 
@@ -102,7 +102,7 @@ def main() -> int:
         if a.profile:
             res["kernels"] = profile_step(engine, a.steps)
         for graph in (True, False):
-            engine.graphs = engine.graphs if graph else None
+            engine.decoder.graphs = engine.decoder.graphs if graph else None
             g = engine.generate(PROMPT + " again", max_tokens=a.steps, temperature=0)
             res["generate_graph_tok_s" if graph else "generate_eager_tok_s"] = g.stats.decode_tok_s
     a.out.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ import torch  # noqa: E402
 from dsfp4.layout.hot_profile import HotProfile  # noqa: E402
 from dsfp4.layout.manifest import Manifest  # noqa: E402
 from dsfp4.runtime.generate.stats import peak_memory  # noqa: E402
-from dsfp4.runtime.models.v3.model import load_model, plan_run  # noqa: E402
+from dsfp4.runtime.models.load import load_model, plan_run  # noqa: E402
 from dsfp4.runtime.options import RunOptions  # noqa: E402
+from dsfp4.runtime.store.placement import warm_start  # noqa: E402
 from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
 from dsfp4.tools.ceilings import model_ceilings  # noqa: E402
 from dsfp4.tools.full_model import preset_shares  # noqa: E402
@@ -84,7 +85,7 @@ def warm_all(model, manifest: Manifest) -> float:
     through the store."""
     store = model.experts
     counts = {layer: (1,) * manifest.args.n_routed_experts for layer in manifest.experts}
-    store.warm_start(HotProfile("", 0, counts))
+    warm_start(store, HotProfile("", 0, counts))
     return store.counters.ssd_bytes / store.counters.warm_s / GB
 
 

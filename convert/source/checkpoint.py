@@ -20,6 +20,7 @@ import torch
 from dsfp4.convert.names.family import name_map
 from dsfp4.convert.source.hf_config import from_hf_config
 from dsfp4.errors import SourceError
+from dsfp4.hub.download import Selection
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.safetensors_file import TensorInfo, bytes_to_tensor, pread_exact, read_header
 
@@ -34,6 +35,37 @@ AUX_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+
+
+# the checkpoints the converter takes, and their files that it reads (top-level files only)
+KNOWN_REPOS = (
+    "deepseek-ai/DeepSeek-V3",
+    "deepseek-ai/DeepSeek-R1",
+    "deepseek-ai/DeepSeek-V3-0324",
+    "deepseek-ai/DeepSeek-R1-0528",
+    "deepseek-ai/DeepSeek-V3.1",
+    "nvidia/DeepSeek-R1-FP4",
+)
+SOURCE_FILES = ("*.safetensors", INDEX_NAME, *AUX_FILES)
+
+
+def source_selection(include: tuple[str, ...] = (), no_mtp: bool = False) -> Selection:
+    """What a download of a checkpoint takes: the files convert reads (or `include`'s); with no_mtp, not the
+    shards that hold only the MTP layer (config.json and the index say which)."""
+    if not no_mtp:
+        return Selection(include or SOURCE_FILES, known_repos=KNOWN_REPOS)
+    return Selection(
+        include or SOURCE_FILES, ("config.json", INDEX_NAME), _mtp_shards, "MTP layer only, --no-mtp", KNOWN_REPOS
+    )
+
+
+def _mtp_shards(read: dict[str, dict]) -> list[str]:
+    config, index = read["config.json"], read[INDEX_NAME]
+    try:
+        n, extra = int(config["num_hidden_layers"]), int(config.get("num_nextn_predict_layers", 0))
+        return mtp_only_shards(dict(index["weight_map"]), config.get("model_type"), n, extra)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SourceError(f"config.json or {INDEX_NAME} lacks what --no-mtp reads ({e})") from e
 
 
 @dataclass(frozen=True)

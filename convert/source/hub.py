@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from dsfp4.convert.source.checkpoint import source_selection
 from dsfp4.hub.download import PARTIAL_DIR, DownloadPlan, download, fetch_recorded, hub_errors, locked, plan_download
 from dsfp4.hub.remote_file import HubError, RemoteFile
 from dsfp4.layout.atomic import LOCK_NAME
@@ -62,7 +63,8 @@ class HubSource:
         endpoint: str | None = None,
     ):
         self.token, self.delete, self.ahead = token, delete, ahead
-        self.plan = plan_download(repo, revision, Path(folder), no_mtp=no_mtp, token=token, endpoint=endpoint)
+        selection = source_selection(no_mtp=no_mtp)
+        self.plan = plan_download(repo, revision, Path(folder), selection, token=token, endpoint=endpoint)
         shards = [f for f in self.plan.files if f.name.endswith(SHARD_SUFFIX)]
         small = dataclasses.replace(self.plan, files=[f for f in self.plan.files if f not in shards])
         download(small, token)

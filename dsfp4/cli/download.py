@@ -43,10 +43,11 @@ def download(
       dsfp4 download deepseek-ai/DeepSeek-V3 --local-dir hf/DeepSeek-V3 --dry-run
       dsfp4 download deepseek-ai/DeepSeek-R1 --local-dir hf/DeepSeek-R1 --no-mtp
     """
+    from dsfp4.convert.source.checkpoint import source_selection
     from dsfp4.hub.download import download as run_download
     from dsfp4.hub.download import plan_download
 
-    plan = plan_download(repo_id, revision, local_dir, include, exclude, no_mtp, token)
+    plan = plan_download(repo_id, revision, local_dir, source_selection(include, no_mtp), exclude, token)
     if dry_run:
         click.echo(plan.table())
         return

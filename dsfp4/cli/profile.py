@@ -181,7 +181,7 @@ def _repack(model: Path, profile: HotProfile, quiet: bool) -> None:
 
 
 def _report(model: Path, options: RunOptions, profile: HotProfile, output: Path) -> None:
-    from dsfp4.runtime.engine import plan_engine
+    from dsfp4.runtime.models.load import plan_engine
     from dsfp4.runtime.profile.hot_report import report_table, write_plot
 
     run = dataclasses.replace(options, max_context=RUN_DEFAULTS.max_context, prefill_chunk=RUN_DEFAULTS.prefill_chunk)

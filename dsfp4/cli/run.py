@@ -28,7 +28,8 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.policy import TIER_POLICIES
 
 if TYPE_CHECKING:
-    from dsfp4.runtime.engine import Engine, Generation
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.generate.generation import Generation
 
 SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
 PROMPT_FLAGS = ("raw", "show_stats")  # --chat has /stats; a server answers with stats
@@ -141,7 +142,8 @@ def run(
       dsfp4 run model/ --preset 24g --plan
     """
     from dsfp4.cli.repl import LocalChat, chat_repl
-    from dsfp4.runtime.engine import Engine, plan_engine
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.models.load import plan_engine
 
     ctx = click.get_current_context()
     options = RunOptions(**knobs)

@@ -18,23 +18,26 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsfp4.convert.source.checkpoint import AUX_FILES, INDEX_NAME, mtp_only_shards
 from dsfp4.errors import OutputError
 from dsfp4.hub.remote_file import HubError, RemoteFile, fetch, network_errors
 from dsfp4.layout.atomic import atomic_write_bytes, atomic_write_json, lock_folder
 from dsfp4.units import format_bytes, free_bytes
 
-NEEDED = ("*.safetensors", INDEX_NAME, *AUX_FILES)  # what `dsfp4 convert` reads (top-level files only)
-KNOWN_REPOS = (  # checkpoints the converter takes; `NEEDED` selects their files
-    "deepseek-ai/DeepSeek-V3",
-    "deepseek-ai/DeepSeek-R1",
-    "deepseek-ai/DeepSeek-V3-0324",
-    "deepseek-ai/DeepSeek-R1-0528",
-    "deepseek-ai/DeepSeek-V3.1",
-    "nvidia/DeepSeek-R1-FP4",
-)
 RECORD_NAME = ".dsfp4-download.json"
 PARTIAL_DIR = ".dsfp4-partial"  # in a --local-dir: partial files, named by blob
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which files of a repo a download takes: glob patterns (one without "/" names top-level files only); files to
+    leave out by what small files of the repo say (`leave_out(name -> parsed JSON of each of `reads`)` -> names,
+    shown with `why`); the repos the selection was made for (another one gets a note)."""
+
+    patterns: tuple[str, ...]
+    reads: tuple[str, ...] = ()
+    leave_out: Callable[[dict[str, dict]], list[str]] | None = None
+    why: str = ""
+    known_repos: tuple[str, ...] = ()
 
 
 @dataclass
@@ -45,8 +48,9 @@ class DownloadPlan:
     target: Path  # the folder the files end up in (a snapshot folder in the cache)
     files: list[RemoteFile]
     local_dir: Path | None = None  # None: the standard cache
+    selection: Selection = Selection(("*",))
     endpoint: str | None = None  # None: HF_ENDPOINT, else huggingface.co
-    skipped: list[str] = field(default_factory=list)  # shards holding only the MTP layer (--no-mtp)
+    skipped: list[str] = field(default_factory=list)  # left out by the selection's rule (--no-mtp)
     done: set[str] = field(default_factory=set)  # already here and verified by an earlier run
     free: int = 0  # bytes free where the files go
 
@@ -88,13 +92,14 @@ class DownloadPlan:
         total = sum(f.size for f in self.files)
         lines = [f"{self.repo} at {self.revision} = commit {self.commit}", f"into {self.target}"]
         lines += [f"  {format_bytes(f.size):>11}  {f.name}{'  (done)' * (f.name in self.done)}" for f in self.files]
-        lines += [f"  {'skipped':>11}  {name}  (MTP layer only, --no-mtp)" for name in self.skipped]
+        lines += [f"  {'skipped':>11}  {name}  ({self.selection.why})" for name in self.skipped]
         lines.append(
             f"{len(self.files)} files, {format_bytes(total)}; to fetch {format_bytes(self.need)}, "
             f"{format_bytes(self.free)} free"
         )
-        if self.repo not in KNOWN_REPOS:
-            lines.append(f"note: {self.repo} is not one of the checkpoints dsfp4 knows ({', '.join(KNOWN_REPOS)})")
+        known = self.selection.known_repos
+        if known and self.repo not in known:
+            lines.append(f"note: {self.repo} is not one of the checkpoints dsfp4 knows ({', '.join(known)})")
         return "\n".join(lines)
 
 
@@ -129,15 +134,6 @@ def _selected(name: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> 
         return fnmatch.fnmatch(name, p) and ("/" in p or "/" not in name)
 
     return any(map(hit, include)) and not any(map(hit, exclude))
-
-
-def _mtp_only_shards(config: dict, index: dict, where: str) -> list[str]:
-    """Shards whose every tensor belongs to an MTP block."""
-    try:
-        n, extra = int(config["num_hidden_layers"]), int(config.get("num_nextn_predict_layers", 0))
-        return mtp_only_shards(dict(index["weight_map"]), config.get("model_type"), n, extra)
-    except (KeyError, TypeError, ValueError) as e:
-        raise HubError(f"{where}: config.json or {INDEX_NAME} lacks what --no-mtp reads ({e})") from e
 
 
 def _target(repo: str, commit: str, local_dir: Path | None) -> Path:
@@ -181,14 +177,14 @@ def plan_download(
     repo: str,
     revision: str = "main",
     local_dir: Path | None = None,
-    include: tuple[str, ...] = (),
+    selection: Selection = Selection(("*",)),
     exclude: tuple[str, ...] = (),
-    no_mtp: bool = False,
     token: str | None = None,
     endpoint: str | None = None,
 ) -> DownloadPlan:
-    """Resolve the revision, list the files to fetch with their sizes and what is already here. With
-    --no-mtp it fetches config.json and the shard index (a few KB) to leave out MTP-only shards."""
+    """Resolve the revision, list the files to fetch with their sizes and what is already here. When the
+    selection leaves files out by what small files say, those (a few KB: config.json, the shard index) are
+    fetched first."""
     from huggingface_hub import HfApi
 
     with hub_errors(repo, revision):
@@ -196,19 +192,17 @@ def plan_download(
         files = [
             RemoteFile(s.rfilename, int(s.size or 0), *((s.lfs.sha256,) * 2 if s.lfs else (None, s.blob_id)))
             for s in info.siblings or ()
-            if _selected(s.rfilename, include or NEEDED, exclude)
+            if _selected(s.rfilename, selection.patterns, exclude)
         ]
         if not files:
-            raise HubError(f"{repo}: no files at {revision} match {', '.join(include or NEEDED)}")
+            raise HubError(f"{repo}: no files at {revision} match {', '.join(selection.patterns)}")
         target = _target(repo, str(info.sha), local_dir)
-        plan = DownloadPlan(repo, revision, str(info.sha), target, files, local_dir, endpoint)
+        plan = DownloadPlan(repo, revision, str(info.sha), target, files, local_dir, selection, endpoint)
         small = {f.name: f for f in files}
-        if no_mtp and "config.json" in small and INDEX_NAME in small:
+        if selection.leave_out is not None and all(n in small for n in selection.reads):
             with locked(plan):
-                config, index = (
-                    json.loads(fetch_file(plan, small[n], token).read_text()) for n in ("config.json", INDEX_NAME)
-                )
-            plan.skipped = _mtp_only_shards(config, index, repo)
+                read = {n: json.loads(fetch_file(plan, small[n], token).read_text()) for n in selection.reads}
+            plan.skipped = selection.leave_out(read)
             plan.files = [f for f in files if f.name not in plan.skipped]
     plan.files.sort(key=lambda f: (f.size, f.name))  # the small files first: a failure shows early
     plan.done = _verified(plan)

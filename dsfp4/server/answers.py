@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from dsfp4.runtime.engine import Generation
+from dsfp4.runtime.generate.generation import Generation
 
 
 def sse(payload: dict | str) -> str:

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from dsfp4.errors import ConfigError, ContextLengthError
-from dsfp4.runtime.engine import Delta, Engine, Generation
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.generation import Delta, Generation
 from dsfp4.runtime.generate.reasoning import ReasoningSplitter, split_reasoning
 from dsfp4.server.answers import Answer, sse, stats
 from dsfp4.server.metrics import Metrics

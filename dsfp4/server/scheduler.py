@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsfp4.runtime.engine import Engine, Generation
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.generation import Generation
 
 
 class QueueFull(Exception):

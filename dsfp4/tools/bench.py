@@ -10,9 +10,9 @@ SSD and PCIe overlapped, the SSD at its faster ceiling (Ceilings.floor_s).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -20,26 +20,25 @@ import torch
 from dsfp4.device import resolve_device
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import token_bytes
+from dsfp4.runtime.profile.calibration import BUILTIN_FILES, Entry, parse_jsonl
 from dsfp4.tools.doctor import Ceilings
 
-CALIBRATION = Path(__file__).parent / "calibration"
 PROMPT_CHARS = 1200  # about 250 tokens of prompt each
 
 
 def prompt_set(n: int) -> list[str]:
     """n fixed prompts: texts of the calibration sets (chat, code, languages, prose) in turn; a chat record
     gives its first user message."""
-    texts = []
-    for name in sorted(CALIBRATION.glob("*.jsonl")):
-        records = [json.loads(line) for line in name.read_text().splitlines() if line.strip()]
-        texts.append([_text(r)[:PROMPT_CHARS] for r in records])
+    folder = files("dsfp4") / "calibration"
+    texts = [
+        [_text(e)[:PROMPT_CHARS] for e in parse_jsonl((folder / name).read_text(encoding="utf-8"), name)]
+        for name in sorted(BUILTIN_FILES)
+    ]
     return [texts[i % len(texts)][(i // len(texts)) % len(texts[i % len(texts)])] for i in range(n)]
 
 
-def _text(record: dict) -> str:
-    if "text" in record:
-        return record["text"]
-    return next(m["content"] for m in record["messages"] if m["role"] == "user")
+def _text(entry: Entry) -> str:
+    return entry if isinstance(entry, str) else next(m["content"] for m in entry if m["role"] == "user")
 
 
 def run_preset(

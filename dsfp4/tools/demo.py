@@ -10,7 +10,8 @@ from pathlib import Path
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.layout.verify import verify
-from dsfp4.runtime.engine import Engine, Generation
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.generation import Generation
 from dsfp4.runtime.options import RunOptions
 from dsfp4.synthetic.hf_v3 import build_synthetic_checkpoint
 from dsfp4.synthetic.hf_v4 import build_synthetic_v4_checkpoint

@@ -13,16 +13,7 @@ in fp16, 14 in bf16); under TRITON_INTERPRET the same bits come from plain integ
 
 from __future__ import annotations
 
-import functools
-import os
-
-import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU build of torch comes without Triton: the torch references serve
-    triton = None
+from dsfp4.kernels.backend import tl, triton
 
 E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
 # e2m1_bf16 places codes as bf16 code * 2^-126 (0.5 the subnormal 2^-127). One bf16 product with an e4m3 scale
@@ -32,10 +23,6 @@ E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilo
 E4M3_LIFT = 2.0**119
 E4M3_LIFT_UNBIAS = 128.0  # 2^7, folded into the epilogue
 E8M0_LIFT = 2.0**126
-WARP = 32  # threads per warp, for tile rules that count threads
-# tokens per call that the decode kernels (GEMVs on CUDA cores) take: decode steps and MTP verify batches; above
-# it the prefill paths on tensor cores win. One bound for all of them, so a call never mixes the two
-DECODE_TOKENS = 16
 X16_TOP_EXP = 15  # words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
 
 
@@ -79,38 +66,6 @@ def _bf16_placement_ptx() -> str:
         lines += [f"and.b32 ${i}, a, 0x81C081C0;", "shr.b32 b, t, 6;", "and.b32 b, b, 0x01C001C0;"]
         lines += ["and.b32 a, t, 0x80008000;", f"or.b32 ${i + 2}, a, b;"]
     return "\n".join([*lines, "}"])
-
-
-def interpreted() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (inline PTX is not available there)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-HW_E4M3_CAPABILITY = (8, 9)  # Ada and Hopper convert e4m3 in hardware; Triton has no fp8 type below
-
-
-@functools.lru_cache
-def cuda_props(index: int):
-    """The CUDA device's properties, asked once (kernel wrappers consult them on every call)."""
-    return torch.cuda.get_device_properties(index)
-
-
-REFERENCE_SMS = 132  # off CUDA (the interpreter) the kernels' plans assume an H100
-
-
-def n_sms(device: torch.device) -> int:
-    """The device's streaming multiprocessors, for grid sizing (REFERENCE_SMS off CUDA)."""
-    return cuda_props(device.index or 0).multi_processor_count if device.type == "cuda" else REFERENCE_SMS
-
-
-def hw_e4m3(device: torch.device) -> bool:
-    """Whether kernels on `device` may convert e4m3 by the GPU's instruction (else by bits), the Triton fp8
-    types included."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreted():
-        return False
-    p = cuda_props(device.index or 0)
-    return (p.major, p.minor) >= HW_E4M3_CAPABILITY
 
 
 if triton is not None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import DECODE_TOKENS, E2M1_UNBIAS, block_scale, e2m1_halves, interpreted, triton
+from dsfp4.kernels.backend import DECODE_TOKENS, interpreted, tl, triton
+from dsfp4.kernels.fp4.codes import E2M1_UNBIAS, block_scale, e2m1_halves
 from dsfp4.layout.formats import get_format, next_pow2
 from dsfp4.layout.fp4 import mxfp4_dequantize, nvfp4_dequantize
 
@@ -45,8 +46,6 @@ def fp4_matmul_ref(
 
 
 if triton is not None:
-    import triton.language as tl
-
     UNBIAS = tl.constexpr(E2M1_UNBIAS)
 
     @triton.jit

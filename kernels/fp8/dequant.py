@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import block_scale, hw_e4m3, triton
+from dsfp4.kernels.backend import hw_e4m3, tl, triton
+from dsfp4.kernels.fp4.codes import block_scale
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
 BLOCK_N, BLOCK_K = 32, 128  # a program writes 32 rows of one 128-column block (one scale per program)
@@ -16,7 +17,6 @@ BLOCK_N, BLOCK_K = 32, 128  # a program writes 32 rows of one 128-column block (
 fp8_dequantize_ref = fp8_block_dequantize
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _dequant_kernel(

@@ -25,7 +25,7 @@ of even and odd columns, lanes added in fp16) runs as plain integer and fp16 ops
 
 from __future__ import annotations
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import tl, triton
 from dsfp4.layout.fp4 import E4M3_MAX
 
 PIECE = 8  # bytes (columns) of a row per thread and step: two 32-bit words
@@ -75,8 +75,6 @@ cvt.rn.f16x2.e4m3x2 $1, h;
 
 
 if triton is not None:
-    import triton.language as tl
-
     from dsfp4.kernels.fp4.codes import fp16_low
 
     _PIECE_PTX = tl.constexpr(piece_ptx())

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4.codes import DECODE_TOKENS, WARP, hw_e4m3, interpreted, n_sms, triton
+from dsfp4.kernels.backend import DECODE_TOKENS, WARP, hw_e4m3, interpreted, n_sms, tl, triton
 from dsfp4.kernels.fp8.gemv import PIECE
 from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
@@ -158,8 +158,6 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 # ---- Triton kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    import triton.language as tl
-
     from dsfp4.kernels.fp8.gemv import fp8_gemv_pieces_kernel
 
     E4M3_MANTISSA_BITS = tl.constexpr(3)

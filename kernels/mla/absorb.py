@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import DECODE_TOKENS, block_scale, hw_e4m3, triton
+from dsfp4.kernels.backend import DECODE_TOKENS, hw_e4m3, tl, triton
+from dsfp4.kernels.fp4.codes import block_scale
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
@@ -39,7 +40,6 @@ def absorb_values_ref(o: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, no
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _fp8_tile(w_ptr, rows, cols, ok, stride_w, HW_E4M3: tl.constexpr):

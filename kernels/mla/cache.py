@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import tl, triton
 from dsfp4.kernels.rmsnorm import rmsnorm_ref
 from dsfp4.kernels.rope import apply_rotary_emb
 from dsfp4.layout.formats import next_pow2
@@ -40,8 +40,6 @@ def mla_cache_ref(
 
 
 if triton is not None:
-    import triton.language as tl
-
     from dsfp4.kernels.rmsnorm import rms_row
     from dsfp4.kernels.rope import rotate_pairs
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.fp4.codes import DECODE_TOKENS, cuda_props, interpreted, n_sms, triton
+from dsfp4.kernels.backend import DECODE_TOKENS, cuda_props, interpreted, n_sms, tl, triton
 from dsfp4.layout.formats import next_pow2
 
 MAX_TOKENS = DECODE_TOKENS  # B * T at most: beyond it (prefill) the torch formula's gemms are the right tool
@@ -88,8 +88,6 @@ def split_plan(s: int, row_blocks: int, n_sms: int, cfg: MLADecodeConfig = DEFAU
 
 
 if triton is not None:
-    import triton.language as tl
-
     _LOG2E = tl.constexpr(LOG2E)
     _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

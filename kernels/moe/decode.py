@@ -29,19 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.fp4.codes import (
-    DECODE_TOKENS,
-    E2M1_UNBIAS,
-    WARP,
-    X16_TOP_EXP,
-    block_scale,
-    e2m1_halves,
-    hw_e4m3,
-    interpreted,
-    rounded,
-    triton,
-    words_sums,
-)
+from dsfp4.kernels.backend import DECODE_TOKENS, WARP, hw_e4m3, interpreted, tl, triton
+from dsfp4.kernels.fp4.codes import E2M1_UNBIAS, X16_TOP_EXP, block_scale, e2m1_halves, rounded, words_sums
 from dsfp4.kernels.moe.ref import ABSENT
 from dsfp4.layout.formats import get_format, next_pow2
 from dsfp4.layout.record import RecordLayout
@@ -51,8 +40,6 @@ LOAD_FP32 = 4  # fp32 elements per 16-byte load: combine gives each thread one s
 MAX_TOKENS = DECODE_TOKENS  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
 
 if triton is not None:
-    import triton.language as tl
-
     from dsfp4.kernels.swiglu import swiglu_tl
 
     _ABSENT = tl.constexpr(ABSENT)  # kernels read globals only as constexpr

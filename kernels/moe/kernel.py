@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.moe.decode import MAX_TOKENS, DecodeMoE
 from dsfp4.kernels.moe.decode import workspace_bytes as decode_workspace_bytes
 from dsfp4.kernels.moe.prefill import max_blocks, moe_prefill, prefill_blocks
@@ -23,7 +23,7 @@ class MoEKernel:
     def __init__(self, layout: RecordLayout, top_k: int, device: torch.device, limit: float = 0.0):
         """limit: the SwiGLU clamp (kernels/swiglu.py; DeepSeek-V4's swiglu_limit), 0.0 for none."""
         self.layout, self.top_k, self.limit = layout, top_k, limit
-        self.triton = torch.device(device).type == "cuda" and triton is not None
+        self.triton = use_kernels(torch.device(device))
         if self.triton:
             self.decode = DecodeMoE(layout, top_k, device, limit=limit)
 

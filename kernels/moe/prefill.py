@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.errors import FormatError
-from dsfp4.kernels.fp4.codes import E4M3_LIFT, E4M3_LIFT_UNBIAS, E8M0_LIFT, hw_e4m3, interpreted, triton
+from dsfp4.kernels.backend import hw_e4m3, interpreted, tl, triton
+from dsfp4.kernels.fp4.codes import E4M3_LIFT, E4M3_LIFT_UNBIAS, E8M0_LIFT
 from dsfp4.kernels.moe.ref import ABSENT, record_at
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.formats import get_format
@@ -141,8 +142,6 @@ def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> Prefil
 
 
 if triton is not None:
-    import triton.language as tl
-
     from dsfp4.kernels.fp4.codes import block_scale, e2m1_bf16, rounded
     from dsfp4.kernels.swiglu import swiglu_tl
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.fp4.codes import DECODE_TOKENS, interpreted, triton
+from dsfp4.kernels.backend import DECODE_TOKENS, tl, triton
 from dsfp4.layout.formats import next_pow2
 
 KERNEL_SCORES = ("sigmoid", "sqrtsoftplus")  # softmax needs the whole row of E: it stays with the reference
@@ -52,8 +52,6 @@ def gate_scores_ref(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> t
 
 
 if triton is not None:
-    import triton.language as tl
-
     _THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
 
     @triton.jit
@@ -99,12 +97,8 @@ if triton is not None:
 
 def can_score(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> str | None:
     """None when the kernel takes this call, else why the reference must: x [T, D] bf16/fp32 with 1 <= T <= 16 and
-    unit stride in D, weight [E, D] fp32 with unit stride in D, sigmoid or sqrtsoftplus, a CUDA device with Triton
-    (or the CPU under TRITON_INTERPRET, for the tests)."""
-    if triton is None:
-        return "Triton is not installed"
-    if x.device.type != "cuda" and not interpreted():
-        return "not on a CUDA device"
+    unit stride in D, weight [E, D] fp32 with unit stride in D, sigmoid or sqrtsoftplus (where the kernels run at all
+    is backend.use_kernels' rule, which the caller applies)."""
     if score_func not in KERNEL_SCORES:
         return f"score_func {score_func!r} (the kernel does {', '.join(KERNEL_SCORES)})"
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
@@ -122,9 +116,8 @@ def can_score(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> str | N
 
 def gate_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str, tiles: GateTiles | None = None) -> torch.Tensor:
     """gate_scores_ref's values; x: [T, D] bf16/fp32, weight: [E, D] fp32 -> [T, E] fp32. One launch when can_score
-    holds (decode: T <= 16, sigmoid or sqrtsoftplus, CUDA with Triton); otherwise (softmax, T > 16, no CUDA or no
-    Triton) the torch reference computes it. tiles: GateTiles() unless given (scripts/bench_kernels.py --only gate
-    times others)."""
+    holds (decode: T <= 16, sigmoid or sqrtsoftplus); otherwise (softmax, T > 16) the torch reference computes it.
+    tiles: GateTiles() unless given (scripts/bench_kernels.py --only gate times others)."""
     tiles = tiles or GateTiles()
     if can_score(x, weight, score_func) is not None:
         return gate_scores_ref(x, weight, score_func)

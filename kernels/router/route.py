@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import tl, triton
 from dsfp4.layout.formats import next_pow2
 
 
@@ -41,7 +41,6 @@ def chosen_weights(scores: torch.Tensor, ids: torch.Tensor, norm: bool, scale: f
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _route_kernel(
@@ -83,11 +82,7 @@ if triton is not None:
 
 def can_route(n_experts: int, groups: int) -> bool:
     """The kernel takes power-of-two expert and group sizes (every DeepSeek V3 and V4 router)."""
-    return (
-        triton is not None
-        and n_experts == next_pow2(n_experts)
-        and n_experts // groups == next_pow2(n_experts // groups)
-    )
+    return n_experts == next_pow2(n_experts) and n_experts // groups == next_pow2(n_experts // groups)
 
 
 def route(

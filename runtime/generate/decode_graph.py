@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.runtime.models.moe import LayerLoad
-from dsfp4.runtime.models.v3.attention import DevicePosition
-from dsfp4.runtime.models.v3.model import Transformer
-from dsfp4.runtime.models.v4.model import TransformerV4
+from dsfp4.runtime.models.position import DevicePosition
+from dsfp4.runtime.models.protocol import Model
 
 MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
 
@@ -49,7 +48,7 @@ class CapturedStep:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer | TransformerV4, max_context: int, device: torch.device, recording: bool):
+    def __init__(self, model: Model, max_context: int, device: torch.device, recording: bool):
         self.model, self.max_context, self.device = model, max_context, device
         self.graphs: dict[int, CapturedStep] = {}
         store = model.experts

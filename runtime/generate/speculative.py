@@ -20,31 +20,34 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.sampling import SamplingParams, check_draft, distribution, draw, sample
 from dsfp4.runtime.generate.stats import GenerationStats
-
-if TYPE_CHECKING:
-    from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.models.v3.model import Transformer
+from dsfp4.runtime.plan.limits import MTP_BATCH
 
 PROBE_PLAIN = 2  # plain decode steps timed before drafting starts
 JUDGE_AFTER = 8  # verify steps measured before drafting may be judged not to pay
-MTP_BATCH = 16  # after a fallback, entries are computed this many at a time (the planner sizes for it)
 
 
 class Speculator:
-    """The MTP drafter and the verify loop of one engine."""
+    """The MTP drafter and the verify loop over one decoder (its model loaded with the MTP block, which the engine
+    checks is there)."""
 
-    def __init__(self, engine: Engine):
-        self.engine, self.mtp = engine, engine.model.mtp[0]  # the engine loaded it, having checked it is there
+    def __init__(self, decoder: Decoder, model: Transformer):
+        self.decoder, self.model, self.mtp = decoder, model, model.mtp[0]
         self.upto = 0  # MTP cache entries filled: positions 0 .. upto-1
         self.adaptive = True  # tests turn it off to keep drafting whatever it costs
         self.probe_plain = PROBE_PLAIN  # tests set 0 to draft from the first decode step
         self.override: Callable[[int, int], int] | None = None  # test hook, greedy: (position, draft) -> token
+
+    def truncate(self, n: int) -> None:
+        """The main cache keeps its first n positions: entries past them are stale."""
+        self.upto = min(self.upto, n)
 
     def reusable(self, common: int) -> int:
         """How many cached tokens a call sharing `common` tokens with the cache may reuse: every reused
@@ -54,8 +57,7 @@ class Speculator:
     def _extend(self, h: torch.Tensor, next_tokens: list[int], start: int, head: bool = True) -> torch.Tensor:
         """MTP entries for positions start.. from main hidden states h [t, D] and the tokens after them ->
         the logits drafting the token after the last one [V] (None without `head`)."""
-        model = self.engine.model
-        freqs, mask = model.positions(len(next_tokens), start)
+        freqs, mask = self.model.positions(len(next_tokens), start)
         tokens = torch.tensor([next_tokens], device=h.device)
         logits = self.mtp(h[None], tokens, start, freqs, mask, last_only=True, head=head)  # [1, 1, V]
         self.upto = start + len(next_tokens)
@@ -95,9 +97,9 @@ class Speculator:
     ) -> Iterator[int]:
         """Prefill ids after the cached tokens, then yield up to `budget` generated tokens. A token is fed to
         the model only when the next one is asked for, as the engine's plain decoding does."""
-        e = self.engine
-        base, offset = len(e.cached), 0
-        for chunk_logits, h in e._feed(ids, cancel):  # h: [t, D]
+        d = self.decoder
+        base, offset = len(d.cached), 0
+        for chunk_logits, h in d.feed(ids, cancel):  # h: [t, D]
             self.entries(h, ids, base, offset)
             offset, last_h, logits = offset + len(h), h[-1:], chunk_logits
         token = sample(logits, sampling, gen)
@@ -109,12 +111,12 @@ class Speculator:
             yield token
             while produced < budget:
                 # a verify step needs two free cache positions and two tokens of budget
-                room = min(budget - produced, e.max_context - len(e.cached))
+                room = min(budget - produced, d.max_context - len(d.cached))
                 if not drafting and not fallback and stats.plain_steps >= self.probe_plain and room >= 2:
                     draft_logits, drafting = self._flush(pending, head=True), True
                 t0 = time.perf_counter()
                 if not drafting or room < 2:
-                    logits, h = e._pass([token], cancel)  # h: [1, D]
+                    logits, h = d.forward([token], cancel)  # h: [1, D]
                     token = sample(logits, sampling, gen)
                     stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + time.perf_counter() - t0
                     pending.h.append(h)
@@ -124,15 +126,15 @@ class Speculator:
                     produced += 1
                     yield token
                     continue
-                d, q = self._draft(draft_logits, sampling, gen)
-                at = len(e.cached)  # the position of `token`
-                logits, h = e._pass([token, d], cancel, every=True)  # [2, V], [2, D]
-                checked, ok = check_draft(logits[0], q, d, sampling, gen)
+                draft, q = self._draft(draft_logits, sampling, gen)
+                at = len(d.cached)  # the position of `token`
+                logits, h = d.forward([token, draft], cancel, every=True)  # [2, V], [2, D]
+                checked, ok = check_draft(logits[0], q, draft, sampling, gen)
                 if ok:  # the draft stands, and the main model's logits after it give one more token for free
-                    out = [d, sample(logits[1], sampling, gen)]
+                    out = [draft, sample(logits[1], sampling, gen)]
                     draft_logits = self._extend(h, out, at)
                 else:
-                    e.cached.pop()  # the draft's KV at at+1 is stale: the next step overwrites it
+                    d.drop_last()  # the draft's KV at at+1 is stale: the next step overwrites it
                     out = [checked]
                     draft_logits = self._extend(h[:1], out, at)
                 stats.drafted, stats.accepted = stats.drafted + 1, stats.accepted + ok

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
@@ -53,7 +54,7 @@ class Gate(nn.Module):
         self.bias = bias  # kept in fp32 from the file: a bf16 round could flip near-tied selections
         grouped = args.n_expert_groups > 1 and args.topk_method in GROUPED_METHODS
         self.groups = args.n_expert_groups if grouped else 1
-        self.kernel = self.weight.is_cuda and can_route(args.n_routed_experts, self.groups)
+        self.kernel = use_kernels(self.weight) and can_route(args.n_routed_experts, self.groups)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, K], expert ids [T, K]); `tokens` is the hash gate's, unused here."""
@@ -89,7 +90,7 @@ class HashGate(nn.Module):
 def expert_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> torch.Tensor:
     """x: [T, D], weight: [E, D] fp32 -> every expert's score [T, E], computed in fp32 (one launch at decode on
     CUDA: kernels/router/gate_scores.py)."""
-    return (gate_scores if x.is_cuda else gate_scores_ref)(x, weight, score_func)
+    return (gate_scores if use_kernels(x) else gate_scores_ref)(x, weight, score_func)
 
 
 class MoE(nn.Module):

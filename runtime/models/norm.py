@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 
 
@@ -18,14 +18,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton is not None and x.stride(-1) == 1:
+        if use_kernels(x) and x.stride(-1) == 1:
             return rmsnorm(x, self.weight, self.eps)
         return rmsnorm_ref(x, self.weight, self.eps)
 
     def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A residual add and this norm of its result, in one pass on CUDA: -> (x + delta, norm(x + delta))."""
         same = (delta.shape, delta.dtype) == (x.shape, x.dtype)  # else torch broadcasts and promotes
-        if x.is_cuda and triton is not None and same and x.stride(-1) == delta.stride(-1) == 1:
+        if use_kernels(x) and same and x.stride(-1) == delta.stride(-1) == 1:
             return add_rmsnorm(x, delta, self.weight, self.eps)
         return add_rmsnorm_ref(x, delta, self.weight, self.eps)
 

@@ -16,12 +16,10 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
-from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import CSA, ModelArgs
-from dsfp4.runtime.generate.speculative import MTP_BATCH
-from dsfp4.runtime.models.v3.attention import SCORE_ELEMENTS
 from dsfp4.runtime.plan.budget import Budgets, process_rss
+from dsfp4.runtime.plan.limits import LOGIT_ROWS, MTP_BATCH, SCORE_ELEMENTS
 from dsfp4.units import format_bytes
 
 FP32 = 4
@@ -29,7 +27,6 @@ COMPLEX64 = 8  # an entry of the RoPE tables
 ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
 CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, cuBLAS and Triton, loaded after the plan
 # (0.63 GiB measured on the H100 machine, docs/BENCHMARKS.md)
-LOGIT_ROWS = 16  # positions whose logits exist at once (one while sampling, up to this many in Engine.logits)
 ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
 ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")  # tables a decode token reads one row of
 
@@ -233,14 +230,3 @@ def make_plan(
         total_records,
         used,
     )
-
-
-def hottest_first(manifest: Manifest, plan: Plan, profile: HotProfile | None) -> list[tuple[int, int]]:
-    """Every (layer, expert) record the plan uses, in the order tiers should take them: the hot profile's
-    ranking first (when there is one), the rest in file order."""
-    used = plan.expert_layers
-    ranked = [k for k in profile.ranked() if k[0] in used] if profile is not None else []
-    taken = set(ranked)
-    n = manifest.args.n_routed_experts
-    rest = [(layer, e) for layer in sorted(used) for e in range(n) if (layer, e) not in taken]
-    return ranked + sorted(rest, key=manifest.file_position)

@@ -20,9 +20,9 @@ import torch
 
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.routing_trace import RoutingTrace
-from dsfp4.runtime.engine import run_target
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.runtime.models.v3.model import Transformer, load_model, plan_run
+from dsfp4.runtime.models.load import load_model, plan_run, run_target
+from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.calibration import calibration
@@ -40,9 +40,9 @@ class ProfileRun:
 
 
 @torch.inference_mode()
-def layer_pass(model: Transformer, sequences: list[list[int]], chunk: int, on_layer: Callable[[int], None]) -> None:
+def layer_pass(model: Model, sequences: list[list[int]], chunk: int, on_layer: Callable[[int], None]) -> None:
     """Run every sequence through every block, one block at a time (hidden states wait on the host)."""
-    store, device = model.experts, model.freqs_cis.device
+    store, device = model.experts, model.device
     n_experts = model.args.n_routed_experts
     tokens = [torch.tensor([s], device=device) for s in sequences]  # [1, T] each
     hidden = [model.embed_tokens(t).cpu() for t in tokens]  # [1, T, D] (V4: [1, T, N, D], its streams)

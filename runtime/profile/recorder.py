@@ -13,7 +13,7 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.routing_trace import RoutingTrace
-from dsfp4.runtime.models.v3.model import Transformer
+from dsfp4.runtime.models.protocol import Model
 
 
 class RoutingRecorder:
@@ -21,11 +21,11 @@ class RoutingRecorder:
     caller commits it (the pass completed) or discards it (it was interrupted), so every MoE layer always
     holds the same tokens."""
 
-    def __init__(self, model: Transformer, trace: bool = False) -> None:
+    def __init__(self, model: Model, trace: bool = False) -> None:
         self.moe = [block.ffn for block in model.layers if block.moe]
         self.layers = tuple(m.layer for m in self.moe)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        n, device, self.top_k = model.args.n_routed_experts, model.freqs_cis.device, model.args.n_activated_experts
+        n, device, self.top_k = model.args.n_routed_experts, model.device, model.args.n_activated_experts
         self.counts = torch.zeros((len(self.moe), n), dtype=torch.int64, device=device)  # [layers, E]
         self.weights = torch.zeros((len(self.moe), n), dtype=torch.float64, device=device)  # [layers, E]
         self._counts, self._weights = torch.zeros_like(self.counts), torch.zeros_like(self.weights)  # pending

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +21,11 @@ from dsfp4.layout.record import RecordLayout
 from dsfp4.layout.safetensors_file import read_header
 from dsfp4.layout.verify import verify
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.runtime.models.v3.model import load_model
-from dsfp4.synthetic.bench_model import main, model_args, write_bench_model
+from dsfp4.runtime.models.load import load_model
+from dsfp4.synthetic.bench_model import model_args, write_bench_model
 from dsfp4.synthetic.hf_v4 import random_v4_values, write_v4_checkpoint
+
+BENCH_MODEL = Path(__file__).resolve().parents[2] / "scripts" / "bench_model.py"
 
 SMALL = dict(
     hidden_size=256,
@@ -95,18 +100,25 @@ def test_bench_model_backbone_values(tmp_path):
     assert "tokenizer.json" not in m.files and "config.json" in m.files
 
 
-def test_bench_model_refuses_a_used_folder_and_cli_prints(tmp_path, capsys):
+def bench_model_cli(*args: str) -> str:
+    """scripts/bench_model.py run as a user runs it: its stdout."""
+    return subprocess.run([sys.executable, str(BENCH_MODEL), *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_bench_model_refuses_a_used_folder_and_cli_prints(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep").write_text("")
     with pytest.raises(FileExistsError):
         write_bench_model(tmp_path / "x", dims=SMALL)
     dims = [f"{k}={v}" for k, v in SMALL.items()]
-    assert main([str(tmp_path / "cli"), "--layers", "2", "--dense", "1", "--dims", *dims]) == 0
-    assert "2 layers (1 MoE, 16 experts each)" in capsys.readouterr().out
+    assert "2 layers (1 MoE, 16 experts each)" in bench_model_cli(
+        str(tmp_path / "cli"), "--layers", "2", "--dense", "1", "--dims", *dims
+    )
     verify(tmp_path / "cli")
     dims = [f"{k}={v}" for k, v in SMALL_V4.items()]
-    assert main([str(tmp_path / "v4"), "--family", "v4", "--layers", "2", "--dims", *dims]) == 0
-    assert "2 layers (2 MoE, 16 experts each)" in capsys.readouterr().out
+    assert "2 layers (2 MoE, 16 experts each)" in bench_model_cli(
+        str(tmp_path / "v4"), "--family", "v4", "--layers", "2", "--dims", *dims
+    )
     assert verify(tmp_path / "v4").n_records == 2 * 16
 
 

@@ -57,7 +57,7 @@ def test_plan_floor_weighs_each_tier_by_its_share_and_run_plan_prints_it(convert
 
     import torch
 
-    from dsfp4.runtime.models.v3.model import plan_run
+    from dsfp4.runtime.models.load import plan_run
     from dsfp4.runtime.options import RunOptions
     from dsfp4.runtime.plan.planner import token_bytes
     from dsfp4.tools.doctor import plan_floor

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dsfp4.convert.source.checkpoint import source_selection
 from dsfp4.errors import OutputError
 from dsfp4.hub import remote_file as hub_file
 from dsfp4.hub.download import download, plan_download
@@ -115,13 +116,13 @@ def test_a_dropped_connection_is_resumed_within_the_run_and_across_runs(big_repo
         hub.drop_at = 12 << 20
         hub.drops["big.safetensors"] = 100  # for good: more than the download's retries
         monkeypatch.setattr(hub_file, "RETRY_PAUSES", (0.05,) * 3)
-        plan = plan_download(REPO, local_dir=out2, endpoint=hub.url)
+        plan = plan_download(REPO, local_dir=out2, selection=source_selection(), endpoint=hub.url)
         with pytest.raises(HubError, match="network failure .* run the same command again to resume"):
             download(plan)
         assert not (out2 / "big.safetensors").exists()
         hub.drops["big.safetensors"] = 0
         hub.requests.clear()
-        plan = plan_download(REPO, local_dir=out2, endpoint=hub.url)
+        plan = plan_download(REPO, local_dir=out2, selection=source_selection(), endpoint=hub.url)
         partial = plan.partial
         assert partial >= 12 << 20 and plan.need == (24 << 20) - partial  # the small files are done
         assert _dsfp4(hub, tmp_path, REPO, "--local-dir", out2, "-q").returncode == 0
@@ -146,7 +147,7 @@ def test_refusals_disk_space_unknown_repo_gated_repo_bad_revision(repo, tmp_path
     gated = "deepseek-ai/DeepSeek-R1"
     with FakeHub({REPO: repo, gated: repo}, gated=(gated,), token="hf_secret") as hub:
         small = tmp_path / "small"
-        plan = plan_download(REPO, local_dir=small, endpoint=hub.url)
+        plan = plan_download(REPO, local_dir=small, selection=source_selection(), endpoint=hub.url)
         plan.free = 1000  # as a nearly full disk would measure
         with pytest.raises(OutputError, match=r"needs 4\.[0-9]+ MiB, 1000 B is free; free some space"):
             download(plan)
@@ -205,7 +206,7 @@ def test_stale_files_stalls_busy_answers_and_a_held_lock(repo, tmp_path):
         with pytest.raises(OutputError, match="another dsfp4 download is writing"):
             fd = lock_folder(out, "held")
             try:
-                download(plan_download(REPO, local_dir=out, endpoint=hub.url, include=("*.md",)))
+                download(plan_download(REPO, local_dir=out, selection=source_selection(("*.md",)), endpoint=hub.url))
             finally:
                 os.close(fd)
         hub.corrupt.add("tokenizer_config.json")  # not an LFS file: checked by its git blob id

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import REFERENCE_SMS
+from dsfp4.kernels.backend import REFERENCE_SMS
 from dsfp4.kernels.fp4.matmul import fp4_matmul, fp4_matmul_ref, triton
 from dsfp4.kernels.fp8 import gemv as g8
 from dsfp4.kernels.fp8 import linear as f8

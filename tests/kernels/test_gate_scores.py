@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.router.gate_scores import MAX_TOKENS, GateTiles, can_score, gate_scores, gate_scores_ref
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")

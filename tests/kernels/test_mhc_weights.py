@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.mhc_weights import mhc_weights, mhc_weights_ref
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.mla.absorb import absorb_keys, absorb_keys_ref, absorb_values, absorb_values_ref
 from dsfp4.layout.fp8 import fp8_block_quantize
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.mla.cache import mla_cache, mla_cache_ref
 from dsfp4.runtime.models.rope import rotations
 

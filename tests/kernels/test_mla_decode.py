@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dsfp4.kernels.mla.decode as mla_decode_module
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.mla.decode import MAX_TOKENS, MLADecodeConfig, mla_decode, mla_decode_ref, split_plan
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")

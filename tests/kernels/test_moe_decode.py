@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.moe.decode import DecodeConfig, DecodeMoE, combine_ref, workspace_bytes
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.kernels.moe.ref import moe_ref, record_offsets

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.moe import prefill as mp
 from dsfp4.kernels.moe.ref import ABSENT, moe_ref, record_offsets
 from dsfp4.layout.record import RecordLayout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.router.route import can_route, route, route_ref
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")

@@ -24,9 +24,10 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.repack import repack
 from dsfp4.layout.verify import verify
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.models.v3.model import plan_run
+from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.placement import warm_start
 
 CPU = torch.device("cpu")
 
@@ -78,7 +79,7 @@ def test_repack_keeps_tokens_and_puts_each_layer_hot_prefix_first(model, monkeyp
     monkeypatch.setattr(RecordFile, "read_into", spy)
     plan = plan_run(m, CPU, torch.float32, 64, RunOptions(device="cpu"), False)
     store = ExpertStore(model, m, CPU, type(plan)(**{**plan.__dict__, "gpu_slots": 4, "ram_slots": 8}))
-    store.warm_start(profile)
+    warm_start(store, profile)
     store.close()
     ranked = profile.ranked()
     for layer in (1, 2):  # its device part, then its RAM part right behind it: one sequential pass

@@ -21,9 +21,10 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.sampling import SamplingParams
-from dsfp4.runtime.models.v3.model import plan_run
+from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.placement import fill, warm_start
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)
@@ -85,7 +86,7 @@ def test_a_filled_store_serves_every_layer_from_the_device_without_loads(convert
     engine = _engine(converted)
     store = engine.model.experts
     assert not store.all_resident
-    store.fill()
+    fill(store)
     assert store.all_resident and store.counters.ssd_reads == store.plan.total_records
     monkeypatch.setattr(store, "load_waves", lambda *a: pytest.fail("a filled store loads nothing"))
     g = _generate(engine)
@@ -191,13 +192,13 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     plan = _plan(model, 3, 5)
     ranked = [k for k in profile.ranked() if k[0] in plan.expert_layers]  # not the MTP layer's experts
     store = ExpertStore(model, manifest, CPU, plan)
-    store.warm_start(profile)
+    warm_start(store, profile)
     res = store.residency()
     assert {k for k in ranked[:3]} == {(int(a), int(b)) for a, b in zip(*np.nonzero(res == 2), strict=True)}
     assert {k for k in ranked[3:8]} <= {(int(a), int(b)) for a, b in zip(*np.nonzero(res >= 1), strict=True)}
     store.close()
     store = ExpertStore(model, manifest, CPU, _plan(model, 12, 2))  # more device slots than RAM ones
-    store.warm_start(profile)
+    warm_start(store, profile)
     assert {k for k in ranked[:12]} == {
         (int(a), int(b)) for a, b in zip(*np.nonzero(store.residency() == 2), strict=True)
     }

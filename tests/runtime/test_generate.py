@@ -120,7 +120,7 @@ def test_context_limit(engine):
 
 
 def test_hold_back_covers_stop_prefixes_before_an_unfinished_character():
-    from dsfp4.runtime.engine import _held_back
+    from dsfp4.runtime.generate.steps import held_back as _held_back
 
     assert _held_back("xa\ufffd", ("a你",)) == 2  # "a" may start the stop string, "\ufffd" may become 你
     assert _held_back("xab", ("bc",)) == 1 and _held_back("xyz", ("bc",)) == 0

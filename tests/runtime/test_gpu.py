@@ -43,7 +43,7 @@ def test_conversion_on_cuda_equals_conversion_on_cpu(checkpoints, tmp_path):
 
 
 def test_runtime_on_cuda_matches_the_cpu(converted):
-    from dsfp4.runtime.models.v3.model import load_model
+    from dsfp4.runtime.models.load import load_model
 
     tokens = torch.tensor([[0, 5, 9, 11, 40, 7, 3, 100]])
     with torch.no_grad():

@@ -14,10 +14,10 @@ import torch
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.models.v3.model import plan_run
+from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.plan.planner import hottest_first
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.placement import hottest_first, map_all
 
 CPU = torch.device("cpu")
 PROMPT = "Explain the tiers of the expert store"
@@ -63,7 +63,7 @@ def test_map_all_places_every_record_once_where_its_offset_points(converted):
     store = ExpertStore(converted, manifest, CPU, plan)
     try:
         order = hottest_first(manifest, plan, None)
-        store.map_all(order)
+        map_all(store, order)
         assert store.mapped and store.visible and not store.all_resident
         res = store.residency()
         assert {k for k in order[:3]} == {(int(a), int(b)) for a, b in zip(*np.nonzero(res == 2), strict=True)}
@@ -83,7 +83,7 @@ def test_mapped_uses_are_counted_on_the_device_by_tier_and_dropped_when_uncounte
     store = ExpertStore(converted, manifest, CPU, plan)
     try:
         order = hottest_first(manifest, plan, None)
-        store.map_all(order)
+        map_all(store, order)
         layer = plan.expert_layers[0]
         on_device = {e for lay, e in order[:3] if lay == layer}
         ids = torch.tensor([[0, 1], [1, 5], [7, 0]])  # [T=3, K=2]

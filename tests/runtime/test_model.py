@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
-from dsfp4.runtime.models.v3.model import load_model
+from dsfp4.runtime.models.load import load_model
 from tests.fixtures.reference import dequantized_weights, fuse_experts, hf_model
 from tests.fixtures.tiny_checkpoint import build_checkpoint
 
@@ -91,7 +91,7 @@ def test_incremental_decoding_equals_a_full_forward(model_dir):
 def test_steps_at_a_device_position_equal_steps_at_a_host_position(model_dir):
     """The form a captured decode step takes: the position in a device tensor, attention over a fixed span
     of the cache with the rows past the position masked. It gives the eager step's logits."""
-    from dsfp4.runtime.models.v3.attention import DevicePosition
+    from dsfp4.runtime.models.position import DevicePosition
 
     model = load_model(model_dir, CPU, torch.float32, max_len=64)
     tokens = torch.tensor([PROMPTS[0]])

@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
+from dsfp4.runtime.models.load import load_model
 from dsfp4.runtime.models.moe import HashGate
-from dsfp4.runtime.models.v3.model import load_model
 from dsfp4.runtime.models.v4.model import TransformerV4
 from tests.fixtures.v4_checkpoint import hf_model
 
@@ -153,7 +153,8 @@ def test_mtp_block_runs_in_full_and_in_chunks(v4_converted):
 def test_on_cuda_the_fp4_kernels_give_transformers_logits(setup, v4_converted, gpu_slots, chunk):
     """The Triton MoE kernels (MXFP4 records, the SwiGLU clamp) in fp32 on CUDA, with every record on the
     device or 3 there and the rest read from RAM in place (zero-copy), against transformers on the CPU."""
-    from dsfp4.runtime.engine import Engine, plan_engine
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.models.load import plan_engine
     from dsfp4.runtime.options import RunOptions
 
     _, tokens, expected = setup

@@ -20,7 +20,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.generate.sampling import SamplingParams, check_draft, distribution, draw
 from dsfp4.runtime.generate.speculative import JUDGE_AFTER
-from dsfp4.runtime.models.v3.model import plan_run
+from dsfp4.runtime.models.load import plan_run
 from tests.fixtures.cli import run_cli
 
 PROMPTS = ["Why is the sky blue?", "hello", "Write a haiku about SSDs"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.models.v3.model import load_model
+from dsfp4.runtime.models.load import load_model
 from dsfp4.runtime.plan.planner import cache_bytes, expert_layers, layer_cache_bytes, token_bytes
 from dsfp4.synthetic.bench_model import model_args
 

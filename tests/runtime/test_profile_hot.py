@@ -19,7 +19,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import RoutingTrace, read_trace, write_trace
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.runtime.models.v3.model import plan_run
+from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.profile.calibration import BUILTIN_FILES, BUILTIN_SOURCE, builtin_entries, calibration
 from dsfp4.runtime.profile.hot_report import coverage, gini, static_hit_rates, write_plot

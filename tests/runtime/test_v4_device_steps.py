@@ -20,8 +20,8 @@ from dsfp4.convert.plan import ConvertOptions
 from dsfp4.kernels.linear import QuantizedWeight
 from dsfp4.layout.quant import quantize
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
-from dsfp4.runtime.models.v3.attention import DevicePosition
-from dsfp4.runtime.models.v3.model import load_model
+from dsfp4.runtime.models.load import load_model
+from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.v4.attention import grouped_output
 from dsfp4.runtime.models.v4.model import TransformerV4
 from dsfp4.synthetic.hf_v4 import V4_TINY

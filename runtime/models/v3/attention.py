@@ -8,38 +8,20 @@ positions, H heads, C kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim, V v_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from dsfp4.kernels.fp4.codes import DECODE_TOKENS, triton
+from dsfp4.kernels.backend import DECODE_TOKENS, use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.mla.absorb import absorb_keys, absorb_values
 from dsfp4.kernels.mla.cache import mla_cache, mla_cache_ref
 from dsfp4.kernels.mla.decode import mla_decode, mla_decode_ref
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.norm import RMSNorm
+from dsfp4.runtime.models.position import DevicePosition, token_positions
 from dsfp4.runtime.models.rope import softmax_scale
 from dsfp4.runtime.models.weights import Weights
-
-SCORE_ELEMENTS = 1 << 26  # attention scores held at once (256 MiB in fp32)
-
-
-@dataclass(frozen=True)
-class DevicePosition:
-    """Where a captured decode step's token goes: pos [1] int64 on the device (read when the graph replays);
-    attention covers the first `span` cached rows, those past pos masked out."""
-
-    pos: torch.Tensor
-    span: int
-
-
-def token_positions(start_pos: int | DevicePosition, t: int, device: torch.device) -> torch.Tensor:
-    """[T] positions of a call's tokens: start_pos.. from the host, or a captured step's one on the device."""
-    if isinstance(start_pos, DevicePosition):
-        return start_pos.pos
-    return torch.arange(start_pos, start_pos + t, device=device)
+from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
 
 
 class MLA(nn.Module):
@@ -80,7 +62,7 @@ class MLA(nn.Module):
         q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
         q = q.view(b, t, self.n_heads, self.nope + self.rope)
         end = start_pos.span if isinstance(start_pos, DevicePosition) else start_pos + t
-        kernels, decode = x.is_cuda and triton is not None, b * t <= DECODE_TOKENS
+        kernels, decode = use_kernels(x), b * t <= DECODE_TOKENS
         # q's rope dims rotated in place; the normed latent and rotated key written at the tokens' cache rows
         kv = linear(x, self.wkv_a)  # [B, T, C + R]
         rows = token_positions(start_pos, t, x.device)  # [T]

@@ -6,26 +6,20 @@ Names follow DeepSeek's reference inference/model.py. Everything comes from the 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import PLAIN_DTYPES
 from dsfp4.runtime.models.moe import MLP, MoE
 from dsfp4.runtime.models.norm import RMSNorm
+from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.rope import precompute_freqs_cis
-from dsfp4.runtime.models.v3.attention import MLA, DevicePosition
-from dsfp4.runtime.models.v4.model import TransformerV4
+from dsfp4.runtime.models.v3.attention import MLA
 from dsfp4.runtime.models.weights import Weights
-from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.plan.budget import resolve_budgets
-from dsfp4.runtime.plan.planner import Plan, make_plan
 from dsfp4.runtime.store.expert_store import ExpertStore
 
 PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}  # dtype -> plain format name
@@ -113,6 +107,7 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.args, self.max_len, self.experts = args, max_len, experts
+        self.device = w.device
         self.embed = w.plain("embed.weight", (args.vocab_size, args.dim))
         layout = experts.layout
         self.moe_kernel = MoEKernel(layout, args.n_activated_experts, w.device) if layout else None
@@ -177,49 +172,3 @@ class Transformer(nn.Module):
         h = self.norm(h)
         logits = linear(h[:, -1:] if last_only else h, self.head).float()
         return logits, h
-
-
-def load_model(
-    model_dir: Path,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_len: int,
-    max_batch: int = 1,
-    with_mtp: bool = False,
-    manifest: Manifest | None = None,
-    options: RunOptions | None = None,
-    plan: Plan | None = None,
-) -> Transformer | TransformerV4:
-    """Build the model from a converted folder: weights on `device`, routed experts in an expert store
-    sized by the planner from the budgets in `options` (default: this machine's free memory), or by
-    `plan` when given (tests and benchmarks set slot counts directly)."""
-    manifest = manifest or Manifest.read(model_dir)
-    options = options or RunOptions()
-    plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
-    w = Weights(model_dir, manifest, device, dtype)
-    experts = ExpertStore(model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify)
-    try:
-        family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
-        model = family(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
-        a = manifest.args
-        w.check_all_used(() if with_mtp else a.mtp_prefixes)
-    except BaseException:
-        experts.close()
-        raise
-    finally:
-        w.close()
-    return model.eval()
-
-
-def plan_run(
-    manifest: Manifest,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_len: int,
-    options: RunOptions,
-    with_mtp: bool,
-    host_extra: int = 0,
-) -> Plan:
-    budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
-    chunk, threads = options.prefill_chunk, options.io_threads
-    return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra)

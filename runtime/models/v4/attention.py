@@ -17,14 +17,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.fp8.linear import GEMV_MAX_TOKENS
 from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.layout.model_args import CSA, SLIDING, ModelArgs
 from dsfp4.runtime.models.norm import RMSNorm, rms_normalize
+from dsfp4.runtime.models.position import DevicePosition, token_positions
 from dsfp4.runtime.models.rope import apply_rotary_tail
-from dsfp4.runtime.models.v3.attention import SCORE_ELEMENTS, DevicePosition, token_positions
 from dsfp4.runtime.models.v4.compressor import Compressor, Indexer, visible_entries
 from dsfp4.runtime.models.weights import Weights
+from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
 
 
 class AttentionV4(nn.Module):
@@ -86,7 +88,7 @@ class AttentionV4(nn.Module):
         self._keep_window(kv, positions)
         o = apply_rotary_tail(o, freqs.conj())  # undo the values' rotation at the query's position
         o = o.reshape(b, t, self.groups, -1)  # [B, T, G, K]: each group's heads
-        z = grouped_output(o, self.wo_a, stored=o.is_cuda and b * t * self.groups <= GEMV_MAX_TOKENS)
+        z = grouped_output(o, self.wo_a, stored=use_kernels(o) and b * t * self.groups <= GEMV_MAX_TOKENS)
         return linear(z.flatten(2), self.wo_b)  # z: [B, T, G, O]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

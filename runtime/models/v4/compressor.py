@@ -25,8 +25,8 @@ from torch import nn
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.norm import RMSNorm
+from dsfp4.runtime.models.position import DevicePosition, token_positions
 from dsfp4.runtime.models.rope import apply_rotary_tail
-from dsfp4.runtime.models.v3.attention import DevicePosition, token_positions
 from dsfp4.runtime.models.weights import Weights
 
 

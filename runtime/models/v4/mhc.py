@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsfp4.kernels.fp4.codes import triton
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.mhc_weights import mhc_weights, mhc_weights_ref
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.norm import rms_normalize
@@ -40,7 +40,7 @@ class HyperConnection(nn.Module):
     def weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N] (fp32)."""
         mix = F.linear(rms_normalize(x.flatten(2).float(), self.norm_eps), self.fn)  # [B, T, (2 + N) N]
-        weights = mhc_weights if mix.is_cuda and triton is not None else mhc_weights_ref  # one launch on CUDA
+        weights = mhc_weights if use_kernels(mix) else mhc_weights_ref  # one launch on CUDA
         return weights(mix, self.scale, self.base, self.n, self.iters, self.eps)
 
     @staticmethod

@@ -18,8 +18,8 @@ from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.layout.model_args import SLIDING, ModelArgs
 from dsfp4.runtime.models.moe import HashGate, MoE
 from dsfp4.runtime.models.norm import RMSNorm
+from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.rope import rope_freqs, rotations
-from dsfp4.runtime.models.v3.attention import DevicePosition
 from dsfp4.runtime.models.v4.attention import AttentionV4
 from dsfp4.runtime.models.v4.mhc import HyperConnection, HyperHead, collapse
 from dsfp4.runtime.models.weights import Weights
@@ -108,6 +108,7 @@ class TransformerV4(nn.Module):
         super().__init__()
         a = self.args = args
         self.max_len, self.experts = max_len, experts
+        self.device = w.device
         self.embed = w.plain("embed.weight", (a.vocab_size, a.dim))
         layout, k = experts.layout, a.n_activated_experts
         self.moe_kernel = MoEKernel(layout, k, w.device, a.swiglu_limit) if layout else None

@@ -1,0 +1,115 @@
+"""The decoding core: one sequence through the model. It keeps the tokens whose KV the caches hold, runs forward
+passes after them (a captured CUDA graph for one token when one is ready), feeds prompts in chunks and decodes
+plainly. The engine and speculative decoding both drive the model through it, and only through it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from dsfp4.runtime.generate.decode_graph import DecodeGraphs
+from dsfp4.runtime.generate.sampling import SamplingParams, choose, sample
+from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.profile.recorder import RoutingRecorder
+
+
+class Cancelled(Exception):
+    """The caller's cancel event was set: the generation ends at the next chunk or token."""
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled
+
+
+class Decoder:
+    """The model, its decode graphs (None: eager steps only) and routing recorder (None: not recorded), and the
+    tokens its caches hold (`cached`). Prompts go in chunks of `prefill_chunk` tokens."""
+
+    def __init__(
+        self,
+        model: Model,
+        graphs: DecodeGraphs | None,
+        recorder: RoutingRecorder | None,
+        prefill_chunk: int,
+        max_context: int,
+    ):
+        self.model, self.graphs, self.recorder = model, graphs, recorder
+        self.prefill_chunk, self.max_context = prefill_chunk, max_context
+        self.cached: list[int] = []
+
+    @property
+    def replays(self) -> bool:
+        """Single-token steps replay captured graphs."""
+        return self.graphs is not None and self.graphs.ready
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached positions: later ones belong to other tokens (their KV is overwritten)."""
+        self.cached = self.cached[:n]
+
+    def drop_last(self) -> None:
+        """The last cached position holds a token that was not kept (a rejected draft): the next pass overwrites
+        its KV."""
+        self.cached.pop()
+
+    def forward(
+        self, piece: list[int], cancel: threading.Event | None = None, every: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of piece after the cached tokens -> (logits after its last token [V], or after every
+        token [t, V] when `every`; final hidden states [t, D]). The cached tokens grow by the piece."""
+        _check(cancel)
+        try:
+            if len(piece) == 1 and not every and self.replays:
+                logits, h = self.graphs.step(piece[0], len(self.cached))
+            else:
+                tokens = torch.tensor([piece], device=self.model.device)
+                logits, h = self.model(tokens, len(self.cached), last_only=not every)
+        except BaseException:
+            if self.recorder is not None:
+                self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
+            raise
+        if self.recorder is not None:
+            self.recorder.commit(piece)
+        self.cached += piece
+        return (logits[0] if every else logits[0, -1]), h[0]
+
+    def feed(
+        self, ids: list[int], cancel: threading.Event | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Feed ids after the cached tokens in chunks: yields each chunk's forward (logits [V], hidden [t, D])."""
+        for i in range(0, len(ids), self.prefill_chunk):
+            yield self.forward(ids[i : i + self.prefill_chunk], cancel)
+
+    def decode(
+        self,
+        ids: list[int],
+        sampling: SamplingParams,
+        gen: torch.Generator | None,
+        cancel: threading.Event | None,
+        budget: int,
+    ) -> Iterator[int]:
+        """Plain decoding: prefill ids after the cached tokens, then yield tokens. Replayed steps run one ahead
+        of the host (DecodeGraphs.tokens, sampling on the device); eager ones feed a token to the model only
+        when the next one is asked for (so the last one never is)."""
+        logits = deque(self.feed(ids, cancel), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
+        if self.replays:
+            seed = sampling.seed
+            on_device = None if seed is None else torch.Generator(self.model.device).manual_seed(seed)
+            start = len(self.cached)
+            yield from self.graphs.tokens(
+                logits, start, lambda x: choose(x, sampling, on_device), budget, lambda t: self._keep(t, cancel)
+            )
+            return
+        while True:
+            token = sample(logits, sampling, gen)
+            yield token
+            logits, _ = self.forward([token], cancel)
+
+    def _keep(self, token: int, cancel: threading.Event | None) -> None:
+        """A replayed step of `token` is kept: the caller asked for the token after it (unless cancelled)."""
+        _check(cancel)
+        self.cached.append(token)

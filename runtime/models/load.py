@@ -1,0 +1,79 @@
+"""A converted model loaded for a run: its device, manifest, context and dtype; the memory plan of its budgets; the
+weights, the expert store and the family's model built from the manifest (the manifest names the family)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from dsfp4.device import resolve_device
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.models.v3.model import Transformer
+from dsfp4.runtime.models.v4.model import TransformerV4
+from dsfp4.runtime.models.weights import Weights
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.budget import resolve_budgets
+from dsfp4.runtime.plan.planner import Plan, make_plan
+from dsfp4.runtime.store.expert_store import ExpertStore
+
+
+def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
+    """Device, manifest, context (capped at the model's) and compute dtype of a run."""
+    device = resolve_device(options.device)
+    manifest = Manifest.read(model_dir)
+    return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
+
+
+def plan_engine(model_dir: str | os.PathLike, options: RunOptions) -> Plan:
+    """The memory plan an Engine with these options would follow, without loading anything."""
+    device, manifest, max_context, dtype = run_target(Path(model_dir), options)
+    return plan_run(manifest, device, dtype, max_context, options, with_mtp=options.mtp)
+
+
+def load_model(
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    max_batch: int = 1,
+    with_mtp: bool = False,
+    manifest: Manifest | None = None,
+    options: RunOptions | None = None,
+    plan: Plan | None = None,
+) -> Model:
+    """Build the model from a converted folder: weights on `device`, routed experts in an expert store
+    sized by the planner from the budgets in `options` (default: this machine's free memory), or by
+    `plan` when given (tests and benchmarks set slot counts directly)."""
+    manifest = manifest or Manifest.read(model_dir)
+    options = options or RunOptions()
+    plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
+    w = Weights(model_dir, manifest, device, dtype)
+    experts = ExpertStore(model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify)
+    try:
+        family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
+        model = family(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
+        a = manifest.args
+        w.check_all_used(() if with_mtp else a.mtp_prefixes)
+    except BaseException:
+        experts.close()
+        raise
+    finally:
+        w.close()
+    return model.eval()
+
+
+def plan_run(
+    manifest: Manifest,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    options: RunOptions,
+    with_mtp: bool,
+    host_extra: int = 0,
+) -> Plan:
+    budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
+    chunk, threads = options.prefill_chunk, options.io_threads
+    return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra)

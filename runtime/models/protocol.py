@@ -1,0 +1,61 @@
+"""The contract a model family meets (models/v3, models/v4): what the engine, the decode graphs, the routing
+recorder and the layer-wise profiler ask of a model, and nothing more. Legend: B batch, T tokens, D dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dsfp4.kernels.linear import QuantizedWeight
+from dsfp4.kernels.moe.kernel import MoEKernel
+from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.models.moe import MoE
+from dsfp4.runtime.models.position import DevicePosition
+from dsfp4.runtime.store.expert_store import ExpertStore
+
+
+class Block(Protocol):
+    """One decoder block: `moe` tells whether its feed-forward `ffn` is an MoE layer."""
+
+    moe: bool
+    ffn: MoE | nn.Module
+
+    def route(self, h: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """The experts this block's router would pick for the residual stream h that the block before it gave
+        (tokens [B, T]: for hash-routed layers) -> [B * T, K]."""
+
+
+class Model(Protocol):
+    """A model family's transformer over a converted model: weights from the manifest, routed experts from the
+    store, caches for one sequence of max_len positions."""
+
+    args: ModelArgs
+    device: torch.device
+    experts: ExpertStore
+    moe_kernel: MoEKernel | None  # None when the model has no routed experts
+    layers: nn.ModuleList  # of Block
+    mtp: nn.ModuleList  # the MTP blocks, when loaded with them
+    head: QuantizedWeight
+    why_eager: str | None  # why decode steps cannot be captured as CUDA graphs (None: they can)
+
+    def __call__(
+        self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens: [B, T] at positions start_pos.. (or one token at a DevicePosition, a captured decode step)
+        -> (logits [B, T or 1, V] fp32, final hidden states [B, T, D], normed)."""
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] -> what enters block 0 (V3: [B, T, D]; V4: its streams, [B, T, N, D])."""
+
+    def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Block i alone on what block i - 1 gave for tokens [B, T] at start_pos (the layer-wise profile)."""
+
+    def reusable(self, keep: int) -> int:
+        """How many cached tokens a call may keep when it would keep `keep` (V4's caches hold their last positions
+        only)."""
+
+    def replayed(self, pos: int) -> None:
+        """A captured step at pos was replayed (its Python did not run): bring host-side state up to date."""

@@ -1,0 +1,91 @@
+"""Where the records start a run: every record on the device when the slots hold them all; every record placed once
+(hottest on the device, the rest read from pinned RAM in place) when device and RAM hold them all and the kernels
+may read RAM; else the hot profile's hottest records in device slots and the next ones in RAM."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.plan.planner import Plan
+from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.use_counts import DeviceUseCounts
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+def hottest_first(manifest: Manifest, plan: Plan, profile: HotProfile | None) -> list[Key]:
+    """Every (layer, expert) record the plan uses, in the order tiers should take them: the hot profile's
+    ranking first (when there is one), the rest in file order."""
+    used = plan.expert_layers
+    ranked = [k for k in profile.ranked() if k[0] in used] if profile is not None else []
+    taken = set(ranked)
+    n = manifest.args.n_routed_experts
+    rest = [(layer, e) for layer in sorted(used) for e in range(n) if (layer, e) not in taken]
+    return ranked + sorted(rest, key=manifest.file_position)
+
+
+def place_records(store: ExpertStore, profile: HotProfile | None, zero_copy: bool) -> None:
+    """Place the records for a run's start (module docstring); `zero_copy`: kernels may read pinned RAM in place."""
+    p = store.plan
+    if store.cuda and p.gpu_slots >= p.total_records > 0:
+        fill(store)  # every expert fits: all on the device, and decode steps can be captured
+    elif zero_copy and p.gpu_slots + p.ram_slots >= p.total_records > 0:
+        map_all(store, hottest_first(store.manifest, p, profile))  # the rest read from RAM in place: graphs too
+    elif profile is not None:
+        warm_start(store, profile)
+
+
+def warm_start(store: ExpertStore, profile: HotProfile) -> None:
+    """Hottest records to the device slots, the next ones to RAM. Each layer's share is read in file order,
+    adjacent records together: after a hot-first repack, the hot prefix of every layer is read sequentially (its
+    device part, then its RAM part, which follows it in the file)."""
+    preload(store, [k for k in profile.ranked() if k[0] in store.plan.expert_layers])
+
+
+def fill(store: ExpertStore) -> None:
+    """Every record of the used layers onto the device (the plan's slots hold them all): from then on the MoE
+    layers find every expert on the device and never wait for the host."""
+    n, p = store.manifest.args.n_routed_experts, store.plan
+    assert p.gpu_slots >= p.total_records, "fill() needs a device slot per record"
+    preload(store, [(layer, e) for layer in p.expert_layers for e in range(n)])
+
+
+def map_all(store: ExpertStore, ranked: list[Key]) -> None:
+    """Place every record of the used layers once: the first gpu_slots of `ranked` (every used record, hottest
+    first) in device slots, the others in the pinned RAM cache, where the kernels read them in place over PCIe
+    (zero-copy: as many bytes as a copy, without the copy's wait or a slot). From then on nothing moves, MoE
+    layers never ask the host, and their uses are counted on the device."""
+    p, n = store.plan, store.manifest.args.n_routed_experts
+    used = [(layer, e) for layer in sorted(p.expert_layers) for e in range(n)]
+    assert sorted(ranked) == used, "map_all() ranks every used record once"
+    assert p.gpu_slots + p.ram_slots >= p.total_records, "map_all() needs a device or RAM slot per record"
+    preload(store, ranked)
+    tier = store.residency()  # [blocks, experts]: 2 on the device, 1 in RAM only
+    host = torch.full(tier.shape, -1, dtype=torch.int32)  # the RAM slots of the records read in place
+    for (layer, e), rslot in store.ram_pool.slot_of.items():
+        host[layer, e] = rslot if tier[layer, e] == 1 else -1
+    assert int((tier > 0).sum()) == p.total_records, "a record found no slot"
+    store.map(host, DeviceUseCounts(tier == 2, store.device))
+
+
+def preload(store: ExpertStore, ranked: list[Key]) -> None:
+    """The first gpu_slots of `ranked` onto the device (through RAM, layer by layer in file order), the next
+    ram_slots into RAM; waits for all of it."""
+    t0 = time.perf_counter()
+    p = store.plan
+    to_gpu, to_ram = ranked[: p.gpu_slots], ranked[p.gpu_slots : p.gpu_slots + p.ram_slots]
+    for layer in sorted({layer for layer, _ in to_gpu}):
+        keys = sorted((k for k in to_gpu if k[0] == layer), key=store.file_position)
+        for i in range(0, len(keys), p.ram_slots):  # through RAM, as much at once as it holds
+            store.read_ahead(keys[i : i + p.ram_slots], set())
+            for key in keys[i : i + p.ram_slots]:
+                store.start(key, set(), wait=True)
+    store.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
+    store.read_ahead(to_ram, set())
+    store.sync()
+    store.counters.warm_records = len(to_gpu) + len(to_ram)
+    store.counters.warm_s = time.perf_counter() - t0

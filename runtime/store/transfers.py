@@ -1,0 +1,215 @@
+"""The worker side of the expert store: SSD reads into RAM slots on a thread pool (adjacent records of a layer
+file in one read, each record checksummed on its first read), uploads of RAM slots to device slots on a copy
+stream of their own, and the jobs in flight.
+
+Only the main thread touches the bookkeeping; workers read and upload. A slot with a job in flight is pinned in its
+pool until the job and its copy event complete, and a device slot is refilled only after the compute that last read
+it (the copy stream waits on that event, on the device).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsfp4.errors import ChecksumError, ConfigError
+from dsfp4.layout.direct_io import RecordFile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.record import record_sha256
+from dsfp4.runtime.store.counters import StoreCounters
+from dsfp4.runtime.store.device_table import DeviceTable
+from dsfp4.runtime.store.slots import SlotPool
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+def _done(job: Future) -> bool:
+    if not job.done() or job.exception() is not None:
+        return job.done()
+    return job.result() is None or job.result().query()  # and its copy event, if any, has passed
+
+
+def _finished(value: object) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class Transfers:
+    """Reads and uploads of one store: `gpu` [slots, record] and `ram_np` [slots, record] are its tiers' bytes
+    (`ram` the same RAM as a tensor), the pools and the device table its bookkeeping."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        manifest: Manifest,
+        tiers: tuple[torch.Tensor, np.ndarray, torch.Tensor],
+        pools: tuple[SlotPool, SlotPool],
+        table: DeviceTable,
+        counters: StoreCounters,
+        io_threads: int,
+        verify: bool,
+    ):
+        self.dir, self.manifest, self.table, self.counters, self.verify = model_dir, manifest, table, counters, verify
+        self.gpu, self.ram_np, self.ram = tiers
+        self.gpu_pool, self.ram_pool = pools
+        self.record_nbytes = manifest.record.nbytes if manifest.record else 0
+        self.cuda = self.gpu.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.gpu.device) if self.cuda else None
+        self.files = {layer: RecordFile(model_dir / ef.file) for layer, ef in manifest.experts.items()}
+        self.reads = ThreadPoolExecutor(io_threads, thread_name_prefix="dsfp4-io")
+        # uploads wait for their read; on a thread of their own they never queue behind later reads
+        self.uploads = ThreadPoolExecutor(1, thread_name_prefix="dsfp4-upload")
+        self.gpu_jobs: dict[int, list[Future]] = {}  # slot -> jobs filling it
+        self.ram_jobs: dict[int, list[Future]] = {}  # slot -> jobs writing or reading it
+        self.released: list[torch.cuda.Event | None] = [None] * len(self.gpu_pool.key_of)
+        self._verified: set[Key] = set()
+
+    @property
+    def direct(self) -> bool:
+        """Every layer file is read with O_DIRECT (tmpfs, for one, refuses it)."""
+        return all(f.direct for f in self.files.values())
+
+    # -- worker threads -------------------------------------------------------------------------------
+
+    def _read_run(self, run: list[tuple[Key, int]]) -> None:
+        """Read adjacent records of one layer file into their RAM slots, in one sequential read."""
+        (layer, first), _ = run[0]
+        ef = self.manifest.experts[layer]
+        t0 = time.perf_counter()
+        self.files[layer].read_into([self.ram_np[rslot] for _, rslot in run], ef.offsets[first])
+        for key, rslot in run:
+            if self.verify and key not in self._verified:
+                if record_sha256(self.ram_np[rslot]) != ef.sha256[key[1]]:
+                    raise ChecksumError(
+                        f"{self.dir / ef.file}: the record of expert {key[1]} (layer {layer}) fails its sha256 "
+                        f"check; run `dsfp4 verify` and convert again"
+                    )
+                self._verified.add(key)
+        self.counters.add_read(len(run) * self.record_nbytes, time.perf_counter() - t0)
+
+    def _upload(self, gslot: int, rslot: int, after: Future | None, released: object) -> torch.cuda.Event | None:
+        if after is not None:
+            after.result()  # the read of this record
+        if not self.cuda:
+            self.gpu[gslot].copy_(self.ram[rslot])
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            if released is not None:
+                self.copy_stream.wait_event(released)  # compute has finished reading the old record
+            self.gpu[gslot].copy_(self.ram[rslot], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event
+
+    # -- bookkeeping (main thread) --------------------------------------------------------------------
+
+    def _track(self, jobs: dict[int, list[Future]], pool: SlotPool, slot: int, job: Future) -> None:
+        jobs.setdefault(slot, []).append(job)
+        pool.pin(slot)
+
+    def read(self, run: list[tuple[Key, int]]) -> Future | None:
+        """Start reading a run of adjacent records (key, RAM slot) from the SSD; their slots stay pinned until
+        it completes."""
+        if not run:
+            return None
+        job = self.reads.submit(self._read_run, run)
+        for _, rslot in run:
+            self._track(self.ram_jobs, self.ram_pool, rslot, job)
+        self.counters.ssd_reads += len(run)
+        return job
+
+    def upload(self, gslot: int, rslot: int, read: Future | None) -> Future:
+        """Start copying RAM slot rslot to device slot gslot once `read` (the record's SSD read, if still in
+        flight) is done; the job's result is the copy's event."""
+        released = self.released[gslot]
+        if read is None or read.done():
+            job = _finished(self._upload(gslot, rslot, read, released))
+        else:
+            job = self.uploads.submit(self._upload, gslot, rslot, read, released)
+        self._track(self.gpu_jobs, self.gpu_pool, gslot, job)
+        self._track(self.ram_jobs, self.ram_pool, rslot, job)
+        self.counters.h2d_bytes += self.record_nbytes
+        return job
+
+    def reading(self, rslot: int) -> Future | None:
+        """A job still writing or reading RAM slot rslot (a prefetch may still be reading the record)."""
+        return next(iter(self.ram_jobs.get(rslot, ())), None)
+
+    def filling(self, gslot: int) -> Future | None:
+        """The last job filling device slot gslot, if one is in flight."""
+        jobs = self.gpu_jobs.get(gslot)
+        return jobs[-1] if jobs else None
+
+    def release(self, gslots: list[int], event: torch.cuda.Event) -> None:
+        """These device slots may be refilled only after `event` (the compute queued so far that reads them)."""
+        for gslot in gslots:
+            self.released[gslot] = event
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.gpu_jobs or self.ram_jobs)
+
+    def retire(self) -> None:
+        """Unpin the slots of completed jobs; a failed load leaves nothing behind (its error is raised where it
+        is awaited)."""
+        for jobs, pool in ((self.gpu_jobs, self.gpu_pool), (self.ram_jobs, self.ram_pool)):
+            for slot in list(jobs):
+                left = [j for j in jobs[slot] if not _done(j)]
+                for _ in range(len(jobs[slot]) - len(left)):
+                    pool.unpin(slot)
+                if any(j.done() and j.exception() for j in jobs[slot]) and pool.key_of[slot] is not None:
+                    if pool is self.gpu_pool:
+                        self.table.set(pool.key_of[slot], -1)
+                    pool.drop(pool.key_of[slot])
+                if left:
+                    jobs[slot] = left
+                else:
+                    del jobs[slot]
+
+    def wait_any(self) -> None:
+        """Block until the oldest job in flight completes (a demand load needs its slot)."""
+        jobs = [j for js in (*self.gpu_jobs.values(), *self.ram_jobs.values()) for j in js]
+        if not jobs:
+            raise ConfigError("every expert slot is held by the current layer; raise --gpu-mem or --cpu-mem")
+        t0 = time.perf_counter()
+        event = jobs[0].result()
+        if event is not None:
+            event.synchronize()
+        self.counters.stall_s += time.perf_counter() - t0
+        self.retire()
+
+    def wait_on_device(self, jobs: list[Future]) -> None:
+        """Make the current stream wait for these loads (the host only waits for them to be queued)."""
+        for job in jobs:
+            t0 = time.perf_counter()
+            try:
+                event = job.result()  # the SSD read and the copy are queued (or a checksum error)
+            except BaseException:
+                wait(jobs)  # the wave's other jobs may share the failed read: all end, then every failure is forgotten
+                self.retire()
+                raise
+            self.counters.stall_s += time.perf_counter() - t0
+            if event is not None:
+                torch.cuda.current_stream(self.gpu.device).wait_event(event)  # on the device, not the host
+
+    def sync(self) -> None:
+        """Wait for every job in flight (raising the first error)."""
+        while self.busy:
+            self.wait_any()
+
+    def close(self) -> None:
+        """End the workers (an upload whose read was cancelled ends too) and close the files; no copy reads the RAM
+        cache afterwards."""
+        self.reads.shutdown(wait=True, cancel_futures=True)
+        self.uploads.shutdown(wait=True, cancel_futures=True)
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+        if self.cuda:
+            self.copy_stream.synchronize()
+        self.gpu = self.ram_np = self.ram = None  # the store frees its tiers' memory now

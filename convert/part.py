@@ -18,8 +18,8 @@ from dsfp4.convert.plan import Part, Plan
 from dsfp4.convert.source.checkpoint import SourceCheckpoint
 from dsfp4.convert.transform import ErrorStats, expert_record, write_backbone_tensor
 from dsfp4.layout.atomic import fsync_dir
-from dsfp4.layout.record import record_sha256
-from dsfp4.layout.safetensors_file import SafetensorsWriter, file_sha256, pwrite_all
+from dsfp4.layout.safetensors_file import SafetensorsWriter, file_sha256
+from dsfp4.layout.writer import ExpertFileWriter
 
 
 @dataclass
@@ -27,8 +27,6 @@ class JobResult:
     in_bytes: int
     klass: str
     stats: ErrorStats | None
-    expert: int | None = None
-    sha256: str | None = None
 
 
 class PartRun:
@@ -38,19 +36,15 @@ class PartRun:
         self.src, self.part, self.device, self.record = src, part, device, plan.record
         self.bb_path = out / part.backbone_file
         self.bb_tmp = self.bb_path.with_name(self.bb_path.name + ".partial")
-        self.ex_path = out / part.experts_file if part.experts else None
-        self.ex_tmp = self.ex_path.with_name(self.ex_path.name + ".partial") if self.ex_path else None
         self.writer = SafetensorsWriter(self.bb_tmp, [e for t in part.backbone for e in t.entries()])
-        self.ex_fd = None
+        self.experts = None
         try:
-            if self.ex_tmp:
-                self.ex_fd = os.open(self.ex_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.ftruncate(self.ex_fd, len(part.experts) * self.record.nbytes)
+            if part.experts:
+                self.experts = ExpertFileWriter(out, part.experts_file, len(part.experts), self.record.nbytes)
         except BaseException:
             self.abort()
             raise
         self.stats: dict[str, ErrorStats] = {}
-        self.shas: list[str | None] = [None] * len(part.experts)
         self.remaining = len(part.backbone) + len(part.experts)
 
     def jobs(self) -> list[Callable[[], JobResult]]:
@@ -66,16 +60,14 @@ class PartRun:
     def _expert_job(self, e: int) -> JobResult:
         trio = self.part.experts[e]
         buf, st = expert_record(self.src, trio, self.record, self.device)
-        pwrite_all(self.ex_fd, buf, e * self.record.nbytes)
+        self.experts.write(e, buf)
         n = sum(self.src.tensors[s].info.nbytes for i in trio for s in i.sources.values())
-        return JobResult(n, f"experts {trio[0].storage} -> {self.record.format}", st, e, record_sha256(buf))
+        return JobResult(n, f"experts {trio[0].storage} -> {self.record.format}", st)
 
     def done(self, r: JobResult) -> bool:
         """Account for one finished job; True once the part has no job left."""
         if r.stats is not None:
             self.stats.setdefault(r.klass, ErrorStats()).merge(r.stats)
-        if r.expert is not None:
-            self.shas[r.expert] = r.sha256
         self.remaining -= 1
         return self.remaining == 0
 
@@ -89,26 +81,21 @@ class PartRun:
             "sha256": file_sha256(self.bb_path),
         }
         marker = {"backbone": bb, "quant_error": {k: [s.sse, s.ssr] for k, s in sorted(self.stats.items())}}
-        if self.ex_tmp is not None:
-            os.fsync(self.ex_fd)
-            self._close_experts()
-            os.replace(self.ex_tmp, self.ex_path)
+        if self.experts is not None:
+            ef = self.experts.finish()
+            nbytes = (self.experts.path).stat().st_size
             marker["experts"] = {
-                "file": self.part.experts_file,
-                "nbytes": self.ex_path.stat().st_size,
-                "offsets": [e * self.record.nbytes for e in range(len(self.part.experts))],
-                "sha256": self.shas,
+                "file": ef.file,
+                "nbytes": nbytes,
+                "offsets": list(ef.offsets),
+                "sha256": list(ef.sha256),
             }
         marker["sizes"] = {m["file"]: m["nbytes"] for k in ("backbone", "experts") if (m := marker.get(k))}
         fsync_dir(self.bb_path.parent)
         return marker
 
-    def _close_experts(self) -> None:
-        if self.ex_fd is not None:
-            fd, self.ex_fd = self.ex_fd, None
-            os.close(fd)
-
     def abort(self) -> None:
         """Close the files after a failure (safe to call twice); the next run redoes this part."""
         self.writer.abort()
-        self._close_experts()
+        if self.experts is not None:
+            self.experts.abort()

@@ -35,7 +35,7 @@ from dsfp4.convert.transform import ErrorStats
 from dsfp4.device import resolve_device
 from dsfp4.errors import OutputError
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
-from dsfp4.layout.safetensors_file import file_sha256
+from dsfp4.layout.writer import ModelWriter
 from dsfp4.units import format_bytes, free_bytes
 
 T = TypeVar("T")
@@ -197,45 +197,32 @@ def _round_sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def _manifest(plan: Plan, markers: dict[str, dict], aux: dict[str, FileEntry]) -> Manifest:
-    tensors, files, experts = {}, {}, {}
+def _write_manifest(plan: Plan, markers: dict[str, dict], src_path: Path, out: Path) -> Manifest:
+    """Copy the source's files beside the model, then write the manifest from the parts' markers."""
+    w = ModelWriter(out)
     stats: dict[str, ErrorStats] = {}
     for part in plan.parts:
         m = markers[part.name]
-        for t in part.backbone:
-            tensors[t.item.ref] = TensorEntry(part.backbone_file, t.format, t.item.shape, t.names)
-        files[m["backbone"]["file"]] = FileEntry(m["backbone"]["nbytes"], m["backbone"]["sha256"])
+        tensors = {t.item.ref: TensorEntry(part.backbone_file, t.format, t.item.shape, t.names) for t in part.backbone}
+        w.backbone(m["backbone"]["file"], FileEntry(m["backbone"]["nbytes"], m["backbone"]["sha256"]), tensors)
         if "experts" in m:
-            experts[part.block] = ExpertFile(
-                m["experts"]["file"], tuple(m["experts"]["offsets"]), tuple(m["experts"]["sha256"])
-            )
+            ex = m["experts"]
+            w.expert_file(part.block, ExpertFile(ex["file"], tuple(ex["offsets"]), tuple(ex["sha256"])))
         for k, (sse, ssr) in m["quant_error"].items():
             stats.setdefault(k, ErrorStats()).merge(ErrorStats(sse, ssr))
+    for name in AUX_FILES:
+        if (src_path / name).is_file():
+            tmp = out / (name + ".partial")
+            shutil.copyfile(src_path / name, tmp)
+            os.replace(tmp, out / name)
+            w.copied(name)
     skipped: dict[str, int] = {}
     for reason in plan.skipped.values():
         skipped[reason] = skipped.get(reason, 0) + 1
-    return Manifest(
-        plan.args,
-        plan.source_info,
-        plan.manifest_options(),
-        tensors,
-        {**files, **aux},
-        plan.record,
-        experts,
-        dict(sorted(skipped.items())),
-        {k: _round_sig(s.relative_rms) for k, s in sorted(stats.items())},
+    quant_error = {k: _round_sig(s.relative_rms) for k, s in sorted(stats.items())}
+    return w.finish(
+        plan.args, plan.source_info, plan.manifest_options(), plan.record, dict(sorted(skipped.items())), quant_error
     )
-
-
-def _copy_aux(src_dir: Path, out: Path) -> dict[str, FileEntry]:
-    files = {}
-    for name in AUX_FILES:
-        if (src_dir / name).is_file():
-            tmp = out / (name + ".partial")
-            shutil.copyfile(src_dir / name, tmp)
-            os.replace(tmp, out / name)
-            files[name] = FileEntry((out / name).stat().st_size, file_sha256(out / name))
-    return files
 
 
 def convert(
@@ -287,8 +274,7 @@ def convert(
                 if hub is not None:  # its owner closes it (it is a context manager)
                     hub.start([part_shards(src, p) for p in todo])
                 _run_parts(src, plan, todo, out, device, state, markers, bar, hub)
-            manifest = _manifest(plan, markers, _copy_aux(src_path, out))
-            manifest.write(out)
+            manifest = _write_manifest(plan, markers, src_path, out)
             state.finish()
         finally:
             state.release()

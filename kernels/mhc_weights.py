@@ -37,9 +37,17 @@ if triton is not None:
 
     @triton.jit
     def _mhc_kernel(
-        mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, eps,
-        N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr,
-    ):  # fmt: skip
+        mix_ptr,
+        scale_ptr,
+        base_ptr,
+        pre_ptr,
+        post_ptr,
+        comb_ptr,
+        eps,
+        N: tl.constexpr,
+        NP: tl.constexpr,
+        ITERS: tl.constexpr,
+    ):
         """One token: its (2 + N) N projections in, its gates and N x N mixing out (padding rows and columns
         kept out of every sum)."""
         m = tl.program_id(0)

@@ -44,9 +44,19 @@ if triton is not None:
 
     @triton.jit
     def _rmsnorm_kernel(
-        x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_d, eps,
-        D: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr, ADD: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        d_ptr,
+        w_ptr,
+        sum_ptr,
+        out_ptr,
+        stride_x,
+        stride_d,
+        eps,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        W_FP32: tl.constexpr,
+        ADD: tl.constexpr,
+    ):
         """One row; with ADD, of x + delta rounded to x's dtype (torch's add), which is stored too."""
         row, cols = tl.program_id(0), tl.arange(0, BLOCK)
         ok = cols < D
@@ -77,10 +87,20 @@ def _launch(
     total = out if delta is None else torch.empty_like(out)
     block = next_pow2(d)
     _rmsnorm_kernel[(rows.shape[0],)](
-        rows, deltas, weight, total, out, rows.stride(0), deltas.stride(0), eps,
-        D=d, BLOCK=block, W_FP32=weight.dtype == torch.float32, ADD=delta is not None,
+        rows,
+        deltas,
+        weight,
+        total,
+        out,
+        rows.stride(0),
+        deltas.stride(0),
+        eps,
+        D=d,
+        BLOCK=block,
+        W_FP32=weight.dtype == torch.float32,
+        ADD=delta is not None,
         num_warps=min(16, max(1, block // 512)),
-    )  # fmt: skip
+    )
     return total.view(x.shape), out.view(x.shape)
 
 

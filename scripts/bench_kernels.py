@@ -166,10 +166,15 @@ def bench_decode_torch(hbm: float) -> list[dict]:
     """The same computation through torch: bf16 matmuls on dequantized weights (8 distinct sets of 8)."""
     gen = torch.Generator(device=DEV).manual_seed(1)
     sets = [
-        [(torch.randn(2 * INTER, DIM, device=DEV, generator=gen, dtype=torch.bfloat16),
-          torch.randn(DIM, INTER, device=DEV, generator=gen, dtype=torch.bfloat16)) for _ in range(TOP_K)]
+        [
+            (
+                torch.randn(2 * INTER, DIM, device=DEV, generator=gen, dtype=torch.bfloat16),
+                torch.randn(DIM, INTER, device=DEV, generator=gen, dtype=torch.bfloat16),
+            )
+            for _ in range(TOP_K)
+        ]
         for _ in range(4)
-    ]  # fmt: skip
+    ]
     rows = []
     for t in (1, 4):
         x = torch.randn(t, DIM, device=DEV, dtype=torch.bfloat16)
@@ -184,8 +189,15 @@ def bench_decode_torch(hbm: float) -> list[dict]:
 
         s = graph_time([lambda e=e: call(e) for e in sets * 3])
         nbytes = TOP_K * 3 * DIM * INTER * 2
-        rows.append({"case": "moe_decode_torch_bf16", "T": t, "us": s * 1e6, "GBps": nbytes / s / 1e9,
-                     "of_ceiling": nbytes / s / 1e9 / hbm})  # fmt: skip
+        rows.append(
+            {
+                "case": "moe_decode_torch_bf16",
+                "T": t,
+                "us": s * 1e6,
+                "GBps": nbytes / s / 1e9,
+                "of_ceiling": nbytes / s / 1e9 / hbm,
+            }
+        )
     return rows
 
 
@@ -227,10 +239,22 @@ def bench_prefill(hbm: float) -> list[dict]:
             dn = graph_time([partial(down, st[2], t * TOP_K, *st[1]) for st in stages], reps=3)
             whole = graph_time([partial(moe_prefill, x, r[0], r[1], records, offsets, layout) for r in routes], 3)
             flops_up, flops_dn = 2 * t * TOP_K * 2 * INTER * DIM, 2 * t * TOP_K * DIM * INTER
-            for case, sec, flops in (("prefill_gate_up", up, flops_up), ("prefill_down", dn, flops_dn),
-                                     ("prefill_moe", whole, flops_up + flops_dn)):  # fmt: skip
-                rows.append({"case": case, "fmt": fmt, "T": t, "us": sec * 1e6, "TFLOPs": flops / sec / 1e12,
-                             "block_m": blocks.block_m, "tail_m": blocks.tail_m})  # fmt: skip
+            for case, sec, flops in (
+                ("prefill_gate_up", up, flops_up),
+                ("prefill_down", dn, flops_dn),
+                ("prefill_moe", whole, flops_up + flops_dn),
+            ):
+                rows.append(
+                    {
+                        "case": case,
+                        "fmt": fmt,
+                        "T": t,
+                        "us": sec * 1e6,
+                        "TFLOPs": flops / sec / 1e12,
+                        "block_m": blocks.block_m,
+                        "tail_m": blocks.tail_m,
+                    }
+                )
     return rows
 
 
@@ -253,10 +277,26 @@ def bench_fp8(hbm: float) -> list[dict]:
         sb = graph_time([lambda w=w, x=x1[k]: F.linear(x, w) for w in dense] * 4)
         nbytes = n * k + mats[name][0][1].numel() * 4
         total_s, total_b, bf16_s = total_s + s, total_b + nbytes, bf16_s + sb
-        rows.append({"case": f"fp8_gemv_{name}", "T": 1, "us": s * 1e6, "GBps": nbytes / s / 1e9,
-                     "of_ceiling": nbytes / s / 1e9 / hbm, "bf16_cublas_us": sb * 1e6})  # fmt: skip
-    rows.append({"case": "fp8_gemv_attention", "T": 1, "us": total_s * 1e6, "GBps": total_b / total_s / 1e9,
-                 "of_ceiling": total_b / total_s / 1e9 / hbm, "bf16_cublas_us": bf16_s * 1e6})  # fmt: skip
+        rows.append(
+            {
+                "case": f"fp8_gemv_{name}",
+                "T": 1,
+                "us": s * 1e6,
+                "GBps": nbytes / s / 1e9,
+                "of_ceiling": nbytes / s / 1e9 / hbm,
+                "bf16_cublas_us": sb * 1e6,
+            }
+        )
+    rows.append(
+        {
+            "case": "fp8_gemv_attention",
+            "T": 1,
+            "us": total_s * 1e6,
+            "GBps": total_b / total_s / 1e9,
+            "of_ceiling": total_b / total_s / 1e9 / hbm,
+            "bf16_cublas_us": bf16_s * 1e6,
+        }
+    )
     x = torch.randn(4096, 7168, device=DEV, dtype=torch.bfloat16)
     for name in ("q_a", "o"):
         n, k = ATTENTION[name]
@@ -301,8 +341,17 @@ def bench_gate(hbm: float) -> list[dict]:
                     label = f"{tiles.block_e} rows x {tiles.block_d} cols w{tiles.num_warps}"
                     err = (fn(x, weights[0], score_func) - want).abs().max().item()  # compiles before capture
                 s = graph_time([partial(fn, x, w, score_func) for w in calls])
-                rows.append({"case": name, "T": t, "us": s * 1e6, "GBps": nbytes / s / 1e9,
-                             "of_ceiling": nbytes / s / 1e9 / hbm, "tiles": label, "max_err": err})  # fmt: skip
+                rows.append(
+                    {
+                        "case": name,
+                        "T": t,
+                        "us": s * 1e6,
+                        "GBps": nbytes / s / 1e9,
+                        "of_ceiling": nbytes / s / 1e9 / hbm,
+                        "tiles": label,
+                        "max_err": err,
+                    }
+                )
     return rows
 
 

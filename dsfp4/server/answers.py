@@ -67,5 +67,8 @@ class Answer:
 
     def usage_chunk(self, g: Generation) -> dict:
         """The last chunk when stream_options.include_usage asks for it: no choices, the usage."""
-        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(g)}  # fmt: skip
+        return {
+            **self._head("chat.completion.chunk" if self.chat else "text_completion"),
+            "choices": [],
+            "usage": usage(g),
+        }

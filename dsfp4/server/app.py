@@ -93,30 +93,37 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
     def accept(req: GenRequest) -> Call:
         """Tokenize, check against the context, queue: an ApiError for anything the engine would refuse."""
         if req.model not in (None, served.model_id):
-            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {served.model_id!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model {req.model!r} is not served here; this server serves {served.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
         where = "messages" if req.chat else "prompt"
         try:
             ids = engine.encode(req.prompt, raw=isinstance(req.prompt, str))  # completions: raw text
             engine.check_prompt(ids)
         except ContextLengthError as e:  # the engine's message names the CLI flag; a client gets the server's
             message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
-            raise ApiError(400, message + "(start it with a larger --max-context)", where,
-                           "context_length_exceeded") from None  # fmt: skip
+            raise ApiError(
+                400, message + "(start it with a larger --max-context)", where, "context_length_exceeded"
+            ) from None
         except ConfigError as e:  # the chat template refused the conversation, or a token id is out of range
             raise ApiError(400, str(e), where) from None
         room = engine.room(len(ids))
         if req.max_tokens is not None and req.max_tokens > room:
             message = f"max_tokens {req.max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
-            raise ApiError(400, message + f"server's context of {engine.max_context}", "max_tokens",
-                           "context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400, message + f"server's context of {engine.max_context}", "max_tokens", "context_length_exceeded"
+            )
         max_tokens = req.max_tokens or min(served.max_tokens or room, room)
         job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, asyncio.get_running_loop())
         try:
             scheduler.submit(job)
         except QueueFull:
-            raise ApiError(503, f"the server is busy: {served.max_queue} requests wait already; retry later",
-                           code="queue_full") from None  # fmt: skip
+            raise ApiError(
+                503, f"the server is busy: {served.max_queue} requests wait already; retry later", code="queue_full"
+            ) from None
         return Call(req, job, Answer(req.chat, served.model_id), req.chat and engine.opens_thinking(ids))
 
     async def watch(call: Call, request: Request) -> None:

@@ -16,9 +16,18 @@ MAX_STOPS = 16  # each stop string is checked against the text's end at every to
 SEED_LIMIT = 1 << 63
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 COMMON = {
-    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-    "stream_options", "user",
-}  # fmt: skip
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+}
 NEUTRAL: dict[str, tuple] = {  # defined by the API, served only at these values
     "n": (1,),
     "presence_penalty": (0,),
@@ -34,10 +43,30 @@ NEUTRAL: dict[str, tuple] = {  # defined by the API, served only at these values
     "suffix": ("",),
     "best_of": (1,),
 }
-CHAT_ONLY = {"messages", "n", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias",
-             "tools", "tool_choice", "parallel_tool_calls", "response_format"}  # fmt: skip
-COMPLETION_ONLY = {"prompt", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "echo",
-                   "suffix", "best_of"}  # fmt: skip
+CHAT_ONLY = {
+    "messages",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+}
+COMPLETION_ONLY = {
+    "prompt",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "logit_bias",
+    "echo",
+    "suffix",
+    "best_of",
+}
 
 
 class ApiError(Exception):

@@ -43,42 +43,12 @@ from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import quantize
 from dsfp4.layout.record import RecordLayout
-from dsfp4.layout.safetensors_file import SafetensorsWriter, file_sha256, pwrite_all, tensor_bytes
-from dsfp4.synthetic.bench_v4 import tid2eid_rows, v4_config
-from dsfp4.synthetic.hf_v3 import ROPE_SCALING, hf_config_dict, write_tokenizer
+from dsfp4.layout.safetensors_file import SafetensorsWriter, pwrite_all, tensor_bytes
+from dsfp4.layout.writer import ExpertFileWriter, ModelWriter
+from dsfp4.synthetic.hf_v3 import write_tokenizer
 from dsfp4.synthetic.hf_v4 import F32_NAMES
+from dsfp4.synthetic.shapes import V3_FULL, v3_config, v4_flash_config
 
-# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3), in Hugging Face keys; num_hidden_layers and
-# first_k_dense_replace come from the arguments, and so does the MTP layer (off by default).
-V3_DIMS: dict = dict(
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_attention_heads=128,
-    n_routed_experts=256,
-    n_shared_experts=1,
-    num_experts_per_tok=8,
-    n_group=8,
-    topk_group=4,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    max_position_embeddings=163840,
-    rope_theta=10000,
-    rope_scaling={**ROPE_SCALING, "factor": 40, "original_max_position_embeddings": 4096},  # yarn, mscale 1.0
-    rms_norm_eps=1e-6,
-    routed_scaling_factor=2.5,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-    norm_topk_prob=True,
-    moe_layer_freq=1,
-    tie_word_embeddings=False,
-    bos_token_id=0,
-    eos_token_id=1,
-)
 BACKBONES = {"fp8_e4m3_b128": "fp8", "nvfp4": "fp4"}  # format of backbone matrices -> manifest option
 EXPERT_FORMATS = {"v3": "nvfp4", "v4": "mxfp4"}  # what each family's conversion stores experts in
 DENSE_LAYERS = {"v3": 1, "v4": 0}  # default --dense: every V4 layer is MoE
@@ -101,10 +71,10 @@ def model_args(
     if family == "v4":
         if n_dense:
             raise ValueError("DeepSeek-V4 has no dense layers: give --dense 0")
-        cfg = v4_config(n_layers, dims, mtp)
+        cfg = v4_flash_config(n_layers, dims, mtp)
     else:
-        cfg = hf_config_dict(
-            {**V3_DIMS, **(dims or {}), "num_hidden_layers": n_layers, "first_k_dense_replace": n_dense}, "bf16"
+        cfg = v3_config(
+            {**V3_FULL, **(dims or {}), "num_hidden_layers": n_layers, "first_k_dense_replace": n_dense}, "bf16"
         )
         cfg["num_nextn_predict_layers"] = int(mtp)
     return cfg, from_hf_config(cfg, "bench model config")
@@ -212,6 +182,10 @@ class BackbonePart:
     def names(ref: str, fmt: str) -> dict[str, str]:
         spec = get_format(fmt)
         return {"weight": ref} if spec.scale is None else {c: f"{ref}.{c}" for c, _ in spec.components}
+
+    def manifest_tensors(self) -> dict[str, TensorEntry]:
+        """The manifest's entries of this file's tensors, by reference name."""
+        return {ref: TensorEntry(self.file, fmt, shape, self.names(ref, fmt)) for ref, fmt, shape in self.tensors}
 
     def entries(self) -> list[tuple[str, str, tuple[int, ...]]]:
         out = []
@@ -346,29 +320,16 @@ class ExpertRecords:
 
 
 def write_experts(out: Path, rel: str, layer: int, n_experts: int, records: ExpertRecords, workers: int) -> ExpertFile:
-    """One layer file: record e at e * nbytes, each hashed as it is written; fsynced, renamed, then dropped
-    from the page cache (the benchmarks read it cold)."""
-    size = records.layout.nbytes
-    path = out / rel
-    tmp = path.with_name(path.name + ".partial")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    """One layer file: record e at e * nbytes, each hashed as it is written, made durable and dropped from the
+    page cache (the benchmarks read it cold)."""
+    w = ExpertFileWriter(out, rel, n_experts, records.layout.nbytes)
     try:
-        os.ftruncate(fd, n_experts * size)
-
-        def one(e: int) -> str:
-            buf = records.record(layer, e)
-            digest = hashlib.sha256(buf).hexdigest()
-            pwrite_all(fd, memoryview(buf), e * size)
-            return digest
-
         with ThreadPoolExecutor(workers, thread_name_prefix="bench-experts") as pool:
-            shas = list(pool.map(one, range(n_experts)))
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return ExpertFile(rel, tuple(e * size for e in range(n_experts)), tuple(shas))
+            list(pool.map(lambda e: w.write(e, memoryview(records.record(layer, e))), range(n_experts)))
+        return w.finish()
+    except BaseException:
+        w.abort()
+        raise
 
 
 def write_bench_model(
@@ -400,26 +361,22 @@ def write_bench_model(
         (out / "experts").mkdir(exist_ok=True)
     signs = SignMasks(seed)
     workers = max(1, min(8, os.cpu_count() or 1))
-    tensors: dict[str, TensorEntry] = {}
-    files: dict[str, FileEntry] = {}
-    experts: dict[int, ExpertFile] = {}
+    w = ModelWriter(out)
     with ThreadPoolExecutor(1, thread_name_prefix="bench-bases") as background:  # quantized while the top is written
         records = background.submit(ExpertRecords, record, seed, signs) if record else None
         for block in [None, *range(args.n_blocks)]:
             part = BackbonePart(args, block, backbone)
-            files[part.file] = write_backbone(out, part, seed, signs)
-            for ref, fmt, shape in part.tensors:
-                tensors[ref] = TensorEntry(part.file, fmt, shape, part.names(ref, fmt))
+            w.backbone(part.file, write_backbone(out, part, seed, signs), part.manifest_tensors())
             if block is not None and args.is_moe_layer(block):
                 rel = f"experts/{part.name}.bin"
-                experts[block] = write_experts(out, rel, block, args.n_routed_experts, records.result(), workers)
+                w.expert_file(block, write_experts(out, rel, block, args.n_routed_experts, records.result(), workers))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     aux = ["config.json"]
     if with_tokenizer:
         write_tokenizer(out, args.vocab_size)
         aux += ["tokenizer.json", "tokenizer_config.json"]
     for name in aux:
-        files[name] = FileEntry((out / name).stat().st_size, file_sha256(out / name))
+        w.copied(name)
     fsync_dir(out / "backbone")
     if moe_layers:
         fsync_dir(out / "experts")
@@ -434,9 +391,23 @@ def write_bench_model(
         "seed": seed,
     }
     options = {"format": expert_format, "backbone": BACKBONES[backbone], "mtp": mtp}
-    manifest = Manifest(args, source, options, tensors, files, record, experts)
-    manifest.write(out)
-    return manifest
+    return w.finish(args, source, options, record)
+
+
+def planned_manifest(args: ModelArgs, backbone: str = "fp8_e4m3_b128", expert_format: str = "nvfp4") -> Manifest:
+    """The manifest a conversion of this shape would write, with no file behind it: what the planner reads to place
+    a model that is not on this machine (the whole DeepSeek-V3, say). No checksums, no file sizes."""
+    tensors = {}
+    for block in [None, *range(args.n_blocks)]:
+        tensors.update(BackbonePart(args, block, backbone).manifest_tensors())
+    n = args.n_routed_experts
+    record = RecordLayout.for_expert(expert_format, args.dim, args.moe_inter_dim)
+    experts = {
+        b: ExpertFile(f"experts/{part_name(b)}.bin", tuple(e * record.nbytes for e in range(n)), ("",) * n)
+        for b in range(args.n_blocks)
+        if args.is_moe_layer(b)
+    }
+    return Manifest(args, {}, {}, tensors, {}, record, experts)
 
 
 def bench_model_at(out: Path, **kw: object) -> Manifest:
@@ -450,3 +421,16 @@ def bench_model_at(out: Path, **kw: object) -> Manifest:
 def written_bytes(m: Manifest) -> int:
     records = sum(len(e.offsets) for e in m.experts.values()) * (m.record.nbytes if m.record else 0)
     return sum(f.nbytes for f in m.files.values()) + records
+
+
+TABLE_ROWS = 8192  # tokens of a tid2eid table drawn at once (a [rows, n_experts] fp32 draw)
+
+
+def tid2eid_rows(shape: tuple[int, ...], n_experts: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """A hash layer's table [vocab, k] (int64, as the release stores it) in slabs of rows, as the bytes of each
+    row: every token gets k distinct experts drawn uniformly (the k smallest of n_experts random keys)."""
+    vocab, k = shape
+    for r0 in range(0, vocab, TABLE_ROWS):
+        keys = rng.random((min(TABLE_ROWS, vocab - r0), n_experts), dtype=np.float32)  # [rows, E]
+        ids = np.argpartition(keys, k - 1, axis=1)[:, :k].astype(np.int64)  # [rows, k]
+        yield ids.view(np.uint8)

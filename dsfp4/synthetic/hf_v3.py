@@ -25,39 +25,8 @@ from dsfp4.layout.formats import FORMATS, component_shapes
 from dsfp4.layout.fp4 import nvfp4_quantize
 from dsfp4.layout.fp8 import fp8_block_quantize
 from dsfp4.layout.safetensors_file import SafetensorsWriter
+from dsfp4.synthetic.shapes import GENERATION_CONFIG, v3_config
 
-# Ragged on purpose: 96 and 192 are not multiples of 128 (partial FP8 blocks), kv_a has 160 rows.
-TINY_DIMS = dict(
-    vocab_size=640,
-    hidden_size=256,
-    intermediate_size=384,
-    moe_intermediate_size=96,
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    num_attention_heads=4,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=4,
-    topk_group=2,
-    q_lora_rank=192,
-    kv_lora_rank=128,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=32,
-    v_head_dim=32,
-    num_nextn_predict_layers=1,
-    max_position_embeddings=2048,
-    routed_scaling_factor=2.5,
-)
-ROPE_SCALING = {
-    "type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 512,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
 # The tensors DeepSeek's FP8 release quantizes: every attention and MLP projection, MTP block included.
 FP8_TENSORS = re.compile(
     r".*\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
@@ -69,8 +38,6 @@ NVFP4_TENSORS = re.compile(
     r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight"
 )
 NORMS = re.compile(r".*(layernorm|norm)\.weight")
-# generation_config.json of the releases (sampling defaults DeepSeek recommends)
-GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>"]
 # R1's thinking tags are added tokens but not special ones: decoding keeps them, so the thinking can be split
 THINK_TOKENS = ["<think>", "</think>"]
@@ -85,57 +52,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
 )
-
-
-def hf_config_dict(dims: dict, variant: str) -> dict:
-    """config.json in the official release's key set (scoring/topk fields, legacy rope_scaling)."""
-    d = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "moe_layer_freq": 1,
-        "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000,
-        "rope_scaling": ROPE_SCALING,
-        "scoring_func": "sigmoid",
-        "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        **TINY_DIMS,
-        **dims,
-    }
-    d["num_key_value_heads"] = d["num_attention_heads"]
-    if d["model_type"] == "deepseek_v2":  # V2-Lite: softmax router, no bias, no renormalization, no MTP
-        d.update(
-            architectures=["DeepseekV2ForCausalLM"],
-            scoring_func="softmax",
-            topk_method="greedy",
-            norm_topk_prob=False,
-            num_nextn_predict_layers=0,
-            **dims,
-        )
-    if variant == "fp8":
-        d["quantization_config"] = {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "weight_block_size": [128, 128],
-        }
-    elif variant == "nvfp4":
-        d["quantization_config"] = {
-            "quant_method": "modelopt",
-            "quant_algo": "NVFP4",
-            "group_size": 16,
-            "kv_cache_quant_algo": "FP8",
-        }
-    return d
 
 
 def stored_tensors(name: str, shape: tuple[int, ...], variant: str, n_layers: int) -> list[tuple]:
@@ -332,7 +248,7 @@ def build_synthetic_checkpoint(
     out: Path, dims: dict | None = None, variant: str = "fp8", seed: int = 0, n_shards: int = 3
 ) -> Path:
     """A checkpoint of random weights with the names the converter expects (no transformers needed)."""
-    cfg = hf_config_dict(dims or {}, variant)
+    cfg = v3_config(dims or {}, variant)
     shapes = plain_checkpoint_names(from_hf_config(cfg))
     if variant == "nvfp4":
         shapes.update(nvfp4_extras(cfg))

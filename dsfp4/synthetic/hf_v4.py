@@ -22,68 +22,8 @@ from dsfp4.layout.fp4 import E8M0_BIAS, mxfp4_quantize
 from dsfp4.layout.fp8 import fp8_block_quantize
 from dsfp4.layout.safetensors_file import SAFETENSORS_NAMES, SafetensorsWriter
 from dsfp4.synthetic.hf_v3 import name_generator, shard_files, write_checkpoint_files
+from dsfp4.synthetic.shapes import V4_TINY
 
-CSA_TYPE, HCA_TYPE = "compressed_sparse_attention", "heavily_compressed_attention"
-# All three attention kinds at small compress ratios (transformers' layer_types + compress_rates spelling: the
-# official compress_ratios only knows 4 and 128), two hash layers, an MTP block; a window shorter than the
-# tests' prompts; the SwiGLU limit low enough that N(0, 0.02) weights reach it.
-V4_TINY = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 640,
-    "hidden_size": 64,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "qk_rope_head_dim": 8,
-    "q_lora_rank": 32,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "sliding_window": 8,
-    "layer_types": ["sliding_attention", CSA_TYPE, HCA_TYPE, CSA_TYPE, HCA_TYPE],
-    "compress_rates": {CSA_TYPE: 4, HCA_TYPE: 8},
-    "compress_rope_theta": 160000.0,
-    "rope_theta": 10000.0,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 256,  # the YaRN factor times its original length
-    "index_n_heads": 8,
-    "index_head_dim": 16,
-    "index_topk": 3,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 32,
-    "num_hash_layers": 2,
-    "scoring_func": "sqrtsoftplus",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "topk_method": "noaux_tc",
-    "swiglu_limit": 0.1,
-    "rms_norm_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "expert_dtype": "fp4",
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-    },
-}
 F32_NAMES = re.compile(r".*(hc_\w+|attn_sink|\.ape|gate\.bias)")
 NORMS = re.compile(r".*norm\.weight")
 

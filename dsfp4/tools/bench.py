@@ -79,7 +79,7 @@ def run_preset(
         "ssd": moved.get("ssd_bytes", 0) / passes,
         "h2d": moved.get("h2d_bytes", 0) / passes,
         "device": backbone + moved.get("expert_uses", 0) * record / passes,
-    }  # fmt: skip
+    }
     floor = c.floor_s(per_token["device"], per_token["ssd"], per_token["h2d"])
     measured = decode_s / max(tokens, 1)
     layers = {str(layer): dict(zip(("uses", "device", "ram"), c, strict=True)) for layer, c in layer_uses.items()}

@@ -15,9 +15,21 @@ from dsfp4.units import format_bytes
 
 COLORS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377")
 CSV_FIELDS = (
-    "preset", "decode_tok_s", "prefill_tok_s", "ttft_s", "efficiency", "floor_s_per_token", "stall_s_per_token",
-    "compute_s_per_token", "gpu_hit_rate", "ram_hit_rate", "ssd_rate", "peak_gpu", "peak_rss", "decode_mode",
-)  # fmt: skip
+    "preset",
+    "decode_tok_s",
+    "prefill_tok_s",
+    "ttft_s",
+    "efficiency",
+    "floor_s_per_token",
+    "stall_s_per_token",
+    "compute_s_per_token",
+    "gpu_hit_rate",
+    "ram_hit_rate",
+    "ssd_rate",
+    "peak_gpu",
+    "peak_rss",
+    "decode_mode",
+)
 
 
 def write_reports(out: Path, meta: dict, results: list[dict]) -> list[Path]:
@@ -49,13 +61,17 @@ def bar_chart(labels: list[str], series: dict[str, list[float]], title: str, uni
     body = [f'<line x1="{left}" y1="{height - bottom}" x2="{width - 20}" y2="{height - bottom}" stroke="#333"/>']
     for i, label in enumerate(labels):
         x0 = left + 10 + i * group
-        body.append(f'<text x="{x0 + group / 2 - 10}" y="{height - bottom + 16}" text-anchor="middle">'
-                    f"{html.escape(label)}</text>")  # fmt: skip
+        body.append(
+            f'<text x="{x0 + group / 2 - 10}" y="{height - bottom + 16}" text-anchor="middle">'
+            f"{html.escape(label)}</text>"
+        )
         for j, (name, values) in enumerate(series.items()):
             h = plot_h * values[i] / peak
             x, y = x0 + j * bar, height - bottom - h
-            body.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar - 2:.1f}" height="{h:.1f}" fill="{COLORS[j]}">'
-                        f"<title>{html.escape(name)}: {values[i]:.3g} {unit}</title></rect>")  # fmt: skip
+            body.append(
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar - 2:.1f}" height="{h:.1f}" fill="{COLORS[j]}">'
+                f"<title>{html.escape(name)}: {values[i]:.3g} {unit}</title></rect>"
+            )
             body.append(f'<text x="{x + bar / 2:.1f}" y="{y - 3:.1f}" text-anchor="middle">{values[i]:.3g}</text>')
     body += _legend(list(series), left, height - 14)
     return _svg(width, height, body, title)
@@ -73,13 +89,17 @@ def stacked_bars(labels: list[str], parts: dict[str, list[float]], marks: list[f
         body.append(f'<text x="{left - 6}" y="{y + 17}" text-anchor="end">{html.escape(label)}</text>')
         for j, (name, values) in enumerate(parts.items()):
             w = values[i] * scale
-            body.append(f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row - 10}" fill="{COLORS[j]}">'
-                        f"<title>{html.escape(name)}: {values[i] * 1e3:.2f} ms</title></rect>")  # fmt: skip
+            body.append(
+                f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row - 10}" fill="{COLORS[j]}">'
+                f"<title>{html.escape(name)}: {values[i] * 1e3:.2f} ms</title></rect>"
+            )
             x += w
         if marks[i]:
             mx = left + marks[i] * scale
-            body.append(f'<line x1="{mx:.1f}" y1="{y}" x2="{mx:.1f}" y2="{y + row - 2}" stroke="black" '
-                        f'stroke-width="3"><title>floor: {marks[i] * 1e3:.2f} ms</title></line>')  # fmt: skip
+            body.append(
+                f'<line x1="{mx:.1f}" y1="{y}" x2="{mx:.1f}" y2="{y + row - 2}" stroke="black" '
+                f'stroke-width="3"><title>floor: {marks[i] * 1e3:.2f} ms</title></line>'
+            )
         body.append(f'<text x="{x + 4:.1f}" y="{y + 17}">{sum(v[i] for v in parts.values()) * 1e3:.2f} ms</text>')
     body += _legend([*parts, "floor (black tick)"], left, height - 12)
     return _svg(width, height, body, title)
@@ -104,8 +124,12 @@ def layer_chart(result: dict) -> str:
         shares["device"].append(c["device"] / uses)
         shares["RAM"].append(c["ram"] / uses)
         shares["SSD"].append(max(uses - c["device"] - c["ram"], 0) / uses)
-    return stacked_bars([f"layer {n}" for n in layers], shares, [None] * len(layers),
-                        f"{result['preset']}: where each layer's experts came from (share of uses)")  # fmt: skip
+    return stacked_bars(
+        [f"layer {n}" for n in layers],
+        shares,
+        [None] * len(layers),
+        f"{result['preset']}: where each layer's experts came from (share of uses)",
+    )
 
 
 def _fmt(key: str, value: object) -> str:
@@ -121,22 +145,43 @@ def _fmt(key: str, value: object) -> str:
 def page(meta: dict, results: list[dict]) -> str:
     labels = [r["preset"] for r in results]
     c = meta["ceilings"]
-    facts = [("commit", meta["commit"]), ("command", meta["command"]), ("model", meta["model"]),
-             ("device", meta["device"]), ("date", meta["date"]),
-             ("ceilings", f"HBM {c['hbm_read_gbps']:.0f} GB/s, host->GPU {c['pinned_h2d_gbps']:.1f} GB/s, "
-                          f"SSD random records {c['random_read_gbps']:.2f} GB/s ({c['disk']})")]  # fmt: skip
+    facts = [
+        ("commit", meta["commit"]),
+        ("command", meta["command"]),
+        ("model", meta["model"]),
+        ("device", meta["device"]),
+        ("date", meta["date"]),
+        (
+            "ceilings",
+            f"HBM {c['hbm_read_gbps']:.0f} GB/s, host->GPU {c['pinned_h2d_gbps']:.1f} GB/s, "
+            f"SSD random records {c['random_read_gbps']:.2f} GB/s ({c['disk']})",
+        ),
+    ]
     keys = ("gpu_budget", "cpu_budget", "decode_mode", *CSV_FIELDS[1:13])
     rows = "".join(
         f"<tr><th>{html.escape(k)}</th>" + "".join(f"<td>{_fmt(k, r[k])}</td>" for r in results) + "</tr>" for k in keys
     )
     charts = [
-        bar_chart(labels, {"decode tok/s": [r["decode_tok_s"] for r in results],
-                           "prefill tok/s": [r["prefill_tok_s"] for r in results]}, "tokens per second", "tok/s"),
-        stacked_bars(labels, {"waiting for experts": [r["stall_s_per_token"] for r in results],
-                              "computing": [r["compute_s_per_token"] for r in results]},
-                     [r["floor_s_per_token"] for r in results], "a decode token's time, against its floor"),
+        bar_chart(
+            labels,
+            {
+                "decode tok/s": [r["decode_tok_s"] for r in results],
+                "prefill tok/s": [r["prefill_tok_s"] for r in results],
+            },
+            "tokens per second",
+            "tok/s",
+        ),
+        stacked_bars(
+            labels,
+            {
+                "waiting for experts": [r["stall_s_per_token"] for r in results],
+                "computing": [r["compute_s_per_token"] for r in results],
+            },
+            [r["floor_s_per_token"] for r in results],
+            "a decode token's time, against its floor",
+        ),
         *(layer_chart(r) for r in results),
-    ]  # fmt: skip
+    ]
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>dsfp4 bench</title>"
         "<style>body{font-family:sans-serif;margin:2em} td,th{padding:2px 10px;text-align:right}"

@@ -185,12 +185,12 @@ def table(c: Ceilings) -> str:
             f"({format_bytes(c.record_bytes)} copies)"
             if c.gpu
             else "-",
-        ),  # fmt: skip
+        ),
         (
             "disk",
             f"{c.disk}: sequential {c.seq_read_gbps:.2f} GB/s, random records {c.random_read_gbps:.2f} GB/s"
             + ("" if c.disk_direct else " (page cache)"),
-        ),  # fmt: skip
+        ),
         ("RAM available", format_bytes(c.ram_available)),
         ("CPU", f"{c.cpu_cores} cores, {' '.join(c.cpu_isa) or 'no vector extensions found'}"),
         ("measured", f"{c.measured_at} in {c.seconds:.1f} s"),

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.layout.manifest import ExpertFile, Manifest, TensorEntry
-from dsfp4.layout.record import RecordLayout
 from dsfp4.runtime.plan.budget import PRESETS, Budgets
 from dsfp4.runtime.plan.planner import make_plan
-from dsfp4.synthetic.bench_model import BackbonePart, model_args
+from dsfp4.synthetic.bench_model import model_args, planned_manifest
 
 PLAN_DEVICE = torch.device("cuda")  # the presets describe GPU machines: plan as on one, wherever this runs
 
@@ -20,19 +18,7 @@ def preset_shares() -> dict[str, tuple[float, float, str]]:
     (16g with the NVFP4 backbone, which a 16 GB card needs; 24g with the FP8 release backbone)."""
     out = {}
     for preset, backbone in (("16g", "nvfp4"), ("24g", "fp8_e4m3_b128")):
-        _, args = model_args(61, 3)
-        tensors = {}
-        for block in [None, *range(args.n_layers)]:
-            part = BackbonePart(args, block, backbone)
-            for ref, fmt, shape in part.tensors:
-                tensors[ref] = TensorEntry(part.file, fmt, shape, part.names(ref, fmt))
-        record = RecordLayout.for_expert("nvfp4", args.dim, args.moe_inter_dim)
-        experts = {
-            i: ExpertFile(f"experts/layer-{i:03d}.bin", (0,) * args.n_routed_experts, ("",) * args.n_routed_experts)
-            for i in range(args.n_layers)
-            if args.is_moe_layer(i)
-        }
-        m = Manifest(args, {}, {}, tensors, {}, record, experts)
+        m = planned_manifest(model_args(61, 3)[1], backbone)
         p = PRESETS[preset]
         plan = make_plan(m, PLAN_DEVICE, torch.bfloat16, Budgets(p.gpu, p.cpu, preset), 4096, 512, 4)
         out[preset] = (plan.gpu_slots / plan.total_records, plan.ram_slots / plan.total_records, plan.table())

@@ -92,7 +92,7 @@ if triton is not None:
         if USE_ASM:
             lo, hi = _placed(packed, _FP16_PTX)
         else:
-            lo, hi = _placed_bits(packed, 15, 9, tl.uint16)
+            lo, hi = _placed_bits(packed, SIGN=15, MAG=9, UINT=tl.uint16)
         return lo.to(tl.float16, bitcast=True).to(tl.float32), hi.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
@@ -103,7 +103,7 @@ if triton is not None:
             lo, hi = _placed(packed, _BF16_PTX)
             lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
         else:
-            lo, hi = _placed_bits(packed, 31, 22, tl.uint32)
+            lo, hi = _placed_bits(packed, SIGN=31, MAG=22, UINT=tl.uint32)
             lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
         return lo, hi
 

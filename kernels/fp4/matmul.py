@@ -49,8 +49,19 @@ if triton is not None:
     UNBIAS = tl.constexpr(E2M1_UNBIAS)
 
     @triton.jit
-    def _decode_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                     E8M0: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    def _decode_tile(
+        w_ptr,
+        s_ptr,
+        rows,
+        k0,
+        K,
+        stride_wn,
+        stride_sn,
+        BLOCK_K: tl.constexpr,
+        GROUP: tl.constexpr,
+        E8M0: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):
         """Elements k0..k0+BK of `rows`: (lo, hi) [BN, BK/2] e2m1 * 2^-14, the partners of x[2j] and x[2j+1];
         scale [BN, BK/G] fp32. Columns past K decode to zero."""
         cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -74,10 +85,27 @@ if triton is not None:
 
     @triton.jit
     def fp4_gemv_kernel(
-        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, T, N, K, split, stride_xt, stride_wn, stride_sn, stride_yt,
-        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-        E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr, USE_ASM: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        y_ptr,
+        T,
+        N,
+        K,
+        split,
+        stride_xt,
+        stride_wn,
+        stride_sn,
+        stride_yt,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP: tl.constexpr,
+        E8M0: tl.constexpr,
+        HAS_GLOBAL: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = offs_n % N  # rows past N read row r % N, dropped at the store
         lanes = tl.arange(0, BLOCK_T)
@@ -96,11 +124,29 @@ if triton is not None:
 
     @triton.jit
     def fp4_gemm_kernel(
-        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, T, N, K, split, stride_xt, stride_wn, stride_sn, stride_yt,
-        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-        E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr, USE_ASM: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        y_ptr,
+        T,
+        N,
+        K,
+        split,
+        stride_xt,
+        stride_wn,
+        stride_sn,
+        stride_yt,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP: tl.constexpr,
+        E8M0: tl.constexpr,
+        HAS_GLOBAL: tl.constexpr,
+        USE_ASM: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """IEEE: fp32 operands and products (fp32 activations, or the interpreter, which multiplies bf16 dot
         operands wrongly: there the operands are rounded to DOT_DTYPE first, as on the GPU)."""
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -167,8 +213,14 @@ def fp4_matmul(
     exact = x.dtype == torch.float32
     block_t, warps, stages = _gemm_tiles(t, exact)
     fp4_gemm_kernel[(triton.cdiv(t, block_t), triton.cdiv(n, GEMM_BLOCK_N))](
-        *args, BLOCK_T=block_t, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=_block_k(k, group, GEMM_BLOCK_K),
-        DOT_DTYPE=tl.float32 if exact else tl.bfloat16, IEEE=exact or interpreted(),
-        num_warps=warps, num_stages=stages, **common,
-    )  # fmt: skip
+        *args,
+        BLOCK_T=block_t,
+        BLOCK_N=GEMM_BLOCK_N,
+        BLOCK_K=_block_k(k, group, GEMM_BLOCK_K),
+        DOT_DTYPE=tl.float32 if exact else tl.bfloat16,
+        IEEE=exact or interpreted(),
+        num_warps=warps,
+        num_stages=stages,
+        **common,
+    )
     return y

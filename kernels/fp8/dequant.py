@@ -20,15 +20,25 @@ if triton is not None:
 
     @triton.jit
     def _dequant_kernel(
-        q_ptr, s_ptr, w_ptr, N, K, stride_q, stride_s, stride_w,
-        SCALE_BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_E4M3: tl.constexpr,
-    ):  # fmt: skip
+        q_ptr,
+        s_ptr,
+        w_ptr,
+        N,
+        K,
+        stride_q,
+        stride_s,
+        stride_w,
+        SCALE_BLOCK: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        HW_E4M3: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         cols = tl.program_id(1) * BK + tl.arange(0, BK)
         ok = (rows[:, None] < N) & (cols[None, :] < K)
         b = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :], mask=ok, other=0)  # [BN, BK] e4m3 bytes
         s = tl.load(s_ptr + (tl.program_id(0) * BN // SCALE_BLOCK) * stride_s + tl.program_id(1))
-        w = block_scale(b, False, HW_E4M3) * s  # exact e4m3 -> fp32, times the block's fp32 scale
+        w = block_scale(b, E8M0=False, HW_E4M3=HW_E4M3) * s  # exact e4m3 -> fp32, times the block's fp32 scale
         tl.store(w_ptr + rows[:, None] * stride_w + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
 
 
@@ -41,7 +51,17 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     w = torch.empty(n, k, dtype=dtype, device=q.device)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
     _dequant_kernel[grid](
-        q.view(torch.uint8), scale, w, n, k, q.stride(0), scale.stride(0), w.stride(0),
-        SCALE_BLOCK=FP8_BLOCK, BN=BLOCK_N, BK=BLOCK_K, HW_E4M3=hw_e4m3(q.device),
-    )  # fmt: skip
+        q.view(torch.uint8),
+        scale,
+        w,
+        n,
+        k,
+        q.stride(0),
+        scale.stride(0),
+        w.stride(0),
+        SCALE_BLOCK=FP8_BLOCK,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+        HW_E4M3=hw_e4m3(q.device),
+    )
     return w

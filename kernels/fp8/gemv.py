@@ -93,8 +93,9 @@ if triton is not None:
     def _pairs(w, USE_ASM: tl.constexpr):
         """u32 words [P, BN, 2] -> (bytes 0, 1 and bytes 2, 3 as fp16 pairs in u32 [P, BN, 2]), two bytes per cvt."""
         if USE_ASM:
-            return tl.inline_asm_elementwise(_PAIRS_PTX, "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True,
-                                             pack=1)  # fmt: skip
+            return tl.inline_asm_elementwise(
+                _PAIRS_PTX, "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1
+            )
         b = _bytes16(w).to(tl.uint16, bitcast=True).to(tl.uint32)  # [P, BN, 2, 4]
         first, second = tl.split(tl.reshape(b, (w.shape[0], w.shape[1], 2, 2, 2)))  # of each pair
         return tl.split(first | (second << 16))
@@ -108,8 +109,9 @@ if triton is not None:
         if USE_ASM:
             a = lo0.to(tl.uint64) | (hi0.to(tl.uint64) << 32)
             b = lo1.to(tl.uint64) | (hi1.to(tl.uint64) << 32)
-            return tl.inline_asm_elementwise(_PIECE_PTX, "=r,l,l,l,l", [a, b, xa, xb], dtype=tl.float32,
-                                             is_pure=True, pack=1)  # fmt: skip
+            return tl.inline_asm_elementwise(
+                _PIECE_PTX, "=r,l,l,l,l", [a, b, xa, xb], dtype=tl.float32, is_pure=True, pack=1
+            )
         pairs = tl.join(tl.join(lo0, lo1), tl.join(hi0, hi1))  # [P, BN, word, pair]
         w = tl.join(fp16_low(pairs), fp16_low(pairs >> 16))  # [P, BN, word, pair, lane]
         quads = tl.join(xa, xb)  # [P, 1, word]
@@ -160,17 +162,35 @@ if triton is not None:
         x1, x5 = tl.split(o15)
         x3, x7 = tl.split(o37)
         return tl.inline_asm_elementwise(
-            _X16_PTX, "=l,=l,=r" + ",r" * 8, [x0, x1, x2, x3, x4, x5, x6, x7],
-            dtype=(tl.uint64, tl.uint64, tl.float32), is_pure=True, pack=1,
-        )  # fmt: skip
+            _X16_PTX,
+            "=l,=l,=r" + ",r" * 8,
+            [x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=(tl.uint64, tl.uint64, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
 
     @triton.jit
     def fp8_gemv_pieces_kernel(
-        x_ptr, q_ptr, s_ptr, out_ptr,
-        N, K, stride_xt, stride_qn, stride_sn, stride_ot, stride_os, k_split,
-        T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-        F16X2: tl.constexpr, USE_ASM: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        out_ptr,
+        N,
+        K,
+        stride_xt,
+        stride_qn,
+        stride_sn,
+        stride_ot,
+        stride_os,
+        k_split,
+        T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SCALE_BLOCK: tl.constexpr,
+        F16X2: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):
         """out[split, t, rows] = the split's K range of x[t] . W[rows] (out: y itself when there is one split).
         BLOCK_N divides SCALE_BLOCK, so a program's rows share one row of scales; K is a multiple of PIECE."""
         P: tl.constexpr = BLOCK_K // _PIECE

@@ -81,9 +81,15 @@ def _split(n: int, k: int, rows: int, block_k: int, n_sms: int) -> tuple[int, in
 
 
 def gemv_plan(
-    t: int, n: int, k: int, n_sms: int, math: str | None = None, rows: int | None = None, block_k: int | None = None,
+    t: int,
+    n: int,
+    k: int,
+    n_sms: int,
+    math: str | None = None,
+    rows: int | None = None,
+    block_k: int | None = None,
     warps: int = GEMV_WARPS,
-) -> GemvPlan:  # fmt: skip
+) -> GemvPlan:
     """The GEMV's tiles for `math` (GEMV_MATH when None). legacy: 16 rows per program, up to 512 columns per step,
     K split when the row blocks leave SMs idle (q_a 1536x7168 3 ways, kv_a 576x7168 7 ways, o not at all). Piece
     kernel: GEMV_ROWS's rows for T, halved (to GEMV_MIN_ROWS) while the row blocks number fewer than two per SM, K
@@ -166,10 +172,24 @@ if triton is not None:
 
     @triton.jit
     def fp8_gemv_kernel(
-        x_ptr, q_ptr, s_ptr, out_ptr,
-        T, N, K, stride_xt, stride_qn, stride_sn, stride_ot, stride_os, k_split,
-        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        out_ptr,
+        T,
+        N,
+        K,
+        stride_xt,
+        stride_qn,
+        stride_sn,
+        stride_ot,
+        stride_os,
+        k_split,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SCALE_BLOCK: tl.constexpr,
+    ):
         """out[split, t, rows] = the split's K range of x[t] . W[rows] (out: y itself when there is one split)."""
         GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
@@ -219,9 +239,17 @@ if triton is not None:
 
     @triton.jit
     def act_quant_kernel(
-        x_ptr, q_ptr, s_ptr, K, stride_xt, stride_qt, stride_st,
-        GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr, QMAX: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        K,
+        stride_xt,
+        stride_qt,
+        stride_st,
+        GROUPS: tl.constexpr,
+        SCALE_BLOCK: tl.constexpr,
+        QMAX: tl.constexpr,
+    ):
         """One token's GROUPS 128-wide groups: q = round(x / s), s = amax / 448 (1 when amax is 0)."""
         t = tl.program_id(0).to(tl.int64)  # int64: T * K may pass 2^31
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G] group indices
@@ -236,10 +264,24 @@ if triton is not None:
 
     @triton.jit
     def fp8_gemm_kernel(
-        a_ptr, sa_ptr, b_ptr, sb_ptr, y_ptr,
-        T, N, K, stride_at, stride_sat, stride_bn, stride_sbn, stride_yt,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_M: tl.constexpr,
-    ):  # fmt: skip
+        a_ptr,
+        sa_ptr,
+        b_ptr,
+        sb_ptr,
+        y_ptr,
+        T,
+        N,
+        K,
+        stride_at,
+        stride_sat,
+        stride_bn,
+        stride_sbn,
+        stride_yt,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SCALE_BLOCK: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """y = sum over 128-wide K steps of (a_q . b_q) * sa[t] * sb[n / 128]: a [T, K] e4m3 with sa [T, Kb],
         b [N, K] e4m3 with sb [Nb, Kb]."""
         pid = tl.program_id(0)
@@ -291,15 +333,40 @@ def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPl
     args = (x, q, scale, out)
     if p.math == "legacy":
         fp8_gemv_kernel[grid](
-            *args, t, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
-            BLOCK_T=p.block_t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK,
-        )  # fmt: skip
+            *args,
+            t,
+            n,
+            k,
+            x.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            n,
+            t * n,
+            p.k_split,
+            BLOCK_T=p.block_t,
+            BLOCK_N=p.block_n,
+            BLOCK_K=p.block_k,
+            SCALE_BLOCK=FP8_BLOCK,
+        )
     else:
         fp8_gemv_pieces_kernel[grid](
-            *args, n, k, x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split,
-            T=t, BLOCK_N=p.block_n, BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK, F16X2=p.math == "f16x2",
-            USE_ASM=not interpreted(), num_warps=p.num_warps,
-        )  # fmt: skip
+            *args,
+            n,
+            k,
+            x.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            n,
+            t * n,
+            p.k_split,
+            T=t,
+            BLOCK_N=p.block_n,
+            BLOCK_K=p.block_k,
+            SCALE_BLOCK=FP8_BLOCK,
+            F16X2=p.math == "f16x2",
+            USE_ASM=not interpreted(),
+            num_warps=p.num_warps,
+        )
     if p.split > 1:
         sum_splits_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](out, y, t * n, p.split, BLOCK=SUM_BLOCK)
     return y
@@ -313,9 +380,17 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     x_s = torch.empty(t, kb, dtype=torch.float32, device=x.device)
     act_quant_kernel[(t, triton.cdiv(kb, ACT_GROUPS))](
-        x, x_q, x_s, k, x.stride(0), x_q.stride(0), x_s.stride(0),
-        GROUPS=ACT_GROUPS, SCALE_BLOCK=FP8_BLOCK, QMAX=E4M3_MAX,
-    )  # fmt: skip
+        x,
+        x_q,
+        x_s,
+        k,
+        x.stride(0),
+        x_q.stride(0),
+        x_s.stride(0),
+        GROUPS=ACT_GROUPS,
+        SCALE_BLOCK=FP8_BLOCK,
+        QMAX=E4M3_MAX,
+    )
     return x_q, x_s
 
 
@@ -328,10 +403,26 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     p = gemm_plan(t, n, n_sms(x.device))
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     fp8_gemm_kernel[(triton.cdiv(t, p.block_m) * triton.cdiv(n, p.block_n),)](
-        x_q, x_s, q, scale, y, t, n, k, x_q.stride(0), x_s.stride(0), q.stride(0), scale.stride(0), y.stride(0),
-        BLOCK_M=p.block_m, BLOCK_N=p.block_n, SCALE_BLOCK=FP8_BLOCK, GROUP_M=GEMM_GROUP_M,
-        num_warps=p.num_warps, num_stages=p.num_stages,
-    )  # fmt: skip
+        x_q,
+        x_s,
+        q,
+        scale,
+        y,
+        t,
+        n,
+        k,
+        x_q.stride(0),
+        x_s.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        y.stride(0),
+        BLOCK_M=p.block_m,
+        BLOCK_N=p.block_n,
+        SCALE_BLOCK=FP8_BLOCK,
+        GROUP_M=GEMM_GROUP_M,
+        num_warps=p.num_warps,
+        num_stages=p.num_stages,
+    )
     return y
 
 

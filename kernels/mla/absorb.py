@@ -46,14 +46,28 @@ if triton is not None:
         """[R, K] rows x cols of the FP8 matrix in fp32, before the block scales (each caller applies them where
         it measured cheapest)."""
         b = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok, other=0)
-        return block_scale(b, False, HW_E4M3)
+        return block_scale(b, E8M0=False, HW_E4M3=HW_E4M3)
 
     @triton.jit
     def _keys_kernel(
-        q_ptr, w_ptr, s_ptr, out_ptr, M, stride_qm, stride_qh, stride_om, stride_oh, stride_w, stride_s,
-        N: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, RN: tl.constexpr, SB: tl.constexpr,
+        q_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        M,
+        stride_qm,
+        stride_qh,
+        stride_om,
+        stride_oh,
+        stride_w,
+        stride_s,
+        N: tl.constexpr,
+        HD: tl.constexpr,
+        C: tl.constexpr,
+        RN: tl.constexpr,
+        SB: tl.constexpr,
         HW_E4M3: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """Head pid 0, columns pid 1 * SB ..: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c], RN rows at a time
         (rows of SB contiguous bytes, one scale block wide; a second token reads the tiles again from L2)."""
         h = tl.program_id(0)
@@ -73,10 +87,27 @@ if triton is not None:
 
     @triton.jit
     def _values_kernel(
-        o_ptr, w_ptr, s_ptr, out_ptr, M, stride_om, stride_oh, stride_ym, stride_yh, stride_w, stride_s,
-        N: tl.constexpr, V: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-        BV: tl.constexpr, SB: tl.constexpr, HW_E4M3: tl.constexpr, ONE_ROW_BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        o_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        M,
+        stride_om,
+        stride_oh,
+        stride_ym,
+        stride_yh,
+        stride_w,
+        stride_s,
+        N: tl.constexpr,
+        V: tl.constexpr,
+        HD: tl.constexpr,
+        C: tl.constexpr,
+        CP: tl.constexpr,
+        BV: tl.constexpr,
+        SB: tl.constexpr,
+        HW_E4M3: tl.constexpr,
+        ONE_ROW_BLOCK: tl.constexpr,
+    ):
         """Head pid 0, value rows pid 1 * BV ..: out[m, h, v] = sum_c o[m, h, c] W[h HD + N + v, c]. With
         ONE_ROW_BLOCK (the BV rows sit in one 128-row block) the scales multiply o's elements, else W's."""
         h = tl.program_id(0)
@@ -104,10 +135,24 @@ def absorb_keys(q: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: in
     assert m <= MAX_TOKENS and n == nope and q.stride(2) == 1, f"absorb_keys takes up to {MAX_TOKENS} [H, N] rows"
     out = torch.empty(m, heads, c, dtype=q.dtype, device=q.device)
     _keys_kernel[(heads, triton.cdiv(c, FP8_BLOCK))](
-        q, q8.view(torch.uint8), scale, out, m, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        q8.stride(0), scale.stride(0),
-        N=n, HD=q8.shape[0] // heads, C=c, RN=KEY_ROWS, SB=FP8_BLOCK, HW_E4M3=hw_e4m3(q.device),
-    )  # fmt: skip
+        q,
+        q8.view(torch.uint8),
+        scale,
+        out,
+        m,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        q8.stride(0),
+        scale.stride(0),
+        N=n,
+        HD=q8.shape[0] // heads,
+        C=c,
+        RN=KEY_ROWS,
+        SB=FP8_BLOCK,
+        HW_E4M3=hw_e4m3(q.device),
+    )
     return out
 
 
@@ -118,9 +163,25 @@ def absorb_values(o: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: 
     assert m <= MAX_TOKENS and c == q8.shape[1] and o.stride(2) == 1, f"absorb_values takes up to {MAX_TOKENS} tokens"
     out = torch.empty(m, heads, hd - nope, dtype=o.dtype, device=o.device)
     _values_kernel[(heads, triton.cdiv(hd - nope, VALUE_ROWS))](
-        o, q8.view(torch.uint8), scale, out, m, o.stride(0), o.stride(1), out.stride(0), out.stride(1),
-        q8.stride(0), scale.stride(0),
-        N=nope, V=hd - nope, HD=hd, C=c, CP=next_pow2(c), BV=VALUE_ROWS, SB=FP8_BLOCK, HW_E4M3=hw_e4m3(o.device),
+        o,
+        q8.view(torch.uint8),
+        scale,
+        out,
+        m,
+        o.stride(0),
+        o.stride(1),
+        out.stride(0),
+        out.stride(1),
+        q8.stride(0),
+        scale.stride(0),
+        N=nope,
+        V=hd - nope,
+        HD=hd,
+        C=c,
+        CP=next_pow2(c),
+        BV=VALUE_ROWS,
+        SB=FP8_BLOCK,
+        HW_E4M3=hw_e4m3(o.device),
         ONE_ROW_BLOCK=hd % VALUE_ROWS == 0 and nope % VALUE_ROWS == 0,  # tiles then start on multiples of BV
-    )  # fmt: skip
+    )
     return out

@@ -57,11 +57,34 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T"])
     def _mla_cache_kernel(
-        q_ptr, kv_ptr, f_ptr, w_ptr, kvc_ptr, pec_ptr, rows_ptr, T, eps,
-        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_ft, stride_cb, stride_cl, stride_pb, stride_pl,
-        H: tl.constexpr, HP: tl.constexpr, N: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, C: tl.constexpr,
-        CP: tl.constexpr, W_FP32: tl.constexpr,
-    ):  # fmt: skip
+        q_ptr,
+        kv_ptr,
+        f_ptr,
+        w_ptr,
+        kvc_ptr,
+        pec_ptr,
+        rows_ptr,
+        T,
+        eps,
+        stride_qb,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_ft,
+        stride_cb,
+        stride_cl,
+        stride_pb,
+        stride_pl,
+        H: tl.constexpr,
+        HP: tl.constexpr,
+        N: tl.constexpr,
+        R: tl.constexpr,
+        RP: tl.constexpr,
+        C: tl.constexpr,
+        CP: tl.constexpr,
+        W_FP32: tl.constexpr,
+    ):
         """One token (b, t) per program: its H query heads, its latent row and its key row. Every load comes
         before the first store: the compiler cannot tell that the stores miss what is loaded after them, so
         interleaving them would chain one memory latency after another."""
@@ -109,9 +132,32 @@ def mla_cache(
     f = torch.view_as_real(freqs_cis)  # [T, R/2, 2] fp32
     assert f.stride(1) == 2, "freqs_cis: rows of contiguous pairs"
     _mla_cache_kernel[(b * t,)](
-        q, kv, f, weight, kv_cache, pe_cache, rows, t, eps,
-        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), f.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
-        H=h, HP=next_pow2(h), N=q.shape[-1] - r, R=r, RP=2 * next_pow2(r // 2), C=c, CP=next_pow2(c),
-        W_FP32=weight.dtype == torch.float32, num_warps=4,
-    )  # fmt: skip
+        q,
+        kv,
+        f,
+        weight,
+        kv_cache,
+        pe_cache,
+        rows,
+        t,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kv.stride(0),
+        kv.stride(1),
+        f.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        pe_cache.stride(0),
+        pe_cache.stride(1),
+        H=h,
+        HP=next_pow2(h),
+        N=q.shape[-1] - r,
+        R=r,
+        RP=2 * next_pow2(r // 2),
+        C=c,
+        CP=next_pow2(c),
+        W_FP32=weight.dtype == torch.float32,
+        num_warps=4,
+    )

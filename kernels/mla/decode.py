@@ -103,13 +103,44 @@ if triton is not None:
     # the span and its splits change at every eager decode step: one compiled variant for all of them
     @triton.jit(do_not_specialize=["S", "chunk", "splits", "stride_mt"])
     def _split_kernel(
-        qn_ptr, qp_ptr, kv_ptr, pe_ptr, mask_ptr, part_ptr, ml_ptr, lat_ptr, qk_scale, S, chunk, splits,
-        stride_qnb, stride_qnt, stride_qnh, stride_qpb, stride_qpt, stride_qph,
-        stride_kvb, stride_kvs, stride_peb, stride_pes, stride_mt, stride_ms,
-        T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-        HB: tl.constexpr, BS: tl.constexpr, HAS_MASK: tl.constexpr, SKIP_MASKED: tl.constexpr,
-        DIRECT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        qn_ptr,
+        qp_ptr,
+        kv_ptr,
+        pe_ptr,
+        mask_ptr,
+        part_ptr,
+        ml_ptr,
+        lat_ptr,
+        qk_scale,
+        S,
+        chunk,
+        splits,
+        stride_qnb,
+        stride_qnt,
+        stride_qnh,
+        stride_qpb,
+        stride_qpt,
+        stride_qph,
+        stride_kvb,
+        stride_kvs,
+        stride_peb,
+        stride_pes,
+        stride_mt,
+        stride_ms,
+        T: tl.constexpr,
+        H: tl.constexpr,
+        C: tl.constexpr,
+        R: tl.constexpr,
+        CP: tl.constexpr,
+        RP: tl.constexpr,
+        HB: tl.constexpr,
+        BS: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        SKIP_MASKED: tl.constexpr,
+        DIRECT: tl.constexpr,
+        DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """Rows pid 0 * HB .. of sequence pid 2 against positions pid 1 * chunk ..: the unnormalized sum of c_kv
         rows [HB, C] with its running max and sum (base 2) into the split's partials, or lat when DIRECT."""
         b = tl.program_id(2).to(tl.int64)
@@ -119,11 +150,13 @@ if triton is not None:
         t, h = rows // H, rows % H
         c, r = tl.arange(0, CP), tl.arange(0, RP)
         q_ok = row_ok[:, None] & (c < C)[None, :]
-        qn = tl.load(qn_ptr + b * stride_qnb + (t * stride_qnt + h * stride_qnh)[:, None] + c[None, :], mask=q_ok,
-                     other=0.0).to(DOT)  # fmt: skip
+        qn = tl.load(
+            qn_ptr + b * stride_qnb + (t * stride_qnt + h * stride_qnh)[:, None] + c[None, :], mask=q_ok, other=0.0
+        ).to(DOT)
         qr_ok = row_ok[:, None] & (r < R)[None, :]
-        qp = tl.load(qp_ptr + b * stride_qpb + (t * stride_qpt + h * stride_qph)[:, None] + r[None, :], mask=qr_ok,
-                     other=0.0).to(DOT)  # fmt: skip
+        qp = tl.load(
+            qp_ptr + b * stride_qpb + (t * stride_qpt + h * stride_qph)[:, None] + r[None, :], mask=qr_ok, other=0.0
+        ).to(DOT)
         m_i = tl.full((HB,), float("-inf"), dtype=tl.float32)  # running max of the base-2 scores
         l_i = tl.zeros((HB,), dtype=tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros((HB, CP), dtype=tl.float32)
@@ -143,10 +176,16 @@ if triton is not None:
             s = s0 + tl.arange(0, BS)
             s_ok = s < stop
             add = _mask_tile(mask_ptr, t, s, row_ok, s_ok, stride_mt, stride_ms, HB, HAS_MASK)  # [HB, BS]
-            kv = tl.load(kv_ptr + b * stride_kvb + s[:, None] * stride_kvs + c[None, :],
-                         mask=s_ok[:, None] & (c < C)[None, :], other=0.0).to(DOT)  # fmt: skip
-            pe = tl.load(pe_ptr + b * stride_peb + s[:, None] * stride_pes + r[None, :],
-                         mask=s_ok[:, None] & (r < R)[None, :], other=0.0).to(DOT)  # fmt: skip
+            kv = tl.load(
+                kv_ptr + b * stride_kvb + s[:, None] * stride_kvs + c[None, :],
+                mask=s_ok[:, None] & (c < C)[None, :],
+                other=0.0,
+            ).to(DOT)
+            pe = tl.load(
+                pe_ptr + b * stride_peb + s[:, None] * stride_pes + r[None, :],
+                mask=s_ok[:, None] & (r < R)[None, :],
+                other=0.0,
+            ).to(DOT)
             scores = tl.dot(qn, tl.trans(kv), input_precision=PRECISION)  # [HB, BS] fp32
             scores = tl.dot(qp, tl.trans(pe), scores, input_precision=PRECISION)
             scores = scores * qk_scale + add
@@ -181,8 +220,9 @@ if triton is not None:
         l_j = tl.load(ml_ptr + (row * splits + j) * 2 + 1, mask=j_ok, other=0.0)
         m_all = tl.max(m, axis=0)
         w = tl.math.exp2(m - m_all)  # splits with every position masked (m = -inf) weigh 0
-        part = tl.load(part_ptr + (row * splits + j)[:, None] * C + c[None, :], mask=j_ok[:, None] & (c < C)[None, :],
-                       other=0.0)  # fmt: skip
+        part = tl.load(
+            part_ptr + (row * splits + j)[:, None] * C + c[None, :], mask=j_ok[:, None] & (c < C)[None, :], other=0.0
+        )
         lat = tl.sum(part * w[:, None], axis=0) / tl.sum(l_j * w, axis=0)  # [CB]
         tl.store(lat_ptr + row * C + c, lat.to(lat_ptr.dtype.element_ty), mask=c < C)
 
@@ -219,18 +259,46 @@ def mla_decode(
     m_arg = mask if mask is not None else kv  # any pointer: HAS_MASK=False never reads it
     m_strides = mask.stride() if mask is not None else (0, 0)
     _split_kernel[(row_blocks, splits, b)](
-        qn, qp, kv, pe, m_arg, part, ml, lat, scale * LOG2E, s, chunk, splits,
-        *qn.stride()[:3], *qp.stride()[:3], kv.stride(0), kv.stride(1), pe.stride(0), pe.stride(1), *m_strides,
-        T=t, H=h, C=c, R=r, CP=next_pow2(c), RP=next_pow2(r), HB=cfg.rows, BS=cfg.block_s,
-        HAS_MASK=mask is not None, SKIP_MASKED=cfg.skip_masked and mask is not None, DIRECT=direct,
-        DOT=tl.float32 if exact else _DOT_TYPES[kv.dtype], PRECISION="ieee" if exact else "tf32", num_warps=cfg.warps,
+        qn,
+        qp,
+        kv,
+        pe,
+        m_arg,
+        part,
+        ml,
+        lat,
+        scale * LOG2E,
+        s,
+        chunk,
+        splits,
+        *qn.stride()[:3],
+        *qp.stride()[:3],
+        kv.stride(0),
+        kv.stride(1),
+        pe.stride(0),
+        pe.stride(1),
+        *m_strides,
+        T=t,
+        H=h,
+        C=c,
+        R=r,
+        CP=next_pow2(c),
+        RP=next_pow2(r),
+        HB=cfg.rows,
+        BS=cfg.block_s,
+        HAS_MASK=mask is not None,
+        SKIP_MASKED=cfg.skip_masked and mask is not None,
+        DIRECT=direct,
+        DOT=tl.float32 if exact else _DOT_TYPES[kv.dtype],
+        PRECISION="ieee" if exact else "tf32",
+        num_warps=cfg.warps,
         num_stages=cfg.stages,
-    )  # fmt: skip
+    )
     if not direct:
         # the most splits any span gets at this shape, so that one variant serves a growing span (no recompile)
         sp = next_pow2(split_plan(1 << 30, b * row_blocks, sms, cfg)[0])
         cb = min(cfg.combine_block, next_pow2(c), max(1, COMBINE_TILE // sp))  # many splits: fewer columns
         _combine_kernel[(b * t * h, triton.cdiv(c, cb))](
             part, ml, lat, splits, C=c, SP=sp, CB=cb, num_warps=cfg.combine_warps
-        )  # fmt: skip
+        )
     return lat

@@ -64,9 +64,18 @@ if triton is not None:
 
     @triton.jit
     def _gate_kernel(
-        x_ptr, w_ptr, out_ptr, E, stride_xt, stride_we,
-        T: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        E,
+        stride_xt,
+        stride_we,
+        T: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SOFTPLUS: tl.constexpr,
+    ):
         """out[t, rows] = score(x[t] . W[rows]) for the program's BLOCK_E rows, every token t < T."""
         CHUNKS: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
         rows = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
@@ -125,8 +134,17 @@ def gate_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str, tiles: G
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
     block_d = min(tiles.block_d, next_pow2(d))
     _gate_kernel[(triton.cdiv(e, tiles.block_e),)](
-        x, weight, out, e, x.stride(0), weight.stride(0),
-        T=t, D=d, BLOCK_E=tiles.block_e, BLOCK_D=block_d, SOFTPLUS=score_func == "sqrtsoftplus",
+        x,
+        weight,
+        out,
+        e,
+        x.stride(0),
+        weight.stride(0),
+        T=t,
+        D=d,
+        BLOCK_E=tiles.block_e,
+        BLOCK_D=block_d,
+        SOFTPLUS=score_func == "sqrtsoftplus",
         num_warps=tiles.num_warps,
-    )  # fmt: skip
+    )
     return out

@@ -44,10 +44,19 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(
-        s_ptr, b_ptr, w_ptr, id_ptr, scale,
-        E: tl.constexpr, G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-        HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    ):  # fmt: skip
+        s_ptr,
+        b_ptr,
+        w_ptr,
+        id_ptr,
+        scale,
+        E: tl.constexpr,
+        G: tl.constexpr,
+        TOPG: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
         """One token's row of E scores (E and E / G powers of two)."""
         row = tl.program_id(0)
         cols = tl.arange(0, E)
@@ -94,8 +103,18 @@ def route(
     weights = torch.empty(t, k, dtype=torch.float32, device=scores.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=scores.device)
     _route_kernel[(t,)](
-        scores, scores if bias is None else bias, weights, ids, float(scale),
-        E=e, G=groups, TOPG=limited_groups, K=k, KP=next_pow2(k), HAS_BIAS=bias is not None, NORM=norm,
+        scores,
+        scores if bias is None else bias,
+        weights,
+        ids,
+        float(scale),
+        E=e,
+        G=groups,
+        TOPG=limited_groups,
+        K=k,
+        KP=next_pow2(k),
+        HAS_BIAS=bias is not None,
+        NORM=norm,
         num_warps=1 if e <= 64 else 4,
-    )  # fmt: skip
+    )
     return weights, ids

@@ -87,9 +87,13 @@ class DecodeGraphs:
         return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
 
     def tokens(
-        self, logits: torch.Tensor, pos: int, choose: Callable[[torch.Tensor], torch.Tensor], budget: int,
+        self,
+        logits: torch.Tensor,
+        pos: int,
+        choose: Callable[[torch.Tensor], torch.Tensor],
+        budget: int,
         keep: Callable[[int], None],
-    ) -> Iterator[int]:  # fmt: skip
+    ) -> Iterator[int]:
         """Decode by replay one step ahead of the host, from the logits [V] after the token at pos - 1: each
         token is chosen on the device (choose: logits [V] -> 0-d long) and its step launched before the host
         reads it, so the host's work (detokenizing, stop rules, the caller's) overlaps the device's. At most

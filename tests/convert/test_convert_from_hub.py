@@ -65,8 +65,16 @@ def test_the_peak_estimate_bounds_the_measured_peak_when_parts_share_shards(chec
     ):
         (tmp_path / "s" / "precious.txt").write_text("the user's")
         with SourceCheckpoint(tmp_path / "s", remote=source.remote) as src:
-            plan = make_plan(src, map_tensors(src.args, {n: t.info for n, t in src.tensors.items()},
-                             {n: t.shard for n, t in src.tensors.items()}, "index"), ConvertOptions())  # fmt: skip
+            plan = make_plan(
+                src,
+                map_tensors(
+                    src.args,
+                    {n: t.info for n, t in src.tensors.items()},
+                    {n: t.shard for n, t in src.tensors.items()},
+                    "index",
+                ),
+                ConvertOptions(),
+            )
             estimate = source.disk_need([pipeline.part_shards(src, p) for p in plan.parts])
         result = pipeline.convert(tmp_path / "s", tmp_path / "out", ConvertOptions(), False, source)
     assert result.done and 0 < source.peak <= estimate

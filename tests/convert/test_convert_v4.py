@@ -43,9 +43,17 @@ def test_manifest_records_the_family_and_every_tensor_has_a_place(v4_converted, 
     assert m.options["format"] == "mxfp4" and m.record.format == "mxfp4" and m.quant_error == {}
     a = m.args
     assert sorted(m.experts) == list(range(a.n_blocks))  # every layer is MoE, the MTP block too
-    for name in ("layers.0.ffn.gate.tid2eid", "layers.2.ffn.gate.bias", "layers.1.attn.indexer.wq_b",
-                 "layers.2.attn.compressor.ape", "layers.1.hc_attn_fn", "layers.3.attn.attn_sink",
-                 "hc_head_fn", "layers.5.e_proj", "layers.5.hc_head_scale"):  # fmt: skip
+    for name in (
+        "layers.0.ffn.gate.tid2eid",
+        "layers.2.ffn.gate.bias",
+        "layers.1.attn.indexer.wq_b",
+        "layers.2.attn.compressor.ape",
+        "layers.1.hc_attn_fn",
+        "layers.3.attn.attn_sink",
+        "hc_head_fn",
+        "layers.5.e_proj",
+        "layers.5.hc_head_scale",
+    ):
         assert name in m.tensors, name
     assert "layers.0.ffn.gate.bias" not in m.tensors and "layers.2.attn.indexer.wq_b" not in m.tensors  # HCA
     assert m.tensors["layers.0.ffn.gate.tid2eid"].format == "i64"
@@ -58,8 +66,11 @@ def test_expert_records_are_the_source_bytes(v4_converted, v4_checkpoint):
     for layer, e in ((0, 0), (3, 5), (5, 7)):  # a hash layer, a scored one, the MTP block
         data = (v4_converted / m.experts[layer].file).read_bytes()
         rec = m.record.unpack(data[m.experts[layer].offsets[e] :][: m.record.nbytes])
-        src = {w: (read(f"{p}.weight"), read(f"{p}.scale")) for w in ("w1", "w3", "w2")
-               for p in [("mtp.0." if layer == 5 else f"layers.{layer}.") + f"ffn.experts.{e}.{w}"]}  # fmt: skip
+        src = {
+            w: (read(f"{p}.weight"), read(f"{p}.scale"))
+            for w in ("w1", "w3", "w2")
+            for p in [("mtp.0." if layer == 5 else f"layers.{layer}.") + f"ffn.experts.{e}.{w}"]
+        }
         as_bytes = [t.view(torch.uint8) for t in (*src["w1"], *src["w3"], *src["w2"])]
         assert torch.equal(rec["w13"], torch.cat([as_bytes[0], as_bytes[2]]))
         assert torch.equal(rec["w13_scale"], torch.cat([as_bytes[1], as_bytes[3]]))
@@ -81,8 +92,10 @@ def test_fp8_backbone_keeps_its_bytes_and_its_power_of_two_scales(v4_converted, 
         assert torch.equal(q.view(torch.uint8), sq.view(torch.uint8))
         assert torch.equal(scale, 2.0 ** (ss.view(torch.uint8).float() - 127))
         assert torch.equal(dequantize(t.format, (q, scale)), dequantize("fp8_e4m3_e8m0_b128", (sq, ss)))
-    assert torch.equal(e8m0_scales(torch.tensor([0, 1, 127, 254], dtype=torch.uint8)),
-                       torch.tensor([2.0**-127, 2.0**-126, 1.0, 2.0**127]))  # fmt: skip
+    assert torch.equal(
+        e8m0_scales(torch.tensor([0, 1, 127, 254], dtype=torch.uint8)),
+        torch.tensor([2.0**-127, 2.0**-126, 1.0, 2.0**127]),
+    )
 
 
 def _infos(ckpt):

@@ -54,8 +54,21 @@ def _free_port() -> int:
 @contextmanager
 def _serve(model: Path, *flags: str):
     port = _free_port()
-    cmd = [sys.executable, "-m", "dsfp4.cli.main", "run", str(model), "--serve", "--device", "cpu", "--port", str(port),
-           "--max-context", str(CONTEXT), *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsfp4.cli.main",
+        "run",
+        str(model),
+        "--serve",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--max-context",
+        str(CONTEXT),
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = Server(f"http://127.0.0.1:{port}", proc)
     try:
@@ -100,8 +113,16 @@ def test_openai_client_chat_and_completions_streaming_and_not(server):
     assert usage.total_tokens == usage.prompt_tokens + 8 and stats["prompt_tokens"] == usage.prompt_tokens
     for field in ("ttft_s", "prefill_tok_s", "decode_tok_s", "gpu_hit_rate", "ram_hit_rate", "ssd_bytes_per_token"):
         assert field in stats
-    chunks = list(c.chat.completions.create(model="fp8", messages=_chat("hello"), max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        c.chat.completions.create(
+            model="fp8",
+            messages=_chat("hello"),
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
@@ -114,22 +135,51 @@ def test_openai_client_chat_and_completions_streaming_and_not(server):
     streamed = list(c.completions.create(model="fp8", prompt="hello", max_tokens=6, temperature=0, stream=True))
     assert "".join(ch.choices[0].text for ch in streamed) == done.choices[0].text
     assert done.choices[0].finish_reason == streamed[-1].choices[0].finish_reason == "length"
-    seeded = [c.completions.create(model="fp8", prompt="hi", max_tokens=6, temperature=1.0, seed=s).choices[0].text
-              for s in (5, 5, 6)]  # fmt: skip
+    seeded = [
+        c.completions.create(model="fp8", prompt="hi", max_tokens=6, temperature=1.0, seed=s).choices[0].text
+        for s in (5, 5, 6)
+    ]
     assert seeded[0] == seeded[1] != seeded[2]
 
 
 def test_greedy_output_through_the_server_equals_dsfp4_run(server, converted):
     c = server.client()
     for prompt in PROMPTS[:2]:
-        r = run_cli("run", converted, "--prompt", prompt, "--temperature", 0, "--max-tokens", 8, "--device", "cpu",
-                    "--max-context", CONTEXT, "--json")  # fmt: skip
+        r = run_cli(
+            "run",
+            converted,
+            "--prompt",
+            prompt,
+            "--temperature",
+            0,
+            "--max-tokens",
+            8,
+            "--device",
+            "cpu",
+            "--max-context",
+            CONTEXT,
+            "--json",
+        )
         local = json.loads(r.stdout)
         served = c.chat.completions.create(model="fp8", messages=_chat(prompt), max_tokens=8, temperature=0)
         assert served.choices[0].message.content == local["text"]
         assert served.usage.prompt_tokens == len(local["prompt_token_ids"])
-        r = run_cli("run", converted, "--prompt", prompt, "--raw", "--temperature", 0, "--max-tokens", 8,
-                    "--device", "cpu", "--max-context", CONTEXT, "--json")  # fmt: skip
+        r = run_cli(
+            "run",
+            converted,
+            "--prompt",
+            prompt,
+            "--raw",
+            "--temperature",
+            0,
+            "--max-tokens",
+            8,
+            "--device",
+            "cpu",
+            "--max-context",
+            CONTEXT,
+            "--json",
+        )
         served = c.completions.create(model="fp8", prompt=prompt, max_tokens=8, temperature=0)
         assert served.choices[0].text == json.loads(r.stdout)["text"]
 
@@ -188,8 +238,9 @@ def test_keys_routes_and_binding(server):
 def test_a_client_that_disconnects_mid_stream_frees_the_engine_at_once(server):
     cancelled = server.metric('dsfp4_generations_total{reason="cancelled"}')
     body = {"messages": _chat("tell me everything"), "max_tokens": 100, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", server.base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
         lines = r.iter_lines()
         while not next(lines).startswith('data: {"id"'):
             pass
@@ -205,8 +256,12 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_the_engine_too(server):
     cancelled = server.metric('dsfp4_generations_total{reason="cancelled"}')
     body = {"messages": _chat("tell me everything"), "max_tokens": 100, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=httpx.Timeout(0.3, connect=5))  # fmt: skip
+        httpx.post(
+            server.base + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=httpx.Timeout(0.3, connect=5),
+        )
     gone = time.perf_counter()
     while server.metric('dsfp4_generations_total{reason="cancelled"}') == cancelled:
         assert time.perf_counter() - gone < 5, "the generation went on after its client left"

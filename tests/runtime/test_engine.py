@@ -59,8 +59,21 @@ def test_the_readme_examples_run_on_the_demo_model_in_a_fresh_interpreter(conver
 
 
 def test_run_json_equals_generate_and_the_argmax_of_logits_step_by_step(converted, engine):
-    r = run_cli("run", converted, "--prompt", PROMPT, "--temperature", "0", "--max-tokens", "8", "--device", "cpu",
-                "--max-context", "64", "--json")  # fmt: skip
+    r = run_cli(
+        "run",
+        converted,
+        "--prompt",
+        PROMPT,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--max-context",
+        "64",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert set(out) == {"prompt_token_ids", "token_ids", "text", "finish_reason", "stats"}

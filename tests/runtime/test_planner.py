@@ -46,8 +46,15 @@ def test_token_bytes_reads_one_row_of_the_hash_tables(v4_converted):
     a = m.args
     tables = {n for n in m.tensors if n.endswith("tid2eid") and not n.startswith(a.mtp_prefixes)}
     assert len(tables) == a.n_hash_layers == 2
-    plain = Manifest(m.args, m.source, m.options, {n: t for n, t in m.tensors.items() if n not in tables},
-                     m.files, m.record, m.experts)  # fmt: skip
+    plain = Manifest(
+        m.args,
+        m.source,
+        m.options,
+        {n: t for n, t in m.tensors.items() if n not in tables},
+        m.files,
+        m.record,
+        m.experts,
+    )
     (backbone, record), (without, _) = token_bytes(m), token_bytes(plain)
     assert backbone - without == a.n_hash_layers * a.n_activated_experts * 8  # the token's k expert ids (int64)
     assert record == sum(p.nbytes for p in m.record.parts)

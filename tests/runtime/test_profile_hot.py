@@ -192,9 +192,21 @@ def test_report_numbers():
 
 def _profile_cli(model: Path, prompts: Path, *more):
     return run_cli(
-        "profile-hot", model, "--device", "cpu", "--prompts", prompts, "--tokens", 60,
-        "--max-context", SEQ, "--prefill-chunk", CHUNK, "-q", *more,
-    )  # fmt: skip
+        "profile-hot",
+        model,
+        "--device",
+        "cpu",
+        "--prompts",
+        prompts,
+        "--tokens",
+        60,
+        "--max-context",
+        SEQ,
+        "--prefill-chunk",
+        CHUNK,
+        "-q",
+        *more,
+    )
 
 
 def test_cli_profiles_merges_reports_and_the_run_warm_starts(model, prompts, tmp_path, monkeypatch):
@@ -204,8 +216,20 @@ def test_cli_profiles_merges_reports_and_the_run_warm_starts(model, prompts, tmp
     assert read_trace(tmp_path / "t.npy").ids.shape == (60, 2, 2)
     with Engine(model, device="cpu", max_context=64) as engine:
         assert engine.model.experts.counters.warm_records == 16
-    r = run_cli("profile-hot", model, "--no-measure", "--merge", model / HOT_NAME, "--merge", model / HOT_NAME,
-                "-o", tmp_path / "two.json", "--report", "--device", "cpu")  # fmt: skip
+    r = run_cli(
+        "profile-hot",
+        model,
+        "--no-measure",
+        "--merge",
+        model / HOT_NAME,
+        "--merge",
+        model / HOT_NAME,
+        "-o",
+        tmp_path / "two.json",
+        "--report",
+        "--device",
+        "cpu",
+    )
     assert r.exit_code == 0, r.output
     assert HotProfile.read(tmp_path / "two.json").tokens == 120
     assert "top 10%" in r.stdout and "static hot set" in r.stdout and (tmp_path / "two.png").stat().st_size > 1000
@@ -234,8 +258,20 @@ def test_cli_refuses_foreign_profiles_and_pointless_flags(model, prompts, tmp_pa
 
 def test_run_records_the_trace_of_every_token_it_computes(model, tmp_path):
     path = tmp_path / "run.npz"
-    r = run_cli("run", model, "--prompt", "hello", "--device", "cpu", "--temperature", 0, "--max-tokens", 5,
-                "--record-trace", path)  # fmt: skip
+    r = run_cli(
+        "run",
+        model,
+        "--prompt",
+        "hello",
+        "--device",
+        "cpu",
+        "--temperature",
+        0,
+        "--max-tokens",
+        5,
+        "--record-trace",
+        path,
+    )
     assert r.exit_code == 0, r.output
     t = read_trace(path)
     prompt = ChatTokenizer(model).encode_prompt("hello")

@@ -24,7 +24,7 @@ from dsfp4.runtime.models.load import load_model
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.v4.attention import grouped_output
 from dsfp4.runtime.models.v4.model import TransformerV4
-from dsfp4.synthetic.hf_v4 import V4_TINY
+from dsfp4.synthetic.shapes import V4_TINY
 from tests.fixtures.v4_checkpoint import build_v4_checkpoint, hf_model
 
 TOL = 1e-5  # as tests/test_model_v4.py: fp32 against transformers

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.backend import triton
+from dsfp4.kernels.backend import tl, triton  # noqa: F401 (Triton's interpreter needs tl beside every jit function)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""`dsfp4 bench`: end-to-end speed of a converted model under hardware presets (dsfp4/tools/bench.py)."""
+"""`dsfp4 bench` (end-to-end speed of a converted model under hardware presets: dsfp4/tools/bench.py) and `dsfp4
+doctor` (this machine's ceilings, which bench reads: dsfp4/tools/doctor.py)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -105,3 +107,35 @@ def bench(
     }
     for p in write_reports(out, meta, results):
         click.echo(f"wrote {p}", err=True)
+
+
+@click.command()
+@click.argument("folder", type=EXISTING_DIR, default=".")
+@click.option("--out", type=PATH, help="Save the JSON here (default: ~/.cache/dsfp4/doctor.json).")
+@click.option(
+    "--scratch",
+    default="2G",
+    show_default=True,
+    help="Size of the scratch file written (then deleted) when FOLDER holds no converted model.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the ceilings as JSON on stdout.")
+def doctor(folder: Path, out: Path | None, scratch: str, as_json: bool) -> None:
+    """Measure this machine's ceilings (GPU memory and PCIe speed, the disk under FOLDER, RAM, CPU) in about
+    a minute, say what will limit decoding, and save them for `dsfp4 bench`.
+
+    FOLDER is where the model lives or will (default: here): a converted model's expert files are read as
+    they are; elsewhere a scratch file is written, read and deleted."""
+    from dsfp4.runtime.plan.budget import parse_size
+    from dsfp4.tools.doctor import default_path, folder_model, measure, model_expert_bytes, table, verdict
+
+    model = folder_model(folder)
+    c = measure(folder, parse_size(scratch, "--scratch"), model=model)
+    path = out or default_path()
+    c.save(path)
+    if as_json:
+        click.echo(json.dumps(c.to_dict(), indent=1))
+        return
+    click.echo(table(c))
+    for line in verdict(c, model_expert_bytes(model)):
+        click.echo(line)
+    click.echo(f"saved: {path}", err=True)

@@ -7,27 +7,17 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import sys
-from pathlib import Path
 
 import click
-from tqdm import tqdm
 
-from dsfp4.cli.bench import bench
+from dsfp4.cli.bench import bench, doctor
+from dsfp4.cli.convert import convert, inspect, verify
+from dsfp4.cli.demo import demo
 from dsfp4.cli.download import download
-from dsfp4.cli.options import (
-    EXISTING_DIR,
-    PATH,
-    given_flags,
-    hub_options,
-    quiet_option,
-)
 from dsfp4.cli.profile import profile_hot
 from dsfp4.cli.run import chat, run
 from dsfp4.errors import DsfpError
-from dsfp4.units import format_bytes
 from dsfp4.version import __version__
 
 
@@ -59,225 +49,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
     ctx.obj = {"debug": debug}
 
 
-@cli.command()
-@click.argument("folder", type=EXISTING_DIR, default=".")
-@click.option("--out", type=PATH, help="Save the JSON here (default: ~/.cache/dsfp4/doctor.json).")
-@click.option(
-    "--scratch",
-    default="2G",
-    show_default=True,
-    help="Size of the scratch file written (then deleted) when FOLDER holds no converted model.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the ceilings as JSON on stdout.")
-def doctor(folder: Path, out: Path | None, scratch: str, as_json: bool) -> None:
-    """Measure this machine's ceilings (GPU memory and PCIe speed, the disk under FOLDER, RAM, CPU) in about
-    a minute, say what will limit decoding, and save them for `dsfp4 bench`.
-
-    FOLDER is where the model lives or will (default: here): a converted model's expert files are read as
-    they are; elsewhere a scratch file is written, read and deleted."""
-    from dsfp4.runtime.plan.budget import parse_size
-    from dsfp4.tools.doctor import default_path, folder_model, measure, model_expert_bytes, table, verdict
-
-    model = folder_model(folder)
-    c = measure(folder, parse_size(scratch, "--scratch"), model=model)
-    path = out or default_path()
-    c.save(path)
-    if as_json:
-        click.echo(json.dumps(c.to_dict(), indent=1))
-        return
-    click.echo(table(c))
-    for line in verdict(c, model_expert_bytes(model)):
-        click.echo(line)
-    click.echo(f"saved: {path}", err=True)
-
-
-@cli.command()
-@click.option(
-    "--dir", "workdir", type=PATH, help="Keep the demo's checkpoint and model here (default: a temporary folder)."
-)
-@click.option("--prompt", default=None, help="What to ask the tiny model.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=24, show_default=True)
-@click.option(
-    "--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True, help="DeepSeek-V3 or DeepSeek-V4."
-)
-def demo(workdir: Path | None, prompt: str | None, device: str, max_tokens: int, family: str) -> None:
-    """Build a tiny DeepSeek-V3 (or --family v4) checkpoint, convert it, verify it and run a prompt: offline,
-    end to end."""
-    import tempfile
-
-    from dsfp4.tools.demo import DEMO_PROMPT, run_demo
-
-    with tempfile.TemporaryDirectory(prefix="dsfp4-demo-") as tmp:
-        g = run_demo(
-            workdir or Path(tmp),
-            prompt or DEMO_PROMPT,
-            device,
-            max_tokens,
-            echo=lambda line: click.echo(line, err=True),
-            on_text=lambda t: click.echo(t, nl=False),
-            family=family,
-        )
-        click.echo()
-    click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
-
-
-@cli.command()
-@click.argument("src")
-@click.argument("out", type=PATH)
-@click.option(
-    "--fp4",
-    is_flag=True,
-    required=True,
-    help="Required: quantize the routed experts to FP4 (layout v1 stores them only in FP4).",
-)
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["auto", "nvfp4", "mxfp4"]),
-    default="auto",
-    show_default=True,
-    help="FP4 format of the routed experts. auto: the source's own when its experts are FP4 already (NVIDIA's "
-    "NVFP4 exports, DeepSeek-V4's MXFP4: repacked byte for byte), else nvfp4. Another format requantizes "
-    "them, and the conversion reports the error that costs.",
-)
-@click.option(
-    "--backbone",
-    type=click.Choice(["fp8", "fp4"]),
-    default="fp8",
-    show_default=True,
-    help="fp8: keep FP8 bit-exact (BF16 sources are quantized to FP8 blocks); fp4: attention, "
-    "dense and shared-expert matrices to NVFP4, so the backbone fits a 16 GB card.",
-)
-@click.option("--no-mtp", is_flag=True, help="Leave out the MTP layer (needed when SRC was downloaded without it).")
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Tensors converted in parallel; the output is identical for any value.",
-)
-@click.option(
-    "--device",
-    default="auto",
-    show_default=True,
-    help="Where to quantize: auto (CUDA when present), cpu, cuda, cuda:N.",
-)
-@click.option("--dry-run", is_flag=True, help="Print the plan (sizes in and out, per part) and exit.")
-@click.option("--force", is_flag=True, help="Overwrite OUT if it holds a converted model or other files.")
-@click.option(
-    "--from-hub",
-    is_flag=True,
-    help="SRC is a hub repo id: fetch its shards as the conversion needs them (into --source-dir).",
-)
-@hub_options("With --from-hub: ")
-@click.option("--source-dir", type=PATH, help="With --from-hub: where the source goes (default: OUT.source).")
-@click.option(
-    "--delete-source",
-    is_flag=True,
-    help="With --from-hub: delete each shard once converted, so the disk holds the output and a few shards.",
-)
-@quiet_option
-def convert(
-    src: str,
-    out: Path,
-    fp4: bool,
-    fmt: str,
-    backbone: str,
-    no_mtp: bool,
-    workers: int,
-    device: str,
-    dry_run: bool,
-    force: bool,
-    from_hub: bool,
-    revision: str,
-    token: str | None,
-    source_dir: Path | None,
-    delete_source: bool,
-    quiet: bool,
-) -> None:
-    """Convert a Hugging Face DeepSeek checkpoint SRC (FP8, BF16 or NVIDIA NVFP4) into dsfp4 layout v1 at OUT.
-
-    \b
-    Examples:
-      dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --dry-run
-      dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --workers 8 --device cuda
-      dsfp4 convert --fp4 hf/DeepSeek-V3 model-16g/ --backbone fp4
-      dsfp4 convert --fp4 deepseek-ai/DeepSeek-V3 model/ --from-hub --delete-source
-
-    An interrupted conversion resumes when run again with the same arguments.
-    """
-    from dsfp4.convert.pipeline import convert as run_convert
-    from dsfp4.convert.plan import ConvertOptions, plan_table
-
-    options = ConvertOptions(
-        format=fmt, backbone=backbone, no_mtp=no_mtp, workers=workers, device=device, force=force, dry_run=dry_run
-    )
-    given = given_flags(click.get_current_context(), ("revision", "token", "source_dir", "delete_source"))
-    if given and not from_hub:
-        raise click.UsageError(f"{', '.join(given)} only apply with --from-hub")
-    hub, src_path = None, Path(src)
-    if from_hub:
-        from dsfp4.convert.source.hub import HubSource
-
-        resolved = out.resolve()
-        src_path = source_dir or resolved.with_name(resolved.name + ".source")
-        with HubSource(src, src_path, revision, token, no_mtp, delete_source) as hub:
-            result = run_convert(src_path, out, options, progress=not quiet, hub=hub)
-    elif not src_path.exists() and src.count("/") == 1 and not src.startswith((".", "/", "~")):
-        raise click.UsageError(f"{src} is not a folder here; to convert a hub repo, add --from-hub")
-    else:
-        result = run_convert(src_path, out, options, progress=not quiet)
-    if dry_run:
-        click.echo(plan_table(result.plan, str(src), str(out)))
-        click.echo("\n".join(("", *result.notes)))
-        return
-    if hub is not None and delete_source:
-        hub.remove()
-    r = result
-    rate = format_bytes(r.converted_bytes / r.seconds) if r.seconds > 0 else "-"
-    resumed = f" ({r.resumed_parts} parts were already done)" if r.resumed_parts else ""
-    click.echo(
-        f"converted {format_bytes(r.converted_bytes)} of source in {r.seconds:.1f} s ({rate}/s){resumed}", err=True
-    )
-    for klass, err in r.quant_error.items():
-        click.echo(f"  quantization error {klass:<36} {err:.4g} (relative RMS)", err=True)
-    click.echo(str(out))
-
-
-@cli.command()
-@click.argument("model", type=EXISTING_DIR)
-@click.option("--tensors", is_flag=True, help="List every backbone tensor.")
-def inspect(model: Path, tensors: bool) -> None:
-    """Show what a converted MODEL holds: files, formats, sizes, expert records."""
-    from dsfp4.layout.inspect import describe
-
-    click.echo(describe(model, tensors))
-
-
-@cli.command()
-@click.argument("model", type=EXISTING_DIR)
-@quiet_option
-def verify(model: Path, quiet: bool) -> None:
-    """Re-hash every file and expert record of MODEL; exit 1 naming the first damaged one."""
-    from dsfp4.layout.manifest import Manifest
-    from dsfp4.layout.verify import checked_bytes
-    from dsfp4.layout.verify import verify as run_verify
-
-    total = checked_bytes(Manifest.read(model))
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr) as bar:
-        report = run_verify(model, bar.update)
-    click.echo(
-        f"{model}: OK ({report.n_files} files, {report.n_records} expert records, "
-        f"{format_bytes(report.nbytes)} checked)"
-    )
-
-
-cli.add_command(run)
-cli.add_command(chat)
-cli.add_command(profile_hot)
-cli.add_command(download)
-cli.add_command(bench)
+for command in (convert, inspect, verify, run, chat, profile_hot, download, bench, doctor, demo):
+    cli.add_command(command)
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ class Speculator:
         self.adaptive = True  # tests turn it off to keep drafting whatever it costs
         self.probe_plain = PROBE_PLAIN  # tests set 0 to draft from the first decode step
         self.override: Callable[[int, int], int] | None = None  # test hook, greedy: (position, draft) -> token
+        self.clock: Callable[[], float] = time.perf_counter  # times the steps (tests give a clock of their own)
 
     def truncate(self, n: int) -> None:
         """The main cache keeps its first n positions: entries past them are stale."""
@@ -114,11 +115,11 @@ class Speculator:
                 room = min(budget - produced, d.max_context - len(d.cached))
                 if not drafting and not fallback and stats.plain_steps >= self.probe_plain and room >= 2:
                     draft_logits, drafting = self._flush(pending, head=True), True
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 if not drafting or room < 2:
                     logits, h = d.forward([token], cancel)  # h: [1, D]
                     token = sample(logits, sampling, gen)
-                    stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + time.perf_counter() - t0
+                    stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + self.clock() - t0
                     pending.h.append(h)
                     pending.next.append(token)
                     if fallback and len(pending.h) >= MTP_BATCH:
@@ -138,7 +139,7 @@ class Speculator:
                     out = [checked]
                     draft_logits = self._extend(h[:1], out, at)
                 stats.drafted, stats.accepted = stats.drafted + 1, stats.accepted + ok
-                stats.verify_s += time.perf_counter() - t0
+                stats.verify_s += self.clock() - t0
                 if self.adaptive and stats.drafted >= JUDGE_AFTER and not _pays(stats):
                     drafting, fallback = False, True
                     stats.mtp_note = _why_not(stats)

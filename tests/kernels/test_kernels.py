@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsfp4.kernels.fp4.matmul import fp4_matmul, fp4_matmul_ref, triton
+from dsfp4.kernels.backend import triton, use_kernels
+from dsfp4.kernels.fp4.matmul import fp4_matmul, fp4_matmul_ref
 from dsfp4.layout import fp4
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")
@@ -32,3 +33,11 @@ def test_fp4_matmul_matches_its_reference(fmt, t, n, k):
     want = fp4_matmul_ref(x, packed, scale, g, split, fmt)
     got = fp4_matmul(*(a.to(DEVICE) for a in (x, packed, scale, g)), split, fmt).cpu()
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_one_rule_picks_kernel_or_reference():
+    """backend.use_kernels: Triton kernels for CUDA tensors when Triton is installed, the references elsewhere (the
+    tests call the kernels themselves on the CPU, under Triton's interpreter)."""
+    assert not use_kernels(torch.zeros(1)) and not use_kernels(torch.device("cpu"))
+    if torch.cuda.is_available():
+        assert use_kernels(torch.zeros(1, device="cuda")) == (triton is not None)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from dsfp4.synthetic.hf_v3 import build_synthetic_checkpoint  # noqa: E402
-from dsfp4.tools.ceilings import gpu_ceilings, odirect_read_gbps  # noqa: E402
+from dsfp4.synthetic.hf_v3 import build_synthetic_checkpoint
+from dsfp4.tools.ceilings import gpu_ceilings, odirect_read_gbps
 
 V3_2G = dict(
     hidden_size=7168,

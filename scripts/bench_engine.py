@@ -19,13 +19,13 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `dsfp4` itself sets
 
-import torch  # noqa: E402
+import torch
 
-from dsfp4 import Engine, RunOptions  # noqa: E402
-from dsfp4.runtime.plan.budget import process_rss  # noqa: E402
-from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
-from dsfp4.tools.ceilings import model_ceilings as ceilings  # noqa: E402
-from dsfp4.units import format_bytes  # noqa: E402
+from dsfp4 import Engine, RunOptions
+from dsfp4.runtime.plan.budget import process_rss
+from dsfp4.synthetic.bench_model import bench_model_at
+from dsfp4.tools.ceilings import model_ceilings as ceilings
+from dsfp4.units import format_bytes
 
 DEV = torch.device("cuda")
 

@@ -24,14 +24,14 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `dsfp4` itself sets
 
-import torch  # noqa: E402
+import torch
 
-from dsfp4 import Engine, RunOptions  # noqa: E402
-from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
-from dsfp4.runtime.generate import speculative  # noqa: E402
-from dsfp4.runtime.generate.sampling import check_draft  # noqa: E402
-from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
-from dsfp4.tools.ceilings import model_ceilings as ceilings  # noqa: E402
+from dsfp4 import Engine, RunOptions
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.runtime.generate import speculative
+from dsfp4.runtime.generate.sampling import check_draft
+from dsfp4.synthetic.bench_model import bench_model_at
+from dsfp4.tools.ceilings import model_ceilings as ceilings
 
 PROMPT = "Which experts are hot?"
 

@@ -21,25 +21,25 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `dsfp4` itself sets
 
-import torch  # noqa: E402
+import torch
 
-from dsfp4.layout.direct_io import RecordFile  # noqa: E402
-from dsfp4.layout.hot_profile import HOT_NAME, HotProfile  # noqa: E402
-from dsfp4.layout.manifest import Manifest  # noqa: E402
-from dsfp4.layout.repack import repack  # noqa: E402
-from dsfp4.runtime.engine import Engine  # noqa: E402
-from dsfp4.runtime.generate.stats import peak_memory  # noqa: E402
-from dsfp4.runtime.generate.tokenizer import ChatTokenizer  # noqa: E402
-from dsfp4.runtime.models.load import plan_run  # noqa: E402
-from dsfp4.runtime.options import RunOptions  # noqa: E402
-from dsfp4.runtime.profile.calibration import calibration  # noqa: E402
-from dsfp4.runtime.profile.profiler import profile_model  # noqa: E402
-from dsfp4.runtime.store.expert_store import ExpertStore  # noqa: E402
-from dsfp4.runtime.store.placement import warm_start  # noqa: E402
-from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
-from dsfp4.tools.ceilings import model_ceilings as ceilings  # noqa: E402
-from dsfp4.tools.ceilings import odirect_write_gbps  # noqa: E402
-from dsfp4.tools.full_model import preset_shares  # noqa: E402
+from dsfp4.layout.direct_io import RecordFile
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.repack import repack
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.stats import peak_memory
+from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+from dsfp4.runtime.models.load import plan_run
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.profile.calibration import calibration
+from dsfp4.runtime.profile.profiler import profile_model
+from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.placement import warm_start
+from dsfp4.synthetic.bench_model import bench_model_at
+from dsfp4.tools.ceilings import model_ceilings as ceilings
+from dsfp4.tools.ceilings import odirect_write_gbps
+from dsfp4.tools.full_model import preset_shares
 
 READS: list[int] = []  # bytes of each RecordFile.read_into call
 

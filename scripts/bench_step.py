@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from dsfp4 import Engine, RunOptions  # noqa: E402
-from dsfp4.layout.manifest import Manifest  # noqa: E402
-from dsfp4.runtime.plan.planner import expert_layers, token_bytes  # noqa: E402
-from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
-from dsfp4.tools.ceilings import gpu_ceilings  # noqa: E402
+from dsfp4 import Engine, RunOptions
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.plan.planner import expert_layers, token_bytes
+from dsfp4.synthetic.bench_model import bench_model_at
+from dsfp4.tools.ceilings import gpu_ceilings
 
 PROMPT = "Count the ways a decode step can waste memory bandwidth"
 

@@ -23,17 +23,17 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `dsfp4` itself sets
 
-import torch  # noqa: E402
+import torch
 
-from dsfp4.layout.hot_profile import HotProfile  # noqa: E402
-from dsfp4.layout.manifest import Manifest  # noqa: E402
-from dsfp4.runtime.generate.stats import peak_memory  # noqa: E402
-from dsfp4.runtime.models.load import load_model, plan_run  # noqa: E402
-from dsfp4.runtime.options import RunOptions  # noqa: E402
-from dsfp4.runtime.store.placement import warm_start  # noqa: E402
-from dsfp4.synthetic.bench_model import bench_model_at  # noqa: E402
-from dsfp4.tools.ceilings import model_ceilings  # noqa: E402
-from dsfp4.tools.full_model import preset_shares  # noqa: E402
+from dsfp4.layout.hot_profile import HotProfile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.generate.stats import peak_memory
+from dsfp4.runtime.models.load import load_model, plan_run
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.placement import warm_start
+from dsfp4.synthetic.bench_model import bench_model_at
+from dsfp4.tools.ceilings import model_ceilings
+from dsfp4.tools.full_model import preset_shares
 
 DEV = torch.device("cuda")
 GB = 1e9

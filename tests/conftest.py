@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on the CPU (set before they load)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dsfp4.convert.pipeline import convert  # noqa: E402
-from dsfp4.convert.plan import ConvertOptions  # noqa: E402
-from tests.fixtures.tiny_checkpoint import build_checkpoint  # noqa: E402
+from dsfp4.convert.pipeline import convert
+from dsfp4.convert.plan import ConvertOptions
+from tests.fixtures.tiny_checkpoint import build_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):

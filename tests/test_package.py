@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dsfp4"
 LAYERS = ("convert", "layout", "runtime", "kernels")  # top-level folders, dsfp4.<name> through dsfp4/<name>
@@ -17,6 +19,7 @@ HUB = "dsfp4.hub"  # below convert (convert --from-hub), above layout
 GROUND = ("dsfp4.errors", "dsfp4.units", "dsfp4.version")  # what layout may import besides itself
 
 
+@pytest.mark.slow
 def test_subpackages_import_from_outside_the_repo(tmp_path):
     code = (
         "import dsfp4, dsfp4.cli.main, dsfp4.convert.pipeline, dsfp4.layout.manifest, "
@@ -27,6 +30,7 @@ def test_subpackages_import_from_outside_the_repo(tmp_path):
     assert out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_console_script_runs(tmp_path):
     exe = Path(sys.executable).with_name("dsfp4")
     out = subprocess.run([str(exe), "--help"], cwd=tmp_path, capture_output=True, text=True, check=True)
@@ -80,6 +84,7 @@ def _target(modules: dict[str, Path], imported: str) -> str | None:
     return parent if parent in modules else None
 
 
+@pytest.mark.slow
 def test_every_import_between_modules_resolves_to_a_file_of_the_tree():
     """Read the tree as an IDE does: dsfp4.a.b is dsfp4/a/b.py or dsfp4/a/b/__init__.py (through the links), and
     a name imported from a module is defined or imported there."""

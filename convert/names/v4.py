@@ -4,7 +4,7 @@ V4 checkpoints use DeepSeek's reference names already (`layers.N.attn.wq_a.weigh
 a dsfp4 name is the checkpoint's own, with the module path of a matrix and the MTP block `mtp.i.` renamed
 `layers.{n_layers + i}.` as for V3. Matrices carry a `.scale` companion: FP8 e4m3 weights with E8M0 128x128
 block scales (the backbone), e2m1 codes with E8M0 1x32 scales (routed experts). The completeness check is
-hf_names' own: every tensor is consumed once or skipped for a stated reason.
+the vocabulary of names/rules.py: every tensor is consumed once or skipped for a stated reason.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ On huggingface_hub's client, so HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply. 
 cache, in its layout (blobs/, snapshots/<commit>/, refs/), or to a folder given with --local-dir. The
 revision is resolved to a commit first and every file is fetched at that commit. A record of the commit
 and of each file's size and hash is kept: in the folder (`.dsfp4-download.json`), or beside the cached
-repo's snapshots. Each file is fetched by `hub_file.fetch`: resumable, retried, checked. A run holds a
+repo's snapshots. Each file is fetched by `remote_file.fetch`: resumable, retried, checked. A run holds a
 lock, so two runs never write the same files.
 """
 

@@ -2,7 +2,7 @@
 
 GPU benchmarks of the expert store need a model with the real dims (V3: 7168-wide, 256 NVFP4 experts of
 24.8 MB per MoE layer; V4-Flash: 4096-wide, 256 MXFP4 experts of 13.4 MB in every layer, its config in
-bench_model_v4.py), and no real checkpoint is reachable offline; converting a synthetic HF checkpoint would
+synthetic/shapes.py), and no real checkpoint is reachable offline; converting a synthetic HF checkpoint would
 cost twice the disk and hours of CPU quantization. This writes the converted layout directly: the same file
 names, tensor names, formats, record layout, offsets and sha256s as `dsfp4 convert --fp4`, so `dsfp4
 verify`, `dsfp4 inspect` and the runtime take it as they take a converted model.

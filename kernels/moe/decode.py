@@ -12,7 +12,7 @@
   3. combine: the sum over a token's K pairs in fp32, in slot order (no atomics, the same bits on every run),
      rounded to x's dtype, plus an optional addend (the shared experts' output) rounded again: a program per
      (token, BN3 columns), so that one token's row still spreads over the SMs.
-Either product multiplies in fp32, or in fp16 products on the code words as loaded (fp4_decode.words_sums:
+Either product multiplies in fp32, or in fp16 products on the code words as loaded (fp4/codes.words_sums:
 about half the instructions per byte; relative error ~6e-4) when DecodeConfig asks for it, except for fp32
 x, the exact runs. A pair's run of one (every run at one token) takes a straight loop over its chunks.
 Experts are found on the device through `offsets` (kernels/moe/ref.py), so routing needs no host sync and

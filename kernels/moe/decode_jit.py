@@ -423,7 +423,7 @@ if triton is not None:
     ):
         """Launch 3: BD columns of token t's y (combine_ref): its K pairs' fp32 rows from down summed in slot
         order, rounded to y's dtype; ADD: plus add's row in fp32, rounded again (torch's y.to(dtype) + add).
-        EMULATE_RNE: the interpreter's bf16 rounding made the GPU's (fp4_decode.rounded)."""
+        EMULATE_RNE: the interpreter's bf16 rounding made the GPU's (fp4/codes.rounded)."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         rows = out_ptr + t * K * D + cols  # pair t * K + j's row at rows + j * D

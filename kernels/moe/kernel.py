@@ -1,4 +1,4 @@
-"""The routed-expert interface the MoE layer calls (the formula and the record convention: moe_ref.py).
+"""The routed-expert interface the MoE layer calls (the formula and the record convention: ref.py).
 
 `MoEKernel` runs the decode kernel for up to MAX_TOKENS tokens and the prefill kernel above it, on CUDA
 with Triton, and the torch reference elsewhere.

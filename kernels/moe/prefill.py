@@ -1,5 +1,5 @@
 """The prefill MoE kernel: (token, slot) pairs grouped by expert on the device, then two grouped FP4 GEMMs
-on tensor cores, straight from the expert records (the formula and the record convention: moe_ref.py).
+on tensor cores, straight from the expert records (the formula and the record convention: ref.py).
 
   1. `align_by_expert` (torch, fixed-size outputs, no host sync): pairs sorted by expert, each expert's run
      padded to whole blocks of block_m + tail_m rows, and the expert of every block (vLLM's
@@ -12,7 +12,7 @@ on tensor cores, straight from the expert records (the formula and the record co
      silu(gate) * up * routing weight is stored per pair row.
   3. down: a program per (block, BN columns of the model dim) writes one output row per pair; the K rows of
      a token are then summed in slot order (deterministic, no atomics).
-FP4 tiles are decoded to bf16 with the block scale in one bf16 product (NVFP4; fp4_decode.E4M3_LIFT), both
+FP4 tiles are decoded to bf16 with the block scale in one bf16 product (NVFP4; fp4/codes.E4M3_LIFT), both
 nibbles of a byte side by side, so activations keep their natural column order (prefill_jit.py's programs).
 `moe_ref` (ref.py) is the torch reference. Legend: T tokens, K experts per token, E routed experts, D dim, I expert
 width, G scale block, P = T * K pairs, L padded rows, B blocks of block_m + tail_m rows.

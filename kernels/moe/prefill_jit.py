@@ -33,7 +33,7 @@ if triton is not None:
         DOT: tl.constexpr,
     ):
         """Columns kb..kb+BK of `rows` of an FP4 matrix [N, K] (codes [N, K/2], scale bytes [N, K/G]) -> [R, BK]
-        in DOT: e2m1 * block scale * 2^-7 (NVFP4) or e2m1 * block scale (MXFP4), exact (fp4_decode.E4M3_LIFT)."""
+        in DOT: e2m1 * block scale * 2^-7 (NVFP4) or e2m1 * block scale (MXFP4), exact (fp4/codes.E4M3_LIFT)."""
         R: tl.constexpr = rows.shape[0]
         r = rows.to(tl.int64)[:, None]
         packed = tl.load(w_ptr + r * (K // 2) + (kb // 2 + tl.arange(0, BK // 2))[None, :])  # [R, BK/2]

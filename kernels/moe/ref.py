@@ -8,7 +8,7 @@ left out, which lets a caller split a layer into waves). An offset may point out
 pinned host memory (zero-copy: the kernel reads the record over PCIe), since the GPU sees host and device
 memory in one address space. No host sync is needed to route: ids and offsets stay on the device.
 
-`moe_ref` is the torch reference of the kernels in moe_decode.py and moe_prefill.py; kernels/moe/kernel.py picks
+`moe_ref` is the torch reference of the kernels in decode.py and prefill.py; kernels/moe/kernel.py picks
 one. Legend: T tokens, K experts per token, E routed experts, D dim, I expert width, S slots.
 """
 

@@ -1,7 +1,7 @@
 """Expert uses counted on the device, for steps that never return to the host (CUDA-graph replays).
 
 A host counter runs only when Python does; a replayed graph skips Python, so a run whose experts are
-reached without the host (runtime/store/expert_store.py, `map_all`) counts each layer step with two small
+reached without the host (runtime/store/placement.py, `map_all`) counts each layer step with two small
 kernels that the graph captures, and the store folds the totals into its host counters when they are
 read (one sync then, none per step). Legend: L blocks, E routed experts, T tokens, K experts per token.
 """

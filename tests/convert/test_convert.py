@@ -32,6 +32,7 @@ def _stored(model, entry, comp):
         return f.get_tensor(entry.tensors[comp])
 
 
+@pytest.mark.slow
 def test_records_are_aligned_and_cover_every_expert(converted):
     m = Manifest.read(converted)
     a = m.args

@@ -82,6 +82,7 @@ def test_the_peak_estimate_bounds_the_measured_peak_when_parts_share_shards(chec
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["precious.txt"]
 
 
+@pytest.mark.slow
 def test_cli_converts_from_the_hub_and_removes_the_source(checkpoints, tmp_path):
     src = tmp_path / "repo"
     reshard(checkpoints["fp8"], src, _by_layer)
@@ -117,6 +118,7 @@ def test_a_streaming_conversion_cut_by_the_network_resumes(checkpoints, tmp_path
     assert _data(tmp_path / "out") == _data(tmp_path / "local")
 
 
+@pytest.mark.slow
 def test_a_second_run_does_not_hash_the_shards_an_earlier_one_checked(checkpoints, tmp_path, monkeypatch):
     src = tmp_path / "repo"
     reshard(checkpoints["fp8"], src, _by_layer)

@@ -105,6 +105,7 @@ def bench_model_cli(*args: str) -> str:
     return subprocess.run([sys.executable, str(BENCH_MODEL), *args], capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.slow
 def test_bench_model_refuses_a_used_folder_and_cli_prints(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep").write_text("")

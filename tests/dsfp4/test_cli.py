@@ -176,12 +176,12 @@ def test_output_below_a_file_is_one_line(checkpoints, tmp_path):
 def test_full_disk_mid_run_is_one_line_with_the_fix(checkpoints, tmp_path, monkeypatch):
     import errno
 
-    import dsfp4.convert.part as part
+    import dsfp4.layout.writer as writer
 
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device", "experts/layer-001.bin.partial")
 
-    monkeypatch.setattr(part, "pwrite_all", full)
+    monkeypatch.setattr(writer, "pwrite_all", full)  # the expert files' records
     result = run_cli("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
     assert_one_line_error(result, "No space left on device", "run the same command again")
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()

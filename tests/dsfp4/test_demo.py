@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from dsfp4.cli.main import cli
@@ -19,6 +20,7 @@ def test_demo_builds_converts_verifies_and_answers(tmp_path):
     assert (tmp_path / "model" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_demo_runs_without_transformers(tmp_path):
     code = (
         "import sys; sys.modules['transformers'] = None\n"  # any import of transformers fails

@@ -13,6 +13,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.tools.doctor import SCRATCH, Ceilings, load, verdict
 
 
+@pytest.mark.slow
 def test_doctor_measures_a_scratch_file_saves_json_and_cleans_up(tmp_path):
     folder, out = tmp_path / "disk", tmp_path / "doctor.json"
     folder.mkdir()

@@ -72,6 +72,7 @@ def _same_files(src: Path, dst: Path) -> None:
     assert {n: (dst / n).read_bytes() for n in want} == want
 
 
+@pytest.mark.slow
 def test_dry_run_lists_the_needed_files_at_one_commit_and_writes_nothing(repo, tmp_path):
     with FakeHub({REPO: repo}) as hub:
         r = _dsfp4(hub, tmp_path, REPO, "--local-dir", tmp_path / "out", "--dry-run")
@@ -87,6 +88,7 @@ def _resumed_from(hub: FakeHub, name: str) -> list[int]:
     return [int(rng[6:].split("-")[0]) for method, path, rng in hub.requests if path.endswith(name) and rng]
 
 
+@pytest.mark.slow
 def test_download_gets_the_needed_files_and_a_rerun_fetches_nothing(repo, tmp_path):
     out = tmp_path / "out"
     with FakeHub({REPO: repo}) as hub:
@@ -102,6 +104,7 @@ def test_download_gets_the_needed_files_and_a_rerun_fetches_nothing(repo, tmp_pa
         assert not any("/resolve/" in path for _, path, _ in hub.requests)  # verified files are not fetched again
 
 
+@pytest.mark.slow
 def test_a_dropped_connection_is_resumed_within_the_run_and_across_runs(big_repo, tmp_path, monkeypatch):
     out = tmp_path / "out"
     with FakeHub({REPO: big_repo}) as hub:
@@ -130,6 +133,7 @@ def test_a_dropped_connection_is_resumed_within_the_run_and_across_runs(big_repo
     _same_files(big_repo, out2)
 
 
+@pytest.mark.slow
 def test_a_corrupted_file_is_caught_removed_and_fetched_again(repo, tmp_path):
     out = tmp_path / "out"
     shard = "model-00002-of-000003.safetensors"
@@ -143,6 +147,7 @@ def test_a_corrupted_file_is_caught_removed_and_fetched_again(repo, tmp_path):
     _same_files(repo, out)
 
 
+@pytest.mark.slow
 def test_refusals_disk_space_unknown_repo_gated_repo_bad_revision(repo, tmp_path):
     gated = "deepseek-ai/DeepSeek-R1"
     with FakeHub({REPO: repo, gated: repo}, gated=(gated,), token="hf_secret") as hub:
@@ -160,6 +165,7 @@ def test_refusals_disk_space_unknown_repo_gated_repo_bad_revision(repo, tmp_path
         _one_line_error(_dsfp4(hub, tmp_path, REPO, "--dry-run", HF_HUB_OFFLINE="1"), "HF_HUB_OFFLINE is set")
 
 
+@pytest.mark.slow
 def test_no_mtp_leaves_out_shards_that_hold_only_the_mtp_layer(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -176,6 +182,7 @@ def test_no_mtp_leaves_out_shards_that_hold_only_the_mtp_layer(tmp_path):
     assert "s3.safetensors  (MTP layer only, --no-mtp)" in r.stderr
 
 
+@pytest.mark.slow
 def test_without_local_dir_the_files_go_to_the_standard_cache(repo, tmp_path):
     with FakeHub({REPO: repo}) as hub:
         r = _dsfp4(hub, tmp_path, REPO, "-q")
@@ -185,6 +192,7 @@ def test_without_local_dir_the_files_go_to_the_standard_cache(repo, tmp_path):
     _same_files(repo, snapshot)
 
 
+@pytest.mark.slow
 def test_stale_files_stalls_busy_answers_and_a_held_lock(repo, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -216,6 +224,7 @@ def test_stale_files_stalls_busy_answers_and_a_held_lock(repo, tmp_path):
         _one_line_error(_dsfp4(hub, tmp_path, "not a repo!", "--dry-run"), "not a valid repo id")
 
 
+@pytest.mark.slow
 def test_the_cache_it_fills_is_the_one_huggingface_hub_reads(repo, tmp_path):
     from huggingface_hub import try_to_load_from_cache
 

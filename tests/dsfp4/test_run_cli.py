@@ -75,6 +75,7 @@ def _read_until(fd: int, needle: bytes, timeout: float = 60.0) -> bytes:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminal test")
+@pytest.mark.slow
 def test_chat_repl_in_a_pseudo_terminal(converted):
     master, slave = pty.openpty()
     cmd = [
@@ -161,6 +162,7 @@ def test_plan_prints_the_budget_table_and_small_budgets_name_the_minimum(convert
     assert_one_line_error(run_cli("run", converted, "--plan", "--gpu-mem", "lots"), "--gpu-mem 'lots'")
 
 
+@pytest.mark.slow
 def test_peak_rss_stays_within_the_budgets(converted):
     """A real process (not this test's): on a CPU device both budgets are host memory."""
     budget = {"--gpu-mem": 1536 << 20, "--cpu-mem": 64 << 20}

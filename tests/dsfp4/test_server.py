@@ -104,6 +104,7 @@ def _chat(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
+@pytest.mark.slow
 def test_openai_client_chat_and_completions_streaming_and_not(server):
     c = server.client()
     assert [m.id for m in c.models.list().data] == ["fp8"]
@@ -142,6 +143,7 @@ def test_openai_client_chat_and_completions_streaming_and_not(server):
     assert seeded[0] == seeded[1] != seeded[2]
 
 
+@pytest.mark.slow
 def test_greedy_output_through_the_server_equals_dsfp4_run(server, converted):
     c = server.client()
     for prompt in PROMPTS[:2]:
@@ -342,6 +344,7 @@ def _soak_request(server: Server, i: int, expected: dict, rng: random.Random, ou
     return True
 
 
+@pytest.mark.slow
 def test_soak_200_requests_from_8_clients_20_leaving_mid_stream(server):
     c = server.client()
     expected = {}

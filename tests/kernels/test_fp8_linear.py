@@ -82,6 +82,7 @@ def _tol(x: torch.Tensor, k: int, math: str) -> float:
 @pytest.mark.parametrize("math", MATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize(("t", "n", "k"), SHAPES)
+@pytest.mark.slow
 def test_fp8_gemv_matches_float64(poisoned, math, dtype, t, n, k):
     if dtype == torch.float32 and math != "legacy":
         pytest.skip("fp32 x always takes the legacy kernel")
@@ -102,6 +103,7 @@ def test_fp32_x_keeps_the_legacy_kernel_bits():
 
 @pytest.mark.parametrize("math", ["f16x2", "f32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.slow
 def test_fp8_gemv_takes_any_x_magnitude(poisoned, math, dtype):
     """Tokens far above and below fp16's range (bf16: 2^+-80), pieces spread over 2^+-30 (fp16: 2^+-4), a zero
     token: f16x2 scales x per token and piece, so each token keeps its precision and no sum overflows."""
@@ -255,6 +257,7 @@ def test_piece_plan_fills_the_sms_without_splitting_deepseek_shapes(t):
 
 
 @pytest.mark.parametrize("math", MATHS)
+@pytest.mark.slow
 def test_fp8_gemv_split_k_is_deterministic(math):
     q, s = fp8_block_quantize(_weight(72, 1280, seed=0))
     x = _x(4, 1280, torch.bfloat16, seed=1)
@@ -286,6 +289,7 @@ def test_fp8_gemm_matches_its_reference(poisoned, dtype, t, n, k):
 
 
 @pytest.mark.parametrize("t", [1, 3, 16, 17, 40])
+@pytest.mark.slow
 def test_fp8_linear_picks_a_kernel_by_token_count(poisoned, t):
     q, s = fp8_block_quantize(_weight(72, 200, seed=3))
     x = _x(t, 200, torch.bfloat16, seed=t)
@@ -311,6 +315,7 @@ def test_fp4_matmul_tensor_core_path_with_half_activations(poisoned, fmt, dtype)
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3_b128", "nvfp4", "mxfp4", "bf16", "f32"])
 @pytest.mark.parametrize("tokens", [3, 20])  # [2, tokens, K]: the GEMV and the GEMM
+@pytest.mark.slow
 def test_linear_keeps_x_dtype_and_leading_dims(poisoned, fmt, tokens):
     n, k = 96, 128
     w = QuantizedWeight(fmt, tuple(p.to(DEVICE) for p in quantize(fmt, _weight(n, k, seed=6).cpu())), (n, k))

@@ -49,6 +49,7 @@ def assert_scores_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, sco
         (1, 20, 200, torch.float32, "sqrtsoftplus", GateTiles(block_e=1, block_d=128, num_warps=4)),
     ],
 )
+@pytest.mark.slow
 def test_gate_scores_match_the_reference(t, e, d, dtype, score_func, tiles):
     x, w = _inputs(t, e, d, dtype, seed=t + e + d)
     x, w = x.to(DEVICE), w.to(DEVICE)

@@ -30,6 +30,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     ("heads", "nope", "v", "c", "m"), [(3, 64, 32, 160, 1), (2, 128, 128, 512, 5), (5, 24, 40, 160, 2)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_absorb_kernels_match_their_references(heads, nope, v, c, m, dtype):
     q8, scale = _wkv_b(heads, nope, v, c, heads + c)
     gen = torch.Generator().manual_seed(m)

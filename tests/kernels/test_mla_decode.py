@@ -48,6 +48,7 @@ CASES = [(b, t, h, s) for s in (1, 7, 37, 100) for t in ((1,) if s == 1 else (1,
 
 
 @pytest.mark.parametrize(("b", "t", "h", "s"), CASES)
+@pytest.mark.slow
 def test_mla_decode_matches_the_formula(b, t, h, s):
     args = _case(b, t, h, 32, 16, s, torch.bfloat16, seed=b * 1000 + t * 100 + s)
     want = _f64(*args)

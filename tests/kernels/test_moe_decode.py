@@ -45,6 +45,7 @@ def _absent_picked(ids: torch.Tensor, expert: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.slow
 def test_decode_kernel_matches_the_reference(fmt, t):
     gen = torch.Generator().manual_seed(t)
     n_experts, k = 6, 3
@@ -69,6 +70,7 @@ def test_fp32_x_keeps_fp32_products_whatever_the_config():
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_decode_kernel_clamps_its_swiglu_like_the_reference(fmt, dtype):
     """DeepSeek-V4's swiglu_limit: gate clamped above, up to +-limit; a limit the values cross (bf16 x: on
     the words in both launches)."""
@@ -90,6 +92,7 @@ def test_decode_kernel_clamps_its_swiglu_like_the_reference(fmt, dtype):
     [("both", t, scale) for t in (1, 3) for scale in (3.0, 5000.0)]
     + [(words, t, 5000.0) for words, t in (("both", 16), ("gate_up", 1), ("gate_up", 3), ("down", 1), ("down", 3))],
 )
+@pytest.mark.slow
 def test_decode_kernel_in_fp16_products_for_bf16_x_matches_the_reference(fmt, words, t, scale):
     """bf16 x takes fp16 products on the code words: x (for down, each pair's activation) scaled by a power
     of two, so an x far past fp16's range (5000 * N(0, 1): products of 6 * 5000 summed) neither overflows
@@ -147,6 +150,7 @@ def test_combine_matches_its_reference_bit_for_bit(dtype, t, with_add):
 
 
 @pytest.mark.parametrize(("t", "dtype"), [(1, torch.bfloat16), (3, torch.float32), (5, torch.bfloat16)])
+@pytest.mark.slow
 def test_decode_kernel_adds_the_addend_after_rounding(t, dtype):
     """add= (the shared experts' output) gives exactly torch's y + add on the kernel's own y, on poisoned
     workspaces, and the routed sum still matches the reference."""
@@ -256,6 +260,7 @@ def test_decode_kernel_with_an_addend_replays_in_a_cuda_graph_at_v3_size(t):
 
 
 @pytest.mark.parametrize("t", [2, 3, 5])
+@pytest.mark.slow
 def test_narrow_and_wide_gate_up_tiles_both_match_the_reference(t):
     """Below wide_from tokens gate+up takes the narrow tile, from it on the wide one: two different launches."""
     gen = torch.Generator().manual_seed(40 + t)

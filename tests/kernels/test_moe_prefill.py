@@ -111,6 +111,7 @@ def _case(fmt: str, t: int, k: int, dim: int, inter: int, dtype: torch.dtype):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(("t", "k", "dim", "inter"), [(17, 4, 64, 32), (40, 2, 128, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_moe_prefill_matches_the_reference(poisoned, fmt, t, k, dim, inter, dtype):
     layout, args, want, _host = _case(fmt, t, k, dim, inter, dtype)
     got = mp.moe_prefill(*args, layout)
@@ -135,7 +136,7 @@ def test_moe_prefill_clamps_its_swiglu_like_the_reference(poisoned, fmt):
     ("fmt", "scale_bytes"), [("nvfp4", (0x01, 0x07, 0x08, 0x3F, 0x7E)), ("mxfp4", (1, 100, 127, 135))]
 )
 def test_moe_prefill_is_exact_at_the_ends_of_the_scale_range(poisoned, fmt, scale_bytes):
-    """e4m3 scales from the subnormal 2^-9 to 448 (NVFP4's one lifted bf16 product, fp4_decode.E4M3_LIFT) and
+    """e4m3 scales from the subnormal 2^-9 to 448 (NVFP4's one lifted bf16 product, fp4/codes.E4M3_LIFT) and
     e8m0 scales from 2^-126 to 2^8 (MXFP4's two), on every code: fp32 activations see any rounding."""
     gen = torch.Generator().manual_seed(7)
     layout, records, offsets = slot_pool(fmt, 64, 32, 4, gen)
@@ -151,6 +152,7 @@ def test_moe_prefill_is_exact_at_the_ends_of_the_scale_range(poisoned, fmt, scal
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.slow
 def test_prefill_kernels_match_their_references_over_several_tiles(poisoned, fmt):
     """Small tiles: several K steps and column blocks per program, many blocks of block_m + tail_m rows. Expert 1
     is in every token's top-k: a full tail, then a second block; the other experts' tails stay empty or not."""

@@ -94,6 +94,7 @@ class Interrupt(BaseException):
     pass
 
 
+@pytest.mark.slow
 def test_an_interrupted_repack_leaves_a_model_that_loads_and_finishes_on_rerun(model, monkeypatch):
     before, profile = _tokens(model), _profile(model)
     real_copy = repack_module._copy_layer
@@ -147,6 +148,7 @@ r.repack(sys.argv[1], HotProfile.read(sys.argv[1] + "/hot.json"))
 """
 
 
+@pytest.mark.slow
 def test_a_killed_repack_leaves_a_model_that_loads(model):
     before = _tokens(model)
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(model)], stdout=subprocess.PIPE, text=True)

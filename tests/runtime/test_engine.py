@@ -43,6 +43,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_readme_examples_run_on_the_demo_model_in_a_fresh_interpreter(converted):
     (sh,) = _readme_blocks("sh")
     one_liner = next(line for line in sh.splitlines() if line.startswith("python -c"))

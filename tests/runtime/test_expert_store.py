@@ -65,6 +65,7 @@ def resident(converted):
         (2, 1, {"io_threads": 1}),  # the least that runs: every expert is reloaded for every token
     ],
 )
+@pytest.mark.slow
 def test_tiny_budgets_give_the_tokens_of_everything_resident(converted, resident, gpu, ram, knobs):
     g = _generate(_engine(converted, gpu, ram, **knobs))
     assert g.token_ids == resident.token_ids

@@ -67,6 +67,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / (want.max() - want.min())).item()
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_for_every_position(model_dir):
     ref = hf_model(model_dir)
     model = load_model(model_dir, CPU, torch.float32, max_len=64, max_batch=2)

@@ -41,6 +41,7 @@ def _chunks(model: TransformerV4, tokens: torch.Tensor, sizes: list[int]) -> tor
     return torch.cat(out, dim=1)
 
 
+@pytest.mark.slow
 def test_full_token_by_token_and_chunked_match_transformers(setup):
     model, tokens, expected = setup
     assert isinstance(model, TransformerV4)

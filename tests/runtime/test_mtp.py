@@ -65,6 +65,7 @@ def _chi2_sf(x: float, k: int) -> float:
 
 
 @pytest.mark.parametrize("slots", [None, (3, 5), (2, 1)])
+@pytest.mark.slow
 def test_greedy_tokens_equal_plain_decoding_with_drafts_natural_rejected_or_kept(converted, slots):
     plain = _engine(converted, False)
     mtp = _engine(converted, True, slots)
@@ -92,6 +93,7 @@ def test_greedy_tokens_equal_plain_decoding_with_drafts_natural_rejected_or_kept
         mtp.close()
 
 
+@pytest.mark.slow
 def test_one_token_chunks_and_the_end_of_the_context(converted):
     ids = list(range(3, 23))  # 20 prompt tokens in a 24-token context: the last steps have no room to draft
     with (
@@ -142,6 +144,7 @@ def test_chat_turns_with_mtp_reuse_the_cache_and_give_the_tokens_of_plain_decodi
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.7])  # 0.7 cuts the target's tail: p and q are renormalized
+@pytest.mark.slow
 def test_the_sampling_rule_keeps_the_target_distribution(top_p):
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, top_p=top_p)
@@ -166,6 +169,7 @@ def test_the_sampling_rule_keeps_the_target_distribution(top_p):
     assert check_draft(target, None, 3, greedy, None) == (0, False)
 
 
+@pytest.mark.slow
 def test_sampling_with_mtp_draws_the_second_token_as_plain_sampling_does(converted):
     """Over 240 seeds at temperature 1.5 and top-k 4, the second generated token (the first one a verify
     step decides) has the same distribution with and without MTP: a two-sample chi-square test, p > 1e-3."""

@@ -71,6 +71,7 @@ def _generation_counts(model_dir: Path, sequences: list[list[int]], n_experts: i
     return {layer: tuple(int(x) for x in c) for layer, c in counts.items()}
 
 
+@pytest.mark.slow
 def test_layerwise_counts_equal_ordinary_generation_and_each_record_is_read_once(model, prompts):
     sequences = calibration(ChatTokenizer(model), prompts, False, TOKENS, SEQ).sequences
     assert [len(s) for s in sequences] == [24, 24, 24, 24, 4]

@@ -77,6 +77,7 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+@pytest.mark.slow
 def test_device_steps_give_the_logits_of_host_positions_and_transformers(model, reference):
     tokens, expected = reference
     host = _chunk(model, tokens, 0, LONG)

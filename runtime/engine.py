@@ -21,6 +21,7 @@ import torch
 from dsfp4.errors import ConfigError, ContextLengthError, DsfpError
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
@@ -33,6 +34,7 @@ from dsfp4.runtime.generate.steps import common_prefix, text_deltas
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.models.trace_routing import TraceRouting, attach
 from dsfp4.runtime.options import RunOptions, with_knobs
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
 from dsfp4.runtime.plan.planner import Plan
@@ -80,7 +82,8 @@ class Engine:
         self._stream: Stream | None = None  # the generation in progress
         self._busy = threading.Lock()  # one call at a time: two threads would corrupt the cache
         self.recorder = RoutingRecorder(self.model, trace=True) if o.record_trace else None
-        self.decoder = Decoder(self.model, None, self.recorder, o.prefill_chunk, self.max_context)
+        self.routing = self._trace_routing(manifest.args) if o.routing is not None else None
+        self.decoder = Decoder(self.model, None, self.recorder, o.prefill_chunk, self.max_context, self.routing)
         self.speculator = Speculator(self.decoder, self.model) if o.mtp else None
         try:
             store, hot = self.model.experts, self.model_dir / HOT_NAME
@@ -90,11 +93,30 @@ class Engine:
             if kernel is not None:  # Triton compiles here, not in the first TTFT
                 kernel.warm_up(dtype, store.gpu, manifest.args.n_routed_experts, min(o.prefill_chunk, self.max_context))
             if o.cuda_graph:
-                self.decoder.graphs = DecodeGraphs(self.model, self.max_context, device, self.recorder is not None)
+                recording = self.recorder is not None
+                self.decoder.graphs = DecodeGraphs(self.model, self.max_context, device, recording, self.routing)
                 self.decoder.graphs.capture_all()  # now, not in the first answer's decode
         except BaseException:
             self.close()
             raise
+
+    def _trace_routing(self, a: ModelArgs) -> TraceRouting:
+        """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
+        model, o = self._model(), self.options
+        layers = [b.ffn.layer for b in model.layers if b.moe]
+        chunk = max(min(o.prefill_chunk, self.max_context), 2)  # a pass: a prefill chunk, or an MTP verify step
+        routing = TraceRouting(
+            o.routing,
+            layers,
+            a.n_routed_experts,
+            a.n_activated_experts,
+            a.route_scale,
+            self.device,
+            chunk,
+            o.routing_recall,
+        )
+        attach(model, routing)
+        return routing
 
     @property
     def plan(self) -> Plan:
@@ -297,6 +319,7 @@ class Engine:
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.store = counters_since(store.counters.snapshot(), before)
         stats.decode_mode = self.decode_mode
+        stats.routing = self.routing.describe() if self.routing is not None else ""
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
         self.stats, self._stream = stats, None
         return Generation(list(prompt_ids), tokens, text, finish, stats)

@@ -38,6 +38,8 @@ class RunOptions:
     verify: bool = True  # sha256 of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
     record_trace: Path | None = None  # where the engine writes its routing trace when it closes
+    routing: Path | None = None  # route by this trace instead of the routers (runtime/models/trace_routing.py)
+    routing_recall: float = 0.9  # under a trace, the share of the next layer's experts its prefetch guesses right
     mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/generate/speculative.py)
     cuda_graph: bool = True  # replay decode steps as CUDA graphs where they can be captured (generate/decode_graph.py)
     zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
@@ -59,6 +61,13 @@ class RunOptions:
             raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
         if self.record_trace is not None:
             check_trace_path(self.record_trace)
+        if self.routing is not None and not Path(self.routing).is_file():
+            raise ConfigError(
+                f"--routing {self.routing}: no such file; record one with `dsfp4 run --record-trace` or write one "
+                "with scripts/synthetic_trace.py"
+            )
+        if not 0.0 <= self.routing_recall <= 1.0:
+            raise ConfigError(f"--routing-recall {self.routing_recall}: give a share from 0 to 1")
         if any(not s for s in self.stop):
             raise ConfigError("--stop: an empty stop string would end every answer at once")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dsfp4.cli.options import CUDA_GRAPH, EXISTING_DIR, PATH, ZERO_COPY
+from dsfp4.cli.options import CUDA_GRAPH, EXISTING_DIR, PATH, ZERO_COPY, routing_options
 from dsfp4.runtime.plan.budget import PRESETS
 
 
@@ -50,6 +50,7 @@ def _command(ctx: click.Context) -> str:
 )
 @ZERO_COPY
 @CUDA_GRAPH
+@routing_options
 @click.option("--out", type=PATH, default=Path("bench"), show_default=True, help="Folder for the reports.")
 def bench(
     model: Path,
@@ -64,6 +65,8 @@ def bench(
     out: Path,
     gpu_mem: str | None,
     cpu_mem: str | None,
+    routing: Path | None,
+    routing_recall: float,
 ) -> None:
     """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
     per layer), waiting against computing, peak memory, and efficiency (the floor the doctor's ceilings
@@ -85,7 +88,13 @@ def bench(
     custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
     for budget in [{"preset": p} for p in presets] + custom or [{}]:
         options = RunOptions(
-            device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph, **budget
+            device=device,
+            max_context=max_context,
+            zero_copy=zero_copy,
+            cuda_graph=cuda_graph,
+            routing=routing,
+            routing_recall=routing_recall,
+            **budget,
         )
         label = budget.get("preset") or " ".join(f"--{k.replace('_', '-')} {v}" for k, v in budget.items() if v)
         click.echo(f"{label or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)

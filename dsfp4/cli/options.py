@@ -94,6 +94,24 @@ budget_options = _stack(
 )
 
 
+routing_options = _stack(
+    click.option(
+        "--routing",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Route every MoE layer by this trace (.npy ids, .npz ids and weights: --record-trace's, or "
+        "scripts/synthetic_trace.py's) instead of its router, so the store runs under that routing on any model.",
+    ),
+    click.option(
+        "--routing-recall",
+        type=click.FloatRange(0, 1),
+        default=RUN_DEFAULTS.routing_recall,
+        show_default=True,
+        help="With --routing: the share of the next MoE layer's experts its prefetch guesses right (the rest "
+        "wrong), for the routers cannot predict a trace.",
+    ),
+)
+
+
 sampling_options = _stack(
     click.option("--max-tokens", type=click.IntRange(min=1), default=RUN_DEFAULTS.max_tokens, show_default=True),
     click.option(

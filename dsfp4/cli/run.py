@@ -20,6 +20,7 @@ from dsfp4.cli.options import (
     context_options,
     given_flags,
     given_params,
+    routing_options,
     sampling_options,
 )
 from dsfp4.errors import ConfigError
@@ -88,6 +89,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
     "Tokens the KV cache holds (prompt + answer), at most the model's own limit.",
     RUN_DEFAULTS.prefill_chunk,
 )
+@routing_options
 @click.option(
     "--record-trace",
     type=PATH,

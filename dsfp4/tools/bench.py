@@ -93,6 +93,7 @@ def run_preset(
         "total_records": plan.total_records,
         "load_s": load_s,
         "decode_mode": decode_mode,
+        "routing": decodes[-1].routing or "the model's routers",
         "prompts": len(prompts),
         "prompt_tokens": sum(x.prompt_tokens for x in prefills),
         "decode_tokens": tokens,

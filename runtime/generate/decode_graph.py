@@ -26,6 +26,7 @@ import torch
 from dsfp4.runtime.models.moe import LayerLoad
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.models.trace_routing import TraceRouting
 
 MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
 
@@ -48,8 +49,16 @@ class CapturedStep:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Model, max_context: int, device: torch.device, recording: bool):
-        self.model, self.max_context, self.device = model, max_context, device
+    def __init__(
+        self,
+        model: Model,
+        max_context: int,
+        device: torch.device,
+        recording: bool,
+        routing: TraceRouting | None = None,
+    ):
+        """routing: a routing trace the MoE layers take their experts from; each replay begins its next row."""
+        self.model, self.max_context, self.device, self.routing = model, max_context, device, routing
         self.graphs: dict[int, CapturedStep] = {}
         store = model.experts
         self.streamed = store.layout is not None and not store.visible  # loads between pieces
@@ -123,6 +132,8 @@ class DecodeGraphs:
         hidden [1, 1, D]), valid until the next replay. Streamed experts load between the pieces."""
         step = self.graphs[self.span(pos)]  # all captured by capture_all
         self.pos.fill_(pos)
+        if self.routing is not None:
+            self.routing.begin(1)
         waves = None
         for graph, load in step.pieces:
             graph.replay()
@@ -179,6 +190,8 @@ class DecodeGraphs:
             return store.offsets(load.layer)
 
         with store.uncounted():  # neither run is a token of a generation
+            if self.routing is not None:
+                self.routing.begin(1)
             self.model(self.token, where, last_only=True)
             if self.streamed:
                 store.sync()

@@ -14,6 +14,7 @@ import torch
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.sampling import SamplingParams, choose, sample
 from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.profile.recorder import RoutingRecorder
 
 
@@ -27,8 +28,9 @@ def _check(cancel: threading.Event | None) -> None:
 
 
 class Decoder:
-    """The model, its decode graphs (None: eager steps only) and routing recorder (None: not recorded), and the
-    tokens its caches hold (`cached`). Prompts go in chunks of `prefill_chunk` tokens."""
+    """The model, its decode graphs (None: eager steps only), routing recorder (None: not recorded) and routing
+    trace (None: the routers route), and the tokens its caches hold (`cached`). Prompts go in chunks of
+    `prefill_chunk` tokens."""
 
     def __init__(
         self,
@@ -37,8 +39,9 @@ class Decoder:
         recorder: RoutingRecorder | None,
         prefill_chunk: int,
         max_context: int,
+        routing: TraceRouting | None = None,
     ):
-        self.model, self.graphs, self.recorder = model, graphs, recorder
+        self.model, self.graphs, self.recorder, self.routing = model, graphs, recorder, routing
         self.prefill_chunk, self.max_context = prefill_chunk, max_context
         self.cached: list[int] = []
 
@@ -67,6 +70,8 @@ class Decoder:
                 logits, h = self.graphs.step(piece[0], len(self.cached))
             else:
                 tokens = torch.tensor([piece], device=self.model.device)
+                if self.routing is not None:
+                    self.routing.begin(len(piece))
                 logits, h = self.model(tokens, len(self.cached), last_only=not every)
         except BaseException:
             if self.recorder is not None:

@@ -41,6 +41,7 @@ class GenerationStats:
     plain_s: float = 0.0
     mtp_note: str = ""  # why drafting stopped, when it did
     decode_mode: str = ""  # "CUDA graph", or "eager" and why (runtime/generate/decode_graph.py)
+    routing: str = ""  # the routing trace the MoE layers took their experts from, and its prefetcher (--routing)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -121,6 +122,7 @@ class GenerationStats:
                 f"recall {d['prefetch_recall']:.1%}",
             ),
             ("waiting", f"{s.get('stall_s', 0):.3f} s for experts of {self.prefill_s + self.decode_s:.3f} s"),
+            *([("routing", self.routing)] if self.routing else []),
             ("peak memory", f"device {format_bytes(self.peak_gpu)}, process RSS {format_bytes(self.peak_rss)}"),
         ]
         if self.drafted or self.plain_steps:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_r
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.weights import Weights
+
+if TYPE_CHECKING:
+    from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.store.expert_store import ExpertStore
 
 
@@ -103,6 +107,7 @@ class MoE(nn.Module):
         # set by the model: the next MoE layer and its predicted experts from (this layer's residual, tokens)
         self.next_router: tuple[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] | None = None
         self.observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # a RoutingRecorder
+        self.trace: TraceRouting | None = None  # routes by a routing trace instead (models/trace_routing.py)
         # set while a decode step is captured in pieces (runtime/generate/decode_graph.py): ends the piece before this
         # layer's loads and gives the offsets the next piece's kernel reads once they are done
         self.cut: Callable[[LayerLoad], torch.Tensor] | None = None
@@ -116,6 +121,8 @@ class MoE(nn.Module):
         x = x.view(-1, shape[-1])  # [T, D]
         tokens = None if tokens is None else tokens.reshape(-1)
         weights, indices = self.gate(x, tokens)  # [T, K], [T, K]
+        if self.trace is not None:  # the router ran (its cost stays); the trace's choice replaces its own
+            weights, indices = self.trace.route(self.layer, x.shape[0])
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
         # the shared experts' output goes to the routed kernel, which adds it as it sums each token's experts (on

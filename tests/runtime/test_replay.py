@@ -10,7 +10,6 @@ import pytest
 from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.runtime.profile.replay import belady, compare, replay, table
-from dsfp4.synthetic.routing_trace import overlap, route, synthetic_trace
 
 
 def _trace(*rows: list[list[int]]) -> np.ndarray:
@@ -143,24 +142,3 @@ def test_compare_and_table_cover_policies_modes_and_belady():
     ]
     text = table(rows)
     assert "GPU hit %" in text and "Belady RAM %" in text and text.count("\n") == len(rows) + 1
-
-
-def test_router_is_group_limited_top_k():
-    scores = np.random.default_rng(0).standard_normal((50, 64))
-    ids = route(scores, groups=8, topk_groups=2, top_k=6)  # [50, 6]
-    assert ids.shape == (50, 6)
-    assert all(len(set(row)) == 6 and len({e // 8 for e in row}) <= 2 for row in ids.tolist())
-    picked = np.take_along_axis(scores, ids, 1)
-    assert (np.diff(picked, axis=1) <= 0).all()  # best first
-
-
-def test_synthetic_trace_shape_range_and_seed():
-    kw = dict(tokens=300, layers=3, experts=64, top_k=6, groups=8, topk_groups=4)
-    a = synthetic_trace(**kw, seed=0)
-    assert a.shape == (300, 3, 6) and a.min() >= 0 and a.max() < 64
-    assert all(len(set(row)) == 6 and len({e // 8 for e in row}) <= 4 for row in a.reshape(-1, 6).tolist())
-    assert np.array_equal(a, synthetic_trace(**kw, seed=0))
-    assert not np.array_equal(a, synthetic_trace(**kw, seed=1))
-    assert abs(overlap(synthetic_trace(**kw, seed=0, reuse=0.5)) - 0.5) < 0.08
-    with pytest.raises(ValueError, match="cannot route"):
-        synthetic_trace(tokens=4, layers=1, experts=60, groups=8)

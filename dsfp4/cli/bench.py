@@ -51,6 +51,13 @@ def _command(ctx: click.Context) -> str:
 @ZERO_COPY
 @CUDA_GRAPH
 @routing_options
+@click.option(
+    "--project",
+    type=click.Choice(["v3", "v4"]),
+    help="With --routing: run MODEL (a bench model of that family) at the whole model's share of each --preset's "
+    "budgets, measured beside the store's simulation of the same, and project the whole DeepSeek-V3 (or "
+    "V4-Flash) on each machine class.",
+)
 @click.option("--out", type=PATH, default=Path("bench"), show_default=True, help="Folder for the reports.")
 def bench(
     model: Path,
@@ -67,6 +74,7 @@ def bench(
     cpu_mem: str | None,
     routing: Path | None,
     routing_recall: float,
+    project: str | None,
 ) -> None:
     """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
     per layer), waiting against computing, peak memory, and efficiency (the floor the doctor's ceilings
@@ -84,6 +92,10 @@ def bench(
         c = measure(model, model=folder_model(model))
         c.save(path)
     texts = prompt_set(prompts)
+    if project is not None:
+        options = RunOptions(device=device, max_context=max_context, routing=routing, routing_recall=routing_recall)
+        _project(model, project, list(presets) or ["16g", "24g"], c, options, texts[:1], out)
+        return
     results = []
     custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
     for budget in [{"preset": p} for p in presets] + custom or [{}]:
@@ -148,3 +160,21 @@ def doctor(folder: Path, out: Path | None, scratch: str, as_json: bool) -> None:
     for line in verdict(c, model_expert_bytes(model)):
         click.echo(line)
     click.echo(f"saved: {path}", err=True)
+
+
+def _project(model: Path, family: str, machines: list[str], c, options, prompts: list[str], out: Path) -> None:
+    """--project: the check of the simulation on MODEL, then the whole model's projection (tools/projection.py)."""
+    from dsfp4.tools.projection import run_projection
+
+    r = run_projection(model, family, machines, c, options, prompts)
+    click.echo(f"resident decode {r['resident']['decode_tok_s']:.1f} tok/s: {r['efficiency']:.0%} of HBM", err=True)
+    for check in r["checks"]:
+        click.echo(
+            f"{check['machine']} share ({check['gpu_slots']} device, {check['ram_slots']} RAM slots of "
+            f"{check['total_records']}): measured {check['measured_tok_s']:.2f} tok/s, simulated "
+            f"{check['simulated_tok_s']:.2f} ({check['error']:+.0%})"
+        )
+    click.echo(r["table"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "projection.json").write_text(json.dumps(r, indent=1) + "\n")
+    click.echo(f"wrote {out / 'projection.json'}", err=True)

@@ -154,7 +154,8 @@ def page(meta: dict, results: list[dict]) -> str:
         (
             "ceilings",
             f"HBM {c['hbm_read_gbps']:.0f} GB/s, host->GPU {c['pinned_h2d_gbps']:.1f} GB/s, "
-            f"SSD random records {c['random_read_gbps']:.2f} GB/s ({c['disk']})",
+            f"SSD random records {c['random_read_gbps']:.2f} GB/s, as the store reads "
+            f"{c.get('store_read_gbps', 0.0):.2f} GB/s ({c['disk']})",
         ),
     ]
     keys = ("gpu_budget", "cpu_budget", "decode_mode", *CSV_FIELDS[1:13])

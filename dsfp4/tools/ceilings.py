@@ -111,6 +111,30 @@ def random_read_gbps(paths: list[Path], record: int, count: int = 48, threads: i
     return _read_jobs((rng.choice(spots) for _ in range(count)), record, threads)
 
 
+# the store's reads (runtime/store/expert_store.py): single records or runs of RUN_RECORDS adjacent ones, with
+# io_threads (default 4) reads in flight; the sweep takes the best of these and of deeper queues
+STORE_RUNS, STORE_DEPTHS = (1, 4), (4, 8, 16)
+STORE_SWEEP_BYTES = 512 << 20  # read per configuration
+
+
+def store_read_gbps(paths: list[Path], record: int, seed: int = 0) -> float:
+    """The disk as the expert store reads it: runs of 1 or 4 adjacent records at random record-aligned offsets,
+    4 to 16 reads in flight; the best of the sweep. A bench's efficiency is taken against it too, so the store
+    cannot read faster than its ceiling."""
+    record = align_up(record, DIRECT_ALIGN)
+    best = 0.0
+    for run in STORE_RUNS:
+        chunk = run * record
+        spots = [(p, pos) for p in paths for pos in range(0, p.stat().st_size - chunk + 1, record)]
+        if not spots:
+            continue
+        rng = random.Random(seed)
+        count = max(STORE_SWEEP_BYTES // chunk, 2)
+        for depth in STORE_DEPTHS:
+            best = max(best, _read_jobs((rng.choice(spots) for _ in range(count)), chunk, depth))
+    return best
+
+
 def write_scratch(path: Path, nbytes: int, chunk: int = 64 << 20) -> float:
     """Write a scratch file of nbytes (O_DIRECT where allowed), fsync it -> GB/s. The caller deletes it."""
     chunk = min(chunk, nbytes)

@@ -46,6 +46,7 @@ class Ceilings:
     disk_direct: bool = True  # False: the filesystem refused O_DIRECT (reads went through the page cache)
     seq_read_gbps: float = 0.0
     random_read_gbps: float = 0.0
+    store_read_gbps: float = 0.0  # the best of the store's read sizes (1 or RUN_RECORDS records) and depths
     record_bytes: int = RECORD_BYTES
     ram_available: int = 0
     cpu_cores: int = 0
@@ -116,6 +117,7 @@ def measure(
         direct = ceilings.direct_io_allowed(files[0])
         seq = ceilings.sequential_read_gbps(files)
         rand = ceilings.random_read_gbps(files, record)
+        store = ceilings.store_read_gbps(files, record)
     finally:
         if scratch is not None:
             scratch.unlink(missing_ok=True)
@@ -136,6 +138,7 @@ def measure(
         disk_direct=direct,
         seq_read_gbps=seq,
         random_read_gbps=rand,
+        store_read_gbps=store,
         record_bytes=record,
         ram_available=available_ram(),
         cpu_cores=len(os.sched_getaffinity(0)),
@@ -188,8 +191,8 @@ def table(c: Ceilings) -> str:
         ),
         (
             "disk",
-            f"{c.disk}: sequential {c.seq_read_gbps:.2f} GB/s, random records {c.random_read_gbps:.2f} GB/s"
-            + ("" if c.disk_direct else " (page cache)"),
+            f"{c.disk}: sequential {c.seq_read_gbps:.2f} GB/s, random records {c.random_read_gbps:.2f} GB/s, "
+            f"as the store reads {c.store_read_gbps:.2f} GB/s" + ("" if c.disk_direct else " (page cache)"),
         ),
         ("RAM available", format_bytes(c.ram_available)),
         ("CPU", f"{c.cpu_cores} cores, {' '.join(c.cpu_isa) or 'no vector extensions found'}"),

@@ -31,6 +31,19 @@ from dsfp4.runtime.models.protocol import Model
 STAGING = 4  # passes whose rows may be in flight at once (decode graphs run one step ahead of the host)
 
 
+def guesses(truth: np.ndarray, recall: float, n_experts: int, rng: np.random.Generator) -> np.ndarray:
+    """A prefetcher's guesses of routing `truth` [..., K]: each id kept with probability recall, else an expert
+    outside its row's truth (so precision equals recall)."""
+    keep = rng.random(truth.shape) < recall
+    out = truth.copy()
+    for idx in zip(*np.nonzero(~keep), strict=True):
+        row = truth[idx[:-1]]
+        while (g := int(rng.integers(n_experts))) in row:
+            pass
+        out[idx] = g
+    return out
+
+
 class TraceRouting:
     def __init__(
         self,
@@ -95,26 +108,14 @@ class TraceRouting:
         ids_h, weights_h, guess_h = self._staging[slot]
         ids_h[:, :t] = torch.from_numpy(np.ascontiguousarray(ids))
         weights_h[:, :t] = torch.from_numpy(np.ascontiguousarray(weights))
-        guess_h[:-1, :t] = torch.from_numpy(self._guesses(ids[1:]))
+        rng = np.random.default_rng([self.seed, self.cursor])
+        guess_h[:-1, :t] = torch.from_numpy(guesses(ids[1:], self.recall, self.n_experts, rng))
         for now, host in ((self.ids_now, ids_h), (self.weights_now, weights_h), (self.guess_now, guess_h)):
             now[:, :t].copy_(host[:, :t], non_blocking=True)  # in stream order: after the step that read them
         if self.ids_now.is_cuda:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
         self.cursor, self.passes = (self.cursor + t) % len(self.ids), self.passes + 1
-
-    def _guesses(self, truth: np.ndarray) -> np.ndarray:
-        """truth [M - 1, T, K] -> guesses of the same shape: each id kept with probability recall, else an
-        expert outside the row's truth."""
-        rng = np.random.default_rng([self.seed, self.cursor])
-        keep = rng.random(truth.shape) < self.recall
-        guess = truth.copy()
-        for idx in zip(*np.nonzero(~keep), strict=True):
-            row = truth[idx[0], idx[1]]
-            while (g := int(rng.integers(self.n_experts))) in row:
-                pass
-            guess[idx] = g
-        return guess
 
     def route(self, layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K], ids [T, K]) of `layer` for the pass begun."""

@@ -227,11 +227,12 @@ class ExpertStore:
         evicting anything in `protect` (the current layer's experts) or in flight."""
         self._predicted[layer] = set(experts)
         self.io.retire()
+        keep = protect | {(layer, e) for e in experts}  # a guess never evicts another guess
         for e in experts:
             key = (layer, e)
             if key in self.gpu_pool:
                 continue
-            if self.start(key, protect, wait=False) is not None:
+            if self.start(key, keep, wait=False) is not None:
                 self._counters.prefetch_loads += 1
 
     def _score_prediction(self, layer: int, experts: list[int]) -> None:

@@ -12,6 +12,8 @@ from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.policy import HOT_SHARE
+from dsfp4.runtime.store.slots import SlotPool
 from dsfp4.runtime.store.use_counts import DeviceUseCounts
 
 Key = tuple[int, int]  # (layer, expert)
@@ -72,6 +74,14 @@ def map_all(store: ExpertStore, ranked: list[Key]) -> None:
     store.map(host, DeviceUseCounts(tier == 2, store.device))
 
 
+def hold_hottest(pool: SlotPool, ranked: list[Key]) -> None:
+    """Under a policy that holds a hot set ("hot"), the hottest HOT_SHARE of the pool's records, by `ranked`
+    (hottest first), are held: never evicted."""
+    if hasattr(pool.policy, "hold"):
+        present = [k for k in ranked if k in pool]
+        pool.policy.hold(present[: int(HOT_SHARE * len(pool.key_of))])
+
+
 def preload(store: ExpertStore, ranked: list[Key]) -> None:
     """The first gpu_slots of `ranked` onto the device (through RAM, layer by layer in file order), the next
     ram_slots into RAM; waits for all of it."""
@@ -87,5 +97,6 @@ def preload(store: ExpertStore, ranked: list[Key]) -> None:
     store.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
     store.read_ahead(to_ram, set())
     store.sync()
+    hold_hottest(store.ram_pool, ranked)
     store.counters.warm_records = len(to_gpu) + len(to_ram)
     store.counters.warm_s = time.perf_counter() - t0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections.abc import Container, Hashable, Iterable
 
 Key = Hashable
 HALF_LIFE_TURNOVERS = 4  # LFU memory: uses of the pool, in pool sizes (tuned on traces: docs/BENCHMARKS.md)
@@ -94,7 +94,31 @@ class LFUDecay:
         return found
 
 
-POLICIES = {p.name: p for p in (LRU, LFUDecay)}  # what one pool can run
+class HeldLRU(LRU):
+    """LRU over the keys not held: the keys given to `hold` (a warm start's hottest records) are never victims,
+    the rest of the pool turns over by recency. Held keys are kept out of the recency order, so an eviction costs
+    what plain LRU's does."""
+
+    name = "hot"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.held: set[Key] = set()
+
+    def hold(self, keys: Iterable[Key]) -> None:
+        for key in keys:
+            self.held.add(key)
+            self._order.pop(key, None)
+
+    def touch(self, key: Key) -> None:
+        if key not in self.held:
+            super().touch(key)
+
+
+POLICIES = {p.name: p for p in (LRU, LFUDecay, HeldLRU)}  # what one pool can run
 # What a run chooses (--policy): the (device, RAM) pools' policies. "mix" keeps a stable frequent set in
-# a device tier too small for a token's working set, where recency thrashes, and recency in RAM.
-TIER_POLICIES = {"lru": ("lru", "lru"), "lfu": ("lfu", "lfu"), "mix": ("lfu", "lru")}
+# a device tier too small for a token's working set, where recency thrashes, and recency in RAM. "hot" holds
+# HOT_SHARE of RAM for the warm start's hottest records and runs LRU on the rest (docs/BENCHMARKS.md: SSD-bound
+# projections under calibrated DeepSeek-V3 traces)
+TIER_POLICIES = {"lru": ("lru", "lru"), "lfu": ("lfu", "lfu"), "mix": ("lfu", "lru"), "hot": ("lfu", "hot")}
+HOT_SHARE = 0.75  # of the RAM slots, held for the hottest records when the policy is "hot"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -85,3 +86,15 @@ def test_bench_measures_decode_after_the_cached_prompt_on_deepseek_v4(v4_convert
     backbone, record = token_bytes(m)
     k = m.args.n_activated_experts * len(res["layers"])
     assert res["bytes_per_token"]["device"] == pytest.approx(backbone + k * record)
+
+
+def test_project_needs_a_routing_trace_and_a_gpu(converted, tmp_path):
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="", random_read_gbps=1.0).save(ceil)
+    args = ["bench", str(converted), "--device", "cpu", "--ceilings", str(ceil), "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(cli, [*args, "--project", "v3"])
+    assert r.exit_code == 1 and "--project needs --routing TRACE" in r.output
+    trace = tmp_path / "t.npy"
+    np.save(trace, np.zeros((4, 2, 2), dtype=np.int32))
+    r = CliRunner().invoke(cli, [*args, "--project", "v3", "--routing", str(trace)])
+    assert r.exit_code == 1 and "--project needs a GPU" in r.output

@@ -72,3 +72,14 @@ def test_prefetch_guesses_keep_the_stated_share_of_the_next_layers_experts(tmp_p
         assert not (guess.sort(dim=1).values[:, 1:] == guess.sort(dim=1).values[:, :-1]).all()
         hit.append(np.mean([len(set(g) & set(t)) / 6 for g, t in zip(guess.tolist(), truth.tolist(), strict=True)]))
     assert abs(float(np.mean(hit)) - recall) < 0.03
+
+
+@pytest.mark.gpu
+def test_on_cuda_graphs_replay_under_the_trace(converted, tmp_path):
+    trace = tmp_path / "own.npz"
+    with Engine(converted, device="cuda", max_context=128, record_trace=trace) as engine:
+        plain = engine.generate(PROMPT, max_tokens=12, temperature=0)
+    with Engine(converted, device="cuda", max_context=128, routing=trace) as engine:
+        replayed = engine.generate(PROMPT, max_tokens=12, temperature=0)
+        assert engine.decode_mode.startswith("CUDA graph")
+    assert replayed.token_ids == plain.token_ids

@@ -1,0 +1,390 @@
+"""The whole model projected from the small one: a DeepSeek model that is not on this machine, decoded through the
+store's own pools and policies (runtime/profile/simulate.py) under a routing trace, at the budgets the planner
+gives the whole model on a user's machine, with compute scaled from what the bench model measured.
+
+- Budgets: the planner's plan of the whole model (its manifest without files: synthetic/bench_model.py
+  planned_manifest) under the machine's budgets; V3 on a 16 GB card takes the NVFP4 backbone it needs.
+- Compute: the bench model's resident decode step reads its bytes at a measured fraction of the GPU's memory
+  bandwidth (`efficiency`); the whole model's step reads its own bytes (per MoE layer: attention and router,
+  then routed and shared experts; per token: dense layers and the head) at that fraction of the user's GPU's.
+- Routing: the trace's layers spread over the model's MoE layers as --routing spreads them; the tiers start warm
+  from a profile of the trace's first half (as profile-hot measures one on calibration text) and the second half
+  is decoded (so the profile never saw the tokens it is scored on).
+- Links: the machine's SSD and pinned PCIe bandwidth, each at its full rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.formats import FORMATS, stored_nbytes
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.model_args import ModelArgs
+from dsfp4.layout.routing_trace import read_trace
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
+from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
+from dsfp4.runtime.profile.replay import belady
+from dsfp4.runtime.profile.simulate import Links, Projection, StepCosts, simulate
+from dsfp4.synthetic.bench_model import model_args, planned_manifest
+from dsfp4.tools.doctor import Ceilings
+
+PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
+MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = 4096, 512, 4  # the run the plan is made for: `dsfp4 run`'s defaults
+HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing and queues the loads
+
+
+@dataclass(frozen=True)
+class Machine:
+    about: str
+    budgets: Budgets
+    hbm: float  # the GPU's memory bandwidth, bytes/s
+    links: Links
+
+
+MACHINES = {
+    "16g": Machine(
+        "the design's seed machine: 16 GB GPU (896 GB/s), 96 GB RAM, 14 GB/s PCIe 5 SSD, 50 GB/s pinned PCIe",
+        Budgets(PRESETS["16g"].gpu, PRESETS["16g"].cpu, "preset 16g"),
+        896e9,
+        Links(14e9, 50e9),
+    ),
+    "24g": Machine(
+        "24 GB GPU (1,008 GB/s), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe (the 16g machine's links)",
+        Budgets(PRESETS["24g"].gpu, PRESETS["24g"].cpu, "preset 24g"),
+        1008e9,
+        Links(14e9, 50e9),
+    ),
+    "home-seek": Machine(
+        "home-seek's: RTX 4090 24 GB (1,008 GB/s), ~90 GB RAM, 1.5 GB/s disk, PCIe 4 (25 GB/s pinned)",
+        Budgets(23 * GiB, 76 * GiB, "home-seek's machine"),
+        1008e9,
+        Links(1.5e9, 25e9),
+    ),
+}
+FAMILIES = {  # the whole model: (decoder layers, dense layers, family of the bench model's writer)
+    "v3": (61, 3, "v3"),
+    "v4": (43, 0, "v4"),
+}
+
+
+def full_args(family: str) -> ModelArgs:
+    n_layers, n_dense, writer = FAMILIES[family]
+    return model_args(n_layers, n_dense, family=writer)[1]
+
+
+def full_plan(family: str, machine: Machine) -> tuple[Manifest, Plan]:
+    """The whole model's manifest and plan on the machine: the FP8 backbone, or NVFP4 where FP8 does not fit."""
+    args = full_args(family)
+    expert_format = "mxfp4" if args.is_v4 else "nvfp4"
+    for backbone in ("fp8_e4m3_b128", "nvfp4"):
+        m = planned_manifest(args, backbone, expert_format)
+        try:
+            plan = make_plan(m, PLAN_DEVICE, torch.bfloat16, machine.budgets, MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
+        except ConfigError:
+            continue
+        return m, plan
+    raise ConfigError(f"{family}: the planner fits no backbone format in {machine.about}")
+
+
+def step_bytes(m: Manifest) -> tuple[float, float, float]:
+    """Bytes a decode token reads (as planner.token_bytes counts them): (per MoE layer before its router: attention
+    and router; per MoE layer after: routed experts' records and shared experts; per token: the rest)."""
+    a = m.args
+    moe = [b for b in range(a.n_layers) if b in m.experts]
+    attn = experts = other = 0.0
+    for name, t in m.tensors.items():
+        if name.startswith(a.mtp_prefixes):
+            continue
+        n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
+        if name.endswith(ONE_ROW):
+            n = n // t.shape[0] + (n if name == "embed.weight" and a.tie_word_embeddings else 0)
+        elif name.endswith(ROUTER_SUFFIXES):
+            n = n * 32 // FORMATS[t.format].bits
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        if layer not in moe:
+            other += n
+        elif ".ffn." in name and not name.endswith(ROUTER_SUFFIXES):
+            experts += n
+        else:
+            attn += n
+    record = sum(p.nbytes for p in m.record.parts) if m.record else 0
+    experts += len(moe) * a.n_activated_experts * record
+    return attn / len(moe), experts / len(moe), other
+
+
+def n_moe_layers(m: Manifest) -> int:
+    """MoE layers of the main model (the MTP block's left out)."""
+    return len(expert_layers(m))
+
+
+def decode_costs(m: Manifest, hbm: float, efficiency: float) -> StepCosts:
+    """The step's compute when it reads its bytes at `efficiency` of `hbm` bytes/s."""
+    attn, experts, other = step_bytes(m)
+    rate = hbm * efficiency
+    return StepCosts(attn / rate, experts / rate, other / rate, HOST_S)
+
+
+def efficiency(m: Manifest, seconds_per_token: float, hbm: float) -> float:
+    """The share of the GPU's memory bandwidth a measured resident decode step read its bytes at."""
+    attn, experts, other = step_bytes(m)
+    return (n_moe_layers(m) * (attn + experts) + other) / seconds_per_token / hbm
+
+
+def spread(ids: np.ndarray, n_moe: int) -> np.ndarray:
+    """The trace's layers for a model of n_moe MoE layers: layer j takes trace layer floor(j L / n_moe)."""
+    return ids[:, [j * ids.shape[1] // n_moe for j in range(n_moe)]]
+
+
+def warm_order(profile: np.ndarray, n_experts: int) -> list[tuple[int, int]]:
+    """Every (layer, expert) hottest first by the use counts of `profile` [tokens, layers, K]."""
+    counts = np.stack([np.bincount(profile[:, i].ravel(), minlength=n_experts) for i in range(profile.shape[1])])
+    keys = [(i, e) for i in range(counts.shape[0]) for e in range(n_experts)]
+    return sorted(keys, key=lambda k: -counts[k])
+
+
+def decode(
+    ids: np.ndarray,
+    plan: Plan,
+    m: Manifest,
+    links: Links,
+    costs: StepCosts,
+    policy: str,
+    recall: float | None,
+    prefetch_reads: bool = True,
+) -> tuple[Projection, float]:
+    """Decode the trace's second half through the plan's pools, warm from its first half -> (projection,
+    Belady's share of uses not read from the SSD at the same budgets)."""
+    a = m.args
+    half = len(ids) // 2
+    warm = warm_order(ids[:half], a.n_routed_experts)
+    run = ids[half:]
+    record = m.record.nbytes
+    p = simulate(
+        run,
+        plan.gpu_slots,
+        plan.ram_slots,
+        record,
+        links,
+        costs,
+        policy,
+        recall,
+        a.n_routed_experts,
+        warmup=min(32, len(run) // 4),
+        warm=warm,
+        prefetch_reads=prefetch_reads,
+    )
+    opt = belady(run, plan.gpu_slots, plan.ram_slots)
+    return p, 1.0 - opt.ssd_rate
+
+
+@dataclass(frozen=True)
+class Row:
+    machine: str
+    policy: str
+    recall: float | None
+    prefetch_reads: bool
+    projection: Projection
+    belady_not_ssd: float
+    gpu_share: float
+    ram_share: float
+    record_bytes: int
+
+    def to_dict(self) -> dict:
+        return {
+            "machine": self.machine,
+            "policy": self.policy,
+            "recall": self.recall,
+            "prefetch_reads": self.prefetch_reads,
+            "belady_not_ssd": self.belady_not_ssd,
+            "gpu_share": self.gpu_share,
+            "ram_share": self.ram_share,
+            **self.projection.to_dict(),
+        }
+
+
+VARIANTS = (  # (policy, prefetch recall or None, prefetch may read from the SSD)
+    ("mix", None, True),
+    ("mix", 0.9, True),
+    ("hot", None, True),
+    ("hot", 0.9, True),
+    ("hot", 0.9, False),
+    ("hot", 1.0, True),
+)
+
+
+def project(family: str, ids: np.ndarray, machines: list[str], eff: float, variants: tuple = VARIANTS) -> list[Row]:
+    """The whole model of `family` on each machine under each variant of the store."""
+    rows = []
+    for name in machines:
+        machine = MACHINES[name]
+        m, plan = full_plan(family, machine)
+        moe = n_moe_layers(m)
+        trace = spread(ids, moe)
+        costs = decode_costs(m, machine.hbm, eff)
+        n = plan.total_records
+        for policy, recall, reads in variants:
+            p, opt = decode(trace, plan, m, machine.links, costs, policy, recall, reads)
+            rows.append(
+                Row(name, policy, recall, reads, p, opt, plan.gpu_slots / n, plan.ram_slots / n, m.record.nbytes)
+            )
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        "machine",
+        "policy",
+        "prefetch",
+        "tok/s",
+        "ms/token",
+        "compute",
+        "waiting",
+        "SSD GB",
+        "PCIe GB",
+        "device %",
+        "RAM %",
+        "SSD %",
+        "Belady SSD %",
+    )
+    lines = [head]
+    for r in rows:
+        p = r.projection
+        pre = "none" if r.recall is None else f"{r.recall:.2f}" + ("" if r.prefetch_reads else " RAM")
+        ssd = p.ssd_bytes / r.record_bytes / p.uses if p.uses else 0.0  # reads per use, wasted guesses included
+        lines.append(
+            (
+                r.machine,
+                r.policy,
+                pre,
+                f"{p.tok_s:.2f}",
+                f"{p.seconds * 1e3:.0f}",
+                f"{p.compute_s * 1e3:.0f}",
+                f"{p.stall_s * 1e3:.0f}",
+                f"{p.ssd_bytes / 1e9:.2f}",
+                f"{p.pcie_bytes / 1e9:.2f}",
+                f"{100 * p.device_hits / max(p.uses, 1):.1f}",
+                f"{100 * p.ram_hits / max(p.uses, 1):.1f}",
+                f"{100 * ssd:.1f}",
+                f"{100 * (1 - r.belady_not_ssd):.1f}",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = []
+    for line in lines:
+        out.append(
+            "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        )
+    return "\n".join(out)
+
+
+def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int) -> Plan:
+    """The bench model's plan with the whole model's shares of its records on the device and in RAM (at least one
+    layer's experts on the device, the reads in flight in RAM)."""
+    n = plan.total_records
+    gpu = max(top_k, round(gpu_share * n))
+    ram = max(plan.staging, math.ceil(ram_share * n))
+    return Plan(**{**plan.__dict__, "gpu_slots": min(gpu, n), "ram_slots": min(ram, n)})
+
+
+def validate(
+    model_dir: Path,
+    manifest: Manifest,
+    trace_path: Path,
+    machine: str,
+    family: str,
+    options: RunOptions,
+    links: Links,
+    costs: StepCosts,
+    prompt_tokens: int = 16,
+    decode_tokens: int = 48,
+) -> dict:
+    """The bench model at the whole model's share of a machine's budgets under the trace: its measured decode
+    against the simulation of the same plan, trace rows and links (the tiers start cold in both; the prompt's
+    rows fill them untimed)."""
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.models.load import plan_engine
+
+    m_full, full = full_plan(family, MACHINES[machine])
+    n = full.total_records
+    plan = share_plan(
+        plan_engine(model_dir, options), full.gpu_slots / n, full.ram_slots / n, manifest.args.n_activated_experts
+    )
+    ids = read_trace(trace_path).ids
+    trace = spread(ids, n_moe_layers(manifest))[: prompt_tokens + decode_tokens]
+    prompt = list(range(10, 10 + prompt_tokens))  # token ids: the routing comes from the trace
+    with Engine(model_dir, options, plan=plan) as engine:
+        g = engine.generate(prompt, max_tokens=decode_tokens, temperature=0)
+        mode = engine.decode_mode
+    measured = g.stats.decode_tok_s
+    sim = simulate(
+        trace,
+        plan.gpu_slots,
+        plan.ram_slots,
+        manifest.record.nbytes,
+        links,
+        costs,
+        options.policy,
+        options.routing_recall if options.prefetch else None,
+        manifest.args.n_routed_experts,
+        warmup=prompt_tokens + 1,
+    )
+    d = g.stats.derived()
+    return {
+        "machine": machine,
+        "gpu_slots": plan.gpu_slots,
+        "ram_slots": plan.ram_slots,
+        "total_records": plan.total_records,
+        "measured_tok_s": measured,
+        "simulated_tok_s": sim.tok_s,
+        "error": sim.tok_s / measured - 1 if measured else None,
+        "measured_device_hit": d["gpu_hit_rate"],
+        "measured_ram_hit": d["ram_hit_rate"],
+        "simulated_device_hit": sim.device_hits / max(sim.uses, 1),
+        "simulated_ram_hit": sim.ram_hits / max(sim.uses, 1),
+        "measured_ssd_bytes_per_token": d["ssd_bytes_per_token"],
+        "simulated_ssd_bytes_per_token": sim.ssd_bytes,
+        "decode_mode": mode,
+        "routing": g.stats.routing,
+    }
+
+
+def run_projection(
+    model_dir: Path, family: str, machines: list[str], c: Ceilings, options: RunOptions, prompts: list[str]
+) -> dict:
+    """`dsfp4 bench MODEL --routing TRACE --project FAMILY`: the bench model's resident decode (its compute), its
+    decode at the whole model's share of each machine's budgets, measured and simulated side by side (the check of
+    the simulation), and the whole model projected on each machine under each variant of the store."""
+    from dsfp4.layout.manifest import Manifest
+    from dsfp4.tools.bench import run_preset
+
+    manifest = Manifest.read(model_dir)
+    if options.routing is None:
+        raise ConfigError("--project needs --routing TRACE: the routing the projection replays")
+    if not c.hbm_read_gbps:
+        raise ConfigError("--project needs a GPU: its compute is measured on this machine's")
+    resident = run_preset(model_dir, dataclasses.replace(options, preset="80g"), prompts, 32, c, "resident")
+    eff = efficiency(manifest, 1 / resident["decode_tok_s"], c.hbm_read_gbps * 1e9)
+    costs = decode_costs(manifest, c.hbm_read_gbps * 1e9, eff)
+    ssd = max(c.seq_read_gbps, c.random_read_gbps, c.store_read_gbps) * 1e9
+    links = Links(ssd, c.pinned_h2d_gbps * 1e9)
+    checks = [validate(model_dir, manifest, options.routing, m, family, options, links, costs) for m in machines]
+    ids = read_trace(options.routing).ids
+    rows = project(family, ids, machines + (["home-seek"] if family == "v4" else []), eff)
+    return {
+        "efficiency": eff,
+        "resident": resident,
+        "bench_costs": dataclasses.asdict(costs),
+        "bench_links": dataclasses.asdict(links),
+        "checks": checks,
+        "projection": [r.to_dict() for r in rows],
+        "table": table(rows),
+        "machines": {k: MACHINES[k].about for k in {r.machine for r in rows}},
+    }

@@ -1,0 +1,78 @@
+"""The decode simulation (runtime/profile/simulate.py) and the whole-model projection on it (tools/projection.py):
+resident records cost compute only, a store that holds nothing is bound by its links, prefetch with perfect
+guesses hides what a store without it waits for, and the whole model plans and projects on every machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dsfp4.runtime.profile.simulate import Links, StepCosts, simulate
+from dsfp4.tools.projection import MACHINES, full_plan, project, share_plan, spread, step_bytes, table
+
+COSTS = StepCosts(attn_s=1e-3, experts_s=2e-3, other_s=5e-3, host_s=0.0)
+RECORD = 10_000_000
+
+
+def _trace(tokens: int = 60, layers: int = 4, experts: int = 16, k: int = 2, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(layers)]) for _ in range(tokens)])
+
+
+def test_resident_records_cost_compute_only():
+    trace = _trace()
+    everything = [(layer, e) for layer in range(4) for e in range(16)]
+    p = simulate(trace, 64, 64, RECORD, Links(1e9, 1e10), COSTS, "lru", None, 16, warm=everything)
+    assert p.stall_s == 0 and p.ssd_bytes == 0 and p.device_hits == p.uses == 8
+    assert p.seconds == pytest.approx(4 * 3e-3 + 5e-3) and p.tok_s == pytest.approx(1 / 17e-3)
+
+
+def test_a_store_that_holds_nothing_waits_for_every_record_on_its_links():
+    trace = _trace()
+    links = Links(ssd=1e9, pcie=1e10)  # a record: 10 ms from the SSD, 1 ms over PCIe
+    p = simulate(trace, 2, 2, RECORD, links, COSTS, "lru", None, 16)
+    assert p.ssd_bytes == pytest.approx(8 * RECORD) and p.pcie_bytes == pytest.approx(8 * RECORD)
+    # per layer: two reads (20 ms) then the last copy (1 ms) after the router
+    assert p.stall_s == pytest.approx(4 * 21e-3) and p.seconds == pytest.approx(4 * 24e-3 + 5e-3)
+
+
+def test_perfect_prefetch_keeps_the_ssd_busy_and_wrong_guesses_cost_reads():
+    trace = _trace(tokens=200)
+    links = Links(ssd=1e9, pcie=1e10)
+    plain = simulate(trace, 8, 12, RECORD, links, COSTS, "lru", None, 16, warmup=20)
+    perfect = simulate(trace, 8, 12, RECORD, links, COSTS, "lru", 1.0, 16, warmup=20)
+    wrong = simulate(trace, 8, 12, RECORD, links, COSTS, "lru", 0.0, 16, warmup=20)
+    assert perfect.seconds < plain.seconds and perfect.ssd_bytes == pytest.approx(plain.ssd_bytes, rel=0.1)
+    assert wrong.ssd_bytes > plain.ssd_bytes and wrong.seconds > plain.seconds
+    ram_only = simulate(trace, 8, 12, RECORD, links, COSTS, "lru", 0.0, 16, warmup=20, prefetch_reads=False)
+    assert ram_only.ssd_bytes <= plain.ssd_bytes * 1.05  # guesses copied up from RAM only: no read wasted
+
+
+def test_the_hot_policy_holds_its_warm_set():
+    trace = _trace(tokens=200)
+    warm = [(layer, e) for layer in range(4) for e in range(16)]
+    p = simulate(trace, 2, 32, RECORD, Links(1e9, 1e10), COSTS, "hot", None, 16, warm=warm)
+    assert p.ram_hits > 0
+
+
+@pytest.mark.slow
+def test_the_whole_model_plans_and_projects_on_every_machine():
+    for family, machine in (("v3", "16g"), ("v3", "24g"), ("v4", "home-seek")):
+        m, plan = full_plan(family, MACHINES[machine])
+        assert plan.total_records == len([b for b in range(m.args.n_layers) if b in m.experts]) * 256
+        assert plan.gpu_slots >= m.args.n_activated_experts and plan.ram_slots > 0
+        attn, experts, other = step_bytes(m)
+        assert attn > 0 and experts > m.args.n_activated_experts * m.record.nbytes and other > 0
+    ids = _trace(tokens=40, layers=8, experts=256, k=8)
+    rows = project("v3", ids, ["16g"], eff=0.7, variants=(("mix", None, True), ("hot", 1.0, True)))
+    assert [r.policy for r in rows] == ["mix", "hot"] and all(0 < r.projection.tok_s < 100 for r in rows)
+    assert "Belady SSD %" in table(rows) and spread(ids, 58).shape == (40, 58, 8)
+
+
+def test_share_plan_keeps_one_layer_on_the_device():
+    from dsfp4.runtime.plan.budget import Budgets
+    from dsfp4.runtime.plan.planner import Plan
+
+    plan = Plan("cuda", Budgets(1, 1, "x"), 0, 0, 0, 100, 50, 60, 4, 0, 1024, (1, 2, 3, 4))
+    p = share_plan(plan, 0.002, 0.23, top_k=8)
+    assert (p.gpu_slots, p.ram_slots) == (8, 236)

@@ -32,7 +32,7 @@ class RunOptions:
     gpu_mem: str | None = None  # budgets: sizes such as 14G; None: the preset, else free memory
     cpu_mem: str | None = None
     preset: str | None = None
-    policy: str = "mix"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on traces)
+    policy: str = "hot"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on calibrated traces)
     prefetch: bool = True  # predict the next MoE layer's experts with its router
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of each record on its first read from the SSD

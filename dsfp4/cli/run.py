@@ -65,7 +65,8 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
     type=click.Choice(list(TIER_POLICIES)),
     default=RUN_DEFAULTS.policy,
     show_default=True,
-    help="Expert eviction: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM).",
+    help="Expert eviction: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM), hot "
+    "(mix, with 3/4 of RAM held for hot.json's hottest records; mix without a profile).",
 )
 @click.option(
     "--no-prefetch",

@@ -25,6 +25,7 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, stored_nbytes
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import read_trace
@@ -308,7 +309,7 @@ def validate(
 ) -> dict:
     """The bench model at the whole model's share of a machine's budgets under the trace: its measured decode
     against the simulation of the same plan, trace rows and links (the tiers start cold in both; the prompt's
-    rows fill them untimed)."""
+    rows fill them untimed; both warm-start from the model's hot.json when it has one)."""
     from dsfp4.runtime.engine import Engine
     from dsfp4.runtime.models.load import plan_engine
 
@@ -319,6 +320,10 @@ def validate(
     )
     ids = read_trace(trace_path).ids
     trace = spread(ids, n_moe_layers(manifest))[: prompt_tokens + decode_tokens]
+    hot = model_dir / HOT_NAME
+    layers = sorted(manifest.experts)[: trace.shape[1]]
+    row = {layer: j for j, layer in enumerate(layers)}  # the simulation numbers the MoE layers 0..
+    warm = [(row[k[0]], k[1]) for k in HotProfile.read(hot).ranked() if k[0] in row] if hot.is_file() else []
     prompt = list(range(10, 10 + prompt_tokens))  # token ids: the routing comes from the trace
     with Engine(model_dir, options, plan=plan) as engine:
         g = engine.generate(prompt, max_tokens=decode_tokens, temperature=0)
@@ -335,6 +340,7 @@ def validate(
         options.routing_recall if options.prefetch else None,
         manifest.args.n_routed_experts,
         warmup=prompt_tokens + 1,
+        warm=warm,
     )
     d = g.stats.derived()
     return {
@@ -373,13 +379,15 @@ def run_projection(
     resident = run_preset(model_dir, dataclasses.replace(options, preset="80g"), prompts, 32, c, "resident")
     eff = efficiency(manifest, 1 / resident["decode_tok_s"], c.hbm_read_gbps * 1e9)
     costs = decode_costs(manifest, c.hbm_read_gbps * 1e9, eff)
-    ssd = max(c.seq_read_gbps, c.random_read_gbps, c.store_read_gbps) * 1e9
-    links = Links(ssd, c.pinned_h2d_gbps * 1e9)
+    # the store reads a decode step's misses one record at a time, io_threads in flight: the doctor's random
+    # record reads are that pattern (its best pattern, store_read_gbps, is the efficiency's ceiling instead)
+    links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
     checks = [validate(model_dir, manifest, options.routing, m, family, options, links, costs) for m in machines]
     ids = read_trace(options.routing).ids
     rows = project(family, ids, machines + (["home-seek"] if family == "v4" else []), eff)
     return {
         "efficiency": eff,
+        "ceilings": c.to_dict(),
         "resident": resident,
         "bench_costs": dataclasses.asdict(costs),
         "bench_links": dataclasses.asdict(links),

@@ -92,7 +92,7 @@ def simulate(
     record_bytes: int,
     links: Links,
     costs: StepCosts,
-    policy: str = "mix",
+    policy: str = "hot",
     recall: float | None = 0.9,
     n_experts: int | None = None,
     warmup: int = 0,
@@ -116,7 +116,7 @@ def simulate(
     for pool, keys in ((gpu, warm[:gpu_slots]), (ram, warm[gpu_slots : gpu_slots + ram_slots])):
         for key in reversed(keys):  # as the warm start places them: the hottest touched last, counted most
             pool.allocate(key, ())
-    hold_hottest(ram, warm)
+    hold_hottest(ram, warm, gpu_slots + trace.shape[2])
     streams = gpu_slots < n_layers * n_experts  # every record resident: nothing moves, the host is not asked
     copy_s, read_s = record_bytes / links.pcie, record_bytes / links.ssd
     on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes

@@ -74,12 +74,14 @@ def map_all(store: ExpertStore, ranked: list[Key]) -> None:
     store.map(host, DeviceUseCounts(tier == 2, store.device))
 
 
-def hold_hottest(pool: SlotPool, ranked: list[Key]) -> None:
+def hold_hottest(pool: SlotPool, ranked: list[Key], keep_free: int) -> None:
     """Under a policy that holds a hot set ("hot"), the hottest HOT_SHARE of the pool's records, by `ranked`
-    (hottest first), are held: never evicted."""
+    (hottest first), are held: never evicted; at least `keep_free` slots stay free to turn over (a wave of loads
+    needs them)."""
     if hasattr(pool.policy, "hold"):
         present = [k for k in ranked if k in pool]
-        pool.policy.hold(present[: int(HOT_SHARE * len(pool.key_of))])
+        slots = len(pool.key_of)
+        pool.policy.hold(present[: max(0, min(int(HOT_SHARE * slots), slots - keep_free))])
 
 
 def preload(store: ExpertStore, ranked: list[Key]) -> None:
@@ -97,6 +99,6 @@ def preload(store: ExpertStore, ranked: list[Key]) -> None:
     store.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
     store.read_ahead(to_ram, set())
     store.sync()
-    hold_hottest(store.ram_pool, ranked)
+    hold_hottest(store.ram_pool, ranked, p.gpu_slots + p.staging)
     store.counters.warm_records = len(to_gpu) + len(to_ram)
     store.counters.warm_s = time.perf_counter() - t0

@@ -209,6 +209,24 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
         Engine(model, device="cpu", max_context=64)
 
 
+def test_the_hot_policy_holds_the_warm_starts_hottest_records_in_ram(converted, tmp_path):
+    model = Path(shutil.copytree(converted, tmp_path / "model"))
+    manifest = Manifest.read(model)
+    counts = {layer: tuple(range(8, 0, -1)) for layer in manifest.experts}  # expert 0 hottest
+    profile = HotProfile(manifest.conversion_sha256(), 100, counts)
+    store = ExpertStore(model, manifest, CPU, _plan(model, 2, 12), policy="hot")
+    warm_start(store, profile)
+    held = set(store.ram_pool.policy.held)
+    assert held and len(held) <= 12 - (2 + store.plan.staging)  # room left to turn over
+    ranked = [k for k in profile.ranked() if k[0] in store.plan.expert_layers]
+    assert held <= set(ranked[: 2 + 12])
+    for layer in sorted(store.plan.expert_layers):  # every other expert through the store: the held ones stay
+        for _ in store.load(layer, [e for e in range(8) if (layer, e) not in held]):
+            pass
+    assert held <= set(store.ram_pool.slot_of)
+    store.close()
+
+
 @pytest.mark.gpu
 def test_on_cuda_replayed_steps_run_ahead_of_the_host_and_keep_the_cache_of_the_tokens_given(converted):
     """Replayed steps are launched before the host reads their token (DecodeGraphs.tokens): a generation

@@ -175,6 +175,7 @@ def _project(model: Path, family: str, machines: list[str], c, options, prompts:
             f"{check['simulated_tok_s']:.2f} ({check['error']:+.0%})"
         )
     click.echo(r["table"])
+    click.echo(r["first_token_table"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "projection.json").write_text(json.dumps(r, indent=1) + "\n")
     click.echo(f"wrote {out / 'projection.json'}", err=True)

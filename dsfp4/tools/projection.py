@@ -11,12 +11,18 @@ gives the whole model on a user's machine, with compute scaled from what the ben
   from a profile of the trace's first half (as profile-hot measures one on calibration text) and the second half
   is decoded (so the profile never saw the tokens it is scored on).
 - Links: the machine's SSD and pinned PCIe bandwidth, each at its full rate.
+- Time to first token: the trace's rows after the profile's are the prompt, prefilled in chunks as `dsfp4 run`
+  prefills (runtime/profile/simulate.py simulate_prefill); its compute is the prompt's FLOPs at PREFILL_SHARE of
+  the user's GPU's dense BF16 peak (what our prefill reached on the H100), attention's scores left out (under 10%
+  of a V3 layer's FLOPs at 2,048 tokens).
+- The process: USER_PROCESS, what `dsfp4 run` holds when it plans (not what the projecting process holds).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,20 +32,25 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
-from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
 from dsfp4.runtime.profile.replay import belady
-from dsfp4.runtime.profile.simulate import Links, Projection, StepCosts, simulate
+from dsfp4.runtime.profile.simulate import Links, Projection, StepCosts, simulate, simulate_prefill
 from dsfp4.synthetic.bench_model import model_args, planned_manifest
 from dsfp4.tools.doctor import Ceilings
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
 MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = 4096, 512, 4  # the run the plan is made for: `dsfp4 run`'s defaults
 HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing and queues the loads
+# our prefill MoE's 310.5 TFLOP/s at 4,096 tokens on the H100 (docs/BENCHMARKS.md, 2026-11-23) over the H100 SXM's
+# 989.4 dense BF16 TFLOP/s: the share of a GPU's peak the projected prefill runs at
+PREFILL_SHARE = 310.5 / 989.4
+PROMPTS = (64, 512, 2048)  # prompt tokens the time to first token is projected for
+USER_PROCESS = int(0.48 * GiB)  # RSS of a `dsfp4 run` as it plans on the H100 machine (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -48,26 +59,32 @@ class Machine:
     budgets: Budgets
     hbm: float  # the GPU's memory bandwidth, bytes/s
     links: Links
+    flops: float  # the GPU's dense BF16 tensor peak (FP32 accumulate), FLOP/s: NVIDIA's specifications
 
 
 MACHINES = {
     "16g": Machine(
-        "the design's seed machine: 16 GB GPU (896 GB/s), 96 GB RAM, 14 GB/s PCIe 5 SSD, 50 GB/s pinned PCIe",
+        "the design's seed machine: 16 GB GPU (896 GB/s, 88 BF16 TFLOP/s: an RTX 5070 Ti), 96 GB RAM, "
+        "14 GB/s PCIe 5 SSD, 50 GB/s pinned PCIe",
         Budgets(PRESETS["16g"].gpu, PRESETS["16g"].cpu, "preset 16g"),
         896e9,
         Links(14e9, 50e9),
+        87.9e12,
     ),
     "24g": Machine(
-        "24 GB GPU (1,008 GB/s), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe (the 16g machine's links)",
+        "24 GB GPU (1,008 GB/s, 165 BF16 TFLOP/s: an RTX 4090), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe "
+        "(the 16g machine's links)",
         Budgets(PRESETS["24g"].gpu, PRESETS["24g"].cpu, "preset 24g"),
         1008e9,
         Links(14e9, 50e9),
+        165.2e12,
     ),
     "home-seek": Machine(
         "home-seek's: RTX 4090 24 GB (1,008 GB/s), ~90 GB RAM, 1.5 GB/s disk, PCIe 4 (25 GB/s pinned)",
         Budgets(23 * GiB, 76 * GiB, "home-seek's machine"),
         1008e9,
         Links(1.5e9, 25e9),
+        165.2e12,
     ),
 }
 FAMILIES = {  # the whole model: (decoder layers, dense layers, family of the bench model's writer)
@@ -88,27 +105,24 @@ def full_plan(family: str, machine: Machine) -> tuple[Manifest, Plan]:
     for backbone in ("fp8_e4m3_b128", "nvfp4"):
         m = planned_manifest(args, backbone, expert_format)
         try:
-            plan = make_plan(m, PLAN_DEVICE, torch.bfloat16, machine.budgets, MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
+            budgets, b = machine.budgets, (MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
+            plan = make_plan(m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS)
         except ConfigError:
             continue
         return m, plan
     raise ConfigError(f"{family}: the planner fits no backbone format in {machine.about}")
 
 
-def step_bytes(m: Manifest) -> tuple[float, float, float]:
-    """Bytes a decode token reads (as planner.token_bytes counts them): (per MoE layer before its router: attention
-    and router; per MoE layer after: routed experts' records and shared experts; per token: the rest)."""
+def _per_token(m: Manifest, size: Callable[[str, TensorEntry], float], record: float) -> tuple[float, float, float]:
+    """A token's `size` of the backbone's tensors, split (per MoE layer before its router: attention and router; per
+    MoE layer after: routed experts, `record` each, and shared experts; per token: the rest)."""
     a = m.args
     moe = [b for b in range(a.n_layers) if b in m.experts]
     attn = experts = other = 0.0
     for name, t in m.tensors.items():
         if name.startswith(a.mtp_prefixes):
             continue
-        n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
-        if name.endswith(ONE_ROW):
-            n = n // t.shape[0] + (n if name == "embed.weight" and a.tie_word_embeddings else 0)
-        elif name.endswith(ROUTER_SUFFIXES):
-            n = n * 32 // FORMATS[t.format].bits
+        n = size(name, t)
         layer = int(name.split(".")[1]) if name.startswith("layers.") else None
         if layer not in moe:
             other += n
@@ -116,9 +130,38 @@ def step_bytes(m: Manifest) -> tuple[float, float, float]:
             experts += n
         else:
             attn += n
-    record = sum(p.nbytes for p in m.record.parts) if m.record else 0
     experts += len(moe) * a.n_activated_experts * record
     return attn / len(moe), experts / len(moe), other
+
+
+def step_bytes(m: Manifest) -> tuple[float, float, float]:
+    """Bytes a decode token reads (as planner.token_bytes counts them), split as _per_token splits them."""
+
+    def size(name: str, t: TensorEntry) -> float:
+        n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
+        if name.endswith(ONE_ROW):
+            return n // t.shape[0] + (n if name == "embed.weight" and m.args.tie_word_embeddings else 0)
+        return n * 32 // FORMATS[t.format].bits if name.endswith(ROUTER_SUFFIXES) else n
+
+    return _per_token(m, size, sum(p.nbytes for p in m.record.parts) if m.record else 0)
+
+
+def step_flops(m: Manifest) -> tuple[float, float, float]:
+    """FLOPs of a prompt token's matrix products (2 per weight; tables it reads one row of cost none), split as
+    _per_token splits them."""
+
+    def size(name: str, t: TensorEntry) -> float:
+        return 0.0 if name.endswith(ONE_ROW) else 2.0 * math.prod(t.shape)
+
+    a = m.args
+    return _per_token(m, size, 2.0 * 3 * a.dim * a.moe_inter_dim)
+
+
+def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
+    """A prompt token's compute on the machine's GPU at PREFILL_SHARE of its peak."""
+    rate = machine.flops * PREFILL_SHARE
+    attn, experts, other = step_flops(m)
+    return StepCosts(attn / rate, experts / rate, other / rate, HOST_S)
 
 
 def n_moe_layers(m: Manifest) -> int:
@@ -277,13 +320,76 @@ def table(rows: list[Row]) -> str:
                 f"{100 * (1 - r.belady_not_ssd):.1f}",
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    out = []
-    for line in lines:
-        out.append(
-            "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+    return _columns(lines, left=3)
+
+
+def _columns(lines: list[tuple[str, ...]], left: int) -> str:
+    """Rows of cells as aligned text: the first `left` columns to the left, the rest to the right."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in lines
+    )
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    machine: str
+    prompt: int  # tokens
+    projection: Projection  # the prompt's totals; seconds: the time to its first token
+
+    def to_dict(self) -> dict:
+        return {"machine": self.machine, "prompt": self.prompt, **self.projection.to_dict()}
+
+
+def first_tokens(family: str, ids: np.ndarray, machines: list[str], prompts: tuple[int, ...] = PROMPTS) -> list:
+    """The whole model's time to first token on each machine for prompts of each length: the trace's rows after its
+    first half (wrapping around, as --routing does), prefilled through the plan's pools warm from that half."""
+    rows = []
+    for name in machines:
+        machine = MACHINES[name]
+        m, plan = full_plan(family, machine)
+        trace = spread(ids, n_moe_layers(m))
+        half = len(trace) // 2
+        warm = warm_order(trace[:half], m.args.n_routed_experts)
+        costs = prefill_costs(m, machine)
+        for n in prompts:
+            prompt = trace[(half + np.arange(n)) % len(trace)]  # [n, L, K]
+            p = simulate_prefill(
+                prompt,
+                plan.gpu_slots,
+                plan.ram_slots,
+                m.record.nbytes,
+                machine.links,
+                costs,
+                PREFILL_CHUNK,
+                RunOptions.policy,
+                warm,
+            )
+            rows.append(FirstToken(name, n, p))
+    return rows
+
+
+def first_token_table(rows: list[FirstToken]) -> str:
+    head = ("machine", "prompt", "TTFT s", "compute s", "SSD GB", "PCIe GB", "device %", "RAM %", "SSD %")
+    lines = [head]
+    for r in rows:
+        p = r.projection
+        uses = max(p.uses, 1)
+        lines.append(
+            (
+                r.machine,
+                str(r.prompt),
+                f"{p.seconds:.1f}",
+                f"{p.compute_s:.1f}",
+                f"{p.ssd_bytes / 1e9:.1f}",
+                f"{p.pcie_bytes / 1e9:.1f}",
+                f"{100 * p.device_hits / uses:.1f}",
+                f"{100 * p.ram_hits / uses:.1f}",
+                f"{100 * p.ssd_misses / uses:.1f}",
+            )
         )
-    return "\n".join(out)
+    return _columns(lines, left=1)
 
 
 def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int) -> Plan:
@@ -384,7 +490,9 @@ def run_projection(
     links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
     checks = [validate(model_dir, manifest, options.routing, m, family, options, links, costs) for m in machines]
     ids = read_trace(options.routing).ids
-    rows = project(family, ids, machines + (["home-seek"] if family == "v4" else []), eff)
+    every = machines + (["home-seek"] if family == "v4" else [])
+    rows = project(family, ids, every, eff)
+    firsts = first_tokens(family, ids, every)
     return {
         "efficiency": eff,
         "ceilings": c.to_dict(),
@@ -394,5 +502,7 @@ def run_projection(
         "checks": checks,
         "projection": [r.to_dict() for r in rows],
         "table": table(rows),
+        "first_token": [r.to_dict() for r in firsts],
+        "first_token_table": first_token_table(firsts),
         "machines": {k: MACHINES[k].about for k in {r.machine for r in rows}},
     }

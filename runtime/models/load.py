@@ -51,12 +51,17 @@ def load_model(
     options = options or RunOptions()
     plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
     w = Weights(model_dir, manifest, device, dtype)
-    experts = ExpertStore(model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify)
+    # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
+    experts = ExpertStore(
+        model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify, host=False
+    )
     try:
         family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
         model = family(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
         a = manifest.args
         w.check_all_used(() if with_mtp else a.mtp_prefixes)
+        w.close()
+        experts.open_host()
     except BaseException:
         experts.close()
         raise

@@ -42,14 +42,14 @@ class Plan:
     gpu_slots: int
     ram_slots: int
     staging: int  # RAM slots that reads in flight may hold at once (part of ram_slots)
-    host_base: int  # process memory before the RAM cache (interpreter, libraries, loading)
+    host_base: int  # process memory beside the RAM cache (interpreter, libraries; on the CPU, loading too)
     total_records: int
     expert_layers: tuple[int, ...] = ()  # MoE layers whose records the run uses
 
     def table(self) -> str:
         r, n = self.record, self.total_records
         on_cpu = self.device == "cpu"  # both tiers are host memory: the process is counted on the device side
-        process = ("  process", format_bytes(self.host_base), "interpreter, libraries, loading")
+        process = ("  process", format_bytes(self.host_base), "interpreter, libraries" + ", loading" * on_cpu)
         rows = [
             ("budgets", self.budgets.source, ""),
             (f"device budget ({self.device})", format_bytes(self.budgets.gpu), ""),
@@ -171,8 +171,10 @@ def make_plan(
     io_threads: int,
     with_mtp: bool = False,
     host_extra: int = 0,
+    process: int | None = None,
 ) -> Plan:
-    """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states)."""
+    """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states); `process`:
+    the process's own before the model loads (default: this process's RSS now; a projection gives a user's)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     layers = _used_layers(manifest, with_mtp)
     record = manifest.record.nbytes if manifest.record else 0
@@ -191,10 +193,13 @@ def make_plan(
     workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
     fixed = backbone + kv + workspace
     top_k = a.n_activated_experts if total_records else 0
-    # the process now, plus the largest backbone file, mapped while its tensors are read
+    # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated
+    # (load_model), so it shares the RAM budget with the process, not with the cache
     largest_file = max((f.nbytes for n, f in manifest.files.items() if n.startswith("backbone/")), default=0)
-    host_base = process_rss() + largest_file + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
-    if device.type == "cpu":  # the 'device' tier is host memory too: count the process there
+    process = process_rss() if process is None else process
+    host_base = process + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
+    if device.type == "cpu":  # the 'device' tier is host memory too: count the process and the mapping there
+        host_base += largest_file
         fixed += host_base
     min_gpu = fixed + top_k * record
     if budgets.gpu < min_gpu:
@@ -208,12 +213,14 @@ def make_plan(
     gpu_slots = min((budgets.gpu - fixed) // record, total_records) if record else 0
     staging = min(io_threads, total_records) if record else 0
     host_cpu = 0 if device.type == "cpu" else host_base
-    min_cpu = host_cpu + staging * record
+    loading = 0 if device.type == "cpu" else largest_file
+    min_cpu = host_cpu + max(staging * record, loading)
     if budgets.cpu < min_cpu:
         raise ConfigError(
             f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu)} "
-            f"and needs {format_bytes(staging * record)} more to read {staging} records at once; give at "
-            f"least {format_bytes(min_cpu)} (or fewer --io-threads)"
+            f"and needs {format_bytes(max(staging * record, loading))} more to map its largest backbone file "
+            f"({format_bytes(loading)}) and to read {staging} records at once; give at least "
+            f"{format_bytes(min_cpu)} (or fewer --io-threads)"
         )
     ram_slots = max(min((budgets.cpu - host_cpu) // record, total_records), staging) if record else 0
     return Plan(

@@ -1,5 +1,5 @@
-"""Decode simulated through the expert store: a routing trace replayed through the store's own slot pools and
-eviction policies, with its loads timed on the links a machine has, to project a model that is not here.
+"""The expert store simulated: a routing trace replayed through the store's own slot pools and eviction policies,
+with its loads timed on the links a machine has, to project a model that is not here.
 
 What a decode step does, as the store does it (runtime/store/expert_store.py), MoE layer after MoE layer:
   1. the layer's attention runs, then its router: the chosen experts are known (the host reads them when they
@@ -9,10 +9,13 @@ What a decode step does, as the store does it (runtime/store/expert_store.py), M
   3. the next layer's guessed experts (a prefetcher of the stated recall) are started right after: reads and
      copies queued behind this layer's own, never evicting one of this layer's experts;
   4. the experts compute once every chosen record is on the device.
-The dense layers and the head run once per token (`other_s`). Pools are global across layers and inclusive, as
-the store's (a device hit touches the RAM copy). Simplifications, stated: a slot whose load is in flight may be
-chosen as a victim (the store pins it), and reads and copies of a queue run one after another at the link's full
-rate (the store keeps several reads in flight to reach it). Legend: N tokens, L MoE layers, K experts per token.
+The dense layers and the head run once per token (`other_s`). A prompt's chunk (simulate_prefill) does the same
+with every token of the chunk at once: its layer's distinct experts come in waves of at most the device slots,
+device hits first, then RAM's, then the SSD's; a wave's reads start as the wave before it computes, and its copies
+wait for that compute to free the slots. Pools are global across layers and inclusive, as the store's (a device
+hit touches the RAM copy). Simplifications, stated: a slot whose load is in flight may be chosen as a victim (the
+store pins it), and reads and copies of a queue run one after another at the link's full rate (the store keeps
+several reads in flight to reach it). Legend: N tokens, L MoE layers, K experts per token.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ class Links:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of compute of a decode token: per MoE layer before its router's choice (attention, router) and after
+    """Seconds of compute of a token: per MoE layer before its router's choice (attention, router) and after
     its records are there (routed and shared experts); per token for the rest (dense layers, head); per MoE layer
-    whose experts stream, the host's round trip."""
+    whose experts stream, the host's round trip (once per forward, however many tokens it holds)."""
 
     attn_s: float
     experts_s: float
@@ -63,10 +66,11 @@ class StepCosts:
 
 @dataclass
 class Projection:
-    """Per decode token (the first `warmup` tokens of the trace not counted)."""
+    """Decode: per token (the first `warmup` tokens of the trace not counted). Prefill: the whole prompt (`tokens`
+    its length, `seconds` the time to its first token)."""
 
     tokens: int = 0
-    seconds: float = 0.0  # per token
+    seconds: float = 0.0
     compute_s: float = 0.0
     stall_s: float = 0.0  # waiting for records
     ssd_bytes: float = 0.0
@@ -83,6 +87,59 @@ class Projection:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tok_s": self.tok_s}
+
+
+class Tiers:
+    """The store's two pools and its two links in simulated time: where each record is, when its read and its copy
+    complete, and the moves counted into `out` while `counting`."""
+
+    def __init__(
+        self, gpu_slots: int, ram_slots: int, record_bytes: int, links: Links, policy: str, out: Projection
+    ) -> None:
+        gpu_policy, ram_policy = TIER_POLICIES[policy]
+        self.gpu, self.ram = SlotPool(gpu_slots, gpu_policy), SlotPool(ram_slots, ram_policy)
+        self.record, self.out, self.counting = record_bytes, out, True
+        self.copy_s, self.read_s = record_bytes / links.pcie, record_bytes / links.ssd
+        self.on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
+        self.in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
+        self.ssd_free = self.pcie_free = 0.0
+
+    def place(self, warm: list[Key], keep_free: int) -> None:
+        """Records hottest first, placed as a warm start places them (the first gpu_slots on the device, the next
+        ram_slots in RAM); the hot policy then holds them, leaving `keep_free` slots to move through."""
+        g, r = len(self.gpu.key_of), len(self.ram.key_of)
+        for pool, keys in ((self.gpu, warm[:g]), (self.ram, warm[g : g + r])):
+            for key in reversed(keys):  # the hottest touched last, counted most
+                pool.allocate(key, ())
+        hold_hottest(self.ram, warm, keep_free)
+
+    def on_gpu(self, key: Key) -> float | None:
+        """A device hit -> when its record is there (a prefetch may still be copying it), or None."""
+        if self.gpu.lookup(key) is None:
+            return None
+        self.ram.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
+        return self.on_device.get(key, 0.0)
+
+    def bring(self, key: Key, at: float, protected: set[Key], demand: bool, copy_after: float = 0.0) -> float | None:
+        """Start moving a record that is not on the device there at time `at`, its copy not before `copy_after`
+        (when its slot is free) -> its arrival time, or None (no slot that may be evicted)."""
+        out, counting = self.out, self.counting
+        if self.ram.lookup(key) is not None:
+            ready = self.in_ram.get(key, 0.0)
+            out.ram_hits += demand * counting
+        else:
+            if self.ram.allocate(key, protected) is None:
+                return None
+            self.ssd_free = max(self.ssd_free, at) + self.read_s
+            ready = self.in_ram[key] = self.ssd_free
+            out.ssd_bytes += self.record * counting
+            out.ssd_misses += demand * counting
+        if self.gpu.allocate(key, protected) is None:
+            return None
+        self.pcie_free = max(self.pcie_free, ready, at, copy_after) + self.copy_s
+        self.on_device[key] = self.pcie_free
+        out.pcie_bytes += self.record * counting
+        return self.pcie_free
 
 
 def simulate(
@@ -102,52 +159,21 @@ def simulate(
 ) -> Projection:
     """Decode the tokens of `trace` [N, L, K] through pools of gpu_slots and ram_slots records under `policy`
     (TIER_POLICIES), prefetching with guesses at `recall` (None: no prefetch) -> per-token averages. `warm`: records
-    hottest first, placed before the first token as a warm start places them (the first gpu_slots on the device,
-    the first ram_slots in RAM). prefetch_reads False: guesses are only copied up from RAM, never read from the
-    SSD (a wrong guess then costs PCIe time, not SSD time)."""
-    n_tokens, n_layers, _ = trace.shape
+    hottest first, placed before the first token as a warm start places them (Tiers.place). prefetch_reads False:
+    guesses are only copied up from RAM, never read from the SSD (a wrong guess then costs PCIe time, not SSD
+    time)."""
+    n_tokens, n_layers, top_k = trace.shape
     n_experts = n_experts or int(trace.max()) + 1
-    gpu_policy, ram_policy = TIER_POLICIES[policy]
-    gpu, ram = SlotPool(gpu_slots, gpu_policy), SlotPool(ram_slots, ram_policy)
     guessed = None
     if recall is not None:
         guessed = guesses(trace[:, 1:], recall, n_experts, np.random.default_rng([seed, 23]))  # [N, L - 1, K]
-    warm = list(warm)
-    for pool, keys in ((gpu, warm[:gpu_slots]), (ram, warm[gpu_slots : gpu_slots + ram_slots])):
-        for key in reversed(keys):  # as the warm start places them: the hottest touched last, counted most
-            pool.allocate(key, ())
-    hold_hottest(ram, warm, gpu_slots + trace.shape[2])
+    out = Projection()
+    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, out)
+    tiers.place(list(warm), gpu_slots + top_k)
     streams = gpu_slots < n_layers * n_experts  # every record resident: nothing moves, the host is not asked
-    copy_s, read_s = record_bytes / links.pcie, record_bytes / links.ssd
-    on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
-    in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
-    ssd_free = pcie_free = now = 0.0
-    out, counting = Projection(), False
-
-    def bring(key: Key, at: float, protected: set[Key], demand: bool) -> float | None:
-        """Start moving a record that is not on the device there at time `at` -> its arrival time, or None
-        (a prefetch finding no slot)."""
-        nonlocal ssd_free, pcie_free
-        if ram.lookup(key) is not None:
-            ready = in_ram.get(key, 0.0)
-            if demand:
-                out.ram_hits += counting
-        else:
-            if ram.allocate(key, protected) is None:
-                return None
-            ssd_free = max(ssd_free, at) + read_s
-            ready = in_ram[key] = ssd_free
-            out.ssd_bytes += record_bytes * counting
-            out.ssd_misses += demand * counting
-        if gpu.allocate(key, protected) is None:
-            return None
-        pcie_free = max(pcie_free, ready, at) + copy_s
-        on_device[key] = pcie_free
-        out.pcie_bytes += record_bytes * counting
-        return pcie_free
-
+    now = 0.0
     for token in range(n_tokens):
-        counting = token >= warmup
+        tiers.counting = counting = token >= warmup
         start = now
         for layer in range(n_layers):
             routed = now + costs.attn_s + (costs.host_s if streams else 0.0)
@@ -156,12 +182,11 @@ def simulate(
             ready = routed
             for key in chosen:
                 out.uses += counting
-                if gpu.lookup(key) is not None:
-                    ram.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
+                if (there := tiers.on_gpu(key)) is not None:
                     out.device_hits += counting
-                    ready = max(ready, on_device.get(key, 0.0))
+                    ready = max(ready, there)
                     continue
-                arrival = bring(key, routed, protected, demand=True)
+                arrival = tiers.bring(key, routed, protected, demand=True)
                 if arrival is None:
                     raise ValueError(f"{gpu_slots} device slots cannot hold one layer's {len(chosen)} experts")
                 ready = max(ready, arrival)
@@ -169,9 +194,9 @@ def simulate(
                 wanted = [(layer + 1, e) for e in dict.fromkeys(int(g) for g in guessed[token, layer])]
                 keep = protected | set(wanted)  # a guess never evicts another guess, nor this layer's experts
                 for key in wanted:
-                    if key in gpu or not (prefetch_reads or key in ram):
+                    if key in tiers.gpu or not (prefetch_reads or key in tiers.ram):
                         continue
-                    if bring(key, routed, keep, demand=False) is not None:
+                    if tiers.bring(key, routed, keep, demand=False) is not None:
                         out.prefetch_loads += counting
             out.stall_s += (ready - routed) * counting
             now = ready + costs.experts_s
@@ -184,4 +209,61 @@ def simulate(
     out.compute_s = (n_layers * per_layer + costs.other_s) * out.tokens
     for field in PER_TOKEN:
         setattr(out, field, getattr(out, field) / n)
+    return out
+
+
+def simulate_prefill(
+    trace: np.ndarray,
+    gpu_slots: int,
+    ram_slots: int,
+    record_bytes: int,
+    links: Links,
+    costs: StepCosts,
+    chunk: int,
+    policy: str = "hot",
+    warm: list[Key] = (),
+) -> Projection:
+    """Prefill the prompt whose routing is `trace` [P, L, K] in chunks of `chunk` tokens through pools of gpu_slots
+    and ram_slots records (`costs` per token, compute-bound: a chunk of n tokens costs n times as much; `warm` as
+    for simulate) -> the prompt's totals, `seconds` the time to its first token."""
+    n_tokens, n_layers, top_k = trace.shape
+    out = Projection(tokens=n_tokens)
+    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, out)
+    tiers.place(list(warm), gpu_slots + top_k)
+    now = 0.0
+    for first in range(0, n_tokens, chunk):
+        rows = trace[first : first + chunk]  # [n, L, K]
+        n = len(rows)
+        for layer in range(n_layers):
+            routed = now + n * costs.attn_s + costs.host_s
+            uses = np.bincount(rows[:, layer].ravel())  # [E] the chunk's tokens per expert
+            keys = [(layer, int(e)) for e in np.flatnonzero(uses)]
+            out.uses += len(keys)
+
+            def tier(key: Key) -> int:
+                return 0 if key in tiers.gpu else 1 if key in tiers.ram else 2
+
+            order = sorted(keys, key=tier)
+            start, free = routed, routed  # the wave's reads start; its slots are free
+            for at in range(0, len(order), gpu_slots):
+                wave = order[at : at + gpu_slots]
+                protected, ready = set(wave), start
+                for key in wave:
+                    if (there := tiers.on_gpu(key)) is not None:
+                        out.device_hits += 1
+                        ready = max(ready, there)
+                        continue
+                    arrival = tiers.bring(key, start, protected, demand=True, copy_after=free)
+                    if arrival is None:
+                        raise ValueError(f"{gpu_slots} device slots cannot hold a wave of {len(wave)} experts")
+                    ready = max(ready, arrival)
+                out.stall_s += ready - max(start, free)
+                share = sum(int(uses[e]) for _, e in wave) / (n * top_k)  # of the chunk's routed compute
+                free = ready + share * n * costs.experts_s  # the wave's compute frees its slots
+                start = ready  # the store is asked for the next wave once this one is queued
+            now = free
+        now += n * costs.other_s
+    out.seconds = now
+    out.compute_s = n_tokens * (n_layers * (costs.attn_s + costs.experts_s) + costs.other_s)
+    out.compute_s += -(-n_tokens // chunk) * n_layers * costs.host_s
     return out

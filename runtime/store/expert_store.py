@@ -51,7 +51,10 @@ class ExpertStore:
         policy: str = "lru",
         io_threads: int = 4,
         verify: bool = True,
+        host: bool = True,
     ):
+        """`host` False: the RAM cache is allocated (and pinned) by open_host, once the caller has loaded what it
+        maps first (load_model: the backbone), so the two never share the RAM budget."""
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
         self.cuda = device.type == "cuda"
@@ -60,9 +63,24 @@ class ExpertStore:
         gpu_policy, ram_policy = TIER_POLICIES[policy]
         self.gpu_pool, self.ram_pool = SlotPool(plan.gpu_slots, gpu_policy), SlotPool(plan.ram_slots, ram_policy)
         self.gpu = torch.empty((plan.gpu_slots, n), dtype=torch.uint8, device=device)  # [slots, record]
-        self.ram_np = aligned_buffer(plan.ram_slots * n).reshape(plan.ram_slots, n)
-        self.ram = torch.from_numpy(self.ram_np)  # [slots, record]
+        a = manifest.args
+        self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
+        self._io_threads, self._verify = io_threads, verify
         self._unpin = None
+        self.io: Transfers | None = None  # with the RAM cache (open_host)
+        self.notes: list[str] = []
+        if host:
+            self.open_host()
+        self.mapped = False  # map: every record on the device or read from pinned RAM in place
+        self._device_counts: DeviceUseCounts | None = None  # uses counted by kernels, when mapped
+        self._predicted: dict[int, set[int]] = {}
+        self._counting = True
+
+    def open_host(self) -> None:
+        """Allocate the RAM cache (pinned on CUDA) and start the SSD readers."""
+        n = self.gpu.shape[1]
+        self.ram_np = aligned_buffer(self.plan.ram_slots * n).reshape(self.plan.ram_slots, n)
+        self.ram = torch.from_numpy(self.ram_np)  # [slots, record]
         if self.cuda and self.ram.numel():
             err = torch.cuda.cudart().cudaHostRegister(self.ram.data_ptr(), self.ram.numel(), 0)
             if int(err) != 0:
@@ -72,19 +90,15 @@ class ExpertStore:
                 )
             # unregistered when closed or collected, before the buffer can be unmapped and its addresses reused
             self._unpin = weakref.finalize(self, _unregister, self.ram)
-        a = manifest.args
-        self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
         pools = (self.gpu_pool, self.ram_pool)
         tiers = (self.gpu, self.ram_np, self.ram)
-        self.io = Transfers(self.dir, manifest, tiers, pools, self.table, self._counters, io_threads, verify)
+        self.io = Transfers(
+            self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify
+        )
         self.notes = [
             f"{self.dir / 'experts'}: the filesystem refuses O_DIRECT (tmpfs?); records are read through "
             f"the page cache, and dropped from it after each read"
         ][: not self.io.direct]
-        self.mapped = False  # map: every record on the device or read from pinned RAM in place
-        self._device_counts: DeviceUseCounts | None = None  # uses counted by kernels, when mapped
-        self._predicted: dict[int, set[int]] = {}
-        self._counting = True
 
     # -- slots ----------------------------------------------------------------------------------------
 
@@ -296,7 +310,8 @@ class ExpertStore:
         self.io.sync()
 
     def close(self) -> None:
-        self.io.close()
+        if self.io is not None:
+            self.io.close()
         if self._unpin is not None:
             self._unpin()
         # the record memory goes back now, not when the store is collected: the process may go on

@@ -59,3 +59,47 @@ def test_token_bytes_reads_one_row_of_the_hash_tables(v4_converted):
     assert backbone - without == a.n_hash_layers * a.n_activated_experts * 8  # the token's k expert ids (int64)
     assert record == sum(p.nbytes for p in m.record.parts)
     assert expert_layers(m) == tuple(range(a.n_layers))  # every V4 layer reads top-k records, hash layers too
+
+
+def test_on_cuda_the_largest_backbone_file_shares_the_ram_budget_with_the_process_not_the_cache():
+    """load_model maps the backbone's files before it allocates the RAM cache, so on CUDA the cache takes all the RAM
+    budget past the process, and the budget need only cover the process plus the larger of the largest file and a
+    read's staging; on the CPU the mapping counts on the device side as before."""
+    from dsfp4.errors import ConfigError
+    from dsfp4.runtime.plan.budget import Budgets, GiB
+    from dsfp4.runtime.plan.planner import CUDA_HOST_RESERVE, make_plan
+    from dsfp4.synthetic.bench_model import planned_manifest
+
+    _, args = model_args(5, 1)
+    m = planned_manifest(args, "fp8_e4m3_b128", "nvfp4")
+    largest = max(f.nbytes for n, f in m.files.items() if n.startswith("backbone/"))
+    assert largest > 1 << 30  # the embedding's and head's file
+    record, process = m.record.nbytes, 1 << 30
+
+    def plan(cpu: int, device: str = "cuda"):
+        return make_plan(
+            m, torch.device(device), torch.bfloat16, Budgets(40 * GiB, cpu, "t"), 4096, 512, 4, process=process
+        )
+
+    p = plan(20 * GiB)
+    assert p.host_base == process + CUDA_HOST_RESERVE
+    assert p.ram_slots == (20 * GiB - process - CUDA_HOST_RESERVE) // record
+    with pytest.raises(ConfigError, match="largest backbone file"):
+        plan(process + CUDA_HOST_RESERVE + largest - 1)
+    assert plan(40 * GiB, "cpu").host_base == process + largest
+
+
+def test_load_model_allocates_the_ram_cache_after_the_backbone_is_read(converted, monkeypatch):
+    from dsfp4.runtime.models.weights import Weights
+    from dsfp4.runtime.store.expert_store import ExpertStore
+
+    events = []
+    monkeypatch.setattr(Weights, "close", lambda self, close=Weights.close: (events.append("weights"), close(self)))
+    monkeypatch.setattr(
+        ExpertStore, "open_host", lambda self, op=ExpertStore.open_host: (events.append("cache"), op(self))
+    )
+    m = load_model(converted, torch.device("cpu"), torch.float32, max_len=64)
+    try:
+        assert events[:2] == ["weights", "cache"] and m.experts.io is not None
+    finally:
+        m.experts.close()

@@ -1,14 +1,26 @@
-"""The decode simulation (runtime/profile/simulate.py) and the whole-model projection on it (tools/projection.py):
+"""The store simulated (runtime/profile/simulate.py) and the whole-model projection on it (tools/projection.py):
 resident records cost compute only, a store that holds nothing is bound by its links, prefetch with perfect
-guesses hides what a store without it waits for, and the whole model plans and projects on every machine."""
+guesses hides what a store without it waits for, a prompt's experts come in waves of the device's slots, and the
+whole model plans and projects on every machine."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dsfp4.runtime.profile.simulate import Links, StepCosts, simulate
-from dsfp4.tools.projection import MACHINES, full_plan, project, share_plan, spread, step_bytes, table
+from dsfp4.runtime.profile.simulate import Links, StepCosts, simulate, simulate_prefill
+from dsfp4.tools.projection import (
+    MACHINES,
+    first_token_table,
+    first_tokens,
+    full_plan,
+    project,
+    share_plan,
+    spread,
+    step_bytes,
+    step_flops,
+    table,
+)
 
 COSTS = StepCosts(attn_s=1e-3, experts_s=2e-3, other_s=5e-3, host_s=0.0)
 RECORD = 10_000_000
@@ -76,3 +88,45 @@ def test_share_plan_keeps_one_layer_on_the_device():
     plan = Plan("cuda", Budgets(1, 1, "x"), 0, 0, 0, 100, 50, 60, 4, 0, 1024, (1, 2, 3, 4))
     p = share_plan(plan, 0.002, 0.23, top_k=8)
     assert (p.gpu_slots, p.ram_slots) == (8, 236)
+
+
+PROMPT = np.array([[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]])  # [4 tokens, 1 layer, K = 2]: 8 distinct experts
+
+
+def test_a_prompt_whose_records_are_resident_costs_its_compute():
+    warm = [(0, e) for e in range(8)]
+    p = simulate_prefill(PROMPT, 8, 8, RECORD, Links(1e9, 1e10), COSTS, chunk=4, policy="lru", warm=warm)
+    assert p.ssd_bytes == p.pcie_bytes == 0 and p.device_hits == p.uses == 8
+    assert p.seconds == pytest.approx(4 * (1e-3 + 2e-3 + 5e-3)) == p.compute_s
+
+
+def test_a_prompt_brings_its_experts_in_waves_of_the_device_slots():
+    """4 device slots for 8 experts: the second wave's reads queue behind the first's (10 ms a read) and its copies
+    (1 ms) wait for the first wave's compute (half the chunk's routed compute, 4 ms) to free the slots."""
+    p = simulate_prefill(PROMPT, 4, 8, RECORD, Links(1e9, 1e10), COSTS, chunk=4, policy="lru")
+    assert p.ssd_bytes == 8 * RECORD and p.ssd_misses == 8 and p.tokens == 4
+    # router at 4 ms; wave 1 ready at 4 + 4 x 10 + 1 = 45, computes to 49; wave 2's reads 45 -> 85, last copy 86,
+    # computes to 90; then the dense layers and head, 4 x 5 ms
+    assert p.seconds == pytest.approx(0.110) and p.stall_s == pytest.approx(0.041 + 0.037)
+
+
+def test_each_chunk_brings_again_what_the_ram_could_not_keep():
+    prompt = np.concatenate([PROMPT, PROMPT])  # the same 8 experts in each of two chunks
+    small = simulate_prefill(prompt, 4, 4, RECORD, Links(1e9, 1e10), COSTS, chunk=4, policy="lru")
+    large = simulate_prefill(prompt, 4, 8, RECORD, Links(1e9, 1e10), COSTS, chunk=4, policy="lru")
+    one = simulate_prefill(prompt, 4, 4, RECORD, Links(1e9, 1e10), COSTS, chunk=8, policy="lru")
+    # the second chunk finds the last wave's 4 on the device; the rest come again from the SSD, or from a RAM of 8
+    assert (small.device_hits, small.ssd_misses) == (4, 12) and (large.ram_hits, large.ssd_misses) == (4, 8)
+    assert one.ssd_misses == 8 and one.uses == 8  # one chunk of 8 tokens: each expert brought once
+
+
+@pytest.mark.slow
+def test_the_whole_model_projects_its_first_token():
+    m, _ = full_plan("v3", MACHINES["16g"])
+    attn, experts, other = step_flops(m)
+    assert 2 * 36e9 < 58 * (attn + experts) + other < 2 * 38e9  # DeepSeek-V3: 37B parameters active per token
+    ids = _trace(tokens=40, layers=8, experts=256, k=8)
+    rows = first_tokens("v3", ids, ["16g"], prompts=(16, 600))
+    short, long = (r.projection for r in rows)
+    assert 0 < short.seconds < long.seconds and long.ssd_bytes > short.ssd_bytes > 0
+    assert "TTFT s" in first_token_table(rows)

@@ -38,6 +38,7 @@ def main() -> None:
         loaded = proc_status_bytes("VmRSS")
         engine.generate("The store reads records from the SSD.", max_tokens=args.tokens, temperature=0)
         after, peak = proc_status_bytes("VmRSS"), proc_status_bytes("VmHWM")
+        anon, mapped = proc_status_bytes("RssAnon"), proc_status_bytes("RssFile")  # the cache is anonymous
     cache = plan.ram_slots * (m.record.nbytes if m.record else 0)
     r = {
         "device": plan.device,
@@ -49,13 +50,16 @@ def main() -> None:
         "rss_after_generation": after,
         "peak_rss": peak,
         "cpu_budget": plan.budgets.cpu,
+        "rss_anon_after": anon,
+        "rss_file_after": mapped,
         "beside_cache_after": after - cache,
         "beside_cache_peak": peak - cache,
     }
     print(json.dumps(r))
     print(
         f"planned process {plan.host_base / GiB:.2f} GiB; beside the {cache / GiB:.2f} GiB cache the run held "
-        f"{(after - cache) / GiB:.2f} GiB after a generation, peak {(peak - cache) / GiB:.2f} GiB; peak RSS "
+        f"{(after - cache) / GiB:.2f} GiB after a generation ({(anon - cache) / GiB:.2f} anonymous, "
+        f"{mapped / GiB:.2f} mapped files), peak {(peak - cache) / GiB:.2f} GiB; peak RSS "
         f"{peak / GiB:.2f} of the {plan.budgets.cpu / GiB:.2f} GiB budget"
     )
 

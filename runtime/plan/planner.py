@@ -25,8 +25,9 @@ from dsfp4.units import format_bytes
 FP32 = 4
 COMPLEX64 = 8  # an entry of the RoPE tables
 ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
-CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, cuBLAS and Triton, loaded after the plan
-# (0.63 GiB measured on the H100 machine, docs/BENCHMARKS.md)
+# host memory the CUDA context, its libraries and Triton take after the plan: 2.9 GiB measured on the H200 machine
+# (scripts/bench_host_memory.py, docs/BENCHMARKS.md; 2.4 GB of it shared mappings, counted in RSS)
+CUDA_HOST_RESERVE = 3 << 30
 ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
 ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")  # tables a decode token reads one row of
 

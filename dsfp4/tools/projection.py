@@ -50,7 +50,7 @@ HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing
 # 989.4 dense BF16 TFLOP/s: the share of a GPU's peak the projected prefill runs at
 PREFILL_SHARE = 310.5 / 989.4
 PROMPTS = (64, 512, 2048)  # prompt tokens the time to first token is projected for
-USER_PROCESS = int(0.48 * GiB)  # RSS of a `dsfp4 run` as it plans on the H100 machine (docs/BENCHMARKS.md)
+USER_PROCESS = int(0.56 * GiB)  # RSS of a `dsfp4 run` as it plans, on the H200 machine (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True)

@@ -184,3 +184,23 @@ def test_peak_rss_stays_within_the_ram_budget_on_cuda(converted):
     """On CUDA the RAM budget holds the process, its CUDA libraries (the planner's reserve) and the record cache."""
     budget = {"--gpu-mem": 2 << 30, "--cpu-mem": 5 << 30}
     assert 0 < _peak_rss(converted, "cuda", budget) <= budget["--cpu-mem"]
+
+
+@pytest.mark.parametrize("damage", [bytes(range(256)), b"[1,2,3]", b"null", b"tensors: []", b"layer key"])
+def test_a_damaged_manifest_gives_one_line_in_every_command_and_the_api(converted, tmp_path, damage):
+    import dsfp4
+    from dsfp4.errors import ManifestError
+
+    model = shutil.copytree(converted, tmp_path / "model")
+    d = json.loads((model / MANIFEST_NAME).read_text())
+    if damage == b"tensors: []":
+        d["tensors"] = []
+        damage = json.dumps(d).encode()
+    elif damage == b"layer key":
+        d["experts"]["layers"]["x"] = d["experts"]["layers"].pop(next(iter(d["experts"]["layers"])))
+        damage = json.dumps(d).encode()
+    (model / MANIFEST_NAME).write_bytes(damage)
+    for args in (("run", model, "--prompt", "hi", "--device", "cpu"), ("verify", model), ("inspect", model)):
+        assert_one_line_error(run_cli(*args), str(model / MANIFEST_NAME))
+    with pytest.raises(ManifestError, match="manifest"):
+        dsfp4.Engine(model, device="cpu")

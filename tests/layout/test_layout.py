@@ -101,3 +101,63 @@ def test_malformed_manifest_is_refused(tmp_path):
     (tmp_path / MANIFEST_NAME).write_text('{"format_version": 1}')
     with pytest.raises(ManifestError, match="malformed manifest"):
         Manifest.read(tmp_path)
+
+
+def _golden() -> dict:
+    return json.loads((DATA / "manifest_v1.json").read_text())
+
+
+def _damaged(case: str) -> bytes:
+    """A damaged manifest.json, one per way the issue found and a few more of each kind."""
+    d = _golden()
+    if case == "random bytes":
+        return bytes(range(256)) * 4
+    if case in ("[1,2,3]", "null", "7", '"text"'):
+        return case.encode()
+    if case == "tensors: []":
+        d["tensors"] = []
+    elif case == "layer key not a number":
+        d["experts"]["layers"]["one"] = d["experts"]["layers"].pop(next(iter(d["experts"]["layers"])))
+    elif case == "shape of strings":
+        next(iter(d["tensors"].values()))["shape"] = ["a", "b"]
+    elif case == "offsets null":
+        next(iter(d["experts"]["layers"].values()))["offsets"] = None
+    elif case == "model dim a string":
+        d["model"]["dim"] = "256"
+    elif case == "record parts missing":
+        del d["experts"]["record"]["parts"]
+    elif case == "files nbytes true":
+        next(iter(d["files"].values()))["nbytes"] = True
+    return json.dumps(d).encode()
+
+
+DAMAGED = {  # case -> what the one-line error says
+    "random bytes": "not valid JSON",
+    "[1,2,3]": "(a list, not an object)",
+    "null": "(null, not an object)",
+    "7": "(a number, not an object)",
+    '"text"': "(a string, not an object)",
+    "tensors: []": "at tensors: expected an object, found a list",
+    "layer key not a number": "key 'one' is not a layer number",
+    "shape of strings": "shape[0]: expected an integer, found a string",
+    "offsets null": "offsets: expected a list, found null",
+    "model dim a string": "model.dim: expected an integer, found a string",
+    "record parts missing": "experts.record.parts: missing",
+    "files nbytes true": "nbytes: expected an integer, found a boolean",
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_a_damaged_manifest_is_refused_in_one_line(tmp_path, case):
+    (tmp_path / MANIFEST_NAME).write_bytes(_damaged(case))
+    with pytest.raises(ManifestError) as e:
+        Manifest.read(tmp_path)
+    message = str(e.value)
+    assert DAMAGED[case] in message and "\n" not in message and str(tmp_path) in message
+
+
+def test_the_schema_accepts_what_the_writer_writes():
+    from dsfp4.layout.manifest_schema import check
+
+    assert check(_golden()) is None
+    assert check({**_golden(), "skipped": {"x": "1"}}) == "skipped.x: expected an integer, found a string '1'"

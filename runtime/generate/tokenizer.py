@@ -59,8 +59,17 @@ class ChatTokenizer:
             raise ManifestError(f"{cfg_path}: not valid JSON ({e}); copy it again from the source") from e
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
-        eos = {self.tok.token_to_id(self.eos_token)} if self.eos_token else set()
-        self.eos_ids = frozenset((eos | set(eos_token_ids)) - {None})
+        # tokenizer_config.json's add_bos_token and add_eos_token, as transformers' Llama tokenizers (DeepSeek's
+        # class) and vLLM apply them: where set they decide, whatever tokenizer.json's post-processor adds
+        self.bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        switches = {key: cfg.get(f"add_{key}_token") for key in ("bos", "eos")}
+        self.switched = any(isinstance(v, bool) for v in switches.values())
+        post = self.tok.encode("", add_special_tokens=True).ids  # what the post-processor puts around text
+        self.add_bos = switches["bos"] if isinstance(switches["bos"], bool) else post[:1] == [self.bos_id]
+        default_eos = post[-1:] == [self.eos_id] and post != [self.bos_id]
+        self.add_eos = switches["eos"] if isinstance(switches["eos"], bool) else default_eos
+        self.eos_ids = frozenset(({self.eos_id} | set(eos_token_ids)) - {None})
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
@@ -71,8 +80,14 @@ class ChatTokenizer:
             raise ConfigError(f"{cfg_path}: the chat template does not compile ({e})") from e
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        """Token ids; `special` lets tokenizer.json's post-processor add what it adds (DeepSeek: the BOS)."""
-        return self.tok.encode(clean_text(text), add_special_tokens=special).ids
+        """Token ids; `special` adds the BOS and EOS that tokenizer_config.json's add_bos_token and add_eos_token ask
+        for (DeepSeek: the BOS), or where neither is set what tokenizer.json's post-processor adds."""
+        text = clean_text(text)
+        if not special or not self.switched:
+            return self.tok.encode(text, add_special_tokens=special).ids
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        head = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        return head + ids + ([self.eos_id] if self.add_eos and self.eos_id is not None else [])
 
     def decode(self, ids: list[int], keep_special: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=not keep_special)

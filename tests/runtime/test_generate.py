@@ -192,3 +192,31 @@ def test_text_stream_decodes_only_the_tail_and_agrees_with_whole_decoding(engine
     finally:
         tok.decode = real
     assert max(calls) < 10  # the windows stay short: nothing is decoded from the start again
+
+
+@pytest.mark.parametrize(
+    ("post_bos", "add_bos", "bos_first"), [(False, True, True), (True, False, False), (False, None, False)]
+)
+def test_raw_text_takes_the_bos_that_add_bos_token_asks_for(converted, tmp_path, post_bos, add_bos, bos_first):
+    """DeepSeek's tokenizer_config.json says add_bos_token true; transformers' Llama tokenizers and vLLM then put the
+    BOS first whatever tokenizer.json's post-processor does, and so does a raw prompt here. Unset, the post-processor
+    decides."""
+    import json
+
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(converted / "tokenizer.json"))
+    if not post_bos:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = json.loads((converted / "tokenizer_config.json").read_text())
+    cfg.pop("add_bos_token")
+    if add_bos is not None:
+        cfg["add_bos_token"] = add_bos
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = ChatTokenizer(tmp_path)
+    plain = t.encode("hello world", special=False)
+    assert t.encode("hello world") == [0] * bos_first + plain and t.encode_prompt("hello world", raw=True)[0] == (
+        0 if bos_first else plain[0]
+    )
+    assert t.bos_id == 0

@@ -171,10 +171,11 @@ def run(
         raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
     if serve:  # before the model loads: a missing server library fails in a second, not after minutes
         try:
-            from dsfp4.server.app import Served
+            from dsfp4.server.app import Served, listen
             from dsfp4.server.app import serve as run_server
         except ImportError as e:
             raise ConfigError(f"--serve needs {e.name}: reinstall dsfp4 (pip install -e .) to get it") from e
+        sock = listen(host, port)  # a port in use fails here, not after the model has loaded
     with Engine(model, options) as engine:
         asked = bool(given_params(ctx, ("max_context",)))
         if asked and engine.max_context < options.max_context:
@@ -196,7 +197,7 @@ def run(
             served = Served(Path(model).resolve().name, api_key, max_queue, options.max_tokens if given else None)
             where = f"http://{host}:{port}/v1"
             click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)
-            run_server(engine, served, host, port)
+            run_server(engine, served, sock)
         else:
             _answer(engine, ids, as_json, show_stats)
     if engine.recorder is not None and engine.recorder.tokens:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -210,9 +211,25 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
     return app
 
 
-def serve(engine: Engine, served: Served, host: str, port: int) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM): running and waiting generations are cancelled at once,
-    and the worker has stopped when this returns, so the caller can close the engine."""
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use fails in one line before the model loads, not after."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); stop what holds the port "
+            f"or give another --port"
+        ) from e
+    return sock
+
+
+def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
+    """Serve on `sock` (listen's) until interrupted (Ctrl-C or SIGTERM): running and waiting generations are
+    cancelled at once, and the worker has stopped when this returns, so the caller can close the engine."""
     import uvicorn
 
     app = create_app(engine, served)
@@ -223,10 +240,9 @@ def serve(engine: Engine, served: Served, host: str, port: int) -> None:
             scheduler.cancel_all()  # open streams end at their next token, so shutdown need not wait for them
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
-    )
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
     try:
-        Server(config).run()
+        Server(config).run(sockets=[sock])
     finally:
         scheduler.stop()
+        sock.close()

@@ -402,3 +402,15 @@ def test_dsfp4_chat_streams_from_the_server(server):
     assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "401" in r.stderr and "API key" in r.stderr
     r = CliRunner().invoke(cli, ["chat", "--url", f"http://127.0.0.1:{_free_port()}"], input="/quit\n")
     assert r.exit_code == 1 and "is a server running there?" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_port_in_use_fails_in_one_line_before_the_model_loads(converted):
+    from tests.fixtures.cli import assert_one_line_error, run_cli
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = run_cli("run", converted, "--serve", "--device", "cpu", "--port", str(port))
+    assert_one_line_error(r, f"--port {port}: cannot listen there", "another --port")
+    assert "expert slots" not in r.output  # the plan is printed once the model has loaded: it never was

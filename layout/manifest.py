@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from dsfp4.errors import ConfigError, ManifestError
-from dsfp4.layout import manifest_schema
 from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.layout.manifest_schema import check_manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.record import RecordLayout
+from dsfp4.value_types import kind
 from dsfp4.version import __version__
 
 MANIFEST_NAME = "manifest.json"
@@ -120,15 +121,13 @@ class Manifest:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ManifestError(f"{path}: not valid JSON ({e}); convert again") from e
         if not isinstance(d, dict):
-            raise ManifestError(
-                f"{path}: malformed manifest ({manifest_schema.json_kind(d)}, not an object); convert again"
-            )
+            raise ManifestError(f"{path}: malformed manifest ({kind(d)}, not an object); convert again")
         version = d.get("format_version")
         if version != MANIFEST_VERSION:
             newer = isinstance(version, int) and version > MANIFEST_VERSION
             fix = "upgrade dsfp4" if newer else "convert the model again with this dsfp4"
             raise ManifestError(f"{path}: layout version {version}, this dsfp4 reads {MANIFEST_VERSION}: {fix}")
-        if (wrong := manifest_schema.check(d)) is not None:
+        if (wrong := check_manifest(d)) is not None:
             raise ManifestError(f"{path}: malformed manifest at {wrong}; convert again")
         try:
             ex = d["experts"]

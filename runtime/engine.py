@@ -60,6 +60,8 @@ class Engine:
     def __init__(
         self, model_dir: str | os.PathLike, options: RunOptions | None = None, *, plan: Plan | None = None, **knobs
     ):
+        if not isinstance(model_dir, (str, os.PathLike)) or not isinstance(options, (RunOptions, type(None))):
+            raise ConfigError(f"Engine takes a model folder and RunOptions, not {model_dir!r:.40} and {options!r:.40}")
         self.options = o = with_knobs(options or RunOptions(), knobs)
         self.model_dir = Path(model_dir)
         device, manifest, self.max_context, dtype = run_target(self.model_dir, o)

@@ -14,6 +14,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.sampling import SamplingParams
 from dsfp4.runtime.store.policy import TIER_POLICIES
+from dsfp4.value_types import annotation_spec, check
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -46,7 +47,14 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         # stop strings arrive as a string, a list (JSON, Click's multiple flag) or a tuple
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if isinstance(self.stop, (str, list)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        for f in dataclasses.fields(self):  # the Python API passes anything: each value has its field's type
+            if (err := check(getattr(self, f.name), annotation_spec(str(f.type)), f.name)) is not None:
+                raise ConfigError(f"option {err} (the flag --{f.name.replace('_', '-')})")
+        for name in ("record_trace", "routing"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, Path(getattr(self, name)))
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"--dtype {self.dtype}: choose auto, {', '.join(DTYPES)}")
         if self.max_context < 2:

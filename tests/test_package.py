@@ -16,7 +16,7 @@ PACKAGE = ROOT / "dsfp4"
 LAYERS = ("convert", "layout", "runtime", "kernels")  # top-level folders, dsfp4.<name> through dsfp4/<name>
 FACE = ("dsfp4.cli", "dsfp4.server", "dsfp4.tools", "dsfp4.synthetic")
 HUB = "dsfp4.hub"  # below convert (convert --from-hub), above layout
-GROUND = ("dsfp4.errors", "dsfp4.units", "dsfp4.version")  # what layout may import besides itself
+GROUND = ("dsfp4.errors", "dsfp4.units", "dsfp4.version", "dsfp4.value_types")  # what layout may import besides itself
 
 
 @pytest.mark.slow

@@ -12,9 +12,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsfp4.runtime.generate.prompt import ROLES
+
 MAX_STOPS = 16  # each stop string is checked against the text's end at every token
 SEED_LIMIT = 1 << 63
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 COMMON = {
     "model",
     "max_tokens",

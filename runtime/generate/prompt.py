@@ -3,13 +3,15 @@ message, unless raw), chat messages (through the template) or token ids as given
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from numbers import Integral
 
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
+# the roles a chat message may have, and the role the chat template sees (OpenAI's developer is a system message)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def as_token_ids(items: list) -> list[int] | None:
@@ -22,21 +24,25 @@ def as_token_ids(items: list) -> list[int] | None:
 def encode_prompt(tokenizer: ChatTokenizer, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
     """Token ids of a prompt: text (through the chat template, with an optional system message, unless `raw`), chat
     messages ([{"role": ..., "content": ...}], through the template) or token ids as given."""
+    if not isinstance(system, (str, type(None))) or not isinstance(raw, bool):
+        raise ConfigError(f"system must be text or None and raw true or false, not {system!r:.40} and {raw!r:.40}")
     if isinstance(prompt, str):
         if raw and system is not None:
             raise ConfigError("a system message goes through the chat template, which raw skips; give one of them")
         return tokenizer.encode_prompt(prompt, system, raw)
-    items = list(prompt)
+    items = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, Mapping)) else []
     if items and (ids := as_token_ids(items)) is not None:
         if system is not None or raw:
             raise ConfigError("system and raw apply to text prompts, not to token ids")
         return ids
     if items and all(isinstance(m, Mapping) for m in items):
-        bad = [i for i, m in enumerate(items) if not (isinstance(m.get("role"), str) and "content" in m)]
-        if bad or not all(isinstance(m["content"], str) for m in items):
-            raise ConfigError(f"message {bad[0] if bad else ''}: each needs a string role and string content")
+        for i, m in enumerate(items):
+            if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
+                raise ConfigError(f"message {i}: role {m.get('role')!r:.40} is not one of {', '.join(ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise ConfigError(f"message {i}: content must be text, not {m.get('content')!r:.40}")
         if raw:
             raise ConfigError("raw applies to text prompts; chat messages always go through the template")
         head = [{"role": "system", "content": system}] if system is not None else []
-        return tokenizer.encode_chat([*head, *({"role": m["role"], "content": m["content"]} for m in items)])
+        return tokenizer.encode_chat([*head, *({"role": ROLES[m["role"]], "content": m["content"]} for m in items)])
     raise ConfigError("the prompt must be text, a non-empty list of chat messages or a non-empty list of token ids")

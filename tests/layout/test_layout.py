@@ -135,12 +135,12 @@ DAMAGED = {  # case -> what the one-line error says
     "random bytes": "not valid JSON",
     "[1,2,3]": "(a list, not an object)",
     "null": "(null, not an object)",
-    "7": "(a number, not an object)",
+    "7": "(an integer, not an object)",
     '"text"': "(a string, not an object)",
     "tensors: []": "at tensors: expected an object, found a list",
     "layer key not a number": "key 'one' is not a layer number",
     "shape of strings": "shape[0]: expected an integer, found a string",
-    "offsets null": "offsets: expected a list, found null",
+    "offsets null": "offsets: expected a list of integers, found null",
     "model dim a string": "model.dim: expected an integer, found a string",
     "record parts missing": "experts.record.parts: missing",
     "files nbytes true": "nbytes: expected an integer, found a boolean",
@@ -157,7 +157,7 @@ def test_a_damaged_manifest_is_refused_in_one_line(tmp_path, case):
 
 
 def test_the_schema_accepts_what_the_writer_writes():
-    from dsfp4.layout.manifest_schema import check
+    from dsfp4.layout.manifest_schema import check_manifest
 
-    assert check(_golden()) is None
-    assert check({**_golden(), "skipped": {"x": "1"}}) == "skipped.x: expected an integer, found a string '1'"
+    assert check_manifest(_golden()) is None
+    assert check_manifest({**_golden(), "skipped": {"x": "1"}}) == "skipped.x: expected an integer, found a string '1'"

@@ -174,8 +174,19 @@ def test_one_call_at_a_time(engine):
     "call,message",
     [
         (lambda e: e.generate([]), "the prompt must be text"),
-        (lambda e: e.generate([{"role": "user"}]), "message 0: each needs a string role and string content"),
-        (lambda e: e.generate([{"role": "user", "content": 3}]), "string content"),
+        (lambda e: e.generate([{"role": "user"}]), "message 0: content must be text, not None"),
+        (lambda e: e.generate([{"role": "user", "content": 3}]), "content must be text, not 3"),
+        (lambda e: e.generate([{"role": "usr", "content": "hi"}]), "message 0: role 'usr' is not one of system"),
+        (lambda e: e.generate([{"role": ["x"], "content": "hi"}]), "role ['x'] is not one of"),
+        (lambda e: e.generate(5), "the prompt must be text"),
+        (lambda e: e.generate(None), "the prompt must be text"),
+        (lambda e: e.generate(PROMPT, system=5), "system must be text or None"),
+        (lambda e: e.generate(PROMPT, raw="yes"), "raw true or false"),
+        (lambda e: e.generate(PROMPT, max_tokens="8"), "option max_tokens: expected an integer, found a string '8'"),
+        (lambda e: e.generate(PROMPT, temperature="0"), "option temperature: expected a number"),
+        (lambda e: e.generate(PROMPT, top_k=1.5), "option top_k: expected an integer, found a number 1.5"),
+        (lambda e: e.generate(PROMPT, seed="x"), "option seed: expected an integer"),
+        (lambda e: e.generate(PROMPT, stop=5), "option stop: expected a list of strings"),
         (lambda e: e.generate([1, 2, 10**9]), "token id 1000000000 is outside the vocabulary"),
         (lambda e: e.generate([1, 2], system="x"), "system and raw apply to text prompts"),
         (lambda e: e.generate(PROMPT, max_tokens=0), "--max-tokens 0: give at least 1"),
@@ -194,6 +205,12 @@ def test_bad_arguments_are_one_line_errors(engine, call, message):
 def test_unknown_options_and_a_closed_engine(converted):
     with pytest.raises(ConfigError, match="unknown option max_tokenz"):
         Engine(converted, device="cpu", max_tokenz=3)
+    with pytest.raises(ConfigError, match="option gpu_mem: expected a string, found an integer 5"):
+        Engine(converted, device="cpu", gpu_mem=5)
+    with pytest.raises(ConfigError, match="Engine takes a model folder and RunOptions"):
+        Engine(5)
+    with pytest.raises(ConfigError, match="Engine takes a model folder and RunOptions"):
+        Engine(converted, {"device": "cpu"})
     engine = Engine(str(converted), device="cpu", max_context=64)
     assert engine.plan.gpu_slots > 0
     engine.close()

@@ -20,28 +20,23 @@ gives the whole model on a user's machine, with compute scaled from what the ben
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, stored_nbytes
-from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
-from dsfp4.layout.routing_trace import read_trace
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
 from dsfp4.runtime.profile.replay import belady
 from dsfp4.runtime.profile.simulate import Links, Projection, StepCosts, simulate, simulate_prefill
 from dsfp4.synthetic.bench_model import model_args, planned_manifest
-from dsfp4.tools.doctor import Ceilings
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
 MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = 4096, 512, 4  # the run the plan is made for: `dsfp4 run`'s defaults
@@ -390,119 +385,3 @@ def first_token_table(rows: list[FirstToken]) -> str:
             )
         )
     return _columns(lines, left=1)
-
-
-def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int) -> Plan:
-    """The bench model's plan with the whole model's shares of its records on the device and in RAM (at least one
-    layer's experts on the device, the reads in flight in RAM)."""
-    n = plan.total_records
-    gpu = max(top_k, round(gpu_share * n))
-    ram = max(plan.staging, math.ceil(ram_share * n))
-    return Plan(**{**plan.__dict__, "gpu_slots": min(gpu, n), "ram_slots": min(ram, n)})
-
-
-def validate(
-    model_dir: Path,
-    manifest: Manifest,
-    trace_path: Path,
-    machine: str,
-    family: str,
-    options: RunOptions,
-    links: Links,
-    costs: StepCosts,
-    prompt_tokens: int = 16,
-    decode_tokens: int = 48,
-) -> dict:
-    """The bench model at the whole model's share of a machine's budgets under the trace: its measured decode
-    against the simulation of the same plan, trace rows and links (the tiers start cold in both; the prompt's
-    rows fill them untimed; both warm-start from the model's hot.json when it has one)."""
-    from dsfp4.runtime.engine import Engine
-    from dsfp4.runtime.models.load import plan_engine
-
-    m_full, full = full_plan(family, MACHINES[machine])
-    n = full.total_records
-    plan = share_plan(
-        plan_engine(model_dir, options), full.gpu_slots / n, full.ram_slots / n, manifest.args.n_activated_experts
-    )
-    ids = read_trace(trace_path).ids
-    trace = spread(ids, n_moe_layers(manifest))[: prompt_tokens + decode_tokens]
-    hot = model_dir / HOT_NAME
-    layers = sorted(manifest.experts)[: trace.shape[1]]
-    row = {layer: j for j, layer in enumerate(layers)}  # the simulation numbers the MoE layers 0..
-    warm = [(row[k[0]], k[1]) for k in HotProfile.read(hot).ranked() if k[0] in row] if hot.is_file() else []
-    prompt = list(range(10, 10 + prompt_tokens))  # token ids: the routing comes from the trace
-    with Engine(model_dir, options, plan=plan) as engine:
-        g = engine.generate(prompt, max_tokens=decode_tokens, temperature=0)
-        mode = engine.decode_mode
-    measured = g.stats.decode_tok_s
-    sim = simulate(
-        trace,
-        plan.gpu_slots,
-        plan.ram_slots,
-        manifest.record.nbytes,
-        links,
-        costs,
-        options.policy,
-        options.routing_recall if options.prefetch else None,
-        manifest.args.n_routed_experts,
-        warmup=prompt_tokens + 1,
-        warm=warm,
-    )
-    d = g.stats.derived()
-    return {
-        "machine": machine,
-        "gpu_slots": plan.gpu_slots,
-        "ram_slots": plan.ram_slots,
-        "total_records": plan.total_records,
-        "measured_tok_s": measured,
-        "simulated_tok_s": sim.tok_s,
-        "error": sim.tok_s / measured - 1 if measured else None,
-        "measured_device_hit": d["gpu_hit_rate"],
-        "measured_ram_hit": d["ram_hit_rate"],
-        "simulated_device_hit": sim.device_hits / max(sim.uses, 1),
-        "simulated_ram_hit": sim.ram_hits / max(sim.uses, 1),
-        "measured_ssd_bytes_per_token": d["ssd_bytes_per_token"],
-        "simulated_ssd_bytes_per_token": sim.ssd_bytes,
-        "decode_mode": mode,
-        "routing": g.stats.routing,
-    }
-
-
-def run_projection(
-    model_dir: Path, family: str, machines: list[str], c: Ceilings, options: RunOptions, prompts: list[str]
-) -> dict:
-    """`dsfp4 bench MODEL --routing TRACE --project FAMILY`: the bench model's resident decode (its compute), its
-    decode at the whole model's share of each machine's budgets, measured and simulated side by side (the check of
-    the simulation), and the whole model projected on each machine under each variant of the store."""
-    from dsfp4.layout.manifest import Manifest
-    from dsfp4.tools.bench import run_preset
-
-    manifest = Manifest.read(model_dir)
-    if options.routing is None:
-        raise ConfigError("--project needs --routing TRACE: the routing the projection replays")
-    if not c.hbm_read_gbps:
-        raise ConfigError("--project needs a GPU: its compute is measured on this machine's")
-    resident = run_preset(model_dir, dataclasses.replace(options, preset="80g"), prompts, 32, c, "resident")
-    eff = efficiency(manifest, 1 / resident["decode_tok_s"], c.hbm_read_gbps * 1e9)
-    costs = decode_costs(manifest, c.hbm_read_gbps * 1e9, eff)
-    # the store reads a decode step's misses one record at a time, io_threads in flight: the doctor's random
-    # record reads are that pattern (its best pattern, store_read_gbps, is the efficiency's ceiling instead)
-    links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
-    checks = [validate(model_dir, manifest, options.routing, m, family, options, links, costs) for m in machines]
-    ids = read_trace(options.routing).ids
-    every = machines + (["home-seek"] if family == "v4" else [])
-    rows = project(family, ids, every, eff)
-    firsts = first_tokens(family, ids, every)
-    return {
-        "efficiency": eff,
-        "ceilings": c.to_dict(),
-        "resident": resident,
-        "bench_costs": dataclasses.asdict(costs),
-        "bench_links": dataclasses.asdict(links),
-        "checks": checks,
-        "projection": [r.to_dict() for r in rows],
-        "table": table(rows),
-        "first_token": [r.to_dict() for r in firsts],
-        "first_token_table": first_token_table(firsts),
-        "machines": {k: MACHINES[k].about for k in {r.machine for r in rows}},
-    }

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from dsfp4.runtime.profile.simulate import Links, StepCosts, simulate, simulate_prefill
+from dsfp4.tools.bench_projection import share_plan
 from dsfp4.tools.projection import (
     MACHINES,
     first_token_table,
     first_tokens,
     full_plan,
     project,
-    share_plan,
     spread,
     step_bytes,
     step_flops,

@@ -87,17 +87,26 @@ def available_ram() -> int:
 
 
 def default_gpu_budget(device: torch.device) -> int:
-    """Free VRAM less 5% of the card (at least 512 MiB) for the driver, the display and fragmentation;
-    on a CPU device the 'device tier' is host memory: a third of what is available."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(free - max(total // 20, GiB // 2), 0)
-    return available_ram() // 3
+    """Free VRAM less 5% of the card (at least 512 MiB) for the driver, the display and fragmentation."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(free - max(total // 20, GiB // 2), 0)
 
 
-def default_cpu_budget() -> int:
+def default_host_budget() -> int:
     """What the process holds now plus 80% of the available RAM (the rest stays with the OS)."""
     return process_rss() + available_ram() * 4 // 5
+
+
+def _defaults(gpu: int | None, cpu: int | None, device: torch.device) -> tuple[int, int]:
+    """The budgets not given, from this machine's free memory. On a CPU device both tiers are host memory: they
+    share the host's budget (a third to the 'device', the process with it, the rest to the RAM cache), and one
+    given takes its size from the other's share."""
+    if device.type == "cuda":
+        return default_gpu_budget(device) if gpu is None else gpu, default_host_budget() if cpu is None else cpu
+    host = default_host_budget()
+    if gpu is None:
+        gpu = host // 3 if cpu is None else max(host - cpu, 0)
+    return gpu, max(host - gpu, 0) if cpu is None else cpu
 
 
 @dataclass(frozen=True)
@@ -112,8 +121,9 @@ def resolve_budgets(gpu_mem: str | None, cpu_mem: str | None, preset: str | None
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
     p = PRESETS.get(preset) if preset else None
-    gpu = parse_size(gpu_mem, "--gpu-mem") if gpu_mem else p.gpu if p else default_gpu_budget(device)
-    cpu = parse_size(cpu_mem, "--cpu-mem") if cpu_mem else p.cpu if p else default_cpu_budget()
+    gpu = parse_size(gpu_mem, "--gpu-mem") if gpu_mem else p.gpu if p else None
+    cpu = parse_size(cpu_mem, "--cpu-mem") if cpu_mem else p.cpu if p else None
+    gpu, cpu = _defaults(gpu, cpu, device)
     sources = [f"preset {preset} ({p.about})"] if p else []
     sources += [flag for flag, given in (("--gpu-mem", gpu_mem), ("--cpu-mem", cpu_mem)) if given]
     return Budgets(gpu, cpu, ", ".join(sources) or "free memory of this machine")

@@ -103,3 +103,20 @@ def test_load_model_allocates_the_ram_cache_after_the_backbone_is_read(converted
         assert events[:2] == ["weights", "cache"] and m.experts.io is not None
     finally:
         m.experts.close()
+
+
+@pytest.mark.parametrize(("gpu_mem", "cpu_mem"), [(None, None), ("2G", None), (None, "3G")])
+def test_on_a_cpu_device_the_default_budgets_share_the_hosts_memory(monkeypatch, gpu_mem, cpu_mem):
+    """Both tiers are host memory there: together the defaults stay within what the machine has (the process plus 80%
+    of the available RAM), and a budget given takes its size from the other's share."""
+    from dsfp4.runtime.plan import budget
+
+    monkeypatch.setattr(budget, "available_ram", lambda: 22 * budget.GiB)
+    monkeypatch.setattr(budget, "process_rss", lambda: budget.GiB // 2)
+    b = budget.resolve_budgets(gpu_mem, cpu_mem, None, torch.device("cpu"))
+    host = budget.GiB // 2 + 22 * budget.GiB * 4 // 5
+    assert b.gpu + b.cpu == host and min(b.gpu, b.cpu) > 0
+    if gpu_mem is None and cpu_mem is None:
+        assert b.gpu == host // 3
+    given = {"2G": 2 * budget.GiB, "3G": 3 * budget.GiB}
+    assert b.gpu == given.get(gpu_mem, b.gpu) and b.cpu == given.get(cpu_mem, b.cpu)

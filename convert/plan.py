@@ -17,7 +17,7 @@ from dsfp4.convert.names.rules import AUX, EXPERT, LINEAR, MappedTensor, TensorM
 from dsfp4.convert.source.checkpoint import INDEX_NAME, SourceCheckpoint
 from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, FP4_FORMATS, component_shapes, get_format, stored_nbytes
-from dsfp4.layout.manifest import MANIFEST_VERSION
+from dsfp4.layout.manifest import BACKBONE_DIR, MANIFEST_VERSION
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.record import RecordLayout
 from dsfp4.units import format_bytes
@@ -91,7 +91,7 @@ class Part:
 
     @property
     def backbone_file(self) -> str:
-        return f"backbone/{self.name}.safetensors"
+        return f"{BACKBONE_DIR}/{self.name}.safetensors"
 
     @property
     def experts_file(self) -> str | None:

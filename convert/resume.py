@@ -16,10 +16,10 @@ from pathlib import Path
 from dsfp4.convert.source.checkpoint import AUX_FILES
 from dsfp4.errors import OutputError
 from dsfp4.layout.atomic import LOCK_NAME, atomic_write_json, lock_folder
-from dsfp4.layout.manifest import MANIFEST_NAME
+from dsfp4.layout.manifest import BACKBONE_DIR, MANIFEST_NAME
 
 STATE_DIR = ".dsfp4-convert"
-OWNED = (MANIFEST_NAME, "backbone", "experts", STATE_DIR, "hot.json", *AUX_FILES)
+OWNED = (MANIFEST_NAME, BACKBONE_DIR, "experts", STATE_DIR, "hot.json", *AUX_FILES)
 
 
 def _tree_bytes(path: Path) -> int:

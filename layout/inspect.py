@@ -10,7 +10,7 @@ from dsfp4.units import format_bytes
 
 
 def describe(model_dir: Path, tensors: bool = False) -> str:
-    m = Manifest.read(Path(model_dir))
+    m = Manifest.open(Path(model_dir))
     a = m.args
     lines = [
         f"{model_dir}: dsfp4 layout v{m.version} ({m.created_by})",

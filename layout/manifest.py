@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsfp4.errors import ConfigError, ManifestError
+from dsfp4.errors import ChecksumError, ConfigError, ManifestError
 from dsfp4.layout.atomic import atomic_write_bytes
 from dsfp4.layout.manifest_schema import check_manifest
 from dsfp4.layout.model_args import ModelArgs
@@ -22,6 +22,7 @@ from dsfp4.value_types import kind
 from dsfp4.version import __version__
 
 MANIFEST_NAME = "manifest.json"
+BACKBONE_DIR = "backbone"  # the weight files besides the experts' (the tokenizer's and config's sit at the top)
 MANIFEST_VERSION = 1
 CHECKSUM = "sha256"
 
@@ -107,6 +108,34 @@ class Manifest:
 
     def write(self, out_dir: Path) -> None:
         atomic_write_bytes(out_dir / MANIFEST_NAME, self.to_json())
+
+    def check_files(self, model_dir: Path) -> None:
+        """Every weight file (backbone/) is in `model_dir` at its size and each expert file holds its records (a
+        stat per file: a truncated or missing file fails when the model is opened, not when it is first read). The
+        tokenizer's and config's files are left to their parsers and to verify: a user may edit the chat template."""
+        record = self.record.nbytes if self.record else 0
+        sizes = [(rel, f.nbytes, "") for rel, f in self.files.items() if rel.startswith(BACKBONE_DIR + "/")]
+        sizes += [
+            (e.file, max(e.offsets, default=0) + record, f" (experts of layer {b})") for b, e in self.experts.items()
+        ]
+        for rel, want, what in sizes:
+            path = Path(model_dir) / rel
+            if not path.is_file():
+                raise ChecksumError(f"{path}{what} is listed in the manifest but missing; convert again")
+            have = path.stat().st_size
+            expert_file = bool(what)  # expert files may carry padding past their last record
+            if have < want or (have != want and not expert_file):
+                raise ChecksumError(
+                    f"{path}{what}: {have} bytes, the manifest says {want}; the file is damaged or truncated, "
+                    f"convert again"
+                )
+
+    @classmethod
+    def open(cls, model_dir: Path) -> Manifest:
+        """The manifest of a converted model whose files are all there at their sizes (read, then check_files)."""
+        m = cls.read(model_dir)
+        m.check_files(Path(model_dir))
+        return m
 
     @classmethod
     def read(cls, model_dir: Path) -> Manifest:

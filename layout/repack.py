@@ -107,7 +107,7 @@ def repack(
     busy = f"another dsfp4 process (convert or repack) is writing {model_dir}; wait for it"
     fd = lock_folder(model_dir, busy)  # before reading the manifest: another repack may just have changed it
     try:
-        manifest = Manifest.read(model_dir)
+        manifest = Manifest.open(model_dir)
         profile.check(manifest, "the hot profile")
         if manifest.record is None:
             raise ConfigError(f"{model_dir}: this model has no expert records to repack")

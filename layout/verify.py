@@ -42,15 +42,9 @@ def checked_bytes(m: Manifest) -> int:
 def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, workers: int = 4) -> VerifyReport:
     """Check sizes and sha256 of every file and record listed in model_dir/manifest.json."""
     model_dir = Path(model_dir)
-    m = Manifest.read(model_dir)
+    m = Manifest.open(model_dir)  # every file there at its size
     for rel, f in m.files.items():
         path = model_dir / rel
-        if not path.is_file():
-            raise ChecksumError(f"{path} is listed in the manifest but missing; convert again")
-        if path.stat().st_size != f.nbytes:
-            raise ChecksumError(
-                f"{path}: {path.stat().st_size} bytes, the manifest says {f.nbytes}; the file is damaged, convert again"
-            )
         if file_sha256(path) != f.sha256:
             raise ChecksumError(f"{path}: sha256 mismatch; the file is damaged, convert again")
         on_bytes(f.nbytes)
@@ -59,12 +53,8 @@ def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, wo
     size = m.record.nbytes if m.record else 0
     for layer, ef in sorted(m.experts.items()):
         path = model_dir / ef.file
-        if not path.is_file():
-            raise ChecksumError(f"{path} (experts of layer {layer}) is missing; convert again")
         if size % RECORD_ALIGN or any(o % RECORD_ALIGN for o in ef.offsets):
             raise ManifestError(f"{path}: expert records are not {RECORD_ALIGN}-byte aligned")
-        if path.stat().st_size < max(ef.offsets) + size:
-            raise ChecksumError(f"{path}: truncated ({path.stat().st_size} bytes); convert again")
         fd = os.open(path, os.O_RDONLY)
         try:
 

@@ -155,7 +155,7 @@ def verify(model: Path, quiet: bool) -> None:
     from dsfp4.layout.verify import checked_bytes
     from dsfp4.layout.verify import verify as run_verify
 
-    total = checked_bytes(Manifest.read(model))
+    total = checked_bytes(Manifest.open(model))  # a missing or short file: one line, before the progress bar
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr) as bar:
         report = run_verify(model, bar.update)
     click.echo(

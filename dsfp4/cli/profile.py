@@ -142,7 +142,7 @@ def profile_hot(
     if trace is not None:
         check_trace_path(trace)
     options = RunOptions(**knobs)
-    manifest = Manifest.read(model)
+    manifest = Manifest.open(model)
     own = model / HOT_NAME
     output = require_folder(output or own, "--output")
     inputs = list(merge) if merge or not no_measure else [own]

@@ -154,7 +154,7 @@ def run(
         from dsfp4.tools.doctor import expected_floor
 
         plan = plan_engine(model, options)
-        floor, line = expected_floor(plan, Manifest.read(model))
+        floor, line = expected_floor(plan, Manifest.open(model))
         click.echo(json.dumps({**dataclasses.asdict(plan), "floor_s_per_token": floor}) if as_json else plan.table())
         if not as_json:
             click.echo(line)

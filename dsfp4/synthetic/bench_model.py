@@ -39,7 +39,7 @@ from dsfp4.layout.atomic import fsync_dir
 from dsfp4.layout.formats import FORMATS, component_shapes, get_format, stored_nbytes
 from dsfp4.layout.fp4 import nvfp4_global_scale
 from dsfp4.layout.fp8 import FP8_BLOCK
-from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
+from dsfp4.layout.manifest import BACKBONE_DIR, ExpertFile, FileEntry, Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import quantize
 from dsfp4.layout.record import RecordLayout
@@ -176,7 +176,7 @@ class BackbonePart:
 
     @property
     def file(self) -> str:
-        return f"backbone/{self.name}.safetensors"
+        return f"{BACKBONE_DIR}/{self.name}.safetensors"
 
     @staticmethod
     def names(ref: str, fmt: str) -> dict[str, str]:

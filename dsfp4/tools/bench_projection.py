@@ -115,7 +115,7 @@ def run_projection(
     the simulation), and the whole model projected on each machine under each variant of the store."""
     from dsfp4.tools.bench import run_preset
 
-    manifest = Manifest.read(model_dir)
+    manifest = Manifest.open(model_dir)
     if options.routing is None:
         raise ConfigError("--project needs --routing TRACE: the routing the projection replays")
     if not c.hbm_read_gbps:

@@ -89,7 +89,7 @@ def folder_model(folder: Path) -> Manifest | None:
     """The converted model with expert records in `folder`, or None."""
     if not (folder / "manifest.json").is_file():
         return None
-    m = Manifest.read(folder)
+    m = Manifest.open(folder)
     return m if m.record is not None and m.experts else None
 
 

@@ -23,7 +23,7 @@ from dsfp4.runtime.store.expert_store import ExpertStore
 def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
     """Device, manifest, context (capped at the model's) and compute dtype of a run."""
     device = resolve_device(options.device)
-    manifest = Manifest.read(model_dir)
+    manifest = Manifest.open(model_dir)
     return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
 
 
@@ -47,7 +47,7 @@ def load_model(
     """Build the model from a converted folder: weights on `device`, routed experts in an expert store
     sized by the planner from the budgets in `options` (default: this machine's free memory), or by
     `plan` when given (tests and benchmarks set slot counts directly)."""
-    manifest = manifest or Manifest.read(model_dir)
+    manifest = manifest or Manifest.open(model_dir)
     options = options or RunOptions()
     plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
     w = Weights(model_dir, manifest, device, dtype)

@@ -133,7 +133,7 @@ def test_broken_tokenizer_files_and_bad_run_flags_give_one_line_errors(converted
 def test_a_damaged_backbone_file_is_a_one_line_error(converted, tmp_path):
     model = shutil.copytree(converted, tmp_path / "model")
     path = model / "backbone" / "layer-001.safetensors"
-    path.write_bytes(path.read_bytes()[:100])
+    path.write_bytes(bytes(path.stat().st_size))  # its size intact (a short file fails at open, the next test)
     assert_one_line_error(
         run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "layer-001.safetensors", "dsfp4 verify"
     )
@@ -203,4 +203,35 @@ def test_a_damaged_manifest_gives_one_line_in_every_command_and_the_api(converte
     for args in (("run", model, "--prompt", "hi", "--device", "cpu"), ("verify", model), ("inspect", model)):
         assert_one_line_error(run_cli(*args), str(model / MANIFEST_NAME))
     with pytest.raises(ManifestError, match="manifest"):
+        dsfp4.Engine(model, device="cpu")
+
+
+@pytest.mark.parametrize("damage", ["truncate an expert file", "truncate a backbone file", "remove an expert file"])
+def test_a_short_or_missing_file_fails_when_the_model_is_opened(converted, tmp_path, damage):
+    """Found at open by a stat per file, in one line, by every command that opens a model (not when a record is
+    first read: profile-hot ran 60 s before it failed)."""
+    import dsfp4
+    from dsfp4.errors import ChecksumError
+
+    model = shutil.copytree(converted, tmp_path / "model")
+    m = json.loads((model / MANIFEST_NAME).read_text())
+    expert = model / next(iter(m["experts"]["layers"].values()))["file"]
+    backbone = model / next(f for f in m["files"] if f.startswith("backbone/"))
+    if damage == "remove an expert file":
+        expert.unlink()
+    else:
+        path = expert if "expert" in damage else backbone
+        os.truncate(path, path.stat().st_size - 4096)
+    broken = str(expert if "expert" in damage else backbone)
+    for args in (
+        ("run", model, "--prompt", "hi", "--device", "cpu"),
+        ("run", model, "--plan", "--device", "cpu"),
+        ("inspect", model),
+        ("verify", model),
+        ("profile-hot", model, "--device", "cpu"),
+    ):
+        r = run_cli(*args)
+        assert_one_line_error(r, broken)
+        assert "missing" in r.output if "remove" in damage else "the manifest says" in r.output
+    with pytest.raises(ChecksumError, match="convert again"):
         dsfp4.Engine(model, device="cpu")

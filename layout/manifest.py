@@ -109,12 +109,16 @@ class Manifest:
     def write(self, out_dir: Path) -> None:
         atomic_write_bytes(out_dir / MANIFEST_NAME, self.to_json())
 
+    def backbone_files(self) -> list[str]:
+        """The weight files besides the experts' (paths relative to the model folder)."""
+        return [rel for rel in self.files if rel.startswith(BACKBONE_DIR + "/")]
+
     def check_files(self, model_dir: Path) -> None:
         """Every weight file (backbone/) is in `model_dir` at its size and each expert file holds its records (a
         stat per file: a truncated or missing file fails when the model is opened, not when it is first read). The
         tokenizer's and config's files are left to their parsers and to verify: a user may edit the chat template."""
         record = self.record.nbytes if self.record else 0
-        sizes = [(rel, f.nbytes, "") for rel, f in self.files.items() if rel.startswith(BACKBONE_DIR + "/")]
+        sizes = [(rel, self.files[rel].nbytes, "") for rel in self.backbone_files()]
         sizes += [
             (e.file, max(e.offsets, default=0) + record, f" (experts of layer {b})") for b, e in self.experts.items()
         ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsfp4.errors import ChecksumError, ManifestError
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.record import RECORD_ALIGN, record_sha256
 from dsfp4.layout.safetensors_file import file_sha256, read_header
@@ -39,10 +40,21 @@ def checked_bytes(m: Manifest) -> int:
     return sum(f.nbytes for f in m.files.values()) + records
 
 
-def verify(model_dir: Path, on_bytes: Callable[[int], None] = lambda n: None, workers: int = 4) -> VerifyReport:
-    """Check sizes and sha256 of every file and record listed in model_dir/manifest.json."""
+def verify(
+    model_dir: Path,
+    on_bytes: Callable[[int], None] = lambda n: None,
+    workers: int = 4,
+    on_start: Callable[[int], None] = lambda total: None,
+) -> VerifyReport:
+    """Check sizes and sha256 of every file and record listed in model_dir/manifest.json, and its hot profile. The
+    quick checks come first (the manifest, each file's size, hot.json); then `on_start` gets the bytes the hashing
+    will read and `on_bytes` each part read."""
     model_dir = Path(model_dir)
     m = Manifest.open(model_dir)  # every file there at its size
+    hot = model_dir / HOT_NAME
+    if hot.is_file():  # run refuses a damaged or foreign profile: verify says so
+        HotProfile.read(hot).check(m, hot)
+    on_start(checked_bytes(m))
     for rel, f in m.files.items():
         path = model_dir / rel
         if file_sha256(path) != f.sha256:

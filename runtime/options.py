@@ -36,7 +36,7 @@ class RunOptions:
     policy: str = "hot"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on calibrated traces)
     prefetch: bool = True  # predict the next MoE layer's experts with its router
     io_threads: int = 4  # SSD reads in flight
-    verify: bool = True  # sha256 of each record on its first read from the SSD
+    verify: bool = True  # sha256 of the backbone files as they load, and of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
     record_trace: Path | None = None  # where the engine writes its routing trace when it closes
     routing: Path | None = None  # route by this trace instead of the routers (runtime/models/trace_routing.py)

@@ -32,7 +32,7 @@ def main() -> None:
     imported = proc_status_bytes("VmRSS")
     options = RunOptions(preset=args.preset, gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem)
     m = Manifest.read(args.model)
-    largest = max((f.nbytes for n, f in m.files.items() if n.startswith("backbone/")), default=0)
+    largest = max((m.files[rel].nbytes for rel in m.backbone_files()), default=0)
     with Engine(args.model, options) as engine:
         plan = engine.plan
         loaded = proc_status_bytes("VmRSS")

@@ -151,13 +151,18 @@ def inspect(model: Path, tensors: bool) -> None:
 @quiet_option
 def verify(model: Path, quiet: bool) -> None:
     """Re-hash every file and expert record of MODEL; exit 1 naming the first damaged one."""
-    from dsfp4.layout.manifest import Manifest
-    from dsfp4.layout.verify import checked_bytes
     from dsfp4.layout.verify import verify as run_verify
 
-    total = checked_bytes(Manifest.open(model))  # a missing or short file: one line, before the progress bar
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr) as bar:
-        report = run_verify(model, bar.update)
+    bars: list[tqdm] = []  # started once the quick checks pass: a failure there is one line, with no bar before it
+
+    def start(total: int) -> None:
+        bars.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr))
+
+    try:
+        report = run_verify(model, lambda n: bars[0].update(n), on_start=start)
+    finally:
+        for bar in bars:
+            bar.close()
     click.echo(
         f"{model}: OK ({report.n_files} files, {report.n_records} expert records, "
         f"{format_bytes(report.nbytes)} checked)"

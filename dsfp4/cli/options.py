@@ -89,7 +89,7 @@ budget_options = _stack(
         is_flag=True,
         flag_value=False,
         default=True,
-        help="Skip the sha256 check of each record's first read.",
+        help="Skip the sha256 checks: of the backbone's files as they load and of each record's first read.",
     ),
 )
 

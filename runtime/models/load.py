@@ -4,12 +4,15 @@ weights, the expert store and the family's model built from the manifest (the ma
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from dsfp4.device import resolve_device
+from dsfp4.errors import ChecksumError
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.safetensors_file import file_sha256
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.v3.model import Transformer
 from dsfp4.runtime.models.v4.model import TransformerV4
@@ -55,18 +58,29 @@ def load_model(
     experts = ExpertStore(
         model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify, host=False
     )
+    hashing = ThreadPoolExecutor(options.io_threads, thread_name_prefix="dsfp4-hash")
     try:
+        # the backbone's files are hashed while they load (--verify), as each record is on its first read
+        files = manifest.backbone_files() if options.verify else []
+        hashes = [(rel, hashing.submit(file_sha256, Path(model_dir) / rel)) for rel in files]
         family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
         model = family(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
         a = manifest.args
         w.check_all_used(() if with_mtp else a.mtp_prefixes)
         w.close()
+        for rel, digest in hashes:
+            if digest.result() != manifest.files[rel].sha256:
+                raise ChecksumError(
+                    f"{Path(model_dir) / rel}: sha256 mismatch, the file is damaged; convert again (`dsfp4 verify` "
+                    f"checks the whole model)"
+                )
         experts.open_host()
     except BaseException:
         experts.close()
         raise
     finally:
         w.close()
+        hashing.shutdown(cancel_futures=True)
     return model.eval()
 
 

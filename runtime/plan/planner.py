@@ -16,7 +16,7 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
-from dsfp4.layout.manifest import BACKBONE_DIR, Manifest
+from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import CSA, ModelArgs
 from dsfp4.runtime.plan.budget import Budgets, process_rss
 from dsfp4.runtime.plan.limits import LOGIT_ROWS, MTP_BATCH, SCORE_ELEMENTS
@@ -197,7 +197,7 @@ def make_plan(
     top_k = a.n_activated_experts if total_records else 0
     # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated
     # (load_model), so it shares the RAM budget with the process, not with the cache
-    largest_file = max((f.nbytes for n, f in manifest.files.items() if n.startswith(BACKBONE_DIR + "/")), default=0)
+    largest_file = max((manifest.files[rel].nbytes for rel in manifest.backbone_files()), default=0)
     process = process_rss() if process is None else process
     host_base = process + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
     if device.type == "cpu":  # the 'device' tier is host memory too: count the process and the mapping there

@@ -235,3 +235,17 @@ def test_a_short_or_missing_file_fails_when_the_model_is_opened(converted, tmp_p
         assert "missing" in r.output if "remove" in damage else "the manifest says" in r.output
     with pytest.raises(ChecksumError, match="convert again"):
         dsfp4.Engine(model, device="cpu")
+
+
+def test_run_notices_a_flipped_byte_in_the_backbone_and_verify_a_damaged_hot_profile(converted, tmp_path):
+    model = shutil.copytree(converted, tmp_path / "model")
+    path = model / "backbone" / "layer-001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # a weight's last byte: the file still parses
+    path.write_bytes(bytes(data))
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), str(path), "sha256 mismatch")
+    assert run_cli("run", model, "--prompt", "hi", "--device", "cpu", "--max-tokens", "2", "--no-verify").exit_code == 0
+    shutil.copy(converted / "backbone" / "layer-001.safetensors", path)
+    (model / "hot.json").write_text('{"format": "dsfp4-hot-v1", "layers": {"1": {"counts": [1, 2]}}}')
+    assert_one_line_error(run_cli("verify", model), "hot.json")
+    assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "hot.json")

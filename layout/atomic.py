@@ -15,9 +15,13 @@ LOCK_NAME = ".dsfp4.lock"
 
 
 def require_folder(path: Path, what: str) -> Path:
-    """`path`, if the folder it goes in exists; else a ConfigError naming `what` (a flag), before any work."""
-    if not Path(path).parent.is_dir():
-        raise ConfigError(f"{what} {path}: the folder {Path(path).parent} does not exist; create it or choose another")
+    """`path`, if the folder it goes in exists and may be written (a read-only mount too); else a ConfigError naming
+    `what` (a flag), before any work."""
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ConfigError(f"{what} {path}: the folder {folder} does not exist; create it or choose another")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path}: the folder {folder} cannot be written; choose another with {what}")
     return Path(path)
 
 

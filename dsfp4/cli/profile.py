@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -19,7 +21,7 @@ from dsfp4.cli.options import (
     given_flags,
     quiet_option,
 )
-from dsfp4.errors import ConfigError
+from dsfp4.errors import ConfigError, OutputError
 from dsfp4.layout.atomic import require_folder
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.runtime.options import RunOptions
@@ -153,13 +155,28 @@ def profile_hot(
     for path, p in profiles:
         result = p if result is None else result.merge(p, path)
     if not (no_measure and inputs == [output]):
-        result.write(output)
+        _write(result, output)
         click.echo(f"hot profile of {result.tokens} tokens: {output}", err=True)
     if repack:
         _repack(model, result, quiet)
     if report:
         _report(model, options, result, output)
     click.echo(str(output))
+
+
+def _write(profile: HotProfile, output: Path) -> None:
+    """Write the profile; if `output` still cannot be written (checked before measuring, yet a disk may fill or a
+    mount turn read-only), keep the measured profile in a temporary file and say where."""
+    try:
+        profile.write(output)
+    except OSError as e:
+        fd, kept = tempfile.mkstemp(prefix="dsfp4-hot-", suffix=".json")
+        os.close(fd)
+        profile.write(Path(kept))
+        raise OutputError(
+            f"--output {output}: cannot write it ({e.strerror or e}); the profile is kept in {kept}: copy it there, "
+            f"or use it with --merge {kept} --no-measure"
+        ) from e
 
 
 def _repack(model: Path, profile: HotProfile, quiet: bool) -> None:

@@ -306,3 +306,32 @@ def test_a_profile_that_does_not_fit_the_model_is_refused(model):
         (model / HOT_NAME).write_bytes(HotProfile(manifest.conversion_sha256(), 1, counts).to_json())
         with pytest.raises(ManifestError, match="hot.json: layer . is not a MoE layer of 8 experts"):
             Engine(model, device="cpu", max_context=64)
+
+
+def test_a_folder_that_cannot_be_written_is_refused_before_measuring_and_a_failed_write_keeps_the_profile(
+    model, prompts, tmp_path, monkeypatch
+):
+    import os as os_module
+
+    from dsfp4.layout import atomic
+
+    real_access = os_module.access
+    read_only = lambda p, mode, **kw: not (Path(p) == model and mode & os_module.W_OK) and real_access(p, mode, **kw)  # noqa: E731
+    monkeypatch.setattr(atomic.os, "access", read_only)
+    r = _profile_cli(model, prompts)  # the model's folder, read-only (say, a read-only mount)
+    assert_one_line_error(r, f"--output {model / HOT_NAME}", "cannot be written")
+    monkeypatch.setattr(atomic.os, "access", real_access)
+
+    real_write = HotProfile.write
+
+    def full_disk(self, path):
+        if Path(path) == model / HOT_NAME:
+            raise OSError(28, "No space left on device")
+        real_write(self, path)
+
+    monkeypatch.setattr(HotProfile, "write", full_disk)
+    r = _profile_cli(model, prompts)  # the write fails after the measurement: the profile is kept, not lost
+    assert_one_line_error(r, "No space left on device", "the profile is kept in", after_start=True)
+    kept = Path(r.stderr.split("the profile is kept in ")[1].split(":")[0])
+    assert HotProfile.read(kept).tokens > 0
+    kept.unlink()

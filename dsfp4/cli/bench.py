@@ -79,6 +79,7 @@ def bench(
     """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
     per layer), waiting against computing, peak memory, and efficiency (the floor the doctor's ceilings
     allow / the measured time) for each --preset; writes bench.json, bench.csv and bench.html to --out."""
+    from dsfp4.runtime.models.load import plan_engine
     from dsfp4.runtime.options import RunOptions
     from dsfp4.tools.bench import commit, device_name, prompt_set, run_preset
     from dsfp4.tools.bench_report import write_reports
@@ -96,27 +97,14 @@ def bench(
         options = RunOptions(device=device, max_context=max_context, routing=routing, routing_recall=routing_recall)
         _project(model, project, list(presets) or ["16g", "24g"], c, options, texts[:1], out)
         return
-    results = []
     custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
+    runs = []  # every budget checked and planned before the first runs: a bad one fails now, not after the others
     for budget in [{"preset": p} for p in presets] + custom or [{}]:
-        options = RunOptions(
-            device=device,
-            max_context=max_context,
-            zero_copy=zero_copy,
-            cuda_graph=cuda_graph,
-            routing=routing,
-            routing_recall=routing_recall,
-            **budget,
-        )
+        knobs = dict(device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph)
+        options = RunOptions(**knobs, routing=routing, routing_recall=routing_recall, **budget)
+        plan_engine(model, options)
         label = budget.get("preset") or " ".join(f"--{k.replace('_', '-')} {v}" for k, v in budget.items() if v)
-        click.echo(f"{label or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
-        r = run_preset(model, options, texts, max_tokens, c, label or None)
-        eff = f", efficiency {r['efficiency']:.0%}" if r["efficiency"] is not None else ""
-        click.echo(
-            f"{r['preset']}: decode {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_tok_s']:.1f} tok/s, "
-            f"TTFT {r['ttft_s']:.2f} s, device hits {r['gpu_hit_rate']:.0%}{eff} ({r['decode_mode']})"
-        )
-        results.append(r)
+        runs.append((label, options))
     meta = {
         "commit": commit(),
         "command": _command(click.get_current_context()),
@@ -126,7 +114,18 @@ def bench(
         "ceilings": c.to_dict(),
         "max_tokens": max_tokens,
     }
-    for p in write_reports(out, meta, results):
+    results: list[dict] = []
+    for label, options in runs:
+        click.echo(f"{label or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
+        r = run_preset(model, options, texts, max_tokens, c, label or None)
+        eff = f", efficiency {r['efficiency']:.0%}" if r["efficiency"] is not None else ""
+        click.echo(
+            f"{r['preset']}: decode {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_tok_s']:.1f} tok/s, "
+            f"TTFT {r['ttft_s']:.2f} s, device hits {r['gpu_hit_rate']:.0%}{eff} ({r['decode_mode']})"
+        )
+        results.append(r)
+        paths = write_reports(out, meta, results)  # after each run: a later failure keeps what was measured
+    for p in paths:
         click.echo(f"wrote {p}", err=True)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import html
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from dsfp4.units import format_bytes
@@ -77,8 +78,22 @@ def bar_chart(labels: list[str], series: dict[str, list[float]], title: str, uni
     return _svg(width, height, body, title)
 
 
-def stacked_bars(labels: list[str], parts: dict[str, list[float]], marks: list[float | None], title: str) -> str:
-    """Horizontal stacked bars (one per label), with a black tick at each mark (the floor)."""
+def milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def percent(share: float) -> str:
+    return f"{share:.1%}"
+
+
+def stacked_bars(
+    labels: list[str],
+    parts: dict[str, list[float]],
+    marks: list[float | None],
+    title: str,
+    fmt: Callable[[float], str] = milliseconds,
+) -> str:
+    """Horizontal stacked bars (one per label), with a black tick at each mark (the floor); `fmt` writes a value."""
     width, row, left, top = 720, 34, 110, 30
     height = top + row * len(labels) + 40
     peak = max([sum(v) for v in zip(*parts.values(), strict=True)] + [m or 0 for m in marks] + [1e-9])
@@ -91,16 +106,16 @@ def stacked_bars(labels: list[str], parts: dict[str, list[float]], marks: list[f
             w = values[i] * scale
             body.append(
                 f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row - 10}" fill="{COLORS[j]}">'
-                f"<title>{html.escape(name)}: {values[i] * 1e3:.2f} ms</title></rect>"
+                f"<title>{html.escape(name)}: {fmt(values[i])}</title></rect>"
             )
             x += w
         if marks[i]:
             mx = left + marks[i] * scale
             body.append(
                 f'<line x1="{mx:.1f}" y1="{y}" x2="{mx:.1f}" y2="{y + row - 2}" stroke="black" '
-                f'stroke-width="3"><title>floor: {marks[i] * 1e3:.2f} ms</title></line>'
+                f'stroke-width="3"><title>floor: {fmt(marks[i])}</title></line>'
             )
-        body.append(f'<text x="{x + 4:.1f}" y="{y + 17}">{sum(v[i] for v in parts.values()) * 1e3:.2f} ms</text>')
+        body.append(f'<text x="{x + 4:.1f}" y="{y + 17}">{fmt(sum(v[i] for v in parts.values()))}</text>')
     body += _legend([*parts, "floor (black tick)"], left, height - 12)
     return _svg(width, height, body, title)
 
@@ -129,6 +144,7 @@ def layer_chart(result: dict) -> str:
         shares,
         [None] * len(layers),
         f"{result['preset']}: where each layer's experts came from (share of uses)",
+        percent,
     )
 
 

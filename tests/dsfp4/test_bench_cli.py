@@ -98,3 +98,36 @@ def test_project_needs_a_routing_trace_and_a_gpu(converted, tmp_path):
     np.save(trace, np.zeros((4, 2, 2), dtype=np.int32))
     r = CliRunner().invoke(cli, [*args, "--project", "v3", "--routing", str(trace)])
     assert r.exit_code == 1 and "--project needs a GPU" in r.output
+
+
+def test_a_bad_budget_fails_before_any_run_and_each_run_is_written_as_it_ends(converted, tmp_path, monkeypatch):
+    from dsfp4.tools import bench as bench_tools
+
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="cpu", hbm_read_gbps=100.0, pinned_h2d_gbps=10.0, random_read_gbps=1.0, disk="/nvme").save(ceil)
+    out = tmp_path / "report"
+    base = ["bench", str(converted), "--device", "cpu", "--prompts", "1", "--max-tokens", "2", "--ceilings", str(ceil)]
+    ran = []
+    real = bench_tools.run_preset
+    monkeypatch.setattr(bench_tools, "run_preset", lambda *a, **k: ran.append(a[4]) or real(*a, **k))
+    r = CliRunner().invoke(cli, [*base, "--preset", "80g", "--gpu-mem", "1M", "--out", str(out)])
+    assert r.exit_code == 1 and "--gpu-mem 1.00 MiB is too small" in r.output and not ran  # nothing ran first
+    assert not out.exists()
+
+    def fail_second(*a, **k):
+        if ran:
+            raise RuntimeError("the machine went away")
+        ran.append(a[4])
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench_tools, "run_preset", fail_second)
+    r = CliRunner().invoke(cli, [*base, "--preset", "80g", "--preset", "32g", "--out", str(out)])
+    assert r.exit_code != 0
+    assert [x["preset"] for x in json.loads((out / "bench.json").read_text())["results"]] == ["80g"]
+
+
+def test_the_per_layer_chart_labels_shares_as_percentages():
+    from dsfp4.tools.bench_report import layer_chart
+
+    svg = layer_chart({"preset": "16g", "layers": {"1": {"uses": 4, "device": 4, "ram": 0}}})
+    assert "device: 100.0%" in svg and " ms" not in svg

@@ -322,6 +322,7 @@ class Engine:
         stats.store = counters_since(store.counters.snapshot(), before)
         stats.decode_mode = self.decode_mode
         stats.routing = self.routing.describe() if self.routing is not None else ""
+        stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
         self.stats, self._stream = stats, None
         return Generation(list(prompt_ids), tokens, text, finish, stats)

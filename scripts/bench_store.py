@@ -86,7 +86,7 @@ def warm_all(model, manifest: Manifest) -> float:
     store = model.experts
     counts = {layer: (1,) * manifest.args.n_routed_experts for layer in manifest.experts}
     warm_start(store, HotProfile("", 0, counts))
-    return store.counters.ssd_bytes / store.counters.warm_s / GB
+    return store.counters.ssd_bytes / store.warm_s / GB
 
 
 def upload_rate(model, manifest: Manifest) -> float:

@@ -42,6 +42,9 @@ class GenerationStats:
     mtp_note: str = ""  # why drafting stopped, when it did
     decode_mode: str = ""  # "CUDA graph", or "eager" and why (runtime/generate/decode_graph.py)
     routing: str = ""  # the routing trace the MoE layers took their experts from, and its prefetcher (--routing)
+    # the engine's warm start from hot.json, before its first generation (the same in each generation's stats)
+    warm_records: int = 0
+    warm_s: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -123,6 +126,11 @@ class GenerationStats:
             ),
             ("waiting", f"{s.get('stall_s', 0):.3f} s for experts of {self.prefill_s + self.decode_s:.3f} s"),
             *([("routing", self.routing)] if self.routing else []),
+            *(
+                [("warm start", f"{self.warm_records} records in {self.warm_s:.2f} s, at load")]
+                if self.warm_records
+                else []
+            ),
             ("peak memory", f"device {format_bytes(self.peak_gpu)}, process RSS {format_bytes(self.peak_rss)}"),
         ]
         if self.drafted or self.plain_steps:

@@ -24,8 +24,6 @@ class StoreCounters:
     actual: int = 0  # ... experts that layer then used ...
     predicted_used: int = 0  # ... and both
     stall_s: float = 0.0  # host time blocked waiting for expert loads
-    warm_records: int = 0
-    warm_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _layers: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # [uses, device, RAM]
 

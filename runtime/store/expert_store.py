@@ -68,6 +68,7 @@ class ExpertStore:
         self._io_threads, self._verify = io_threads, verify
         self._unpin = None
         self.io: Transfers | None = None  # with the RAM cache (open_host)
+        self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
         self.notes: list[str] = []
         if host:
             self.open_host()

@@ -100,5 +100,4 @@ def preload(store: ExpertStore, ranked: list[Key]) -> None:
     store.read_ahead(to_ram, set())
     store.sync()
     hold_hottest(store.ram_pool, ranked, p.gpu_slots + p.staging)
-    store.counters.warm_records = len(to_gpu) + len(to_ram)
-    store.counters.warm_s = time.perf_counter() - t0
+    store.warm_records, store.warm_s = len(to_gpu) + len(to_ram), time.perf_counter() - t0

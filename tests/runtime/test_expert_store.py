@@ -189,7 +189,7 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     profile = HotProfile(manifest.conversion_sha256(), 100, counts)
     profile.write(model / HOT_NAME)
     with Engine(model, device="cpu", max_context=64) as engine:  # everything fits: all resident
-        assert engine.model.experts.counters.warm_records == 16 and not engine.notes
+        assert engine.model.experts.warm_records == 16 and not engine.notes
     plan = _plan(model, 3, 5)
     ranked = [k for k in profile.ranked() if k[0] in plan.expert_layers]  # not the MTP layer's experts
     store = ExpertStore(model, manifest, CPU, plan)

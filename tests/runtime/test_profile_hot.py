@@ -216,7 +216,10 @@ def test_cli_profiles_merges_reports_and_the_run_warm_starts(model, prompts, tmp
     assert r.stdout.strip() == str(model / HOT_NAME) and "16 expert records" in r.stderr
     assert read_trace(tmp_path / "t.npy").ids.shape == (60, 2, 2)
     with Engine(model, device="cpu", max_context=64) as engine:
-        assert engine.model.experts.counters.warm_records == 16
+        assert engine.model.experts.warm_records == 16
+        stats = engine.generate("hi", max_tokens=2).stats  # each generation's stats say how the engine started
+        assert stats.warm_records == 16 and stats.warm_s > 0 and "warm start" in stats.table()
+        assert stats.to_dict()["warm_records"] == 16
     r = run_cli(
         "profile-hot",
         model,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dsfp4.device import use_expandable_segments
 from dsfp4.errors import ConfigError, ContextLengthError, DsfpError
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
@@ -65,6 +66,8 @@ class Engine:
         self.options = o = with_knobs(options or RunOptions(), knobs)
         self.model_dir = Path(model_dir)
         device, manifest, self.max_context, dtype = run_target(self.model_dir, o)
+        if device.type == "cuda":
+            use_expandable_segments()  # as the CLI does: the device budget relies on it
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.tokenizer = ChatTokenizer(self.model_dir, manifest.args.eos_token_ids)

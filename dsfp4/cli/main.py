@@ -7,7 +7,6 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 from __future__ import annotations
 
 import errno
-import os
 
 import click
 
@@ -17,6 +16,7 @@ from dsfp4.cli.demo import demo
 from dsfp4.cli.download import download
 from dsfp4.cli.profile import profile_hot
 from dsfp4.cli.run import chat, run
+from dsfp4.device import use_expandable_segments
 from dsfp4.errors import DsfpError
 from dsfp4.version import __version__
 
@@ -54,9 +54,7 @@ for command in (convert, inspect, verify, run, chat, profile_hot, download, benc
 
 
 def main() -> None:
-    # Expandable segments keep torch's reserved memory close to what is allocated, so the device budget
-    # holds; read when CUDA first allocates, so setting it here (before any tensor) is in time.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    use_expandable_segments()  # before any tensor: the device budget relies on it (dsfp4/device.py)
     cli(prog_name="dsfp4")
 
 

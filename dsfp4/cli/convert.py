@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dsfp4.cli.options import EXISTING_DIR, PATH, given_flags, hub_options, quiet_option
+from dsfp4.cli.options import EXISTING_DIR, PATH, given_flags, hub_options, only_with, quiet_option
 from dsfp4.units import format_bytes
 
 
@@ -106,7 +106,7 @@ def convert(
     )
     given = given_flags(click.get_current_context(), ("revision", "token", "source_dir", "delete_source"))
     if given and not from_hub:
-        raise click.UsageError(f"{', '.join(given)} only apply with --from-hub")
+        raise click.UsageError(only_with(given, "--from-hub"))
     hub, src_path = None, Path(src)
     if from_hub:
         from dsfp4.convert.source.hub import HubSource

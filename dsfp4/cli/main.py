@@ -7,6 +7,8 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 from __future__ import annotations
 
 import errno
+import os
+import sys
 
 import click
 
@@ -27,14 +29,41 @@ def _os_error_line(e: OSError) -> str:
     return f"{e.strerror or e}{where}{hint}"
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+PIPE_CLOSED = 141  # 128 + SIGPIPE, as a command whose reader went away (`dsfp4 run ... | head`)
+RESUMES = {  # what an interrupted command leaves, and how to go on
+    "convert": "run the same command again to resume",
+    "download": "run the same command again to resume",
+    "profile-hot": "a --repack stops between layers; run the same command again to finish it",
+}
+
+
 class DsfpGroup(click.Group):
-    """Turns library errors (and the OS's: permissions, full disk) into one line and exit status 1."""
+    """Turns library errors (and the OS's: permissions, full disk) into one line and exit status 1, Ctrl-C into
+    status 130 (with how to resume), a closed output pipe into a quiet exit; `--debug` may come anywhere."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end]:  # `dsfp4 run model --debug ...` as well as `dsfp4 --debug run ...`
+            args = ["--debug", *(a for i, a in enumerate(args) if not (a == "--debug" and i < end))]
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> object:
+        debug = bool(ctx.params.get("debug"))
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            name = ctx.invoked_subcommand or ""
+            click.echo("\ninterrupted" + (f": {RESUMES[name]}" if name in RESUMES else ""), err=True)
+            ctx.exit(INTERRUPTED)
+        except BrokenPipeError:
+            # stdout's reader is gone: nothing more can be said there; keep Python's exit flush from failing too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(PIPE_CLOSED)
         except (DsfpError, OSError) as e:
-            if ctx.obj and ctx.obj.get("debug"):
+            if debug:
                 raise
             click.echo(f"error: {_os_error_line(e) if isinstance(e, OSError) else e}", err=True)
             ctx.exit(1)
@@ -43,10 +72,8 @@ class DsfpGroup(click.Group):
 @click.group(cls=DsfpGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, envvar="DSFP4_DEBUG", help="Show tracebacks on errors.")
 @click.version_option(__version__, prog_name="dsfp4")
-@click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+def cli(debug: bool) -> None:  # --debug is DsfpGroup's to act on
     """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
-    ctx.obj = {"debug": debug}
 
 
 for command in (convert, inspect, verify, run, chat, profile_hot, download, bench, doctor, demo):

@@ -145,6 +145,11 @@ def given_params(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
 
 
+def only_with(flags: list[str], what: str) -> str:
+    """'--port only applies with --serve', '--host, --port only apply with --serve'."""
+    return f"{', '.join(flags)} only appl{'y' if len(flags) > 1 else 'ies'} with {what}"
+
+
 def given_flags(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
     """The flags among `names` (parameter names) that the user typed, as they are spelled."""
     spelled = {p.name: p.opts[0] for p in ctx.command.params}

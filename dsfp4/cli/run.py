@@ -20,6 +20,7 @@ from dsfp4.cli.options import (
     context_options,
     given_flags,
     given_params,
+    only_with,
     routing_options,
     sampling_options,
 )
@@ -36,7 +37,7 @@ SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
 PROMPT_FLAGS = ("raw", "show_stats")  # --chat has /stats; a server answers with stats
 
 
-def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> Generation:
+def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, quiet: bool) -> Generation:
     stream = engine.stream(ids)
     for delta in stream:
         if not as_json:
@@ -46,7 +47,8 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
         click.echo(json.dumps(g.to_dict(), ensure_ascii=False))
     else:
         click.echo()
-        click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
+        if not quiet:
+            click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
     if show_stats:
         click.echo(g.stats.table(), err=True)
     return g
@@ -98,6 +100,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool) -> 
 )
 @click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
+@click.option("-q", "--quiet", is_flag=True, help="Print the answer only: no plan, notes or stats line on stderr.")
 @click.option(
     "--json",
     "as_json",
@@ -126,6 +129,7 @@ def run(
     raw: bool,
     show_plan: bool,
     show_stats: bool,
+    quiet: bool,
     as_json: bool,
     host: str,
     port: int,
@@ -164,9 +168,9 @@ def run(
     if as_json and prompt is None:
         raise click.UsageError("--json applies to --prompt (or --plan)")
     if not serve and (flags := given_flags(ctx, SERVE_FLAGS)):
-        raise click.UsageError(f"{', '.join(flags)} only apply with --serve")
+        raise click.UsageError(only_with(flags, "--serve"))
     if prompt is None and (flags := given_flags(ctx, PROMPT_FLAGS)):
-        raise click.UsageError(f"{', '.join(flags)} only apply with --prompt")
+        raise click.UsageError(only_with(flags, "--prompt"))
     if raw and system is not None:
         raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
     if serve:  # before the model loads: a missing server library fails in a second, not after minutes
@@ -186,9 +190,9 @@ def run(
         ids = [] if prompt is None else engine.encode(prompt, system, raw)
         if prompt is not None:
             engine.check_prompt(ids)  # before the plan, so bad input stays a one-line error
-        if not as_json:
+        if not (as_json or quiet):
             click.echo(engine.plan.table(), err=True)
-        for note in engine.notes:
+        for note in engine.notes if not quiet else ():
             click.echo(f"note: {note}", err=True)
         if chat:
             chat_repl(LocalChat(engine), system)
@@ -199,7 +203,7 @@ def run(
             click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)
             run_server(engine, served, sock)
         else:
-            _answer(engine, ids, as_json, show_stats)
+            _answer(engine, ids, as_json, show_stats, quiet)
     if engine.recorder is not None and engine.recorder.tokens:
         click.echo(f"routing trace of {engine.recorder.tokens} tokens: {options.record_trace}", err=True)
 

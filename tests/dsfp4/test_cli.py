@@ -258,3 +258,46 @@ def test_inspect_lists_files_formats_and_records(converted):
 def test_debug_shows_the_traceback(tmp_path):
     result = CliRunner().invoke(cli, ["--debug", "verify", str(tmp_path)])
     assert result.exit_code == 1 and result.exception is not None and "ManifestError" in repr(result.exception)
+
+
+def test_debug_works_after_the_subcommand_too(tmp_path):
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path), "--debug"])
+    assert result.exit_code == 1 and "ManifestError" in repr(result.exception)
+    assert CliRunner().invoke(cli, ["verify", str(tmp_path)]).exception.__class__ is SystemExit  # one line
+
+
+def test_ctrl_c_exits_130_and_says_how_to_resume(checkpoints, tmp_path, monkeypatch):
+    import dsfp4.layout.writer as writer
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "pwrite_all", interrupted)
+    result = run_cli("convert", "--fp4", checkpoints["fp8"], tmp_path / "out", "-q")
+    assert result.exit_code == 130 and "interrupted: run the same command again to resume" in result.stderr
+    assert "error" not in result.stderr and not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_flags_of_another_mode_name_themselves_in_good_english(converted):
+    r = run_cli("run", converted, "--prompt", "hi", "--port", "9000")
+    assert r.exit_code == 2 and "--port only applies with --serve" in r.stderr
+    r = run_cli("run", converted, "--prompt", "hi", "--port", "9000", "--host", "::1")
+    assert "--host, --port only apply with --serve" in r.stderr or "--port, --host only apply" in r.stderr
+
+
+def test_a_closed_output_pipe_ends_quietly(converted):
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader (`| head`) is gone before the answer comes
+    cmd = [sys.executable, "-m", "dsfp4.cli.main", "run", str(converted), "--prompt", "hi", "--device", "cpu", "-q"]
+    r = subprocess.run([*cmd, "--max-tokens", "4"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
+    os.close(write)
+    assert r.returncode == 141 and "Broken pipe" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_quiet_prints_the_answer_only(converted):
+    r = run_cli("run", converted, "--prompt", "hi", "--device", "cpu", "--max-tokens", "3", "-q")
+    assert r.exit_code == 0 and r.stdout.strip() and not r.stderr.strip(), r.stderr

@@ -11,7 +11,7 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -179,10 +179,17 @@ class Engine:
             self._end_stream()
             self._truncate(0)
 
-    def encode(self, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
-        """Token ids of a prompt: text (through the chat template, with an optional system message, unless
-        `raw`), chat messages ([{"role": ..., "content": ...}], through the template) or token ids as given."""
-        return encode_prompt(self.tokenizer, prompt, system, raw)
+    def encode(
+        self, prompt: Prompt, system: str | None = None, raw: bool = False, thinking: bool | None = None
+    ) -> list[int]:
+        """Token ids of a prompt: text (through the prompt format, with an optional system message, unless
+        `raw`), chat messages ([{"role": ..., "content": ...}], through the format) or token ids as given.
+        `thinking` turns thinking on or off where the format has a switch (None: the engine's --thinking)."""
+        chat = isinstance(prompt, Sequence) and any(isinstance(m, Mapping) for m in prompt)
+        formatted = not raw and (isinstance(prompt, str) or chat)
+        if thinking is None and formatted:  # the engine's default goes where the format is used
+            thinking = self.options.thinking
+        return encode_prompt(self.tokenizer, prompt, system, raw, thinking)
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""
@@ -226,6 +233,7 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         system: str | None = None,
         raw: bool = False,
+        thinking: bool | None = None,
         cancel: threading.Event | None = None,
     ) -> Stream:
         """Generate after `prompt` (see encode), yielding a Delta per token. Sampling arguments left at None
@@ -234,7 +242,7 @@ class Engine:
         `cancel` (from any thread) ends it at the next prefill chunk or token, with finish reason "cancelled"."""
         given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
         options = with_knobs(self.options, {k: v for k, v in given.items() if v is not None})
-        ids = self.encode(prompt, system, raw)
+        ids = self.encode(prompt, system, raw, thinking)
         self.check_prompt(ids)
         with self._claim():
             self._end_stream()

@@ -30,6 +30,7 @@ class RunOptions:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    thinking: bool | None = None  # the prompt format's thinking switch (V4's mode, V3.1's template); None: its default
     gpu_mem: str | None = None  # budgets: sizes such as 14G; None: the preset, else free memory
     cpu_mem: str | None = None
     preset: str | None = None

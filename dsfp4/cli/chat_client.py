@@ -34,9 +34,13 @@ class RemoteChat:
         self.base = base if base.endswith("/v1") else base + "/v1"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(None, connect=CONNECT_S))
+        self.thinking: bool | None = sampling.pop("thinking", None)  # sent as chat_template_kwargs, not sampling
         self.sampling = sampling
         self.last: GenerationStats | None = None
-        self.model = model or self._served_model()
+        card = self._served_card(model)
+        self.model = card["id"]
+        # dsfp4's servers say whether the model's format has a thinking switch; others are asked as vLLM is
+        self.thinking_switch = bool(card.get("thinking_switch", True))
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
@@ -47,14 +51,17 @@ class RemoteChat:
             raise _refusal(response)
         return response
 
-    def _served_model(self) -> str:
+    def _served_card(self, model: str | None) -> dict[str, Any]:
+        """The served model's entry of /v1/models (`model`'s, or the first)."""
         data = self._request("GET", "/models").json().get("data") or []
         if not data:
             raise RemoteError(f"{self.base}/models lists no model")
-        return data[0]["id"]
+        return next((c for c in data if c.get("id") == model), {"id": model} if model else data[0])
 
     def reply(self, messages: list[dict[str, str]]) -> Iterator[tuple[str, str]]:
         body = {"model": self.model, "messages": messages, "stream": True, **self.sampling}
+        if self.thinking is not None:
+            body["chat_template_kwargs"] = {"thinking": self.thinking}
         self.last = None  # a server that sends no stats leaves none
         try:
             with self.client.stream("POST", self.base + "/chat/completions", json=body) as response:

@@ -127,6 +127,12 @@ sampling_options = _stack(
     ),
     click.option("--seed", type=int, help="Makes sampling reproducible."),
     click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
+    click.option(
+        "--thinking/--no-thinking",
+        default=None,
+        help="Turn the model's thinking on or off where its prompt format has that switch (DeepSeek-V4's thinking "
+        "mode, V3.1's template); default: the format's own (off). /think switches it in a chat.",
+    ),
 )
 
 

@@ -15,7 +15,8 @@ from dsfp4.runtime.generate.reasoning import ReasoningSplitter
 from dsfp4.runtime.generate.stats import GenerationStats
 
 HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert tiers, bytes moved, peaks)
-/think   show or hide the model's thinking (R1-style <think> blocks)
+/think   turn the model's thinking on or off (DeepSeek-V4, V3.1); where its format has no switch (R1 always
+         thinks), show or hide it
 /reset   forget the conversation (and its cache)
 /help    this text
 /quit    leave (Ctrl-D works too)"""
@@ -23,6 +24,8 @@ HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert tiers
 
 class ChatBackend(Protocol):
     last: GenerationStats | None  # of the last finished reply
+    thinking_switch: bool  # the model's prompt format turns thinking on and off
+    thinking: bool | None  # the switch, for the next replies (None: the format's default)
 
     def reply(self, messages: list[dict[str, str]]) -> Iterator[tuple[str, str]]:
         """(thinking, answer) pieces of the next assistant turn, as they are produced."""
@@ -36,9 +39,10 @@ class LocalChat:
 
     def __init__(self, engine: Engine):
         self.engine, self.last = engine, None
+        self.thinking_switch, self.thinking = engine.tokenizer.thinking_switch, engine.options.thinking
 
     def reply(self, messages: list[dict[str, str]]) -> Iterator[tuple[str, str]]:
-        ids = self.engine.encode(messages)
+        ids = self.engine.encode(messages, thinking=self.thinking)
         splitter = ReasoningSplitter(self.engine.opens_thinking(ids))
         stream = self.engine.stream(ids)
         for delta in stream:
@@ -111,9 +115,13 @@ def chat_repl(
                 write("(conversation cleared)\n")
             elif cmd == "/stats":
                 write((last.table() if last else "(nothing generated yet)") + "\n")
-            elif cmd == "/think":
+            elif cmd == "/think" and backend.thinking_switch:  # the format's switch: the model thinks or not
+                backend.thinking = not backend.thinking
+                show_thinking = True
+                write(f"(thinking {'on: the model thinks before it answers' if backend.thinking else 'off'})\n")
+            elif cmd == "/think":  # no switch: the model thinks as its format says; only the display changes
                 show_thinking = not show_thinking
-                write(f"(thinking {'shown' if show_thinking else 'hidden'})\n")
+                write(f"(this model has no thinking switch; its thinking {'shown' if show_thinking else 'hidden'})\n")
             else:
                 write(f"unknown command {cmd}; /help lists them\n")
             continue

@@ -173,6 +173,8 @@ def run(
         raise click.UsageError(only_with(flags, "--prompt"))
     if raw and system is not None:
         raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
+    if raw and options.thinking is not None:
+        raise click.UsageError("--thinking/--no-thinking switch the prompt format, which --raw skips; give one of them")
     if serve:  # before the model loads: a missing server library fails in a second, not after minutes
         try:
             from dsfp4.server.app import Served, listen

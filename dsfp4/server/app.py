@@ -102,7 +102,7 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
             )
         where = "messages" if req.chat else "prompt"
         try:
-            ids = engine.encode(req.prompt, raw=isinstance(req.prompt, str))  # completions: raw text
+            ids = engine.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)  # completions: raw
             engine.check_prompt(ids)
         except ContextLengthError as e:  # the engine's message names the CLI flag; a client gets the server's
             message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
@@ -195,6 +195,7 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         except ApiError as e:
             return JSONResponse(e.body(), e.status)
         card = {"id": served.model_id, "object": "model", "created": 0, "owned_by": "dsfp4"}
+        card["thinking_switch"] = engine.tokenizer.thinking_switch  # chat_template_kwargs' thinking applies
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")

@@ -46,6 +46,7 @@ NEUTRAL: dict[str, tuple] = {  # defined by the API, served only at these values
 }
 CHAT_ONLY = {
     "messages",
+    "chat_template_kwargs",
     "n",
     "presence_penalty",
     "frequency_penalty",
@@ -98,6 +99,7 @@ class GenRequest:
     include_usage: bool = False
     max_tokens: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # Engine.stream keywords that were given
+    thinking: bool | None = None  # chat_template_kwargs' thinking switch (None: the server's --thinking)
 
 
 def _is_int(v: object) -> bool:
@@ -170,6 +172,21 @@ def _prompt(value: object) -> str | list[int]:
     raise _bad("prompt", "must be a non-empty string or a non-empty list of token ids (one prompt per request)")
 
 
+THINKING_KEYS = ("thinking", "enable_thinking")  # vLLM's and SGLang's names for the prompt format's switch
+
+
+def _thinking(value: object) -> bool | None:
+    """chat_template_kwargs: only the thinking switch, under either name, true or false."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - set(THINKING_KEYS) or len(set(value.values())) > 1:
+        raise _bad("chat_template_kwargs", 'holds only "thinking" (or "enable_thinking"): true or false')
+    switch = next(iter(value.values()), None)
+    if not isinstance(switch, bool | None):
+        raise _bad("chat_template_kwargs", f'"thinking" must be true or false, got {json.dumps(switch)}')
+    return switch
+
+
 def _stop(value: object) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -221,4 +238,5 @@ def parse_request(raw: bytes, chat: bool) -> GenRequest:
         include_usage=bool((options or {}).get("include_usage")),
         max_tokens=lengths["max_completion_tokens"] or lengths["max_tokens"],
         sampling={k: v for k, v in sampling.items() if v is not None},
+        thinking=_thinking(body.get("chat_template_kwargs")) if chat else None,
     )

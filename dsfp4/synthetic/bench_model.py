@@ -373,7 +373,7 @@ def write_bench_model(
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     aux = ["config.json"]
     if with_tokenizer:
-        write_tokenizer(out, args.vocab_size)
+        write_tokenizer(out, args.vocab_size, cfg["model_type"])
         aux += ["tokenizer.json", "tokenizer_config.json"]
     for name in aux:
         w.copied(name)

@@ -24,6 +24,7 @@ from dsfp4.convert.source.hf_config import from_hf_config
 from dsfp4.layout.formats import FORMATS, component_shapes
 from dsfp4.layout.fp4 import nvfp4_quantize
 from dsfp4.layout.fp8 import fp8_block_quantize
+from dsfp4.layout.model_args import V4_FAMILY
 from dsfp4.layout.safetensors_file import SafetensorsWriter
 from dsfp4.synthetic.shapes import GENERATION_CONFIG, v3_config
 
@@ -84,8 +85,10 @@ def _encode(name: str, w: torch.Tensor, fmt: str | None, dtype: str, amax: torch
     return [w.to(torch.float32 if dtype == "F32" else torch.bfloat16)]
 
 
-def write_tokenizer(out: Path, vocab_size: int) -> None:
-    """Train a small byte-level BPE (specials first: bos = 0, eos = 1) and its tokenizer_config.json."""
+def write_tokenizer(out: Path, vocab_size: int, model_type: str = "deepseek_v3") -> None:
+    """Train a small byte-level BPE (specials first: bos = 0, eos = 1) and its tokenizer_config.json, as the family's
+    release has them: V3's template and BOS-adding post-processor; V4-Flash's neither (its prompts are built in
+    code, which writes the BOS itself, and add_bos_token is false)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     sentences = (
@@ -107,29 +110,27 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     )
     tok.train_from_iterator(corpus, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    bos = SPECIAL_TOKENS[0]  # as DeepSeek's tokenizer.json, whose post-processor puts the BOS first
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
-    )
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "add_bos_token": True,
-                "add_eos_token": False,
-                "bos_token": SPECIAL_TOKENS[0],
-                "eos_token": SPECIAL_TOKENS[1],
-                "pad_token": SPECIAL_TOKENS[1],
-                "model_max_length": 2048,
-                "tokenizer_class": "LlamaTokenizerFast",
-                "legacy": True,
-                "clean_up_tokenization_spaces": False,
-                "chat_template": CHAT_TEMPLATE,
-            },
-            indent=2,
-            ensure_ascii=False,
+    bos, v4 = SPECIAL_TOKENS[0], model_type == V4_FAMILY
+    if v4:  # V4-Flash's tokenizer.json: a plain byte-level post-processor
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:  # as DeepSeek-V3's tokenizer.json, whose post-processor puts the BOS first
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
         )
-    )
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "add_bos_token": not v4,
+        "add_eos_token": False,
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": SPECIAL_TOKENS[1],
+        "model_max_length": 2048,
+        "tokenizer_class": "LlamaTokenizerFast",
+        "legacy": True,
+        "clean_up_tokenization_spaces": False,
+        **({} if v4 else {"chat_template": CHAT_TEMPLATE}),  # V4-Flash's release ships no template
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def shard_files(n_shards: int) -> list[str]:
@@ -144,7 +145,7 @@ def write_checkpoint_files(out: Path, cfg: dict, weight_map: dict[str, str], tot
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
-    write_tokenizer(out, cfg["vocab_size"])
+    write_tokenizer(out, cfg["vocab_size"], cfg["model_type"])
 
 
 def name_generator(name: str, seed: int) -> torch.Generator:

@@ -21,19 +21,30 @@ def as_token_ids(items: list) -> list[int] | None:
     return None
 
 
-def encode_prompt(tokenizer: ChatTokenizer, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
-    """Token ids of a prompt: text (through the chat template, with an optional system message, unless `raw`), chat
-    messages ([{"role": ..., "content": ...}], through the template) or token ids as given."""
+def encode_prompt(
+    tokenizer: ChatTokenizer,
+    prompt: Prompt,
+    system: str | None = None,
+    raw: bool = False,
+    thinking: bool | None = None,
+) -> list[int]:
+    """Token ids of a prompt: text (through the prompt format, with an optional system message, unless `raw`), chat
+    messages ([{"role": ..., "content": ...}], through the format) or token ids as given; `thinking` switches the
+    format's thinking where it has a switch."""
     if not isinstance(system, (str, type(None))) or not isinstance(raw, bool):
         raise ConfigError(f"system must be text or None and raw true or false, not {system!r:.40} and {raw!r:.40}")
+    if not isinstance(thinking, (bool, type(None))):
+        raise ConfigError(f"thinking must be true, false or None, not {thinking!r:.40}")
     if isinstance(prompt, str):
         if raw and system is not None:
             raise ConfigError("a system message goes through the chat template, which raw skips; give one of them")
-        return tokenizer.encode_prompt(prompt, system, raw)
+        if raw and thinking is not None:
+            raise ConfigError("thinking is the prompt format's switch, which raw skips; give one of them")
+        return tokenizer.encode_prompt(prompt, system, raw, thinking)
     items = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, Mapping)) else []
     if items and (ids := as_token_ids(items)) is not None:
-        if system is not None or raw:
-            raise ConfigError("system and raw apply to text prompts, not to token ids")
+        if system is not None or raw or thinking is not None:
+            raise ConfigError("system, raw and thinking apply to text prompts and chat messages, not to token ids")
         return ids
     if items and all(isinstance(m, Mapping) for m in items):
         for i, m in enumerate(items):
@@ -44,5 +55,6 @@ def encode_prompt(tokenizer: ChatTokenizer, prompt: Prompt, system: str | None =
         if raw:
             raise ConfigError("raw applies to text prompts; chat messages always go through the template")
         head = [{"role": "system", "content": system}] if system is not None else []
-        return tokenizer.encode_chat([*head, *({"role": ROLES[m["role"]], "content": m["content"]} for m in items)])
+        chat = [*head, *({"role": ROLES[m["role"]], "content": m["content"]} for m in items)]
+        return tokenizer.encode_chat(chat, thinking=thinking)
     raise ConfigError("the prompt must be text, a non-empty list of chat messages or a non-empty list of token ids")

@@ -1,20 +1,24 @@
-"""Text in and out: tokenizer.json through `tokenizers`, and the checkpoint's own chat template
-(tokenizer_config.json, or chat_template.jinja) rendered with jinja2 in the environment transformers
-gives it (trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now)."""
+"""Text in and out: tokenizer.json through `tokenizers`, and the checkpoint's prompt format: its own chat template
+(tokenizer_config.json, or chat_template.jinja) rendered with jinja2 in the environment transformers gives it
+(trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now), or, for a family whose release
+builds prompts in code (DeepSeek-V4: config.json's model_type), that code's format (NATIVE_FORMATS)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dsfp4.errors import ConfigError, ManifestError
+from dsfp4.layout.model_args import V4_FAMILY
+from dsfp4.runtime.generate.prompt_v4 import encode_v4
 
 
 def _token_text(value: Any) -> str | None:
@@ -34,6 +38,20 @@ def _template_source(model_dir: Path, cfg: dict) -> str | None:
     if template is None and (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text()
     return template if isinstance(template, str) else None
+
+
+# families whose release builds prompts in code, not with a chat template: (messages, thinking, add_generation_prompt)
+NATIVE_FORMATS: dict[str, Callable[..., str]] = {V4_FAMILY: encode_v4}
+THINKING = "thinking"  # the chat-template variable that switches thinking (DeepSeek-V3.1's)
+
+
+def _model_type(model_dir: Path) -> str | None:
+    """config.json's model_type, which names the family (None without a readable config.json)."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
 
 
 def clean_text(text: str) -> str:
@@ -76,8 +94,11 @@ class ChatTokenizer:
         source = _template_source(model_dir, cfg)
         try:
             self.template = env.from_string(source) if source is not None else None
+            switch = source is not None and THINKING in meta.find_undeclared_variables(env.parse(source))
         except TemplateError as e:
             raise ConfigError(f"{cfg_path}: the chat template does not compile ({e})") from e
+        self.native = NATIVE_FORMATS.get(_model_type(model_dir))  # the release's own format, over any template
+        self.thinking_switch = self.native is not None or switch  # whether the format turns thinking on and off
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids; `special` adds the BOS and EOS that tokenizer_config.json's add_bos_token and add_eos_token ask
@@ -92,8 +113,19 @@ class ChatTokenizer:
     def decode(self, ids: list[int], keep_special: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=not keep_special)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model was trained to see it (the template writes the BOS itself)."""
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, thinking: bool | None = None
+    ) -> str:
+        """The conversation as the model was trained to see it (the format writes the BOS itself). `thinking` turns
+        the model's thinking on or off where the format has that switch (V4's thinking mode, V3.1's template
+        variable); None leaves the format's default (off)."""
+        if thinking is not None and not self.thinking_switch:
+            raise ConfigError(
+                "this model's prompt format has no thinking switch (R1 always thinks, V3 never does); leave thinking "
+                "unset"
+            )
+        if self.native is not None:
+            return self.native(messages, bool(thinking), add_generation_prompt)
         if self.template is None:
             raise ConfigError("this model has no chat template (tokenizer_config.json); give the prompt with --raw")
         try:
@@ -102,20 +134,24 @@ class ChatTokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 add_generation_prompt=add_generation_prompt,
+                **({} if thinking is None else {THINKING: thinking}),
             )
         except TemplateError as e:
             raise ConfigError(f"the chat template refused the conversation: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), special=False)
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, thinking: bool | None = None
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, thinking), special=False)
 
-    def encode_prompt(self, prompt: str, system: str | None = None, raw: bool = False) -> list[int]:
-        """One user turn (with an optional system message) through the chat template, or raw text."""
+    def encode_prompt(
+        self, prompt: str, system: str | None = None, raw: bool = False, thinking: bool | None = None
+    ) -> list[int]:
+        """One user turn (with an optional system message) through the prompt format, or raw text."""
         if raw:
             return self.encode(prompt)
-        return self.encode_chat(
-            [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
-        )
+        head = [{"role": "system", "content": system}] if system else []
+        return self.encode_chat([*head, {"role": "user", "content": prompt}], thinking=thinking)
 
 
 class TextStream:

@@ -249,3 +249,18 @@ def test_run_notices_a_flipped_byte_in_the_backbone_and_verify_a_damaged_hot_pro
     (model / "hot.json").write_text('{"format": "dsfp4-hot-v1", "layers": {"1": {"counts": [1, 2]}}}')
     assert_one_line_error(run_cli("verify", model), "hot.json")
     assert_one_line_error(run_cli("run", model, "--prompt", "hi", "--device", "cpu"), "hot.json")
+
+
+def test_thinking_flag_switches_the_v4_prompt_and_is_refused_where_there_is_no_switch(v4_converted, converted):
+    from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(v4_converted)
+    tails = {}
+    for flag in ("--thinking", "--no-thinking"):
+        r = run_cli("run", v4_converted, "--prompt", "hi", "--device", "cpu", "--max-tokens", "1", "--json", flag)
+        assert r.exit_code == 0, r.output
+        tails[flag] = tok.decode(json.loads(r.stdout)["prompt_token_ids"][-1:], keep_special=True)
+    assert tails == {"--thinking": "<think>", "--no-thinking": "</think>"}
+    assert_one_line_error(run_cli("run", converted, "--prompt", "hi", "--device", "cpu", "--thinking"), "no thinking")
+    r = run_cli("run", v4_converted, "--prompt", "hi", "--device", "cpu", "--raw", "--thinking")
+    assert r.exit_code == 2 and "which --raw skips" in r.stderr

@@ -275,9 +275,9 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_the_engine_too(server):
 
 def test_serve_and_chat_flags_that_would_do_nothing_are_refused(converted, monkeypatch):
     for flags, needle in (
-        (["--serve", "--raw"], "--raw only apply with --prompt"),
-        (["--chat", "--stats"], "--stats only apply with --prompt"),
-        (["--prompt", "hi", "--port", "9"], "--port only apply with --serve"),
+        (["--serve", "--raw"], "--raw only applies with --prompt"),
+        (["--chat", "--stats"], "--stats only applies with --prompt"),
+        (["--prompt", "hi", "--port", "9"], "--port only applies with --serve"),
         (["--prompt", "hi", "--raw", "--system", "x"], "which --raw skips"),
     ):
         r = run_cli("run", converted, "--device", "cpu", *flags)

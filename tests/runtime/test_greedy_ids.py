@@ -1,7 +1,9 @@
 """Greedy tokens of three converted checkpoints against ids recorded before the package was reorganized
 (tests/data/greedy_ids.json): the demo's V3 and V4 models and an NVFP4 source converted, all built from seeded
 random weights without transformers. A mismatch is allowed only where the recorded step was a near tie of the
-two best logits, since CPUs may round differently; everything after it is then not compared."""
+two best logits, since CPUs may round differently; everything after it is then not compared. demo_v4 was recorded
+again when V4's prompts took the release's format (no chat template: the prompt now ends in <｜Assistant｜></think>);
+its weights and their conversion did not change."""
 
 from __future__ import annotations
 

@@ -99,6 +99,60 @@ def test_the_chat_loop_shows_or_hides_thinking(r1_model):
     with Engine(r1_model, device="cpu", max_context=64, max_tokens=4, temperature=0) as engine:
         chat_repl(LocalChat(engine), read=lambda _: next(lines), write=out.append)
     text = "".join(out)
-    first, second = text.split("(thinking hidden)")
+    first, second = text.split("(this model has no thinking switch; its thinking hidden)")  # R1 always thinks
     assert "<think>\n" in first and "(thinking; /think shows it)" in second and "<think>" not in second
     assert "decode" in second  # /stats after the second answer
+
+
+def test_think_switches_thinking_on_and_off_where_the_format_has_a_switch(v4_converted):
+    """DeepSeek-V4's prompt format has a thinking mode: /think turns it on (the prompt ends in <think>, so the answer
+    starts inside a thinking block) and off again, not only the display."""
+    from dsfp4 import Engine
+    from dsfp4.cli.repl import LocalChat, chat_repl
+
+    prompts = []
+    ask = "Why is the sky blue?"
+    lines, out = iter([ask, "/think", ask, "/think", ask, "/quit"]), []
+    with Engine(v4_converted, device="cpu", max_context=256, max_tokens=3, temperature=0) as engine:
+        backend = LocalChat(engine)
+        encode = engine.encode
+        chats = lambda a: isinstance(a[0], list) and isinstance(a[0][0], dict)  # noqa: E731  (not the token ids)
+        engine.encode = lambda *a, **k: (chats(a) and prompts.append(k.get("thinking"))) or encode(*a, **k)
+        chat_repl(backend, read=lambda _: next(lines), write=out.append)
+        tails = [
+            engine.tokenizer.decode(encode(m, thinking=t)[-1:], keep_special=True)
+            for m, t in (([{"role": "user", "content": ask}], None), ([{"role": "user", "content": ask}], True))
+        ]
+    text = "".join(out)
+    assert prompts == [None, True, False] and "(thinking on: the model thinks before it answers)" in text
+    assert "(thinking off)" in text and tails == ["</think>", "<think>"]
+    second = text.split("(thinking on")[1].split("(thinking off)")[0]
+    assert "<think>" in second  # the answer after the switch starts inside the thinking block
+
+
+def test_the_server_takes_the_thinking_switch_in_chat_template_kwargs(v4_converted, converted):
+    from fastapi.testclient import TestClient
+
+    from dsfp4 import Engine
+    from dsfp4.server.app import Served, create_app
+
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0}
+    with Engine(v4_converted, device="cpu", max_context=256) as engine:
+        on = engine.generate(messages, max_tokens=3, temperature=0, thinking=True)
+        with TestClient(create_app(engine, Served("v4"))) as client:
+            assert client.get("/v1/models").json()["data"][0]["thinking_switch"] is True
+            for kwargs in ({"thinking": True}, {"enable_thinking": True}):
+                r = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs}).json()
+                assert r["usage"]["prompt_tokens"] == len(on.prompt_ids)
+                assert r["choices"][0]["message"]["reasoning_content"] == split_reasoning(on.text, True)[0]
+            off = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"thinking": False}})
+            assert off.json()["usage"]["prompt_tokens"] == len(on.prompt_ids)  # </think> for <think>
+            assert off.json()["choices"][0]["message"].get("reasoning_content") in (None, "")
+            for bad in ({"thinking": "yes"}, {"tools": []}, {"thinking": True, "enable_thinking": False}):
+                r = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    with Engine(converted, device="cpu", max_context=64) as engine, TestClient(create_app(engine, Served("v3"))) as c:
+        assert c.get("/v1/models").json()["data"][0]["thinking_switch"] is False
+        r = c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"thinking": True}})
+        assert r.status_code == 400 and "no thinking switch" in r.json()["error"]["message"]

@@ -56,7 +56,7 @@ def run_demo(
     echo(f"    OK: {report.n_files} files, {report.n_records} expert records, {format_bytes(report.nbytes)}")
     echo("4/4 answering the prompt (the weights are random, so the answer is gibberish)")
     with Engine(model, RunOptions(device=device, max_context=DEMO_CONTEXT, max_tokens=max_tokens, seed=0)) as engine:
-        echo(f"    prompt: {prompt!r} ({len(engine.encode(prompt))} tokens with the chat template)")
+        echo(f"    prompt: {prompt!r} ({len(engine.encode(prompt))} tokens in the model's prompt format)")
         stream = engine.stream(prompt)
         for delta in stream:
             on_text(delta.text)

@@ -96,7 +96,7 @@ def test_cli_converts_from_the_hub_and_removes_the_source(checkpoints, tmp_path)
     assert r.returncode == 0, r.stderr
     assert _data(tmp_path / "out") == _data(tmp_path / "local") and not (tmp_path / "out.source").exists()
     r = run_cli("convert", "--fp4", src, tmp_path / "x", "--delete-source")
-    assert r.exit_code == 2 and "--delete-source only apply with --from-hub" in r.stderr
+    assert r.exit_code == 2 and "--delete-source only applies with --from-hub" in r.stderr
 
 
 def test_a_streaming_conversion_cut_by_the_network_resumes(checkpoints, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -185,11 +185,7 @@ class Engine:
         """Token ids of a prompt: text (through the prompt format, with an optional system message, unless
         `raw`), chat messages ([{"role": ..., "content": ...}], through the format) or token ids as given.
         `thinking` turns thinking on or off where the format has a switch (None: the engine's --thinking)."""
-        chat = isinstance(prompt, Sequence) and any(isinstance(m, Mapping) for m in prompt)
-        formatted = not raw and (isinstance(prompt, str) or chat)
-        if thinking is None and formatted:  # the engine's default goes where the format is used
-            thinking = self.options.thinking
-        return encode_prompt(self.tokenizer, prompt, system, raw, thinking)
+        return encode_prompt(self.tokenizer, prompt, system, raw, thinking, self.options.thinking)
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""

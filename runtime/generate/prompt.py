@@ -27,10 +27,11 @@ def encode_prompt(
     system: str | None = None,
     raw: bool = False,
     thinking: bool | None = None,
+    default_thinking: bool | None = None,
 ) -> list[int]:
     """Token ids of a prompt: text (through the prompt format, with an optional system message, unless `raw`), chat
     messages ([{"role": ..., "content": ...}], through the format) or token ids as given; `thinking` switches the
-    format's thinking where it has a switch."""
+    format's thinking where it has a switch (`default_thinking` where it is not given and the format is used)."""
     if not isinstance(system, (str, type(None))) or not isinstance(raw, bool):
         raise ConfigError(f"system must be text or None and raw true or false, not {system!r:.40} and {raw!r:.40}")
     if not isinstance(thinking, (bool, type(None))):
@@ -40,7 +41,9 @@ def encode_prompt(
             raise ConfigError("a system message goes through the chat template, which raw skips; give one of them")
         if raw and thinking is not None:
             raise ConfigError("thinking is the prompt format's switch, which raw skips; give one of them")
-        return tokenizer.encode_prompt(prompt, system, raw, thinking)
+        return tokenizer.encode_prompt(
+            prompt, system, raw, default_thinking if thinking is None and not raw else thinking
+        )
     items = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, Mapping)) else []
     if items and (ids := as_token_ids(items)) is not None:
         if system is not None or raw or thinking is not None:
@@ -56,5 +59,5 @@ def encode_prompt(
             raise ConfigError("raw applies to text prompts; chat messages always go through the template")
         head = [{"role": "system", "content": system}] if system is not None else []
         chat = [*head, *({"role": ROLES[m["role"]], "content": m["content"]} for m in items)]
-        return tokenizer.encode_chat(chat, thinking=thinking)
+        return tokenizer.encode_chat(chat, thinking=default_thinking if thinking is None else thinking)
     raise ConfigError("the prompt must be text, a non-empty list of chat messages or a non-empty list of token ids")

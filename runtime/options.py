@@ -36,6 +36,9 @@ class RunOptions:
     preset: str | None = None
     policy: str = "hot"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on calibrated traces)
     prefetch: bool = True  # predict the next MoE layer's experts with its router
+    # a guess may read its record from the SSD; False: only guesses already in RAM are copied up (a wrong guess then
+    # costs PCIe time, not the SSD's: the faster store at recall 0.9 when the SSD binds, docs/BENCHMARKS.md)
+    prefetch_reads: bool = False
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of the backbone files as they load, and of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)

@@ -78,6 +78,12 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
     default=True,
     help="Do not predict the next layer's experts.",
 )
+@click.option(
+    "--prefetch-reads",
+    is_flag=True,
+    help="Let a prefetch read its guesses from the SSD (default: only copy up guesses already in RAM, faster while "
+    "the SSD binds and a guess can be wrong).",
+)
 @CUDA_GRAPH
 @ZERO_COPY
 @click.option(

@@ -79,28 +79,37 @@ def route(scores: np.ndarray, shape: RouterShape) -> np.ndarray:
     return np.take_along_axis(idx, order, 1)
 
 
-class _Noise:
-    """Gumbel noise [tokens, layers, experts], chunk by chunk, whose underlying Gaussians follow an AR(1) over
+def gumbel(z: np.ndarray) -> np.ndarray:
+    """Standard Gaussians -> standard Gumbels through their CDFs (the same quantile)."""
+    u = torch.special.ndtr(torch.from_numpy(np.asarray(z, dtype=np.float32))).clamp_(1e-7, 1 - 1e-7)
+    return (-torch.log(-torch.log(u))).numpy()
+
+
+class Noise:
+    """Gumbel noise [tokens, layers, experts], chunk by chunk, whose underlying Gaussians `z` follow an AR(1) over
     tokens with coefficient rho (its state carries from one chunk to the next)."""
 
     def __init__(self, rng: np.random.Generator, layers: int, experts: int, rho: float):
         self.rng, self.rho = rng, rho
         self.z = rng.standard_normal((layers, experts))
 
-    def next(self, tokens: int) -> np.ndarray:
+    def gaussians(self, tokens: int) -> np.ndarray:
+        """The next tokens' Gaussians [tokens, layers, experts] (the state moves on)."""
         out = np.empty((tokens, *self.z.shape), dtype=np.float32)
         fresh = self.rng.standard_normal(out.shape) * math.sqrt(1.0 - self.rho * self.rho)
         for t in range(tokens):
             self.z = self.rho * self.z + fresh[t]
             out[t] = self.z
-        u = torch.special.ndtr(torch.from_numpy(out)).clamp_(1e-7, 1 - 1e-7)
-        return (-torch.log(-torch.log(u))).numpy()
+        return out
+
+    def next(self, tokens: int) -> np.ndarray:
+        return gumbel(self.gaussians(tokens))
 
 
 def _routing(rng: np.random.Generator, tokens: int, logws: np.ndarray, rho: float, shape: RouterShape) -> np.ndarray:
     """ids [tokens, layers, k] of routing with weights log w [layers, experts] and noise persistence rho."""
     layers, experts = logws.shape
-    noise, out = _Noise(rng, layers, experts, rho), []
+    noise, out = Noise(rng, layers, experts, rho), []
     for start in range(0, tokens, CHUNK):
         n = min(CHUNK, tokens - start)
         scores = logws[None] + noise.next(n)  # [n, layers, experts]
@@ -149,13 +158,25 @@ def synthetic_trace(
         raise ValueError(f"shares of {experts} experts do not fit a router of {shape}")
     if not 0.0 <= target_reuse < 1.0:
         raise ValueError(f"reuse {target_reuse}: give a share from 0 to 1")
+    logws, rho = fit_generator(shares, shape, target_reuse, seed)
+    trace = _routing(trace_rng(seed), tokens, logws, rho, shape)
+    return trace.astype(np.int32), rho
+
+
+def trace_rng(seed: int) -> np.random.Generator:
+    """The generator a trace of `seed` draws its noise from (scripts/online_bound.py draws it again)."""
+    return np.random.default_rng([seed, 17])
+
+
+def fit_generator(
+    shares: np.ndarray, shape: RouterShape, target_reuse: float, seed: int = 0
+) -> tuple[np.ndarray, float]:
+    """The generator's parameters -> (log w [layers, experts], rho) for the shares and the reuse."""
     rho = 0.0
     for _ in range(FIT_ALTERNATIONS):  # the weights move the reuse a little, rho the shares: fit each in turn
         logws = _fit_weights(shares, rho, shape, seed)
         rho = _fit_rho(logws, target_reuse, shape, seed)
-    logws = _fit_weights(shares, rho, shape, seed)
-    trace = _routing(np.random.default_rng([seed, 17]), tokens, logws, rho, shape)
-    return trace.astype(np.int32), rho
+    return _fit_weights(shares, rho, shape, seed), rho
 
 
 def top_share(trace: np.ndarray, n_experts: int, frac: float) -> float:

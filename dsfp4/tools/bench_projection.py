@@ -86,6 +86,7 @@ def validate(
         manifest.args.n_routed_experts,
         warmup=prompt_tokens + 1,
         warm=warm,
+        prefetch_reads=options.prefetch_reads,
     )
     d = g.stats.derived()
     return {

@@ -56,7 +56,15 @@ def load_model(
     w = Weights(model_dir, manifest, device, dtype)
     # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
     experts = ExpertStore(
-        model_dir, manifest, device, plan, options.policy, options.io_threads, options.verify, host=False
+        model_dir,
+        manifest,
+        device,
+        plan,
+        options.policy,
+        options.io_threads,
+        options.verify,
+        host=False,
+        prefetch_reads=options.prefetch_reads,
     )
     hashing = ThreadPoolExecutor(options.io_threads, thread_name_prefix="dsfp4-hash")
     try:

@@ -52,9 +52,11 @@ class ExpertStore:
         io_threads: int = 4,
         verify: bool = True,
         host: bool = True,
+        prefetch_reads: bool = False,
     ):
         """`host` False: the RAM cache is allocated (and pinned) by open_host, once the caller has loaded what it
-        maps first (load_model: the backbone), so the two never share the RAM budget."""
+        maps first (load_model: the backbone), so the two never share the RAM budget. `prefetch_reads` False: a
+        prefetch only copies guesses already in RAM, never reads one from the SSD."""
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
         self.cuda = device.type == "cuda"
@@ -65,7 +67,7 @@ class ExpertStore:
         self.gpu = torch.empty((plan.gpu_slots, n), dtype=torch.uint8, device=device)  # [slots, record]
         a = manifest.args
         self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
-        self._io_threads, self._verify = io_threads, verify
+        self._io_threads, self._verify, self.prefetch_reads = io_threads, verify, prefetch_reads
         self._unpin = None
         self.io: Transfers | None = None  # with the RAM cache (open_host)
         self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
@@ -245,7 +247,7 @@ class ExpertStore:
         keep = protect | {(layer, e) for e in experts}  # a guess never evicts another guess
         for e in experts:
             key = (layer, e)
-            if key in self.gpu_pool:
+            if key in self.gpu_pool or not (self.prefetch_reads or key in self.ram_pool):
                 continue
             if self.start(key, keep, wait=False) is not None:
                 self._counters.prefetch_loads += 1

@@ -96,7 +96,8 @@ def test_a_filled_store_serves_every_layer_from_the_device_without_loads(convert
     assert g.stats.decode_mode == "eager: CUDA graphs need a CUDA device"
 
 
-def test_random_prefetch_never_corrupts_a_slot(converted):
+@pytest.mark.parametrize("reads", [True, False])
+def test_random_prefetch_never_corrupts_a_slot(converted, reads):
     """Random loads and random (wrong) predictions on 3 device and 5 RAM slots, 4 reader threads: every
     record handed out holds exactly its file bytes, and the device-side table matches the host's."""
     manifest = Manifest.read(converted)
@@ -106,7 +107,7 @@ def test_random_prefetch_never_corrupts_a_slot(converted):
         for layer, ef in manifest.experts.items()
         for e, off in enumerate(ef.offsets)
     }
-    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), io_threads=4)
+    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), io_threads=4, prefetch_reads=reads)
     rng = random.Random(0)
     layers, n = sorted(manifest.experts), manifest.args.n_routed_experts
     try:
@@ -128,6 +129,25 @@ def test_random_prefetch_never_corrupts_a_slot(converted):
         assert sum(store.gpu_pool.pins) == sum(store.ram_pool.pins) == 0
     finally:
         store.close()
+
+
+def test_a_prefetch_reads_the_ssd_only_when_allowed(converted):
+    """Guesses not in RAM are read from the SSD only with prefetch_reads; those in RAM are copied up either way."""
+    manifest = Manifest.read(converted)
+    layer = min(manifest.experts)
+    for reads in (False, True):
+        store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), prefetch_reads=reads)
+        try:
+            store.read_ahead([(layer, 0)], set())
+            store.sync()
+            before = store.counters.ssd_reads
+            store.prefetch(layer, [0, 1], protect=set())
+            store.sync()
+            assert (layer, 0) in store.gpu_pool  # in RAM: copied up
+            assert ((layer, 1) in store.gpu_pool) == reads
+            assert store.counters.ssd_reads - before == int(reads)
+        finally:
+            store.close()
 
 
 def test_record_reads_use_o_direct_and_fall_back_where_refused(converted, monkeypatch):

@@ -12,6 +12,7 @@ from click.core import ParameterSource
 
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS
+from dsfp4.runtime.store.policy import TIER_POLICIES
 
 PATH = click.Path(path_type=Path)
 EXISTING_DIR = click.Path(path_type=Path, exists=True, file_okay=False)
@@ -46,19 +47,24 @@ def _stack(*decorators: Callable) -> Callable:
     return apply
 
 
+def prefill_chunk_option(default: int) -> Callable:
+    """--prefill-chunk, with the command's own default."""
+    return click.option(
+        "--prefill-chunk",
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=True,
+        help="Prompt tokens per forward pass: larger loads each expert fewer times, smaller needs less workspace.",
+    )
+
+
 def context_options(max_context: int, context_help: str, prefill_chunk: int) -> Callable:
     """--max-context and --prefill-chunk, with the command's own defaults."""
     return _stack(
         click.option(
             "--max-context", type=click.IntRange(min=2), default=max_context, show_default=True, help=context_help
         ),
-        click.option(
-            "--prefill-chunk",
-            type=click.IntRange(min=1),
-            default=prefill_chunk,
-            show_default=True,
-            help="Prompt tokens per forward pass: larger loads each expert fewer times, smaller needs less workspace.",
-        ),
+        prefill_chunk_option(prefill_chunk),
     )
 
 
@@ -108,6 +114,32 @@ routing_options = _stack(
         show_default=True,
         help="With --routing: the share of the next MoE layer's experts its prefetch guesses right (the rest "
         "wrong), for the routers cannot predict a trace.",
+    ),
+)
+
+
+store_options = _stack(  # how the expert store runs: `run`, `eval`
+    click.option(
+        "--policy",
+        type=click.Choice(list(TIER_POLICIES)),
+        default=RUN_DEFAULTS.policy,
+        show_default=True,
+        help="Expert eviction: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM), hot "
+        "(mix, with 3/4 of RAM held for hot.json's hottest records; mix without a profile).",
+    ),
+    click.option(
+        "--no-prefetch",
+        "prefetch",
+        is_flag=True,
+        flag_value=False,
+        default=True,
+        help="Do not predict the next layer's experts.",
+    ),
+    click.option(
+        "--prefetch-reads",
+        is_flag=True,
+        help="Let a prefetch read its guesses from the SSD (default: only copy up guesses already in RAM, faster while "
+        "the SSD binds and a guess can be wrong).",
     ),
 )
 

@@ -23,11 +23,11 @@ from dsfp4.cli.options import (
     only_with,
     routing_options,
     sampling_options,
+    store_options,
 )
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.store.policy import TIER_POLICIES
 
 if TYPE_CHECKING:
     from dsfp4.runtime.engine import Engine
@@ -62,28 +62,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
 @click.option("--system", help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed --prompt as plain text, without the chat template.")
 @sampling_options
-@click.option(
-    "--policy",
-    type=click.Choice(list(TIER_POLICIES)),
-    default=RUN_DEFAULTS.policy,
-    show_default=True,
-    help="Expert eviction: lru (recency), lfu (frequency with decay), mix (lfu on the device, lru in RAM), hot "
-    "(mix, with 3/4 of RAM held for hot.json's hottest records; mix without a profile).",
-)
-@click.option(
-    "--no-prefetch",
-    "prefetch",
-    is_flag=True,
-    flag_value=False,
-    default=True,
-    help="Do not predict the next layer's experts.",
-)
-@click.option(
-    "--prefetch-reads",
-    is_flag=True,
-    help="Let a prefetch read its guesses from the SSD (default: only copy up guesses already in RAM, faster while "
-    "the SSD binds and a guess can be wrong).",
-)
+@store_options
 @CUDA_GRAPH
 @ZERO_COPY
 @click.option(

@@ -144,7 +144,7 @@ def eval_command(
     )
     if ref is not None:
         click.echo(
-            f"against {reference}: KL mean {r['kl_mean']:.6f}, p99 {r['kl_p99']:.6f}; top-1 agreement "
+            f"against {reference}: KL mean {r['kl_mean']:.4g}, p99 {r['kl_p99']:.4g}; top-1 agreement "
             f"{100 * r['top1_agreement']:.2f}%; perplexity ratio {r['perplexity_ratio']:.4f} "
             f"(reference {r['reference_perplexity']:.4f})"
         )

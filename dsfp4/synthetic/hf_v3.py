@@ -14,7 +14,7 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -85,20 +85,25 @@ def _encode(name: str, w: torch.Tensor, fmt: str | None, dtype: str, amax: torch
     return [w.to(torch.float32 if dtype == "F32" else torch.bfloat16)]
 
 
-def write_tokenizer(out: Path, vocab_size: int, model_type: str = "deepseek_v3") -> None:
-    """Train a small byte-level BPE (specials first: bos = 0, eos = 1) and its tokenizer_config.json, as the family's
-    release has them: V3's template and BOS-adding post-processor; V4-Flash's neither (its prompts are built in
-    code, which writes the BOS itself, and add_bos_token is false)."""
+def write_tokenizer(
+    out: Path, vocab_size: int, model_type: str = "deepseek_v3", corpus: Iterable[str] | None = None
+) -> None:
+    """Train a byte-level BPE of `vocab_size` tokens on `corpus` (default: a few sentences, for tiny models; specials
+    first: bos = 0, eos = 1) and write it with its tokenizer_config.json, as the family's release has them: V3's
+    template and BOS-adding post-processor; V4-Flash's neither (its prompts are built in code, which writes the BOS
+    itself, and add_bos_token is false)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    sentences = (
-        "the model reads expert weights from disk and computes tokens on one graphics card while",
-        "memory holds the hottest experts . def forward ( x ) : return x * 2 + 1 # python code",
-        "hello world ! how are you ? 你好 世界 bonjour le monde 12345 67890 { } [ ] < > = - _",
-    )
-    words = [w for s in sentences for w in s.split()]
-    g = torch.Generator().manual_seed(0)
-    corpus = [" ".join(words[j] for j in torch.randint(0, len(words), (24,), generator=g).tolist()) for _ in range(400)]
+    if corpus is None:
+        sentences = (
+            "the model reads expert weights from disk and computes tokens on one graphics card while",
+            "memory holds the hottest experts . def forward ( x ) : return x * 2 + 1 # python code",
+            "hello world ! how are you ? 你好 世界 bonjour le monde 12345 67890 { } [ ] < > = - _",
+        )
+        words = [w for s in sentences for w in s.split()]
+        g = torch.Generator().manual_seed(0)
+        picks = [torch.randint(0, len(words), (24,), generator=g).tolist() for _ in range(400)]
+        corpus = [" ".join(words[j] for j in row) for row in picks]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -138,14 +143,17 @@ def shard_files(n_shards: int) -> list[str]:
     return [f"model-{k + 1:05d}-of-{n_shards:06d}.safetensors" for k in range(n_shards)]
 
 
-def write_checkpoint_files(out: Path, cfg: dict, weight_map: dict[str, str], total_size: int) -> None:
+def write_checkpoint_files(
+    out: Path, cfg: dict, weight_map: dict[str, str], total_size: int, tokenizer: bool = True
+) -> None:
     """What a release holds beside its shards: the index (tensor name -> shard), config.json,
-    generation_config.json (the releases' sampling defaults) and a tokenizer."""
+    generation_config.json (the releases' sampling defaults) and a tokenizer (unless the caller wrote its own)."""
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
-    write_tokenizer(out, cfg["vocab_size"], cfg["model_type"])
+    if tokenizer:
+        write_tokenizer(out, cfg["vocab_size"], cfg["model_type"])
 
 
 def name_generator(name: str, seed: int) -> torch.Generator:
@@ -160,9 +168,11 @@ def write_checkpoint(
     value: Callable[[str], torch.Tensor],
     variant: str = "fp8",
     n_shards: int = 3,
+    tokenizer: bool = True,
 ) -> Path:
     """Write `shapes` (names in the release's naming) with their values in the variant's storage, sharded
-    with an index, plus config.json, generation_config.json and a tokenizer; returns `out`."""
+    with an index, plus config.json, generation_config.json and a tokenizer (unless `tokenizer` is False: the
+    caller wrote its own); returns `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     n = cfg["num_hidden_layers"]
@@ -194,7 +204,7 @@ def write_checkpoint(
     for w in writers:
         w.close()
     weight_map = {p[0]: files[shard_of[p[0]]] for p in planned}
-    write_checkpoint_files(out, cfg, weight_map, sum(w.nbytes - w.data_start for w in writers))
+    write_checkpoint_files(out, cfg, weight_map, sum(w.nbytes - w.data_start for w in writers), tokenizer)
     if variant == "nvfp4":
         excluded = sorted(
             {

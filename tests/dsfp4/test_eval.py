@@ -179,3 +179,16 @@ def test_bad_input_is_a_one_line_error(converted, tmp_path):
     assert_one_line_error(run_cli("eval", converted, "--text", binary, *CPU), "bin.txt", "UTF-8")
     r = run_cli("eval", converted, "--text", text, "--context", 24, "--stride", 99, *CPU)
     assert_one_line_error(r, "--stride 99")
+
+
+@pytest.mark.gpu
+def test_on_cuda_eval_runs_the_kernels_and_stays_close_to_the_cpu_reference(converted, tmp_path):
+    ref = tmp_path / "ref.lp"
+    text = _text(tmp_path)
+    assert run_cli("eval", converted, "--text", text, "--context", 24, "--save-logits", ref, *CPU).exit_code == 0
+    r = run_cli(
+        "eval", converted, "--text", text, "--context", 24, "--reference", ref, "--json", "-q", "--device", "cuda"
+    )
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["kl_mean"] < 0.01 and got["top1_agreement"] > 0.9 and abs(got["perplexity_ratio"] - 1) < 0.01

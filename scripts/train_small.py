@@ -6,16 +6,18 @@ The model: MLA, sigmoid routing limited to the best groups, a shared expert, a d
 experts per MoE layer with 6 chosen, and one MTP module trained on the token after next (weight MTP_WEIGHT). Load
 balance as DeepSeek-V3 keeps it without an auxiliary loss: each router's correction bias moves by BIAS_STEP against
 its expert's load after every step (the small sequence-wise loss DeepSeek adds is left out). The corpus: the Python
-standard library's sources (and dsfp4's calibration texts); files whose path hashes to 0 mod HELD_OUT go to the
-held-out split, written as OUT/heldout.txt. The schedule follows the clock (--minutes) or --steps: warmup, then
-cosine decay to a tenth. OUT/training.json holds the curve (train and held-out loss by step) and the corpus's sizes.
+standard library's sources and those of the packages dsfp4 runs on (and dsfp4's calibration texts); files whose path
+hashes to 0 mod HELD_OUT go to the held-out split, whose first HELD_OUT_CHARS are written as OUT/heldout.txt. The
+schedule follows the clock (--minutes) or --steps: warmup, then cosine decay to a tenth. OUT/training.json holds the
+curve (train and held-out loss by step) and the corpus's sizes.
 
-    python scripts/train_small.py OUT [--minutes 6] [--device cuda] [--size small|tiny] [--steps N]
+    python scripts/train_small.py OUT [--minutes 4] [--device cuda] [--size small|tiny] [--steps N]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sysconfig
@@ -35,6 +37,9 @@ from dsfp4.synthetic.hf_v3 import write_checkpoint, write_tokenizer
 from dsfp4.synthetic.shapes import v3_config
 
 HELD_OUT = 50  # one file in this many is held out
+HELD_OUT_CHARS = 400_000  # of held-out text written for `dsfp4 eval` (about 120,000 tokens)
+# the packages dsfp4 runs on, whose sources join the standard library's in the corpus
+CORPUS_PACKAGES = ("torch", "numpy", "triton", "click", "jinja2", "tqdm", "safetensors", "huggingface_hub", "fastapi")
 MTP_WEIGHT = 0.3  # of the MTP module's loss (DeepSeek-V3's first phase)
 BIAS_STEP = 1e-3  # the routers' bias update speed (DeepSeek-V3's gamma)
 SIZES = {
@@ -95,17 +100,22 @@ class Knobs:
 
 
 def corpus(limit_files: int | None = None) -> tuple[list[str], list[str]]:
-    """(train texts, held-out texts): the standard library's .py files, split by path hash, and the calibration
-    prompts (train)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)[:limit_files]
+    """(train texts, held-out texts): the .py files of the standard library and of the packages dsfp4 runs on
+    (CORPUS_PACKAGES: wherever dsfp4 is installed, they are), split by path hash, and the calibration prompts
+    (train). `limit_files`: the first files only (the standard library's first)."""
+    roots = [Path(sysconfig.get_paths()["stdlib"])]
+    for name in CORPUS_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        roots += [Path(d) for d in (spec.submodule_search_locations or []) if spec is not None]
+    paths = [(r, p) for r in roots for p in sorted(r.rglob("*.py")) if "site-packages" not in p.relative_to(r).parts]
     train, held = [], []
-    for p in paths:
+    for root, p in paths[:limit_files]:
         try:
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        (held if zlib.crc32(str(p.relative_to(root)).encode()) % HELD_OUT == 0 else train).append(text)
+        key = f"{root.name}/{p.relative_to(root)}"
+        (held if zlib.crc32(key.encode()) % HELD_OUT == 0 else train).append(text)
     if not held and train:  # a few files (tests) may hash none out
         held.append(train.pop())
     for f in sorted(files("dsfp4.calibration").iterdir(), key=lambda f: f.name):
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--minutes", type=float, default=6.0, help="training time (the schedule follows the clock)")
+    p.add_argument("--minutes", type=float, default=4.0, help="training time (the schedule follows the clock)")
     p.add_argument("--steps", type=int, help="train this many steps instead (the schedule follows the steps)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = Tokenizer.from_file(str(a.out / "tokenizer.json"))
     bos, eos = cfg["bos_token_id"], cfg["eos_token_id"]
     data, held = stream(tok, train_texts, eos), stream(tok, held_texts, eos)
-    (a.out / "heldout.txt").write_text("\n".join(held_texts), encoding="utf-8")
+    (a.out / "heldout.txt").write_text("\n".join(held_texts)[:HELD_OUT_CHARS], encoding="utf-8")
     print(
         f"corpus: {len(train_texts)} train / {len(held_texts)} held-out texts, {len(data):,} / {len(held):,} tokens "
         f"(vocabulary {cfg['vocab_size']}), tokenizer {time.perf_counter() - t0:.0f} s",

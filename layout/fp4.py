@@ -56,8 +56,12 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), device=codes.device)
-    return table[codes.long()]
+    """Codes (uint8, 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32 values, computed rather than looked
+    up in a table made on the host, so a dequantization can run inside a CUDA graph's capture."""
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + 0.5 * m))  # E2M1_MAGNITUDES[c & 7]
+    return torch.where(c >= 8, -mag, mag)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

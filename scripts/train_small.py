@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     knobs = Knobs(seq=a.seq, batch=a.batch)
     device = torch.device(a.device)
-    cfg = v3_config({**SIZES[a.size], "max_position_embeddings": 4 * knobs.seq}, "fp8")
+    cfg = v3_config({**SIZES[a.size], "max_position_embeddings": knobs.seq}, "fp8")  # the positions it learns
     train_texts, held_texts = corpus(a.files)
     a.out.mkdir(parents=True, exist_ok=True)
 

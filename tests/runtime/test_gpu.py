@@ -62,3 +62,16 @@ def test_demo_on_cuda(tmp_path):
 
     r = CliRunner().invoke(cli, ["demo", "--dir", str(tmp_path), "--device", "cuda", "--max-tokens", "8"])
     assert r.exit_code == 0, r.output
+
+
+def test_an_fp4_backbone_decodes_by_cuda_graphs_with_the_tokens_of_eager_steps(checkpoints, tmp_path):
+    """NVFP4 attention weights are dequantized inside the captured decode step: nothing may come from the host."""
+    from dsfp4.runtime.engine import Engine
+
+    model = tmp_path / "bb4"
+    convert(checkpoints["fp8"], model, ConvertOptions(backbone="fp4"), progress=False)
+    tokens = []
+    for graphs in (True, False):
+        with Engine(model, device="cuda", cuda_graph=graphs) as engine:
+            tokens.append(engine.generate([0, 5, 9, 11], max_tokens=12, temperature=0).token_ids)
+    assert tokens[0] == tokens[1]

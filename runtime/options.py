@@ -39,6 +39,9 @@ class RunOptions:
     # a guess may read its record from the SSD; False: only guesses already in RAM are copied up (a wrong guess then
     # costs PCIe time, not the SSD's: the faster store at recall 0.9 when the SSD binds, docs/BENCHMARKS.md)
     prefetch_reads: bool = False
+    # a routed expert in neither the device nor RAM whose normalized weight is below this for every token that chose
+    # it is left out of the step, the token's other weights rescaled to the same sum (0: exact routing)
+    expert_threshold: float = 0.0
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of the backbone files as they load, and of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
@@ -69,6 +72,8 @@ class RunOptions:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.policy not in TIER_POLICIES:
             raise ConfigError(f"--policy {self.policy}: choose one of {', '.join(TIER_POLICIES)}")
+        if not 0.0 <= self.expert_threshold < 1.0:
+            raise ConfigError(f"--expert-threshold {self.expert_threshold}: give a weight from 0 (off) to below 1")
         if self.io_threads < 1 or self.prefill_chunk < 1:
             raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
         if self.record_trace is not None:

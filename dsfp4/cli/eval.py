@@ -98,6 +98,7 @@ def eval_command(
     from dsfp4.layout.manifest import Manifest
     from dsfp4.runtime.engine import Engine
     from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+    from dsfp4.runtime.store.counters import counters_since
     from dsfp4.tools import logprobs_file
     from dsfp4.tools.evaluate import check_reference, evaluate, header, scored_targets, windows
 
@@ -121,6 +122,7 @@ def eval_command(
         check_reference(str(reference), ref[0], ref[1], ours, scored_targets(ids, wins))
     bar = tqdm(total=len(wins), unit="window", desc="eval", disable=quiet, file=sys.stderr)
     with Engine(model, options) as engine, bar:
+        store, before = engine.model.experts, engine.model.experts.counters.snapshot()
         result = evaluate(
             engine.logits,
             ids,
@@ -132,9 +134,14 @@ def eval_command(
             ref[1] if ref is not None else None,
             lambda done, _: bar.update(done - bar.n),
         )
+        moved = counters_since(store.counters.snapshot(), before)
     if save_logits is not None:
         logprobs_file.write(save_logits, ours, result.logprobs)
-    r = result.to_dict()
+    uses = moved["expert_uses"]
+    r = result.to_dict() | {
+        "ssd_bytes_per_token": moved["ssd_bytes"] / result.tokens,  # prefill's: every window from position 0
+        "skipped_share": moved["skipped"] / max(uses + moved["skipped"], 1),  # of the experts chosen, per layer step
+    }
     if as_json:
         click.echo(json.dumps(r))
         return
@@ -148,5 +155,7 @@ def eval_command(
             f"{100 * r['top1_agreement']:.2f}%; perplexity ratio {r['perplexity_ratio']:.4f} "
             f"(reference {r['reference_perplexity']:.4f})"
         )
+    if r["skipped_share"]:
+        click.echo(f"the expert threshold left out {r['skipped_share']:.1%} of the chosen experts")
     if save_logits is not None:
         click.echo(f"log-probabilities of {r['tokens']:,} positions (top {save_top_k}): {save_logits}", err=True)

@@ -136,6 +136,14 @@ store_options = _stack(  # how the expert store runs: `run`, `eval`
         help="Do not predict the next layer's experts.",
     ),
     click.option(
+        "--expert-threshold",
+        type=click.FloatRange(0, 1, max_open=True),
+        default=RUN_DEFAULTS.expert_threshold,
+        show_default=True,
+        help="Lossy: leave out a routed expert that is in neither VRAM nor RAM when every token that chose it gives "
+        "it less than this share of its routing weight (the others rescaled); 0 is exact. Its cost: `dsfp4 eval`.",
+    ),
+    click.option(
         "--prefetch-reads",
         is_flag=True,
         help="Let a prefetch read its guesses from the SSD (default: only copy up guesses already in RAM, faster while "

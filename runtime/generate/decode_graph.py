@@ -149,7 +149,7 @@ class DecodeGraphs:
         """Run a layer's loads between two pieces (the host waits for the first piece's routing) -> the
         store's waves, left open so that the slots are released after the next piece."""
         store = self.model.experts
-        chosen, waves = load.waves(store)
+        chosen, waves, _ = load.waves(store)  # experts left out have no slot: the next piece reads offset -1
         wave = next(waves)
         assert len(wave) == len(chosen), "a decode step's experts fit the device slots (_why_not checks it)"
         store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it

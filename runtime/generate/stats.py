@@ -67,6 +67,8 @@ class GenerationStats:
             "h2d_bytes_per_token": ratio(s.get("h2d_bytes", 0), tokens),
             "prefetch_precision": ratio(s.get("predicted_used", 0), s.get("predicted", 0)),
             "prefetch_recall": ratio(s.get("predicted_used", 0), s.get("actual", 0)),
+            "skipped_share": ratio(s.get("skipped", 0), uses + s.get("skipped", 0)),  # of the experts chosen
+            "skipped_bytes_per_token": ratio(s.get("skipped_bytes", 0), tokens),
             "ssd_read_gb_s": ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
             "acceptance_rate": ratio(self.accepted, self.drafted),
             "tokens_per_verify": ratio(self.drafted + self.accepted, self.drafted),
@@ -95,6 +97,7 @@ class GenerationStats:
             f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s "
             f"({self.generated_tokens} tokens), experts: {d['gpu_hit_rate']:.0%} on device, "
             f"{d['ram_hit_rate']:.0%} RAM, SSD {format_bytes(self.store.get('ssd_bytes', 0))}"
+            + (f", {d['skipped_share']:.1%} left out by the threshold" if self.store.get("skipped") else "")
             + (f", MTP {d['acceptance_rate']:.0%} of {self.drafted} drafts kept" if self.drafted else "")
         )
 
@@ -125,6 +128,17 @@ class GenerationStats:
                 f"recall {d['prefetch_recall']:.1%}",
             ),
             ("waiting", f"{s.get('stall_s', 0):.3f} s for experts of {self.prefill_s + self.decode_s:.3f} s"),
+            *(
+                [
+                    (
+                        "threshold",
+                        f"{s['skipped']:.0f} cold experts left out ({d['skipped_share']:.1%} of those chosen), "
+                        f"{format_bytes(s.get('skipped_bytes', 0))} not read",
+                    )
+                ]
+                if s.get("skipped")
+                else []
+            ),
             *([("routing", self.routing)] if self.routing else []),
             *(
                 [("warm start", f"{self.warm_records} records in {self.warm_s:.2f} s, at load")]

@@ -65,6 +65,7 @@ def load_model(
         options.verify,
         host=False,
         prefetch_reads=options.prefetch_reads,
+        expert_threshold=options.expert_threshold,
     )
     hashing = ThreadPoolExecutor(options.io_threads, thread_name_prefix="dsfp4-hash")
     try:

@@ -136,11 +136,17 @@ class MoE(nn.Module):
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
             after = self.next_router[0]
-        load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after)
+        thresholded = self.experts.expert_threshold > 0
+        load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after, weights if thresholded else None)
         if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
-            return self.kernel(x, indices, weights, self.experts.gpu, self.cut(load), add=shared).view(shape)
+            offsets = self.cut(load)
+            if thresholded:  # one token: the expert it leaves out is exactly the one without a slot (offset -1)
+                weights = kept_weights(weights, offsets[indices] >= 0)
+            return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
         parts = []
-        chosen, waves = load.waves(self.experts)
+        chosen, waves, drop = load.waves(self.experts)
+        if any(drop):
+            weights = kept_weights(weights, ~torch.tensor(drop, device=indices.device).view(indices.shape))
         for wave in waves:  # one wave unless slots run short
             offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
             parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
@@ -149,20 +155,34 @@ class MoE(nn.Module):
         return (y if shared is None else y + shared).view(shape)
 
 
+def kept_weights(weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """weights: [T, K], keep: [T, K] bool -> the kept experts' weights rescaled to each token's former sum (the
+    experts left out weigh 0), as DeepSeek-V3's top-k renormalization would weight the experts that remain."""
+    kept = weights * keep
+    return kept * (weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).tiny))
+
+
 @dataclass(frozen=True)
 class LayerLoad:
     """What a streamed MoE layer asks the store for: the experts its tokens chose (ids[:chosen]) and, when
-    `after` is set, those predicted for that next MoE layer (ids[chosen:]), to prefetch."""
+    `after` is set, those predicted for that next MoE layer (ids[chosen:]), to prefetch; with `weights` (the
+    tokens' [T, K], under an expert threshold) tokens may leave cold experts out (ExpertStore.skip_cold)."""
 
     layer: int
     ids: torch.Tensor  # [chosen + predicted] on the device
     chosen: int
     after: int | None
+    weights: torch.Tensor | None = None  # [T, K]
 
-    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]]]:
-        """Read the ids (the one host sync of the layer) -> (the distinct chosen experts, the store's waves of
-        them: each yielded once its records are on the device for compute queued next)."""
+    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]], list[bool]]:
+        """Read the ids (the one host sync of the layer) -> (the distinct chosen experts to load, the store's waves
+        of them: each yielded once its records are on the device for compute queued next, the [T * K] choices that
+        tokens left out)."""
         ids = self.ids.tolist()
-        chosen = sorted(set(ids[: self.chosen]))
+        skipped, drop = set(), [False] * self.chosen
+        if self.weights is not None:
+            top_k = self.weights.shape[-1]
+            skipped, drop = store.skip_cold(self.layer, ids[: self.chosen], self.weights.flatten().tolist(), top_k)
+        chosen = sorted(set(ids[: self.chosen]) - skipped)
         prefetch = None if self.after is None else (self.after, sorted(set(ids[self.chosen :])))
-        return chosen, store.load_waves(self.layer, chosen, prefetch)
+        return chosen, store.load_waves(self.layer, chosen, prefetch), drop

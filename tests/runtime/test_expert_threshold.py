@@ -1,0 +1,94 @@
+"""The expert threshold (RunOptions.expert_threshold): which choices a token leaves out, how the rest are weighted,
+and that it changes nothing where no expert is cold or when it is 0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.models.moe import kept_weights
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.expert_store import ExpertStore
+from tests.fixtures.cli import run_cli
+from tests.runtime.test_expert_store import CPU, _engine, _generate, _plan
+
+
+def test_kept_weights_keep_each_tokens_sum_and_change_nothing_when_all_are_kept():
+    w = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.1, 0.3]])
+    keep = torch.tensor([[True, False, True], [True, True, True]])
+    got = kept_weights(w, keep)
+    assert torch.allclose(got.sum(-1), w.sum(-1)) and got[0, 1] == 0
+    assert torch.allclose(got[0], torch.tensor([0.5, 0.0, 0.2]) / 0.7)
+    assert torch.equal(got[1], w[1])  # bit for bit: exact routing where nothing is left out
+
+
+def test_a_token_leaves_out_only_cold_experts_it_weighs_below_the_threshold_and_never_its_best(converted):
+    manifest = Manifest.read(converted)
+    layer = min(manifest.experts)
+    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), expert_threshold=0.3)
+    try:
+        store.read_ahead([(layer, 1)], set())  # expert 1 in RAM: never cold
+        store.sync()
+        # token 0 chose 0 (its best), 2 (0.2 of its weight); token 1 chose 2 (0.4), 1 (in RAM); token 2 chose 3, 4
+        ids, weights = [0, 2, 2, 1, 3, 4], [0.8, 0.2, 0.4, 0.6, 0.5, 0.5]
+        skip, drop = store.skip_cold(layer, ids, weights, 2)
+        assert drop == [False, True, False, False, False, False] and skip == set()  # token 1 keeps expert 2
+        skip, drop = store.skip_cold(layer, [0, 2, 1, 2], [0.9, 0.1, 0.75, 0.25], 2)
+        assert drop == [False, True, False, True] and skip == {2}  # cold, and both tokens weigh it below 0.3
+        skip, drop = store.skip_cold(layer, [1, 2], [0.1, 0.9], 2)
+        assert drop == [False, False] and skip == set()  # a token's best stays, and so does RAM's expert
+        assert store.counters.skipped == 1 and store.counters.skipped_bytes == manifest.record.nbytes
+    finally:
+        store.close()
+
+
+def test_threshold_off_or_nothing_cold_gives_the_tokens_of_exact_routing(converted):
+    exact = _generate(_engine(converted))  # everything resident
+    assert _generate(_engine(converted, expert_threshold=0.45)).token_ids == exact.token_ids  # nothing is cold
+    g = _generate(_engine(converted, 3, 5))
+    assert g.token_ids == exact.token_ids and not g.stats.store["skipped"]
+
+
+def test_a_threshold_leaves_cold_experts_out_and_counts_them(converted):
+    g = _generate(_engine(converted, 2, 1, io_threads=1, expert_threshold=0.49), n=16)
+    s = g.stats.store
+    assert s["skipped"] > 0 and s["skipped_bytes"] == s["skipped"] * Manifest.read(converted).record.nbytes
+    assert 0 < g.stats.derived()["skipped_share"] < 1 and "left out by the threshold" in g.stats.line()
+
+
+def test_the_threshold_flag_is_checked_and_eval_reports_what_it_left_out(converted, tmp_path):
+    with pytest.raises(ConfigError, match="--expert-threshold 1.0"):
+        RunOptions(expert_threshold=1.0)
+    r = run_cli("run", converted, "--prompt", "hi", "--expert-threshold", "-0.1")
+    assert r.exit_code == 2 and "--expert-threshold" in r.output
+    text = tmp_path / "t.txt"
+    text.write_text("the model reads expert weights from disk and computes tokens " * 8)
+    r = run_cli("eval", converted, "--text", text, "--context", 16, "--json", "-q", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["skipped_share"] == 0.0  # everything resident: nothing is cold
+    r = run_cli("eval", converted, "--text", text, "--context", 16, "--expert-threshold", 1, "-q", "--device", "cpu")
+    assert r.exit_code == 2 and "--expert-threshold" in r.output
+
+
+@pytest.mark.gpu
+def test_on_cuda_graph_steps_leave_out_what_eager_steps_leave_out(converted):
+    """Captured steps rescale by the offsets table (an expert left out has no slot); eager steps by the choices."""
+    import dataclasses
+
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.plan.planner import plan_run
+
+    tokens, manifest = [], Manifest.read(converted)
+    for graphs in (True, False):
+        options = RunOptions(device="cuda", max_context=64, expert_threshold=0.49, cuda_graph=graphs, io_threads=1)
+        plan = plan_run(manifest, torch.device("cuda"), torch.bfloat16, 64, options, False)
+        plan = dataclasses.replace(plan, gpu_slots=2, ram_slots=1, staging=1)
+        with Engine(converted, options, plan=plan) as engine:
+            g = engine.generate([0, 5, 9, 11], max_tokens=16, temperature=0)
+            assert g.stats.store["skipped"] > 0 and ("graph" in engine.decode_mode) == graphs, engine.decode_mode
+            tokens.append(g.token_ids)
+    assert tokens[0] == tokens[1]

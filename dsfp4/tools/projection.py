@@ -198,6 +198,7 @@ def decode(
     policy: str,
     recall: float | None,
     prefetch_reads: bool = True,
+    skippable: np.ndarray | None = None,
 ) -> tuple[Projection, float]:
     """Decode the trace's second half through the plan's pools, warm from its first half -> (projection,
     Belady's share of uses not read from the SSD at the same budgets)."""
@@ -219,6 +220,7 @@ def decode(
         warmup=min(32, len(run) // 4),
         warm=warm,
         prefetch_reads=prefetch_reads,
+        skippable=None if skippable is None else skippable[half:],
     )
     opt = belady(run, plan.gpu_slots, plan.ram_slots)
     return p, 1.0 - opt.ssd_rate

@@ -41,6 +41,7 @@ PER_TOKEN = (
     "ram_hits",
     "ssd_misses",
     "prefetch_loads",
+    "skipped",
 )  # summed over the tokens counted, then averaged
 
 
@@ -80,6 +81,7 @@ class Projection:
     ram_hits: float = 0.0
     ssd_misses: float = 0.0
     prefetch_loads: float = 0.0
+    skipped: float = 0.0  # choices left out by an expert threshold (cold, and weighed below it)
 
     @property
     def tok_s(self) -> float:
@@ -156,12 +158,14 @@ def simulate(
     seed: int = 0,
     warm: list[Key] = (),
     prefetch_reads: bool = True,
+    skippable: np.ndarray | None = None,
 ) -> Projection:
     """Decode the tokens of `trace` [N, L, K] through pools of gpu_slots and ram_slots records under `policy`
     (TIER_POLICIES), prefetching with guesses at `recall` (None: no prefetch) -> per-token averages. `warm`: records
     hottest first, placed before the first token as a warm start places them (Tiers.place). prefetch_reads False:
     guesses are only copied up from RAM, never read from the SSD (a wrong guess then costs PCIe time, not SSD
-    time)."""
+    time). skippable [N, L, K] bool: the choices a token weighs below an expert threshold (never its best): each is
+    left out when its record is in neither tier, as the store's skip_cold leaves it out."""
     n_tokens, n_layers, top_k = trace.shape
     n_experts = n_experts or int(trace.max()) + 1
     guessed = None
@@ -180,7 +184,11 @@ def simulate(
             chosen = dict.fromkeys((layer, int(e)) for e in trace[token, layer])
             protected = set(chosen)
             ready = routed
+            low = set() if skippable is None else set(trace[token, layer][skippable[token, layer]].tolist())
             for key in chosen:
+                if key[1] in low and key not in tiers.gpu and key not in tiers.ram:
+                    out.skipped += counting
+                    continue
                 out.uses += counting
                 if (there := tiers.on_gpu(key)) is not None:
                     out.device_hits += counting

@@ -48,6 +48,22 @@ def test_a_store_that_holds_nothing_waits_for_every_record_on_its_links():
     assert p.stall_s == pytest.approx(4 * 21e-3) and p.seconds == pytest.approx(4 * 24e-3 + 5e-3)
 
 
+def test_a_threshold_leaves_out_cold_choices_only_and_reads_less():
+    trace = _trace(tokens=200)
+    links = Links(ssd=1e9, pcie=1e10)
+    exact = simulate(trace, 4, 8, RECORD, links, COSTS, "lru", None, 16, warmup=20)
+    none = np.zeros(trace.shape, dtype=bool)
+    assert simulate(trace, 4, 8, RECORD, links, COSTS, "lru", None, 16, warmup=20, skippable=none) == exact
+    low = np.ones(trace.shape, dtype=bool)
+    low[..., 0] = False  # a token's best stays
+    p = simulate(trace, 4, 8, RECORD, links, COSTS, "lru", None, 16, warmup=20, skippable=low)
+    assert p.skipped > 0 and p.uses + p.skipped == exact.uses == 8 and p.ssd_bytes < exact.ssd_bytes
+    assert p.device_hits + p.ram_hits + p.ssd_misses == p.uses  # what is left out is never a hit nor a read
+    everything = [(layer, e) for layer in range(4) for e in range(16)]
+    warm = simulate(trace, 64, 64, RECORD, links, COSTS, "lru", None, 16, warm=everything, skippable=low)
+    assert warm.skipped == 0  # nothing cold: nothing left out
+
+
 def test_perfect_prefetch_keeps_the_ssd_busy_and_wrong_guesses_cost_reads():
     trace = _trace(tokens=200)
     links = Links(ssd=1e9, pcie=1e10)

@@ -106,6 +106,10 @@ def eval_command(
         require_folder(save_logits, "--save-logits")
     options = RunOptions(**knobs, max_context=context)
     args = Manifest.open(model).args
+    if context > args.max_seq_len:
+        raise ConfigError(
+            f"--context {context}: {model} holds at most {args.max_seq_len} positions; give a smaller one"
+        )
     tok = ChatTokenizer(model, args.eos_token_ids)  # the text is checked before the model loads
     bos = tok.add_bos and tok.bos_id is not None
     ids = tok.encode(_text(text_file), special=False)

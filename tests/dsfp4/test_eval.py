@@ -179,6 +179,8 @@ def test_bad_input_is_a_one_line_error(converted, tmp_path):
     assert_one_line_error(run_cli("eval", converted, "--text", binary, *CPU), "bin.txt", "UTF-8")
     r = run_cli("eval", converted, "--text", text, "--context", 24, "--stride", 99, *CPU)
     assert_one_line_error(r, "--stride 99")
+    r = run_cli("eval", converted, "--text", text, "--context", 10**6, *CPU)
+    assert_one_line_error(r, "--context 1000000", "at most")
 
 
 @pytest.mark.gpu

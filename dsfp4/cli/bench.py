@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dsfp4.cli.options import CUDA_GRAPH, EXISTING_DIR, PATH, ZERO_COPY, routing_options
+from dsfp4.cli.options import CUDA_GRAPH, EXISTING_DIR, PATH, ZERO_COPY, routing_options, store_options
 from dsfp4.runtime.plan.budget import PRESETS
 
 
@@ -50,6 +50,7 @@ def _command(ctx: click.Context) -> str:
 )
 @ZERO_COPY
 @CUDA_GRAPH
+@store_options
 @routing_options
 @click.option(
     "--project",
@@ -75,6 +76,7 @@ def bench(
     routing: Path | None,
     routing_recall: float,
     project: str | None,
+    **store,
 ) -> None:
     """Measure MODEL end to end: TTFT, prefill and decode tok/s, bytes per token per tier, hit rates (also
     per layer), waiting against computing, peak memory, and efficiency (the floor the doctor's ceilings
@@ -94,13 +96,15 @@ def bench(
         c.save(path)
     texts = prompt_set(prompts)
     if project is not None:
-        options = RunOptions(device=device, max_context=max_context, routing=routing, routing_recall=routing_recall)
+        options = RunOptions(
+            device=device, max_context=max_context, routing=routing, routing_recall=routing_recall, **store
+        )
         _project(model, project, list(presets) or ["16g", "24g"], c, options, texts[:1], out)
         return
     custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
     runs = []  # every budget checked and planned before the first runs: a bad one fails now, not after the others
     for budget in [{"preset": p} for p in presets] + custom or [{}]:
-        knobs = dict(device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph)
+        knobs = dict(device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph, **store)
         options = RunOptions(**knobs, routing=routing, routing_recall=routing_recall, **budget)
         plan_engine(model, options)
         label = budget.get("preset") or " ".join(f"--{k.replace('_', '-')} {v}" for k, v in budget.items() if v)

@@ -118,7 +118,7 @@ routing_options = _stack(
 )
 
 
-store_options = _stack(  # how the expert store runs: `run`, `eval`
+store_options = _stack(  # how the expert store runs: `run`, `eval`, `bench`
     click.option(
         "--policy",
         type=click.Choice(list(TIER_POLICIES)),

@@ -63,13 +63,14 @@ def test_bench_runs_given_budgets_beside_the_presets_and_records_its_flags(conve
     Ceilings(gpu="cpu", hbm_read_gbps=100.0, pinned_h2d_gbps=10.0, random_read_gbps=1.0, disk="/nvme").save(ceil)
     out = tmp_path / "report"
     args = ["bench", str(converted), "--device", "cpu", "--prompts", "1", "--max-tokens", "3", "--preset", "80g"]
-    args += ["--gpu-mem", "1G", "--cpu-mem", "1G", "--no-zero-copy"]
+    args += ["--gpu-mem", "1G", "--cpu-mem", "1G", "--no-zero-copy", "--policy", "lru", "--expert-threshold", "0.2"]
     r = CliRunner().invoke(cli, [*args, "--ceilings", str(ceil), "--out", str(out)])
     assert r.exit_code == 0, r.output
     data = json.loads((out / "bench.json").read_text())
     assert [x["preset"] for x in data["results"]] == ["80g", "--gpu-mem 1G --cpu-mem 1G"]
     assert data["results"][1]["gpu_budget"] == 1 << 30 and "--gpu-mem 1G --cpu-mem 1G" in data["command"]
     assert "--no-zero-copy" in data["command"]  # a flag that is on by default shows only when turned off
+    assert "--policy lru" in data["command"] and "--expert-threshold 0.2" in data["command"]  # the store's flags
 
 
 def test_bench_measures_decode_after_the_cached_prompt_on_deepseek_v4(v4_converted, tmp_path):

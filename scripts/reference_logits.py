@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.synthetic.hf_state import fuse_experts, read_release
+from dsfp4.synthetic.hf_state import TRANSFORMERS_FAMILIES, read_release, transformers_keys, transformers_state
 from dsfp4.tools import logprobs_file
 from dsfp4.tools.evaluate import DEFAULT_CONTEXT, DEFAULT_TOP_K, evaluate, header, windows
 
@@ -26,16 +26,11 @@ def original_model(src: Path, device: torch.device):
     import transformers
 
     cfg = json.loads((src / "config.json").read_text())
-    family = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}[cfg["model_type"]]
-    keys = {k: v for k, v in cfg.items() if k not in ("quantization_config", "architectures", "torch_dtype")}
-    config = getattr(transformers, family + "Config")(**keys)
-    n, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
-    mtp = tuple(f"model.layers.{b}." for b in range(n, n + cfg.get("num_nextn_predict_layers", 0)))
-    state = {k: v for k, v in read_release(src).items() if not (mtp and k.startswith(mtp))}
-    for layer in range(dense, n):
-        fuse_experts(state, f"model.layers.{layer}.mlp.experts.", cfg["n_routed_experts"])
-    model = getattr(transformers, family + "ForCausalLM")(config).float().eval()
-    model.load_state_dict(state, strict=True)
+    family = TRANSFORMERS_FAMILIES[cfg["model_type"]]
+    model = getattr(transformers, family + "ForCausalLM")(
+        getattr(transformers, family + "Config")(**transformers_keys(cfg))
+    )
+    model.float().eval().load_state_dict(transformers_state(read_release(src), cfg), strict=True)
     return model.to(device)
 
 

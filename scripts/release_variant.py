@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dsfp4.synthetic.hf_state import read_release
 from dsfp4.synthetic.hf_v3 import nvfp4_extras, random_values, write_checkpoint
-from dsfp4.synthetic.shapes import v3_config
+from dsfp4.synthetic.shapes import QUANTIZATION_CONFIGS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     cfg = json.loads((a.src / "config.json").read_text())
     cfg.pop("quantization_config", None)
-    if q := v3_config({}, a.variant).get("quantization_config"):
-        cfg["quantization_config"] = q
+    if a.variant in QUANTIZATION_CONFIGS:
+        cfg["quantization_config"] = QUANTIZATION_CONFIGS[a.variant]
     state = read_release(a.src)
     shapes = {name: tuple(t.shape) for name, t in state.items()}
     if a.variant == "nvfp4":

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsfp4.synthetic.hf_state import release_shapes, release_values
+from dsfp4.synthetic.hf_state import release_shapes, release_values, transformers_keys
 from dsfp4.synthetic.hf_v3 import write_checkpoint, write_tokenizer
 from dsfp4.synthetic.shapes import v3_config
 
@@ -195,7 +195,7 @@ class LoadBalance:
         for r, c in zip(self.routers, self.counts, strict=True):
             r.e_score_correction_bias += BIAS_STEP * torch.sign(c.mean() - c)
             worst = max(worst, float(c.max() / c.mean().clamp(min=1)))
-            c.zero_()
+        self.clear()
         return worst
 
 
@@ -212,8 +212,7 @@ def losses(model, mtp: MTP, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def build(cfg: dict, device: torch.device, experts: str):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    keys = {k: v for k, v in cfg.items() if k not in ("quantization_config", "architectures", "torch_dtype")}
-    config = DeepseekV3Config(**keys, experts_implementation=experts)
+    config = DeepseekV3Config(**transformers_keys(cfg), experts_implementation=experts)
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(config).to(device)
     mtp = MTP(config, cfg["num_hidden_layers"]).to(device)

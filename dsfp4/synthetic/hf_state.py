@@ -99,6 +99,25 @@ def read_release(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+TRANSFORMERS_FAMILIES = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}  # model_type -> class prefix
+
+
+def transformers_keys(cfg: dict) -> dict:
+    """A release's config.json as transformers' DeepseekV3/V2Config takes it: without the quantization, the
+    architecture list and the storage dtype (the models built from it hold dequantized weights)."""
+    return {k: v for k, v in cfg.items() if k not in ("quantization_config", "architectures", "torch_dtype")}
+
+
+def transformers_state(weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """Release-named weights -> the state dict of transformers' model: the MTP layers (num_hidden_layers on, which
+    transformers has no module for) left out, each MoE layer's experts fused."""
+    n, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
+    state = {k: v for k, v in weights.items() if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= n)}
+    for layer in range(dense, n):
+        fuse_experts(state, f"model.layers.{layer}.mlp.experts.", cfg["n_routed_experts"])
+    return state
+
+
 def fuse_experts(state: dict[str, torch.Tensor], prefix: str, n: int) -> None:
     """Per-expert checkpoint tensors -> transformers' fused gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
     gate_up = [

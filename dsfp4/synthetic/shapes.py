@@ -197,6 +197,13 @@ V4_FLASH: dict = dict(
 )
 
 
+# config.json's quantization_config of each release variant (bf16 has none): DeepSeek's FP8, NVIDIA's ModelOpt NVFP4
+QUANTIZATION_CONFIGS = {
+    "fp8": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": "FP8"},
+}
+
+
 def v3_config(dims: dict, variant: str) -> dict:
     """config.json in the official release's key set (scoring/topk fields, legacy rope_scaling): the tiny shape, `dims`
     (config.json keys) over it, and the variant's quantization_config."""
@@ -232,20 +239,8 @@ def v3_config(dims: dict, variant: str) -> dict:
             num_nextn_predict_layers=0,
             **dims,
         )
-    if variant == "fp8":
-        d["quantization_config"] = {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "weight_block_size": [128, 128],
-        }
-    elif variant == "nvfp4":
-        d["quantization_config"] = {
-            "quant_method": "modelopt",
-            "quant_algo": "NVFP4",
-            "group_size": 16,
-            "kv_cache_quant_algo": "FP8",
-        }
+    if variant in QUANTIZATION_CONFIGS:
+        d["quantization_config"] = QUANTIZATION_CONFIGS[variant]
     return d
 
 

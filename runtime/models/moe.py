@@ -145,7 +145,7 @@ class MoE(nn.Module):
             return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
         parts = []
         chosen, waves, drop = load.waves(self.experts)
-        if any(drop):
+        if drop is not None and any(drop):
             weights = kept_weights(weights, ~torch.tensor(drop, device=indices.device).view(indices.shape))
         for wave in waves:  # one wave unless slots run short
             offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
@@ -174,12 +174,12 @@ class LayerLoad:
     after: int | None
     weights: torch.Tensor | None = None  # [T, K]
 
-    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]], list[bool]]:
+    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]], list[bool] | None]:
         """Read the ids (the one host sync of the layer) -> (the distinct chosen experts to load, the store's waves
         of them: each yielded once its records are on the device for compute queued next, the [T * K] choices that
-        tokens left out)."""
+        tokens left out: None without a threshold)."""
         ids = self.ids.tolist()
-        skipped, drop = set(), [False] * self.chosen
+        skipped, drop = set(), None
         if self.weights is not None:
             top_k = self.weights.shape[-1]
             skipped, drop = store.skip_cold(self.layer, ids[: self.chosen], self.weights.flatten().tolist(), top_k)

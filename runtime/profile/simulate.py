@@ -96,15 +96,25 @@ class Tiers:
     complete, and the moves counted into `out` while `counting`."""
 
     def __init__(
-        self, gpu_slots: int, ram_slots: int, record_bytes: int, links: Links, policy: str, out: Projection
+        self,
+        gpu_slots: int,
+        ram_slots: int,
+        record_bytes: int,
+        links: Links,
+        policy: str,
+        warm: list[Key],
+        keep_free: int,
     ) -> None:
+        """Pools warm-started from `warm` (Tiers.place, `keep_free` slots left to move through); `out`, a fresh
+        Projection, counts the moves."""
         gpu_policy, ram_policy = TIER_POLICIES[policy]
         self.gpu, self.ram = SlotPool(gpu_slots, gpu_policy), SlotPool(ram_slots, ram_policy)
-        self.record, self.out, self.counting = record_bytes, out, True
+        self.record, self.out, self.counting = record_bytes, Projection(), True
         self.copy_s, self.read_s = record_bytes / links.pcie, record_bytes / links.ssd
         self.on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
         self.in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
         self.ssd_free = self.pcie_free = 0.0
+        self.place(list(warm), keep_free)
 
     def place(self, warm: list[Key], keep_free: int) -> None:
         """Records hottest first, placed as a warm start places them (the first gpu_slots on the device, the next
@@ -171,9 +181,8 @@ def simulate(
     guessed = None
     if recall is not None:
         guessed = guesses(trace[:, 1:], recall, n_experts, np.random.default_rng([seed, 23]))  # [N, L - 1, K]
-    out = Projection()
-    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, out)
-    tiers.place(list(warm), gpu_slots + top_k)
+    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
+    out = tiers.out
     streams = gpu_slots < n_layers * n_experts  # every record resident: nothing moves, the host is not asked
     now = 0.0
     for token in range(n_tokens):
@@ -235,9 +244,9 @@ def simulate_prefill(
     and ram_slots records (`costs` per token, compute-bound: a chunk of n tokens costs n times as much; `warm` as
     for simulate) -> the prompt's totals, `seconds` the time to its first token."""
     n_tokens, n_layers, top_k = trace.shape
-    out = Projection(tokens=n_tokens)
-    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, out)
-    tiers.place(list(warm), gpu_slots + top_k)
+    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
+    out = tiers.out
+    out.tokens = n_tokens
     now = 0.0
     for first in range(0, n_tokens, chunk):
         rows = trace[first : first + chunk]  # [n, L, K]

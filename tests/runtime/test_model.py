@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.runtime.models.load import load_model
-from tests.fixtures.reference import dequantized_weights, fuse_experts, hf_model
+from dsfp4.synthetic.hf_state import fuse_experts
+from tests.fixtures.reference import dequantized_weights, hf_model
 from tests.fixtures.tiny_checkpoint import build_checkpoint
 
 CPU = torch.device("cpu")

@@ -189,8 +189,15 @@ def warm_order(profile: np.ndarray, n_experts: int) -> list[tuple[int, int]]:
     return sorted(keys, key=lambda k: -counts[k])
 
 
+def halves(ids: np.ndarray, n_experts: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """A trace [N, L, K] -> (the warm start a profile of its first half gives, its second half: the decode scored)."""
+    half = len(ids) // 2
+    return warm_order(ids[:half], n_experts), ids[half:]
+
+
 def decode(
-    ids: np.ndarray,
+    run: np.ndarray,
+    warm: list[tuple[int, int]],
     plan: Plan,
     m: Manifest,
     links: Links,
@@ -199,31 +206,23 @@ def decode(
     recall: float | None,
     prefetch_reads: bool = True,
     skippable: np.ndarray | None = None,
-) -> tuple[Projection, float]:
-    """Decode the trace's second half through the plan's pools, warm from its first half -> (projection,
-    Belady's share of uses not read from the SSD at the same budgets)."""
-    a = m.args
-    half = len(ids) // 2
-    warm = warm_order(ids[:half], a.n_routed_experts)
-    run = ids[half:]
-    record = m.record.nbytes
-    p = simulate(
+) -> Projection:
+    """Decode `run` through the plan's pools, warm-started from `warm` (halves) -> the projection."""
+    return simulate(
         run,
         plan.gpu_slots,
         plan.ram_slots,
-        record,
+        m.record.nbytes,
         links,
         costs,
         policy,
         recall,
-        a.n_routed_experts,
+        m.args.n_routed_experts,
         warmup=min(32, len(run) // 4),
         warm=warm,
         prefetch_reads=prefetch_reads,
-        skippable=None if skippable is None else skippable[half:],
+        skippable=skippable,
     )
-    opt = belady(run, plan.gpu_slots, plan.ram_slots)
-    return p, 1.0 - opt.ssd_rate
 
 
 @dataclass(frozen=True)
@@ -271,8 +270,10 @@ def project(family: str, ids: np.ndarray, machines: list[str], eff: float, varia
         trace = spread(ids, moe)
         costs = decode_costs(m, machine.hbm, eff)
         n = plan.total_records
+        warm, run = halves(trace, m.args.n_routed_experts)
+        opt = 1.0 - belady(run, plan.gpu_slots, plan.ram_slots).ssd_rate  # the same for every variant
         for policy, recall, reads in variants:
-            p, opt = decode(trace, plan, m, machine.links, costs, policy, recall, reads)
+            p = decode(run, warm, plan, m, machine.links, costs, policy, recall, reads)
             rows.append(
                 Row(name, policy, recall, reads, p, opt, plan.gpu_slots / n, plan.ram_slots / n, m.record.nbytes)
             )

@@ -13,6 +13,7 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.sampling import SamplingParams
+from dsfp4.runtime.modes import MODES, Levers
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 
@@ -39,9 +40,13 @@ class RunOptions:
     # a guess may read its record from the SSD; False: only guesses already in RAM are copied up (a wrong guess then
     # costs PCIe time, not the SSD's: the faster store at recall 0.9 when the SSD binds, docs/BENCHMARKS.md)
     prefetch_reads: bool = False
+    mode: str = "exact"  # the lossy levers' setting (runtime/modes.py MODES); a lever set below wins over it
     # a routed expert in neither the device nor RAM whose normalized weight is below this for every token that chose
-    # it is left out of the step, the token's other weights rescaled to the same sum (0: exact routing)
-    expert_threshold: float = 0.0
+    # it is left out of the step, the token's other weights rescaled to the same sum (0: exact; None: the mode's)
+    expert_threshold: float | None = None
+    # a chosen expert in neither the device nor RAM is swapped for an unchosen warm one of its group that the router
+    # scored within this margin of it (runtime/models/cache_aware.py; 0: exact; None: the mode's)
+    cache_aware: float | None = None
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of the backbone files as they load, and of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
@@ -72,8 +77,12 @@ class RunOptions:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.policy not in TIER_POLICIES:
             raise ConfigError(f"--policy {self.policy}: choose one of {', '.join(TIER_POLICIES)}")
-        if not 0.0 <= self.expert_threshold < 1.0:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode {self.mode}: choose one of {', '.join(MODES)}")
+        if self.expert_threshold is not None and not 0.0 <= self.expert_threshold < 1.0:
             raise ConfigError(f"--expert-threshold {self.expert_threshold}: give a weight from 0 (off) to below 1")
+        if self.cache_aware is not None and self.cache_aware < 0:
+            raise ConfigError(f"--cache-aware {self.cache_aware}: give a score margin of 0 (off) or more")
         if self.io_threads < 1 or self.prefill_chunk < 1:
             raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
         if self.record_trace is not None:
@@ -87,6 +96,14 @@ class RunOptions:
             raise ConfigError(f"--routing-recall {self.routing_recall}: give a share from 0 to 1")
         if any(not s for s in self.stop):
             raise ConfigError("--stop: an empty stop string would end every answer at once")
+
+    def levers(self) -> Levers:
+        """The lossy levers this run uses: its mode's, where it does not set one itself."""
+        mode = MODES[self.mode]
+        return Levers(
+            mode.expert_threshold if self.expert_threshold is None else self.expert_threshold,
+            mode.cache_aware if self.cache_aware is None else self.cache_aware,
+        )
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)

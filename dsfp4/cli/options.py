@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from dsfp4.runtime.modes import MODES
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS
 from dsfp4.runtime.store.policy import TIER_POLICIES
@@ -136,12 +137,25 @@ store_options = _stack(  # how the expert store runs: `run`, `eval`, `bench`
         help="Do not predict the next layer's experts.",
     ),
     click.option(
+        "--mode",
+        type=click.Choice(list(MODES)),
+        default=RUN_DEFAULTS.mode,
+        show_default=True,
+        help="The lossy levers' setting: "
+        + "; ".join(f"{n}: threshold {m.expert_threshold:g}, cache-aware {m.cache_aware:g}" for n, m in MODES.items())
+        + ". Each mode's measured speed and quality cost: README. A lever flag wins over the mode's.",
+    ),
+    click.option(
         "--expert-threshold",
         type=click.FloatRange(0, 1, max_open=True),
-        default=RUN_DEFAULTS.expert_threshold,
-        show_default=True,
         help="Lossy: leave out a routed expert that is in neither VRAM nor RAM when every token that chose it gives "
-        "it less than this share of its routing weight (the others rescaled); 0 is exact. Its cost: `dsfp4 eval`.",
+        "it less than this share of its routing weight (the others rescaled); 0 is exact. Default: the mode's.",
+    ),
+    click.option(
+        "--cache-aware",
+        type=click.FloatRange(0),
+        help="Lossy: swap a chosen expert that would come from the SSD for an unchosen one of its group already in "
+        "VRAM or RAM that the router scored within this margin of it; 0 is exact. Default: the mode's.",
     ),
     click.option(
         "--prefetch-reads",

@@ -144,9 +144,13 @@ def run(
 
         plan = plan_engine(model, options)
         floor, line = expected_floor(plan, Manifest.open(model))
-        click.echo(json.dumps({**dataclasses.asdict(plan), "floor_s_per_token": floor}) if as_json else plan.table())
-        if not as_json:
-            click.echo(line)
+        levers = {"mode": options.mode, **dataclasses.asdict(options.levers())}
+        if as_json:
+            click.echo(json.dumps({**dataclasses.asdict(plan), "floor_s_per_token": floor, "levers": levers}))
+            return
+        click.echo(plan.table())
+        click.echo(line)
+        click.echo(f"mode {options.mode}: {options.levers().describe()}")
         return
     if sum((prompt is not None, chat, serve)) != 1:
         raise click.UsageError("give one of --prompt TEXT, --chat or --serve")

@@ -13,6 +13,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import read_trace
+from dsfp4.runtime.modes import EXACT
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.simulate import Links, StepCosts, simulate
@@ -119,6 +120,11 @@ def run_projection(
     manifest = Manifest.open(model_dir)
     if options.routing is None:
         raise ConfigError("--project needs --routing TRACE: the routing the projection replays")
+    if options.levers() != EXACT:
+        raise ConfigError(
+            f"--project checks the simulation of exact routing; drop --mode {options.mode} and the lever flags (the "
+            "modes are projected by scripts/project_levers.py)"
+        )
     if not c.hbm_read_gbps:
         raise ConfigError("--project needs a GPU: its compute is measured on this machine's")
     resident = run_preset(model_dir, dataclasses.replace(options, preset="80g"), prompts, 32, c, "resident")

@@ -35,7 +35,7 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
 from dsfp4.runtime.profile.replay import belady
-from dsfp4.runtime.profile.simulate import Links, Projection, StepCosts, simulate, simulate_prefill
+from dsfp4.runtime.profile.simulate import Links, Projection, StepCosts, SwapModel, simulate, simulate_prefill
 from dsfp4.synthetic.bench_model import model_args, planned_manifest
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
@@ -206,8 +206,10 @@ def decode(
     recall: float | None,
     prefetch_reads: bool = True,
     skippable: np.ndarray | None = None,
+    swap: SwapModel | None = None,
 ) -> Projection:
-    """Decode `run` through the plan's pools, warm-started from `warm` (halves) -> the projection."""
+    """Decode `run` through the plan's pools, warm-started from `warm` (halves) -> the projection; skippable and swap:
+    the lossy levers (simulate)."""
     return simulate(
         run,
         plan.gpu_slots,
@@ -222,6 +224,7 @@ def decode(
         warm=warm,
         prefetch_reads=prefetch_reads,
         skippable=skippable,
+        swap=swap,
     )
 
 

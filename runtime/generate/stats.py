@@ -69,6 +69,7 @@ class GenerationStats:
             "prefetch_recall": ratio(s.get("predicted_used", 0), s.get("actual", 0)),
             "skipped_share": ratio(s.get("skipped", 0), uses + s.get("skipped", 0)),  # of the experts chosen
             "skipped_bytes_per_token": ratio(s.get("skipped_bytes", 0), tokens),
+            "swapped_share": ratio(s.get("swapped", 0), uses + s.get("skipped", 0)),  # of the experts chosen
             "ssd_read_gb_s": ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
             "acceptance_rate": ratio(self.accepted, self.drafted),
             "tokens_per_verify": ratio(self.drafted + self.accepted, self.drafted),
@@ -98,6 +99,7 @@ class GenerationStats:
             f"({self.generated_tokens} tokens), experts: {d['gpu_hit_rate']:.0%} on device, "
             f"{d['ram_hit_rate']:.0%} RAM, SSD {format_bytes(self.store.get('ssd_bytes', 0))}"
             + (f", {d['skipped_share']:.1%} left out by the threshold" if self.store.get("skipped") else "")
+            + (f", {d['swapped_share']:.1%} swapped for warm experts" if self.store.get("swapped") else "")
             + (f", MTP {d['acceptance_rate']:.0%} of {self.drafted} drafts kept" if self.drafted else "")
         )
 
@@ -137,6 +139,11 @@ class GenerationStats:
                     )
                 ]
                 if s.get("skipped")
+                else []
+            ),
+            *(
+                [("cache-aware", f"{s['swapped']:.0f} cold choices swapped for warm ones ({d['swapped_share']:.1%})")]
+                if s.get("swapped")
                 else []
             ),
             *([("routing", self.routing)] if self.routing else []),

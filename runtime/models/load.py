@@ -65,7 +65,7 @@ def load_model(
         options.verify,
         host=False,
         prefetch_reads=options.prefetch_reads,
-        expert_threshold=options.expert_threshold,
+        levers=options.levers(),
     )
     hashing = ThreadPoolExecutor(options.io_threads, thread_name_prefix="dsfp4-hash")
     try:

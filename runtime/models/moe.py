@@ -19,6 +19,7 @@ from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
 from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.models.cache_aware import Swap
 from dsfp4.runtime.models.weights import Weights
 
 if TYPE_CHECKING:
@@ -62,12 +63,24 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, K], expert ids [T, K]); `tokens` is the hash gate's, unused here."""
+        return self.scored(x, tokens)[:2]
+
+    def scored(
+        self, x: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward, and every expert's score [T, E] (without the bias) that cache-aware routing weighs."""
         a = self.args
         scores = expert_scores(x, self.weight, a.score_func)  # [T, E]
         select = route if self.kernel else route_ref  # one launch on CUDA (kernels/router/route.py)
-        return select(
+        weights, ids = select(
             scores, self.bias, self.groups, a.n_limited_groups, a.n_activated_experts, a.norm_topk_prob, a.route_scale
         )
+        return weights, ids, scores
+
+    def swap(self, weights: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor, margin: float) -> Swap:
+        """Cache-aware routing's view of this step (runtime/models/cache_aware.py)."""
+        a = self.args
+        return Swap(ids, weights, scores, self.bias, self.groups, a.norm_topk_prob, a.route_scale, margin)
 
 
 class HashGate(nn.Module):
@@ -120,7 +133,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.view(-1, shape[-1])  # [T, D]
         tokens = None if tokens is None else tokens.reshape(-1)
-        weights, indices = self.gate(x, tokens)  # [T, K], [T, K]
+        # cache-aware routing swaps choices by the router's scores: not a trace's choice, nor a hash layer's table
+        margin = self.experts.levers.cache_aware if self.trace is None and isinstance(self.gate, Gate) else 0.0
+        weights, indices, scores = self.gate.scored(x, tokens) if margin else (*self.gate(x, tokens), None)
         if self.trace is not None:  # the router ran (its cost stays); the trace's choice replaces its own
             weights, indices = self.trace.route(self.layer, x.shape[0])
         if self.observe is not None:
@@ -136,8 +151,9 @@ class MoE(nn.Module):
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
             after = self.next_router[0]
-        thresholded = self.experts.expert_threshold > 0
-        load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after, weights if thresholded else None)
+        thresholded = self.experts.levers.expert_threshold > 0
+        swap = self.gate.swap(weights, indices, scores, margin) if margin else None
+        load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after, weights if thresholded else None, swap)
         if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
             offsets = self.cut(load)
             if thresholded:  # one token: the expert it leaves out is exactly the one without a slot (offset -1)
@@ -166,19 +182,23 @@ def kept_weights(weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class LayerLoad:
     """What a streamed MoE layer asks the store for: the experts its tokens chose (ids[:chosen]) and, when
     `after` is set, those predicted for that next MoE layer (ids[chosen:]), to prefetch; with `weights` (the
-    tokens' [T, K], under an expert threshold) tokens may leave cold experts out (ExpertStore.skip_cold)."""
+    tokens' [T, K], under an expert threshold) tokens may leave cold experts out (ExpertStore.skip_cold); with `swap`
+    (cache-aware routing) they may first trade a cold expert for a warm one (runtime/models/cache_aware.py)."""
 
     layer: int
     ids: torch.Tensor  # [chosen + predicted] on the device
     chosen: int
     after: int | None
     weights: torch.Tensor | None = None  # [T, K]
+    swap: Swap | None = None  # cache-aware routing's view of the step
 
     def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]], list[bool] | None]:
         """Read the ids (the one host sync of the layer) -> (the distinct chosen experts to load, the store's waves
         of them: each yielded once its records are on the device for compute queued next, the [T * K] choices that
         tokens left out: None without a threshold)."""
         ids = self.ids.tolist()
+        if self.swap is not None:  # before the threshold: a swapped-in expert is warm, so never left out
+            ids[: self.chosen] = self.swap.apply(store, self.layer, ids[: self.chosen])
         skipped, drop = set(), None
         if self.weights is not None:
             top_k = self.weights.shape[-1]

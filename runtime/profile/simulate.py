@@ -42,6 +42,7 @@ PER_TOKEN = (
     "ssd_misses",
     "prefetch_loads",
     "skipped",
+    "swapped",
 )  # summed over the tokens counted, then averaged
 
 
@@ -82,6 +83,7 @@ class Projection:
     ssd_misses: float = 0.0
     prefetch_loads: float = 0.0
     skipped: float = 0.0  # choices left out by an expert threshold (cold, and weighed below it)
+    swapped: float = 0.0  # cold choices cache-aware routing traded for a warm expert of the same group
 
     @property
     def tok_s(self) -> float:
@@ -89,6 +91,17 @@ class Projection:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tok_s": self.tok_s}
+
+
+@dataclass(frozen=True)
+class SwapModel:
+    """Cache-aware routing (runtime/models/cache_aware.py) on a trace that holds no scores: each unchosen expert of a
+    cold choice's group counts as scored within the margin with probability `close` (what a router's scores give at
+    that margin: scripts/router_margins.py), and the swap takes one such warm expert at random."""
+
+    groups: int
+    close: float
+    seed: int = 0
 
 
 class Tiers:
@@ -169,13 +182,15 @@ def simulate(
     warm: list[Key] = (),
     prefetch_reads: bool = True,
     skippable: np.ndarray | None = None,
+    swap: SwapModel | None = None,
 ) -> Projection:
     """Decode the tokens of `trace` [N, L, K] through pools of gpu_slots and ram_slots records under `policy`
     (TIER_POLICIES), prefetching with guesses at `recall` (None: no prefetch) -> per-token averages. `warm`: records
     hottest first, placed before the first token as a warm start places them (Tiers.place). prefetch_reads False:
     guesses are only copied up from RAM, never read from the SSD (a wrong guess then costs PCIe time, not SSD
     time). skippable [N, L, K] bool: the choices a token weighs below an expert threshold (never its best): each is
-    left out when its record is in neither tier, as the store's skip_cold leaves it out."""
+    left out when its record is in neither tier, as the store's skip_cold leaves it out. swap: cache-aware routing,
+    before the threshold as in the store."""
     n_tokens, n_layers, top_k = trace.shape
     n_experts = n_experts or int(trace.max()) + 1
     guessed = None
@@ -183,6 +198,7 @@ def simulate(
         guessed = guesses(trace[:, 1:], recall, n_experts, np.random.default_rng([seed, 23]))  # [N, L - 1, K]
     tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
     out = tiers.out
+    swap_rng = None if swap is None else np.random.default_rng([swap.seed, 29])
     streams = gpu_slots < n_layers * n_experts  # every record resident: nothing moves, the host is not asked
     now = 0.0
     for token in range(n_tokens):
@@ -191,9 +207,12 @@ def simulate(
         for layer in range(n_layers):
             routed = now + costs.attn_s + (costs.host_s if streams else 0.0)
             chosen = dict.fromkeys((layer, int(e)) for e in trace[token, layer])
+            low = set() if skippable is None else set(trace[token, layer][skippable[token, layer]].tolist())
+            if swap is not None:
+                chosen, swaps = _swapped(list(chosen), tiers, n_experts // swap.groups, swap.close, swap_rng)
+                out.swapped += swaps * counting
             protected = set(chosen)
             ready = routed
-            low = set() if skippable is None else set(trace[token, layer][skippable[token, layer]].tolist())
             for key in chosen:
                 if key[1] in low and key not in tiers.gpu and key not in tiers.ram:
                     out.skipped += counting
@@ -227,6 +246,27 @@ def simulate(
     for field in PER_TOKEN:
         setattr(out, field, getattr(out, field) / n)
     return out
+
+
+def _swapped(
+    chosen: list[Key], tiers: Tiers, per_group: int, close: float, rng: np.random.Generator
+) -> tuple[dict[Key, None], int]:
+    """A token's chosen records at one layer -> (the choice after cache-aware routing's swaps, their number)."""
+    out, swaps = dict.fromkeys(chosen), 0
+    for key in chosen:
+        if key in tiers.gpu or key in tiers.ram:
+            continue
+        layer, first = key[0], key[1] // per_group * per_group
+        near = [
+            c
+            for c in ((layer, e) for e in range(first, first + per_group))
+            if c not in out and (c in tiers.gpu or c in tiers.ram) and rng.random() < close
+        ]
+        if near:
+            del out[key]
+            out[near[int(rng.integers(len(near)))]] = None
+            swaps += 1
+    return out, swaps
 
 
 def simulate_prefill(

@@ -26,6 +26,7 @@ class StoreCounters:
     stall_s: float = 0.0  # host time blocked waiting for expert loads
     skipped: int = 0  # experts left out by the expert threshold (cold, and every token that chose them left them out)
     skipped_bytes: int = 0  # the records they would have read
+    swapped: int = 0  # choices cache-aware routing traded for a warm expert of the same group
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _layers: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # [uses, device, RAM]
 

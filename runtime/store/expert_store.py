@@ -25,6 +25,7 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.layout.direct_io import aligned_buffer
 from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
@@ -53,11 +54,12 @@ class ExpertStore:
         verify: bool = True,
         host: bool = True,
         prefetch_reads: bool = False,
-        expert_threshold: float = 0.0,
+        levers: Levers = EXACT,
     ):
         """`host` False: the RAM cache is allocated (and pinned) by open_host, once the caller has loaded what it
         maps first (load_model: the backbone), so the two never share the RAM budget. `prefetch_reads` False: a
-        prefetch only copies guesses already in RAM, never reads one from the SSD. `expert_threshold`: see skip_cold."""
+        prefetch only copies guesses already in RAM, never reads one from the SSD. `levers`: the lossy ones
+        (runtime/modes.py): skip_cold's threshold, cache-aware routing's margin (runtime/models/cache_aware.py)."""
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
         self.cuda = device.type == "cuda"
@@ -69,7 +71,7 @@ class ExpertStore:
         a = manifest.args
         self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
         self._io_threads, self._verify, self.prefetch_reads = io_threads, verify, prefetch_reads
-        self.expert_threshold = expert_threshold
+        self.levers = levers
         self._unpin = None
         self.io: Transfers | None = None  # with the RAM cache (open_host)
         self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
@@ -242,24 +244,32 @@ class ExpertStore:
         return self.table.offsets(layer, self.gpu, self.ram, wave)
 
     def skip_cold(self, layer: int, ids: list[int], weights: list[float], top_k: int) -> tuple[set[int], list[bool]]:
-        """Under RunOptions.expert_threshold: a token leaves out a chosen expert that is in neither the device nor RAM
+        """Under Levers.expert_threshold: a token leaves out a chosen expert that is in neither the device nor RAM
         and that it weighs below the threshold (as a share of its routed weight), unless it is the token's best.
         ids, weights: the step's [T, K] choice, flattened -> (the experts no token keeps: not loaded, the choices
         left out [T * K])."""
         drop = [False] * len(ids)
-        if not self.expert_threshold:
+        threshold = self.levers.expert_threshold
+        if not threshold:
             return set(), drop
-        cold = {e for e in set(ids) if (layer, e) not in self.gpu_pool and (layer, e) not in self.ram_pool}
+        cold = {e for e in set(ids) if not self.is_warm(layer, e)}
         for row in range(0, len(ids), top_k):
             w = weights[row : row + top_k]
             total, best = sum(w) or 1.0, max(range(len(w)), key=w.__getitem__)
             for j in range(len(w)):
-                drop[row + j] = j != best and ids[row + j] in cold and w[j] / total < self.expert_threshold
+                drop[row + j] = j != best and ids[row + j] in cold and w[j] / total < threshold
         kept = {e for e, d in zip(ids, drop, strict=True) if not d}
         skip = cold - kept
         self._counters.skipped += len(skip)
         self._counters.skipped_bytes += len(skip) * self.layout.nbytes
         return skip, drop
+
+    def is_warm(self, layer: int, expert: int) -> bool:
+        """The record is on the device or in RAM: using it reads nothing from the SSD."""
+        return (layer, expert) in self.gpu_pool or (layer, expert) in self.ram_pool
+
+    def count_swaps(self, n: int) -> None:
+        self._counters.swapped += n
 
     def prefetch(self, layer: int, experts: list[int], protect: set[Key]) -> None:
         """Start moving predicted experts of `layer` towards the device without waiting and without

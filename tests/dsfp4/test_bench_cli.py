@@ -89,7 +89,7 @@ def test_bench_measures_decode_after_the_cached_prompt_on_deepseek_v4(v4_convert
     assert res["bytes_per_token"]["device"] == pytest.approx(backbone + k * record)
 
 
-def test_project_needs_a_routing_trace_and_a_gpu(converted, tmp_path):
+def test_project_needs_a_routing_trace_a_gpu_and_exact_routing(converted, tmp_path):
     ceil = tmp_path / "doctor.json"
     Ceilings(gpu="", random_read_gbps=1.0).save(ceil)
     args = ["bench", str(converted), "--device", "cpu", "--ceilings", str(ceil), "--out", str(tmp_path / "b")]
@@ -99,6 +99,8 @@ def test_project_needs_a_routing_trace_and_a_gpu(converted, tmp_path):
     np.save(trace, np.zeros((4, 2, 2), dtype=np.int32))
     r = CliRunner().invoke(cli, [*args, "--project", "v3", "--routing", str(trace)])
     assert r.exit_code == 1 and "--project needs a GPU" in r.output
+    r = CliRunner().invoke(cli, [*args, "--project", "v3", "--routing", str(trace), "--mode", "balanced"])
+    assert r.exit_code == 1 and "drop --mode balanced" in r.output
 
 
 def test_a_bad_budget_fails_before_any_run_and_each_run_is_written_as_it_ends(converted, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.models.moe import kept_weights
+from dsfp4.runtime.modes import Levers
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.expert_store import ExpertStore
 from tests.fixtures.cli import run_cli
@@ -29,7 +30,7 @@ def test_kept_weights_keep_each_tokens_sum_and_change_nothing_when_all_are_kept(
 def test_a_token_leaves_out_only_cold_experts_it_weighs_below_the_threshold_and_never_its_best(converted):
     manifest = Manifest.read(converted)
     layer = min(manifest.experts)
-    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), expert_threshold=0.3)
+    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), levers=Levers(expert_threshold=0.3))
     try:
         store.read_ahead([(layer, 1)], set())  # expert 1 in RAM: never cold
         store.sync()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsfp4.runtime.profile.simulate import Links, StepCosts, simulate, simulate_prefill
+from dsfp4.runtime.profile.simulate import Links, StepCosts, SwapModel, simulate, simulate_prefill
 from dsfp4.tools.bench_projection import share_plan
 from dsfp4.tools.projection import (
     MACHINES,
@@ -62,6 +62,17 @@ def test_a_threshold_leaves_out_cold_choices_only_and_reads_less():
     everything = [(layer, e) for layer in range(4) for e in range(16)]
     warm = simulate(trace, 64, 64, RECORD, links, COSTS, "lru", None, 16, warm=everything, skippable=low)
     assert warm.skipped == 0  # nothing cold: nothing left out
+
+
+def test_cache_aware_swaps_cold_choices_for_warm_ones_of_their_group_and_reads_less():
+    trace = _trace(tokens=200)
+    links = Links(ssd=1e9, pcie=1e10)
+    exact = simulate(trace, 4, 8, RECORD, links, COSTS, "lru", None, 16, warmup=20)
+    never = simulate(trace, 4, 8, RECORD, links, COSTS, "lru", None, 16, warmup=20, swap=SwapModel(4, 0.0))
+    assert never == exact  # no expert scored close enough: exact routing
+    p = simulate(trace, 4, 8, RECORD, links, COSTS, "lru", None, 16, warmup=20, swap=SwapModel(4, 1.0))
+    assert p.swapped > 0 and p.uses == exact.uses and p.ssd_bytes < exact.ssd_bytes
+    assert p.device_hits + p.ram_hits + p.ssd_misses == p.uses
 
 
 def test_perfect_prefetch_keeps_the_ssd_busy_and_wrong_guesses_cost_reads():

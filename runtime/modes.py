@@ -1,0 +1,37 @@
+"""Modes (--mode): named settings of the lossy levers that trade quality for fewer bytes per token, each chosen by
+measurement (docs/BENCHMARKS.md: KL against exact NVFP4 on the trained small DeepSeek, and the whole model's projected
+tok/s). A lever the run sets itself wins over its mode's. Prefetch (RAM-only) and CUDA graphs are on in every mode:
+they cost no quality and were faster in every regime measured.
+
+  exact       the router's choice, every expert read (the default)
+  latency     lossy at no more KL than NVFP4's own rounding costs
+  balanced    about half NVFP4's KL again, for a larger cut in SSD reads
+  throughput  the most SSD reads cut at a quality cost still stated beside it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Levers:
+    """What the expert store may trade: expert_threshold (ExpertStore.skip_cold) and cache_aware (the score margin of
+    runtime/models/cache_aware.py); 0 each is exact routing."""
+
+    expert_threshold: float = 0.0
+    cache_aware: float = 0.0
+
+    def describe(self) -> str:
+        if self == EXACT:
+            return "exact routing"
+        return f"expert threshold {self.expert_threshold:g}, cache-aware margin {self.cache_aware:g}"
+
+
+EXACT = Levers()
+MODES = {
+    "exact": EXACT,
+    "latency": Levers(expert_threshold=0.05, cache_aware=0.0),
+    "balanced": Levers(expert_threshold=0.1, cache_aware=0.02),
+    "throughput": Levers(expert_threshold=0.15, cache_aware=0.05),
+}

@@ -1,0 +1,58 @@
+"""Project each --mode (runtime/modes.py) on the whole model: decode tok/s on each machine class under a calibrated
+routing trace, with the lossy levers carried over from a trained model as dsfp4/tools/lever_projection.py states.
+
+    python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
+        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--json OUT]
+
+--trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
+(`dsfp4 run --record-trace`), for its routing weights; --margins: scripts/router_margins.py's output on the trained
+model (at every margin a mode uses); --efficiency: the bench model's measured resident decode efficiency (`dsfp4 bench
+--project` prints it). Prints a table; --json writes the rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import numpy as np
+
+from dsfp4.layout.routing_trace import read_trace
+from dsfp4.runtime.modes import MODES
+from dsfp4.tools.lever_projection import project_levers
+
+FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+
+@click.command()
+@click.option("--trace", type=FILE, required=True)
+@click.option("--recorded", type=FILE, required=True)
+@click.option("--margins", type=FILE, required=True)
+@click.option("--efficiency", type=click.FloatRange(0, 2, min_open=True), required=True)
+@click.option("--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True)
+@click.option("--machines", default="16g,24g", show_default=True)
+@click.option("--json", "out", type=click.Path(path_type=Path))
+def main(
+    trace: Path, recorded: Path, margins: Path, efficiency: float, family: str, machines: str, out: Path | None
+) -> None:
+    ids = np.load(trace) if trace.suffix == ".npy" else read_trace(trace).ids
+    weights = read_trace(recorded).weights
+    close = {float(d): v["close"] for d, v in json.loads(margins.read_text())["margins"].items()}
+    missing = sorted({m.cache_aware for m in MODES.values() if m.cache_aware and m.cache_aware not in close})
+    if missing:
+        raise click.UsageError(f"--margins {margins}: no figure at margin {missing}; rerun scripts/router_margins.py")
+    rows = project_levers(family, ids, machines.split(","), efficiency, MODES, weights, close)
+    click.echo(f"{'mode':<11} {'machine':<8} {'tok/s':>6} {'SSD GB':>7} {'PCIe GB':>8} {'left out':>9} {'swapped':>8}")
+    for r in rows:
+        d = r.to_dict()
+        click.echo(
+            f"{r.mode:<11} {r.machine:<8} {d['tok_s']:6.2f} {d['ssd_gb_per_token']:7.2f} {d['pcie_gb_per_token']:8.2f} "
+            f"{d['skipped_share']:9.1%} {d['swapped_share']:8.1%}"
+        )
+    if out is not None:
+        out.write_text(json.dumps([r.to_dict() for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

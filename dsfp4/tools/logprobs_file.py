@@ -1,23 +1,21 @@
 """The file `dsfp4 eval --save-logits` writes and `--reference` reads: per scored position of a text, the token
 that came, its log-probability, and the k best log-probabilities with their ids; compressed with zstandard.
 
-Layout: MAGIC, a little-endian u32 n, n bytes of UTF-8 JSON (the header: FORMAT_VERSION, vocab size, k, the
-windows' contract, the scored count), then one zstd frame of the arrays in ARRAYS order, each C-contiguous in its
-dtype: targets int32 [N], target_logprob float32 [N], top_ids int32 [N, k], top_logprob float32 [N, k] (best
-first). encode and decode are pure and inverse; read names the file in every error.
+Layout (layout/framed_file.py): MAGIC, the header (FORMAT_VERSION, vocab size, k, the windows' contract, the scored
+count), then one zstd frame of the arrays in ARRAYS order, each C-contiguous in its dtype: targets int32 [N],
+target_logprob float32 [N], top_ids int32 [N, k], top_logprob float32 [N, k] (best first). encode and decode are
+pure and inverse; read names the file in every error.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import zstandard
 
 from dsfp4.errors import ConfigError
+from dsfp4.layout import framed_file
 from dsfp4.layout.atomic import atomic_write_bytes
 
 MAGIC = b"DSFP4LP\n"
@@ -56,30 +54,17 @@ class LogProbs:
 
 def encode(header: dict, lp: LogProbs) -> bytes:
     """header (JSON-able; FORMAT_VERSION, k and the count are added) and the arrays -> the file's bytes."""
-    head = json.dumps({**header, "format_version": FORMAT_VERSION, "k": lp.k, "positions": len(lp.targets)}).encode()
     body = b"".join(np.ascontiguousarray(getattr(lp, name)).tobytes() for name, _, _ in ARRAYS)
-    return MAGIC + struct.pack("<I", len(head)) + head + zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(body)
+    header = {**header, "k": lp.k, "positions": len(lp.targets)}
+    return framed_file.pack(MAGIC, FORMAT_VERSION, header, body, ZSTD_LEVEL)
 
 
 def decode(data: bytes) -> tuple[dict, LogProbs]:
     """The file's bytes -> (header, arrays); ValueError says what is wrong with them."""
-    if not data.startswith(MAGIC):
-        raise ValueError("not a dsfp4 log-probabilities file (written by `dsfp4 eval --save-logits`)")
-    start = len(MAGIC) + 4
-    if len(data) < start:
-        raise ValueError("truncated header")
-    (n,) = struct.unpack("<I", data[len(MAGIC) : start])
-    try:
-        header = json.loads(data[start : start + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"damaged header ({e})") from e
-    if header.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"format version {header.get('format_version')}; this dsfp4 reads {FORMAT_VERSION}")
+    what = "a dsfp4 log-probabilities file (written by `dsfp4 eval --save-logits`)"
+    header, _ = framed_file.unpack_header(MAGIC, FORMAT_VERSION, data, what)
     rows, k = int(header["positions"]), int(header["k"])
-    try:
-        body = zstandard.ZstdDecompressor().decompress(data[start + n :], max_output_size=rows * (8 + 8 * k) + 1)
-    except zstandard.ZstdError as e:
-        raise ValueError(f"damaged data ({e})") from e
+    header, body = framed_file.unpack(MAGIC, FORMAT_VERSION, data, what, rows * (8 + 8 * k) + 1)
     arrays, at = {}, 0
     for name, dtype, dims in ARRAYS:
         shape = (rows,) if dims == 1 else (rows, k)

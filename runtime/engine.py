@@ -28,6 +28,7 @@ from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
 from dsfp4.runtime.generate.prompt import Prompt, as_token_ids, encode_prompt
+from dsfp4.runtime.generate.prompt_cache import MIN_NEW_TOKENS, PromptCache
 from dsfp4.runtime.generate.reasoning import opens_thinking
 from dsfp4.runtime.generate.speculative import Speculator
 from dsfp4.runtime.generate.stats import GenerationStats, peak_memory
@@ -37,6 +38,7 @@ from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
 from dsfp4.runtime.options import RunOptions, with_knobs
+from dsfp4.runtime.plan.budget import parse_size
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.recorder import RoutingRecorder
@@ -90,7 +92,10 @@ class Engine:
         self.routing = self._trace_routing(manifest.args) if o.routing is not None else None
         self.decoder = Decoder(self.model, None, self.recorder, o.prefill_chunk, self.max_context, self.routing)
         self.speculator = Speculator(self.decoder, self.model) if o.mtp else None
+        self.prompt_cache: PromptCache | None = None
         try:
+            if o.prompt_cache is not None:
+                self.prompt_cache = self._open_prompt_cache(manifest.conversion_sha256())
             store, hot = self.model.experts, self.model_dir / HOT_NAME
             profile = HotProfile.read(hot).check(manifest, hot) if hot.is_file() else None
             kernel = self.model.moe_kernel
@@ -104,6 +109,18 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _open_prompt_cache(self, conversion: str) -> PromptCache:
+        """--prompt-cache: entries of this conversion, dtype and caches (runtime/generate/prompt_cache.py)."""
+        o, caches = self.options, self._model().positional_caches()
+        if caches is None:
+            raise ConfigError(
+                f"--prompt-cache: {self.model_dir}'s caches (DeepSeek-V4's compressed ones) are not saved by position; "
+                "run it without --prompt-cache"
+            )
+        rows = {name: [list(t.shape[1:]), str(t.dtype)] for name, t in caches.items()}
+        identity = {"conversion": conversion, "rows": rows}
+        return PromptCache(o.prompt_cache, parse_size(o.prompt_cache_size, "--prompt-cache-size"), identity)
 
     def _trace_routing(self, a: ModelArgs) -> TraceRouting:
         """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
@@ -161,6 +178,8 @@ class Engine:
             return
         with self._claim():
             self._end_stream()
+        if self.prompt_cache is not None:
+            self.prompt_cache.wait()  # an entry being written is finished, not left behind as a temporary file
         try:
             if self.recorder is not None and self.recorder.tokens:
                 write_trace(self.options.record_trace, self.recorder.routing_trace())
@@ -299,6 +318,19 @@ class Engine:
             self._stream.close()  # a generation left unfinished ends here, with the cache consistent
             self._stream = None
 
+    def _restore(self, prompt_ids: list[int], reuse: int) -> int:
+        """--prompt-cache: restore a saved prefix of the prompt longer than the `reuse` positions the cache keeps ->
+        the positions restored (0: none)."""
+        if self.prompt_cache is None:
+            return 0
+        n, upto = self.prompt_cache.restore(prompt_ids, reuse, self._model().positional_caches())
+        if n:
+            self.decoder.cached = list(prompt_ids[:n])
+            if self.speculator is not None:
+                self.speculator.upto = upto
+            n = self._reusable(prompt_ids)  # as far as the MTP entries allow
+        return n
+
     def _reusable(self, prompt_ids: list[int]) -> int:
         """Cached tokens this prompt may keep: its common prefix with the cache, short of its last token, as far
         as the MTP entries and the model's caches allow (V4's hold their last positions only)."""
@@ -318,7 +350,9 @@ class Engine:
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
         reuse = self._reusable(prompt_ids)
-        stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse)
+        restored = self._restore(prompt_ids, reuse)
+        reuse = max(reuse, restored)
+        stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse, restored_tokens=restored)
         self._truncate(reuse)  # the cache grows chunk by chunk from here: valid should the prefill be interrupted
         if self.speculator is not None and budget > 1:
             source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget)
@@ -331,5 +365,11 @@ class Engine:
         stats.routing = self.routing.describe() if self.routing is not None else ""
         stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
+        if self.prompt_cache is not None:
+            if n - reuse >= MIN_NEW_TOKENS:  # worth a file: a prefill this long costs more than restoring it
+                upto = self.speculator.upto if self.speculator is not None else 0
+                self.prompt_cache.save(prompt_ids, self._model().positional_caches(), upto)
+            stats.prompt_cache_note = "; ".join(self.prompt_cache.notes)
+            self.prompt_cache.notes.clear()
         self.stats, self._stream = stats, None
         return Generation(list(prompt_ids), tokens, text, finish, stats)

@@ -14,6 +14,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.sampling import SamplingParams
 from dsfp4.runtime.modes import MODES, Levers
+from dsfp4.runtime.plan.budget import parse_size
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 
@@ -55,6 +56,10 @@ class RunOptions:
     routing_recall: float = 0.9  # under a trace, the share of the next layer's experts its prefetch guesses right
     mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/generate/speculative.py)
     cuda_graph: bool = True  # replay decode steps as CUDA graphs where they can be captured (generate/decode_graph.py)
+    # a folder of saved prompt KV caches: a prompt sharing a prefix with a saved one restores it instead of
+    # prefilling it (runtime/generate/prompt_cache.py), held to prompt_cache_size by evicting the least recently used
+    prompt_cache: Path | None = None
+    prompt_cache_size: str = "16G"
     zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
 
     def __post_init__(self) -> None:
@@ -64,7 +69,7 @@ class RunOptions:
         for f in dataclasses.fields(self):  # the Python API passes anything: each value has its field's type
             if (err := check(getattr(self, f.name), annotation_spec(str(f.type)), f.name)) is not None:
                 raise ConfigError(f"option {err} (the flag --{f.name.replace('_', '-')})")
-        for name in ("record_trace", "routing"):
+        for name in ("record_trace", "routing", "prompt_cache"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if self.dtype not in ("auto", *DTYPES):
@@ -83,6 +88,9 @@ class RunOptions:
             raise ConfigError(f"--expert-threshold {self.expert_threshold}: give a weight from 0 (off) to below 1")
         if self.cache_aware is not None and self.cache_aware < 0:
             raise ConfigError(f"--cache-aware {self.cache_aware}: give a score margin of 0 (off) or more")
+        parse_size(self.prompt_cache_size, "--prompt-cache-size")
+        if self.prompt_cache is not None and Path(self.prompt_cache).exists() and not Path(self.prompt_cache).is_dir():
+            raise ConfigError(f"--prompt-cache {self.prompt_cache}: a file, not a folder; give a folder for the cache")
         if self.io_threads < 1 or self.prefill_chunk < 1:
             raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
         if self.record_trace is not None:

@@ -83,6 +83,18 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
     type=PATH,
     help="Write the routing of every token computed to this .npy (ids) or .npz (ids, weights, tokens) at exit.",
 )
+@click.option(
+    "--prompt-cache",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Save each prompt's KV cache in this folder (compressed) and restore the longest saved prefix of a later "
+    "prompt instead of prefilling it; for a long system prompt that many runs or requests share.",
+)
+@click.option(
+    "--prompt-cache-size",
+    default=RUN_DEFAULTS.prompt_cache_size,
+    show_default=True,
+    help="With --prompt-cache: the folder's bound; the least recently used entries go first.",
+)
 @click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
 @click.option("-q", "--quiet", is_flag=True, help="Print the answer only: no plan, notes or stats line on stderr.")
@@ -131,6 +143,7 @@ def run(
       dsfp4 run model/ --prompt "2+2?" --temperature 0 --json
       dsfp4 run model/ --chat --temperature 0.6
       dsfp4 run model/ --serve --port 8000
+      dsfp4 run model/ --serve --prompt-cache ~/.cache/dsfp4/prompts
       dsfp4 run model/ --preset 24g --plan
     """
     from dsfp4.cli.repl import LocalChat, chat_repl
@@ -160,6 +173,8 @@ def run(
         raise click.UsageError(only_with(flags, "--serve"))
     if prompt is None and (flags := given_flags(ctx, PROMPT_FLAGS)):
         raise click.UsageError(only_with(flags, "--prompt"))
+    if options.prompt_cache is None and (flags := given_flags(ctx, ("prompt_cache_size",))):
+        raise click.UsageError(only_with(flags, "--prompt-cache"))
     if raw and system is not None:
         raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
     if raw and options.thinking is not None:

@@ -25,7 +25,9 @@ def ratio(a: float, b: float) -> float:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose latent KV was already cached (earlier chat turns)
+    cached_tokens: int = 0  # prompt tokens whose latent KV was already cached (earlier chat turns, the prompt cache)
+    restored_tokens: int = 0  # ... of them, those restored from the prompt cache (--prompt-cache)
+    prompt_cache_note: str = ""  # entries the prompt cache skipped (damaged, unreadable) or could not write
     generated_tokens: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -91,7 +93,8 @@ class GenerationStats:
         }
 
     def line(self) -> str:
-        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        restored = f", {self.restored_tokens} from the prompt cache" if self.restored_tokens else ""
+        cached = f" ({self.cached_tokens} cached{restored})" if self.cached_tokens else ""
         d = self.derived()
         return (
             f"prompt {self.prompt_tokens} tokens{cached}, TTFT {self.ttft_s:.2f} s, prefill "
@@ -107,7 +110,12 @@ class GenerationStats:
         """The full picture, for --stats and the chat's /stats."""
         s, d = self.store, self.derived()
         rows = [
-            ("tokens", f"{self.prompt_tokens} prompt ({self.cached_tokens} cached), {self.generated_tokens} generated"),
+            (
+                "tokens",
+                f"{self.prompt_tokens} prompt ({self.cached_tokens} cached, {self.restored_tokens} of them from the "
+                f"prompt cache), {self.generated_tokens} generated",
+            ),
+            *([("prompt cache", self.prompt_cache_note)] if self.prompt_cache_note else []),
             (
                 "speed",
                 f"TTFT {self.ttft_s:.3f} s, prefill {self.prefill_tok_s:.1f} tok/s, "

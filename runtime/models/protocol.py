@@ -57,5 +57,9 @@ class Model(Protocol):
         """How many cached tokens a call may keep when it would keep `keep` (V4's caches hold their last positions
         only)."""
 
+    def positional_caches(self) -> dict[str, torch.Tensor] | None:
+        """The caches written by position, by name: each [max_len, ...], the sequence's rows (what the prompt cache
+        saves and restores); None when the family's caches are not all addressed by position."""
+
     def replayed(self, pos: int) -> None:
         """A captured step at pos was replayed (its Python did not run): bring host-side state up to date."""

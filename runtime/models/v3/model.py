@@ -132,6 +132,10 @@ class Transformer(nn.Module):
         cache is written by position, so a later call overwrites what follows)."""
         return keep
 
+    def positional_caches(self) -> dict[str, torch.Tensor]:
+        """Every attention's latent and RoPE caches (the MTP layer's too, when loaded): [max_len, C], [max_len, R]."""
+        return {n: b[0] for n, b in self.named_buffers() if n.endswith((".kv_cache", ".pe_cache"))}
+
     def replayed(self, pos: int) -> None:
         """A captured step at pos was replayed: nothing to move (the latent cache is written by position)."""
 

@@ -140,6 +140,10 @@ class TransformerV4(nn.Module):
         advanced and the others not)."""
         return keep if self.pos - 1 <= keep <= self.pos else 0
 
+    def positional_caches(self) -> None:
+        """None: the compressed caches and the window ring hold a running state, not rows by position."""
+        return None
+
     def replayed(self, pos: int) -> None:
         """A captured step at pos was replayed (its Python did not run): the caches now end after pos."""
         self.pos = pos + 1

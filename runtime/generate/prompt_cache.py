@@ -1,0 +1,185 @@
+"""The persistent prompt cache (--prompt-cache DIR): the latent KV cache of a prompt, saved compressed after its
+generation and restored by a later run or request whose prompt starts with the same tokens.
+
+An entry is one file, `<key>.dsfp4kv` (layout/framed_file.py): its header names the conversion (Manifest
+conversion_sha256), the caches' dtype and row shapes, and the prompt's token ids; its body holds the first N rows of
+every positional cache (Model.positional_caches: V3's latent and RoPE caches, the MTP layer's too), each array's
+bytes split into planes (byte i of every element together), which zstd packs tighter than the interleaved
+elements. Positions depend only on the tokens before them, so an entry serves any prompt that shares a prefix with
+it, up to that prefix. Entries are written atomically in a background thread, the folder is held to --prompt-cache-
+size by evicting the least recently used (a use touches the file), and a damaged or foreign entry is skipped with a
+note. Legend: N cached positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsfp4.errors import DsfpError
+from dsfp4.layout import framed_file
+from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.runtime.generate.steps import common_prefix
+
+MAGIC = b"DSFP4KV\n"
+FORMAT_VERSION = 1
+SUFFIX = ".dsfp4kv"
+WHAT = "a dsfp4 prompt cache entry"
+ZSTD_LEVEL = 3  # KV rows are mostly noise in their low bytes: higher levels cost seconds for a few percent
+HEADER_LIMIT = 1 << 22  # the largest header read while looking for a prefix (its token ids: 4 MiB is ~500k tokens)
+MIN_NEW_TOKENS = 32  # a prompt that prefilled fewer new tokens is not saved: its prefill costs less than the file
+
+
+def encode_entry(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """header (JSON-able) and named arrays -> the entry's bytes; each array's shape and dtype go in the header."""
+    specs = {name: [list(a.shape), a.dtype.str] for name, a in arrays.items()}
+    body = b"".join(_planes(np.ascontiguousarray(a)) for a in arrays.values())
+    return framed_file.pack(MAGIC, FORMAT_VERSION, {**header, "arrays": specs}, body, ZSTD_LEVEL)
+
+
+def decode_entry(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """The entry's bytes -> (header, arrays); ValueError says what is wrong with them."""
+    header, _ = framed_file.unpack_header(MAGIC, FORMAT_VERSION, data, WHAT)
+    specs = header.get("arrays")
+    if not isinstance(specs, dict):
+        raise ValueError("damaged header (no arrays)")
+    sizes = {name: int(np.prod(shape)) * np.dtype(dtype).itemsize for name, (shape, dtype) in specs.items()}
+    header, body = framed_file.unpack(MAGIC, FORMAT_VERSION, data, WHAT, sum(sizes.values()))
+    if len(body) != sum(sizes.values()):
+        raise ValueError(f"truncated data: {len(body)} bytes of {sum(sizes.values())}")
+    arrays, at = {}, 0
+    for name, (shape, dtype) in specs.items():
+        arrays[name] = _unplanes(body[at : at + sizes[name]], np.dtype(dtype), tuple(shape))
+        at += sizes[name]
+    return header, arrays
+
+
+def _planes(a: np.ndarray) -> bytes:
+    """An array's bytes, byte i of every element together (its byte planes)."""
+    return a.view(np.uint8).reshape(-1, a.dtype.itemsize).T.tobytes()
+
+
+def _unplanes(data: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(dtype.itemsize, -1).T.copy()  # [elements, itemsize]
+    return raw.view(dtype).reshape(shape)
+
+
+@dataclass(frozen=True)
+class Hit:
+    path: Path
+    tokens: list[int]  # the entry's prompt
+    common: int  # positions it serves for the prompt looked up
+    mtp_upto: int  # the MTP layer's entries it holds (positions 0 .. mtp_upto - 1)
+
+
+class PromptCache:
+    def __init__(self, folder: Path, max_bytes: int, identity: dict):
+        """folder: where entries live (created); max_bytes: the folder's bound; identity: what an entry must match to
+        be used (the conversion, the caches' dtype and row shapes)."""
+        self.folder, self.max_bytes, self.identity = Path(folder), max_bytes, identity
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.notes: list[str] = []  # entries skipped since the last look (damaged, foreign)
+        self._writer: threading.Thread | None = None
+        self.compressed_bytes = self.raw_bytes = 0  # of the last entry written
+
+    def find(self, prompt: list[int], longer_than: int) -> Hit | None:
+        """The entry sharing the longest prefix with `prompt` (short of its last token, which must be fed), if that
+        is longer than `longer_than` positions."""
+        self.wait()
+        best = None
+        for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+            try:
+                header = framed_file.read_header(path, MAGIC, FORMAT_VERSION, WHAT, HEADER_LIMIT)
+            except (OSError, ValueError) as e:
+                self.notes.append(f"prompt cache: {path.name} skipped ({e})")
+                continue
+            if any(header.get(k) != v for k, v in self.identity.items()):
+                continue  # another conversion, dtype or cache shape: not this run's
+            tokens = header.get("tokens", [])
+            common = min(common_prefix(tokens, prompt), len(prompt) - 1)
+            if common > longer_than and (best is None or common > best.common):
+                best = Hit(path, tokens, common, int(header.get("mtp_upto", 0)))
+        return best
+
+    def load(self, hit: Hit) -> dict[str, np.ndarray] | None:
+        """The entry's arrays, or None with a note when it cannot be read."""
+        try:
+            _, arrays = decode_entry(hit.path.read_bytes())
+        except (OSError, ValueError) as e:
+            self.notes.append(f"prompt cache: {hit.path.name} skipped ({e})")
+            return None
+        now = time.time_ns()  # the fine clock: a file's own times come from a coarser one, which could tie
+        os.utime(hit.path, ns=(now, now))  # used: the last to be evicted
+        return arrays
+
+    def restore(self, prompt: list[int], longer_than: int, caches: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """Copy the rows of the entry serving the longest prefix of `prompt` into `caches` (Model.positional_caches)
+        -> (positions restored, MTP entries among them); (0, 0) when no entry serves more than `longer_than`."""
+        hit = self.find(prompt, longer_than)
+        arrays = None if hit is None else self.load(hit)
+        if arrays is None:
+            return 0, 0
+        n = hit.common
+        for name, t in caches.items():
+            t[:n].copy_(_tensor(arrays[name][:n], t.dtype))
+        return n, min(hit.mtp_upto, n)
+
+    def save(self, tokens: list[int], caches: dict[str, torch.Tensor], mtp_upto: int) -> None:
+        """Write the entry of `tokens` (the first len(tokens) rows of `caches`, copied to the CPU now) in the
+        background; one write at a time."""
+        self.wait()
+        arrays = {name: _numpy(t[: len(tokens)].cpu()) for name, t in caches.items()}
+        header = {**self.identity, "tokens": list(tokens), "mtp_upto": min(mtp_upto, len(tokens))}
+        key = hashlib.sha256(repr(sorted(self.identity.items())).encode() + np.asarray(tokens, np.int64).tobytes())
+        path = self.folder / f"{key.hexdigest()[:32]}{SUFFIX}"
+        self.raw_bytes = sum(a.nbytes for a in arrays.values())
+        self._writer = threading.Thread(target=self._write, args=(path, header, arrays), daemon=True)
+        self._writer.start()
+
+    def _write(self, path: Path, header: dict, arrays: dict[str, np.ndarray]) -> None:
+        data = encode_entry(header, arrays)
+        self.compressed_bytes = len(data)
+        try:
+            atomic_write_bytes(path, data)
+            self.evict()
+        except (OSError, DsfpError) as e:  # a full disk loses an entry, not the answer
+            self.notes.append(f"prompt cache: {path.name} not written ({e})")
+
+    def evict(self) -> None:
+        """Remove the least recently used entries until the folder fits max_bytes."""
+        entries = []
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # removed by another process meanwhile
+            entries.append((st.st_mtime_ns, st.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+
+    def wait(self) -> None:
+        """Until the entry being written is in place."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as numpy; bf16 (which numpy lacks) as its 16-bit patterns (the identity names the dtype)."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t

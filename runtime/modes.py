@@ -28,6 +28,17 @@ class Levers:
         return f"expert threshold {self.expert_threshold:g}, cache-aware margin {self.cache_aware:g}"
 
 
+def parse_levers(text: str) -> Levers:
+    """A mode's name, or THRESHOLD:MARGIN (the scripts that measure the levers take either); ValueError otherwise."""
+    if text in MODES:
+        return MODES[text]
+    try:
+        threshold, margin = (float(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{text}: give a mode ({', '.join(MODES)}) or THRESHOLD:MARGIN") from None
+    return Levers(threshold, margin)
+
+
 EXACT = Levers()
 MODES = {
     "exact": EXACT,

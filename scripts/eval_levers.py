@@ -20,7 +20,7 @@ import click
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_engine
-from dsfp4.runtime.modes import MODES, Levers
+from dsfp4.runtime.modes import Levers, parse_levers
 from dsfp4.runtime.options import RunOptions
 from dsfp4.tools import logprobs_file
 from dsfp4.tools.bench_projection import share_plan
@@ -31,13 +31,10 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 
 def setting(text: str) -> tuple[str, Levers]:
-    if text in MODES:
-        return text, MODES[text]
     try:
-        threshold, margin = (float(v) for v in text.split(":"))
-    except ValueError:
-        raise click.BadParameter(f"{text}: give a mode ({', '.join(MODES)}) or THRESHOLD:MARGIN") from None
-    return text, Levers(threshold, margin)
+        return text, parse_levers(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @click.command()

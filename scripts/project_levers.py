@@ -2,12 +2,13 @@
 routing trace, with the lossy levers carried over from a trained model as dsfp4/tools/lever_projection.py states.
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
-        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--json OUT]
+        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--json OUT] [SETTING...]
 
 --trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
 (`dsfp4 run --record-trace`), for its routing weights; --margins: scripts/router_margins.py's output on the trained
 model (at every margin a mode uses); --efficiency: the bench model's measured resident decode efficiency (`dsfp4 bench
---project` prints it). Prints a table; --json writes the rows.
+--project` prints it); SETTING: a mode or THRESHOLD:MARGIN (default: every mode). Prints a table; --json writes
+the rows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import click
 import numpy as np
 
 from dsfp4.layout.routing_trace import read_trace
-from dsfp4.runtime.modes import MODES
+from dsfp4.runtime.modes import MODES, parse_levers
 from dsfp4.tools.lever_projection import project_levers
 
 FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -33,17 +34,31 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True)
 @click.option("--machines", default="16g,24g", show_default=True)
 @click.option("--json", "out", type=click.Path(path_type=Path))
+@click.argument("settings", nargs=-1)
 def main(
-    trace: Path, recorded: Path, margins: Path, efficiency: float, family: str, machines: str, out: Path | None
+    trace: Path,
+    recorded: Path,
+    margins: Path,
+    efficiency: float,
+    family: str,
+    machines: str,
+    out: Path | None,
+    settings: tuple[str, ...],
 ) -> None:
+    """SETTINGS: modes or THRESHOLD:MARGIN pairs (default: every mode)."""
+    try:
+        modes = {s: parse_levers(s) for s in settings} if settings else MODES
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
     ids = np.load(trace) if trace.suffix == ".npy" else read_trace(trace).ids
     weights = read_trace(recorded).weights
     close = {float(d): v["close"] for d, v in json.loads(margins.read_text())["margins"].items()}
-    missing = sorted({m.cache_aware for m in MODES.values() if m.cache_aware and m.cache_aware not in close})
+    missing = sorted({m.cache_aware for m in modes.values() if m.cache_aware and m.cache_aware not in close})
     if missing:
         raise click.UsageError(f"--margins {margins}: no figure at margin {missing}; rerun scripts/router_margins.py")
-    rows = project_levers(family, ids, machines.split(","), efficiency, MODES, weights, close)
-    click.echo(f"{'mode':<11} {'machine':<8} {'tok/s':>6} {'SSD GB':>7} {'PCIe GB':>8} {'left out':>9} {'swapped':>8}")
+    rows = project_levers(family, ids, machines.split(","), efficiency, modes, weights, close)
+    head = ("setting", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped")
+    click.echo("{:<11} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8}".format(*head))
     for r in rows:
         d = r.to_dict()
         click.echo(

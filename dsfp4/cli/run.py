@@ -13,6 +13,7 @@ import click
 from dsfp4.cli.options import (
     CUDA_GRAPH,
     EXISTING_DIR,
+    EXISTING_FILE,
     PATH,
     RUN_DEFAULTS,
     ZERO_COPY,
@@ -59,6 +60,13 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
 @click.option("--prompt", help="Text to answer (rendered with the model's chat template unless --raw).")
 @click.option("--chat", is_flag=True, help="Interactive chat (/help inside lists the commands).")
 @click.option("--serve", is_flag=True, help="Serve the OpenAI API: /v1/chat/completions, /v1/completions, ...")
+@click.option(
+    "--batch",
+    type=EXISTING_FILE,
+    help='Answer every line of this JSONL file ({"prompt": ...} or {"messages": [...]}, with optional '
+    "max_tokens, temperature, top_p, top_k, seed, stop, raw) into --output; a rerun answers only what is missing.",
+)
+@click.option("--output", type=PATH, help="With --batch: the JSONL file of results, one per input line, in order.")
 @click.option("--system", help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed --prompt as plain text, without the chat template.")
 @sampling_options
@@ -122,6 +130,8 @@ def run(
     prompt: str | None,
     chat: bool,
     serve: bool,
+    batch: Path | None,
+    output: Path | None,
     system: str | None,
     raw: bool,
     show_plan: bool,
@@ -143,12 +153,16 @@ def run(
       dsfp4 run model/ --prompt "2+2?" --temperature 0 --json
       dsfp4 run model/ --chat --temperature 0.6
       dsfp4 run model/ --serve --port 8000
+      dsfp4 run model/ --batch prompts.jsonl --output results.jsonl
       dsfp4 run model/ --serve --prompt-cache ~/.cache/dsfp4/prompts
       dsfp4 run model/ --preset 24g --plan
     """
+    from dsfp4.cli.batch import run_batch
     from dsfp4.cli.repl import LocalChat, chat_repl
+    from dsfp4.layout.atomic import require_folder
     from dsfp4.runtime.engine import Engine
     from dsfp4.runtime.models.load import plan_engine
+    from dsfp4.tools.batch_file import answered, read_batch
 
     ctx = click.get_current_context()
     options = RunOptions(**knobs)
@@ -165,8 +179,13 @@ def run(
         click.echo(line)
         click.echo(f"mode {options.mode}: {options.levers().describe()}")
         return
-    if sum((prompt is not None, chat, serve)) != 1:
-        raise click.UsageError("give one of --prompt TEXT, --chat or --serve")
+    if sum((prompt is not None, chat, serve, batch is not None)) != 1:
+        raise click.UsageError("give one of --prompt TEXT, --chat, --serve or --batch FILE")
+    if (batch is None) != (output is None):
+        raise click.UsageError("--batch FILE and --output FILE go together")
+    items = None if batch is None else read_batch(batch, options)  # every line checked before the model loads
+    if output is not None:
+        done = answered(require_folder(output, "--output"), items)
     if as_json and prompt is None:
         raise click.UsageError("--json applies to --prompt (or --plan)")
     if not serve and (flags := given_flags(ctx, SERVE_FLAGS)):
@@ -202,6 +221,8 @@ def run(
             click.echo(f"note: {note}", err=True)
         if chat:
             chat_repl(LocalChat(engine), system)
+        elif batch is not None:
+            run_batch(engine, batch, items, done, output, system, quiet)
         elif serve:
             given = bool(given_params(ctx, ("max_tokens",)))
             served = Served(Path(model).resolve().name, api_key, max_queue, options.max_tokens if given else None)

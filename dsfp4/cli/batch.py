@@ -1,0 +1,47 @@
+"""`dsfp4 run MODEL --batch IN --output OUT`: answer every line of IN into OUT (dsfp4/tools/batch_file.py), one after
+another, with a progress bar and the aggregate speed; a rerun answers only the lines OUT lacks.
+
+The lines run one at a time through the engine, which keeps the KV of the prefix a line shares with the one before
+it (a shared system prompt is prefilled once; with --prompt-cache, once across runs). Decoding several lines in one
+step is the batching work still to come.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from dsfp4.errors import ConfigError
+from dsfp4.runtime.engine import Engine
+from dsfp4.tools.batch_file import BatchItem, append_result
+
+
+def run_batch(
+    engine: Engine, batch: Path, items: list[BatchItem], done: set[int], output: Path, system: str | None, quiet: bool
+) -> None:
+    """Answer the items whose lines are not `done` (batch_file.answered) into `output`."""
+    todo = []
+    for item in (i for i in items if i.line not in done):  # every prompt checked before the first answer
+        try:
+            ids = engine.encode(item.prompt, system, item.raw)
+            engine.check_prompt(ids, room=1)
+        except ConfigError as e:
+            raise ConfigError(f"{batch}:{item.line}: {e}") from None
+        todo.append((item, ids))
+    if done and not quiet:
+        click.echo(f"{output}: {len(done)} lines already answered; answering the other {len(todo)}", err=True)
+    tokens, start = 0, time.perf_counter()
+    with open(output, "a", encoding="utf-8") as f, tqdm(total=len(todo), unit="line", disable=quiet) as bar:
+        for item, ids in todo:
+            g = engine.generate(ids, **item.sampling)
+            append_result(f, item, g.to_dict())
+            tokens += len(g.token_ids)
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+            bar.update()
+    if not quiet:
+        seconds = time.perf_counter() - start
+        speed = tokens / max(seconds, 1e-9)
+        click.echo(f"{len(todo)} lines, {tokens} tokens in {seconds:.1f} s ({speed:.1f} tok/s)", err=True)

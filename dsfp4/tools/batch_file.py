@@ -1,0 +1,129 @@
+"""The offline batch's files (`dsfp4 run MODEL --batch IN --output OUT`).
+
+IN: one JSON object per line: `prompt` (text, through the chat template as --prompt is, or as it is with `"raw":
+true`) or `messages` (chat messages), and optionally the sampling of that line: max_tokens, temperature, top_p,
+top_k, seed, stop. Blank lines are skipped; every other line is checked before the model loads, and a bad one is an
+error naming FILE:LINE.
+
+OUT: one JSON object per answered line, in input order: `line` (its number in IN), `input_sha256` (of that line's
+text), then what `run --json` prints (prompt_token_ids, token_ids, text, finish_reason, stats). A rerun keeps the
+lines already answered and answers the rest; a line torn by an interrupted write is dropped first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.runtime.generate.prompt import Prompt
+from dsfp4.runtime.options import RunOptions, with_knobs
+
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+KEYS = ("prompt", "messages", "raw", *SAMPLING)
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    line: int  # 1-based, in the input file
+    prompt: Prompt  # text or chat messages
+    raw: bool
+    sampling: dict[str, Any]  # the line's own sampling knobs (RunOptions fields)
+    digest: str  # sha256 of the line's text: which input an output line answers
+
+
+def parse_line(text: str, where: str, base: RunOptions) -> tuple[Prompt, bool, dict[str, Any]]:
+    """One input line -> (prompt, raw, sampling knobs); ConfigError naming `where` (FILE:LINE) and what is wrong."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not JSON ({e.msg}); give one JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: a JSON object is expected, not {type(obj).__name__}")
+    if unknown := sorted(set(obj) - set(KEYS)):
+        raise ConfigError(f"{where}: unknown key {', '.join(unknown)}; a line may have {', '.join(KEYS)}")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ConfigError(f"{where}: give one of `prompt` (text) or `messages` (chat messages)")
+    raw = obj.get("raw", False)
+    if not isinstance(raw, bool) or (raw and "messages" in obj):
+        raise ConfigError(f"{where}: `raw` is true or false, and applies to `prompt` only")
+    prompt = obj.get("prompt", obj.get("messages"))
+    if "prompt" in obj and (not isinstance(prompt, str) or not prompt):
+        raise ConfigError(f"{where}: `prompt` must be non-empty text")
+    if "messages" in obj and not _messages(prompt):
+        raise ConfigError(f'{where}: `messages` must be a non-empty list of {{"role": ..., "content": text}}')
+    sampling = {k: obj[k] for k in SAMPLING if k in obj}
+    try:
+        with_knobs(base, sampling)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return prompt, raw, sampling
+
+
+def _messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    )
+
+
+def read_batch(path: Path, base: RunOptions) -> list[BatchItem]:
+    """Every line of the input checked -> its items; ConfigError naming the first bad FILE:LINE."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--batch {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    items = []
+    for n, text in enumerate(lines, 1):
+        if text.strip():
+            prompt, raw, sampling = parse_line(text, f"{path}:{n}", base)
+            items.append(BatchItem(n, prompt, raw, sampling, hashlib.sha256(text.encode()).hexdigest()))
+    if not items:
+        raise ConfigError(f"--batch {path}: no lines to answer")
+    return items
+
+
+def answered(output: Path, items: list[BatchItem]) -> set[int]:
+    """The input lines `output` already answers (a rerun skips them); a torn last line is dropped from the file.
+    ConfigError when an output line answers a line this input does not have."""
+    path = Path(output)
+    if not path.exists():
+        return set()
+    lines = path.read_bytes().split(b"\n")
+    kept, done = [], set()
+    digests = {item.line: item.digest for item in items}
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+            line, digest = int(obj["line"]), obj["input_sha256"]
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:  # the last write was interrupted: answer that line again
+                break
+            raise ConfigError(f"--output {path}: line {i + 1} is not a result of `dsfp4 run --batch`") from None
+        if digests.get(line) != digest:
+            raise ConfigError(
+                f"--output {path}: line {i + 1} answers input line {line} of another input; choose another --output"
+            )
+        kept.append(raw)
+        done.add(line)
+    data = b"".join(r + b"\n" for r in kept)
+    if data != path.read_bytes():
+        atomic_write_bytes(path, data)
+    return done
+
+
+def append_result(f: Any, item: BatchItem, result: dict) -> None:
+    """One output line, on disk before the next line is answered."""
+    f.write(json.dumps({"line": item.line, "input_sha256": item.digest, **result}, ensure_ascii=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())

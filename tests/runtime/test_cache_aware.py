@@ -16,6 +16,7 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.expert_store import ExpertStore
 from tests.fixtures.cli import run_cli
 from tests.runtime.test_expert_store import CPU, _engine, _generate, _plan
+from tests.runtime.test_expert_threshold import captured_and_eager
 
 # 8 experts in 2 groups of 4; one token's scores, best first: 0 (0.9), 5 (0.8), 1 (0.7), 4 (0.6), 2 (0.5) ...
 CHOICE = np.array([[0.9, 0.7, 0.5, 0.1, 0.6, 0.8, 0.2, 0.3]])
@@ -70,13 +71,6 @@ def test_a_swap_rewrites_the_kernels_choice_in_place_with_the_routers_weights_fo
     assert swap.apply(_Store({0, 5}), 3, [0, 5]) == [0, 5]  # nothing cold: nothing read back, nothing changed
 
 
-def test_cache_aware_off_or_nothing_cold_gives_the_tokens_of_exact_routing(converted):
-    exact = _generate(_engine(converted))  # everything resident
-    assert _generate(_engine(converted, cache_aware=10.0)).token_ids == exact.token_ids  # nothing is cold
-    g = _generate(_engine(converted, 2, 1))
-    assert g.token_ids == exact.token_ids and not g.stats.store["swapped"]
-
-
 def test_cache_aware_swaps_cold_choices_for_warm_ones_and_counts_them(converted):
     manifest = Manifest.read(converted)
     g = _generate(_engine(converted, 2, 6, io_threads=1, cache_aware=10.0), n=16)
@@ -99,23 +93,5 @@ def test_the_cache_aware_flag_is_checked(converted):
 @pytest.mark.gpu
 def test_on_cuda_graph_steps_swap_what_eager_steps_swap(converted):
     """A captured step's next piece reads the indices and weights the host rewrote between the pieces."""
-    import dataclasses
-
-    from dsfp4.runtime.engine import Engine
-    from dsfp4.runtime.models.load import plan_run
-
-    tokens, manifest = [], Manifest.read(converted)
-    for graphs in (True, False):
-        options = RunOptions(device="cuda", max_context=64, cache_aware=10.0, cuda_graph=graphs, io_threads=1)
-        plan = plan_run(manifest, torch.device("cuda"), torch.bfloat16, 64, options, False)
-        plan = dataclasses.replace(plan, gpu_slots=2, ram_slots=6, staging=1)
-        with Engine(converted, options, plan=plan) as engine:
-            if not graphs:  # the store as capturing left it: one eager step of token 0 at position 0 per span
-                engine.logits([0])
-                engine.reset()
-            g = engine.generate([0, 5, 9, 11], max_tokens=16, temperature=0)
-            assert g.stats.store["swapped"] > 0 and engine.decode_mode.startswith("CUDA graph") == graphs, (
-                engine.decode_mode
-            )
-            tokens.append(g.token_ids)
-    assert tokens[0] == tokens[1]
+    captured, eager = captured_and_eager(converted, "swapped", ram_slots=6, cache_aware=10.0)
+    assert captured == eager

@@ -47,13 +47,6 @@ def test_a_token_leaves_out_only_cold_experts_it_weighs_below_the_threshold_and_
         store.close()
 
 
-def test_threshold_off_or_nothing_cold_gives_the_tokens_of_exact_routing(converted):
-    exact = _generate(_engine(converted))  # everything resident
-    assert _generate(_engine(converted, expert_threshold=0.45)).token_ids == exact.token_ids  # nothing is cold
-    g = _generate(_engine(converted, 3, 5))
-    assert g.token_ids == exact.token_ids and not g.stats.store["skipped"]
-
-
 def test_a_threshold_leaves_cold_experts_out_and_counts_them(converted):
     g = _generate(_engine(converted, 2, 1, io_threads=1, expert_threshold=0.49), n=16)
     s = g.stats.store
@@ -75,9 +68,9 @@ def test_the_threshold_flag_is_checked_and_eval_reports_what_it_left_out(convert
     assert r.exit_code == 2 and "--expert-threshold" in r.output
 
 
-@pytest.mark.gpu
-def test_on_cuda_graph_steps_leave_out_what_eager_steps_leave_out(converted):
-    """Captured steps rescale by the offsets table (an expert left out has no slot); eager steps by the choices."""
+def captured_and_eager(converted, counter: str, ram_slots: int, **knobs) -> list[list[int]]:
+    """Greedy tokens of a CUDA run through 2 device slots with CUDA graphs, then without, each from the store state
+    capturing leaves (the eager run takes the same step of token 0 at position 0 first); `counter` must count."""
     import dataclasses
 
     from dsfp4.runtime.engine import Engine
@@ -85,16 +78,22 @@ def test_on_cuda_graph_steps_leave_out_what_eager_steps_leave_out(converted):
 
     tokens, manifest = [], Manifest.read(converted)
     for graphs in (True, False):
-        options = RunOptions(device="cuda", max_context=64, expert_threshold=0.49, cuda_graph=graphs, io_threads=1)
+        options = RunOptions(device="cuda", max_context=64, cuda_graph=graphs, io_threads=1, **knobs)
         plan = plan_run(manifest, torch.device("cuda"), torch.bfloat16, 64, options, False)
-        plan = dataclasses.replace(plan, gpu_slots=2, ram_slots=1, staging=1)
+        plan = dataclasses.replace(plan, gpu_slots=2, ram_slots=ram_slots, staging=1)
         with Engine(converted, options, plan=plan) as engine:
-            if not graphs:  # the store as capturing left it: one eager step of token 0 at position 0 per span
+            if not graphs:  # one span is captured (max_context 64): one such step
                 engine.logits([0])
                 engine.reset()
             g = engine.generate([0, 5, 9, 11], max_tokens=16, temperature=0)
-            assert g.stats.store["skipped"] > 0 and engine.decode_mode.startswith("CUDA graph") == graphs, (
-                engine.decode_mode
-            )
+            assert g.stats.store[counter] > 0, g.stats.store
+            assert engine.decode_mode.startswith("CUDA graph") == graphs, engine.decode_mode
             tokens.append(g.token_ids)
-    assert tokens[0] == tokens[1]
+    return tokens
+
+
+@pytest.mark.gpu
+def test_on_cuda_graph_steps_leave_out_what_eager_steps_leave_out(converted):
+    """Captured steps rescale by the offsets table (an expert left out has no slot); eager steps by the choices."""
+    captured, eager = captured_and_eager(converted, "skipped", ram_slots=1, expert_threshold=0.49)
+    assert captured == eager

@@ -14,6 +14,7 @@ from dsfp4.runtime.modes import EXACT, MODES, Levers
 from dsfp4.runtime.options import RunOptions, with_knobs
 from dsfp4.tools.lever_projection import low_share, margin_shares, project_levers, skippable
 from tests.fixtures.cli import run_cli
+from tests.runtime.test_expert_store import _engine, _generate
 from tests.runtime.test_simulate import _trace
 
 
@@ -33,6 +34,18 @@ def test_every_lossy_mode_sets_a_lever_and_they_rise_in_order():
     assert all(m != EXACT for m in order)
     for lower, higher in zip(order, order[1:], strict=False):
         assert lower.expert_threshold <= higher.expert_threshold and lower.cache_aware <= higher.cache_aware
+
+
+@pytest.mark.parametrize(
+    "knobs,counter",
+    [({"expert_threshold": 0.45}, "skipped"), ({"cache_aware": 10.0}, "swapped"), ({"mode": "throughput"}, "skipped")],
+)
+def test_levers_off_or_nothing_cold_give_the_tokens_of_exact_routing(converted, knobs, counter):
+    exact = _generate(_engine(converted))  # everything resident
+    assert _generate(_engine(converted, **knobs)).token_ids == exact.token_ids  # nothing is cold: nothing changes
+    off = {k: 0.0 for k in knobs if k != "mode"} or {"mode": "exact"}
+    g = _generate(_engine(converted, 2, 2, **off))  # records streamed, every lever off
+    assert g.token_ids == exact.token_ids and not g.stats.store[counter]
 
 
 def test_plan_reports_the_levers_a_mode_chose(converted):

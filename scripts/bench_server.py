@@ -1,0 +1,143 @@
+"""Load on `dsfp4 run MODEL --serve`: N concurrent streams of chat completions from the official openai client, on
+loopback; per concurrency the aggregate decode tok/s and the p50/p99 time to first token and inter-token time, as
+the client sees them.
+
+    python scripts/bench_server.py MODEL [--streams 1,2,4,8,16] [--requests 2] [--max-tokens 64] [--json OUT]
+                                         [-- RUN FLAGS...]
+
+Each stream sends --requests requests one after another (streaming, greedy, --max-tokens each, a prompt of its own);
+the streams start together. RUN FLAGS go to `dsfp4 run --serve` (e.g. --preset 24g --routing trace.npy). The
+server's --max-queue is set to the largest concurrency so that no request is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+import httpx
+import numpy as np
+import openai
+
+TOPICS = ["the sea", "a proof", "an SSD", "a cache", "the moon", "a river", "rust", "a library"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed request -> its times: start, first token, each later token; and the tokens generated."""
+    start = time.perf_counter()
+    times, usage = [], 0
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return {"start": start, "times": times, "tokens": usage}
+
+
+def load(base: str, streams: int, requests: int, max_tokens: int) -> dict:
+    """`streams` clients at once, each `requests` requests in turn -> aggregate tok/s and latency percentiles."""
+    results: list[dict] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+
+    def client_loop(i: int) -> None:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="bench", max_retries=0, timeout=3600)
+        try:
+            for r in range(requests):
+                topic = TOPICS[(i + r) % len(TOPICS)]
+                out = _stream(client, model, f"Write about {topic}, request {i}.{r}.", max_tokens)
+                with lock:
+                    results.append(out)
+        except Exception as e:  # noqa: BLE001 (raised again below, in the caller's thread)
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise click.ClickException(f"{len(errors)} streams failed; the first: {errors[0]}")
+    ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    tokens = sum(r["tokens"] for r in results)
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else 0.0
+
+    return {
+        "streams": streams,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "aggregate_tok_s": tokens / wall,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p99_s": pct(itl, 99),
+    }
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("model", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--streams", default="1,2,4,8,16", show_default=True)
+@click.option("--requests", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--json", "out", type=click.Path(path_type=Path))
+@click.argument("run_flags", nargs=-1, type=click.UNPROCESSED)
+def main(model: Path, streams: str, requests: int, max_tokens: int, out: Path | None, run_flags: tuple) -> None:
+    counts = [int(s) for s in streams.split(",")]
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "dsfp4.cli.main", "run", str(model), "--serve", "--port", str(port)]
+    cmd += ["--max-queue", str(max(counts)), "-q", *run_flags]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        while True:  # the model loads, then the server answers /health
+            if server.poll() is not None:
+                raise click.ClickException(f"the server exited: {server.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        load(base, 1, 1, 8)  # warm: the first request compiles what the engine start did not
+        rows = [load(base, n, requests, max_tokens) for n in counts]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    click.echo(f"{'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+    for r in rows:
+        click.echo(
+            f"{r['streams']:7d} {r['aggregate_tok_s']:8.1f} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} "
+            f"{r['itl_p50_s'] * 1e3:6.1f}ms {r['itl_p99_s'] * 1e3:6.1f}ms"
+        )
+    if out is not None:
+        out.write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

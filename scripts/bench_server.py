@@ -2,8 +2,8 @@
 loopback; per concurrency the aggregate decode tok/s and the p50/p99 time to first token and inter-token time, as
 the client sees them.
 
-    python scripts/bench_server.py MODEL [--streams 1,2,4,8,16] [--requests 2] [--max-tokens 64] [--json OUT]
-                                         [-- RUN FLAGS...]
+    python scripts/bench_server.py MODEL [--streams 1,2,4,8,16] [--requests 2] [--max-tokens 64] [--passes 2]
+                                         [--json OUT] [-- RUN FLAGS...]
 
 Each stream sends --requests requests one after another (streaming, greedy, --max-tokens each, a prompt of its own);
 the streams start together. RUN FLAGS go to `dsfp4 run --serve` (e.g. --preset 24g --routing trace.npy). The
@@ -106,9 +106,19 @@ def load(base: str, streams: int, requests: int, max_tokens: int) -> dict:
 @click.option("--streams", default="1,2,4,8,16", show_default=True)
 @click.option("--requests", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option(
+    "--passes",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Sweep the concurrencies this many times and report the last (Triton compiles each new prompt length's "
+    "kernels once per machine: a later pass measures the server, not the compiler).",
+)
 @click.option("--json", "out", type=click.Path(path_type=Path))
 @click.argument("run_flags", nargs=-1, type=click.UNPROCESSED)
-def main(model: Path, streams: str, requests: int, max_tokens: int, out: Path | None, run_flags: tuple) -> None:
+def main(
+    model: Path, streams: str, requests: int, max_tokens: int, passes: int, out: Path | None, run_flags: tuple
+) -> None:
     counts = [int(s) for s in streams.split(",")]
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -125,7 +135,8 @@ def main(model: Path, streams: str, requests: int, max_tokens: int, out: Path | 
             except httpx.HTTPError:
                 time.sleep(0.5)
         load(base, 1, 1, 8)  # warm: the first request compiles what the engine start did not
-        rows = [load(base, n, requests, max_tokens) for n in counts]
+        for _ in range(passes):
+            rows = [load(base, n, requests, max_tokens) for n in counts]
     finally:
         server.terminate()
         server.wait(timeout=60)

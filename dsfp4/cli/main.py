@@ -17,6 +17,7 @@ from dsfp4.cli.convert import convert, inspect, verify
 from dsfp4.cli.demo import demo
 from dsfp4.cli.download import download
 from dsfp4.cli.eval import eval_command
+from dsfp4.cli.export import export
 from dsfp4.cli.profile import profile_hot
 from dsfp4.cli.run import chat, run
 from dsfp4.device import use_expandable_segments
@@ -77,7 +78,7 @@ def cli(debug: bool) -> None:  # --debug is DsfpGroup's to act on
     """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
 
 
-for command in (convert, inspect, verify, run, chat, eval_command, profile_hot, download, bench, doctor, demo):
+for command in (convert, inspect, verify, run, chat, eval_command, profile_hot, download, bench, doctor, demo, export):
     cli.add_command(command)
 
 

@@ -1,0 +1,1 @@
+"""A converted model written as another engine's checkpoint (`dsfp4 export`)."""

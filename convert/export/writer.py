@@ -1,0 +1,156 @@
+"""Writing an export: the converted model's tensors, under another checkpoint's names and config, as safetensors
+shards (one per backbone file, one per MoE layer's experts), streamed one tensor at a time (the peak memory is one
+tensor, whatever the model's size).
+
+Each shard is written under a temporary name and renamed when whole; `model.safetensors.index.json` comes last, so
+a folder is an export exactly when its index exists. A rerun keeps the shards already whole (their size and
+sha256 in `.dsfp4-export.json`) and writes the rest. Legend: D model dim, I expert width.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from dsfp4.convert.export import compressed_tensors as ct
+from dsfp4.errors import ConfigError, OutputError
+from dsfp4.layout.atomic import atomic_write_bytes, lock_folder
+from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
+from dsfp4.layout.safetensors_file import SafetensorsWriter, file_sha256, pread_exact
+from dsfp4.units import format_bytes
+
+INDEX = "model.safetensors.index.json"
+PROGRESS = ".dsfp4-export.json"
+COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+FORMATS = ("compressed-tensors",)
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str
+    tensors: tuple[ct.OutTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def plan_shards(model_dir: Path, manifest: Manifest) -> list[Shard]:
+    """Every shard of the export, in order, with readers of the model's files (nothing is read yet)."""
+    model_dir = Path(model_dir)
+
+    @functools.lru_cache(maxsize=2)
+    def opened(file: str):
+        return safe_open(model_dir / file, framework="pt")
+
+    def read(file: str, name: str) -> torch.Tensor:
+        return opened(file).get_tensor(name)
+
+    groups: dict[str, list[ct.OutTensor]] = {}
+    for file, t in ct.backbone_tensors(manifest, read):
+        groups.setdefault(file, []).append(t)
+    for layer in sorted(manifest.experts):
+        groups[f"experts-{layer:03d}"] = ct.expert_tensors(manifest, layer, _records(model_dir, manifest, layer))
+    n = len(groups)
+    return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(ts)) for i, ts in enumerate(groups.values())]
+
+
+def _records(model_dir: Path, manifest: Manifest, layer: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """record(e) -> the unpacked parts of expert e of `layer` (the last one read is kept: its tensors come in turn)."""
+    entry, layout = manifest.experts[layer], manifest.record
+
+    @functools.lru_cache(maxsize=1)
+    def record(e: int) -> dict[str, torch.Tensor]:
+        fd = os.open(model_dir / entry.file, os.O_RDONLY)
+        try:
+            raw = pread_exact(fd, layout.nbytes, entry.offsets[e], model_dir / entry.file)
+        finally:
+            os.close(fd)
+        return layout.unpack(raw)
+
+    return record
+
+
+def config(model_dir: Path, manifest: Manifest) -> dict:
+    """The model's config.json with the export's quantization_config."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg["quantization_config"] = ct.quantization_config(ct.matrices(manifest))
+    return cfg
+
+
+def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress: bool = True) -> list[Shard]:
+    """Write (or with dry_run only plan) the export of the converted model at model_dir into out."""
+    model_dir, out = Path(model_dir), Path(out)
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    if not (model_dir / MANIFEST_NAME).is_file():
+        raise ConfigError(f"{model_dir}: no {MANIFEST_NAME}; export takes a folder `dsfp4 convert` wrote")
+    manifest = Manifest.open(model_dir)
+    if manifest.record is None:
+        raise ConfigError(f"{model_dir}: a model without routed experts has nothing this export format is for")
+    shards = plan_shards(model_dir, manifest)
+    cfg = config(model_dir, manifest)
+    if dry_run:
+        return shards
+    if out.exists() and any(out.iterdir()) and not (out / PROGRESS).is_file() and not (out / INDEX).is_file():
+        raise OutputError(f"{out}: a folder that holds something other than an export; choose another OUT")
+    out.mkdir(parents=True, exist_ok=True)
+    fd = lock_folder(out, f"{out}: another export is writing this folder")
+    try:
+        _write(model_dir, out, shards, cfg, progress)
+    finally:
+        os.close(fd)
+    return shards
+
+
+def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress: bool) -> None:
+    done_path = out / PROGRESS
+    done = json.loads(done_path.read_text()) if done_path.is_file() else {}
+    total = sum(s.nbytes for s in shards)
+    with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="export") as bar:
+        for shard in shards:
+            path = out / shard.name
+            record = done.get(shard.name)
+            if record and path.is_file() and path.stat().st_size == record["nbytes"]:
+                bar.update(shard.nbytes)
+                continue
+            tmp = path.with_name(path.name + ".partial")
+            w = SafetensorsWriter(tmp, [(t.name, t.dtype, t.shape) for t in shard.tensors])
+            try:
+                for t in shard.tensors:
+                    data = t.read()
+                    if tuple(data.shape) != t.shape:
+                        raise OutputError(f"{t.name}: read {list(data.shape)}, planned {list(t.shape)}")
+                    w.write(t.name, data.contiguous())
+                    bar.update(t.nbytes)
+                w.close()
+            except BaseException:
+                w.abort()
+                tmp.unlink(missing_ok=True)
+                raise
+            os.replace(tmp, path)
+            done[shard.name] = {"nbytes": path.stat().st_size, "sha256": file_sha256(path)}
+            atomic_write_bytes(done_path, json.dumps(done, indent=1).encode())
+    for name in COPIED:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out / name)
+    atomic_write_bytes(out / "config.json", (json.dumps(cfg, indent=1) + "\n").encode())
+    weight_map = {t.name: s.name for s in shards for t in s.tensors}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    atomic_write_bytes(out / INDEX, (json.dumps(index, indent=1) + "\n").encode())
+
+
+def describe(shards: list[Shard]) -> str:
+    """The dry run's table: each shard's tensors and size, then the total."""
+    lines = [f"{s.name}  {len(s.tensors):6d} tensors  {format_bytes(s.nbytes):>10}" for s in shards]
+    lines.append(f"total  {sum(len(s.tensors) for s in shards)} tensors, {format_bytes(sum(s.nbytes for s in shards))}")
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""`dsfp4 export --format compressed-tensors` (convert/export/): every tensor, decompressed by the compressed-tensors
+package's own decompressors, equals dsfp4's dequantization of the stored bytes (exactly for FP8 blocks and MXFP4;
+NVFP4 within the library's bf16 output, which it matches where bf16 holds the values); each module matches one
+config group or the ignore list; the export streams, resumes and refuses bad input with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dsfp4.convert.export.compressed_tensors import _global
+from dsfp4.convert.export.writer import INDEX, export
+from dsfp4.convert.pipeline import convert
+from dsfp4.convert.plan import ConvertOptions
+from dsfp4.errors import FormatError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.quant import dequantize
+from dsfp4.layout.safetensors_file import pread_exact
+from tests.fixtures.cli import assert_one_line_error, run_cli
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors import BaseCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+from compressed_tensors.utils.match import match_name  # noqa: E402
+
+FORMAT = "compressed-tensors"
+
+
+@pytest.fixture(scope="module")
+def mxfp4_converted(checkpoints, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mx") / "mxfp4"
+    convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4"), progress=False)
+    return out
+
+
+def _ours(model: Path, m: Manifest) -> dict[str, torch.Tensor]:
+    """Every matrix and plain tensor of the converted model, dequantized by dsfp4, under the exported names."""
+    from dsfp4.convert.names.family import name_map
+
+    out, a = {}, m.args
+    for rule, prefix, block, expert, _ in name_map(a).placed(a, True):
+        hf = prefix + rule.hf.format(e=expert)
+        if expert is not None:
+            e = m.experts[block]
+            fd = os.open(model / e.file, os.O_RDONLY)
+            raw = pread_exact(fd, m.record.nbytes, e.offsets[expert])
+            os.close(fd)
+            w1, w3, w2 = m.record.dequantize(raw)
+            out[hf] = {"w1": w1, "w3": w3, "w2": w2}[rule.ref.rsplit(".", 1)[-1]]
+            continue
+        entry = m.tensors.get(("" if block is None else f"layers.{block}.") + rule.ref)
+        if entry is None:
+            continue
+        with safe_open(model / entry.file, "pt") as f:
+            parts = tuple(f.get_tensor(n) for n in entry.tensors.values())
+        out[hf] = parts[0] if len(parts) == 1 else dequantize(entry.format, parts, dtype=torch.float32)
+    return out
+
+
+def _theirs(out: Path) -> tuple[dict[str, torch.Tensor], QuantizationConfig, dict]:
+    """The exported modules decompressed by compressed-tensors (plain tensors as they are)."""
+    cfg = json.loads((out / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(cfg["quantization_config"])
+    tensors = {}
+    for f in sorted(out.glob("model-*.safetensors")):
+        tensors.update(load_file(f))
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    plain = {}
+    for name, t in tensors.items():
+        module, suffix = name.rsplit(".", 1)
+        if suffix in ("weight_packed", "weight_scale", "weight_global_scale") or (
+            suffix == "weight" and any(match_name(module, x) for g in qc.config_groups.values() for x in g.targets)
+        ):
+            modules.setdefault(module, {})[suffix] = t
+        else:
+            plain[name] = t
+    out_tensors = dict(plain)
+    for module, sd in modules.items():
+        (group,) = [g for g in qc.config_groups.values() if any(match_name(module, x) for x in g.targets)]
+        out_tensors[module] = BaseCompressor.get_value_from_registry(group.format).decompress(sd, group)["weight"]
+    return out_tensors, qc, cfg
+
+
+@pytest.mark.parametrize("which", ["nvfp4", "mxfp4"])
+def test_every_tensor_decompresses_to_dsfp4s_own_dequantization(converted, mxfp4_converted, tmp_path, which):
+    model = converted if which == "nvfp4" else mxfp4_converted
+    m = Manifest.read(model)
+    export(model, tmp_path / "ct", FORMAT, progress=False)
+    theirs, qc, cfg = _theirs(tmp_path / "ct")
+    ours = _ours(model, m)
+    for name, want in ours.items():
+        got = theirs[name] if name in theirs else theirs[name + ".weight"]  # a plain matrix keeps `.weight`
+        if "experts." in name and ".shared_experts." not in name and which == "nvfp4":
+            # the library computes in bf16 (block scale / global scale, then times the element): two roundings
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0, msg=name)
+        else:
+            assert torch.equal(got.float(), want.float()), name
+    assert len(theirs) == len(ours)
+    assert cfg["quantization_config"]["format"] == "mixed-precision" and cfg["model_type"]
+    formats = sorted(g.format for g in qc.config_groups.values())
+    assert formats == sorted(["float-quantized", f"{which}-pack-quantized"])
+
+
+def test_each_quantized_module_matches_one_group_and_no_plain_one_matches_any(converted, tmp_path):
+    export(converted, tmp_path / "ct", FORMAT, progress=False)
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    index = json.loads((tmp_path / "ct" / INDEX).read_text())["weight_map"]
+    quantized = {n.rsplit(".", 1)[0] for n in index if n.endswith(".weight_scale")}
+    plain = {n.rsplit(".", 1)[0] for n in index if n.endswith(".weight")} - quantized
+    assert quantized and plain
+    for module in quantized | plain:
+        groups = [k for k, g in cfg["config_groups"].items() if any(match_name(module, t) for t in g["targets"])]
+        assert len(groups) == (module in quantized), module
+        if ".experts." in module:
+            assert groups == ["group_1"], module  # the FP8 group never takes a routed expert
+    ignored = [m for m in plain if any(match_name(m, t) for t in cfg["ignore"])]
+    assert any(m.endswith(".eh_proj") for m in ignored)  # a plain matrix is listed as such
+    assert "lm_head" in cfg["ignore"]
+
+
+def test_an_interrupted_export_resumes_and_a_dry_run_writes_nothing(converted, tmp_path):
+    out = tmp_path / "ct"
+    r = run_cli("export", converted, out, "--format", FORMAT, "--dry-run")
+    assert r.exit_code == 0 and "total" in r.output and not out.exists()
+    shards = export(converted, out, FORMAT, progress=False)
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("model-*.safetensors")}
+    (out / INDEX).unlink()
+    (out / shards[-1].name).unlink()
+    export(converted, out, FORMAT, progress=False)
+    again = {p.name: p.stat().st_mtime_ns for p in out.glob("model-*.safetensors")}
+    assert (out / INDEX).is_file() and set(again) == set(first)
+    assert all(again[n] == first[n] for n in first if n != shards[-1].name)  # kept, not written again
+    assert not list(out.glob("*.partial"))
+
+
+def test_bad_input_is_one_line(converted, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert_one_line_error(run_cli("export", converted, other, "--format", FORMAT), "holds something other")
+    assert_one_line_error(run_cli("export", tmp_path, tmp_path / "o", "--format", FORMAT), "no manifest.json")
+    r = run_cli("export", converted, tmp_path / "o", "--format", "gguf")
+    assert r.exit_code == 2 and "--format" in r.output
+
+
+def test_gate_and_up_must_share_their_global_scale():
+    parts = {"scale_2": torch.tensor([0.5, 0.25, 1.0])}
+    with pytest.raises(FormatError, match="layer 3 expert 7: gate and up have different NVFP4 global scales"):
+        _global(parts, 0, 3, 7)
+    assert _global(parts, 2, 3, 7) == 1.0

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
+from dsfp4.convert.backbone import backbone_format, fp4_kinds
 from dsfp4.convert.names.rules import AUX, EXPERT, LINEAR, MappedTensor, TensorMap, part_name
 from dsfp4.convert.source.checkpoint import INDEX_NAME, SourceCheckpoint
 from dsfp4.errors import ConfigError
@@ -23,7 +24,6 @@ from dsfp4.layout.record import RecordLayout
 from dsfp4.units import format_bytes
 from dsfp4.version import __version__
 
-BACKBONE_MODES = ("fp8", "fp4")
 GATE_UP_PAIRS = {"w1": "w3", "w3": "w1"}  # reference names of an MLP's gate and up projections
 HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
 AUTO_FORMAT = "auto"
@@ -54,8 +54,7 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         if self.format not in (AUTO_FORMAT, *FP4_FORMATS):
             raise ConfigError(f"--format {self.format}: choose one of {', '.join((AUTO_FORMAT, *FP4_FORMATS))}")
-        if self.backbone not in BACKBONE_MODES:
-            raise ConfigError(f"--backbone {self.backbone}: choose one of {', '.join(BACKBONE_MODES)}")
+        fp4_kinds(self.backbone)  # a one-line error for a bad spec
         if self.workers < 1:
             raise ConfigError(f"--workers {self.workers}: give at least 1")
 
@@ -121,11 +120,11 @@ class Plan:
 
 
 def target_format(item: MappedTensor, backbone: str) -> str:
-    """Backbone matrices DeepSeek ships in FP8 go to FP8 (kept bit-exact when already FP8) or, with
-    --backbone fp4, to NVFP4; NVFP4 sources stay NVFP4; everything else stays as stored."""
+    """Backbone matrices DeepSeek ships in FP8 go to FP8 (kept bit-exact when already FP8) or to NVFP4, by their
+    kind and the --backbone spec (convert/backbone.py); NVFP4 sources stay NVFP4; everything else as stored."""
     if item.kind != LINEAR or item.storage == "nvfp4":
         return item.storage
-    return "nvfp4" if backbone == "fp4" else "fp8_e4m3_b128"
+    return backbone_format(item.ref, backbone)
 
 
 def _out_tensor(item: MappedTensor, backbone: str) -> OutTensor:

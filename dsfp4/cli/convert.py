@@ -34,11 +34,11 @@ from dsfp4.units import format_bytes
 )
 @click.option(
     "--backbone",
-    type=click.Choice(["fp8", "fp4"]),
     default="fp8",
     show_default=True,
-    help="fp8: keep FP8 bit-exact (BF16 sources are quantized to FP8 blocks); fp4: attention, "
-    "dense and shared-expert matrices to NVFP4, so the backbone fits a 16 GB card.",
+    help="fp8: keep FP8 bit-exact (BF16 sources are quantized to FP8 blocks); fp4: attention, dense and "
+    "shared-expert matrices to NVFP4, so the backbone fits a 16 GB card; fp4:KIND,... only those kinds (wq_a, "
+    "wq_b, wkv_a, wkv_b, wo, dense, shared) in NVFP4.",
 )
 @click.option("--no-mtp", is_flag=True, help="Leave out the MTP layer (needed when SRC was downloaded without it).")
 @click.option(

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsfp4.convert.backbone import backbone_format
 from dsfp4.convert.names.family import name_map
 from dsfp4.convert.names.rules import AUX, EXPERT, LINEAR, part_name
 from dsfp4.convert.source.hf_config import from_hf_config
@@ -149,7 +150,7 @@ def stored_format(args: ModelArgs, ref: str, kind: str, backbone: str) -> str:
     """The format the converter gives a backbone tensor: matrices DeepSeek ships in FP8 (and V3's MTP eh_proj)
     the backbone format; V4's compressor and indexer matrices (AUX) BF16; the rest as the releases store them."""
     if kind == LINEAR or (kind == AUX and not args.is_v4):
-        return backbone
+        return backbone if backbone in FORMATS else backbone_format(ref, backbone)  # a format, or a --backbone spec
     if ref.endswith("tid2eid"):
         return "i64"
     return "f32" if F32_NAMES.fullmatch(ref) else "bf16"

@@ -93,11 +93,12 @@ def full_args(family: str) -> ModelArgs:
     return model_args(n_layers, n_dense, family=writer)[1]
 
 
-def full_plan(family: str, machine: Machine) -> tuple[Manifest, Plan]:
-    """The whole model's manifest and plan on the machine: the FP8 backbone, or NVFP4 where FP8 does not fit."""
+def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tuple[Manifest, Plan]:
+    """The whole model's manifest and plan on the machine: the FP8 backbone, or NVFP4 where FP8 does not fit; with
+    `backbone` (a --backbone spec, convert/backbone.py) that one, or a ConfigError when it does not fit."""
     args = full_args(family)
     expert_format = "mxfp4" if args.is_v4 else "nvfp4"
-    for backbone in ("fp8_e4m3_b128", "nvfp4"):
+    for backbone in ("fp8_e4m3_b128", "nvfp4") if backbone is None else (backbone,):
         m = planned_manifest(args, backbone, expert_format)
         try:
             budgets, b = machine.budgets, (MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
@@ -105,7 +106,8 @@ def full_plan(family: str, machine: Machine) -> tuple[Manifest, Plan]:
         except ConfigError:
             continue
         return m, plan
-    raise ConfigError(f"{family}: the planner fits no backbone format in {machine.about}")
+    which = "no backbone format" if backbone is None else f"no backbone {backbone}"
+    raise ConfigError(f"{family}: the planner fits {which} in {machine.about}")
 
 
 def _per_token(m: Manifest, size: Callable[[str, TensorEntry], float], record: float) -> tuple[float, float, float]:
@@ -263,12 +265,19 @@ VARIANTS = (  # (policy, prefetch recall or None, prefetch may read from the SSD
 )
 
 
-def project(family: str, ids: np.ndarray, machines: list[str], eff: float, variants: tuple = VARIANTS) -> list[Row]:
-    """The whole model of `family` on each machine under each variant of the store."""
+def project(
+    family: str,
+    ids: np.ndarray,
+    machines: list[str],
+    eff: float,
+    variants: tuple = VARIANTS,
+    backbone: str | None = None,
+) -> list[Row]:
+    """The whole model of `family` on each machine under each variant of the store (`backbone`: full_plan's)."""
     rows = []
     for name in machines:
         machine = MACHINES[name]
-        m, plan = full_plan(family, machine)
+        m, plan = full_plan(family, machine, backbone)
         moe = n_moe_layers(m)
         trace = spread(ids, moe)
         costs = decode_costs(m, machine.hbm, eff)

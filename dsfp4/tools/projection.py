@@ -98,8 +98,8 @@ def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tup
     `backbone` (a --backbone spec, convert/backbone.py) that one, or a ConfigError when it does not fit."""
     args = full_args(family)
     expert_format = "mxfp4" if args.is_v4 else "nvfp4"
-    for backbone in ("fp8_e4m3_b128", "nvfp4") if backbone is None else (backbone,):
-        m = planned_manifest(args, backbone, expert_format)
+    for tried in ("fp8_e4m3_b128", "nvfp4") if backbone is None else (backbone,):
+        m = planned_manifest(args, tried, expert_format)
         try:
             budgets, b = machine.budgets, (MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
             plan = make_plan(m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS)

@@ -97,6 +97,11 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
     manifest = Manifest.open(model_dir)
     if manifest.record is None:
         raise ConfigError(f"{model_dir}: a model without routed experts has nothing this export format is for")
+    if manifest.args.is_v4:
+        raise ConfigError(
+            f"{model_dir}: DeepSeek-V4's own release layout (FP8 blocks, MXFP4 experts) is what engines load for V4; "
+            "export writes the DeepSeek-V3 family's"
+        )
     shards = plan_shards(model_dir, manifest)
     cfg = config(model_dir, manifest)
     if dry_run:

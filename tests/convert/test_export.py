@@ -139,12 +139,14 @@ def test_an_interrupted_export_resumes_and_a_dry_run_writes_nothing(converted, t
     assert not list(out.glob("*.partial"))
 
 
-def test_bad_input_is_one_line(converted, tmp_path):
+def test_bad_input_is_one_line(converted, v4_converted, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     assert_one_line_error(run_cli("export", converted, other, "--format", FORMAT), "holds something other")
     assert_one_line_error(run_cli("export", tmp_path, tmp_path / "o", "--format", FORMAT), "no manifest.json")
+    r = run_cli("export", v4_converted, tmp_path / "o", "--format", FORMAT)
+    assert_one_line_error(r, "DeepSeek-V4's own release layout")
     r = run_cli("export", converted, tmp_path / "o", "--format", "gguf")
     assert r.exit_code == 2 and "--format" in r.output
 

@@ -16,8 +16,8 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import click
@@ -56,31 +56,17 @@ def _stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> 
 
 def load(base: str, streams: int, requests: int, max_tokens: int) -> dict:
     """`streams` clients at once, each `requests` requests in turn -> aggregate tok/s and latency percentiles."""
-    results: list[dict] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
 
-    def client_loop(i: int) -> None:
+    def client_loop(i: int) -> list[dict]:
         client = openai.OpenAI(base_url=base + "/v1", api_key="bench", max_retries=0, timeout=3600)
-        try:
-            for r in range(requests):
-                topic = TOPICS[(i + r) % len(TOPICS)]
-                out = _stream(client, model, f"Write about {topic}, request {i}.{r}.", max_tokens)
-                with lock:
-                    results.append(out)
-        except Exception as e:  # noqa: BLE001 (raised again below, in the caller's thread)
-            errors.append(e)
+        prompts = [f"Write about {TOPICS[(i + r) % len(TOPICS)]}, request {i}.{r}." for r in range(requests)]
+        return [_stream(client, model, p, max_tokens) for p in prompts]
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(streams) as pool:  # every stream starts at once; a failed one raises here
+        results = [r for rs in pool.map(client_loop, range(streams)) for r in rs]
     wall = time.perf_counter() - t0
-    if errors:
-        raise click.ClickException(f"{len(errors)} streams failed; the first: {errors[0]}")
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
     tokens = sum(r["tokens"] for r in results)

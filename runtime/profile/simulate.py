@@ -130,10 +130,11 @@ class Tiers:
         self.place(list(warm), keep_free)
 
     def place(self, warm: list[Key], keep_free: int) -> None:
-        """Records hottest first, placed as a warm start places them (the first gpu_slots on the device, the next
-        ram_slots in RAM); the hot policy then holds them, leaving `keep_free` slots to move through."""
+        """Records hottest first, placed as a warm start places them (placement.preload: the first gpu_slots on the
+        device and the first ram_slots in RAM, or the next ones when the device is the larger); the hot policy then
+        holds them, leaving `keep_free` slots to move through."""
         g, r = len(self.gpu.key_of), len(self.ram.key_of)
-        for pool, keys in ((self.gpu, warm[:g]), (self.ram, warm[g : g + r])):
+        for pool, keys in ((self.gpu, warm[:g]), (self.ram, warm[:r] if g <= r else warm[g : g + r])):
             for key in reversed(keys):  # the hottest touched last, counted most
                 pool.allocate(key, ())
         hold_hottest(self.ram, warm, keep_free)

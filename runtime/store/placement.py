@@ -1,6 +1,6 @@
 """Where the records start a run: every record on the device when the slots hold them all; every record placed once
 (hottest on the device, the rest read from pinned RAM in place) when device and RAM hold them all and the kernels
-may read RAM; else the hot profile's hottest records in device slots and the next ones in RAM."""
+may read RAM; else the hot profile's hottest records in device slots and in RAM (inclusive, as the tiers run)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,8 @@ def place_records(store: ExpertStore, profile: HotProfile | None, zero_copy: boo
 
 
 def warm_start(store: ExpertStore, profile: HotProfile) -> None:
-    """Hottest records to the device slots, the next ones to RAM. Each layer's share is read in file order,
-    adjacent records together: after a hot-first repack, the hot prefix of every layer is read sequentially (its
-    device part, then its RAM part, which follows it in the file)."""
+    """Hottest records to the device slots and to RAM (preload). Each layer's share is read in file order, adjacent
+    records together: after a hot-first repack, the hot prefix of every layer is read in one sequential pass."""
     preload(store, [k for k in profile.ranked() if k[0] in store.plan.expert_layers])
 
 
@@ -85,10 +84,22 @@ def hold_hottest(pool: SlotPool, ranked: list[Key], keep_free: int) -> None:
 
 
 def preload(store: ExpertStore, ranked: list[Key]) -> None:
-    """The first gpu_slots of `ranked` onto the device (through RAM, layer by layer in file order), the next
-    ram_slots into RAM; waits for all of it."""
+    """The first gpu_slots of `ranked` onto the device and, as the tiers are inclusive, the first ram_slots into RAM
+    (the device's among them: a record the device evicts is still a RAM hit, and RAM's held hot set starts at the
+    hottest); waits for all of it. A device larger than RAM takes its records through RAM, layer by layer in file
+    order, and RAM then holds the next ones."""
     t0 = time.perf_counter()
     p = store.plan
+    if p.gpu_slots <= p.ram_slots:
+        to_gpu, to_ram = ranked[: p.gpu_slots], ranked[: p.ram_slots]
+        store.read_ahead(to_ram, set())  # in file order, adjacent records together
+        store.sync()
+        for key in sorted(to_gpu, key=store.file_position):
+            store.start(key, set(), wait=True)  # from its RAM copy
+        store.sync()
+        hold_hottest(store.ram_pool, ranked, p.gpu_slots + p.staging)
+        store.warm_records, store.warm_s = len(to_ram), time.perf_counter() - t0
+        return
     to_gpu, to_ram = ranked[: p.gpu_slots], ranked[p.gpu_slots : p.gpu_slots + p.ram_slots]
     for layer in sorted({layer for layer, _ in to_gpu}):
         keys = sorted((k for k in to_gpu if k[0] == layer), key=store.file_position)

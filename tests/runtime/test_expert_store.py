@@ -201,7 +201,7 @@ def test_a_damaged_record_names_layer_and_expert_unless_verify_is_off(converted,
             store.close()
 
 
-def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_path):
+def test_warm_start_fills_the_device_and_ram_with_the_hottest(converted, tmp_path):
     model = Path(shutil.copytree(converted, tmp_path / "model"))
     manifest = Manifest.read(model)
     rng = np.random.default_rng(0)
@@ -216,7 +216,8 @@ def test_warm_start_fills_the_device_then_ram_with_the_hottest(converted, tmp_pa
     warm_start(store, profile)
     res = store.residency()
     assert {k for k in ranked[:3]} == {(int(a), int(b)) for a, b in zip(*np.nonzero(res == 2), strict=True)}
-    assert {k for k in ranked[3:8]} <= {(int(a), int(b)) for a, b in zip(*np.nonzero(res >= 1), strict=True)}
+    # inclusive tiers: RAM holds the 5 hottest, the device's 3 among them (an evicted one is still a RAM hit)
+    assert set(ranked[:5]) == set(store.ram_pool.slot_of) and store.warm_records == 5
     store.close()
     store = ExpertStore(model, manifest, CPU, _plan(model, 12, 2))  # more device slots than RAM ones
     warm_start(store, profile)

@@ -319,17 +319,20 @@ class Engine:
             self._stream = None
 
     def _restore(self, prompt_ids: list[int], reuse: int) -> int:
-        """--prompt-cache: restore a saved prefix of the prompt longer than the `reuse` positions the cache keeps ->
-        the positions restored (0: none)."""
-        if self.prompt_cache is None:
+        """--prompt-cache: restore a saved prefix of the prompt when it serves more than the `reuse` positions the
+        cache keeps, MTP entries counted -> the positions the prompt then reuses (0: nothing restored)."""
+        pc = self.prompt_cache
+        hit = None if pc is None else pc.find(prompt_ids, reuse)
+        if hit is None:
             return 0
-        n, upto = self.prompt_cache.restore(prompt_ids, reuse, self._model().positional_caches())
-        if n:
-            self.decoder.cached = list(prompt_ids[:n])
-            if self.speculator is not None:
-                self.speculator.upto = upto
-            n = self._reusable(prompt_ids)  # as far as the MTP entries allow
-        return n
+        upto = min(hit.mtp_upto, hit.common)
+        gain = hit.common if self.speculator is None else max(min(upto, hit.common - 1), 0)  # Speculator.reusable
+        if self._model().reusable(gain) <= reuse or not pc.restore(hit, self._model().positional_caches()):
+            return 0
+        self.decoder.cached = list(prompt_ids[: hit.common])
+        if self.speculator is not None:
+            self.speculator.upto = upto
+        return self._reusable(prompt_ids)
 
     def _reusable(self, prompt_ids: list[int]) -> int:
         """Cached tokens this prompt may keep: its common prefix with the cache, short of its last token, as far
@@ -366,10 +369,10 @@ class Engine:
         stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
         if self.prompt_cache is not None:
-            if n - reuse >= MIN_NEW_TOKENS:  # worth a file: a prefill this long costs more than restoring it
+            stats.prompt_cache_note = self.prompt_cache.take_notes()
+            filled = common_prefix(self.decoder.cached, prompt_ids)  # short of the prompt when it was cancelled
+            if filled - reuse >= MIN_NEW_TOKENS:  # worth a file: a prefill this long costs more than restoring it
                 upto = self.speculator.upto if self.speculator is not None else 0
-                self.prompt_cache.save(prompt_ids, self._model().positional_caches(), upto)
-            stats.prompt_cache_note = "; ".join(self.prompt_cache.notes)
-            self.prompt_cache.notes.clear()
+                self.prompt_cache.save(prompt_ids[:filled], self._model().positional_caches(), upto)
         self.stats, self._stream = stats, None
         return Generation(list(prompt_ids), tokens, text, finish, stats)

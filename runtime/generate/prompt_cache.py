@@ -50,7 +50,10 @@ def decode_entry(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     specs = header.get("arrays")
     if not isinstance(specs, dict):
         raise ValueError("damaged header (no arrays)")
-    sizes = {name: int(np.prod(shape)) * np.dtype(dtype).itemsize for name, (shape, dtype) in specs.items()}
+    try:
+        sizes = {name: int(np.prod(shape)) * np.dtype(dtype).itemsize for name, (shape, dtype) in specs.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"damaged header (arrays: {e})") from None
     header, body = framed_file.unpack(MAGIC, FORMAT_VERSION, data, WHAT, sum(sizes.values()))
     if len(body) != sum(sizes.values()):
         raise ValueError(f"truncated data: {len(body)} bytes of {sum(sizes.values())}")
@@ -119,17 +122,23 @@ class PromptCache:
         os.utime(hit.path, ns=(now, now))  # used: the last to be evicted
         return arrays
 
-    def restore(self, prompt: list[int], longer_than: int, caches: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """Copy the rows of the entry serving the longest prefix of `prompt` into `caches` (Model.positional_caches)
-        -> (positions restored, MTP entries among them); (0, 0) when no entry serves more than `longer_than`."""
-        hit = self.find(prompt, longer_than)
-        arrays = None if hit is None else self.load(hit)
+    def restore(self, hit: Hit, caches: dict[str, torch.Tensor]) -> bool:
+        """Copy the hit's first hit.common rows into `caches` (Model.positional_caches) -> whether it could (an entry
+        that cannot be read is skipped with a note)."""
+        arrays = self.load(hit)
         if arrays is None:
-            return 0, 0
-        n = hit.common
+            return False
+        if set(arrays) != set(caches):
+            self.notes.append(f"prompt cache: {hit.path.name} skipped (its caches are not this model's)")
+            return False
         for name, t in caches.items():
-            t[:n].copy_(_tensor(arrays[name][:n], t.dtype))
-        return n, min(hit.mtp_upto, n)
+            t[: hit.common].copy_(_tensor(arrays[name][: hit.common], t.dtype))
+        return True
+
+    def take_notes(self) -> str:
+        """The notes since the last call, joined (a write still running adds its own to the next call's)."""
+        notes, self.notes = self.notes, []
+        return "; ".join(notes)
 
     def save(self, tokens: list[int], caches: dict[str, torch.Tensor], mtp_upto: int) -> None:
         """Write the entry of `tokens` (the first len(tokens) rows of `caches`, copied to the CPU now) in the

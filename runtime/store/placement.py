@@ -64,7 +64,7 @@ def map_all(store: ExpertStore, ranked: list[Key]) -> None:
     used = [(layer, e) for layer in sorted(p.expert_layers) for e in range(n)]
     assert sorted(ranked) == used, "map_all() ranks every used record once"
     assert p.gpu_slots + p.ram_slots >= p.total_records, "map_all() needs a device or RAM slot per record"
-    preload(store, ranked)
+    preload(store, ranked, inclusive=False)  # each record once: a slot for every one
     tier = store.residency()  # [blocks, experts]: 2 on the device, 1 in RAM only
     host = torch.full(tier.shape, -1, dtype=torch.int32)  # the RAM slots of the records read in place
     for (layer, e), rslot in store.ram_pool.slot_of.items():
@@ -83,14 +83,14 @@ def hold_hottest(pool: SlotPool, ranked: list[Key], keep_free: int) -> None:
         pool.policy.hold(present[: max(0, min(int(HOT_SHARE * slots), slots - keep_free))])
 
 
-def preload(store: ExpertStore, ranked: list[Key]) -> None:
+def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> None:
     """The first gpu_slots of `ranked` onto the device and, as the tiers are inclusive, the first ram_slots into RAM
     (the device's among them: a record the device evicts is still a RAM hit, and RAM's held hot set starts at the
-    hottest); waits for all of it. A device larger than RAM takes its records through RAM, layer by layer in file
-    order, and RAM then holds the next ones."""
+    hottest); waits for all of it. A device larger than RAM, or `inclusive` False (map_all: every record once),
+    takes the device's records through RAM, layer by layer in file order, and RAM then holds the next ones."""
     t0 = time.perf_counter()
     p = store.plan
-    if p.gpu_slots <= p.ram_slots:
+    if inclusive and p.gpu_slots <= p.ram_slots:
         to_gpu, to_ram = ranked[: p.gpu_slots], ranked[: p.ram_slots]
         store.read_ahead(to_ram, set())  # in file order, adjacent records together
         store.sync()

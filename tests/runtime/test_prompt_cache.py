@@ -4,6 +4,8 @@ stays within its bound."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -85,18 +87,31 @@ def test_short_prompts_are_not_saved_and_mtp_entries_come_back_too(converted, tm
         assert _tokens(e, PROMPT)[1].restored_tokens == 0
 
 
+def test_a_cancelled_prompt_saves_nothing_it_did_not_prefill(converted, tmp_path):
+    folder, cancel = tmp_path / "pc", threading.Event()
+    cancel.set()
+    with _engine(converted, folder) as e:
+        assert e.generate(PROMPT, max_tokens=8, temperature=0, cancel=cancel).finish_reason == "cancelled"
+    assert not list(folder.glob(f"*{SUFFIX}"))  # its rows past the prefill hold another prompt's
+
+
 def test_damaged_and_foreign_entries_are_skipped(converted, tmp_path):
     folder = tmp_path / "pc"
     folder.mkdir()
     (folder / f"bad{SUFFIX}").write_bytes(b"garbage")
     foreign = {"conversion": "another", "rows": {}}
     (folder / f"foreign{SUFFIX}").write_bytes(encode_entry({**foreign, "tokens": PROMPT}, {}))
+    with _engine(converted, folder) as e:  # an entry of this model whose array specs are damaged
+        identity = e.prompt_cache.identity
+    bad = encode_entry({**identity, "tokens": PROMPT}, {"a": np.zeros(3, np.float32)})
+    (folder / f"specs{SUFFIX}").write_bytes(bad.replace(b'"<f4"', b'"<zz"'))
     with _engine(converted, folder) as e:
         got, stats = _tokens(e, PROMPT)
         assert stats.restored_tokens == 0 and "bad.dsfp4kv skipped (not a dsfp4 prompt cache entry)" in (
             stats.prompt_cache_note
         )
         assert "foreign" not in stats.prompt_cache_note  # another model's entry is simply not this run's
+        assert "specs.dsfp4kv skipped (damaged header (arrays" in stats.prompt_cache_note
 
 
 def test_the_folder_is_held_to_its_bound_least_recently_used_first(tmp_path):

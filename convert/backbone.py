@@ -1,7 +1,7 @@
 """`--backbone`: the format of each backbone matrix DeepSeek ships in FP8, by its kind.
 
   fp8               every one in FP8 128x128 blocks, bit-exact where the source is FP8 (the default)
-  fp4               every one in NVFP4
+  fp4               every one in NVFP4 (whatever its kind: DeepSeek-V4's attention matrices too)
   fp4:KIND,KIND...  the kinds listed in NVFP4, the rest in FP8, e.g. fp4:wo,wq_b,shared
 
 Kinds (KINDS): the attention projections wq_a, wq_b (wq where the model has no q LoRA), wkv_a, wkv_b, wo; `dense`,
@@ -45,5 +45,5 @@ def matrix_kind(ref: str) -> str | None:
 
 
 def backbone_format(ref: str, spec: str) -> str:
-    """The format --backbone `spec` gives the matrix `ref`."""
-    return FP4 if matrix_kind(ref) in fp4_kinds(spec) else FP8
+    """The format --backbone `spec` gives the matrix `ref` (fp4: every one, V4's own kinds too)."""
+    return FP4 if spec == "fp4" or matrix_kind(ref) in fp4_kinds(spec) else FP8

@@ -24,7 +24,9 @@ from dsfp4.layout.record import RecordLayout
 from dsfp4.units import format_bytes
 from dsfp4.version import __version__
 
-GATE_UP_PAIRS = {"w1": "w3", "w3": "w1"}  # reference names of an MLP's gate and up projections
+# matrices engines fuse into one layer (an MLP's gate and up; V3's q_a and kv_a, vLLM's fused_qkv_a_proj): in NVFP4
+# the two share one global scale, so a fused kernel, and an export to such an engine, needs one scalar
+FUSED_PAIRS = {"w1": "w3", "w3": "w1", "wq_a": "wkv_a", "wkv_a": "wq_a"}
 HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
 AUTO_FORMAT = "auto"
 DEFAULT_EXPERT_FORMAT = "nvfp4"  # for experts the source stores in FP8 or BF16
@@ -134,14 +136,14 @@ def _out_tensor(item: MappedTensor, backbone: str) -> OutTensor:
     return OutTensor(item, fmt, names)
 
 
-def _pair_gate_up(backbone: tuple[OutTensor, ...]) -> tuple[OutTensor, ...]:
-    """Gate (w1) and up (w3) of one MLP quantized to NVFP4 share a global scale from their joint amax,
-    as NVIDIA's exports do, so a fused gate+up kernel needs one scalar."""
+def _pair_fused(backbone: tuple[OutTensor, ...]) -> tuple[OutTensor, ...]:
+    """The two matrices of a FUSED_PAIRS pair quantized to NVFP4 share a global scale from their joint amax, as
+    NVIDIA's exports do for gate and up."""
     by_ref = {t.item.ref: t for t in backbone}
     out = []
     for t in backbone:
         base, _, proj = t.item.ref.rpartition(".")
-        other = by_ref.get(f"{base}.{GATE_UP_PAIRS[proj]}") if proj in GATE_UP_PAIRS else None
+        other = by_ref.get(f"{base}.{FUSED_PAIRS[proj]}") if proj in FUSED_PAIRS else None
         if t.format == "nvfp4" and not t.is_copy and other and other.format == "nvfp4" and not other.is_copy:
             t = dataclasses.replace(t, amax_partner=other.item)
         out.append(t)
@@ -161,7 +163,7 @@ def make_plan(src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions) -
     for block in [None, *range(args.n_blocks)]:
         name = part_name(block)
         items = [i for i in tmap.items if i.part == name]
-        backbone = _pair_gate_up(tuple(_out_tensor(i, options.backbone) for i in items if i.kind != EXPERT))
+        backbone = _pair_fused(tuple(_out_tensor(i, options.backbone) for i in items if i.kind != EXPERT))
         by_expert: dict[int, dict[str, MappedTensor]] = {}
         for i in items:
             if i.kind == EXPERT:

@@ -121,6 +121,32 @@ def _matrix(module: str, fmt: str, parts: dict[str, Read], shapes: dict[str, tup
     return out
 
 
+FUSED = (("attn.wq_a", "attn.wkv_a"), ("ffn.w1", "ffn.w3"), ("ffn.shared_experts.w1", "ffn.shared_experts.w3"))
+
+
+def check_fused(manifest: Manifest, read: Callable[[str, str], torch.Tensor]) -> None:
+    """The backbone pairs vLLM and SGLang fuse into one layer (FUSED) must share their format and, in NVFP4, their
+    global scale; FormatError naming the pair otherwise."""
+    for block in range(manifest.args.n_blocks):
+        for a, b in FUSED:
+            ea, eb = (manifest.tensors.get(f"layers.{block}.{x}") for x in (a, b))
+            if ea is None or eb is None:
+                continue
+            where = f"layers.{block}.{a} and {b}"
+            if ea.format != eb.format:
+                raise FormatError(
+                    f"{where} are stored as {ea.format} and {eb.format}; engines fuse them into one layer: convert "
+                    "again with both kinds in one --backbone format"
+                )
+            if ea.format == "nvfp4":
+                ga, gb = (read(e.file, e.tensors["scale_2"]) for e in (ea, eb))
+                if not torch.equal(ga.float(), gb.float()):
+                    raise FormatError(
+                        f"{where} have different NVFP4 global scales; engines fuse them under one: convert the model "
+                        "again with this dsfp4"
+                    )
+
+
 def backbone_tensors(manifest: Manifest, read: Callable[[str, str], torch.Tensor]) -> Iterator[tuple[str, OutTensor]]:
     """(backbone file, tensor) for every stored backbone tensor; read(file, stored name) -> the tensor."""
     a = manifest.args

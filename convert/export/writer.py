@@ -55,6 +55,7 @@ def plan_shards(model_dir: Path, manifest: Manifest) -> list[Shard]:
     def read(file: str, name: str) -> torch.Tensor:
         return opened(file).get_tensor(name)
 
+    ct.check_fused(manifest, read)
     groups: dict[str, list[ct.OutTensor]] = {}
     for file, t in ct.backbone_tensors(manifest, read):
         groups.setdefault(file, []).append(t)

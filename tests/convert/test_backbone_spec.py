@@ -38,6 +38,7 @@ def test_a_spec_puts_its_kinds_in_nvfp4_and_the_rest_in_fp8(spec, fp4):
     for ref, kind in REFS.items():
         if kind is not None:
             assert backbone_format(ref, spec) == (FP4 if kind in fp4 else FP8), (spec, ref)
+    assert backbone_format("layers.0.attn.wo_a", spec) == (FP4 if spec == "fp4" else FP8)  # V4's, of no kind
 
 
 @pytest.mark.parametrize("spec", ["fp16", "fp4:", "fp4:wo,attn", "fp8:wo", "FP4"])

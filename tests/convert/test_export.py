@@ -151,6 +151,24 @@ def test_bad_input_is_one_line(converted, v4_converted, tmp_path):
     assert r.exit_code == 2 and "--format" in r.output
 
 
+def test_layers_engines_fuse_must_share_format_and_global_scale(checkpoints, tmp_path):
+    mixed = tmp_path / "mixed"
+    convert(checkpoints["fp8"], mixed, ConvertOptions(backbone="fp4:wq_a"), progress=False)
+    r = run_cli("export", mixed, tmp_path / "o1", "--format", FORMAT)
+    assert_one_line_error(r, "attn.wq_a and attn.wkv_a are stored as nvfp4 and fp8_e4m3_b128")
+    fp4 = tmp_path / "fp4"
+    convert(checkpoints["fp8"], fp4, ConvertOptions(backbone="fp4"), progress=False)
+    m = Manifest.read(fp4)
+    with safe_open(fp4 / m.tensors["layers.1.attn.wq_a"].file, "pt") as f:  # the converter pairs them
+        q, kv = (f.get_tensor(m.tensors[f"layers.1.attn.{x}"].tensors["scale_2"]) for x in ("wq_a", "wkv_a"))
+    assert torch.equal(q, kv)
+    export(fp4, tmp_path / "o2", FORMAT, progress=False)
+    theirs, _, _ = _theirs(tmp_path / "o2")
+    ours = _ours(fp4, m)
+    name = "model.layers.1.self_attn.q_a_proj"
+    torch.testing.assert_close(theirs[name].float(), ours[name], rtol=2**-7, atol=0)
+
+
 def test_gate_and_up_must_share_their_global_scale():
     parts = {"scale_2": torch.tensor([0.5, 0.25, 1.0])}
     with pytest.raises(FormatError, match="layer 3 expert 7: gate and up have different NVFP4 global scales"):

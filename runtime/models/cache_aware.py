@@ -27,14 +27,15 @@ def swap_cold(
 ) -> tuple[np.ndarray, int]:
     """ids: [T, K] the router's choice, choice: [T, E] the scores it ranked by (with its bias), warm(e): whether e's
     record is on the device or in RAM -> (the ids with each cold choice swapped for the best-scored warm unchosen
-    expert of its group scored at least choice - margin, the number of swaps). Pure: the inputs are not changed."""
-    out = ids.copy()
+    expert of its group scored at least choice - margin, the number of swaps). A cold expert is swapped only when
+    every token that chose it can swap it: otherwise it is read anyway, and no token pays for a swap that saves
+    nothing (as the threshold leaves an expert out only when no token keeps it). Pure: the inputs are not changed."""
     per_group = choice.shape[1] // groups
-    swaps = 0
+    proposed: dict[tuple[int, int], int] = {}  # (token, slot) -> the warm expert it would take
     for t in range(ids.shape[0]):
-        taken = set(out[t].tolist())
+        taken = set(ids[t].tolist())
         for j in range(ids.shape[1]):
-            e = int(out[t, j])
+            e = int(ids[t, j])
             if warm(e):
                 continue
             first = e // per_group * per_group
@@ -45,10 +46,16 @@ def swap_cold(
             ]
             if candidates:
                 best = max(candidates, key=lambda c: choice[t, c])
-                out[t, j] = best
-                taken.discard(e)
+                proposed[t, j] = best
                 taken.add(best)
-                swaps += 1
+    slots = [(t, j) for t in range(ids.shape[0]) for j in range(ids.shape[1])]
+    stuck = {int(ids[t, j]) for t, j in slots if (t, j) not in proposed and not warm(int(ids[t, j]))}
+    out = ids.copy()
+    swaps = 0
+    for (t, j), best in proposed.items():
+        if int(ids[t, j]) not in stuck:
+            out[t, j] = best
+            swaps += 1
     return out, swaps
 
 

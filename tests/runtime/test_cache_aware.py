@@ -47,6 +47,16 @@ def test_a_swap_stays_in_the_group_and_never_takes_an_expert_already_chosen():
     assert got.tolist() == [[5, 2]] and n == 1  # without groups every expert is a candidate
 
 
+def test_a_cold_expert_is_swapped_only_when_every_token_that_chose_it_can():
+    choice = np.array([[0.9, 0.7, 0.5, 0.1, 0.6, 0.8, 0.2, 0.3], [0.9, 0.1, 0.5, 0.1, 0.6, 0.8, 0.2, 0.3]])
+    ids = np.array([[0, 5], [0, 5]])
+    got, n = swap_cold(ids, choice, _warm(1, 5), groups=2, margin=0.3)
+    # token 0 could take 1 for cold 0, token 1 cannot (1 scores 0.1): 0 is read anyway, so neither swaps it
+    assert got.tolist() == [[0, 5], [0, 5]] and n == 0
+    got, n = swap_cold(ids, choice, _warm(1, 5), groups=2, margin=0.9)
+    assert got.tolist() == [[1, 5], [1, 5]] and n == 2  # both can: 0 is not read at all
+
+
 class _Store:
     def __init__(self, warm: set[int]):
         self.warm, self.swaps = warm, 0

@@ -4,7 +4,7 @@ tensor, whatever the model's size).
 
 Each shard is written under a temporary name and renamed when whole; `model.safetensors.index.json` comes last, so
 a folder is an export exactly when its index exists. A rerun keeps the shards already whole (their size and
-sha256 in `.dsfp4-export.json`) and writes the rest. Legend: D model dim, I expert width.
+sha256 in `.dsfp4-export.json`, with the conversion and format they are of) and writes the rest.
 """
 
 from __future__ import annotations
@@ -112,15 +112,18 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
     out.mkdir(parents=True, exist_ok=True)
     fd = lock_folder(out, f"{out}: another export is writing this folder")
     try:
-        _write(model_dir, out, shards, cfg, progress)
+        _write(model_dir, out, shards, cfg, progress, {"conversion": manifest.conversion_sha256(), "format": fmt})
     finally:
         os.close(fd)
     return shards
 
 
-def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress: bool) -> None:
+def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress: bool, identity: dict) -> None:
+    """identity: what the shards are of (the conversion, the format); shards of another are written again."""
     done_path = out / PROGRESS
     done = json.loads(done_path.read_text()) if done_path.is_file() else {}
+    if done.get("identity") != identity:
+        done = {"identity": identity}
     total = sum(s.nbytes for s in shards)
     with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="export") as bar:
         for shard in shards:

@@ -21,7 +21,7 @@ from typing import Any
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.atomic import atomic_write_bytes
-from dsfp4.runtime.generate.prompt import Prompt
+from dsfp4.runtime.generate.prompt import ROLES, Prompt
 from dsfp4.runtime.options import RunOptions, with_knobs
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
@@ -56,7 +56,10 @@ def parse_line(text: str, where: str, base: RunOptions) -> tuple[Prompt, bool, d
     if "prompt" in obj and (not isinstance(prompt, str) or not prompt):
         raise ConfigError(f"{where}: `prompt` must be non-empty text")
     if "messages" in obj and not _messages(prompt):
-        raise ConfigError(f'{where}: `messages` must be a non-empty list of {{"role": ..., "content": text}}')
+        raise ConfigError(
+            f'{where}: `messages` must be a non-empty list of {{"role": ..., "content": text}} with roles '
+            f"{', '.join(ROLES)}"
+        )
     sampling = {k: obj[k] for k in SAMPLING if k in obj}
     try:
         with_knobs(base, sampling)
@@ -66,19 +69,17 @@ def parse_line(text: str, where: str, base: RunOptions) -> tuple[Prompt, bool, d
 
 
 def _messages(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-        )
-    )
+    def message(m: Any) -> bool:
+        return isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+
+    return isinstance(value, list) and bool(value) and all(map(message, value))
 
 
 def read_batch(path: Path, base: RunOptions) -> list[BatchItem]:
     """Every line of the input checked -> its items; ConfigError naming the first bad FILE:LINE."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        # lines end at \n only: JSON strings may hold U+2028 and its kin raw, which splitlines() would cut at
+        lines = [line.removesuffix("\r") for line in Path(path).read_text(encoding="utf-8").split("\n")]
     except UnicodeDecodeError as e:
         raise ConfigError(f"--batch {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     items = []

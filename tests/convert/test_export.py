@@ -137,6 +137,11 @@ def test_an_interrupted_export_resumes_and_a_dry_run_writes_nothing(converted, t
     assert (out / INDEX).is_file() and set(again) == set(first)
     assert all(again[n] == first[n] for n in first if n != shards[-1].name)  # kept, not written again
     assert not list(out.glob("*.partial"))
+    progress = out / ".dsfp4-export.json"  # shards of another conversion are written again
+    progress.write_text(progress.read_text().replace(Manifest.read(converted).conversion_sha256(), "0" * 64))
+    export(converted, out, FORMAT, progress=False)
+    third = {p.name: p.stat().st_mtime_ns for p in out.glob("model-*.safetensors")}
+    assert all(third[n] != again[n] for n in again)
 
 
 def test_bad_input_is_one_line(converted, v4_converted, tmp_path):

@@ -72,6 +72,7 @@ def test_an_output_of_another_input_is_refused_before_loading(converted, tmp_pat
         ('{"max_tokens": 3}', "give one of `prompt`"),
         ('{"prompt": ""}', "`prompt` must be non-empty text"),
         ('{"messages": [{"role": "user"}]}', "`messages` must be a non-empty list"),
+        ('{"messages": [{"role": "robot", "content": "a"}]}', "with roles system, developer, user, assistant"),
         ('{"messages": [{"role": "user", "content": "a"}], "raw": true}', "`raw` is true or false"),
         ('{"prompt": "a", "temperature": -1}', "--temperature"),
         ('{"prompt": "a", "max_tokens": "many"}', "max_tokens"),
@@ -81,6 +82,15 @@ def test_a_bad_line_is_named_by_file_and_line(line, message):
     with pytest.raises(ConfigError, match=message) as e:
         parse_line(line, "in.jsonl:7", RunOptions())
     assert str(e.value).startswith("in.jsonl:7: ")
+
+
+def test_a_line_is_cut_at_newlines_only(tmp_path):
+    from dsfp4.tools.batch_file import read_batch
+
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\r\n" + json.dumps({"prompt": "c"}))
+    items = read_batch(path, RunOptions())
+    assert [(i.line, i.prompt) for i in items] == [(1, "a\u2028b"), (2, "c")]
 
 
 def test_bad_batches_fail_before_the_model_loads(converted, tmp_path):

@@ -30,6 +30,9 @@ class GenerationStats:
     prompt_cache_note: str = ""  # entries the prompt cache skipped (damaged, unreadable) or could not write
     generated_tokens: int = 0
     ttft_s: float = 0.0
+    # inter-token time: from one generated token to the next as the caller gets them, median and 99th percentile
+    itl_p50_s: float = 0.0
+    itl_p99_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     store: dict[str, float] = field(default_factory=dict)  # expert store counters over this generation
@@ -119,7 +122,8 @@ class GenerationStats:
             (
                 "speed",
                 f"TTFT {self.ttft_s:.3f} s, prefill {self.prefill_tok_s:.1f} tok/s, "
-                f"decode {self.decode_tok_s:.2f} tok/s" + (f" ({self.decode_mode})" if self.decode_mode else ""),
+                f"decode {self.decode_tok_s:.2f} tok/s, between tokens {self.itl_p50_s * 1e3:.1f} ms median, "
+                f"{self.itl_p99_s * 1e3:.1f} ms p99" + (f" ({self.decode_mode})" if self.decode_mode else ""),
             ),
             (
                 "expert uses",

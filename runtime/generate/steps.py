@@ -3,6 +3,7 @@ deltas of a stream (text held back while it may still become a stop string or an
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Iterator
 
@@ -20,6 +21,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-th percentile of sorted values, nearest rank (0 for none)."""
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
 
 
 def held_back(text: str, stop: tuple[str, ...]) -> int:
@@ -44,11 +52,13 @@ def text_deltas(
     reason: "stop", "length" or "cancelled"). The source is closed at the end, so the caches stay consistent."""
     tokens: list[int] = []
     text, emitted, finish, detok = "", 0, "length", TextStream(tokenizer)
+    arrivals: list[float] = []
     try:
         for token in source:
+            arrivals.append(time.perf_counter())
             stats.generated_tokens += 1
             if stats.generated_tokens == 1:
-                stats.ttft_s = stats.prefill_s = time.perf_counter() - start
+                stats.ttft_s = stats.prefill_s = arrivals[0] - start
             if token in tokenizer.eos_ids:
                 finish = "stop"
                 break
@@ -67,6 +77,8 @@ def text_deltas(
         finish = "cancelled"
     finally:
         source.close()
+    gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    stats.itl_p50_s, stats.itl_p99_s = percentile(gaps, 50), percentile(gaps, 99)
     if len(text) > emitted:
         yield Delta(None, text[emitted:])
     return tokens, text, finish

@@ -83,6 +83,7 @@ def test_run_json_equals_generate_and_the_argmax_of_logits_step_by_step(converte
     assert out["token_ids"] == g.token_ids and len(g.token_ids) == 8
     assert out["text"] == g.text and out["finish_reason"] == g.finish_reason == "length"
     assert out["stats"]["generated_tokens"] == 8 and out["stats"]["decode_tok_s"] > 0
+    assert 0 < out["stats"]["itl_p50_s"] <= out["stats"]["itl_p99_s"]  # between the tokens, as the caller got them
     assert set(g.stats.to_dict()) == set(out["stats"])
     for i, token in enumerate(g.token_ids):
         assert int(engine.logits(g.prompt_ids + g.token_ids[:i])[-1].argmax()) == token

@@ -220,3 +220,12 @@ def test_raw_text_takes_the_bos_that_add_bos_token_asks_for(converted, tmp_path,
         0 if bos_first else plain[0]
     )
     assert t.bos_id == 0
+
+
+def test_percentile_is_the_nearest_rank():
+    from dsfp4.runtime.generate.steps import percentile
+
+    values = [0.1, 0.2, 0.3, 0.4]
+    assert percentile([], 50) == 0.0
+    assert [percentile(values, q) for q in (1, 25, 50, 51, 99, 100)] == [0.1, 0.1, 0.2, 0.3, 0.4, 0.4]
+    assert percentile([7.0], 99) == 7.0

@@ -153,11 +153,10 @@ def backbone_tensors(manifest: Manifest, read: Callable[[str, str], torch.Tensor
     for rule, prefix, block, expert, _ in name_map(a).placed(a, True):
         if expert is not None:
             continue
-        ref = ("" if block is None else f"layers.{block}.") + rule.ref
+        hf, ref = rule.names(prefix, block)
         entry = manifest.tensors.get(ref)
         if entry is None:  # an MTP layer converted without (--no-mtp), or a tensor the conversion skipped
             continue
-        hf = prefix + rule.hf
         parts = {c: (lambda f=entry.file, n=n: read(f, n)) for c, n in entry.tensors.items()}
         spec = get_format(entry.format)
         if rule.kind == PLAIN:
@@ -174,46 +173,41 @@ def matrices(manifest: Manifest) -> list[Module]:
     for rule, prefix, block, expert, _ in name_map(a).placed(a, True):
         if rule.kind == PLAIN:
             continue
-        hf = prefix + rule.hf.format(e=expert)
+        hf, ref = rule.names(prefix, block, expert)
         if expert is not None:
             if block in manifest.experts:
                 out.append(Module(hf, manifest.record.format))
             continue
-        entry = manifest.tensors.get(("" if block is None else f"layers.{block}.") + rule.ref)
+        entry = manifest.tensors.get(ref)
         if entry is not None:
             out.append(Module(hf, entry.format))
     return out
 
 
 def expert_tensors(manifest: Manifest, layer: int, record: Callable[[int], dict[str, torch.Tensor]]) -> list[OutTensor]:
-    """The routed experts of one MoE layer; record(e) -> the unpacked parts of expert e's record."""
+    """The routed experts of one MoE layer; record(e) -> the unpacked parts of expert e's record (gate and up are the
+    first and second half of its w13 rows)."""
     a, layout = manifest.args, manifest.record
     i = layout.inter_dim
-    fmt = layout.format
+    rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(None)}
     out = []
-    names = {r.ref.rsplit(".", 1)[-1]: r for r in _expert_rules(manifest)}
-    prefix = f"model.layers.{layer}."
-    for e in range(a.n_routed_experts):
-        rows = {"w1": slice(0, i), "w3": slice(i, 2 * i)}
-        for proj, rule in names.items():
-            module = prefix + rule.hf.format(e=e)
-            part = "w2" if proj == "w2" else "w13"
-            sl = rows.get(proj, slice(None))
-            p, s = layout.part(part), layout.part(part + "_scale")
-            n = i if proj != "w2" else p.shape[0]
-            shapes = {"weight": (n, p.shape[1]), "scale": (n, s.shape[1]), "dtype": p.dtype}
-
-            def weight(e=e, part=part, sl=sl) -> torch.Tensor:
-                return record(e)[part][sl]
-
-            def scale(e=e, part=part, sl=sl) -> torch.Tensor:
-                return record(e)[part + "_scale"][sl]
-
-            parts = {"weight": weight, "scale": scale}
-            if fmt == "nvfp4":
-                k = {"w1": 0, "w3": 1, "w2": 2}[proj]
-                parts["scale_2"] = lambda e=e, k=k, layer=layer: _global(record(e), k, layer, e)
-            out += _matrix(module, fmt, parts, shapes)
+    for rule, prefix, block, e, _ in name_map(a).placed(a, True):
+        if block != layer or e is None:
+            continue
+        module, ref = rule.names(prefix, block, e)
+        proj = ref.rsplit(".", 1)[-1]
+        part, sl = ("w2" if proj == "w2" else "w13"), rows[proj]
+        p, s = layout.part(part), layout.part(part + "_scale")
+        n = p.shape[0] if proj == "w2" else i
+        shapes = {"weight": (n, p.shape[1]), "scale": (n, s.shape[1]), "dtype": p.dtype}
+        parts = {
+            "weight": lambda e=e, part=part, sl=sl: record(e)[part][sl],
+            "scale": lambda e=e, part=part, sl=sl: record(e)[part + "_scale"][sl],
+        }
+        if layout.format == "nvfp4":
+            k = {"w1": 0, "w3": 1, "w2": 2}[proj]
+            parts["scale_2"] = lambda e=e, k=k: _global(record(e), k, layer, e)
+        out += _matrix(module, layout.format, parts, shapes)
     return out
 
 
@@ -225,9 +219,3 @@ def _global(parts: dict[str, torch.Tensor], k: int, layer: int, e: int) -> torch
             f"{float(g[1])}); compressed-tensors fuses them under one: convert the model again with this dsfp4"
         )
     return g[k]
-
-
-def _expert_rules(manifest: Manifest) -> list:
-    a = manifest.args
-    layer = min(manifest.experts)
-    return [r for r, _, block, expert, _ in name_map(a).placed(a, True) if block == layer and expert == 0]

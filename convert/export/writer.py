@@ -3,8 +3,8 @@ shards (one per backbone file, one per MoE layer's experts), streamed one tensor
 tensor, whatever the model's size).
 
 Each shard is written under a temporary name and renamed when whole; `model.safetensors.index.json` comes last, so
-a folder is an export exactly when its index exists. A rerun keeps the shards already whole (their size and
-sha256 in `.dsfp4-export.json`, with the conversion and format they are of) and writes the rest.
+a folder is an export exactly when its index exists. A rerun keeps the shards already whole (their size in
+`.dsfp4-export.json`, with the conversion and format they are of) and writes the rest.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dsfp4.convert.export import compressed_tensors as ct
 from dsfp4.errors import ConfigError, OutputError
 from dsfp4.layout.atomic import atomic_write_bytes, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
-from dsfp4.layout.safetensors_file import SafetensorsWriter, file_sha256, pread_exact
+from dsfp4.layout.safetensors_file import SafetensorsWriter, pread_exact
 from dsfp4.units import format_bytes
 
 INDEX = "model.safetensors.index.json"
@@ -147,7 +147,7 @@ def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress:
                 tmp.unlink(missing_ok=True)
                 raise
             os.replace(tmp, path)
-            done[shard.name] = {"nbytes": path.stat().st_size, "sha256": file_sha256(path)}
+            done[shard.name] = {"nbytes": path.stat().st_size}  # renamed into place whole: its size says so
             atomic_write_bytes(done_path, json.dumps(done, indent=1).encode())
     for name in COPIED:
         if (model_dir / name).is_file():

@@ -20,8 +20,8 @@ def source_names(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name (matrices: their weight) -> (logical shape, rule kind) of every tensor a checkpoint of this shape
     holds, in the family's own naming."""
     names = {}
-    for rule, prefix, _, expert, ctx in name_map(args).placed(args, True):
-        name = prefix + rule.hf.format(e=expert)
+    for rule, prefix, block, expert, ctx in name_map(args).placed(args, True):
+        name = rule.names(prefix, block, expert)[0]
         names[name if rule.kind == PLAIN else name + ".weight"] = (rule.shape(ctx), rule.kind)
     return names
 

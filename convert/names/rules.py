@@ -36,6 +36,11 @@ class Rule:
     shape: Shape
     when: Callable[[ModelArgs], bool] = _always
 
+    def names(self, prefix: str, block: int | None, expert: int | None = None) -> tuple[str, str]:
+        """Placed at (prefix, block, expert), as NameMap.placed yields it -> (source name, dsfp4 name)."""
+        ref = ("" if block is None else f"layers.{block}.") + self.ref.format(e=expert)
+        return prefix + self.hf.format(e=expert), ref
+
 
 @dataclass(frozen=True)
 class SourceStorage:
@@ -113,8 +118,7 @@ class Mapper:
     def add(self, rule: Rule, prefix: str, block: int | None, expert: int | None = None, ctx: object = None) -> None:
         """ctx: what the rule's shape reads (default: the ModelArgs; V4 passes the layer's geometry)."""
         plain = self.storage.plain
-        hf = prefix + rule.hf.format(e=expert)
-        ref = ("" if block is None else f"layers.{block}.") + rule.ref.format(e=expert)
+        hf, ref = rule.names(prefix, block, expert)
         shape = rule.shape(self.args if ctx is None else ctx)
         why = "config.json implies it"
         if rule.kind == PLAIN:

@@ -161,9 +161,9 @@ def backbone_tensors(args: ModelArgs, backbone: str) -> dict[int | None, tuple[t
     """(ref, format, shape) of every backbone tensor, by block (None: the top file), in the converter's order:
     the family's name map placed for this model, experts left out."""
     out: dict[int | None, list] = {}
-    for rule, _, block, _, ctx in name_map(args).placed(args, True):
+    for rule, prefix, block, _, ctx in name_map(args).placed(args, True):
         if rule.kind != EXPERT:
-            ref = ("" if block is None else f"layers.{block}.") + rule.ref
+            ref = rule.names(prefix, block)[1]
             out.setdefault(block, []).append((ref, stored_format(args, ref, rule.kind, backbone), rule.shape(ctx)))
     return {block: tuple(tensors) for block, tensors in out.items()}
 

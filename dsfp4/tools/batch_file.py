@@ -98,7 +98,8 @@ def answered(output: Path, items: list[BatchItem]) -> set[int]:
     path = Path(output)
     if not path.exists():
         return set()
-    lines = path.read_bytes().split(b"\n")
+    whole = path.read_bytes()
+    lines = whole.split(b"\n")
     kept, done = [], set()
     digests = {item.line: item.digest for item in items}
     for i, raw in enumerate(lines):
@@ -118,7 +119,7 @@ def answered(output: Path, items: list[BatchItem]) -> set[int]:
         kept.append(raw)
         done.add(line)
     data = b"".join(r + b"\n" for r in kept)
-    if data != path.read_bytes():
+    if data != whole:
         atomic_write_bytes(path, data)
     return done
 

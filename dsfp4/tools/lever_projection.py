@@ -19,7 +19,7 @@ import numpy as np
 
 from dsfp4.runtime.modes import Levers
 from dsfp4.runtime.profile.simulate import Projection, SwapModel
-from dsfp4.tools.projection import MACHINES, decode, decode_costs, full_plan, halves, n_moe_layers, spread
+from dsfp4.tools.projection import machine_run
 
 
 def low_share(weights: np.ndarray, threshold: float) -> float:
@@ -100,18 +100,12 @@ def project_levers(
     trace's routing weights; close: margin -> pair share (scripts/router_margins.py), for every margin used."""
     rows = []
     for name in machines:
-        machine = MACHINES[name]
-        m, plan = full_plan(family, machine)
-        trace = spread(ids, n_moe_layers(m))
-        costs = decode_costs(m, machine.hbm, eff)
-        warm, run = halves(trace, m.args.n_routed_experts)
-        groups = max(m.args.n_expert_groups, 1)
+        r = machine_run(family, name, ids, eff)
+        groups = max(r.m.args.n_expert_groups, 1)
         for mode, levers in modes.items():
             share = low_share(weights, levers.expert_threshold) if levers.expert_threshold else 0.0
             near = close[levers.cache_aware] if levers.cache_aware else 0.0
             swap = SwapModel(groups, near, seed) if near else None
-            p = decode(
-                run, warm, plan, m, machine.links, costs, "hot", recall, False, skippable(run.shape, share, seed), swap
-            )
+            p = r.decode("hot", recall, False, skippable(r.run.shape, share, seed), swap)
             rows.append(LeverRow(mode, name, levers, share, near, p))
     return rows

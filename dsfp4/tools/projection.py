@@ -231,6 +231,50 @@ def decode(
 
 
 @dataclass(frozen=True)
+class MachineRun:
+    """The whole model planned on one machine, its compute, and the trace's two halves (halves): what each
+    variant of the store decodes."""
+
+    machine: Machine
+    m: Manifest
+    plan: Plan
+    costs: StepCosts
+    warm: list[tuple[int, int]]
+    run: np.ndarray
+
+    def decode(
+        self,
+        policy: str,
+        recall: float | None,
+        prefetch_reads: bool,
+        skippable: np.ndarray | None = None,
+        swap: SwapModel | None = None,
+    ) -> Projection:
+        return decode(
+            self.run,
+            self.warm,
+            self.plan,
+            self.m,
+            self.machine.links,
+            self.costs,
+            policy,
+            recall,
+            prefetch_reads,
+            skippable,
+            swap,
+        )
+
+
+def machine_run(family: str, name: str, ids: np.ndarray, eff: float, backbone: str | None = None) -> MachineRun:
+    """`family` planned on machine `name` (full_plan), `ids` [N, L, K] spread over its MoE layers and halved, its
+    decode compute at `eff` of the machine's memory bandwidth."""
+    machine = MACHINES[name]
+    m, plan = full_plan(family, machine, backbone)
+    warm, run = halves(spread(ids, n_moe_layers(m)), m.args.n_routed_experts)
+    return MachineRun(machine, m, plan, decode_costs(m, machine.hbm, eff), warm, run)
+
+
+@dataclass(frozen=True)
 class Row:
     machine: str
     policy: str
@@ -276,18 +320,13 @@ def project(
     """The whole model of `family` on each machine under each variant of the store (`backbone`: full_plan's)."""
     rows = []
     for name in machines:
-        machine = MACHINES[name]
-        m, plan = full_plan(family, machine, backbone)
-        moe = n_moe_layers(m)
-        trace = spread(ids, moe)
-        costs = decode_costs(m, machine.hbm, eff)
-        n = plan.total_records
-        warm, run = halves(trace, m.args.n_routed_experts)
-        opt = 1.0 - belady(run, plan.gpu_slots, plan.ram_slots).ssd_rate  # the same for every variant
+        r = machine_run(family, name, ids, eff, backbone)
+        plan, n = r.plan, r.plan.total_records
+        opt = 1.0 - belady(r.run, plan.gpu_slots, plan.ram_slots).ssd_rate  # the same for every variant
         for policy, recall, reads in variants:
-            p = decode(run, warm, plan, m, machine.links, costs, policy, recall, reads)
+            p = r.decode(policy, recall, reads)
             rows.append(
-                Row(name, policy, recall, reads, p, opt, plan.gpu_slots / n, plan.ram_slots / n, m.record.nbytes)
+                Row(name, policy, recall, reads, p, opt, plan.gpu_slots / n, plan.ram_slots / n, r.m.record.nbytes)
             )
     return rows
 

@@ -90,6 +90,9 @@ class PromptCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.notes: list[str] = []  # entries skipped since the last look (damaged, foreign)
         self._writer: threading.Thread | None = None
+        # the headers read so far, by file (inode and size: an entry is never changed in place, only replaced), so
+        # a request reads only the entries new since the last; None for an entry that cannot be read (noted once)
+        self._headers: dict[Path, tuple[tuple[int, int], dict | None]] = {}
         self.compressed_bytes = self.raw_bytes = 0  # of the last entry written
 
     def find(self, prompt: list[int], longer_than: int) -> Hit | None:
@@ -97,19 +100,36 @@ class PromptCache:
         is longer than `longer_than` positions."""
         self.wait()
         best = None
-        for path in sorted(self.folder.glob(f"*{SUFFIX}")):
-            try:
-                header = framed_file.read_header(path, MAGIC, FORMAT_VERSION, WHAT, HEADER_LIMIT)
-            except (OSError, ValueError) as e:
-                self.notes.append(f"prompt cache: {path.name} skipped ({e})")
-                continue
-            if any(header.get(k) != v for k, v in self.identity.items()):
+        paths = sorted(self.folder.glob(f"*{SUFFIX}"))
+        present = set(paths)
+        self._headers = {p: v for p, v in self._headers.items() if p in present}  # evicted ones forgotten
+        for path in paths:
+            header = self._header(path)
+            if header is None or any(header.get(k) != v for k, v in self.identity.items()):
                 continue  # another conversion, dtype or cache shape: not this run's
             tokens = header.get("tokens", [])
             common = min(common_prefix(tokens, prompt), len(prompt) - 1)
             if common > longer_than and (best is None or common > best.common):
                 best = Hit(path, tokens, common, int(header.get("mtp_upto", 0)))
         return best
+
+    def _header(self, path: Path) -> dict | None:
+        """The entry's header, read once per version of the file; None (with a note, once) when it cannot be read."""
+        try:
+            st = path.stat()
+        except OSError:
+            return None  # evicted meanwhile
+        key = (st.st_ino, st.st_size)
+        known = self._headers.get(path)
+        if known is not None and known[0] == key:
+            return known[1]
+        try:
+            header = framed_file.read_header(path, MAGIC, FORMAT_VERSION, WHAT, HEADER_LIMIT)
+        except (OSError, ValueError) as e:
+            self.notes.append(f"prompt cache: {path.name} skipped ({e})")
+            header = None
+        self._headers[path] = (key, header)
+        return header
 
     def load(self, hit: Hit) -> dict[str, np.ndarray] | None:
         """The entry's arrays, or None with a note when it cannot be read."""

@@ -45,7 +45,7 @@ def _ours(model: Path, m: Manifest) -> dict[str, torch.Tensor]:
 
     out, a = {}, m.args
     for rule, prefix, block, expert, _ in name_map(a).placed(a, True):
-        hf = prefix + rule.hf.format(e=expert)
+        hf, ref = rule.names(prefix, block, expert)
         if expert is not None:
             e = m.experts[block]
             fd = os.open(model / e.file, os.O_RDONLY)
@@ -54,7 +54,7 @@ def _ours(model: Path, m: Manifest) -> dict[str, torch.Tensor]:
             w1, w3, w2 = m.record.dequantize(raw)
             out[hf] = {"w1": w1, "w3": w3, "w2": w2}[rule.ref.rsplit(".", 1)[-1]]
             continue
-        entry = m.tensors.get(("" if block is None else f"layers.{block}.") + rule.ref)
+        entry = m.tensors.get(ref)
         if entry is None:
             continue
         with safe_open(model / entry.file, "pt") as f:

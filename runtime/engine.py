@@ -39,6 +39,7 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
 from dsfp4.runtime.options import RunOptions, with_knobs
 from dsfp4.runtime.plan.budget import parse_size
+from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.recorder import RoutingRecorder
@@ -84,6 +85,8 @@ class Engine:
             self.model_dir, device, dtype, self.max_context, with_mtp=o.mtp, manifest=manifest, options=o, plan=plan
         )
         self.device = device
+        plan, elt = self.model.experts.plan, torch.empty((), dtype=dtype).element_size()
+        self.host_backbone_step = step_bytes_on_host(manifest, plan.on_host, elt)
         self.notes: list[str] = list(self.model.experts.notes)
         self.stats: GenerationStats | None = None  # of the last generation
         self._stream: Stream | None = None  # the generation in progress
@@ -367,6 +370,7 @@ class Engine:
         stats.decode_mode = self.decode_mode
         stats.routing = self.routing.describe() if self.routing is not None else ""
         stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
+        stats.host_backbone_step = self.host_backbone_step
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
         if self.prompt_cache is not None:
             stats.prompt_cache_note = self.prompt_cache.take_notes()

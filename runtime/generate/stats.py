@@ -50,6 +50,7 @@ class GenerationStats:
     # the engine's warm start from hot.json, before its first generation (the same in each generation's stats)
     warm_records: int = 0
     warm_s: float = 0.0
+    host_backbone_step: int = 0  # bytes of backbone in host memory a decode step reads over PCIe (the plan's)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -135,7 +136,14 @@ class GenerationStats:
                 f"{s.get('ssd_reads', 0):.0f} records, {format_bytes(s.get('ssd_bytes', 0))} "
                 f"({format_bytes(d['ssd_bytes_per_token'])}/token, {d['ssd_read_gb_s']:.2f} GB/s per reader)",
             ),
-            ("host->device", f"{format_bytes(s.get('h2d_bytes', 0))} ({format_bytes(d['h2d_bytes_per_token'])}/token)"),
+            (
+                "host->device",
+                f"{format_bytes(s.get('h2d_bytes', 0))} of experts ({format_bytes(d['h2d_bytes_per_token'])}/token)"
+                + (
+                    f"; backbone in RAM read in place, {format_bytes(self.host_backbone_step)}/step"
+                    * bool(self.host_backbone_step)
+                ),
+            ),
             (
                 "prefetch",
                 f"{s.get('prefetch_loads', 0):.0f} loads, precision {d['prefetch_precision']:.1%}, "

@@ -11,14 +11,17 @@ import torch
 
 from dsfp4.device import resolve_device
 from dsfp4.errors import ChecksumError
+from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.safetensors_file import file_sha256
+from dsfp4.runtime.models.host_memory import ALIGN, HostArena
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.v3.model import Transformer
 from dsfp4.runtime.models.v4.model import TransformerV4
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import resolve_budgets
+from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, make_plan
 from dsfp4.runtime.store.expert_store import ExpertStore
 
@@ -53,7 +56,8 @@ def load_model(
     manifest = manifest or Manifest.open(model_dir)
     options = options or RunOptions()
     plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
-    w = Weights(model_dir, manifest, device, dtype)
+    arena = HostArena(host_arena_bytes(manifest, plan.on_host, dtype), device) if plan.host_backbone else None
+    w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena)
     # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
     experts = ExpertStore(
         model_dir,
@@ -105,3 +109,10 @@ def plan_run(
     budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
     chunk, threads = options.prefill_chunk, options.io_threads
     return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra)
+
+
+def host_arena_bytes(manifest: Manifest, on_host: HostBackbone, dtype: torch.dtype) -> int:
+    """Bytes the arena needs for the plan's host backbone: each tensor as loaded, each stored part aligned."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    held = [(n, t) for n, t in manifest.tensors.items() if on_host.holds(n)]
+    return sum(tensor_bytes(n, t, elt) + ALIGN * len(FORMATS[t.format].components) for n, t in held)

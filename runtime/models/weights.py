@@ -13,15 +13,27 @@ from dsfp4.errors import ManifestError
 from dsfp4.kernels.linear import QuantizedWeight
 from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.models.host_memory import HostArena
+from dsfp4.runtime.plan.host_backbone import HostBackbone
 
 
 class Weights:
-    """Reads backbone tensors of a converted model onto `device`; plain tensors in `dtype`."""
+    """Reads backbone tensors of a converted model onto `device`; plain tensors in `dtype`. Those `on_host` holds go
+    to `arena` instead (pinned host memory the device reads in place: runtime/models/host_memory.py)."""
 
-    def __init__(self, model_dir: Path, manifest: Manifest, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model_dir: Path,
+        manifest: Manifest,
+        device: torch.device,
+        dtype: torch.dtype,
+        on_host: HostBackbone | None = None,
+        arena: HostArena | None = None,
+    ):
         self.dir, self.manifest, self.device, self.dtype = Path(model_dir), manifest, device, dtype
+        self.on_host, self.arena = on_host or HostBackbone(), arena
         self.used: set[str] = set()
-        self._files: dict[str, object] = {}
+        self._files: dict[tuple[str, str], object] = {}
 
     def _entry(self, name: str, shape: tuple[int, ...]):
         entry = self.manifest.tensors.get(name)
@@ -34,12 +46,15 @@ class Weights:
         self.used.add(name)
         return entry
 
-    def _read(self, file: str, stored: str) -> torch.Tensor:
+    def _read(self, file: str, stored: str, host: bool) -> torch.Tensor:
+        """The stored tensor on the device, or on the CPU (`host`) for the arena."""
+        key = (file, "cpu" if host else str(self.device))
         try:
-            if file not in self._files:
+            if key not in self._files:
                 # one file mapped at a time: its pages count in the process's RSS while it is open
-                self._files = {file: safe_open(str(self.dir / file), framework="pt", device=str(self.device))}
-            return self._files[file].get_tensor(stored)
+                self._files = {k: f for k, f in self._files.items() if k[0] == file}
+                self._files[key] = safe_open(str(self.dir / file), framework="pt", device=key[1])
+            return self._files[key].get_tensor(stored)
         except (OSError, SafetensorError) as e:
             raise ManifestError(f"{self.dir / file}: cannot read tensor {stored} ({e}); run `dsfp4 verify`") from e
 
@@ -48,12 +63,16 @@ class Weights:
         entry = self._entry(name, shape)
         if FORMATS[entry.format].scale is not None:
             raise ManifestError(f"{self.dir}: tensor {name} is stored as {entry.format}, expected a plain tensor")
-        return self._read(entry.file, entry.tensors["weight"]).to(dtype or self.dtype)
+        host = self.on_host.holds(name)
+        t = self._read(entry.file, entry.tensors["weight"], host).to(dtype or self.dtype)
+        return self.arena.put(t) if host else t
 
     def matrix(self, name: str, shape: tuple[int, int]) -> QuantizedWeight:
         """A projection in its stored format; kernels decide how to multiply by it."""
         entry = self._entry(name, shape)
-        parts = tuple(self._read(entry.file, entry.tensors[c]) for c, _ in FORMATS[entry.format].components)
+        host = self.on_host.holds(name)
+        parts = tuple(self._read(entry.file, entry.tensors[c], host) for c, _ in FORMATS[entry.format].components)
+        parts = tuple(self.arena.put(p) for p in parts) if host else parts
         return QuantizedWeight(entry.format, parts, tuple(shape), name)
 
     def close(self) -> None:

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.backend import hw_e4m3, use_kernels
 from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import CSA, ModelArgs
 from dsfp4.runtime.plan.budget import Budgets, process_rss
-from dsfp4.runtime.plan.limits import LOGIT_ROWS, MTP_BATCH, SCORE_ELEMENTS
+from dsfp4.runtime.plan.host_backbone import ROUTER_SUFFIXES, HostBackbone, place_on_host, tensor_bytes
+from dsfp4.runtime.plan.limits import LOGIT_ROWS, MTP_BATCH, PLANNED_WAVES, SCORE_ELEMENTS
 from dsfp4.units import format_bytes
 
 FP32 = 4
@@ -29,7 +31,9 @@ ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 Mi
 # (scripts/bench_host_memory.py, docs/BENCHMARKS.md; 2.4 GB of it shared mappings, counted in RSS), and a margin
 # for kernels a longer run compiles
 CUDA_HOST_RESERVE = 13 << 28  # 3.25 GiB
-ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
+# matrices the device path multiplies as a dense copy (V3's absorbed attention at prefill, V4's grouped output
+# projection); every other quantized matrix is read as stored by the kernels (kernels/linear.py)
+DENSE_COPIES = ("attn.wkv_b", "attn.wo_a")
 ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")  # tables a decode token reads one row of
 
 
@@ -47,6 +51,10 @@ class Plan:
     host_base: int  # process memory beside the RAM cache (interpreter, libraries; on the CPU, loading too)
     total_records: int
     expert_layers: tuple[int, ...] = ()  # MoE layers whose records the run uses
+    host_backbone: int = (
+        0  # bytes of backbone in pinned RAM, read by the device in place (runtime/plan/host_backbone.py)
+    )
+    on_host: HostBackbone = HostBackbone()
 
     def table(self) -> str:
         r, n = self.record, self.total_records
@@ -62,6 +70,11 @@ class Plan:
             ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
             ("RAM budget", format_bytes(self.budgets.cpu), ""),
             *([] if on_cpu else [process]),
+            *(
+                [("  backbone", format_bytes(self.host_backbone), self.on_host.describe())]
+                if self.host_backbone
+                else []
+            ),
             ("  record cache", format_bytes(self.ram_slots * r), f"{self.ram_slots} slots, {self.staging} for reads"),
             ("experts", f"{n} records", f"{self.gpu_slots / n:.0%} on {self.device}, {self.ram_slots / n:.0%} in RAM"),
         ]
@@ -79,21 +92,30 @@ def expert_layers(manifest: Manifest, with_mtp: bool = False) -> tuple[int, ...]
     return tuple(i for i in _used_layers(manifest, with_mtp) if i in manifest.experts)
 
 
-def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> tuple[int, int]:
-    """(bytes on the device, largest quantized matrix's element count) of the backbone as loaded:
-    quantized matrices as stored, plain tensors cast to the runtime dtype (the router to fp32)."""
+def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> int:
+    """Bytes of the backbone as loaded: quantized matrices as stored, plain tensors cast to the runtime dtype (the
+    router to fp32)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
-    total, largest = 0, 0
+    names = (n for n in manifest.tensors if with_mtp or not n.startswith(a.mtp_prefixes))
+    return sum(tensor_bytes(n, manifest.tensors[n], elt) for n in names)
+
+
+def dequant_bytes(manifest: Manifest, dtype: torch.dtype, kernels: bool, fp8_kernels: bool) -> int:
+    """The most a dense copy of one backbone matrix holds at once. The torch reference (`kernels` False, or fp32 runs,
+    whose products take the reference) dequantizes every matrix it multiplies, through two fp32 copies, then the
+    result; so does FP8 without `fp8_kernels` (a GPU without e4m3). The kernels read matrices as stored except
+    DENSE_COPIES: FP8 blocks in one Triton pass (the result, and a contiguous copy of a slice of it for the product),
+    other formats as the reference does."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    reference = not kernels or dtype == torch.float32
+    most = 0
     for name, t in manifest.tensors.items():
-        if not with_mtp and name.startswith(a.mtp_prefixes):
+        fp8 = t.format == "fp8_e4m3_b128"
+        if FORMATS[t.format].scale is None or not (reference or name.endswith(DENSE_COPIES) or fp8 and not fp8_kernels):
             continue
-        spec = FORMATS[t.format]
-        if spec.scale is None:
-            total += shape_numel(t.shape) * (FP32 if name.endswith(ROUTER_SUFFIXES) else elt)
-        else:
-            total += stored_nbytes(spec, t.shape)
-            largest = max(largest, shape_numel(t.shape))
-    return total, largest
+        fp8_pass = not reference and fp8_kernels and t.format == "fp8_e4m3_b128"
+        most = max(most, shape_numel(t.shape) * (2 * elt if fp8_pass else 2 * FP32 + elt))
+    return most
 
 
 def token_bytes(manifest: Manifest) -> tuple[int, int]:
@@ -174,32 +196,41 @@ def make_plan(
     with_mtp: bool = False,
     host_extra: int = 0,
     process: int | None = None,
+    fp8_kernels: bool | None = None,
 ) -> Plan:
     """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states); `process`:
-    the process's own before the model loads (default: this process's RSS now; a projection gives a user's)."""
+    the process's own before the model loads (default: this process's RSS now; a projection gives a user's);
+    `fp8_kernels`: whether the device converts e4m3 in hardware, so that FP8 kernels run (default: asked of the
+    device here; True where this machine has no CUDA: a projection's user machine)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     layers = _used_layers(manifest, with_mtp)
     record = manifest.record.nbytes if manifest.record else 0
     used = expert_layers(manifest, with_mtp)
     total_records = len(used) * a.n_routed_experts
-    backbone, largest = backbone_bytes(manifest, dtype, with_mtp)
+    backbone = backbone_bytes(manifest, dtype, with_mtp)
     kv = cache_bytes(a, layers, max_context, elt)
     # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
     t = min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
-    # dequantizing a matrix goes through two fp32 copies, then the result; the activations of one chunk
-    dequant = largest * (2 * FP32 + elt)
+    kernels = use_kernels(device)
+    fp8_kernels = (hw_e4m3(device) if torch.cuda.is_available() else True) if fp8_kernels is None else fp8_kernels
     acts = activation_bytes(a, t, max_context, elt)
-    workspace = dequant + acts + a.vocab_size * FP32 * 2 * LOGIT_ROWS  # two copies of logits
+    workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + acts + a.vocab_size * FP32 * 2 * LOGIT_ROWS
     if manifest.record:  # the routed-expert kernels' workspaces
         workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
     workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
-    fixed = backbone + kv + workspace
     top_k = a.n_activated_experts if total_records else 0
     # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated
     # (load_model), so it shares the RAM budget with the process, not with the cache
     largest_file = max((manifest.files[rel].nbytes for rel in manifest.backbone_files()), default=0)
     process = process_rss() if process is None else process
     host_base = process + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
+    on_host, moved = HostBackbone(), 0
+    if device.type == "cuda":  # what does not fit stays in pinned RAM, with room for PLANNED_WAVES of expert slots
+        keep = min(PLANNED_WAVES * top_k, total_records)
+        short = backbone + kv + workspace + keep * record - budgets.gpu
+        on_host, moved = place_on_host(manifest, elt, range(a.n_layers), short)
+    backbone -= moved
+    fixed = backbone + kv + workspace
     if device.type == "cpu":  # the 'device' tier is host memory too: count the process and the mapping there
         host_base += largest_file
         fixed += host_base
@@ -207,20 +238,22 @@ def make_plan(
     if budgets.gpu < min_gpu:
         raise ConfigError(
             f"--gpu-mem {format_bytes(budgets.gpu)} is too small: this model needs at least "
-            f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}, KV cache for "
+            f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}"
+            f"{f' with {format_bytes(moved)} of it in RAM' if moved else ''}, KV cache for "
             f"--max-context {max_context} {format_bytes(kv)}, workspace {format_bytes(workspace)}, "
             f"{top_k} expert slots {format_bytes(top_k * record)}); lower --max-context or --prefill-chunk, "
             f"or convert with --backbone fp4"
         )
     gpu_slots = min((budgets.gpu - fixed) // record, total_records) if record else 0
     staging = min(io_threads, total_records) if record else 0
-    host_cpu = 0 if device.type == "cpu" else host_base
+    host_cpu = 0 if device.type == "cpu" else host_base + moved
     loading = 0 if device.type == "cpu" else largest_file
     min_cpu = host_cpu + max(staging * record, loading)
     if budgets.cpu < min_cpu:
+        held = f" and {format_bytes(moved)} of backbone" if moved else ""
         raise ConfigError(
-            f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu)} "
-            f"and needs {format_bytes(max(staging * record, loading))} more to map its largest backbone file "
+            f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu - moved)}"
+            f"{held} and needs {format_bytes(max(staging * record, loading))} more to map its largest backbone file "
             f"({format_bytes(loading)}) and to read {staging} records at once; give at least "
             f"{format_bytes(min_cpu)} (or fewer --io-threads)"
         )
@@ -238,4 +271,6 @@ def make_plan(
         host_base,
         total_records,
         used,
+        moved,
+        on_host,
     )

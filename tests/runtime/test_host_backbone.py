@@ -1,0 +1,160 @@
+"""Backbone in pinned host memory, read in place by the device (runtime/plan/host_backbone.py,
+runtime/models/host_memory.py): what the planner moves and why, and that a run with part of its backbone there
+gives the tokens of one with all of it on the device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.models.load import plan_run
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
+from dsfp4.runtime.plan.host_backbone import HostBackbone, layer_bytes, place_on_host, spans, tensor_bytes
+from dsfp4.runtime.plan.planner import backbone_bytes, dequant_bytes, make_plan
+from dsfp4.synthetic.bench_model import model_args, planned_manifest
+
+CUDA = torch.device("cuda")  # planned as on a GPU machine: nothing here touches one
+PROMPT = "Explain the tiers of the expert store"
+
+
+def _v3(backbone: str = "fp8_e4m3_b128") -> Manifest:
+    return planned_manifest(model_args(61, 3)[1], backbone)
+
+
+def _plan(m: Manifest, preset: str):
+    p = PRESETS[preset]
+    return make_plan(
+        m, CUDA, torch.bfloat16, Budgets(p.gpu, p.cpu, preset), 4096, 512, 4, process=GiB // 2, fp8_kernels=True
+    )
+
+
+def test_v3_with_its_fp8_backbone_plans_on_16g_with_the_embedding_and_the_largest_layers_in_ram():
+    m = _v3()
+    whole = backbone_bytes(m, torch.bfloat16)
+    plan = _plan(m, "16g")
+    on = plan.on_host
+    assert on.embed and set(on.layers) >= {0, 1, 2}  # the dense layers are the largest
+    assert plan.backbone + plan.host_backbone == whole and plan.backbone + plan.kv_cache + plan.workspace < 15 * GiB
+    assert plan.gpu_slots >= 2 * m.args.n_activated_experts
+    sizes = layer_bytes(m, 2, range(m.args.n_layers))
+    moved = tensor_bytes("embed.weight", m.tensors["embed.weight"], 2) + sum(sizes[i] for i in on.layers)
+    assert moved == plan.host_backbone
+    # the least that fits: the last layer it took, left on the device, would not
+    last = min(on.layers, key=lambda i: (sizes[i], i))
+    kept = whole - moved + sizes[last]
+    assert kept + plan.kv_cache + plan.workspace + 2 * m.args.n_activated_experts * plan.record > plan.budgets.gpu
+    # what RAM gives the backbone, the record cache loses
+    resident = _plan(m, "24g")
+    assert resident.host_backbone == 0 and not resident.on_host.embed
+    assert plan.ram_slots == (plan.budgets.cpu - plan.host_base - plan.host_backbone) // plan.record
+    assert "embedding, layers 0-2" in plan.table() and "read in place over PCIe" in plan.table()
+
+
+def test_a_backbone_that_fits_stays_on_the_device_and_the_cpu_never_moves_any():
+    assert _plan(_v3("nvfp4"), "16g").host_backbone == 0
+    m = _v3()
+    cpu = make_plan(m, torch.device("cpu"), torch.bfloat16, Budgets(30 * GiB, 200 * GiB, "x"), 4096, 512, 4, process=0)
+    assert cpu.host_backbone == 0 and cpu.on_host == HostBackbone()
+
+
+def test_placement_takes_the_embedding_first_and_never_a_tied_one(converted):
+    m = Manifest.read(converted)
+    on, moved = place_on_host(m, 4, range(m.args.n_layers), 1)
+    assert on.embed and on.layers == () and moved == tensor_bytes("embed.weight", m.tensors["embed.weight"], 4)
+    tied = dataclasses.replace(m, args=dataclasses.replace(m.args, tie_word_embeddings=True))
+    on, _ = place_on_host(tied, 4, range(m.args.n_layers), 1)
+    assert not on.embed and len(on.layers) == 1
+    assert place_on_host(m, 4, range(m.args.n_layers), 0) == (HostBackbone(), 0)
+    on, moved = place_on_host(m, 4, range(m.args.n_layers), 1 << 40)  # everything it may, still short
+    assert on.layers == tuple(range(m.args.n_layers))
+    assert moved == sum(tensor_bytes(n, t, 4) for n, t in m.tensors.items() if on.holds(n))
+    assert not on.holds("head.weight") and not on.holds("norm.weight")  # every token reads all of them
+
+
+def test_a_plan_too_small_even_with_the_backbone_in_ram_names_what_moved():
+    with pytest.raises(ConfigError, match=r"--gpu-mem .* in RAM"):
+        make_plan(
+            _v3(), CUDA, torch.bfloat16, Budgets(2 * GiB, 200 * GiB, "x"), 4096, 512, 4, process=0, fp8_kernels=True
+        )
+
+
+def test_dequantization_reserve_counts_only_what_the_kernels_copy():
+    m = _v3("nvfp4")
+    largest = max(n for t in m.tensors.values() if t.format == "nvfp4" for n in [t.shape[0] * t.shape[1]])
+    wkv_b = m.tensors["layers.5.attn.wkv_b"].shape
+    assert dequant_bytes(m, torch.bfloat16, kernels=False, fp8_kernels=True) == largest * (8 + 2)
+    assert dequant_bytes(m, torch.bfloat16, kernels=True, fp8_kernels=True) == wkv_b[0] * wkv_b[1] * (8 + 2)
+    assert dequant_bytes(m, torch.float32, kernels=True, fp8_kernels=True) == largest * (8 + 4)  # fp32: reference
+    f = _v3()
+    wkv_b = f.tensors["layers.5.attn.wkv_b"].shape
+    assert dequant_bytes(f, torch.bfloat16, kernels=True, fp8_kernels=True) == wkv_b[0] * wkv_b[1] * 4  # one pass
+    fp8_largest = max(t.shape[0] * t.shape[1] for t in f.tensors.values() if t.format == "fp8_e4m3_b128")
+    assert dequant_bytes(f, torch.bfloat16, kernels=True, fp8_kernels=False) == fp8_largest * (8 + 2)
+
+
+def test_spans():
+    assert spans((0, 1, 2, 7, 9, 10)) == "0-2, 7, 9-10" and spans((4,)) == "4" and spans(()) == ""
+
+
+def _host_plan(converted, device: torch.device, on: HostBackbone):
+    m = Manifest.read(converted)
+    plan = plan_run(m, device, torch.float32, 64, RunOptions(device=device.type), False)
+    moved = sum(tensor_bytes(n, t, 4) for n, t in m.tensors.items() if on.holds(n))
+    return dataclasses.replace(plan, host_backbone=moved, on_host=on)
+
+
+def _resident_and_on_host(converted, device: torch.device):
+    """(a resident run's generation, one with the embedding and two layers in host memory, its engine: open)."""
+    options = RunOptions(device=device.type, max_context=64, dtype="fp32")
+    m = Manifest.read(converted)
+    on = HostBackbone(embed=True, layers=(0, m.args.n_layers - 1))
+    runs = []
+    for plan in (None, _host_plan(converted, device, on)):
+        engine = Engine(converted, options, plan=plan)
+        runs.append(engine.generate(" ".join([PROMPT] * 2), max_tokens=10, temperature=0))  # > 16 tokens: prefill
+        if plan is not None:
+            return runs[0], runs[1], engine
+        engine.close()
+    raise AssertionError
+
+
+def test_tokens_with_layers_and_the_embedding_in_host_memory_equal_a_resident_run(converted):
+    resident, on_host, engine = _resident_and_on_host(converted, torch.device("cpu"))
+    try:
+        assert on_host.token_ids == resident.token_ids
+        arena = engine.model.embed.untyped_storage().data_ptr()  # every host tensor is a view of one arena
+        assert engine.model.layers[0].attn.wo.parts[0].untyped_storage().data_ptr() == arena
+        assert engine.model.layers[-1].attn_norm.weight.untyped_storage().data_ptr() == arena
+        assert engine.model.layers[1].attn.wo.parts[0].untyped_storage().data_ptr() != arena
+    finally:
+        engine.close()
+
+
+def _in_device_memory(t: torch.Tensor) -> bool:
+    """Whether t's memory is one of torch's device allocations (not pinned host pages at a device address)."""
+    segments = torch.cuda.memory_snapshot()
+    return any(s["address"] <= t.data_ptr() < s["address"] + s["total_size"] for s in segments)
+
+
+@pytest.mark.gpu
+def test_on_cuda_kernels_and_graphs_read_host_backbone_in_place_with_the_tokens_of_a_resident_run(converted):
+    resident, on_host, engine = _resident_and_on_host(converted, CUDA)
+    try:
+        assert on_host.token_ids == resident.token_ids
+        assert (
+            on_host.stats.decode_mode.startswith("CUDA graph")
+            and resident.stats.decode_mode == on_host.stats.decode_mode
+        )
+        model = engine.model
+        assert model.embed.is_cuda and not _in_device_memory(model.embed)
+        assert not _in_device_memory(model.layers[0].attn.wo.parts[0]) and _in_device_memory(
+            model.layers[1].attn.wo.parts[0]
+        )
+    finally:
+        engine.close()

@@ -33,10 +33,20 @@ from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
+from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
 from dsfp4.runtime.profile.replay import belady
-from dsfp4.runtime.profile.simulate import Links, Projection, StepCosts, SwapModel, simulate, simulate_prefill
+from dsfp4.runtime.profile.simulate import (
+    HostStream,
+    Links,
+    Projection,
+    StepCosts,
+    SwapModel,
+    simulate,
+    simulate_prefill,
+)
 from dsfp4.synthetic.bench_model import model_args, planned_manifest
+from dsfp4.tools.backbone_choice import choose_backbone
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
 MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = 4096, 512, 4  # the run the plan is made for: `dsfp4 run`'s defaults
@@ -94,20 +104,18 @@ def full_args(family: str) -> ModelArgs:
 
 
 def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tuple[Manifest, Plan]:
-    """The whole model's manifest and plan on the machine: the FP8 backbone, or NVFP4 where FP8 does not fit; with
-    `backbone` (a --backbone spec, convert/backbone.py) that one, or a ConfigError when it does not fit."""
+    """The whole model's manifest and plan on the machine: with the backbone `convert --backbone auto` gives it
+    there (tools/backbone_choice.py), or `backbone` (a --backbone spec, convert/backbone.py); a ConfigError when
+    even with the backbone in RAM it does not fit."""
     args = full_args(family)
     expert_format = "mxfp4" if args.is_v4 else "nvfp4"
-    for tried in ("fp8_e4m3_b128", "nvfp4") if backbone is None else (backbone,):
-        m = planned_manifest(args, tried, expert_format)
-        try:
-            budgets, b = machine.budgets, (MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
-            plan = make_plan(m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS)
-        except ConfigError:
-            continue
-        return m, plan
-    which = "no backbone format" if backbone is None else f"no backbone {backbone}"
-    raise ConfigError(f"{family}: the planner fits {which} in {machine.about}")
+    spec = backbone or choose_backbone(args, machine.budgets, expert_format, USER_PROCESS)[0]
+    m = planned_manifest(args, spec, expert_format)
+    try:
+        budgets, b = machine.budgets, (MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
+        return m, make_plan(m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS, fp8_kernels=True)
+    except ConfigError as e:
+        raise ConfigError(f"{family}: the planner fits no backbone {spec} in {machine.about}") from e
 
 
 def _per_token(m: Manifest, size: Callable[[str, TensorEntry], float], record: float) -> tuple[float, float, float]:
@@ -141,6 +149,30 @@ def step_bytes(m: Manifest) -> tuple[float, float, float]:
         return n * 32 // FORMATS[t.format].bits if name.endswith(ROUTER_SUFFIXES) else n
 
     return _per_token(m, size, sum(p.nbytes for p in m.record.parts) if m.record else 0)
+
+
+def host_stream(m: Manifest, plan: Plan, elt: int = 2) -> HostStream:
+    """The plan's backbone in pinned RAM as the simulation reads it each step (a streamed MoE layer's attention and
+    router, its shared experts; dense layers and the embedding's row per token), tensors as loaded in `elt`-byte
+    plain dtype."""
+    moe = {layer: j for j, layer in enumerate(b for b in range(m.args.n_layers) if b in m.experts)}
+    streamed = {moe[i] for i in plan.on_host.layers if i in moe}
+    attn = experts = other = 0.0
+    for name, t in m.tensors.items():
+        if not plan.on_host.holds(name):
+            continue
+        n = tensor_bytes(name, t, elt)
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        if name == EMBED:
+            other += n / t.shape[0]
+        elif layer not in moe:
+            other += n
+        elif ".ffn." in name and not name.endswith(ROUTER_SUFFIXES):
+            experts += n
+        else:
+            attn += n
+    k = max(len(streamed), 1)
+    return HostStream(frozenset(streamed), attn / k, experts / k, other)
 
 
 def step_flops(m: Manifest) -> tuple[float, float, float]:
@@ -227,6 +259,7 @@ def decode(
         prefetch_reads=prefetch_reads,
         skippable=skippable,
         swap=swap,
+        host=host_stream(m, plan),
     )
 
 
@@ -414,6 +447,7 @@ def first_tokens(family: str, ids: np.ndarray, machines: list[str], prompts: tup
                 PREFILL_CHUNK,
                 RunOptions.policy,
                 warm,
+                host_stream(m, plan),
             )
             rows.append(FirstToken(name, n, p))
     return rows

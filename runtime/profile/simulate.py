@@ -54,6 +54,24 @@ class Links:
     pcie: float
 
 
+# a kernel reading pinned RAM in place moves bytes at this share of a pinned copy's rate: a GEMV on FP8 blocks read
+# 49.7 GB/s where copies ran at 54.5 on the H200 (docs/BENCHMARKS.md, the host backbone's entry)
+IN_PLACE_SHARE = 49.7 / 54.5
+PREFILL_TILE_ROWS = 128  # a prefill GEMM reads its weights once per tile of this many tokens (kernels/fp8/linear.py)
+
+
+@dataclass(frozen=True)
+class HostStream:
+    """Backbone a plan keeps in pinned RAM (runtime/plan/host_backbone.py), read in place on every step over the link
+    the expert copies take: per streamed MoE layer (by its index among the MoE layers) its attention's and router's
+    bytes and its shared experts'; per token the rest (dense layers, the embedding's row)."""
+
+    layers: frozenset[int] = frozenset()
+    attn_bytes: float = 0.0
+    experts_bytes: float = 0.0
+    other_bytes: float = 0.0
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds of compute of a token: per MoE layer before its router's choice (attention, router) and after
@@ -124,6 +142,7 @@ class Tiers:
         self.gpu, self.ram = SlotPool(gpu_slots, gpu_policy), SlotPool(ram_slots, ram_policy)
         self.record, self.out, self.counting = record_bytes, Projection(), True
         self.copy_s, self.read_s = record_bytes / links.pcie, record_bytes / links.ssd
+        self.in_place = links.pcie * IN_PLACE_SHARE
         self.on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
         self.in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
         self.ssd_free = self.pcie_free = 0.0
@@ -145,6 +164,15 @@ class Tiers:
             return None
         self.ram.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
         return self.on_device.get(key, 0.0)
+
+    def stream(self, at: float, nbytes: float, compute_s: float) -> float:
+        """Compute of `compute_s` from `at` that reads `nbytes` of backbone in place over PCIe, behind the copies
+        queued before it -> when it is done."""
+        if not nbytes:
+            return at + compute_s
+        self.pcie_free = max(self.pcie_free, at) + nbytes / self.in_place
+        self.out.pcie_bytes += nbytes * self.counting
+        return max(self.pcie_free, at + compute_s)
 
     def bring(self, key: Key, at: float, protected: set[Key], demand: bool, copy_after: float = 0.0) -> float | None:
         """Start moving a record that is not on the device there at time `at`, its copy not before `copy_after`
@@ -184,6 +212,7 @@ def simulate(
     prefetch_reads: bool = True,
     skippable: np.ndarray | None = None,
     swap: SwapModel | None = None,
+    host: HostStream = HostStream(),
 ) -> Projection:
     """Decode the tokens of `trace` [N, L, K] through pools of gpu_slots and ram_slots records under `policy`
     (TIER_POLICIES), prefetching with guesses at `recall` (None: no prefetch) -> per-token averages. `warm`: records
@@ -191,7 +220,7 @@ def simulate(
     guesses are only copied up from RAM, never read from the SSD (a wrong guess then costs PCIe time, not SSD
     time). skippable [N, L, K] bool: the choices a token weighs below an expert threshold (never its best): each is
     left out when its record is in neither tier, as the store's skip_cold leaves it out. swap: cache-aware routing,
-    before the threshold as in the store."""
+    before the threshold as in the store. host: backbone read in place from RAM, sharing the PCIe link."""
     n_tokens, n_layers, top_k = trace.shape
     n_experts = n_experts or int(trace.max()) + 1
     guessed = None
@@ -206,7 +235,8 @@ def simulate(
         tiers.counting = counting = token >= warmup
         start = now
         for layer in range(n_layers):
-            routed = now + costs.attn_s + (costs.host_s if streams else 0.0)
+            streamed = layer in host.layers
+            routed = tiers.stream(now, host.attn_bytes * streamed, costs.attn_s) + (costs.host_s if streams else 0.0)
             chosen = dict.fromkeys((layer, int(e)) for e in trace[token, layer])
             low = set() if skippable is None else set(trace[token, layer][skippable[token, layer]].tolist())
             if swap is not None:
@@ -236,8 +266,8 @@ def simulate(
                     if tiers.bring(key, routed, keep, demand=False) is not None:
                         out.prefetch_loads += counting
             out.stall_s += (ready - routed) * counting
-            now = ready + costs.experts_s
-        now += costs.other_s
+            now = tiers.stream(ready, host.experts_bytes * streamed, costs.experts_s)
+        now = tiers.stream(now, host.other_bytes, costs.other_s)
         if counting:
             out.tokens += 1
             out.seconds += now - start
@@ -280,10 +310,12 @@ def simulate_prefill(
     chunk: int,
     policy: str = "hot",
     warm: list[Key] = (),
+    host: HostStream = HostStream(),
 ) -> Projection:
     """Prefill the prompt whose routing is `trace` [P, L, K] in chunks of `chunk` tokens through pools of gpu_slots
     and ram_slots records (`costs` per token, compute-bound: a chunk of n tokens costs n times as much; `warm` as
-    for simulate) -> the prompt's totals, `seconds` the time to its first token."""
+    for simulate; `host` too, its bytes read once per PREFILL_TILE_ROWS tokens) -> the prompt's totals, `seconds`
+    the time to its first token."""
     n_tokens, n_layers, top_k = trace.shape
     tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
     out = tiers.out
@@ -292,8 +324,10 @@ def simulate_prefill(
     for first in range(0, n_tokens, chunk):
         rows = trace[first : first + chunk]  # [n, L, K]
         n = len(rows)
+        reads = -(-n // PREFILL_TILE_ROWS)
         for layer in range(n_layers):
-            routed = now + n * costs.attn_s + costs.host_s
+            streamed = layer in host.layers
+            routed = tiers.stream(now, reads * host.attn_bytes * streamed, n * costs.attn_s) + costs.host_s
             uses = np.bincount(rows[:, layer].ravel())  # [E] the chunk's tokens per expert
             keys = [(layer, int(e)) for e in np.flatnonzero(uses)]
             out.uses += len(keys)
@@ -319,8 +353,8 @@ def simulate_prefill(
                 share = sum(int(uses[e]) for _, e in wave) / (n * top_k)  # of the chunk's routed compute
                 free = ready + share * n * costs.experts_s  # the wave's compute frees its slots
                 start = ready  # the store is asked for the next wave once this one is queued
-            now = free
-        now += n * costs.other_s
+            now = tiers.stream(free, reads * host.experts_bytes * streamed, 0.0)
+        now = tiers.stream(now, reads * host.other_bytes, n * costs.other_s)
     out.seconds = now
     out.compute_s = n_tokens * (n_layers * (costs.attn_s + costs.experts_s) + costs.other_s)
     out.compute_s += -(-n_tokens // chunk) * n_layers * costs.host_s

@@ -63,11 +63,11 @@ def test_a_mixed_backbone_converts_records_each_format_and_runs(checkpoints, tmp
         assert len(engine.generate([0, 5, 9], max_tokens=4, temperature=0).token_ids) == 4
 
 
-def test_the_whole_v3_plans_each_spec_or_says_it_does_not_fit():
+def test_the_whole_v3_plans_each_spec_with_what_does_not_fit_in_ram():
     from dsfp4.tools.projection import MACHINES, full_plan
 
-    with pytest.raises(ConfigError, match="fits no backbone fp4:wo in"):
-        full_plan("v3", MACHINES["16g"], "fp4:wo")
-    assert full_plan("v3", MACHINES["16g"], "fp4")[1].gpu_slots > 0
+    on_16g = full_plan("v3", MACHINES["16g"], "fp4:wo")[1]
+    assert on_16g.on_host.embed and on_16g.host_backbone > 0  # 1.3 GiB short of the device: the embedding and more
+    assert full_plan("v3", MACHINES["16g"], "fp4")[1].host_backbone == 0
     slots = [full_plan("v3", MACHINES["24g"], spec)[1].gpu_slots for spec in ("fp8", "fp4:wo", "fp4:wo,wq_b", "fp4")]
     assert slots == sorted(slots) and slots[0] < slots[-1]  # each kind in NVFP4 leaves room for more expert slots

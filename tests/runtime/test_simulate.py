@@ -8,7 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsfp4.runtime.profile.simulate import Links, StepCosts, SwapModel, simulate, simulate_prefill
+from dsfp4.runtime.profile.simulate import (
+    IN_PLACE_SHARE,
+    HostStream,
+    Links,
+    StepCosts,
+    SwapModel,
+    simulate,
+    simulate_prefill,
+)
 from dsfp4.tools.bench_projection import share_plan
 from dsfp4.tools.projection import (
     MACHINES,
@@ -29,6 +37,27 @@ RECORD = 10_000_000
 def _trace(tokens: int = 60, layers: int = 4, experts: int = 16, k: int = 2, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(layers)]) for _ in range(tokens)])
+
+
+def test_backbone_read_in_place_costs_its_bytes_over_the_link_the_copies_share():
+    trace, links = _trace(), Links(1e9, 1e10)
+    everything = [(layer, e) for layer in range(4) for e in range(16)]
+    host = HostStream(frozenset({1, 3}), attn_bytes=3e7, experts_bytes=1e7, other_bytes=2e7)
+    p = simulate(trace, 64, 64, RECORD, links, COSTS, "lru", None, 16, warm=everything, host=host)
+    rate = 1e10 * IN_PLACE_SHARE  # every record resident: the link carries the backbone alone
+    per_token = 2 * (max(3e7 / rate, 1e-3) + max(1e7 / rate, 2e-3)) + 2 * 3e-3 + max(2e7 / rate, 5e-3)
+    assert p.seconds == pytest.approx(per_token) and p.pcie_bytes == pytest.approx(2 * 4e7 + 2e7)
+    plain = simulate(trace, 64, 64, RECORD, links, COSTS, "lru", None, 16, warm=everything)
+    assert plain.seconds < p.seconds and plain.pcie_bytes == 0
+    # prefetched copies from RAM and the next layer's attention share the link: each waits for the other
+    cold = simulate(trace, 8, 64, RECORD, links, COSTS, "lru", 1.0, 16, warm=everything[:64], host=host)
+    alone = simulate(trace, 8, 64, RECORD, links, COSTS, "lru", 1.0, 16, warm=everything[:64])
+    link = (alone.pcie_bytes + 1e8) / rate  # every byte the link carries, at its in-place rate or better
+    assert cold.pcie_bytes == pytest.approx(alone.pcie_bytes + 1e8) and cold.seconds > max(alone.seconds, link)
+    prefill = simulate_prefill(trace, 8, 64, RECORD, links, COSTS, 16, "lru", everything[:64], host)
+    assert (
+        prefill.pcie_bytes > simulate_prefill(trace, 8, 64, RECORD, links, COSTS, 16, "lru", everything[:64]).pcie_bytes
+    )
 
 
 def test_resident_records_cost_compute_only():

@@ -1,0 +1,43 @@
+"""`convert --backbone auto`: the backbone format for the machine the model will run on.
+
+The ways, most exact first (docs/BENCHMARKS.md, issue 33's entry: measured on the trained small DeepSeek, projected
+for the whole V3):
+  fp8                 exact to the release where it ships FP8; on a 16 GB card DeepSeek-V3's does not fit, and the
+                      part that does not stays in RAM, read over PCIe every token (1.72 tok/s projected, not 2.07)
+  fp4:wo,wq_b,shared  the attention's output and query up-projections and the shared experts in NVFP4: on 16 GB the
+                      best projected decode (2.07 tok/s, all-FP4's 2.08) at a KL no worse than the NVFP4 experts'
+                      own (backbone +0.009 against the experts' 0.011); all-FP4 costs +0.030
+`auto` takes the first way whose plan keeps the whole backbone on the device under the machine's budgets, else the
+last (the least of it in RAM). With no GPU to size for and no --preset, fp8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.plan.budget import Budgets
+from dsfp4.runtime.plan.planner import make_plan
+from dsfp4.synthetic.bench_model import planned_manifest
+
+AUTO = "auto"
+WAYS = ("fp8", "fp4:wo,wq_b,shared")
+# the run the choice is sized for: `dsfp4 run`'s defaults (max context, prefill chunk, I/O threads)
+RUN_DEFAULTS = (4096, 512, 4)
+
+
+def choose_backbone(
+    args: ModelArgs, budgets: Budgets, expert_format: str, process: int | None = None
+) -> tuple[str, str]:
+    """(spec, why) for a model of shape `args` run on a CUDA device under `budgets`."""
+    device = torch.device("cuda")
+    for spec in WAYS:
+        m = planned_manifest(args, spec, expert_format)
+        try:
+            plan = make_plan(m, device, torch.bfloat16, budgets, *RUN_DEFAULTS, process=process, fp8_kernels=True)
+        except ConfigError:
+            continue
+        if plan.host_backbone == 0:
+            return spec, f"the whole backbone fits {budgets.source} in {spec}"
+    return WAYS[-1], f"no backbone fits {budgets.source} whole: {WAYS[-1]} leaves the least of it in RAM"

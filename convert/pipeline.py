@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from dsfp4.convert.names.family import map_tensors
 from dsfp4.convert.part import JobResult, PartRun
-from dsfp4.convert.plan import ConvertOptions, Part, Plan, make_plan
+from dsfp4.convert.plan import BackboneChooser, ConvertOptions, Part, Plan, make_plan
 from dsfp4.convert.resume import ResumeState
 from dsfp4.convert.source.checkpoint import AUX_FILES, INDEX_NAME, SourceCheckpoint
 from dsfp4.convert.source.hub import HubSource
@@ -226,7 +226,12 @@ def _write_manifest(plan: Plan, markers: dict[str, dict], src_path: Path, out: P
 
 
 def convert(
-    src_path: Path, out_path: Path, options: ConvertOptions, progress: bool = True, hub: HubSource | None = None
+    src_path: Path,
+    out_path: Path,
+    options: ConvertOptions,
+    progress: bool = True,
+    hub: HubSource | None = None,
+    choose_backbone: BackboneChooser | None = None,
 ) -> ConvertResult:
     """Convert SRC (a Hugging Face DeepSeek checkpoint folder) into layout v1 at OUT.
 
@@ -244,7 +249,7 @@ def convert(
             INDEX_NAME if len(src.shards) > 1 else src.shards[0],
             include_mtp=not options.no_mtp,
         )
-        plan = make_plan(src, tmap, options)
+        plan = make_plan(src, tmap, options, choose_backbone)
         if out.resolve() == src_path.resolve():
             raise OutputError(f"{out}: OUT must differ from SRC")
         key = _resume_key(plan, src, hub)

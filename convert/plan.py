@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsfp4.convert.backbone import backbone_format, fp4_kinds
@@ -27,9 +28,11 @@ from dsfp4.version import __version__
 # matrices engines fuse into one layer (an MLP's gate and up; V3's q_a and kv_a, vLLM's fused_qkv_a_proj): in NVFP4
 # the two share one global scale, so a fused kernel, and an export to such an engine, needs one scalar
 FUSED_PAIRS = {"w1": "w3", "w3": "w1", "wq_a": "wkv_a", "wkv_a": "wq_a"}
+HEADS = {"bf16": None, "fp8": "fp8_e4m3_b128"}  # --head -> the format a BF16 head is stored in (None: as stored)
 HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
 AUTO_FORMAT = "auto"
 DEFAULT_EXPERT_FORMAT = "nvfp4"  # for experts the source stores in FP8 or BF16
+BackboneChooser = Callable[[ModelArgs, str], str]  # (model shape, expert format) -> a --backbone spec
 
 
 def expert_format(requested: str, tmap: TensorMap) -> str:
@@ -46,7 +49,8 @@ class ConvertOptions:
     """Knobs of `dsfp4 convert`; each field is the flag of the same name."""
 
     format: str = AUTO_FORMAT  # the source's own FP4 format, else nvfp4 (expert_format)
-    backbone: str = "fp8"
+    backbone: str = "fp8"  # a --backbone spec (convert/backbone.py), or auto: the caller's chooser decides (make_plan)
+    head: str = "bf16"  # the output head: bf16 as the releases store it, or fp8 (128x128 blocks)
     no_mtp: bool = False
     workers: int = 2
     device: str = "auto"
@@ -56,7 +60,10 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         if self.format not in (AUTO_FORMAT, *FP4_FORMATS):
             raise ConfigError(f"--format {self.format}: choose one of {', '.join((AUTO_FORMAT, *FP4_FORMATS))}")
-        fp4_kinds(self.backbone)  # a one-line error for a bad spec
+        if self.backbone != AUTO_FORMAT:
+            fp4_kinds(self.backbone)  # a one-line error for a bad spec
+        if self.head not in HEADS:
+            raise ConfigError(f"--head {self.head}: choose one of {', '.join(HEADS)}")
         if self.workers < 1:
             raise ConfigError(f"--workers {self.workers}: give at least 1")
 
@@ -118,19 +125,28 @@ class Plan:
         return sum(p.out_bytes for p in self.parts)
 
     def manifest_options(self) -> dict:
-        return {"format": self.options.format, "backbone": self.options.backbone, "mtp": not self.options.no_mtp}
+        o = self.options
+        return {"format": o.format, "backbone": o.backbone, "head": o.head, "mtp": not o.no_mtp}
 
 
-def target_format(item: MappedTensor, backbone: str) -> str:
+def is_head(ref: str) -> bool:
+    """The output head: the main model's and an MTP layer's (layers.61.head.weight)."""
+    return ref == "head.weight" or ref.endswith(".head.weight")
+
+
+def target_format(item: MappedTensor, backbone: str, head: str = "bf16") -> str:
     """Backbone matrices DeepSeek ships in FP8 go to FP8 (kept bit-exact when already FP8) or to NVFP4, by their
-    kind and the --backbone spec (convert/backbone.py); NVFP4 sources stay NVFP4; everything else as stored."""
+    kind and the --backbone spec (convert/backbone.py); NVFP4 sources stay NVFP4; a BF16 head goes to --head's
+    format; everything else as stored."""
+    if is_head(item.ref) and item.storage == "bf16" and HEADS[head]:
+        return HEADS[head]
     if item.kind != LINEAR or item.storage == "nvfp4":
         return item.storage
     return backbone_format(item.ref, backbone)
 
 
-def _out_tensor(item: MappedTensor, backbone: str) -> OutTensor:
-    fmt = target_format(item, backbone)
+def _out_tensor(item: MappedTensor, options: ConvertOptions) -> OutTensor:
+    fmt = target_format(item, options.backbone, options.head)
     spec = get_format(fmt)
     names = {"weight": item.ref} if spec.scale is None else {c: f"{item.ref}.{c}" for c, _ in spec.components}
     return OutTensor(item, fmt, names)
@@ -150,9 +166,17 @@ def _pair_fused(backbone: tuple[OutTensor, ...]) -> tuple[OutTensor, ...]:
     return tuple(out)
 
 
-def make_plan(src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions) -> Plan:
+def make_plan(
+    src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions, choose_backbone: BackboneChooser | None = None
+) -> Plan:
+    """`choose_backbone`: what --backbone auto becomes for the model's shape and expert format (the CLI sizes it for
+    the machine: tools/backbone_choice.py); without one, fp8."""
     options = dataclasses.replace(options, format=expert_format(options.format, tmap))
     args = src.args if not options.no_mtp else dataclasses.replace(src.args, n_mtp_layers=0)
+    if options.backbone == AUTO_FORMAT:
+        spec = choose_backbone(args, options.format) if choose_backbone else "fp8"
+        fp4_kinds(spec)
+        options = dataclasses.replace(options, backbone=spec)
     record = (
         RecordLayout.for_expert(options.format, args.dim, args.moe_inter_dim)
         if any(args.is_moe_layer(b) for b in range(args.n_blocks))
@@ -163,7 +187,7 @@ def make_plan(src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions) -
     for block in [None, *range(args.n_blocks)]:
         name = part_name(block)
         items = [i for i in tmap.items if i.part == name]
-        backbone = _pair_fused(tuple(_out_tensor(i, options.backbone) for i in items if i.kind != EXPERT))
+        backbone = _pair_fused(tuple(_out_tensor(i, options) for i in items if i.kind != EXPERT))
         by_expert: dict[int, dict[str, MappedTensor]] = {}
         for i in items:
             if i.kind == EXPERT:

@@ -19,7 +19,8 @@ def describe(model_dir: Path, tensors: bool = False) -> str:
         f"vocab {a.vocab_size}",
         f"source  {m.source.get('quantization')} checkpoint, {m.source.get('n_tensors')} tensors, "
         f"{format_bytes(m.source.get('nbytes', 0))}",
-        f"options experts {m.options['format']}, backbone {m.options['backbone']}, MTP {m.options['mtp']}",
+        f"options experts {m.options['format']}, backbone {m.options['backbone']}, "
+        f"head {m.options.get('head', 'bf16')}, MTP {m.options['mtp']}",
     ]
     by_file: dict[str, Counter] = defaultdict(Counter)
     for t in m.tensors.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -165,6 +166,20 @@ def backbone_tensors(manifest: Manifest, read: Callable[[str, str], torch.Tensor
         shapes = dict(zip((c for c, _ in spec.components), component_shapes(spec, entry.shape, ref), strict=True))
         for t in _matrix(hf, entry.format, parts, {**shapes, "dtype": spec.components[0][1]}):
             yield entry.file, t
+
+
+def check_plain(manifest: Manifest, model_dir: Path) -> None:
+    """The tensors the engines load unquantized (lm_head, norms, routers) must be stored plain: a head converted with
+    --head fp8 is refused, since the checkpoint lists lm_head in `ignore`."""
+    a = manifest.args
+    for rule, prefix, block, _, _ in name_map(a).placed(a, True):
+        ref = rule.names(prefix, block)[1]
+        entry = manifest.tensors.get(ref)
+        if rule.kind == PLAIN and entry is not None and get_format(entry.format).scale is not None:
+            raise FormatError(
+                f"{model_dir}: {ref} is stored as {entry.format} (convert --head fp8); vLLM and SGLang load it "
+                f"unquantized: convert with --head bf16 to export"
+            )
 
 
 def matrices(manifest: Manifest) -> list[Module]:

@@ -103,6 +103,7 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
             f"{model_dir}: DeepSeek-V4's own release layout (FP8 blocks, MXFP4 experts) is what engines load for V4; "
             "export writes the DeepSeek-V3 family's"
         )
+    ct.check_plain(manifest, model_dir)
     shards = plan_shards(model_dir, manifest)
     cfg = config(model_dir, manifest)
     if dry_run:

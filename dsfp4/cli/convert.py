@@ -10,7 +10,29 @@ import click
 from tqdm import tqdm
 
 from dsfp4.cli.options import EXISTING_DIR, PATH, given_flags, hub_options, only_with, quiet_option
+from dsfp4.runtime.plan.budget import PRESETS
 from dsfp4.units import format_bytes
+
+
+def backbone_chooser(preset: str | None):
+    """--backbone auto's chooser (tools/backbone_choice.py), sized for `preset` or this machine's GPU; it says what
+    it chose on stderr. None with neither: the converter takes fp8."""
+    import torch
+
+    from dsfp4.runtime.plan.budget import resolve_budgets
+    from dsfp4.tools.backbone_choice import choose_backbone
+    from dsfp4.tools.projection import USER_PROCESS
+
+    if preset is None and not torch.cuda.is_available():
+        return None
+    budgets = resolve_budgets(None, None, preset, torch.device("cuda"))
+
+    def choose(args, expert_format: str) -> str:
+        spec, why = choose_backbone(args, budgets, expert_format, USER_PROCESS)
+        click.echo(f"--backbone auto: {spec} ({why})", err=True)
+        return spec
+
+    return choose
 
 
 @click.command()
@@ -34,11 +56,25 @@ from dsfp4.units import format_bytes
 )
 @click.option(
     "--backbone",
-    default="fp8",
+    default="auto",
     show_default=True,
     help="fp8: keep FP8 bit-exact (BF16 sources are quantized to FP8 blocks); fp4: attention, dense and "
-    "shared-expert matrices to NVFP4, so the backbone fits a 16 GB card; fp4:KIND,... only those kinds (wq_a, "
-    "wq_b, wkv_a, wkv_b, wo, dense, shared) in NVFP4.",
+    "shared-expert matrices to NVFP4; fp4:KIND,... only those kinds (wq_a, wq_b, wkv_a, wkv_b, wo, dense, shared) "
+    "in NVFP4. auto: fp8 where the whole backbone fits this machine's GPU (or --preset's), else fp4:wo,wq_b,shared "
+    "(on 16 GB the fastest at a quality cost no larger than the FP4 experts' own; README); fp8 with no GPU here.",
+)
+@click.option(
+    "--head",
+    type=click.Choice(["bf16", "fp8"]),
+    default="bf16",
+    show_default=True,
+    help="The output head: bf16 as the release stores it, or fp8 128x128 blocks (half the bytes; a small, "
+    "measured quality cost: README).",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(list(PRESETS)),
+    help="With --backbone auto: size it for this machine class instead of this machine's GPU.",
 )
 @click.option("--no-mtp", is_flag=True, help="Leave out the MTP layer (needed when SRC was downloaded without it).")
 @click.option(
@@ -75,6 +111,8 @@ def convert(
     fp4: bool,
     fmt: str,
     backbone: str,
+    head: str,
+    preset: str | None,
     no_mtp: bool,
     workers: int,
     device: str,
@@ -93,7 +131,7 @@ def convert(
     Examples:
       dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --dry-run
       dsfp4 convert --fp4 hf/DeepSeek-V3 model/ --workers 8 --device cuda
-      dsfp4 convert --fp4 hf/DeepSeek-V3 model-16g/ --backbone fp4
+      dsfp4 convert --fp4 hf/DeepSeek-V3 model-16g/ --preset 16g
       dsfp4 convert --fp4 deepseek-ai/DeepSeek-V3 model/ --from-hub --delete-source
 
     An interrupted conversion resumes when run again with the same arguments.
@@ -101,9 +139,19 @@ def convert(
     from dsfp4.convert.pipeline import convert as run_convert
     from dsfp4.convert.plan import ConvertOptions, plan_table
 
+    if preset is not None and backbone != "auto":
+        raise click.UsageError(f"--preset sizes --backbone auto; drop it or --backbone {backbone}")
     options = ConvertOptions(
-        format=fmt, backbone=backbone, no_mtp=no_mtp, workers=workers, device=device, force=force, dry_run=dry_run
+        format=fmt,
+        backbone=backbone,
+        head=head,
+        no_mtp=no_mtp,
+        workers=workers,
+        device=device,
+        force=force,
+        dry_run=dry_run,
     )
+    choose = backbone_chooser(preset)
     given = given_flags(click.get_current_context(), ("revision", "token", "source_dir", "delete_source"))
     if given and not from_hub:
         raise click.UsageError(only_with(given, "--from-hub"))
@@ -114,11 +162,11 @@ def convert(
         resolved = out.resolve()
         src_path = source_dir or resolved.with_name(resolved.name + ".source")
         with HubSource(src, src_path, revision, token, no_mtp, delete_source) as hub:
-            result = run_convert(src_path, out, options, progress=not quiet, hub=hub)
+            result = run_convert(src_path, out, options, progress=not quiet, hub=hub, choose_backbone=choose)
     elif not src_path.exists() and src.count("/") == 1 and not src.startswith((".", "/", "~")):
         raise click.UsageError(f"{src} is not a folder here; to convert a hub repo, add --from-hub")
     else:
-        result = run_convert(src_path, out, options, progress=not quiet)
+        result = run_convert(src_path, out, options, progress=not quiet, choose_backbone=choose)
     if dry_run:
         click.echo(plan_table(result.plan, str(src), str(out)))
         click.echo("\n".join(("", *result.notes)))

@@ -20,12 +20,14 @@ from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.plan.budget import available_ram
+from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.planner import Plan, expert_layers, token_bytes
 from dsfp4.tools import ceilings
 from dsfp4.units import format_bytes
 
 RECORD_BYTES = 24_772_608  # a DeepSeek-V3 NVFP4 expert record: the copy size when no model is given
 SCRATCH = ".dsfp4-doctor.tmp"
+BF16 = 2  # bytes of a plain weight on a GPU run, where backbone in RAM is read
 
 
 def default_path() -> Path:
@@ -206,14 +208,16 @@ def plan_floor(plan: Plan, manifest: Manifest, c: Ceilings) -> float | None:
     """Seconds per decode token that a plan's tiers allow at these ceilings if every expert were equally
     likely (real routing is skewed, and a hot profile puts the hottest on the device): each of a token's
     experts is on the device with probability gpu_slots / records, in RAM (which holds the device's too)
-    with ram_slots / records, else on the SSD. None without a GPU measured or without experts."""
+    with ram_slots / records, else on the SSD; backbone the plan keeps in RAM crosses PCIe with the copies. None
+    without a GPU measured or without experts."""
     if not plan.total_records or manifest.record is None:
         return None
     n = plan.total_records
     on_gpu, in_ram = min(plan.gpu_slots / n, 1.0), min(max(plan.ram_slots, plan.gpu_slots) / n, 1.0)
     backbone, record = token_bytes(manifest)
     experts = len(plan.expert_layers) * manifest.args.n_activated_experts * record
-    return c.floor_s(backbone + experts, (1 - in_ram) * experts, (1 - on_gpu) * experts)
+    host = step_bytes_on_host(manifest, plan.on_host, BF16)
+    return c.floor_s(backbone - host + experts, (1 - in_ram) * experts, (1 - on_gpu) * experts + host)
 
 
 def expected_floor(plan: Plan, manifest: Manifest, path: Path | None = None) -> tuple[float | None, str]:

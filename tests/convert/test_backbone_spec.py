@@ -71,3 +71,47 @@ def test_the_whole_v3_plans_each_spec_with_what_does_not_fit_in_ram():
     assert full_plan("v3", MACHINES["16g"], "fp4")[1].host_backbone == 0
     slots = [full_plan("v3", MACHINES["24g"], spec)[1].gpu_slots for spec in ("fp8", "fp4:wo", "fp4:wo,wq_b", "fp4")]
     assert slots == sorted(slots) and slots[0] < slots[-1]  # each kind in NVFP4 leaves room for more expert slots
+
+
+def test_auto_keeps_fp8_where_the_whole_backbone_fits_and_takes_the_16g_way_where_it_does_not():
+    from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
+    from dsfp4.synthetic.bench_model import model_args
+    from dsfp4.tools.backbone_choice import WAYS, choose_backbone
+
+    v3 = model_args(61, 3)[1]
+    p16, p24 = PRESETS["16g"], PRESETS["24g"]
+    assert choose_backbone(v3, Budgets(p24.gpu, p24.cpu, "24g"), "nvfp4", GiB // 2)[0] == "fp8"
+    spec, why = choose_backbone(v3, Budgets(p16.gpu, p16.cpu, "16g"), "nvfp4", GiB // 2)
+    assert spec == "fp4:wo,wq_b,shared" == WAYS[1] and "fits 16g" in why
+    spec, why = choose_backbone(v3, Budgets(12 * GiB, p16.cpu, "12g"), "nvfp4", GiB // 2)
+    assert spec == WAYS[-1] and "in RAM" in why  # nothing fits whole: the way with the least of it in RAM
+
+
+def test_convert_cli_auto_and_head_fp8(checkpoints, tmp_path):
+    from click.testing import CliRunner
+
+    from dsfp4.cli.main import cli
+    from dsfp4.layout.manifest import Manifest
+    from dsfp4.runtime.engine import Engine
+
+    out = tmp_path / "auto"
+    r = CliRunner().invoke(
+        cli, ["convert", "--fp4", str(checkpoints["fp8"]), str(out), "--preset", "16g", "--head", "fp8"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "--backbone auto: fp8 (the whole backbone fits preset 16g" in r.output  # the tiny model fits anything
+    m = Manifest.read(out)
+    assert m.options["backbone"] == "fp8" and m.options["head"] == "fp8"
+    assert m.tensors["head.weight"].format == "fp8_e4m3_b128" and m.tensors["embed.weight"].format == "bf16"
+    assert all(t.format == "fp8_e4m3_b128" for n, t in m.tensors.items() if n.endswith(".head.weight"))
+    with Engine(out, device="cpu", max_context=64) as engine:
+        assert len(engine.generate([0, 5, 9], max_tokens=4, temperature=0).token_ids) == 4
+    assert "head fp8" in CliRunner().invoke(cli, ["inspect", str(out)]).output
+    bad = CliRunner().invoke(
+        cli, ["convert", "--fp4", str(checkpoints["fp8"]), str(tmp_path / "x"), "--preset", "16g", "--backbone", "fp8"]
+    )
+    assert bad.exit_code == 2 and "--preset sizes --backbone auto" in bad.output
+    with pytest.raises(ConfigError, match="--head fp4: choose one of bf16, fp8"):
+        from dsfp4.convert.plan import ConvertOptions
+
+        ConvertOptions(head="fp4")

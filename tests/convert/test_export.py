@@ -156,6 +156,14 @@ def test_bad_input_is_one_line(converted, v4_converted, tmp_path):
     assert r.exit_code == 2 and "--format" in r.output
 
 
+def test_an_fp8_head_is_refused_not_written_as_bytes_an_engine_would_misread(checkpoints, tmp_path):
+    head8 = tmp_path / "head8"
+    convert(checkpoints["fp8"], head8, ConvertOptions(head="fp8"), progress=False)
+    r = run_cli("export", head8, tmp_path / "o", "--format", FORMAT)
+    assert_one_line_error(r, "head.weight is stored as fp8_e4m3_b128 (convert --head fp8)")
+    assert not (tmp_path / "o").exists()
+
+
 def test_layers_engines_fuse_must_share_format_and_global_scale(checkpoints, tmp_path):
     mixed = tmp_path / "mixed"
     convert(checkpoints["fp8"], mixed, ConvertOptions(backbone="fp4:wq_a"), progress=False)

@@ -75,3 +75,22 @@ def test_an_fp4_backbone_decodes_by_cuda_graphs_with_the_tokens_of_eager_steps(c
         with Engine(model, device="cuda", cuda_graph=graphs) as engine:
             tokens.append(engine.generate([0, 5, 9, 11], max_tokens=12, temperature=0).token_ids)
     assert tokens[0] == tokens[1]
+
+
+def test_an_fp8_head_runs_the_fp8_kernels_with_the_logits_of_the_cpu_reference(checkpoints, tmp_path):
+    """--head fp8: the head's logits on CUDA (the FP8 GEMV) stay close to the CPU's dequantized reference; graph
+    replay and eager steps give the same tokens."""
+    from dsfp4.runtime.engine import Engine
+
+    model = tmp_path / "head8"
+    convert(checkpoints["fp8"], model, ConvertOptions(head="fp8"), progress=False)
+    ids = list(range(3, 40))
+    logits = {}
+    for device in ("cpu", "cuda"):
+        with Engine(model, device=device, dtype="fp32", max_context=64) as engine:
+            logits[device] = engine.logits(ids).float().cpu()  # [T, V]
+    assert torch.allclose(logits["cuda"], logits["cpu"], atol=2e-2, rtol=2e-2)
+    with Engine(model, device="cuda", max_context=64) as engine:
+        graph = engine.generate(ids[:5], max_tokens=8, temperature=0)
+    with Engine(model, device="cuda", max_context=64, cuda_graph=False) as engine:
+        assert engine.generate(ids[:5], max_tokens=8, temperature=0).token_ids == graph.token_ids

@@ -158,3 +158,29 @@ def test_on_cuda_kernels_and_graphs_read_host_backbone_in_place_with_the_tokens_
         )
     finally:
         engine.close()
+
+
+def _sparse(path, n: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(n)
+
+
+def test_run_plan_on_a_v3_shaped_fp8_model_at_16g_plans_and_says_what_is_in_ram(tmp_path, monkeypatch):
+    """The acceptance of issue 33 item 3 from the CLI: the manifest of the whole V3 with its FP8 backbone over sparse
+    files of its sizes (--plan reads the manifest only), planned as on a CUDA machine."""
+    from click.testing import CliRunner
+
+    import dsfp4.runtime.models.load as load
+    from dsfp4.cli.main import cli
+
+    m = _v3()
+    m.write(tmp_path)
+    sizes = {rel: f.nbytes for rel, f in m.files.items()}
+    sizes.update({e.file: max(e.offsets) + m.record.nbytes for e in m.experts.values()})
+    for rel, n in sizes.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        _sparse(tmp_path / rel, n)
+    monkeypatch.setattr(load, "resolve_device", lambda _: CUDA)
+    r = CliRunner().invoke(cli, ["run", str(tmp_path), "--plan", "--preset", "16g"])
+    assert r.exit_code == 0, r.output
+    assert "backbone" in r.output and "embedding, layers 0-2" in r.output and "read in place over PCIe" in r.output

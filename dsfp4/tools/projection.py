@@ -155,24 +155,18 @@ def host_stream(m: Manifest, plan: Plan, elt: int = 2) -> HostStream:
     """The plan's backbone in pinned RAM as the simulation reads it each step (a streamed MoE layer's attention and
     router, its shared experts; dense layers and the embedding's row per token), tensors as loaded in `elt`-byte
     plain dtype."""
-    moe = {layer: j for j, layer in enumerate(b for b in range(m.args.n_layers) if b in m.experts)}
-    streamed = {moe[i] for i in plan.on_host.layers if i in moe}
-    attn = experts = other = 0.0
-    for name, t in m.tensors.items():
+
+    def size(name: str, t: TensorEntry) -> float:
         if not plan.on_host.holds(name):
-            continue
+            return 0.0
         n = tensor_bytes(name, t, elt)
-        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
-        if name == EMBED:
-            other += n / t.shape[0]
-        elif layer not in moe:
-            other += n
-        elif ".ffn." in name and not name.endswith(ROUTER_SUFFIXES):
-            experts += n
-        else:
-            attn += n
-    k = max(len(streamed), 1)
-    return HostStream(frozenset(streamed), attn / k, experts / k, other)
+        return n / t.shape[0] if name == EMBED else n
+
+    attn, experts, other = _per_token(m, size, 0.0)  # per MoE layer: averaged over all of them
+    moe = [b for b in range(m.args.n_layers) if b in m.experts]
+    streamed = frozenset(j for j, b in enumerate(moe) if b in plan.on_host.layers)
+    per_streamed = len(moe) / max(len(streamed), 1)
+    return HostStream(streamed, attn * per_streamed, experts * per_streamed, other)
 
 
 def step_flops(m: Manifest) -> tuple[float, float, float]:

@@ -35,7 +35,8 @@ class HostBackbone:
 
     def describe(self) -> str:
         """For the plan table: what is in host memory, read over PCIe in place."""
-        what = ["embedding"] * self.embed + ([f"layers {spans(self.layers)}"] if self.layers else [])
+        layers = f"layer{'s' * (len(self.layers) > 1)} {spans(self.layers)}"
+        what = ["embedding"] * self.embed + [layers] * bool(self.layers)
         return ", ".join(what) + ": read in place over PCIe"
 
 

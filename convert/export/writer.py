@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from dsfp4.convert.export import compressed_tensors as ct
+from dsfp4.convert.export import gguf
 from dsfp4.errors import ConfigError, OutputError
 from dsfp4.layout.atomic import atomic_write_bytes, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
@@ -31,7 +32,7 @@ from dsfp4.units import format_bytes
 INDEX = "model.safetensors.index.json"
 PROGRESS = ".dsfp4-export.json"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
-FORMATS = ("compressed-tensors",)
+FORMATS = ("compressed-tensors", "gguf")
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,8 @@ def config(model_dir: Path, manifest: Manifest) -> dict:
     return cfg
 
 
-def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress: bool = True) -> list[Shard]:
-    """Write (or with dry_run only plan) the export of the converted model at model_dir into out."""
-    model_dir, out = Path(model_dir), Path(out)
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+def open_model(model_dir: Path) -> Manifest:
+    """The converted model an export reads, or a one-line error for what no export format holds."""
     if not (model_dir / MANIFEST_NAME).is_file():
         raise ConfigError(f"{model_dir}: no {MANIFEST_NAME}; export takes a folder `dsfp4 convert` wrote")
     manifest = Manifest.open(model_dir)
@@ -103,20 +101,53 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
             f"{model_dir}: DeepSeek-V4's own release layout (FP8 blocks, MXFP4 experts) is what engines load for V4; "
             "export writes the DeepSeek-V3 family's"
         )
+    return manifest
+
+
+def _claim(out: Path, ours: tuple[str, ...]) -> int:
+    """OUT made (or found holding an export's files) and locked: the lock's descriptor."""
+    if out.exists() and any(out.iterdir()) and not any((out / name).exists() for name in ours):
+        raise OutputError(f"{out}: a folder that holds something other than an export; choose another OUT")
+    out.mkdir(parents=True, exist_ok=True)
+    return lock_folder(out, f"{out}: another export is writing this folder")
+
+
+def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress: bool = True) -> list[Shard]:
+    """Write (or with dry_run only plan) the compressed-tensors export of the converted model at model_dir."""
+    model_dir, out = Path(model_dir), Path(out)
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    manifest = open_model(model_dir)
     ct.check_plain(manifest, model_dir)
     shards = plan_shards(model_dir, manifest)
     cfg = config(model_dir, manifest)
     if dry_run:
         return shards
-    if out.exists() and any(out.iterdir()) and not (out / PROGRESS).is_file() and not (out / INDEX).is_file():
-        raise OutputError(f"{out}: a folder that holds something other than an export; choose another OUT")
-    out.mkdir(parents=True, exist_ok=True)
-    fd = lock_folder(out, f"{out}: another export is writing this folder")
+    fd = _claim(out, (PROGRESS, INDEX))
     try:
         _write(model_dir, out, shards, cfg, progress, {"conversion": manifest.conversion_sha256(), "format": fmt})
     finally:
         os.close(fd)
     return shards
+
+
+def export_gguf(
+    model_dir: Path, out: Path, dry_run: bool = False, progress: bool = True
+) -> tuple[list[gguf.GTensor], dict[str, float]]:
+    """Write (or with dry_run only plan) OUT/model.gguf: (its tensors, the requantization error by class)."""
+    model_dir, out = Path(model_dir), Path(out)
+    manifest = open_model(model_dir)
+    _, stats, tensors = gguf.plan(model_dir, manifest)
+    if dry_run:
+        return tensors, {}
+    fd = _claim(out, (gguf.FILE, gguf.FILE + ".partial", gguf.PROGRESS))
+    try:
+        total = sum(t.nbytes for t in tensors)
+        with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="export") as bar:
+            gguf.write(model_dir, out, manifest, tensors, stats, bar)
+    finally:
+        os.close(fd)
+    return tensors, stats.relative_rms()
 
 
 def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress: bool, identity: dict) -> None:
@@ -163,4 +194,15 @@ def describe(shards: list[Shard]) -> str:
     """The dry run's table: each shard's tensors and size, then the total."""
     lines = [f"{s.name}  {len(s.tensors):6d} tensors  {format_bytes(s.nbytes):>10}" for s in shards]
     lines.append(f"total  {sum(len(s.tensors) for s in shards)} tensors, {format_bytes(sum(s.nbytes for s in shards))}")
+    return "\n".join(lines)
+
+
+def describe_gguf(tensors: list[gguf.GTensor]) -> str:
+    """The dry run's table for GGUF: bytes by type, then the total."""
+    by_type: dict[str, list[int]] = {}
+    for t in tensors:
+        row = by_type.setdefault(t.qtype.name, [0, 0])
+        row[0], row[1] = row[0] + 1, row[1] + t.nbytes
+    lines = [f"{name:<8}  {n:6d} tensors  {format_bytes(b):>10}" for name, (n, b) in sorted(by_type.items())]
+    lines.append(f"{gguf.FILE}  {len(tensors)} tensors, {format_bytes(sum(t.nbytes for t in tensors))}")
     return "\n".join(lines)

@@ -15,23 +15,38 @@ from dsfp4.cli.options import EXISTING_DIR, PATH
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["compressed-tensors"]),
+    type=click.Choice(["compressed-tensors", "gguf"]),
     required=True,
-    help="compressed-tensors: the checkpoint vLLM and SGLang load (FP4 experts and FP8 blocks as they are stored).",
+    help="compressed-tensors: the checkpoint vLLM and SGLang load (FP4 experts and FP8 blocks as they are stored). "
+    "gguf: OUT/model.gguf for llama.cpp (MXFP4 experts as they are stored; FP8 matrices requantized to Q8_0, the "
+    "error reported; a model with NVFP4 experts converts again with --format mxfp4).",
 )
 @click.option("--dry-run", is_flag=True, help="Print the shards and their sizes; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def export(model: Path, out: Path, fmt: str, dry_run: bool, quiet: bool) -> None:
-    """Write the converted MODEL into OUT as another engine's checkpoint, from the stored bytes (nothing is
-    quantized again). Safe to interrupt: a rerun keeps the shards already written.
+    """Write the converted MODEL into OUT as another engine's checkpoint, from the stored bytes (compressed-tensors
+    quantizes nothing again; GGUF only the FP8 matrices). Safe to interrupt: a rerun keeps what was written whole.
 
     \b
     Examples:
       dsfp4 export model/ model-ct/ --format compressed-tensors --dry-run
       dsfp4 export model/ model-ct/ --format compressed-tensors && vllm serve model-ct/
+      dsfp4 export model-mxfp4/ model-gguf/ --format gguf && llama-cli -m model-gguf/model.gguf
     """
-    from dsfp4.convert.export.writer import describe
+    from dsfp4.convert.export.writer import describe, describe_gguf, export_gguf
     from dsfp4.convert.export.writer import export as write_export
+
+    if fmt == "gguf":
+        tensors, errors = export_gguf(model, out, dry_run=dry_run, progress=not quiet)
+        if dry_run:
+            click.echo(describe_gguf(tensors))
+        elif not quiet:
+            click.echo(
+                f"{out}/model.gguf: {len(tensors)} tensors, {sum(t.nbytes for t in tensors) / 2**30:.2f} GiB", err=True
+            )
+            for klass, err in sorted(errors.items()):
+                click.echo(f"  requantization error {klass:<28} {err:.4g} (relative RMS)", err=True)
+        return
 
     shards = write_export(model, out, fmt, dry_run=dry_run, progress=not quiet)
     if dry_run:

@@ -112,7 +112,12 @@ def test_bf16_source_and_options_mxfp4_backbone_fp4(checkpoints, tmp_path):
     out = tmp_path / "out"
     pipeline.convert(checkpoints["bf16"], out, ConvertOptions(format="mxfp4", backbone="fp4"), progress=False)
     m = Manifest.read(out)
-    assert m.record.format == "mxfp4" and m.options == {"format": "mxfp4", "backbone": "fp4", "mtp": True}
+    assert m.record.format == "mxfp4" and m.options == {
+        "format": "mxfp4",
+        "backbone": "fp4",
+        "head": "bf16",
+        "mtp": True,
+    }
     assert m.tensors["layers.1.attn.wkv_b"].format == "nvfp4"
     assert m.tensors["layers.3.eh_proj"].format == "bf16"  # not a matrix DeepSeek ships in FP8
     with SourceCheckpoint(checkpoints["bf16"]) as src:

@@ -391,7 +391,7 @@ def write_bench_model(
         "n_shards": 0,
         "seed": seed,
     }
-    options = {"format": expert_format, "backbone": BACKBONES[backbone], "mtp": mtp}
+    options = {"format": expert_format, "backbone": BACKBONES[backbone], "head": "bf16", "mtp": mtp}
     return w.finish(args, source, options, record)
 
 

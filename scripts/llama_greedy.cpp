@@ -1,0 +1,56 @@
+// Greedy continuation of a token-id prompt through llama.cpp's library, one token id and its top-2 logit margin per
+// line: what scripts/bench_llamacpp.py compares with dsfp4's (llama-simple prints text only, and a byte-level
+// tokenizer's pieces need not be text). Usage: llama_greedy MODEL.gguf N_TOKENS N_GPU_LAYERS ID...
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "llama.h"
+
+int main(int argc, char ** argv) {
+    if (argc < 5) {
+        fprintf(stderr, "usage: %s MODEL.gguf N_TOKENS N_GPU_LAYERS ID...\n", argv[0]);
+        return 2;
+    }
+    const int n_new = atoi(argv[2]);
+    std::vector<llama_token> prompt;
+    for (int i = 4; i < argc; i++) {
+        prompt.push_back(atoi(argv[i]));
+    }
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = atoi(argv[3]);
+    llama_model * model = llama_model_load_from_file(argv[1], mp);
+    if (model == nullptr) {
+        return 1;
+    }
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = cp.n_batch = (uint32_t) (prompt.size() + n_new + 8);
+    llama_context * ctx = llama_init_from_model(model, cp);
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    llama_batch batch = llama_batch_get_one(prompt.data(), (int32_t) prompt.size());
+    llama_token next = 0;
+    for (int step = 0; step < n_new; step++) {
+        if (llama_decode(ctx, batch) != 0) {
+            return 1;
+        }
+        const float * logits = llama_get_logits_ith(ctx, -1);
+        int best = 0, second = 1;
+        if (logits[second] > logits[best]) {
+            best = 1, second = 0;
+        }
+        for (int j = 2; j < n_vocab; j++) {
+            if (logits[j] > logits[best]) {
+                second = best, best = j;
+            } else if (logits[j] > logits[second]) {
+                second = j;
+            }
+        }
+        printf("%d %.6f\n", best, logits[best] - logits[second]);
+        next = best;
+        batch = llama_batch_get_one(&next, 1);
+    }
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}

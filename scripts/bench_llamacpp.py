@@ -1,7 +1,7 @@
 """llama.cpp beside dsfp4 on the same model: the GGUF `dsfp4 export --format gguf` writes, run by a llama.cpp build.
 
     python scripts/bench_llamacpp.py check MODEL GGUF --llama-cpp BUILD --llama-src SRC [--prompt TEXT] [--tokens 16]
-    python scripts/bench_llamacpp.py bench MODEL GGUF --llama-cpp BUILD [--prompt-tokens 64] [--tokens 64] [--json OUT]
+    python scripts/bench_llamacpp.py bench MODEL GGUF --llama-cpp BUILD [--budget GPU:CPU ...] [--json OUT]
 
 MODEL: a dsfp4 conversion with MXFP4 experts; GGUF: its export; BUILD: llama.cpp's build folder (bin/libllama.so,
 bin/llama-bench); SRC: its source (include/llama.h).
@@ -89,33 +89,47 @@ def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, to
 @click.option("--llama-cpp", "build", type=FILE, required=True)
 @click.option("--prompt-tokens", default=64, show_default=True)
 @click.option("--tokens", default=64, show_default=True)
-@click.option("--gpu-mem", default=None, help="dsfp4's device budget (and what llama.cpp's placements are beside)")
-@click.option("--cpu-mem", default=None)
+@click.option(
+    "--budget", "budgets", multiple=True, help="dsfp4's GPU:CPU budgets, e.g. 60G:40G (repeat; default: free memory)"
+)
+@click.option(
+    "--flash-attn", default="0", show_default=True, help="llama-bench's -fa (0 where its build has no FA kernels)"
+)
 @click.option("--json", "out", type=click.Path(path_type=Path))
 def bench(
-    model: Path, gguf: Path, build: Path, prompt_tokens: int, tokens: int, gpu_mem: str | None, cpu_mem: str | None, out
+    model: Path,
+    gguf: Path,
+    build: Path,
+    prompt_tokens: int,
+    tokens: int,
+    budgets: tuple[str, ...],
+    flash_attn: str,
+    out,
 ) -> None:
     rows = []
     placements = {"all on the GPU": ["-ngl", "99"], "experts on the CPU": ["-ngl", "99", "-ot", "exps=CPU"]}
     placements["CPU only"] = ["-ngl", "0"]
     for name, extra in placements.items():
-        args = ("-m", str(gguf), "-p", str(prompt_tokens), "-n", str(tokens), "-o", "json", *extra)
-        text = _llama_run(build / "bin" / "llama-bench", *args)
-        for r in json.loads(text.decode()):
+        args = ("-m", str(gguf), "-p", str(prompt_tokens), "-n", str(tokens), "-fa", flash_attn, "-o", "json", *extra)
+        for r in json.loads(_llama_run(build / "bin" / "llama-bench", *args).decode()):
             kind = "prefill" if r.get("n_prompt") else "decode"
             rows.append({"engine": "llama.cpp", "placement": name, "kind": kind, "tok_s": r["avg_ts"]})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with Engine(model, device=device, gpu_mem=gpu_mem, cpu_mem=cpu_mem, max_context=prompt_tokens + tokens + 8) as e:
-        ids = list(range(10, 10 + prompt_tokens))
-        e.generate(ids[:8], max_tokens=4, temperature=0)  # warm
-        g = e.generate(ids, max_tokens=tokens, temperature=0)
-    budgets = f"--gpu-mem {gpu_mem} --cpu-mem {cpu_mem}" if gpu_mem or cpu_mem else "free memory"
-    rows += [
-        {"engine": "dsfp4", "placement": f"{device}, {budgets}", "kind": "prefill", "tok_s": g.stats.prefill_tok_s},
-        {"engine": "dsfp4", "placement": f"{device}, {budgets}", "kind": "decode", "tok_s": g.stats.decode_tok_s},
-    ]
+    for budget in budgets or ("",):
+        gpu, _, cpu = budget.partition(":")
+        knobs = {"gpu_mem": gpu or None, "cpu_mem": cpu or None}
+        with Engine(model, device=device, max_context=prompt_tokens + tokens + 8, **knobs) as e:
+            ids = list(range(10, 10 + prompt_tokens))
+            e.generate(ids[:8], max_tokens=4, temperature=0)  # warm
+            g = e.generate(ids, max_tokens=tokens, temperature=0)
+            plan = e.plan
+        where = f"{device} {budget or 'free memory'}: {plan.gpu_slots} of {plan.total_records} records on the device"
+        rows += [
+            {"engine": "dsfp4", "placement": where, "kind": "prefill", "tok_s": g.stats.prefill_tok_s},
+            {"engine": "dsfp4", "placement": where, "kind": "decode", "tok_s": g.stats.decode_tok_s},
+        ]
     for r in rows:
-        click.echo(f"{r['engine']:<10} {r['placement']:<36} {r['kind']:<8} {r['tok_s']:10.1f} tok/s")
+        click.echo(f"{r['engine']:<10} {r['placement']:<60} {r['kind']:<8} {r['tok_s']:10.1f} tok/s")
     if out:
         out.write_text(json.dumps(rows, indent=1))
 

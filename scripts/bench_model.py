@@ -34,13 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense", type=int, help="leading blocks with a dense MLP (default: V3 1, V4 none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backbone", choices=sorted(BACKBONES), default="fp8_e4m3_b128")
+    p.add_argument("--experts", choices=["nvfp4", "mxfp4"], help="the experts' format (default: the family's)")
     p.add_argument("--tokenizer", action="store_true", help="also write tokenizer.json and its config")
     p.add_argument("--mtp", action="store_true", help="also write an MTP layer (block N, with its experts)")
     p.add_argument("--dims", nargs="*", default=[], metavar="KEY=VALUE", help="config.json keys overriding the model's")
     a = p.parse_args(argv)
     dims = {k: _dim_value(v) for k, v in (d.split("=", 1) for d in a.dims)}
     t = time.perf_counter()
-    m = write_bench_model(a.out, a.layers, a.dense, a.seed, dims, a.backbone, a.tokenizer, a.mtp, a.family)
+    m = write_bench_model(a.out, a.layers, a.dense, a.seed, dims, a.backbone, a.tokenizer, a.mtp, a.family, a.experts)
     seconds = time.perf_counter() - t
     peak = proc_status_bytes("VmHWM")
     n = written_bytes(m)

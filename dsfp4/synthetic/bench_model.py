@@ -343,18 +343,19 @@ def write_bench_model(
     with_tokenizer: bool = False,
     mtp: bool = False,
     family: str = "v3",
+    expert_format: str | None = None,
 ) -> Manifest:
     """Write a random model of V3's or (`family` v4) V4-Flash's shape (`dims`: config.json keys overriding the
     real model's) in layout v1 at `out` (which must not exist or be empty): `n_layers` blocks, the first
-    `n_dense` (V3 default 1, V4 none) with a dense MLP, experts in the family's format (V3 NVFP4, V4 MXFP4),
-    backbone matrices in `backbone` (fp8_e4m3_b128 or nvfp4). manifest.json is written last."""
+    `n_dense` (V3 default 1, V4 none) with a dense MLP, experts in `expert_format` (default the family's: V3 NVFP4,
+    V4 MXFP4), backbone matrices in `backbone` (fp8_e4m3_b128 or nvfp4). manifest.json is written last."""
     if backbone not in BACKBONES:
         raise ValueError(f"backbone {backbone!r}: choose one of {', '.join(BACKBONES)}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new folder")
     cfg, args = model_args(n_layers, DENSE_LAYERS[family] if n_dense is None else n_dense, dims, mtp, family)
-    expert_format = EXPERT_FORMATS[family]
+    expert_format = expert_format or EXPERT_FORMATS[family]
     (out / "backbone").mkdir(parents=True, exist_ok=True)
     moe_layers = [b for b in range(args.n_blocks) if args.is_moe_layer(b)]
     record = RecordLayout.for_expert(expert_format, args.dim, args.moe_inter_dim) if moe_layers else None

@@ -215,6 +215,7 @@ def make_plan(
         "no_mtp": options.no_mtp,
         "layout": MANIFEST_VERSION,
         "dsfp4": __version__,
+        **({"head": options.head} if options.head != "bf16" else {}),  # the default keeps earlier keys
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return Plan(args, options, tuple(parts), record, tmap.skipped, source_info, fingerprint)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.metadata import version as gguf_version
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import dequantize
 from dsfp4.layout.safetensors_file import pread_exact
+from dsfp4.version import __version__
 
 ARCH = "deepseek2"
 FILE = "model.gguf"
@@ -330,47 +333,67 @@ def add_tokenizer(w: GGUFWriter, a: ModelArgs, model_dir: Path) -> None:
         w.add_chat_template(cfg["chat_template"])
 
 
-def header(a: ModelArgs, model_dir: Path, tensors: list[GTensor], scratch: Path) -> bytes:
-    """The GGUF's header, metadata and tensor table, as gguf's writer lays them out."""
-    w = GGUFWriter(scratch, ARCH)
-    try:
-        add_metadata(w, a, model_dir)
-        for t in tensors:
-            w.add_tensor_info(t.name, t.shape, np.dtype(np.uint8), t.nbytes, t.qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-    finally:
-        w.close()
-    data = scratch.read_bytes()
-    scratch.unlink()
-    return data
+def header(a: ModelArgs, model_dir: Path, tensors: list[GTensor]) -> bytes:
+    """The GGUF's header, metadata and tensor table, as gguf's writer lays them out (a one-line FormatError for a
+    tokenizer it cannot carry)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp) / FILE
+        w = GGUFWriter(scratch, ARCH)
+        try:
+            add_metadata(w, a, model_dir)
+            for t in tensors:
+                w.add_tensor_info(t.name, t.shape, np.dtype(np.uint8), t.nbytes, t.qtype)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+        finally:
+            w.close()
+        return scratch.read_bytes()
 
 
 def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def plan(model_dir: Path, manifest: Manifest) -> tuple[Source, ErrorStats, list[GTensor]]:
-    """The checks, then every tensor of the GGUF (nothing read yet)."""
+@dataclass(frozen=True)
+class GgufPlan:
+    """What the export will write: the tensors, the header before them, and where the requantization errors go."""
+
+    tensors: list[GTensor]
+    head: bytes
+    stats: ErrorStats
+
+
+def plan(model_dir: Path, manifest: Manifest) -> GgufPlan:
+    """The checks, every tensor of the GGUF and its header (nothing of the weights read yet): anything refused is
+    refused before OUT is touched."""
     check(manifest, model_dir)
-    src, stats = Source(model_dir, manifest), ErrorStats()
-    return src, stats, plan_tensors(src, stats)
+    stats = ErrorStats()
+    tensors = plan_tensors(Source(model_dir, manifest), stats)
+    return GgufPlan(tensors, header(manifest.args, model_dir, tensors), stats)
 
 
-def write(model_dir: Path, out: Path, manifest: Manifest, tensors: list[GTensor], stats: ErrorStats, bar) -> Path:
-    """Write OUT/model.gguf (under .partial until whole). A rerun of the same conversion continues after the last
-    tensor written whole (PROGRESS records it, with the header's hash and the error sums so far)."""
-    head = header(manifest.args, model_dir, tensors, out / ".gguf-header.tmp")
-    identity = {"conversion": manifest.conversion_sha256(), "header": hashlib.sha256(head).hexdigest()}
+def write(out: Path, manifest: Manifest, p: GgufPlan, bar) -> Path:
+    """Write OUT/model.gguf (under .partial until whole). A rerun of the same conversion, header and versions continues
+    after the last tensor written whole (PROGRESS records it, with the error sums so far)."""
+    tensors, head, stats = p.tensors, p.head, p.stats
+    identity = {
+        "conversion": manifest.conversion_sha256(),
+        "header": hashlib.sha256(head).hexdigest(),
+        "versions": [__version__, gguf_version("gguf")],
+    }
     path, part, progress_path = out / FILE, out / (FILE + ".partial"), out / PROGRESS
     done = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
-    if done.get("identity") == identity and done.get("complete") and path.is_file():
+    same = done.get("identity") == identity
+    if same and done.get("complete") and path.is_file():
+        stats.sums = {k: list(v) for k, v in done.get("errors", {}).items()}
         bar.update(sum(t.nbytes for t in tensors))
         return path
-    start = done.get("tensors", 0) if done.get("identity") == identity and part.is_file() else 0
-    stats.sums = {k: list(v) for k, v in done.get("errors", {}).items()} if start else {}
     offsets = np.cumsum([_padded(len(head))] + [_padded(t.nbytes) for t in tensors]).tolist()
+    start = done.get("tensors", 0) if same and part.is_file() else 0
+    if start and part.stat().st_size < offsets[start]:  # the record ran ahead of the file: begin again
+        start = 0
+    stats.sums = {k: list(v) for k, v in done.get("errors", {}).items()} if start else {}
     with open(part, "r+b" if start else "wb") as f:
         if start:
             f.truncate(offsets[start])

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from dsfp4.convert.export import compressed_tensors as ct
 from dsfp4.convert.export import gguf
 from dsfp4.errors import ConfigError, OutputError
-from dsfp4.layout.atomic import atomic_write_bytes, lock_folder
+from dsfp4.layout.atomic import LOCK_NAME, atomic_write_bytes, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
 from dsfp4.layout.safetensors_file import SafetensorsWriter, pread_exact
 from dsfp4.units import format_bytes
@@ -106,7 +106,8 @@ def open_model(model_dir: Path) -> Manifest:
 
 def _claim(out: Path, ours: tuple[str, ...]) -> int:
     """OUT made (or found holding an export's files) and locked: the lock's descriptor."""
-    if out.exists() and any(out.iterdir()) and not any((out / name).exists() for name in ours):
+    held = [p for p in out.iterdir() if p.name != LOCK_NAME] if out.exists() else []
+    if held and not any((out / name).exists() for name in ours):
         raise OutputError(f"{out}: a folder that holds something other than an export; choose another OUT")
     out.mkdir(parents=True, exist_ok=True)
     return lock_folder(out, f"{out}: another export is writing this folder")
@@ -137,17 +138,17 @@ def export_gguf(
     """Write (or with dry_run only plan) OUT/model.gguf: (its tensors, the requantization error by class)."""
     model_dir, out = Path(model_dir), Path(out)
     manifest = open_model(model_dir)
-    _, stats, tensors = gguf.plan(model_dir, manifest)
+    p = gguf.plan(model_dir, manifest)
     if dry_run:
-        return tensors, {}
+        return p.tensors, {}
     fd = _claim(out, (gguf.FILE, gguf.FILE + ".partial", gguf.PROGRESS))
     try:
-        total = sum(t.nbytes for t in tensors)
+        total = sum(t.nbytes for t in p.tensors)
         with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="export") as bar:
-            gguf.write(model_dir, out, manifest, tensors, stats, bar)
+            gguf.write(out, manifest, p, bar)
     finally:
         os.close(fd)
-    return tensors, stats.relative_rms()
+    return p.tensors, p.stats.relative_rms()
 
 
 def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress: bool, identity: dict) -> None:

@@ -19,13 +19,16 @@ def backbone_chooser(preset: str | None):
     it chose on stderr. None with neither: the converter takes fp8."""
     import torch
 
-    from dsfp4.runtime.plan.budget import resolve_budgets
-    from dsfp4.tools.backbone_choice import choose_backbone
+    from dsfp4.runtime.plan.budget import Budgets
+    from dsfp4.tools.backbone_choice import card_budget, choose_backbone
     from dsfp4.tools.projection import USER_PROCESS
 
-    if preset is None and not torch.cuda.is_available():
+    if preset is not None:
+        budgets = Budgets(PRESETS[preset].gpu, PRESETS[preset].cpu, f"preset {preset}")
+    elif torch.cuda.is_available():
+        budgets = card_budget(torch.device("cuda"))
+    else:
         return None
-    budgets = resolve_budgets(None, None, preset, torch.device("cuda"))
 
     def choose(args, expert_format: str) -> str:
         spec, why = choose_backbone(args, budgets, expert_format, USER_PROCESS)
@@ -151,7 +154,7 @@ def convert(
         force=force,
         dry_run=dry_run,
     )
-    choose = backbone_chooser(preset)
+    choose = backbone_chooser(preset) if backbone == "auto" else None
     given = given_flags(click.get_current_context(), ("revision", "token", "source_dir", "delete_source"))
     if given and not from_hub:
         raise click.UsageError(only_with(given, "--from-hub"))

@@ -8,7 +8,8 @@ for the whole V3):
                       best projected decode (2.07 tok/s, all-FP4's 2.08) at a KL no worse than the NVFP4 experts'
                       own (backbone +0.009 against the experts' 0.011); all-FP4 costs +0.030
 `auto` takes the first way whose plan keeps the whole backbone on the device under the machine's budgets, else the
-last (the least of it in RAM). With no GPU to size for and no --preset, fp8.
+last (the least of it in RAM). The device budget alone decides: the choice never turns on the RAM budget (the plan
+is made with all the RAM it asks for). With no GPU to size for and no --preset, fp8.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.model_args import ModelArgs
-from dsfp4.runtime.plan.budget import Budgets
+from dsfp4.runtime.plan.budget import Budgets, GiB
 from dsfp4.runtime.plan.planner import make_plan
 from dsfp4.synthetic.bench_model import planned_manifest
 
@@ -25,6 +26,7 @@ AUTO = "auto"
 WAYS = ("fp8", "fp4:wo,wq_b,shared")
 # the run the choice is sized for: `dsfp4 run`'s defaults (max context, prefill chunk, I/O threads)
 RUN_DEFAULTS = (4096, 512, 4)
+UNBOUNDED_RAM = 1 << 50  # the choice is the device's: RAM never decides it
 
 
 def choose_backbone(
@@ -32,12 +34,23 @@ def choose_backbone(
 ) -> tuple[str, str]:
     """(spec, why) for a model of shape `args` run on a CUDA device under `budgets`."""
     device = torch.device("cuda")
+    room = Budgets(budgets.gpu, UNBOUNDED_RAM, budgets.source)
     for spec in WAYS:
         m = planned_manifest(args, spec, expert_format)
         try:
-            plan = make_plan(m, device, torch.bfloat16, budgets, *RUN_DEFAULTS, process=process, fp8_kernels=True)
-        except ConfigError:
+            plan = make_plan(
+                m, device, torch.bfloat16, room, *RUN_DEFAULTS, process=process, fp8_kernels=True, kernels=True
+            )
+        except ConfigError:  # the device cannot hold even what must stay on it
             continue
         if plan.host_backbone == 0:
             return spec, f"the whole backbone fits {budgets.source} in {spec}"
     return WAYS[-1], f"no backbone fits {budgets.source} whole: {WAYS[-1]} leaves the least of it in RAM"
+
+
+def card_budget(device: torch.device) -> Budgets:
+    """The device budget `auto` sizes for on this machine: the card's total memory less the margin the run's default
+    budget leaves (budget.py), so that the choice does not move with what else holds the card when it is made."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    name = torch.cuda.get_device_name(device)
+    return Budgets(total - max(total // 20, GiB // 2), UNBOUNDED_RAM, f"this machine's {name}")

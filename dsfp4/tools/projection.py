@@ -113,7 +113,9 @@ def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tup
     m = planned_manifest(args, spec, expert_format)
     try:
         budgets, b = machine.budgets, (MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
-        return m, make_plan(m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS, fp8_kernels=True)
+        return m, make_plan(
+            m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS, fp8_kernels=True, kernels=True
+        )
     except ConfigError as e:
         raise ConfigError(f"{family}: the planner fits no backbone {spec} in {machine.about}") from e
 

@@ -1,9 +1,11 @@
 """Backbone tensors in pinned host memory that the device reads in place over PCIe (the plan's HostBackbone).
 
-One page-aligned arena is pinned (registered with CUDA) for all of them; each tensor is a view of it. On CUDA the
-view handed to the model is a CUDA tensor at the same address (unified addressing: registered pages have one
-address for host and device), so every kernel, torch's and ours, reads it as it reads VRAM, only over PCIe, and
-CUDA graphs capture it like any other tensor. Off CUDA the host views are the tensors themselves.
+The arena is page-aligned host memory registered with CUDA (portable and mapped), in chunks: one of the plan's size,
+and another should the model load more than planned (a family may keep more of its tensors in fp32 than the plan
+counts). Each tensor handed to the model is a CUDA tensor at its pages' own address (unified addressing: registered
+pages have one address for host and device, as the expert store's zero-copy records do), so every kernel, torch's and
+ours, reads it as it reads VRAM, only over PCIe, and CUDA graphs capture it like any other tensor. A chunk is
+unregistered when the last tensor on it is freed. Off CUDA the host views are the tensors themselves.
 """
 
 from __future__ import annotations
@@ -16,51 +18,57 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.direct_io import aligned_buffer
 
 ALIGN = 256  # every tensor starts on a boundary any dtype's loads accept
-
-
-class _DeviceAddress:
-    """Hands torch a device address through the CUDA array interface; holds the arena while any view lives."""
-
-    def __init__(self, arena: HostArena, nbytes: int):
-        self.arena = arena
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (arena.host.data_ptr(), False),
-            "version": 3,
-            "strides": None,
-        }
+REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped: every device, device-addressable
+SPARE = 64 << 20  # the least a chunk beyond the plan's holds
 
 
 def _unregister(host: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
-class HostArena:
-    """`nbytes` of pinned host memory handed out as tensors in order (`put`)."""
+class Chunk:
+    """`nbytes` of page-aligned host memory, pinned and registered on CUDA until this object is freed."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.host = torch.from_numpy(aligned_buffer(nbytes))  # [nbytes] u8
-        self.used, self.device = 0, device
-        self.view = self.host
-        if device.type == "cuda" and nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), nbytes, 0)
+        self.used = 0
+        if device.type == "cuda":
+            err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), nbytes, REGISTER_FLAGS)
             if int(err) != 0:
                 raise ConfigError(
                     f"cannot pin {nbytes} bytes of RAM for the backbone (CUDA error {int(err)}); lower --cpu-mem"
                 )
             weakref.finalize(self, _unregister, self.host)  # before the pages can be unmapped and reused
-            self.view = torch.as_tensor(_DeviceAddress(self, nbytes), device=device)  # [nbytes] u8, same address
+
+
+class _DeviceAddress:
+    """Hands torch the device address of `nbytes` of a chunk from `start` (the CUDA array interface); holds the
+    chunk while any tensor on it lives."""
+
+    def __init__(self, chunk: Chunk, start: int, nbytes: int):
+        self.chunk = chunk
+        ptr = chunk.host.data_ptr() + start
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class HostArena:
+    """Pinned host memory handed out as tensors in order (`put`), `nbytes` planned."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.device = device
+        self.chunks = [Chunk(nbytes, device)] if nbytes else []
 
     def put(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of the CPU tensor `t` in the arena, as the device sees it."""
         n = t.numel() * t.element_size()
-        start = -(-self.used // ALIGN) * ALIGN
-        if start + n > self.host.numel():
-            raise ConfigError(
-                f"the plan's {self.host.numel()} bytes of host backbone are too few: the manifest changed?"
-            )
-        self.used = start + n
-        host = self.host[start : start + n].view(t.dtype).view(t.shape)
-        host.copy_(t)
-        return self.view[start : start + n].view(t.dtype).view(t.shape)
+        chunk = self.chunks[-1] if self.chunks else None
+        start = -(-chunk.used // ALIGN) * ALIGN if chunk else 0
+        if chunk is None or start + n > chunk.host.numel():
+            chunk, start = Chunk(max(n, SPARE), self.device), 0
+            self.chunks.append(chunk)
+        chunk.used = start + n
+        chunk.host[start : start + n].view(t.dtype).view(t.shape).copy_(t)
+        if self.device.type != "cuda":
+            return chunk.host[start : start + n].view(t.dtype).view(t.shape)
+        view = torch.as_tensor(_DeviceAddress(chunk, start, n), device=self.device)  # [n] u8, the same pages
+        return view.view(t.dtype).view(t.shape)

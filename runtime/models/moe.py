@@ -53,7 +53,7 @@ class Gate(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights):
         super().__init__()
         p, self.args = f"layers.{layer}.ffn.gate.", args
-        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()  # as transformers
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim), torch.float32)  # as transformers
         has_bias = args.layer_has_gate_bias(layer)
         bias = w.plain(p + "bias", (args.n_routed_experts,), torch.float32) if has_bias else None
         self.bias = bias  # kept in fp32 from the file: a bf16 round could flip near-tied selections
@@ -90,7 +90,7 @@ class HashGate(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights):
         super().__init__()
         p, self.args = f"layers.{layer}.ffn.gate.", args
-        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim)).float()
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim), torch.float32)
         self.tid2eid = w.plain(p + "tid2eid", (args.vocab_size, args.n_activated_experts), torch.int64)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

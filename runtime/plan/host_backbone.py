@@ -18,6 +18,7 @@ from dsfp4.layout.manifest import Manifest
 FP32 = 4
 ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
 EMBED = "embed.weight"
+INTEGER_FORMATS = ("i64",)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def tensor_bytes(name: str, entry, elt: int) -> int:
     """Bytes of a backbone tensor as loaded: quantized matrices as stored, plain tensors in the runtime dtype
     (`elt` bytes an element), the router in fp32."""
     spec = FORMATS[entry.format]
-    if spec.scale is not None:
+    if spec.scale is not None or entry.format in INTEGER_FORMATS:  # as stored (V4's tid2eid: int64)
         return stored_nbytes(spec, tuple(entry.shape))
     return shape_numel(entry.shape) * (FP32 if name.endswith(ROUTER_SUFFIXES) else elt)
 

@@ -197,11 +197,13 @@ def make_plan(
     host_extra: int = 0,
     process: int | None = None,
     fp8_kernels: bool | None = None,
+    kernels: bool | None = None,
 ) -> Plan:
     """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states); `process`:
     the process's own before the model loads (default: this process's RSS now; a projection gives a user's);
     `fp8_kernels`: whether the device converts e4m3 in hardware, so that FP8 kernels run (default: asked of the
-    device here; True where this machine has no CUDA: a projection's user machine)."""
+    device here; True where this machine has no CUDA: a projection's user machine); `kernels`: whether the Triton
+    kernels run (default: use_kernels here; a projection's user machine has them)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     layers = _used_layers(manifest, with_mtp)
     record = manifest.record.nbytes if manifest.record else 0
@@ -211,7 +213,7 @@ def make_plan(
     kv = cache_bytes(a, layers, max_context, elt)
     # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
     t = min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
-    kernels = use_kernels(device)
+    kernels = use_kernels(device) if kernels is None else kernels
     fp8_kernels = (hw_e4m3(device) if torch.cuda.is_available() else True) if fp8_kernels is None else fp8_kernels
     acts = activation_bytes(a, t, max_context, elt)
     workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + acts + a.vocab_size * FP32 * 2 * LOGIT_ROWS

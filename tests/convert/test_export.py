@@ -152,7 +152,7 @@ def test_bad_input_is_one_line(converted, v4_converted, tmp_path):
     assert_one_line_error(run_cli("export", tmp_path, tmp_path / "o", "--format", FORMAT), "no manifest.json")
     r = run_cli("export", v4_converted, tmp_path / "o", "--format", FORMAT)
     assert_one_line_error(r, "DeepSeek-V4's own release layout")
-    r = run_cli("export", converted, tmp_path / "o", "--format", "gguf")
+    r = run_cli("export", converted, tmp_path / "o", "--format", "modelopt")
     assert r.exit_code == 2 and "--format" in r.output
 
 

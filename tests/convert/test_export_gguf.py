@@ -155,3 +155,14 @@ def test_dry_run_and_bad_input(converted, mxfp4_model, tmp_path):
     (other / "notes.txt").write_text("mine")
     assert_one_line_error(run_cli("export", mxfp4_model, other, "--format", "gguf"), "holds something other")
     os.remove(other / "notes.txt")
+
+
+def test_a_refusal_found_in_the_header_leaves_no_folder_behind(mxfp4_model, tmp_path):
+    """The tokenizer is checked while the header is made, before OUT is touched."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(mxfp4_model, bare)
+    (bare / "tokenizer.json").unlink()
+    assert_one_line_error(run_cli("export", bare, tmp_path / "o", "--format", "gguf"), "tokenizer.json is missing")
+    assert not (tmp_path / "o").exists()

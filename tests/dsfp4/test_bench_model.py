@@ -68,7 +68,8 @@ def test_bench_model_verifies_loads_and_runs(tmp_path, backbone):
     router = (a.rope_type, a.rope_factor, a.score_func, a.topk_method, a.route_scale, a.norm_topk_prob)
     assert router == ("yarn", 40, "sigmoid", "noaux_tc", 2.5, True)
     mode = {"fp8_e4m3_b128": "fp8", "nvfp4": "fp4"}[backbone]
-    assert sorted(m.experts) == [1, 2] and m.options == {"format": "nvfp4", "backbone": mode, "head": "bf16", "mtp": False}
+    assert sorted(m.experts) == [1, 2]
+    assert m.options == {"format": "nvfp4", "backbone": mode, "head": "bf16", "mtp": False}
     for layer in m.experts.values():
         assert len(set(layer.sha256)) == 16  # every record differs
     # sane values: records decode to finite weights of std ~ 1/sqrt(fan_in), padding zero

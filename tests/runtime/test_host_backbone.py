@@ -124,6 +124,14 @@ def _resident_and_on_host(converted, device: torch.device):
     raise AssertionError
 
 
+def test_deepseek_v4_loads_with_its_fp32_and_int64_tensors_in_host_memory(v4_converted):
+    """V4 keeps more of its small tensors in fp32 than the plan counts, and its hash layers' int64 table: the arena
+    grows to hold them, and the tokens are a resident run's."""
+    resident, on_host, engine = _resident_and_on_host(v4_converted, torch.device("cpu"))
+    engine.close()
+    assert on_host.token_ids == resident.token_ids
+
+
 def test_tokens_with_layers_and_the_embedding_in_host_memory_equal_a_resident_run(converted):
     resident, on_host, engine = _resident_and_on_host(converted, torch.device("cpu"))
     try:
@@ -184,3 +192,15 @@ def test_run_plan_on_a_v3_shaped_fp8_model_at_16g_plans_and_says_what_is_in_ram(
     r = CliRunner().invoke(cli, ["run", str(tmp_path), "--plan", "--preset", "16g"])
     assert r.exit_code == 0, r.output
     assert "backbone" in r.output and "embedding, layers 0-2" in r.output and "read in place over PCIe" in r.output
+
+
+def test_the_arena_grows_past_its_plan_and_aligns_every_tensor():
+    from dsfp4.runtime.models.host_memory import ALIGN, HostArena
+
+    arena = HostArena(64, torch.device("cpu"))
+    small = arena.put(torch.arange(3, dtype=torch.float32))
+    big = arena.put(torch.ones(1000, dtype=torch.float64))  # past the 64 planned bytes: a second chunk
+    assert len(arena.chunks) == 2 and torch.equal(small, torch.arange(3, dtype=torch.float32))
+    assert torch.equal(big, torch.ones(1000, dtype=torch.float64))
+    third = arena.put(torch.tensor([7], dtype=torch.int64))
+    assert third.data_ptr() % ALIGN == 0 and third.item() == 7

@@ -76,11 +76,13 @@ def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, to
         same += 1
     click.echo(f"dsfp4      {ours}\nllama.cpp  {[int(t[0]) for t in theirs]}")
     click.echo(f"the same for {same} of {len(ours)} tokens")
-    if same < len(ours):
+    if same < min(len(ours), len(theirs)):
         click.echo(
             f"they part at token {same}: dsfp4's top-2 logit margin there {margins[same]:.4f}, llama.cpp's "
             f"{float(theirs[same][1]):.4f} (dsfp4's median margin {sorted(margins)[len(margins) // 2]:.4f})"
         )
+    elif len(theirs) != len(ours):
+        click.echo(f"llama.cpp gave {len(theirs)} tokens, dsfp4 {len(ours)} (dsfp4 stops at an end-of-sequence token)")
 
 
 @main.command()

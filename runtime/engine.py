@@ -27,6 +27,7 @@ from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
+from dsfp4.runtime.generate.joint_prefill import prefill_together
 from dsfp4.runtime.generate.prompt import Prompt, as_token_ids, encode_prompt
 from dsfp4.runtime.generate.prompt_cache import MIN_NEW_TOKENS, PromptCache
 from dsfp4.runtime.generate.reasoning import opens_thinking
@@ -288,6 +289,25 @@ class Engine:
                 rows += [linear(h[j : j + LOGIT_ROWS], head).float().cpu() for j in range(0, len(h), LOGIT_ROWS)]
                 done += len(h)
         return torch.cat(rows)  # [T, V]
+
+    def prefill_together(self, prompts: Sequence[Sequence[int]]) -> int:
+        """--prompt-cache: prefill these prompts layer by layer together (runtime/generate/joint_prefill.py), each
+        layer's records read once for all of them, and save each one's KV in the prompt cache, where generating it
+        later restores it -> the tokens prefilled (0 when there is nothing to gain: no prompt long enough to save, or
+        MoE layers that route by a trace or record it, which this pass would not feed)."""
+        if self.prompt_cache is None:
+            raise ConfigError(
+                "prefill_together keeps what it prefills in the prompt cache: open the engine with --prompt-cache"
+            )
+        worth = [as_token_ids(list(p)) for p in prompts if len(p) - 1 >= MIN_NEW_TOKENS]
+        for ids in worth:
+            self.check_prompt(ids, room=1)
+        if not worth or self.routing is not None or self.recorder is not None:
+            return 0
+        with self._claim():
+            self._end_stream()
+            self._truncate(0)  # the caches will hold no one prompt
+            return prefill_together(self._model(), self.prompt_cache, worth, self.options.prefill_chunk)
 
     # -- internals ------------------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 another, with a progress bar and the aggregate speed; a rerun answers only the lines OUT lacks.
 
 The lines run one at a time through the engine, which keeps the KV of the prefix a line shares with the one before
-it (a shared system prompt is prefilled once; with --prompt-cache, once across runs). Decoding several lines in one
+it (a shared system prompt is prefilled once; with --prompt-cache, once across runs). With --prompt-cache the prompts
+are first prefilled together, layer by layer (Engine.prefill_together: each layer's records read once for all the
+lines, not once per line), and each line's generation restores its prompt from there. Decoding several lines in one
 step is the batching work still to come.
 """
 
@@ -33,7 +35,13 @@ def run_batch(
         todo.append((item, ids))
     if done and not quiet:
         click.echo(f"{output}: {len(done)} lines already answered; answering the other {len(todo)}", err=True)
-    tokens, start = 0, time.perf_counter()
+    start = time.perf_counter()
+    if engine.prompt_cache is not None and len(todo) > 1:
+        joint = engine.prefill_together([ids for _, ids in todo])
+        if joint and not quiet:
+            seconds = time.perf_counter() - start
+            click.echo(f"{joint} prompt tokens prefilled layer by layer together in {seconds:.1f} s", err=True)
+    tokens = 0
     with open(output, "a", encoding="utf-8") as f, tqdm(total=len(todo), unit="line", disable=quiet) as bar:
         for item, ids in todo:
             g = engine.generate(ids, **item.sampling)

@@ -40,8 +40,15 @@ class ProfileRun:
 
 
 @torch.inference_mode()
-def layer_pass(model: Model, sequences: list[list[int]], chunk: int, on_layer: Callable[[int], None]) -> None:
-    """Run every sequence through every block, one block at a time (hidden states wait on the host)."""
+def layer_pass(
+    model: Model,
+    sequences: list[list[int]],
+    chunk: int,
+    on_layer: Callable[[int], None],
+    after: Callable[[int, int], None] | None = None,
+) -> None:
+    """Run every sequence through every block, one block at a time (hidden states wait on the host); `after(block,
+    sequence)` runs once a sequence has been through a block, while that block's caches still hold it."""
     store, device = model.experts, model.device
     n_experts = model.args.n_routed_experts
     tokens = [torch.tensor([s], device=device) for s in sequences]  # [1, T] each
@@ -59,10 +66,12 @@ def layer_pass(model: Model, sequences: list[list[int]], chunk: int, on_layer: C
             later = [j for j in moe if j > i]
             if room and later:
                 store.read_ahead(records(later[0])[:room], set(mine))  # this layer's stay
-        for h, t in zip(hidden, tokens, strict=True):
+        for index, (h, t) in enumerate(zip(hidden, tokens, strict=True)):
             for a in range(0, h.shape[1], chunk):
                 x = h[:, a : a + chunk].to(device)  # [1, T, ...]
                 h[:, a : a + chunk] = model.block_step(i, x, a, t[:, a : a + chunk]).to(h.device)
+            if after is not None:
+                after(i, index)
         on_layer(i + 1)
 
 

@@ -1,0 +1,84 @@
+"""Prompts prefilled together, layer by layer (runtime/generate/joint_prefill.py, Engine.prefill_together; `run --batch`
+with --prompt-cache): each prompt's generation then restores its KV and gives the tokens of prefilling it alone, each
+layer's records are read once for the group, and groups stay within their bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.joint_prefill import groups, layer_of
+from dsfp4.runtime.models.load import plan_engine
+from dsfp4.runtime.options import RunOptions
+from tests.fixtures.cli import run_cli
+
+LENGTHS = (40, 57, 71)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 600, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def test_groups_keep_order_and_bound():
+    assert groups([10, 20, 30, 5], limit=35) == [[0, 1], [2, 3]]
+    assert groups([50, 10], limit=35) == [[0], [1]]  # one longer than the bound goes alone
+    assert groups([], limit=35) == []
+    assert layer_of("layers.3.attn.kv_cache") == 3 and layer_of("mtp.0.block.attn.kv_cache") is None
+
+
+def _one_layer_of_ram(converted, options: RunOptions):
+    """A plan whose RAM holds one layer's records and whose device holds one token's: the records stream."""
+    plan = plan_engine(converted, options)
+    n, k = Manifest.read(converted).args.n_routed_experts, Manifest.read(converted).args.n_activated_experts
+    return dataclasses.replace(plan, gpu_slots=k, ram_slots=n, staging=min(4, n))
+
+
+def test_prompts_prefilled_together_generate_the_tokens_of_each_alone_reading_each_record_once(converted, tmp_path):
+    prompts = _prompts()
+    alone_options = RunOptions(device="cpu", max_context=128)
+    with Engine(converted, alone_options, plan=_one_layer_of_ram(converted, alone_options)) as alone:
+        before = alone.model.experts.counters.snapshot()["ssd_reads"]
+        want = [alone.generate(p, max_tokens=1, temperature=0).token_ids for p in prompts]
+        sequential = alone.model.experts.counters.snapshot()["ssd_reads"] - before
+        want = [alone.generate(p, max_tokens=6, temperature=0).token_ids for p in prompts]
+    options = RunOptions(device="cpu", max_context=128, prompt_cache=tmp_path / "pc")
+    with Engine(converted, options, plan=_one_layer_of_ram(converted, options)) as e:
+        before = e.model.experts.counters.snapshot()["ssd_reads"]
+        assert e.prefill_together(prompts) == sum(n - 1 for n in LENGTHS)
+        joint = e.model.experts.counters.snapshot()["ssd_reads"] - before
+        assert joint <= e.model.experts.plan.total_records < sequential  # each record once, not once per prompt
+        for p, w in zip(prompts, want, strict=True):
+            g = e.generate(p, max_tokens=6, temperature=0)
+            assert g.token_ids == w and g.stats.restored_tokens == len(p) - 1
+    assert len(list((tmp_path / "pc").iterdir())) == len(prompts)
+
+
+def test_without_a_prompt_cache_it_is_refused_and_short_prompts_are_left_to_generate(converted, tmp_path):
+    with (
+        Engine(converted, RunOptions(device="cpu", max_context=128)) as e,
+        pytest.raises(ConfigError, match="prompt-cache"),
+    ):
+        e.prefill_together(_prompts())
+    with Engine(converted, RunOptions(device="cpu", max_context=128, prompt_cache=tmp_path / "pc")) as e:
+        assert e.prefill_together([[5, 6, 7]]) == 0  # too short to be worth an entry
+
+
+def test_a_batch_with_a_prompt_cache_prefills_together_and_answers_as_without(converted, tmp_path):
+    lines = [{"prompt": p, "raw": True, "max_tokens": 5} for p in ("alpha beta " * 20, "gamma delta " * 25)]
+    batch = tmp_path / "in.jsonl"
+    batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    base = ("run", converted, "--batch", batch, "--temperature", 0, "--device", "cpu", "--max-context", 1024)
+    plain = run_cli(*base, "--output", tmp_path / "a.jsonl", "-q")
+    joint = run_cli(*base, "--output", tmp_path / "b.jsonl", "--prompt-cache", tmp_path / "pc")
+    assert plain.exit_code == 0 and joint.exit_code == 0, joint.output
+    assert "prefilled layer by layer together" in joint.stderr
+    a, b = ([json.loads(x) for x in (tmp_path / f).read_text().splitlines()] for f in ("a.jsonl", "b.jsonl"))
+    assert [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
+    assert all(x["stats"]["restored_tokens"] > 0 for x in b)

@@ -293,8 +293,9 @@ class Engine:
     def prefill_together(self, prompts: Sequence[Sequence[int]]) -> int:
         """--prompt-cache: prefill these prompts layer by layer together (runtime/generate/joint_prefill.py), each
         layer's records read once for all of them, and save each one's KV in the prompt cache, where generating it
-        later restores it -> the tokens prefilled (0 when there is nothing to gain: no prompt long enough to save, or
-        MoE layers that route by a trace or record it, which this pass would not feed)."""
+        later restores it -> the tokens prefilled (0 when there is nothing to gain: no prompt long enough to save; MoE
+        layers that route by a trace or record it, which this pass would not feed; --mtp, whose layer this pass does
+        not fill, so that its generations could not restore what it saved)."""
         if self.prompt_cache is None:
             raise ConfigError(
                 "prefill_together keeps what it prefills in the prompt cache: open the engine with --prompt-cache"
@@ -302,7 +303,7 @@ class Engine:
         worth = [as_token_ids(list(p)) for p in prompts if len(p) - 1 >= MIN_NEW_TOKENS]
         for ids in worth:
             self.check_prompt(ids, room=1)
-        if not worth or self.routing is not None or self.recorder is not None:
+        if not worth or self.routing is not None or self.recorder is not None or self.speculator is not None:
             return 0
         with self._claim():
             self._end_stream()

@@ -96,25 +96,28 @@ class RecordLayout:
             p.name: raw[p.offset : p.offset + p.nbytes].view(TORCH_DTYPES[p.dtype]).reshape(p.shape) for p in self.parts
         }
 
+    def stored(self, buf: bytes | bytearray | memoryview | torch.Tensor, which: str) -> tuple[torch.Tensor, ...]:
+        """One matrix of a record (w1, w3 or w2) as stored, in FORMATS order: its packed rows, their block scales,
+        and for NVFP4 its global scale."""
+        t, i = self.unpack(buf), self.inter_dim
+        rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(None)}[which]
+        part = "w2" if which == "w2" else "w13"
+        parts = (t[part][rows], t[part + "_scale"][rows])
+        if self.format == "nvfp4":  # a global scale per matrix: w1, w3, w2
+            parts += (t["scale_2"][("w1", "w3", "w2").index(which)],)
+        return parts
+
+    def matrix(
+        self, buf: bytes | bytearray | memoryview | torch.Tensor, which: str, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Torch reference: one matrix of a record, dense: w1 [I, D], w3 [I, D] or w2 [D, I]."""
+        return dequantize(self.format, self.stored(buf, which), dtype=dtype)
+
     def dequantize(
         self, buf: bytes | bytearray | memoryview | torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Torch reference: record -> dense (w1 [I, D], w3 [I, D], w2 [D, I])."""
-        t = self.unpack(buf)
-        i = self.inter_dim
-        if self.format == "nvfp4":
-            g = t["scale_2"]
-            w13 = torch.cat(
-                [
-                    dequantize("nvfp4", (t["w13"][:i], t["w13_scale"][:i], g[0]), dtype=dtype),
-                    dequantize("nvfp4", (t["w13"][i:], t["w13_scale"][i:], g[1]), dtype=dtype),
-                ]
-            )
-            w2 = dequantize("nvfp4", (t["w2"], t["w2_scale"], g[2]), dtype=dtype)
-        else:
-            w13 = dequantize(self.format, (t["w13"], t["w13_scale"]), dtype=dtype)
-            w2 = dequantize(self.format, (t["w2"], t["w2_scale"]), dtype=dtype)
-        return w13[:i], w13[i:], w2
+        return tuple(self.matrix(buf, w, dtype) for w in ("w1", "w3", "w2"))
 
     def to_dict(self) -> dict:
         return {

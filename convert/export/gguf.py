@@ -36,6 +36,7 @@ from dsfp4.convert.export.gguf_blocks import mxfp4_to_gguf
 from dsfp4.errors import FormatError
 from dsfp4.layout.atomic import atomic_write_bytes
 from dsfp4.layout.formats import FORMATS
+from dsfp4.layout.fp4 import mxfp4_dequantize, mxfp4_quantize
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import dequantize
@@ -135,22 +136,33 @@ class Source:
         t = self.m.tensors[ref]
         return dequantize(t.format, self.parts(ref), ref, dtype=torch.float32).numpy()
 
-    def record(self, layer: int, e: int) -> dict[str, np.ndarray]:
+    def raw_record(self, layer: int, e: int) -> bytes:
         entry, layout = self.m.experts[layer], self.m.record
         fd = os.open(self.dir / entry.file, os.O_RDONLY)
         try:
-            raw = pread_exact(fd, layout.nbytes, entry.offsets[e], self.dir / entry.file)
+            return pread_exact(fd, layout.nbytes, entry.offsets[e], self.dir / entry.file)
         finally:
             os.close(fd)
-        return {k: v.view(torch.uint8).numpy() for k, v in layout.unpack(raw).items()}
+
+    def mxfp4(self, layer: int, e: int, which: str, stats: ErrorStats) -> tuple[np.ndarray, np.ndarray]:
+        """(packed, scale) of one matrix of expert e (w1, w3 or w2) in MXFP4: as stored, or an NVFP4 one requantized
+        (dequantized, then quantized again; the error counted)."""
+        raw, layout = self.raw_record(layer, e), self.m.record
+        if layout.format == "mxfp4":
+            packed, scale = layout.stored(raw, which)
+            return packed.view(torch.uint8).numpy(), scale.view(torch.uint8).numpy()
+        w = layout.matrix(raw, which)  # fp32
+        packed, scale = mxfp4_quantize(w, which)
+        stats.add(f"{layout.format} -> mxfp4 (experts)", w.numpy(), mxfp4_dequantize(packed, scale).numpy())
+        return packed.numpy(), scale.numpy()
 
 
-def check(manifest: Manifest, model_dir: Path) -> None:
+def check(manifest: Manifest, model_dir: Path, requantize: bool) -> None:
     """One-line refusals for what this GGUF cannot hold."""
-    if manifest.record.format != "mxfp4":
+    if manifest.record.format != "mxfp4" and not requantize:
         raise FormatError(
             f"{model_dir}: its experts are {manifest.record.format}; llama.cpp's DeepSeek graph ignores NVFP4's "
-            f"per-tensor scale: convert with --format mxfp4 to export to GGUF"
+            f"per-tensor scale: convert with --format mxfp4, or export with --requantize (MXFP4, the error reported)"
         )
     a = manifest.args
     mapped = {n for n in TOP} | {f"layers.{i}.{k}" for i in range(a.n_layers) for k in LAYER}
@@ -197,20 +209,14 @@ def _kv_b(src: Source, ref: str, prefix: str, a: ModelArgs) -> list[GTensor]:
     ]
 
 
-def _experts(src: Source, layer: int, prefix: str, a: ModelArgs) -> list[GTensor]:
+def _experts(src: Source, layer: int, prefix: str, a: ModelArgs, stats: ErrorStats) -> list[GTensor]:
     """Each of a layer's expert matrices stacked [E, N, K/32 * 17] MXFP4, written one expert at a time."""
-    i, d = a.moe_inter_dim, a.dim
 
     def pieces(which: str) -> Iterator[np.ndarray]:
         for e in range(a.n_routed_experts):
-            r = src.record(layer, e)
-            rows = {"w1": slice(0, i), "w3": slice(i, 2 * i)}
-            if which == "w2":
-                yield mxfp4_to_gguf(r["w2"], r["w2_scale"])
-            else:
-                yield mxfp4_to_gguf(r["w13"][rows[which]], r["w13_scale"][rows[which]])
+            yield mxfp4_to_gguf(*src.mxfp4(layer, e, which, stats))
 
-    shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
+    shapes = {"w1": (a.moe_inter_dim, a.dim), "w3": (a.moe_inter_dim, a.dim), "w2": (a.dim, a.moe_inter_dim)}
     return [
         GTensor(prefix + name, (a.n_routed_experts, n, row_bytes(Q.MXFP4, k)), Q.MXFP4, lambda w=w: pieces(w))
         for (w, name), (n, k) in ((x, shapes[x[0]]) for x in EXPERTS)
@@ -239,7 +245,7 @@ def plan_tensors(src: Source, stats: ErrorStats) -> list[GTensor]:
             if f"layers.{layer}.{key}" in m.tensors:
                 one(f"layers.{layer}.{key}", name, prefix)
         if layer in m.experts:
-            out.extend(_experts(src, layer, prefix, a))
+            out.extend(_experts(src, layer, prefix, a, stats))
     return out
 
 
@@ -364,10 +370,10 @@ class GgufPlan:
     stats: ErrorStats
 
 
-def plan(model_dir: Path, manifest: Manifest) -> GgufPlan:
+def plan(model_dir: Path, manifest: Manifest, requantize: bool = False) -> GgufPlan:
     """The checks, every tensor of the GGUF and its header (nothing of the weights read yet): anything refused is
-    refused before OUT is touched."""
-    check(manifest, model_dir)
+    refused before OUT is touched. `requantize`: NVFP4 experts go to MXFP4 (dequantized, then quantized again)."""
+    check(manifest, model_dir, requantize)
     stats = ErrorStats()
     tensors = plan_tensors(Source(model_dir, manifest), stats)
     return GgufPlan(tensors, header(manifest.args, model_dir, tensors), stats)

@@ -133,12 +133,13 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
 
 
 def export_gguf(
-    model_dir: Path, out: Path, dry_run: bool = False, progress: bool = True
+    model_dir: Path, out: Path, dry_run: bool = False, progress: bool = True, requantize: bool = False
 ) -> tuple[list[gguf.GTensor], dict[str, float]]:
-    """Write (or with dry_run only plan) OUT/model.gguf: (its tensors, the requantization error by class)."""
+    """Write (or with dry_run only plan) OUT/model.gguf: (its tensors, the requantization error by class).
+    `requantize`: NVFP4 experts go to MXFP4 rather than being refused."""
     model_dir, out = Path(model_dir), Path(out)
     manifest = open_model(model_dir)
-    p = gguf.plan(model_dir, manifest)
+    p = gguf.plan(model_dir, manifest, requantize)
     if dry_run:
         return p.tensors, {}
     fd = _claim(out, (gguf.FILE, gguf.FILE + ".partial", gguf.PROGRESS))

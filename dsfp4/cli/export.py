@@ -21,9 +21,14 @@ from dsfp4.cli.options import EXISTING_DIR, PATH
     "gguf: OUT/model.gguf for llama.cpp (MXFP4 experts as they are stored; FP8 matrices requantized to Q8_0, the "
     "error reported; a model with NVFP4 experts converts again with --format mxfp4).",
 )
+@click.option(
+    "--requantize",
+    is_flag=True,
+    help="With --format gguf: NVFP4 experts requantized to MXFP4 (the error reported) instead of refused.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the shards and their sizes; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def export(model: Path, out: Path, fmt: str, dry_run: bool, quiet: bool) -> None:
+def export(model: Path, out: Path, fmt: str, requantize: bool, dry_run: bool, quiet: bool) -> None:
     """Write the converted MODEL into OUT as another engine's checkpoint, from the stored bytes (compressed-tensors
     quantizes nothing again; GGUF only the FP8 matrices). Safe to interrupt: a rerun keeps what was written whole.
 
@@ -36,8 +41,10 @@ def export(model: Path, out: Path, fmt: str, dry_run: bool, quiet: bool) -> None
     from dsfp4.convert.export.writer import describe, describe_gguf, export_gguf
     from dsfp4.convert.export.writer import export as write_export
 
+    if requantize and fmt != "gguf":
+        raise click.UsageError(f"--requantize applies to --format gguf; --format {fmt} writes experts as stored")
     if fmt == "gguf":
-        tensors, errors = export_gguf(model, out, dry_run=dry_run, progress=not quiet)
+        tensors, errors = export_gguf(model, out, dry_run=dry_run, progress=not quiet, requantize=requantize)
         if dry_run:
             click.echo(describe_gguf(tensors))
         elif not quiet:

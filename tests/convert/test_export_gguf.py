@@ -18,7 +18,7 @@ from dsfp4.convert.export.gguf import LAYER, PROGRESS, Source
 from dsfp4.convert.export.gguf_blocks import gguf_to_mxfp4, mxfp4_to_gguf
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
-from dsfp4.layout.fp4 import mxfp4_dequantize
+from dsfp4.layout.fp4 import mxfp4_dequantize, mxfp4_quantize
 from dsfp4.layout.manifest import Manifest
 from tests.fixtures.cli import assert_one_line_error, run_cli
 
@@ -122,22 +122,22 @@ def _raw(model: Path, m: Manifest, layer: int, e: int) -> bytes:
 def test_an_interrupted_export_resumes_to_the_same_bytes(mxfp4_model, exported, tmp_path, monkeypatch):
     out = tmp_path / "o"
     calls = {"n": 0}
-    real = Source.record
+    real = Source.raw_record
 
     def flaky(self, layer: int, e: int):
         calls["n"] += 1
-        if calls["n"] == 5:  # inside the second expert matrix: the file is part written
+        if calls["n"] == 5:  # inside the first expert matrix: the file is part written
             raise KeyboardInterrupt
         return real(self, layer, e)
 
-    monkeypatch.setattr(Source, "record", flaky)
+    monkeypatch.setattr(Source, "raw_record", flaky)
     with pytest.raises(KeyboardInterrupt):
         from dsfp4.convert.export.writer import export_gguf
 
         export_gguf(mxfp4_model, out, progress=False)
     done = json.loads((out / PROGRESS).read_text())
     assert done["tensors"] > 0 and (out / "model.gguf.partial").is_file() and not (out / "model.gguf").exists()
-    monkeypatch.setattr(Source, "record", real)
+    monkeypatch.setattr(Source, "raw_record", real)
     r = run_cli("export", mxfp4_model, out, "--format", "gguf", "-q")
     assert r.exit_code == 0, r.output
     assert (out / "model.gguf").read_bytes() == exported.read_bytes()
@@ -148,7 +148,7 @@ def test_dry_run_and_bad_input(converted, mxfp4_model, tmp_path):
     r = run_cli("export", mxfp4_model, tmp_path / "d", "--format", "gguf", "--dry-run")
     assert r.exit_code == 0 and "MXFP4" in r.output and "model.gguf" in r.output and not (tmp_path / "d").exists()
     r = run_cli("export", converted, tmp_path / "n", "--format", "gguf")  # NVFP4 experts
-    assert_one_line_error(r, "experts are nvfp4", "--format mxfp4")
+    assert_one_line_error(r, "experts are nvfp4", "--format mxfp4", "--requantize")
     assert not (tmp_path / "n").exists()
     other = tmp_path / "other"
     other.mkdir()
@@ -166,3 +166,18 @@ def test_a_refusal_found_in_the_header_leaves_no_folder_behind(mxfp4_model, tmp_
     (bare / "tokenizer.json").unlink()
     assert_one_line_error(run_cli("export", bare, tmp_path / "o", "--format", "gguf"), "tokenizer.json is missing")
     assert not (tmp_path / "o").exists()
+
+
+def test_nvfp4_experts_requantized_on_request_hold_mxfp4_of_dsfp4s_values(converted, tmp_path):
+    r = run_cli("export", converted, tmp_path / "o", "--format", "gguf", "--requantize")
+    assert r.exit_code == 0, r.output
+    assert "requantization error nvfp4 -> mxfp4 (experts)" in r.stderr
+    m = Manifest.read(converted)
+    got = _tensors(tmp_path / "o" / "model.gguf")
+    layer = min(m.experts)
+    for which, name in (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps")):
+        w = m.record.matrix(_raw(converted, m, layer, 1), which)
+        packed, scale = mxfp4_quantize(w)
+        theirs = _values(got[f"blk.{layer}.{name}.weight"])[1]
+        assert np.array_equal(theirs, mxfp4_dequantize(packed, scale).numpy())  # the MXFP4 nearest dsfp4's values
+        assert np.linalg.norm(theirs - w.numpy()) / np.linalg.norm(w.numpy()) < 0.2

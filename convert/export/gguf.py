@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
 from dsfp4.convert.export.gguf_blocks import mxfp4_to_gguf
+from dsfp4.convert.transform import ErrorStats as ClassError
 from dsfp4.errors import FormatError
 from dsfp4.layout.atomic import atomic_write_bytes
 from dsfp4.layout.formats import FORMATS
@@ -103,19 +104,22 @@ def row_bytes(qtype: Q, k: int) -> int:
     return k // block * size
 
 
-class ErrorStats:
-    """Relative RMS error of requantized tensors, by class."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, list[float]] = {}
+class ErrorStats(dict):
+    """The requantization error by class: transform.ErrorStats (the converter's) for each."""
 
     def add(self, cls: str, ref: np.ndarray, approx: np.ndarray) -> None:
-        s = self.sums.setdefault(cls, [0.0, 0.0])
-        s[0] += float(np.sum((approx - ref) ** 2))
-        s[1] += float(np.sum(ref**2))
+        self.setdefault(cls, ClassError()).add(torch.from_numpy(ref), torch.from_numpy(approx))
 
     def relative_rms(self) -> dict[str, float]:
-        return {c: (e / r) ** 0.5 if r else 0.0 for c, (e, r) in self.sums.items()}
+        return {c: e.relative_rms for c, e in self.items()}
+
+    def sums(self) -> dict[str, list[float]]:
+        """What the progress file keeps of them."""
+        return {c: [e.sse, e.ssr] for c, e in self.items()}
+
+    def restore(self, sums: dict[str, list[float]]) -> None:
+        self.clear()
+        self.update({c: ClassError(*v) for c, v in sums.items()})
 
 
 class Source:
@@ -392,14 +396,14 @@ def write(out: Path, manifest: Manifest, p: GgufPlan, bar) -> Path:
     done = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
     same = done.get("identity") == identity
     if same and done.get("complete") and path.is_file():
-        stats.sums = {k: list(v) for k, v in done.get("errors", {}).items()}
+        stats.restore(done.get("errors", {}))
         bar.update(sum(t.nbytes for t in tensors))
         return path
     offsets = np.cumsum([_padded(len(head))] + [_padded(t.nbytes) for t in tensors]).tolist()
     start = done.get("tensors", 0) if same and part.is_file() else 0
     if start and part.stat().st_size < offsets[start]:  # the record ran ahead of the file: begin again
         start = 0
-    stats.sums = {k: list(v) for k, v in done.get("errors", {}).items()} if start else {}
+    stats.restore(done.get("errors", {}) if start else {})
     with open(part, "r+b" if start else "wb") as f:
         if start:
             f.truncate(offsets[start])
@@ -418,10 +422,10 @@ def write(out: Path, manifest: Manifest, p: GgufPlan, bar) -> Path:
             f.write(bytes(_padded(n) - n))
             f.flush()
             os.fsync(f.fileno())
-            record = {"identity": identity, "tensors": i + 1, "errors": stats.sums}
+            record = {"identity": identity, "tensors": i + 1, "errors": stats.sums()}
             atomic_write_bytes(progress_path, json.dumps(record).encode())
     os.replace(part, path)
     atomic_write_bytes(
-        progress_path, json.dumps({"identity": identity, "complete": True, "errors": stats.sums}).encode()
+        progress_path, json.dumps({"identity": identity, "complete": True, "errors": stats.sums()}).encode()
     )
     return path

@@ -18,15 +18,20 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import Budgets, GiB
 from dsfp4.runtime.plan.planner import make_plan
 from dsfp4.synthetic.bench_model import planned_manifest
 
 AUTO = "auto"
 WAYS = ("fp8", "fp4:wo,wq_b,shared")
-# the run the choice is sized for: `dsfp4 run`'s defaults (max context, prefill chunk, I/O threads)
-RUN_DEFAULTS = (4096, 512, 4)
+RUN_DEFAULTS = RunOptions()  # the run a plan is sized for: `dsfp4 run`'s defaults
 UNBOUNDED_RAM = 1 << 50  # the choice is the device's: RAM never decides it
+
+
+def run_shape() -> tuple[int, int, int]:
+    """(max context, prefill chunk, I/O threads) of RUN_DEFAULTS, as make_plan takes them."""
+    return RUN_DEFAULTS.max_context, RUN_DEFAULTS.prefill_chunk, RUN_DEFAULTS.io_threads
 
 
 def choose_backbone(
@@ -39,7 +44,7 @@ def choose_backbone(
         m = planned_manifest(args, spec, expert_format)
         try:
             plan = make_plan(
-                m, device, torch.bfloat16, room, *RUN_DEFAULTS, process=process, fp8_kernels=True, kernels=True
+                m, device, torch.bfloat16, room, *run_shape(), process=process, fp8_kernels=True, kernels=True
             )
         except ConfigError:  # the device cannot hold even what must stay on it
             continue

@@ -46,10 +46,10 @@ from dsfp4.runtime.profile.simulate import (
     simulate_prefill,
 )
 from dsfp4.synthetic.bench_model import model_args, planned_manifest
-from dsfp4.tools.backbone_choice import choose_backbone
+from dsfp4.tools.backbone_choice import choose_backbone, run_shape
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
-MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = 4096, 512, 4  # the run the plan is made for: `dsfp4 run`'s defaults
+MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = run_shape()  # the run the plan is made for: `dsfp4 run`'s defaults
 HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing and queues the loads
 # our prefill MoE's 310.5 TFLOP/s at 4,096 tokens on the H100 (docs/BENCHMARKS.md, 2026-11-23) over the H100 SXM's
 # 989.4 dense BF16 TFLOP/s: the share of a GPU's peak the projected prefill runs at

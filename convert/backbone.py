@@ -15,6 +15,9 @@ import re
 from dsfp4.errors import ConfigError
 
 FP8, FP4 = "fp8_e4m3_b128", "nvfp4"
+# matrices engines fuse into one layer (an MLP's gate and up; V3's q_a and kv_a, vLLM's fused_qkv_a_proj), by the last
+# part of their names: in NVFP4 the two share one global scale, so a fused kernel, and an export, needs one scalar
+FUSED_PAIRS = (("wq_a", "wkv_a"), ("w1", "w3"))
 KINDS = {
     "wq_a": r"attn\.wq_a",
     "wq_b": r"attn\.wq_b|attn\.wq",

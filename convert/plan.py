@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dsfp4.convert.backbone import backbone_format, fp4_kinds
+from dsfp4.convert.backbone import FUSED_PAIRS, backbone_format, fp4_kinds
 from dsfp4.convert.names.rules import AUX, EXPERT, LINEAR, MappedTensor, TensorMap, part_name
 from dsfp4.convert.source.checkpoint import INDEX_NAME, SourceCheckpoint
 from dsfp4.errors import ConfigError
@@ -25,9 +25,7 @@ from dsfp4.layout.record import RecordLayout
 from dsfp4.units import format_bytes
 from dsfp4.version import __version__
 
-# matrices engines fuse into one layer (an MLP's gate and up; V3's q_a and kv_a, vLLM's fused_qkv_a_proj): in NVFP4
-# the two share one global scale, so a fused kernel, and an export to such an engine, needs one scalar
-FUSED_PAIRS = {"w1": "w3", "w3": "w1", "wq_a": "wkv_a", "wkv_a": "wq_a"}
+PARTNER = {x: y for a, b in FUSED_PAIRS for x, y in ((a, b), (b, a))}  # each fused matrix's other half
 HEADS = {"bf16": None, "fp8": "fp8_e4m3_b128"}  # --head -> the format a BF16 head is stored in (None: as stored)
 HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
 AUTO_FORMAT = "auto"
@@ -153,13 +151,13 @@ def _out_tensor(item: MappedTensor, options: ConvertOptions) -> OutTensor:
 
 
 def _pair_fused(backbone: tuple[OutTensor, ...]) -> tuple[OutTensor, ...]:
-    """The two matrices of a FUSED_PAIRS pair quantized to NVFP4 share a global scale from their joint amax, as
-    NVIDIA's exports do for gate and up."""
+    """The two matrices of a FUSED_PAIRS pair (convert/backbone.py) quantized to NVFP4 share a global scale from their
+    joint amax, as NVIDIA's exports do for gate and up."""
     by_ref = {t.item.ref: t for t in backbone}
     out = []
     for t in backbone:
         base, _, proj = t.item.ref.rpartition(".")
-        other = by_ref.get(f"{base}.{FUSED_PAIRS[proj]}") if proj in FUSED_PAIRS else None
+        other = by_ref.get(f"{base}.{PARTNER[proj]}") if proj in PARTNER else None
         if t.format == "nvfp4" and not t.is_copy and other and other.format == "nvfp4" and not other.is_copy:
             t = dataclasses.replace(t, amax_partner=other.item)
         out.append(t)

@@ -350,7 +350,7 @@ class Engine:
         if hit is None:
             return 0
         upto = min(hit.mtp_upto, hit.common)
-        gain = hit.common if self.speculator is None else max(min(upto, hit.common - 1), 0)  # Speculator.reusable
+        gain = hit.common if self.speculator is None else self.speculator.reusable(hit.common, upto)
         if self._model().reusable(gain) <= reuse or not pc.restore(hit, self._model().positional_caches()):
             return 0
         self.decoder.cached = list(prompt_ids[: hit.common])

@@ -19,6 +19,7 @@ import click
 
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.modes import Levers, parse_levers
 from dsfp4.runtime.options import RunOptions
@@ -60,6 +61,7 @@ def main(
     n = full.total_records
     head, lp = logprobs_file.read(reference)
     k = Manifest.read(model).args.n_activated_experts
+    ids = ChatTokenizer(model).encode(text.read_text(), special=False)  # the same tokens for every setting
     for name, levers in map(setting, settings):
         options = RunOptions(
             device=device,
@@ -70,7 +72,6 @@ def main(
         )
         plan = share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k)
         with Engine(model, options, plan=plan) as engine:
-            ids = engine.tokenizer.encode(text.read_text(), special=False)
             bos = head["bos"]
             wins = windows(len(ids), head["context"], head["stride"], bos)
             before = engine.model.experts.counters.snapshot()

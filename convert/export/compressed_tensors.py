@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
+from dsfp4.convert.backbone import FP8, FUSED_PAIRS
 from dsfp4.convert.names.family import name_map
 from dsfp4.convert.names.rules import PLAIN
 from dsfp4.errors import FormatError
 from dsfp4.layout.formats import DTYPE_NBYTES, component_shapes, get_format, shape_numel
 from dsfp4.layout.manifest import Manifest
 
-FP8 = "fp8_e4m3_b128"
 PACKED = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 Read = Callable[[], torch.Tensor]  # the tensor's bytes, read when its shard is written
@@ -122,30 +122,29 @@ def _matrix(module: str, fmt: str, parts: dict[str, Read], shapes: dict[str, tup
     return out
 
 
-FUSED = (("attn.wq_a", "attn.wkv_a"), ("ffn.w1", "ffn.w3"), ("ffn.shared_experts.w1", "ffn.shared_experts.w3"))
-
-
 def check_fused(manifest: Manifest, read: Callable[[str, str], torch.Tensor]) -> None:
-    """The backbone pairs vLLM and SGLang fuse into one layer (FUSED) must share their format and, in NVFP4, their
-    global scale; FormatError naming the pair otherwise."""
-    for block in range(manifest.args.n_blocks):
-        for a, b in FUSED:
-            ea, eb = (manifest.tensors.get(f"layers.{block}.{x}") for x in (a, b))
-            if ea is None or eb is None:
-                continue
-            where = f"layers.{block}.{a} and {b}"
-            if ea.format != eb.format:
+    """The backbone pairs vLLM and SGLang fuse into one layer (FUSED_PAIRS) must share their format and, in NVFP4,
+    their global scale; FormatError naming the pair otherwise."""
+    for name, ea in manifest.tensors.items():
+        base, _, proj = name.rpartition(".")
+        second = next((b for a, b in FUSED_PAIRS if a == proj), None)
+        eb = manifest.tensors.get(f"{base}.{second}") if second else None
+        if eb is None:
+            continue
+        kind = base.split(".", 2)[2] if base.startswith("layers.") else base  # layers.1.attn -> attn
+        where = f"{name} and {kind}.{second}"
+        if ea.format != eb.format:
+            raise FormatError(
+                f"{where} are stored as {ea.format} and {eb.format}; engines fuse them into one layer: convert "
+                "again with both kinds in one --backbone format"
+            )
+        if ea.format == "nvfp4":
+            ga, gb = (read(e.file, e.tensors["scale_2"]) for e in (ea, eb))
+            if not torch.equal(ga.float(), gb.float()):
                 raise FormatError(
-                    f"{where} are stored as {ea.format} and {eb.format}; engines fuse them into one layer: convert "
-                    "again with both kinds in one --backbone format"
+                    f"{where} have different NVFP4 global scales; engines fuse them under one: convert the model "
+                    "again with this dsfp4"
                 )
-            if ea.format == "nvfp4":
-                ga, gb = (read(e.file, e.tensors["scale_2"]) for e in (ea, eb))
-                if not torch.equal(ga.float(), gb.float()):
-                    raise FormatError(
-                        f"{where} have different NVFP4 global scales; engines fuse them under one: convert the model "
-                        "again with this dsfp4"
-                    )
 
 
 def backbone_tensors(manifest: Manifest, read: Callable[[str, str], torch.Tensor]) -> Iterator[tuple[str, OutTensor]]:

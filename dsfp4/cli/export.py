@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from dsfp4.cli.options import EXISTING_DIR, PATH
+from dsfp4.units import format_bytes
 
 
 @click.command()
@@ -49,7 +50,7 @@ def export(model: Path, out: Path, fmt: str, requantize: bool, dry_run: bool, qu
             click.echo(describe_gguf(tensors))
         elif not quiet:
             click.echo(
-                f"{out}/model.gguf: {len(tensors)} tensors, {sum(t.nbytes for t in tensors) / 2**30:.2f} GiB", err=True
+                f"{out}/model.gguf: {len(tensors)} tensors, {format_bytes(sum(t.nbytes for t in tensors))}", err=True
             )
             for klass, err in sorted(errors.items()):
                 click.echo(f"  requantization error {klass:<28} {err:.4g} (relative RMS)", err=True)
@@ -59,4 +60,4 @@ def export(model: Path, out: Path, fmt: str, requantize: bool, dry_run: bool, qu
     if dry_run:
         click.echo(describe(shards))
     elif not quiet:
-        click.echo(f"{out}: {len(shards)} shards, {sum(s.nbytes for s in shards) / 2**30:.2f} GiB ({fmt})", err=True)
+        click.echo(f"{out}: {len(shards)} shards, {format_bytes(sum(s.nbytes for s in shards))} ({fmt})", err=True)

@@ -77,7 +77,6 @@ def _unplanes(data: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarra
 @dataclass(frozen=True)
 class Hit:
     path: Path
-    tokens: list[int]  # the entry's prompt
     common: int  # positions it serves for the prompt looked up
     mtp_upto: int  # the MTP layer's entries it holds (positions 0 .. mtp_upto - 1)
 
@@ -90,6 +89,8 @@ class PromptCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.notes: list[str] = []  # entries skipped since the last look (damaged, foreign)
         self._writer: threading.Thread | None = None
+        self._pending: list[int] = []  # the tokens of the entry being written
+        self._written: dict[Path, dict] = {}  # the last entry written (a find may not have read its header yet)
         # the headers read so far, by file (inode and size: an entry is never changed in place, only replaced), so
         # a request reads only the entries new since the last; None for an entry that cannot be read (noted once)
         self._headers: dict[Path, tuple[tuple[int, int], dict | None]] = {}
@@ -97,8 +98,11 @@ class PromptCache:
 
     def find(self, prompt: list[int], longer_than: int) -> Hit | None:
         """The entry sharing the longest prefix with `prompt` (short of its last token, which must be fed), if that
-        is longer than `longer_than` positions."""
-        self.wait()
+        is longer than `longer_than` positions. Waits for the entry being written only when it could be the answer:
+        an unrelated request does not queue behind a write (the folder shows only whole entries: they are renamed
+        into place)."""
+        if min(common_prefix(self._pending, prompt), len(prompt) - 1) > longer_than:
+            self.wait()
         best = None
         paths = sorted(self.folder.glob(f"*{SUFFIX}"))
         present = set(paths)
@@ -110,7 +114,7 @@ class PromptCache:
             tokens = header.get("tokens", [])
             common = min(common_prefix(tokens, prompt), len(prompt) - 1)
             if common > longer_than and (best is None or common > best.common):
-                best = Hit(path, tokens, common, int(header.get("mtp_upto", 0)))
+                best = Hit(path, common, int(header.get("mtp_upto", 0)))
         return best
 
     def _header(self, path: Path) -> dict | None:
@@ -169,14 +173,30 @@ class PromptCache:
         key = hashlib.sha256(repr(sorted(self.identity.items())).encode() + np.asarray(tokens, np.int64).tobytes())
         path = self.folder / f"{key.hexdigest()[:32]}{SUFFIX}"
         self.raw_bytes = sum(a.nbytes for a in arrays.values())
-        self._writer = threading.Thread(target=self._write, args=(path, header, arrays), daemon=True)
+        known = {**{p: h for p, (_, h) in self._headers.items()}, **self._written}
+        covered = [p for p, h in known.items() if p != path and self._covers(header, h)]
+        self._written = {path: header}
+        self._pending = list(tokens)
+        self._writer = threading.Thread(target=self._write, args=(path, header, arrays, covered), daemon=True)
         self._writer.start()
 
-    def _write(self, path: Path, header: dict, arrays: dict[str, np.ndarray]) -> None:
+    def _covers(self, new: dict, old: dict | None) -> bool:
+        """Whether the `new` entry serves every prompt `old` serves, as far or further: old's tokens a prefix of
+        new's, of this run's identity, with no more MTP entries."""
+        if old is None or any(old.get(k) != v for k, v in self.identity.items()):
+            return False
+        tokens = old.get("tokens", [])
+        return new["tokens"][: len(tokens)] == tokens and old.get("mtp_upto", 0) <= new["mtp_upto"]
+
+    def _write(self, path: Path, header: dict, arrays: dict[str, np.ndarray], covered: list[Path]) -> None:
+        """The entry put in place; then the entries it covers (a chat's earlier turns) removed, and the folder held
+        to its bound."""
         data = encode_entry(header, arrays)
         self.compressed_bytes = len(data)
         try:
             atomic_write_bytes(path, data)
+            for old in covered:
+                old.unlink(missing_ok=True)
             self.evict()
         except (OSError, DsfpError) as e:  # a full disk loses an entry, not the answer
             self.notes.append(f"prompt cache: {path.name} not written ({e})")

@@ -50,10 +50,11 @@ class Speculator:
         """The main cache keeps its first n positions: entries past them are stale."""
         self.upto = min(self.upto, n)
 
-    def reusable(self, common: int) -> int:
+    def reusable(self, common: int, upto: int | None = None) -> int:
         """How many cached tokens a call sharing `common` tokens with the cache may reuse: every reused
-        position needs a valid MTP entry, and entry i is valid only if token i+1 is shared too."""
-        return max(min(self.upto, common - 1), 0)
+        position needs a valid MTP entry, and entry i is valid only if token i+1 is shared too. `upto`: the MTP
+        entries held (default: this speculator's; a prompt-cache entry brings its own)."""
+        return max(min(self.upto if upto is None else upto, common - 1), 0)
 
     def _extend(self, h: torch.Tensor, next_tokens: list[int], start: int, head: bool = True) -> torch.Tensor:
         """MTP entries for positions start.. from main hidden states h [t, D] and the tokens after them ->

@@ -165,3 +165,16 @@ def test_on_cuda_bf16_caches_are_saved_and_restored_bit_for_bit(converted, tmp_p
         n = stats.restored_tokens
         assert got == want and n == len(PROMPT) - 1
         assert all(torch.equal(caches[k][:n], v[:n]) and v.dtype == torch.bfloat16 for k, v in saved.items())
+
+
+def test_a_later_turn_replaces_the_entry_it_extends(converted, tmp_path):
+    """A chat's next turn saves its whole prefix again: the earlier turn's entry, now a prefix of it, goes."""
+    folder = tmp_path / "pc"
+    with _engine(converted, folder) as e:
+        first, _ = _tokens(e, PROMPT)
+        turn2 = PROMPT + first + list(range(40, 80))  # the answer, then 40 new tokens of the user's
+        _tokens(e, turn2)
+        e.prompt_cache.wait()
+    (entry,) = folder.glob(f"*{SUFFIX}")
+    header = decode_entry(entry.read_bytes())[0]
+    assert header["tokens"][: len(PROMPT)] == PROMPT and len(header["tokens"]) > len(PROMPT)

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from dsfp4.cli.options import EXISTING_DIR, PATH
+from dsfp4.convert.export.writer import FORMATS
 from dsfp4.units import format_bytes
 
 
@@ -16,7 +17,7 @@ from dsfp4.units import format_bytes
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["compressed-tensors", "gguf"]),
+    type=click.Choice(list(FORMATS)),
     required=True,
     help="compressed-tensors: the checkpoint vLLM and SGLang load (FP4 experts and FP8 blocks as they are stored). "
     "gguf: OUT/model.gguf for llama.cpp (MXFP4 experts as they are stored; FP8 matrices requantized to Q8_0, the "

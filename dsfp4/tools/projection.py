@@ -225,40 +225,6 @@ def halves(ids: np.ndarray, n_experts: int) -> tuple[list[tuple[int, int]], np.n
     return warm_order(ids[:half], n_experts), ids[half:]
 
 
-def decode(
-    run: np.ndarray,
-    warm: list[tuple[int, int]],
-    plan: Plan,
-    m: Manifest,
-    links: Links,
-    costs: StepCosts,
-    policy: str,
-    recall: float | None,
-    prefetch_reads: bool = True,
-    skippable: np.ndarray | None = None,
-    swap: SwapModel | None = None,
-) -> Projection:
-    """Decode `run` through the plan's pools, warm-started from `warm` (halves) -> the projection; skippable and swap:
-    the lossy levers (simulate)."""
-    return simulate(
-        run,
-        plan.gpu_slots,
-        plan.ram_slots,
-        m.record.nbytes,
-        links,
-        costs,
-        policy,
-        recall,
-        m.args.n_routed_experts,
-        warmup=min(32, len(run) // 4),
-        warm=warm,
-        prefetch_reads=prefetch_reads,
-        skippable=skippable,
-        swap=swap,
-        host=host_stream(m, plan),
-    )
-
-
 @dataclass(frozen=True)
 class MachineRun:
     """The whole model planned on one machine, its compute, and the trace's two halves (halves): what each
@@ -270,6 +236,7 @@ class MachineRun:
     costs: StepCosts
     warm: list[tuple[int, int]]
     run: np.ndarray
+    host: HostStream  # the plan's backbone read from RAM each step
 
     def decode(
         self,
@@ -279,18 +246,24 @@ class MachineRun:
         skippable: np.ndarray | None = None,
         swap: SwapModel | None = None,
     ) -> Projection:
-        return decode(
+        """The trace's second half decoded through the plan's pools, warm-started from the first (halves);
+        skippable and swap: the lossy levers (simulate)."""
+        return simulate(
             self.run,
-            self.warm,
-            self.plan,
-            self.m,
+            self.plan.gpu_slots,
+            self.plan.ram_slots,
+            self.m.record.nbytes,
             self.machine.links,
             self.costs,
             policy,
             recall,
-            prefetch_reads,
-            skippable,
-            swap,
+            self.m.args.n_routed_experts,
+            warmup=min(32, len(self.run) // 4),
+            warm=self.warm,
+            prefetch_reads=prefetch_reads,
+            skippable=skippable,
+            swap=swap,
+            host=self.host,
         )
 
 
@@ -300,7 +273,7 @@ def machine_run(family: str, name: str, ids: np.ndarray, eff: float, backbone: s
     machine = MACHINES[name]
     m, plan = full_plan(family, machine, backbone)
     warm, run = halves(spread(ids, n_moe_layers(m)), m.args.n_routed_experts)
-    return MachineRun(machine, m, plan, decode_costs(m, machine.hbm, eff), warm, run)
+    return MachineRun(machine, m, plan, decode_costs(m, machine.hbm, eff), warm, run, host_stream(m, plan))
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from dsfp4.kernels.backend import tl, triton  # noqa: F401 (Triton's interpreter
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, R] rotated by freqs_cis: [T, R/2] complex64, adjacent elements paired, in fp32, rounded once
-    to x's dtype."""
+    """x: [B, T, H, R] rotated by freqs_cis: [T, R/2] complex64 (or [B, T, R/2]: each sequence at positions of its
+    own), adjacent elements paired, in fp32, rounded once to x's dtype."""
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    out = torch.view_as_real(xc * freqs_cis.view(1, xc.shape[1], 1, xc.shape[-1]))
+    out = torch.view_as_real(xc * freqs_cis.unsqueeze(-2))  # [(B,) T, 1, R/2]: every head
     return out.flatten(3).to(x.dtype)
 
 

@@ -11,6 +11,7 @@ import gc
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,7 @@ from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import write_trace
+from dsfp4.runtime.generate.batch import BatchRun
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
@@ -82,6 +84,9 @@ class Engine:
                 f"--mtp: speculative decoding drives V3's MTP layer, not DeepSeek-V4's; run {self.model_dir} "
                 "without --mtp"
             )
+        if o.max_batch > 1 and (o.mtp or o.record_trace):
+            flag = "--mtp" if o.mtp else "--record-trace"
+            raise ConfigError(f"--max-batch with {flag}: {flag} follows one sequence; give --max-batch 1")
         self.model: Model | None = load_model(
             self.model_dir, device, dtype, self.max_context, with_mtp=o.mtp, manifest=manifest, options=o, plan=plan
         )
@@ -259,14 +264,58 @@ class Engine:
         take the engine's options: temperature 0 is greedy; `seed` makes sampling reproducible; generation
         ends at an EOS token, at a `stop` string (not part of the text) or after `max_tokens` tokens. Setting
         `cancel` (from any thread) ends it at the next prefill chunk or token, with finish reason "cancelled"."""
-        given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-        options = with_knobs(self.options, {k: v for k, v in given.items() if v is not None})
+        options = self.options_for(max_tokens, temperature, top_p, top_k, seed, stop)
         ids = self.encode(prompt, system, raw, thinking)
         self.check_prompt(ids)
         with self._claim():
             self._end_stream()
             self._stream = Stream(self._steps(ids, options, cancel), self._claim)
         return self._stream
+
+    def options_for(
+        self,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> RunOptions:
+        """The engine's options with a call's sampling arguments (those left at None keep the engine's)."""
+        given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        return with_knobs(self.options, {k: v for k, v in given.items() if v is not None})
+
+    def batch(self) -> BatchRun:
+        """Sequences decoding together, up to the plan's max_batch (runtime/generate/batch.py): add prompts between
+        steps, step, take each sequence's deltas and, once it ends, its Generation. One batch at a time, in the
+        thread that made it; the engine's other calls end it."""
+        model = self._model()
+        if self.plan.max_batch < 2:
+            raise ConfigError("Engine.batch: this engine decodes one sequence at a time; open it with max_batch >= 2")
+        with self._claim():
+            self._end_stream()
+        return BatchRun(
+            model,
+            self.plan.max_batch,
+            self.max_context,
+            self.tokenizer,
+            self._claim,
+            self._prefill_alone,
+            self._finish_stats,
+            self.routing,
+        )
+
+    def generate_batch(self, requests: Sequence[tuple[list[int], RunOptions]]) -> Iterator[tuple[int, Generation]]:
+        """Generate after each (prompt ids, options) in batches of up to max_batch, a new one joining as soon as a
+        slot frees -> (its index, its Generation), as each ends (not in order)."""
+        run, waiting, running = self.batch(), deque(enumerate(requests)), {}
+        while waiting or running:
+            while waiting and run.free:
+                i, (ids, options) = waiting.popleft()
+                running[run.add(ids, options)] = i
+            run.step()
+            for seq in [s for s in running if s.generation is not None]:
+                yield running.pop(seq), seq.generation
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -376,11 +425,8 @@ class Engine:
         sampling = options.sampling()
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
-        reuse = self._reusable(prompt_ids)
-        restored = self._restore(prompt_ids, reuse)
-        reuse = max(reuse, restored)
+        reuse, restored = self._reuse(prompt_ids)
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse, restored_tokens=restored)
-        self._truncate(reuse)  # the cache grows chunk by chunk from here: valid should the prefill be interrupted
         if self.speculator is not None and budget > 1:
             source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget)
         else:
@@ -389,15 +435,44 @@ class Engine:
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.store = counters_since(store.counters.snapshot(), before)
         stats.decode_mode = self.decode_mode
+        self._finish_stats(stats)
+        self._save_prompt(prompt_ids, stats)
+        self.stats, self._stream = stats, None
+        return Generation(list(prompt_ids), tokens, text, finish, stats)
+
+    def _reuse(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """Keep the cached prefix the prompt may reuse, or restore a longer one from the prompt cache -> (prompt tokens
+        cached, of them restored). The cache grows chunk by chunk from here: valid should the prefill be interrupted."""
+        reuse = self._reusable(prompt_ids)
+        restored = self._restore(prompt_ids, reuse)
+        reuse = max(reuse, restored)
+        self._truncate(reuse)
+        return reuse, restored
+
+    def _prefill_alone(
+        self, prompt_ids: list[int], cancel: threading.Event | None, stats: GenerationStats
+    ) -> torch.Tensor:
+        """A batch's new sequence: its prompt into slot 0 as a generation's would go (reuse, prompt cache) -> logits
+        after its last token [V]."""
+        stats.cached_tokens, stats.restored_tokens = self._reuse(prompt_ids)
+        logits = deque(self.decoder.feed(prompt_ids[stats.cached_tokens :], cancel), maxlen=1)[0][0]
+        self._save_prompt(prompt_ids, stats)
+        return logits
+
+    def _save_prompt(self, prompt_ids: list[int], stats: GenerationStats) -> None:
+        """--prompt-cache: save the prompt's KV when enough of it was prefilled here to be worth a file."""
+        if self.prompt_cache is None:
+            return
+        stats.prompt_cache_note = self.prompt_cache.take_notes()
+        filled = common_prefix(self.decoder.cached, prompt_ids)  # short of the prompt when it was cancelled
+        if filled - stats.cached_tokens >= MIN_NEW_TOKENS:  # a prefill this long costs more than restoring it
+            upto = self.speculator.upto if self.speculator is not None else 0
+            self.prompt_cache.save(prompt_ids[:filled], self._model().positional_caches(), upto)
+
+    def _finish_stats(self, stats: GenerationStats) -> None:
+        """What every generation's stats report of the engine: routing, warm start, host backbone, peaks."""
+        store = self._model().experts
         stats.routing = self.routing.describe() if self.routing is not None else ""
         stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
         stats.host_backbone_step = self.host_backbone_step
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
-        if self.prompt_cache is not None:
-            stats.prompt_cache_note = self.prompt_cache.take_notes()
-            filled = common_prefix(self.decoder.cached, prompt_ids)  # short of the prompt when it was cancelled
-            if filled - reuse >= MIN_NEW_TOKENS:  # worth a file: a prefill this long costs more than restoring it
-                upto = self.speculator.upto if self.speculator is not None else 0
-                self.prompt_cache.save(prompt_ids[:filled], self._model().positional_caches(), upto)
-        self.stats, self._stream = stats, None
-        return Generation(list(prompt_ids), tokens, text, finish, stats)

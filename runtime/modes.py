@@ -9,6 +9,9 @@ it cost about twice the KL of the threshold for each byte it saved.
   balanced    the threshold where the whole model's projected decode gains half again
   throughput  the threshold where the whole model's projected decode reaches the design's 5 tok/s on the 16 GB
               machine, at a quality cost stated beside it
+
+Each mode also names how many sequences `serve` and `run --batch` decode together by default (MODE_BATCH, for
+--max-batch 0): one for `latency` (a step decodes only its own token's experts), the kernels' most for `throughput`.
 """
 
 from __future__ import annotations
@@ -48,3 +51,5 @@ MODES = {
     "balanced": Levers(expert_threshold=0.15),
     "throughput": Levers(expert_threshold=0.2),
 }
+# sequences decoded together under --max-batch 0, as far as the device budget affords their caches (planner.auto_batch)
+MODE_BATCH = {"exact": 8, "latency": 1, "balanced": 8, "throughput": 16}

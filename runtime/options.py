@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.sampling import SamplingParams
 from dsfp4.runtime.modes import MODES, Levers
@@ -61,6 +62,9 @@ class RunOptions:
     prompt_cache: Path | None = None
     prompt_cache_size: str = "16G"
     zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
+    # sequences decoded in one step (run --batch, serve, Engine.batch): 1 decodes one at a time; 0: the mode's
+    # (modes.MODE_BATCH) as far as the device budget affords their KV caches (planner.auto_batch)
+    max_batch: int = 1
 
     def __post_init__(self) -> None:
         # stop strings arrive as a string, a list (JSON, Click's multiple flag) or a tuple
@@ -91,6 +95,8 @@ class RunOptions:
         parse_size(self.prompt_cache_size, "--prompt-cache-size")
         if self.prompt_cache is not None and Path(self.prompt_cache).exists() and not Path(self.prompt_cache).is_dir():
             raise ConfigError(f"--prompt-cache {self.prompt_cache}: a file, not a folder; give a folder for the cache")
+        if not 0 <= self.max_batch <= DECODE_TOKENS:
+            raise ConfigError(f"--max-batch {self.max_batch}: give 1 to {DECODE_TOKENS} sequences (0: the mode's)")
         if self.io_threads < 1 or self.prefill_chunk < 1:
             raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
         if self.record_trace is not None:

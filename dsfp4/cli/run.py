@@ -27,6 +27,7 @@ from dsfp4.cli.options import (
     store_options,
 )
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.options import RunOptions
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from dsfp4.runtime.generate.generation import Generation
 
 SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
+BATCH_FLAGS = ("max_batch",)  # --serve or --batch
 PROMPT_FLAGS = ("raw", "show_stats")  # --chat has /stats; a server answers with stats
 
 
@@ -103,6 +105,12 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
     show_default=True,
     help="With --prompt-cache: the folder's bound; the least recently used entries go first.",
 )
+@click.option(
+    "--max-batch",
+    type=click.IntRange(0, DECODE_TOKENS),
+    help="With --serve or --batch: sequences decoded together in one step, each with a KV cache of --max-context "
+    "(0: the mode's, as far as an eighth of the device budget holds their caches; the default there).",
+)
 @click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
 @click.option("-q", "--quiet", is_flag=True, help="Print the answer only: no plan, notes or stats line on stderr.")
@@ -165,6 +173,8 @@ def run(
     from dsfp4.tools.batch_file import answered, read_batch
 
     ctx = click.get_current_context()
+    if knobs["max_batch"] is None:  # serving and batch files batch by default; one answer decodes alone
+        knobs["max_batch"] = 0 if serve or batch is not None else 1
     options = RunOptions(**knobs)
     if show_plan:
         from dsfp4.tools.doctor import expected_floor
@@ -190,6 +200,8 @@ def run(
         raise click.UsageError("--json applies to --prompt (or --plan)")
     if not serve and (flags := given_flags(ctx, SERVE_FLAGS)):
         raise click.UsageError(only_with(flags, "--serve"))
+    if not (serve or batch is not None) and (flags := given_flags(ctx, BATCH_FLAGS)):
+        raise click.UsageError(only_with(flags, "--serve or --batch"))
     if prompt is None and (flags := given_flags(ctx, PROMPT_FLAGS)):
         raise click.UsageError(only_with(flags, "--prompt"))
     if options.prompt_cache is None and (flags := given_flags(ctx, ("prompt_cache_size",))):

@@ -202,11 +202,13 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
     async def health() -> JSONResponse:
         if not scheduler.alive():
             return JSONResponse({"status": "error", "detail": "the engine's worker thread has stopped"}, 503)
-        return JSONResponse({"status": "ok", "busy": scheduler.running is not None, "queue": scheduler.depth()})
+        running = scheduler.busy()
+        return JSONResponse({"status": "ok", "busy": running > 0, "running": running, "queue": scheduler.depth()})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        text = metrics.render(scheduler.depth(), scheduler.running is not None)
+        store = engine.model.experts.counters.snapshot() if engine.model is not None else {}
+        text = metrics.render(scheduler.depth(), scheduler.busy(), scheduler.slots, store)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app

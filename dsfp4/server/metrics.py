@@ -19,7 +19,6 @@ class Metrics:
         self.finished: Counter[str] = Counter()  # finish reason ("stop", "length", "cancelled", "error")
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = self.decode_tokens = 0
         self.prefill_s = self.decode_s = 0.0
-        self.store: Counter[str] = Counter()  # the expert store's counters, summed over generations
 
     def answered(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -36,12 +35,13 @@ class Metrics:
             self.decode_tokens += max(stats.generated_tokens - 1, 0)  # the first comes out of the prefill
             self.prefill_s += stats.prefill_s
             self.decode_s += stats.decode_s
-            self.store.update(stats.store)
 
-    def render(self, queue_depth: int, busy: bool) -> str:
-        """The text a Prometheus scraper reads."""
+    def render(self, queue_depth: int, running: int, slots: int, store: dict[str, float]) -> str:
+        """The text a Prometheus scraper reads: `running` generations of `slots` at once, `store` the expert store's
+        counters since the engine opened (a batch's generations share its steps, so theirs would not add up)."""
+        occupancy = running / slots
         with self._lock:
-            uses = self.store.get("expert_uses", 0)
+            uses = store.get("expert_uses", 0)
             rows = [
                 (
                     "dsfp4_requests_total",
@@ -82,24 +82,31 @@ class Metrics:
                 (
                     "dsfp4_decode_tokens_per_second",
                     "gauge",
-                    "Decode speed over all finished generations.",
+                    "Decode speed of a generation, over all finished ones (a batch's add up to more).",
                     [({}, ratio(self.decode_tokens, self.decode_s))],
                 ),
                 (
                     "dsfp4_expert_hit_rate",
                     "gauge",
                     "Share of expert uses served by each tier.",
-                    [({"tier": t.removesuffix("_hits")}, ratio(self.store.get(t, 0), uses)) for t in TIERS]
-                    + [({"tier": "ssd"}, ratio(max(uses - sum(self.store.get(t, 0) for t in TIERS), 0), uses))],
+                    [({"tier": t.removesuffix("_hits")}, ratio(store.get(t, 0), uses)) for t in TIERS]
+                    + [({"tier": "ssd"}, ratio(max(uses - sum(store.get(t, 0) for t in TIERS), 0), uses))],
                 ),
                 (
                     "dsfp4_ssd_read_bytes_total",
                     "counter",
                     "Expert record bytes read from the SSD.",
-                    [({}, self.store.get("ssd_bytes", 0))],
+                    [({}, store.get("ssd_bytes", 0))],
                 ),
                 ("dsfp4_queue_depth", "gauge", "Requests waiting for the engine.", [({}, queue_depth)]),
-                ("dsfp4_busy", "gauge", "1 while a generation runs.", [({}, int(busy))]),
+                ("dsfp4_busy", "gauge", "1 while a generation runs.", [({}, int(running > 0))]),
+                ("dsfp4_running", "gauge", "Generations running (decoding together when batched).", [({}, running)]),
+                (
+                    "dsfp4_batch_occupancy",
+                    "gauge",
+                    "Running generations over the slots (--max-batch).",
+                    [({}, running / slots)],
+                ),
             ]
         lines = []
         for name, kind, help_text, samples in rows:

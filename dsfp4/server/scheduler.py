@@ -1,6 +1,8 @@
-"""One generation at a time on the engine, the rest in a bounded FIFO.
+"""The engine's generations, fed from a bounded FIFO: one at a time, or with --max-batch above 1 up to max_batch
+decoding together (continuous batching: a waiting request joins the batch at the next token boundary, its prompt
+prefilled then, while the others wait that long; runtime/generate/batch.py).
 
-A worker thread owns the engine. While one generation runs, at most `max_queue` requests wait; one more is
+A worker thread owns the engine. While the engine is full, at most `max_queue` requests wait; one more is
 refused (the server answers 503). Each job has its own channel back to the request that made it, so no
 request can see another's tokens. A job whose client went away is dropped from the queue if it waits, and
 stopped at its next prefill chunk or token if it runs.
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.batch import BatchSequence
+from dsfp4.runtime.generate.decoder import Cancelled
 from dsfp4.runtime.generate.generation import Generation
 
 
@@ -47,16 +51,18 @@ class Job:
 class Scheduler:
     def __init__(self, engine: Engine, max_queue: int, on_done: Callable[[Job, Generation | None], None]):
         self.engine, self.max_queue, self.on_done = engine, max_queue, on_done
+        self.slots = engine.plan.max_batch  # generations at once
         self.waiting: deque[Job] = deque()
-        self.running: Job | None = None
+        self.running: set[Job] = set()
         self._wake = threading.Condition(threading.RLock())  # re-entrant: a signal handler may cancel_all
         self._stopping = False
-        self._thread = threading.Thread(target=self._work, name="dsfp4-engine", daemon=True)
+        work = self._work_batched if self.slots > 1 else self._work
+        self._thread = threading.Thread(target=work, name="dsfp4-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._wake:
-            if self._stopping or len(self.waiting) >= self.max_queue + (self.running is None):
+            if self._stopping or len(self.waiting) >= self.max_queue + self.slots - len(self.running):
                 raise QueueFull
             self.waiting.append(job)
             self._wake.notify()
@@ -73,13 +79,17 @@ class Scheduler:
 
     def cancel_all(self) -> None:
         with self._wake:
-            jobs = [*self.waiting, *([self.running] if self.running else [])]
+            jobs = [*self.waiting, *self.running]
         for job in jobs:
             self.cancel(job)
 
     def depth(self) -> int:
-        """Requests waiting (not counting the one running)."""
+        """Requests waiting (not counting those running)."""
         return len(self.waiting)
+
+    def busy(self) -> int:
+        """Generations running."""
+        return len(self.running)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -93,22 +103,28 @@ class Scheduler:
         self._thread.join()
 
     def _finish(self, job: Job, outcome: object, result: Generation | None) -> None:
+        with self._wake:
+            self.running.discard(job)
         job.send(outcome)
         job.done.set()
         self.on_done(job, result)
 
-    def _next(self) -> Job | None:
+    def _take(self, most: int, idle: bool) -> list[Job] | None:
+        """Up to `most` waiting jobs, now running; when `idle`, waits for one. None: stopping."""
         with self._wake:
-            while not self.waiting and not self._stopping:
+            while idle and not self.waiting and not self._stopping:
                 self._wake.wait()
             if self._stopping:
                 return None
-            self.running = self.waiting.popleft()
-            return self.running
+            jobs = [self.waiting.popleft() for _ in range(min(most, len(self.waiting)))]
+            self.running.update(jobs)
+        for job in jobs:
+            job.wait_s = time.perf_counter() - job.queued
+        return jobs
 
     def _work(self) -> None:
-        while (job := self._next()) is not None:
-            job.wait_s = time.perf_counter() - job.queued
+        while (jobs := self._take(1, idle=True)) is not None:
+            (job,) = jobs
             result, outcome = None, None
             try:
                 stream = self.engine.stream(job.prompt_ids, cancel=job.cancelled, **job.options)
@@ -118,6 +134,43 @@ class Scheduler:
                 outcome = None if result.finish_reason == "cancelled" else result
             except Exception as e:  # the request gets the error; the server goes on
                 outcome = e
-            with self._wake:
-                self.running = None
             self._finish(job, outcome, result)
+
+    def _work_batched(self) -> None:
+        """Continuous batching: between steps, waiting jobs take the free slots (each prefilled then); a step decodes
+        a token of every running job; each job's deltas go out after the step that made them."""
+        batch, live = None, {}  # BatchSequence -> Job
+        try:
+            batch = self.engine.batch()
+            while (jobs := self._take(batch.free, idle=not live)) is not None:
+                for job in jobs:
+                    try:
+                        live[batch.add(job.prompt_ids, self.engine.options_for(**job.options), job.cancelled)] = job
+                    except Cancelled:
+                        self._finish(job, None, None)
+                    except Exception as e:  # the request gets the error; the server goes on
+                        self._finish(job, e, None)
+                try:
+                    batch.step()
+                except Exception as e:  # every running request gets the error; the server goes on
+                    for job in live.values():
+                        self._finish(job, e, None)
+                    live.clear()
+                    batch.cancel_all()
+                for seq in list(live):
+                    self._send(seq, live[seq])
+                    if seq.generation is not None:
+                        del live[seq]
+        finally:
+            if batch is not None:
+                batch.cancel_all()
+            for seq, job in live.items():
+                self._send(seq, job)
+
+    def _send(self, seq: BatchSequence, job: Job) -> None:
+        """The sequence's new deltas to its request, and once it ended, its outcome."""
+        for delta in seq.deltas:
+            job.send(delta)
+        seq.deltas.clear()
+        if (g := seq.generation) is not None:
+            self._finish(job, None if g.finish_reason == "cancelled" else g, g)

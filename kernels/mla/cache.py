@@ -31,12 +31,15 @@ def mla_cache_ref(
 ) -> None:
     """q: [B, T, H, N + R], its last R dims rotated in place; kv: [B, T, C + R] (wkv_a's output): the first C
     normalized by weight into kv_cache[:B, rows], the last R rotated into pe_cache[:B, rows]; freqs_cis:
-    [T, R/2] complex64; rows: [T] int64 cache positions."""
-    b, r = q.shape[0], pe_cache.shape[-1]
+    [T, R/2] complex64 and rows: [T] int64 cache positions, the same for every sequence, or [B, T] and [B, T, R/2]
+    each sequence its own (a batch at positions of its own)."""
+    b, t, r = q.shape[0], q.shape[1], pe_cache.shape[-1]
     q[..., -r:] = apply_rotary_emb(q[..., -r:], freqs_cis)
     c_kv, k_pe = kv.split([kv.shape[-1] - r, r], dim=-1)  # [B, T, C], [B, T, R]
-    kv_cache[:b].index_copy_(1, rows, rmsnorm_ref(c_kv, weight, eps))
-    pe_cache[:b].index_copy_(1, rows, apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2))
+    seq = torch.arange(b, device=rows.device)[:, None]  # [B, 1]
+    rows = rows.expand(b, t)  # [B, T]
+    kv_cache[seq, rows] = rmsnorm_ref(c_kv, weight, eps).to(kv_cache.dtype)
+    pe_cache[seq, rows] = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2).to(pe_cache.dtype)
 
 
 if triton is not None:
@@ -66,6 +69,8 @@ if triton is not None:
         rows_ptr,
         T,
         eps,
+        stride_rb,
+        stride_fb,
         stride_qb,
         stride_qt,
         stride_qh,
@@ -91,7 +96,9 @@ if triton is not None:
         b, t = (tl.program_id(0) // T).to(tl.int64), tl.program_id(0) % T  # b * a cache's batch stride: past 2^31
         dims = tl.arange(0, RP)[None, :]  # [1, RP]: the rope dims as a row, for _pairs
         in_r = dims < R
-        cos, sin = _pairs(f_ptr + t * stride_ft + dims, in_r)  # freqs_cis as (real, imaginary) fp32 pairs
+        cos, sin = _pairs(
+            f_ptr + b * stride_fb + t * stride_ft + dims, in_r
+        )  # freqs_cis as (real, imaginary) fp32 pairs
         heads = tl.arange(0, HP)[:, None]
         qp = q_ptr + b * stride_qb + t * stride_qt + heads * stride_qh + N + dims  # [HP, RP] rope dims
         q_ok = (heads < H) & in_r
@@ -101,7 +108,7 @@ if triton is not None:
         in_c = cols < C
         c_kv = tl.load(src + cols, mask=in_c, other=0.0).to(tl.float32)
         k_re, k_im = _pairs(src + C + dims, in_r)
-        row = tl.load(rows_ptr + t)
+        row = tl.load(rows_ptr + b * stride_rb + t)
         normed = rms_row(c_kv, w_ptr, cols, in_c, eps, kvc_ptr.dtype.element_ty, C, W_FP32)
         # the query's rope dims rotated where they are; the normed latent and the rotated key into their rows
         q_re, q_im = rotate_pairs(q_re, q_im, cos, sin)
@@ -127,10 +134,15 @@ def mla_cache(
     cannot run)."""
     b, t, h, _ = q.shape
     r, c = pe_cache.shape[-1], kv_cache.shape[-1]
-    assert q.stride(-1) == kv.stride(-1) == 1 and kv.shape[-1] == c + r and freqs_cis.shape == (t, r // 2)
+    assert q.stride(-1) == kv.stride(-1) == 1 and kv.shape[-1] == c + r
+    assert freqs_cis.shape[-2:] == (t, r // 2) and rows.shape[-1] == t, (
+        "mla_cache: freqs_cis [(B,) T, R/2], rows [(B,) T]"
+    )
     assert kv_cache.stride(-1) == pe_cache.stride(-1) == 1, "caches of unit stride in their last dim"
-    f = torch.view_as_real(freqs_cis)  # [T, R/2, 2] fp32
-    assert f.stride(1) == 2, "freqs_cis: rows of contiguous pairs"
+    f = torch.view_as_real(freqs_cis)  # [(B,) T, R/2, 2] fp32
+    assert f.stride(-2) == 2 and rows.stride(-1) == 1, "freqs_cis: rows of contiguous pairs; rows: contiguous"
+    stride_fb = f.stride(0) if f.dim() == 4 else 0  # 0: every sequence at the same positions
+    stride_rb = rows.stride(0) if rows.dim() == 2 else 0
     _mla_cache_kernel[(b * t,)](
         q,
         kv,
@@ -141,12 +153,14 @@ def mla_cache(
         rows,
         t,
         eps,
+        stride_rb,
+        stride_fb,
         q.stride(0),
         q.stride(1),
         q.stride(2),
         kv.stride(0),
         kv.stride(1),
-        f.stride(0),
+        f.stride(-3),
         kv_cache.stride(0),
         kv_cache.stride(1),
         pe_cache.stride(0),

@@ -54,12 +54,13 @@ DEFAULT = MLADecodeConfig()
 def mla_decode_ref(
     qn: torch.Tensor, qp: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, scale: float, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """qn: [B, T, H, C], qp: [B, T, H, R], kv: [B, S, C], pe: [B, S, R], mask: [T, S] additive or None
-    -> lat [B, T, H, C] in qn's dtype. The softmax runs in fp32 (fp64 for a float64 evaluation)."""
+    """qn: [B, T, H, C], qp: [B, T, H, R], kv: [B, S, C], pe: [B, S, R], mask: additive, [T, S] for every
+    sequence or [B, T, S] one each (a batch at positions of its own), or None -> lat [B, T, H, C] in qn's dtype.
+    The softmax runs in fp32 (fp64 for a float64 evaluation)."""
     scores = torch.einsum("bthc,bsc->bths", qn, kv) + torch.einsum("bthr,bsr->bths", qp, pe)  # [B, T, H, S]
     scores = scores * scale
     if mask is not None:
-        scores = scores + mask.unsqueeze(1)  # [T, S] -> [T, 1, S]
+        scores = scores + mask.unsqueeze(-2)  # [(B,) T, S] -> [(B,) T, 1, S]
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(qn.dtype, torch.float32)).to(qn.dtype)
     return torch.einsum("bths,bsc->bthc", probs, kv)  # lat: [B, T, H, C]
 
@@ -101,7 +102,7 @@ if triton is not None:
         return tl.where(s_ok[None, :], tl.zeros((HB, s.shape[0]), dtype=tl.float32), float("-inf"))
 
     # the span and its splits change at every eager decode step: one compiled variant for all of them
-    @triton.jit(do_not_specialize=["S", "chunk", "splits", "stride_mt"])
+    @triton.jit(do_not_specialize=["S", "chunk", "splits", "stride_mb", "stride_mt"])
     def _split_kernel(
         qn_ptr,
         qp_ptr,
@@ -125,6 +126,7 @@ if triton is not None:
         stride_kvs,
         stride_peb,
         stride_pes,
+        stride_mb,
         stride_mt,
         stride_ms,
         T: tl.constexpr,
@@ -145,6 +147,7 @@ if triton is not None:
         rows [HB, C] with its running max and sum (base 2) into the split's partials, or lat when DIRECT."""
         b = tl.program_id(2).to(tl.int64)
         sp = tl.program_id(1)
+        mask_ptr += b * stride_mb  # this sequence's [T, S] (stride 0: one mask for all)
         rows = tl.program_id(0) * HB + tl.arange(0, HB)  # [HB]: row = t H + h
         row_ok = rows < T * H
         t, h = rows // H, rows % H
@@ -246,7 +249,7 @@ def mla_decode(
     assert b * t <= MAX_TOKENS, f"mla_decode takes up to {MAX_TOKENS} tokens (B T = {b * t})"
     assert qp.shape == (b, t, h, r) and kv.shape == (b, s, c) and pe.shape == (b, s, r), "mla_decode: shapes"
     assert all(x.stride(-1) == 1 for x in (qn, qp, kv, pe)), "mla_decode reads rows of unit stride"
-    assert mask is None or mask.shape == (t, s), f"mla_decode takes a [T, S] mask, got {tuple(mask.shape)}"
+    assert mask is None or mask.shape in ((t, s), (b, t, s)), f"mla_decode: a mask of [(B,) T, S], got {mask.shape}"
     lat = torch.empty(b, t, h, c, dtype=qn.dtype, device=qn.device)
     row_blocks = triton.cdiv(t * h, cfg.rows)
     splits, chunk = split_plan(s, b * row_blocks, sms, cfg)
@@ -257,7 +260,7 @@ def mla_decode(
     part = qn.new_empty(1 if direct else b * t * h * splits * c, dtype=torch.float32)
     ml = qn.new_empty(1 if direct else b * t * h * splits * 2, dtype=torch.float32)
     m_arg = mask if mask is not None else kv  # any pointer: HAS_MASK=False never reads it
-    m_strides = mask.stride() if mask is not None else (0, 0)
+    m_strides = (0, 0, 0) if mask is None else mask.stride() if mask.dim() == 3 else (0, *mask.stride())
     _split_kernel[(row_blocks, splits, b)](
         qn,
         qp,

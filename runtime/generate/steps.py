@@ -39,6 +39,53 @@ def held_back(text: str, stop: tuple[str, ...]) -> int:
     return max(prefix, partial + before)
 
 
+class TextSteps:
+    """One generation's tokens into text deltas, a token at a time (plain and speculative decoding pull them through
+    text_deltas; a batch pushes each sequence's as its steps make them): detokenized as they come, EOS and stop
+    strings applied, at most `budget` tokens, counted with the time to the first into `stats` (from perf_counter
+    `start`). `finish` is set once the generation ends: "stop" or "length" (or "cancelled", by the caller)."""
+
+    def __init__(
+        self, tokenizer: ChatTokenizer, stop: tuple[str, ...], budget: int, stats: GenerationStats, start: float
+    ):
+        self.tokenizer, self.stop, self.budget, self.stats, self.start = tokenizer, stop, budget, stats, start
+        self.tokens: list[int] = []  # kept (EOS is not)
+        self.text, self.emitted, self.finish = "", 0, None
+        self.detok = TextStream(tokenizer)
+        self.arrivals: list[float] = []
+
+    def add(self, token: int) -> Delta | None:
+        """The next generated token -> the delta it makes (None when it ends the text: EOS or a stop string)."""
+        stats = self.stats
+        self.arrivals.append(time.perf_counter())
+        stats.generated_tokens += 1
+        if stats.generated_tokens == 1:
+            stats.ttft_s = stats.prefill_s = self.arrivals[0] - self.start
+        if token in self.tokenizer.eos_ids:
+            self.finish = "stop"
+            return None
+        self.tokens.append(token)
+        text = self.text = self.detok.add(token)
+        # text[:emitted] is final and held no stop string: a new one ends after it
+        emitted = self.emitted
+        if hits := [i for s in self.stop if (i := text.find(s, max(emitted - len(s) + 1, 0))) >= 0]:
+            self.text, self.finish = text[: min(hits)], "stop"
+            return None
+        end = max(len(text) - held_back(text, self.stop), emitted)
+        self.emitted = end
+        if stats.generated_tokens >= self.budget:
+            self.finish = "length"
+        return Delta(token, text[emitted:end])
+
+    def end(self) -> Delta | None:
+        """The generation is over (finish "length" unless set): the inter-token times into the stats -> the last
+        flush of text held back, if any."""
+        self.finish = self.finish or "length"
+        gaps = sorted(b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False))
+        self.stats.itl_p50_s, self.stats.itl_p99_s = percentile(gaps, 50), percentile(gaps, 99)
+        return Delta(None, self.text[self.emitted :]) if len(self.text) > self.emitted else None
+
+
 def text_deltas(
     source: Iterator[int],
     tokenizer: ChatTokenizer,
@@ -47,38 +94,19 @@ def text_deltas(
     stats: GenerationStats,
     start: float,
 ) -> Generator[Delta, None, tuple[list[int], str, str]]:
-    """Deltas of the tokens from `source` (plain or speculative decoding, started at perf_counter `start`), at most
-    `budget` of them; counts them and the time to the first into `stats`. Returns (token ids kept, text, finish
-    reason: "stop", "length" or "cancelled"). The source is closed at the end, so the caches stay consistent."""
-    tokens: list[int] = []
-    text, emitted, finish, detok = "", 0, "length", TextStream(tokenizer)
-    arrivals: list[float] = []
+    """TextSteps' deltas of the tokens from `source` (plain or speculative decoding). Returns (token ids kept, text,
+    finish reason: "stop", "length" or "cancelled"). The source is closed at the end, so the caches stay consistent."""
+    steps = TextSteps(tokenizer, stop, budget, stats, start)
     try:
         for token in source:
-            arrivals.append(time.perf_counter())
-            stats.generated_tokens += 1
-            if stats.generated_tokens == 1:
-                stats.ttft_s = stats.prefill_s = arrivals[0] - start
-            if token in tokenizer.eos_ids:
-                finish = "stop"
-                break
-            tokens.append(token)
-            text = detok.add(token)
-            # text[:emitted] is final and held no stop string: a new one ends after it
-            if hits := [i for s in stop if (i := text.find(s, max(emitted - len(s) + 1, 0))) >= 0]:
-                text, finish = text[: min(hits)], "stop"
-                break
-            end = max(len(text) - held_back(text, stop), emitted)
-            yield Delta(token, text[emitted:end])  # the cache is consistent here, should the caller stop
-            emitted = end
-            if stats.generated_tokens >= budget:
+            if (delta := steps.add(token)) is not None:
+                yield delta  # the cache is consistent here, should the caller stop
+            if steps.finish is not None:
                 break
     except Cancelled:
-        finish = "cancelled"
+        steps.finish = "cancelled"
     finally:
         source.close()
-    gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
-    stats.itl_p50_s, stats.itl_p99_s = percentile(gaps, 50), percentile(gaps, 99)
-    if len(text) > emitted:
-        yield Delta(None, text[emitted:])
-    return tokens, text, finish
+    if (last := steps.end()) is not None:
+        yield last
+    return steps.tokens, steps.text, steps.finish

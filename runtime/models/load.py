@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dsfp4.device import resolve_device
-from dsfp4.errors import ChecksumError
+from dsfp4.errors import ChecksumError, ConfigError
 from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.safetensors_file import file_sha256
@@ -19,10 +19,11 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.v3.model import Transformer
 from dsfp4.runtime.models.v4.model import TransformerV4
 from dsfp4.runtime.models.weights import Weights
+from dsfp4.runtime.modes import MODE_BATCH
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import resolve_budgets
 from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
-from dsfp4.runtime.plan.planner import Plan, make_plan
+from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan
 from dsfp4.runtime.store.expert_store import ExpertStore
 
 
@@ -44,7 +45,6 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     max_len: int,
-    max_batch: int = 1,
     with_mtp: bool = False,
     manifest: Manifest | None = None,
     options: RunOptions | None = None,
@@ -77,7 +77,8 @@ def load_model(
         files = manifest.backbone_files() if options.verify else []
         hashes = [(rel, hashing.submit(file_sha256, Path(model_dir) / rel)) for rel in files]
         family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
-        model = family(manifest.args, w, experts, max_batch, max_len, with_mtp, options.prefetch)
+        slots = cache_slots(plan.max_batch)
+        model = family(manifest.args, w, experts, slots, max_len, with_mtp, options.prefetch)
         a = manifest.args
         w.check_all_used(() if with_mtp else a.mtp_prefixes)
         w.close()
@@ -107,8 +108,17 @@ def plan_run(
     host_extra: int = 0,
 ) -> Plan:
     budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
-    chunk, threads = options.prefill_chunk, options.io_threads
-    return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra)
+    chunk, threads, a = options.prefill_chunk, options.io_threads, manifest.args
+    batch = options.max_batch
+    if batch == 0:  # MTP and a recorded trace follow one sequence: they decode alone
+        elt, alone = torch.empty((), dtype=dtype).element_size(), with_mtp or options.record_trace is not None
+        batch = 1 if alone else auto_batch(a, budgets.gpu, max_len, elt, MODE_BATCH[options.mode])
+    elif batch > 1 and a.is_v4:
+        raise ConfigError(
+            f"--max-batch {batch}: DeepSeek-V4's caches hold a running state, not rows by position, so it decodes one "
+            "sequence at a time; give --max-batch 1"
+        )
+    return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=batch)
 
 
 def host_arena_bytes(manifest: Manifest, on_host: HostBackbone, dtype: torch.dtype) -> int:

@@ -10,11 +10,14 @@ import torch
 
 @dataclass(frozen=True)
 class DevicePosition:
-    """Where a captured decode step's token goes: pos [1] int64 on the device (read when the graph replays);
-    attention covers the first `span` cached rows, those past pos masked out."""
+    """Where a decode step's tokens go, one per sequence: pos [B] int64 on the device (read when a captured graph
+    replays; B = 1 there), sequence b in cache slot `slot` + b; attention covers the first `span` cached rows of each,
+    those past its pos masked out. Only V3's caches take B > 1 or a slot (batched decode, runtime/generate/batch.py);
+    V4's take the single captured step."""
 
     pos: torch.Tensor
     span: int
+    slot: int = 0
 
 
 def token_positions(start_pos: int | DevicePosition, t: int, device: torch.device) -> torch.Tensor:

@@ -57,9 +57,10 @@ class Model(Protocol):
         """How many cached tokens a call may keep when it would keep `keep` (V4's caches hold their last positions
         only)."""
 
-    def positional_caches(self) -> dict[str, torch.Tensor] | None:
-        """The caches written by position, by name: each [max_len, ...], the sequence's rows (what the prompt cache
-        saves and restores); None when the family's caches are not all addressed by position."""
+    def positional_caches(self, slot: int = 0) -> dict[str, torch.Tensor] | None:
+        """The caches written by position, by name: each [max_len, ...], the rows of the sequence in cache `slot`
+        (what the prompt cache saves and restores, what a batch's sequences move between); None when the family's
+        caches are not all addressed by position (it then decodes no batch)."""
 
     def replayed(self, pos: int) -> None:
         """A captured step at pos was replayed (its Python did not run): bring host-side state up to date."""

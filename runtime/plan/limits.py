@@ -7,3 +7,6 @@ MTP_BATCH = 16  # after drafting falls back, MTP cache entries are computed this
 # expert slots a plan that keeps backbone in RAM leaves on the device, in one token's experts: one layer's computing
 # while the next layer's are copied in
 PLANNED_WAVES = 2
+# --max-batch 0 (serve, run --batch): a batch's caches take at most this share of the device budget; what is left
+# holds the expert slots, which the union of a batch's experts needs more than one sequence does
+BATCH_KV_SHARE = 1 / 8

@@ -21,7 +21,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import CSA, ModelArgs
 from dsfp4.runtime.plan.budget import Budgets, process_rss
 from dsfp4.runtime.plan.host_backbone import ROUTER_SUFFIXES, HostBackbone, place_on_host, tensor_bytes
-from dsfp4.runtime.plan.limits import LOGIT_ROWS, MTP_BATCH, PLANNED_WAVES, SCORE_ELEMENTS
+from dsfp4.runtime.plan.limits import BATCH_KV_SHARE, LOGIT_ROWS, MTP_BATCH, PLANNED_WAVES, SCORE_ELEMENTS
 from dsfp4.units import format_bytes
 
 FP32 = 4
@@ -55,6 +55,7 @@ class Plan:
         0  # bytes of backbone in pinned RAM, read by the device in place (runtime/plan/host_backbone.py)
     )
     on_host: HostBackbone = HostBackbone()
+    max_batch: int = 1  # sequences decoded together (cache_slots: the KV cache holds theirs)
 
     def table(self) -> str:
         r, n = self.record, self.total_records
@@ -65,7 +66,12 @@ class Plan:
             (f"device budget ({self.device})", format_bytes(self.budgets.gpu), ""),
             *([process] if on_cpu else []),
             ("  backbone", format_bytes(self.backbone), "weights in their stored formats"),
-            ("  KV cache", format_bytes(self.kv_cache), "caches, their state and RoPE tables for --max-context"),
+            (
+                "  KV cache",
+                format_bytes(self.kv_cache),
+                "caches, their state and RoPE tables for --max-context"
+                + (f", {self.max_batch} batched sequences and the prefill's" if self.max_batch > 1 else ""),
+            ),
             ("  workspace", format_bytes(self.workspace), "transient tensors (estimate)"),
             ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
             ("RAM budget", format_bytes(self.budgets.cpu), ""),
@@ -153,11 +159,31 @@ def layer_cache_bytes(a: ModelArgs, layer: int, max_context: int, elt: int) -> t
     return grows, fixed
 
 
-def cache_bytes(a: ModelArgs, layers: range, max_context: int, elt: int) -> int:
-    """Every buffer the model allocates for `max_context`: the layers' caches and state, and the RoPE tables
-    ([max_context, rope_dim / 2] complex64; V4 one per base, plain and compress)."""
+def cache_bytes(a: ModelArgs, layers: range, max_context: int, elt: int, sequences: int = 1) -> int:
+    """Every buffer the model allocates for `sequences` cache slots of `max_context`: the layers' caches and state,
+    and the RoPE tables ([max_context, rope_dim / 2] complex64, once; V4 one per base, plain and compress)."""
     rope = (2 if a.is_v4 else 1) * max_context * (a.qk_rope_head_dim // 2) * COMPLEX64
-    return rope + sum(sum(layer_cache_bytes(a, i, max_context, elt)) for i in layers)
+    return rope + sequences * sequence_cache_bytes(a, layers, max_context, elt)
+
+
+def sequence_cache_bytes(a: ModelArgs, layers: range, max_context: int, elt: int) -> int:
+    """One cache slot's bytes: every layer's caches and state for a sequence of `max_context`."""
+    return sum(sum(layer_cache_bytes(a, i, max_context, elt)) for i in layers)
+
+
+def auto_batch(a: ModelArgs, gpu_budget: int, max_context: int, elt: int, want: int) -> int:
+    """--max-batch 0: `want` sequences (the mode's), as many as fit BATCH_KV_SHARE of the device budget with caches of
+    `max_context` (at least 1; V4's caches decode one sequence at a time)."""
+    if a.is_v4 or want <= 1:
+        return 1
+    per = sequence_cache_bytes(a, range(a.n_blocks), max_context, elt)
+    return max(1, min(want, int(gpu_budget * BATCH_KV_SHARE) // max(per, 1)))
+
+
+def cache_slots(max_batch: int) -> int:
+    """Cache slots a run allocates: one sequence's, and with a batch (max_batch > 1) one per batched sequence beside
+    it (the single slot prefills a request's prompt, which then moves to its batch slot: runtime/generate/batch.py)."""
+    return 1 + max_batch if max_batch > 1 else 1
 
 
 def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
@@ -198,19 +224,21 @@ def make_plan(
     process: int | None = None,
     fp8_kernels: bool | None = None,
     kernels: bool | None = None,
+    max_batch: int = 1,
 ) -> Plan:
     """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states); `process`:
     the process's own before the model loads (default: this process's RSS now; a projection gives a user's);
     `fp8_kernels`: whether the device converts e4m3 in hardware, so that FP8 kernels run (default: asked of the
     device here; True where this machine has no CUDA: a projection's user machine); `kernels`: whether the Triton
-    kernels run (default: use_kernels here; a projection's user machine has them)."""
+    kernels run (default: use_kernels here; a projection's user machine has them); `max_batch`: sequences decoded
+    together, each with caches of its own (cache_slots)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     layers = _used_layers(manifest, with_mtp)
     record = manifest.record.nbytes if manifest.record else 0
     used = expert_layers(manifest, with_mtp)
     total_records = len(used) * a.n_routed_experts
     backbone = backbone_bytes(manifest, dtype, with_mtp)
-    kv = cache_bytes(a, layers, max_context, elt)
+    kv = cache_bytes(a, layers, max_context, elt, cache_slots(max_batch))
     # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
     t = min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
     kernels = use_kernels(device) if kernels is None else kernels
@@ -243,7 +271,8 @@ def make_plan(
             f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}"
             f"{f' with {format_bytes(moved)} of it in RAM' if moved else ''}, KV cache for "
             f"--max-context {max_context} {format_bytes(kv)}, workspace {format_bytes(workspace)}, "
-            f"{top_k} expert slots {format_bytes(top_k * record)}); lower --max-context or --prefill-chunk, "
+            f"{top_k} expert slots {format_bytes(top_k * record)}); lower --max-context"
+            f"{', --max-batch' * (max_batch > 1)} or --prefill-chunk, "
             f"or convert with --backbone fp4"
         )
     gpu_slots = min((budgets.gpu - fixed) // record, total_records) if record else 0
@@ -275,4 +304,5 @@ def make_plan(
         used,
         moved,
         on_host,
+        max_batch,
     )

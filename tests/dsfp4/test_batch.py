@@ -41,6 +41,22 @@ def test_every_line_is_answered_in_order_as_run_json_answers_it(converted, tmp_p
     assert {"prompt_token_ids", "token_ids", "text", "finish_reason", "stats", "input_sha256"} <= set(got[0])
 
 
+def test_lines_decoded_together_answer_as_lines_decoded_one_by_one(converted, tmp_path):
+    greedy = [{**x, "max_tokens": 5 + i, "temperature": 0} for i, x in enumerate(LINES * 2)]
+    batch = _write(tmp_path / "in.jsonl", greedy)
+    outs = {}
+    for n in (1, 4):
+        outs[n] = tmp_path / f"out{n}.jsonl"
+        r = run_cli("run", converted, "--batch", batch, "--output", outs[n], "--max-batch", n, "--device", "cpu")
+        assert r.exit_code == 0, r.output
+    one, together = _results(outs[1]), _results(outs[4])
+    assert [x["line"] for x in together] == list(range(1, 7))  # in input order, whatever ended first
+    assert [x["token_ids"] for x in together] == [x["token_ids"] for x in one]
+    assert "up to 4 decoded together" in r.stderr and "batch" in together[0]["stats"]["decode_mode"]
+    r = run_cli("run", converted, "--prompt", "hi", "--max-batch", 2)
+    assert r.exit_code != 0 and "--max-batch only applies with --serve or --batch" in r.output
+
+
 def test_a_rerun_answers_only_the_lines_missing_and_drops_a_torn_one(converted, tmp_path):
     batch, out = _write(tmp_path / "in.jsonl", LINES), tmp_path / "out.jsonl"
     args = ("run", converted, "--batch", batch, "--output", out, "--temperature", 0, "--device", "cpu")

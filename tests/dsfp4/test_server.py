@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 KEY = "test-key"
 CONTEXT = 128
 QUEUE = 4
+BATCH = 3  # requests decoding together (continuous batching)
 PROMPTS = ["hello", "Why is the sky blue?", "Write a haiku about SSDs", "2+2?"]
 
 
@@ -90,7 +91,7 @@ def _serve(model: Path, *flags: str):
 
 @pytest.fixture(scope="module")
 def server(converted):
-    with _serve(converted, "--api-key", KEY, "--max-queue", str(QUEUE)) as s:
+    with _serve(converted, "--api-key", KEY, "--max-queue", str(QUEUE), "--max-batch", str(BATCH)) as s:
         yield s
 
 
@@ -301,14 +302,38 @@ def test_serve_and_chat_flags_that_would_do_nothing_are_refused(converted, monke
     assert sent == [{}, {"seed": 3, "stop": ["x"]}]  # what is not given stays the server's default
 
 
+def test_concurrent_requests_decode_together_and_each_gets_its_own_answer(server):
+    c = server.client()
+    alone = {
+        p: c.completions.create(model="fp8", prompt=p, max_tokens=10, temperature=0).choices[0].text for p in PROMPTS
+    }
+    got: dict[str, str] = {}
+    occupancy: list[float] = []
+
+    def ask(p: str) -> None:
+        got[p] = c.completions.create(model="fp8", prompt=p, max_tokens=10, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        occupancy.append(server.metric("dsfp4_batch_occupancy"))
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert max(occupancy) > 1 / BATCH, "the requests never decoded together"
+
+
 def test_metrics_print_counts_exactly():
     from dsfp4.runtime.generate.stats import GenerationStats
     from dsfp4.server.metrics import Metrics
 
     m = Metrics()
-    m.finish("length", GenerationStats(prompt_tokens=3, generated_tokens=2, store={"ssd_bytes": 123456789012.0}))
-    text = m.render(0, False)
+    m.finish("length", GenerationStats(prompt_tokens=3, generated_tokens=2))
+    text = m.render(0, 1, 4, {"ssd_bytes": 123456789012.0})
     assert "dsfp4_ssd_read_bytes_total 123456789012\n" in text and 'dsfp4_generations_total{reason="length"} 1' in text
+    assert "dsfp4_batch_occupancy 0.25\n" in text
 
 
 def _soak_request(server: Server, i: int, expected: dict, rng: random.Random, out: Counter) -> bool:
@@ -377,7 +402,8 @@ def test_soak_200_requests_from_8_clients_20_leaving_mid_stream(server):
         t.join()
     assert not errors, errors[:3]
     assert out["ok"] == 180 and out["left"] == 20 and out["503"] > 0, out
-    _wait_for(lambda: httpx.get(server.base + "/health").json() == {"status": "ok", "busy": False, "queue": 0})
+    idle = {"status": "ok", "busy": False, "running": 0, "queue": 0}
+    _wait_for(lambda: httpx.get(server.base + "/health").json() == idle)
     grown = server.rss() - rss_before
     assert grown < 8 << 20, f"the server's RSS grew by {grown >> 20} MiB over 200 requests"
     assert (

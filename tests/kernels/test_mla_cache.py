@@ -66,3 +66,20 @@ def test_mla_cache_at_deepseek_v3_sizes():
     got = _run(mla_cache, case, "cuda")
     for g, w in zip(got, want, strict=True):
         assert _close(g, w)
+
+
+def test_mla_cache_each_sequence_at_its_own_position():
+    """A batch decode step: rows [B, 1] and freqs [B, 1, R/2], each sequence its own position; kernel and reference
+    write what each sequence alone at its position writes."""
+    b, h, n, r, c, rows = 3, 4, 8, 8, 32, [4, 0, 9]
+    q, kv, _, w, kv_cache, pe_cache, _ = _case(b, 1, h, n, r, c, [max(rows)], torch.bfloat16, 11)
+    table = rotations(torch.rand(r // 2, generator=torch.Generator().manual_seed(2)), max(rows) + 1)
+    per_row = torch.tensor(rows).view(b, 1)
+    case = (q, kv, table[per_row], w, kv_cache, pe_cache, per_row)  # freqs: [B, 1, R/2]
+    want = _run(mla_cache_ref, case, "cpu")
+    for i, row in enumerate(rows):  # alone: batch 1 at its position
+        alone = (q[i : i + 1], kv[i : i + 1], table[[row]], w, kv_cache[i : i + 1], pe_cache[i : i + 1], per_row[i])
+        for got, whole in zip(_run(mla_cache_ref, alone, "cpu"), want, strict=True):
+            assert _close(got[0], whole[i])
+    for g, w_ in zip(_run(mla_cache, case, DEVICE), want, strict=True):
+        assert _close(g, w_)

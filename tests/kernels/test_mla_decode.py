@@ -136,3 +136,20 @@ def test_tiles_fit_the_gpus_shared_memory(monkeypatch, smem, block_s):
     cfg = mla_decode_module.fitted(MLADecodeConfig(), torch.device("cuda", 0), 512, 64, 2)  # V3's latent, bf16
     assert cfg.block_s == block_s and cfg.stages == MLADecodeConfig().stages
     assert mla_decode_module.fitted(MLADecodeConfig(), torch.device("cpu"), 512, 64, 2) == MLADecodeConfig()
+
+
+def test_mla_decode_each_sequence_its_own_mask():
+    """A batch decode step: mask [B, 1, S], each sequence at its own position in a common span; the kernel gives
+    what each sequence alone gives with its own [1, S] mask, and the reference too."""
+    b, s, positions = 3, 40, [5, 39, 17]
+    qn, qp, kv, pe, scale, _ = _case(b, 1, 4, 32, 16, s, torch.float32, seed=7)
+    masks = [
+        torch.zeros(1, s, device=qn.device).masked_fill_(torch.arange(s, device=qn.device) > p, float("-inf"))
+        for p in positions
+    ]
+    mask = torch.stack(masks)  # [B, 1, S]
+    got, ref = mla_decode(qn, qp, kv, pe, scale, mask, cfg=SMALL), mla_decode_ref(qn, qp, kv, pe, scale, mask)
+    for i, m in enumerate(masks):
+        one = (qn[i : i + 1], qp[i : i + 1], kv[i : i + 1], pe[i : i + 1], scale, m)
+        assert _rel(got[i : i + 1], _f64(*one)) < 1e-5
+        assert torch.allclose(ref[i : i + 1], mla_decode_ref(*one))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.runtime.models.load import load_model
+from dsfp4.runtime.options import RunOptions
 from dsfp4.synthetic.hf_state import fuse_experts
 from tests.fixtures.reference import dequantized_weights, hf_model
 from tests.fixtures.tiny_checkpoint import build_checkpoint
@@ -71,7 +72,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.slow
 def test_logits_match_transformers_for_every_position(model_dir):
     ref = hf_model(model_dir)
-    model = load_model(model_dir, CPU, torch.float32, max_len=64, max_batch=2)
+    model = load_model(model_dir, CPU, torch.float32, max_len=64, options=RunOptions(max_batch=2))
     tokens, mask = _batch()
     with torch.no_grad():
         want = ref(tokens, attention_mask=mask).logits
@@ -174,7 +175,7 @@ def test_fp4_error_against_the_unquantized_weights(tmp_path, capsys):
 
 
 def test_prefill_loads_each_used_expert_once_per_layer(model_dir):
-    model = load_model(model_dir, CPU, torch.float32, max_len=64, max_batch=2)
+    model = load_model(model_dir, CPU, torch.float32, max_len=64, options=RunOptions(max_batch=2))
     calls, real = [], model.experts.load_waves
     model.experts.load_waves = lambda layer, experts, *rest: (
         calls.append((layer, list(experts))) or real(layer, experts, *rest)

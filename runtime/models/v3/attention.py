@@ -18,7 +18,7 @@ from dsfp4.kernels.mla.cache import mla_cache, mla_cache_ref
 from dsfp4.kernels.mla.decode import mla_decode, mla_decode_ref
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.norm import RMSNorm
-from dsfp4.runtime.models.position import DevicePosition, token_positions
+from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.rope import softmax_scale
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
@@ -61,13 +61,16 @@ class MLA(nn.Module):
         b, t, _ = x.shape  # x: [B, T, D]
         q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
         q = q.view(b, t, self.n_heads, self.nope + self.rope)
-        end = start_pos.span if isinstance(start_pos, DevicePosition) else start_pos + t
         kernels, decode = use_kernels(x), b * t <= DECODE_TOKENS
+        if isinstance(start_pos, DevicePosition):  # a token per sequence, each at its own position and cache slot
+            end, slot, rows = start_pos.span, start_pos.slot, start_pos.pos.view(b, 1)  # rows: [B, 1]
+        else:
+            end, slot, rows = start_pos + t, 0, torch.arange(start_pos, start_pos + t, device=x.device)  # [T]
+        kv_cache, pe_cache = self.kv_cache[slot : slot + b], self.pe_cache[slot : slot + b]  # [B, L, C], [B, L, R]
         # q's rope dims rotated in place; the normed latent and rotated key written at the tokens' cache rows
         kv = linear(x, self.wkv_a)  # [B, T, C + R]
-        rows = token_positions(start_pos, t, x.device)  # [T]
         write = mla_cache if kernels else mla_cache_ref
-        write(q, kv, freqs_cis, self.kv_norm.weight, self.kv_norm.eps, self.kv_cache, self.pe_cache, rows)
+        write(q, kv, freqs_cis, self.kv_norm.weight, self.kv_norm.eps, kv_cache, pe_cache, rows)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
         # decode multiplies by wkv_b's FP8 blocks (kernels/mla/absorb.py); prefill dequantizes it once per call,
         # as DeepSeek's reference does, and multiplies on tensor cores
@@ -79,7 +82,7 @@ class MLA(nn.Module):
         else:
             wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
             q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
-        kv_all, pe_all = self.kv_cache[:b, :end], self.pe_cache[:b, :end]  # [B, S, C], [B, S, R]
+        kv_all, pe_all = kv_cache[:, :end], pe_cache[:, :end]  # [B, S, C], [B, S, R]
         if kernels and decode:  # flash-decoding: one or two launches
             lat = mla_decode(q_nope, q_pe, kv_all, pe_all, self.scale, mask)  # [B, T, H, C]
         else:
@@ -94,12 +97,12 @@ class MLA(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """mla_decode_ref over query chunks, so that a long prompt never holds all [B, T, H, S] scores at once:
-        q_nope [B, T, H, C], q_pe [B, T, H, R], kv [B, S, C], pe [B, S, R], mask [T, S] or None -> [B, T, H, C]."""
+        q_nope [B, T, H, C], q_pe [B, T, H, R], kv [B, S, C], pe [B, S, R], mask [(B,) T, S] or None -> [B, T, H, C]."""
         b, t, h, _ = q_nope.shape
         step = max(1, SCORE_ELEMENTS // (b * h * kv.shape[1]))
         out = []
         for t0 in range(0, t, step):
             chunk = slice(t0, t0 + step)
-            m = None if mask is None else mask[chunk]
+            m = None if mask is None else mask[..., chunk, :]
             out.append(mla_decode_ref(q_nope[:, chunk], q_pe[:, chunk], kv, pe, self.scale, m))
         return torch.cat(out, dim=1)

@@ -132,9 +132,10 @@ class Transformer(nn.Module):
         cache is written by position, so a later call overwrites what follows)."""
         return keep
 
-    def positional_caches(self) -> dict[str, torch.Tensor]:
-        """Every attention's latent and RoPE caches (the MTP layer's too, when loaded): [max_len, C], [max_len, R]."""
-        return {n: b[0] for n, b in self.named_buffers() if n.endswith((".kv_cache", ".pe_cache"))}
+    def positional_caches(self, slot: int = 0) -> dict[str, torch.Tensor]:
+        """Every attention's latent and RoPE caches of one cache slot (the MTP layer's too, when loaded): [max_len, C],
+        [max_len, R]. Slot 0 is the one sequence's; a batch decodes in the slots after it."""
+        return {n: b[slot] for n, b in self.named_buffers() if n.endswith((".kv_cache", ".pe_cache"))}
 
     def replayed(self, pos: int) -> None:
         """A captured step at pos was replayed: nothing to move (the latent cache is written by position)."""
@@ -158,10 +159,12 @@ class Transformer(nn.Module):
 
     def positions(self, t: int, start_pos: int | DevicePosition) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""
-        if isinstance(start_pos, DevicePosition):  # one token; the span's rows past it are masked out
-            rows = torch.arange(start_pos.span, device=self.freqs_cis.device)
-            mask = torch.zeros(1, start_pos.span, device=rows.device).masked_fill_(rows > start_pos.pos, float("-inf"))
-            return self.freqs_cis.index_select(0, start_pos.pos), mask
+        if isinstance(start_pos, DevicePosition):  # a token per sequence; the span's rows past it are masked out
+            pos, span = start_pos.pos, start_pos.span  # pos: [B]
+            rows = torch.arange(span, device=self.freqs_cis.device)
+            mask = torch.zeros(len(pos), 1, span, device=rows.device)
+            mask.masked_fill_(rows > pos[:, None, None], float("-inf"))  # [B, 1, S]
+            return self.freqs_cis.index_select(0, pos).unsqueeze(1), mask  # [B, 1, R/2], [B, 1, S]
         return self.freqs_cis[start_pos : start_pos + t], self.causal_mask(t, start_pos, self.freqs_cis.device)
 
     def forward(

@@ -140,8 +140,9 @@ class TransformerV4(nn.Module):
         advanced and the others not)."""
         return keep if self.pos - 1 <= keep <= self.pos else 0
 
-    def positional_caches(self) -> None:
-        """None: the compressed caches and the window ring hold a running state, not rows by position."""
+    def positional_caches(self, slot: int = 0) -> None:
+        """None: the compressed caches and the window ring hold a running state, not rows by position (so no batch
+        decodes in slots of its own)."""
         return None
 
     def replayed(self, pos: int) -> None:

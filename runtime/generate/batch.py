@@ -1,0 +1,175 @@
+"""Batched decoding: up to max_batch sequences decode in one step (Engine.batch; `run --batch` and the server drive it).
+
+For an offloading engine this is the big lever: a step brings each expert record in once for every sequence that
+routes to it, and reads the backbone once for all of them. A sequence joins between steps: its prompt is prefilled
+alone in cache slot 0 (the single sequence's slot, with its prompt reuse and prompt cache), its KV rows are copied to
+the next free batch slot (1..max_batch), and from then on it decodes in the batch, each sequence at its own position,
+with its own sampling, stop strings and cancel event. A sequence that ends leaves at once; the last sequence moves
+into its slot, so the batch's slots stay contiguous and attention takes them as one [B, S] block. Batched steps run
+eagerly (CUDA graphs capture the one-sequence step). Greedy tokens are those of decoding each sequence alone, up to
+float rounding (tests/runtime/test_batch.py). Legend: B sequences in the step, V vocab.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+
+from dsfp4.runtime.generate.generation import Delta, Generation
+from dsfp4.runtime.generate.sampling import SamplingParams, sample
+from dsfp4.runtime.generate.stats import GenerationStats
+from dsfp4.runtime.generate.steps import TextSteps
+from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+from dsfp4.runtime.models.position import DevicePosition
+from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.models.trace_routing import TraceRouting
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.counters import counters_since
+
+# prefill a prompt alone in slot 0, filling its stats' prompt counts -> its logits after the last token [V]
+Prefill = Callable[[list[int], threading.Event | None, GenerationStats], torch.Tensor]
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """One sequence of a batch: its prompt, sampling and text state; `deltas` it made since the caller last took them,
+    `generation` once it has ended."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    gen: torch.Generator | None
+    steps: TextSteps
+    cancel: threading.Event | None
+    store_before: dict[str, float]  # the expert store's counters when it joined (a batch's shared counters)
+    pos: int = 0  # tokens its cache slot holds
+    token: int = 0  # the token it feeds at the next step
+    steps_taken: int = 0  # decode steps it was in, and the sequences in them, summed (for the mean batch size)
+    batch_sum: int = 0
+    deltas: list[Delta] = field(default_factory=list)
+    generation: Generation | None = None
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.steps.stats
+
+
+class BatchRun:
+    """The sequences decoding together in cache slots 1..max_batch of `model`. `prefill` fills slot 0 with a prompt
+    (the engine's, with its prompt reuse and prompt cache); `finished` completes a sequence's stats with the
+    engine's; `claim` holds the engine while the batch uses it."""
+
+    def __init__(
+        self,
+        model: Model,
+        max_batch: int,
+        max_context: int,
+        tokenizer: ChatTokenizer,
+        claim: Callable[[], AbstractContextManager],
+        prefill: Prefill,
+        finished: Callable[[GenerationStats], None],
+        routing: TraceRouting | None,
+    ):
+        self.model, self.max_batch, self.max_context, self.tokenizer = model, max_batch, max_context, tokenizer
+        self.claim, self.prefill, self.finished, self.routing = claim, prefill, finished, routing
+        self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]  # each name -> [max_len, ...]
+        self.rows: list[BatchSequence] = []  # row i decodes in slot i + 1
+
+    @property
+    def free(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    @torch.inference_mode()
+    def add(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None = None) -> BatchSequence:
+        """Prefill a prompt (checked by the caller: Engine.check_prompt) and take its first token; it decodes in the
+        batch from the next step, unless that token ended it. Needs a free slot. Cancelled (the cancel event set
+        during the prefill) leaves nothing in the batch."""
+        assert self.free > 0, "BatchRun.add: every slot is taken"
+        n, sampling = len(prompt_ids), options.sampling()
+        budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
+        stats = GenerationStats(prompt_tokens=n)
+        steps = TextSteps(self.tokenizer, options.stop, budget, stats, time.perf_counter())
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        store = self.model.experts.counters
+        seq = BatchSequence(list(prompt_ids), sampling, gen, steps, cancel, store.snapshot())
+        with self.claim():
+            logits = self.prefill(seq.prompt_ids, cancel, stats)
+            seq.pos = n
+            slot = self.slots[len(self.rows) + 1]
+            for name, rows in self.slots[0].items():
+                slot[name][:n].copy_(rows[:n])
+            self.rows.append(seq)
+            self._take(seq, sample(logits, sampling, gen))
+            self._drop_finished()
+        return seq
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One decode step of every sequence in the batch: each feeds its token and takes the next."""
+        if self.rows:
+            with self.claim():
+                self._step()
+
+    def _step(self) -> None:
+        b, device = len(self.rows), self.model.device
+        tokens = torch.tensor([[s.token] for s in self.rows], device=device)  # [B, 1]
+        pos = torch.tensor([s.pos for s in self.rows], device=device)  # [B]
+        span = max(s.pos for s in self.rows) + 1
+        if self.routing is not None:
+            self.routing.begin(b)  # B trace tokens: each sequence's token routes as a token of the trace
+        logits, _ = self.model(tokens, DevicePosition(pos, span, slot=1), last_only=True)
+        logits = logits[:, -1]  # [B, V]
+        greedy = [s.sampling.greedy for s in self.rows]
+        best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
+        for i, seq in enumerate(self.rows):
+            seq.pos += 1
+            seq.steps_taken += 1
+            seq.batch_sum += b
+            self._take(seq, best[i] if greedy[i] else sample(logits[i], seq.sampling, seq.gen))
+        self._drop_finished()
+
+    def cancel_all(self) -> None:
+        """End every sequence now (finish reason "cancelled")."""
+        for seq in self.rows:
+            seq.steps.finish = "cancelled"
+        self._drop_finished()
+
+    def _take(self, seq: BatchSequence, token: int) -> None:
+        if seq.cancel is not None and seq.cancel.is_set():
+            seq.steps.finish = "cancelled"
+            return
+        seq.token = token
+        if (delta := seq.steps.add(token)) is not None:
+            seq.deltas.append(delta)
+
+    def _drop_finished(self) -> None:
+        """Sequences that ended leave their slots; the last row moves into each freed one."""
+        i = 0
+        while i < len(self.rows):
+            seq = self.rows[i]
+            if seq.steps.finish is None:
+                i += 1
+                continue
+            last = self.rows.pop()
+            if last is not seq:
+                dst, src = self.slots[i + 1], self.slots[len(self.rows) + 1]
+                for name, rows in src.items():
+                    dst[name][: last.pos].copy_(rows[: last.pos])
+                self.rows[i] = last
+            self._end(seq)
+
+    def _end(self, seq: BatchSequence) -> None:
+        steps = seq.steps
+        if (last := steps.end()) is not None:
+            seq.deltas.append(last)
+        stats = steps.stats
+        stats.decode_s = time.perf_counter() - steps.start - stats.prefill_s
+        mean = seq.batch_sum / seq.steps_taken if seq.steps_taken else 1.0
+        stats.decode_mode = f"eager batch (mean {mean:.1f} sequences a step; CUDA graphs capture single steps)"
+        stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)  # the batch's, shared
+        self.finished(stats)
+        seq.generation = Generation(seq.prompt_ids, steps.tokens, steps.text, steps.finish, stats)

@@ -1,0 +1,119 @@
+"""Batched decoding (runtime/generate/batch.py): each sequence's greedy tokens equal decoding it alone, whatever else
+is in the batch and whenever it joined; per-sequence budgets, stop strings and cancellation; the plan's caches for
+the batch; refusals. On the GPU the same comparison runs the Triton kernels (-m gpu)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dsfp4 import Engine
+from dsfp4.errors import ConfigError
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.models.load import plan_engine
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.planner import auto_batch, cache_slots, sequence_cache_bytes
+
+# prompts of different lengths, so that the batch's sequences sit at different positions; one more than the batch
+# holds, so that the last joins when a slot frees
+PROMPTS = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8] * 13, [2, 7, 1, 8, 2, 8]]
+TOKENS = [6, 9, 4, 7]
+
+
+def _alone(engine: Engine, ids: list[int], max_tokens: int) -> list[int]:
+    engine.reset()
+    return engine.generate(ids, max_tokens=max_tokens, temperature=0).token_ids
+
+
+def _batched(engine: Engine, tokens: list[int] = TOKENS) -> dict[int, list[int]]:
+    requests = [(ids, engine.options_for(max_tokens=n, temperature=0)) for ids, n in zip(PROMPTS, tokens, strict=True)]
+    return {i: g.token_ids for i, g in engine.generate_batch(requests)}
+
+
+def _check_batch_matches_alone(converted, device: str, dtype: str) -> None:
+    with Engine(converted, device=device, dtype=dtype, max_context=64, max_batch=3, cuda_graph=False) as engine:
+        assert engine.plan.max_batch == 3
+        alone = [_alone(engine, ids, n) for ids, n in zip(PROMPTS, TOKENS, strict=True)]
+        got = _batched(engine)
+        assert [got[i] for i in range(len(PROMPTS))] == alone
+        assert engine.generate(PROMPTS[1], max_tokens=5, temperature=0).token_ids == alone[1][:5]  # slot 0 unharmed
+
+
+def test_batched_greedy_tokens_equal_each_sequence_alone(converted):
+    _check_batch_matches_alone(converted, "cpu", "fp32")
+
+
+@pytest.mark.gpu
+def test_batched_greedy_tokens_equal_each_sequence_alone_on_cuda(converted):
+    _check_batch_matches_alone(converted, "cuda", "fp32")
+
+
+def test_each_sequence_keeps_its_own_budget_stop_strings_and_cancel(converted):
+    with Engine(converted, device="cpu", max_context=64, max_batch=2) as engine:
+        alone = engine.generate(PROMPTS[0], max_tokens=12, temperature=0)
+        stop = alone.text[3:5] if len(alone.text) >= 5 else None
+        run = engine.batch()
+        cancel = threading.Event()
+        a = run.add(PROMPTS[0], engine.options_for(max_tokens=12, temperature=0, stop=stop))
+        b = run.add(PROMPTS[1], engine.options_for(max_tokens=30, temperature=0.8, seed=1), cancel)
+        assert run.free == 0
+        for step in range(40):
+            if step == 4:
+                cancel.set()
+            run.step()
+        assert run.rows == []
+        assert b.generation.finish_reason == "cancelled" and len(b.generation.token_ids) <= 6
+        ga = a.generation
+        if stop is not None:
+            assert ga.finish_reason == "stop" and stop not in ga.text and alone.text.startswith(ga.text)
+        assert "".join(d.text for d in a.deltas) == ga.text
+        assert ga.stats.generated_tokens >= 1 and "batch" in ga.stats.decode_mode
+
+
+def test_sampled_sequences_follow_their_seed_whatever_the_batch(converted):
+    with Engine(converted, device="cpu", max_context=64, max_batch=3) as engine:
+        opts = engine.options_for(max_tokens=8, temperature=0.9, seed=7)
+        one = dict(engine.generate_batch([(PROMPTS[2], opts)]))[0].token_ids
+        mixed = dict(engine.generate_batch([(PROMPTS[0], opts), (PROMPTS[2], opts), (PROMPTS[1], opts)]))
+        assert mixed[1].token_ids == one
+
+
+def test_the_plan_holds_a_cache_slot_per_batched_sequence(converted):
+    a = Manifest.open(converted).args
+    one = plan_engine(converted, RunOptions(device="cpu", max_context=64))
+    four = plan_engine(converted, RunOptions(device="cpu", max_context=64, max_batch=4))
+    per = sequence_cache_bytes(a, range(a.n_layers), 64, 4)
+    assert cache_slots(1) == 1 and cache_slots(4) == 5
+    assert four.kv_cache - one.kv_cache == 4 * per and four.max_batch == 4
+    assert "4 batched sequences" in four.table()
+    # --max-batch 0: the mode's, as far as an eighth of the device budget holds the caches
+    per_v3 = sequence_cache_bytes(a, range(a.n_blocks), 4096, 2)
+    assert auto_batch(a, 64 * per_v3, 4096, 2, 8) == 8 and auto_batch(a, 24 * per_v3, 4096, 2, 8) == 3
+    assert auto_batch(a, per_v3, 4096, 2, 8) == 1
+    auto = plan_engine(converted, RunOptions(device="cpu", max_context=64, max_batch=0, mode="latency"))
+    assert auto.max_batch == 1
+
+
+def test_batching_is_refused_where_it_cannot_work(converted, v4_converted):
+    with pytest.raises(ConfigError, match="--max-batch 17: give 1 to 16"):
+        RunOptions(max_batch=17)
+    with pytest.raises(ConfigError, match="--max-batch with --mtp"):
+        Engine(converted, device="cpu", max_batch=2, mtp=True)
+    with pytest.raises(ConfigError, match="DeepSeek-V4.*--max-batch 1"):
+        plan_engine(v4_converted, RunOptions(device="cpu", max_context=64, max_batch=2))
+    assert plan_engine(v4_converted, RunOptions(device="cpu", max_context=64, max_batch=0)).max_batch == 1
+    with Engine(converted, device="cpu", max_context=64) as engine, pytest.raises(ConfigError, match="max_batch >= 2"):
+        engine.batch()
+
+
+def test_a_batch_restores_from_the_prompt_cache_and_the_tokens_stay(converted, tmp_path):
+    long = [(i * 7) % 50 + 1 for i in range(40)]
+    opts = {"device": "cpu", "max_context": 64, "max_batch": 2, "prompt_cache": tmp_path / "pc"}
+    with Engine(converted, **opts) as engine:
+        first = dict(engine.generate_batch([(long, engine.options_for(max_tokens=5, temperature=0))]))[0]
+    with Engine(converted, **opts) as engine:
+        again = dict(engine.generate_batch([(long, engine.options_for(max_tokens=5, temperature=0))]))[0]
+    assert again.stats.restored_tokens > 0 and again.token_ids == first.token_ids
+    assert torch.is_tensor(torch.tensor(again.token_ids))

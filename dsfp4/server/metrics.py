@@ -39,7 +39,6 @@ class Metrics:
     def render(self, queue_depth: int, running: int, slots: int, store: dict[str, float]) -> str:
         """The text a Prometheus scraper reads: `running` generations of `slots` at once, `store` the expert store's
         counters since the engine opened (a batch's generations share its steps, so theirs would not add up)."""
-        occupancy = running / slots
         with self._lock:
             uses = store.get("expert_uses", 0)
             rows = [

@@ -308,6 +308,8 @@ class Engine:
     def generate_batch(self, requests: Sequence[tuple[list[int], RunOptions]]) -> Iterator[tuple[int, Generation]]:
         """Generate after each (prompt ids, options) in batches of up to max_batch, a new one joining as soon as a
         slot frees -> (its index, its Generation), as each ends (not in order)."""
+        for ids, _ in requests:
+            self.check_prompt(ids)
         run, waiting, running = self.batch(), deque(enumerate(requests)), {}
         while waiting or running:
             while waiting and run.free:

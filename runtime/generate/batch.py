@@ -48,6 +48,7 @@ class BatchSequence:
     store_before: dict[str, float]  # the expert store's counters when it joined (a batch's shared counters)
     pos: int = 0  # tokens its cache slot holds
     token: int = 0  # the token it feeds at the next step
+    trace_at: int = 0  # under a routing trace: the first row of its stretch (TraceRouting.reserve)
     steps_taken: int = 0  # decode steps it was in, and the sequences in them, summed (for the mean batch size)
     batch_sum: int = 0
     deltas: list[Delta] = field(default_factory=list)
@@ -99,6 +100,8 @@ class BatchRun:
         with self.claim():
             logits = self.prefill(seq.prompt_ids, cancel, stats)
             seq.pos = n
+            if self.routing is not None:  # its decode routes through a stretch of the trace of its own
+                seq.trace_at = self.routing.reserve(budget)
             slot = self.slots[len(self.rows) + 1]
             for name, rows in self.slots[0].items():
                 slot[name][:n].copy_(rows[:n])
@@ -119,8 +122,8 @@ class BatchRun:
         tokens = torch.tensor([[s.token] for s in self.rows], device=device)  # [B, 1]
         pos = torch.tensor([s.pos for s in self.rows], device=device)  # [B]
         span = max(s.pos for s in self.rows) + 1
-        if self.routing is not None:
-            self.routing.begin(b)  # B trace tokens: each sequence's token routes as a token of the trace
+        if self.routing is not None:  # each sequence's token takes the next row of its stretch
+            self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
         logits, _ = self.model(tokens, DevicePosition(pos, span, slot=1), last_only=True)
         logits = logits[:, -1]  # [B, V]
         greedy = [s.sampling.greedy for s in self.rows]

@@ -3,7 +3,8 @@ instead of its router's choice, so the expert store, prefetch, kernels and CUDA 
 any model (a random bench model's router routes nothing like a trained DeepSeek).
 
 - Tokens: every forward pass of T tokens takes the trace's next T rows; the trace wraps around at its end. A pass
-  the caller discards (a decode step launched ahead for a token it stopped at) has used its rows too.
+  the caller discards (a decode step launched ahead for a token it stopped at) has used its rows too. In a batch
+  (runtime/generate/batch.py) each sequence decodes through a stretch of rows of its own (`reserve`).
 - Layers: the model's MoE layer j of M takes the trace's layer floor(j * L / M) of L: spread over the trace, its
   first layer first (M = L maps one to one).
 - Weights: the trace's (.npz, after route_scale), else route_scale / K each, what renormalised top-K routing
@@ -98,9 +99,27 @@ class TraceRouting:
 
     def begin(self, t: int) -> None:
         """The next t tokens' rows into the device buffers, before a pass of t tokens runs."""
+        rows = (self.cursor + np.arange(t)) % len(self.ids)  # [T]
+        self.cursor = (self.cursor + t) % len(self.ids)
+        self._load(rows)
+
+    def reserve(self, n: int) -> int:
+        """A batched sequence's own stretch of n rows, from the cursor on (later passes and sequences take the rows
+        after it) -> its first row. Each sequence of a batch then routes like a stretch of the trace, as a real
+        sequence's tokens route like each other, and unlike the others' stretches."""
+        first = self.cursor
+        self.cursor = (self.cursor + n) % len(self.ids)
+        return first
+
+    def begin_rows(self, rows: list[int]) -> None:
+        """A batch step: token b of the pass takes trace row rows[b] (its sequence's next, reserve)."""
+        self._load(np.asarray(rows, dtype=np.int64) % len(self.ids))
+
+    def _load(self, rows: np.ndarray) -> None:
+        """Trace rows [T] into the device buffers, before a pass of T tokens runs."""
+        t = len(rows)
         if t > self.ids_now.shape[1]:
             raise ConfigError(f"a pass of {t} tokens under a routing trace: at most {self.ids_now.shape[1]}")
-        rows = (self.cursor + np.arange(t)) % len(self.ids)  # [T]
         ids, weights = self.ids[rows].swapaxes(0, 1), self.weights[rows].swapaxes(0, 1)  # [M, T, K]
         slot = self.passes % STAGING
         if self._copied[slot] is not None:
@@ -108,14 +127,14 @@ class TraceRouting:
         ids_h, weights_h, guess_h = self._staging[slot]
         ids_h[:, :t] = torch.from_numpy(np.ascontiguousarray(ids))
         weights_h[:, :t] = torch.from_numpy(np.ascontiguousarray(weights))
-        rng = np.random.default_rng([self.seed, self.cursor])
+        rng = np.random.default_rng([self.seed, int(rows[0])])
         guess_h[:-1, :t] = torch.from_numpy(guesses(ids[1:], self.recall, self.n_experts, rng))
         for now, host in ((self.ids_now, ids_h), (self.weights_now, weights_h), (self.guess_now, guess_h)):
             now[:, :t].copy_(host[:, :t], non_blocking=True)  # in stream order: after the step that read them
         if self.ids_now.is_cuda:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
-        self.cursor, self.passes = (self.cursor + t) % len(self.ids), self.passes + 1
+        self.passes += 1
 
     def route(self, layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K], ids [T, K]) of `layer` for the pass begun."""

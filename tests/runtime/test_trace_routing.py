@@ -51,6 +51,9 @@ def test_trace_layers_spread_over_the_model_and_bad_traces_are_refused(tmp_path)
     assert got.tolist() == ids[:3, 2].tolist() and torch.allclose(w, torch.full((3, 2), 1.25))
     r.begin(9)  # wraps around the trace's end
     assert r.route(1, 1)[1].tolist() == ids[3:4, 0].tolist() and r.cursor == 2
+    assert r.reserve(4) == 2 and r.cursor == 6  # a batched sequence's own stretch: rows 2..5
+    r.begin_rows([2, 7, 13])  # each sequence its row; 13 wraps to 3
+    assert r.route(3, 3)[1].tolist() == ids[[2, 7, 3], 4].tolist() and r.cursor == 6
     with pytest.raises(ConfigError, match="expert id 7, the model has 4"):
         TraceRouting(tmp_path / "t.npy", [1], 4, 2, 1.0, torch.device("cpu"), 4)
     with pytest.raises(ConfigError, match="2 experts per token, the model routes 3"):

@@ -303,6 +303,7 @@ class Engine:
             self._prefill_alone,
             self._finish_stats,
             self.routing,
+            self.decoder.graphs,
         )
 
     def generate_batch(self, requests: Sequence[tuple[list[int], RunOptions]]) -> Iterator[tuple[int, Generation]]:

@@ -5,9 +5,10 @@ routes to it, and reads the backbone once for all of them. A sequence joins betw
 alone in cache slot 0 (the single sequence's slot, with its prompt reuse and prompt cache), its KV rows are copied to
 the next free batch slot (1..max_batch), and from then on it decodes in the batch, each sequence at its own position,
 with its own sampling, stop strings and cancel event. A sequence that ends leaves at once; the last sequence moves
-into its slot, so the batch's slots stay contiguous and attention takes them as one [B, S] block. Batched steps run
-eagerly (CUDA graphs capture the one-sequence step). Greedy tokens are those of decoding each sequence alone, up to
-float rounding (tests/runtime/test_batch.py). Legend: B sequences in the step, V vocab.
+into its slot, so the batch's slots stay contiguous and attention takes them as one [B, S] block. A step replays a
+CUDA graph of its batch size where one captures (runtime/generate/decode_graph.py), else runs eagerly. Greedy tokens
+are those of decoding each sequence alone, up to float rounding (tests/runtime/test_batch.py). Legend: B sequences
+in the step, V vocab.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsfp4.runtime.generate.decode_graph import BATCH_SLOT, DecodeGraphs
 from dsfp4.runtime.generate.generation import Delta, Generation
 from dsfp4.runtime.generate.sampling import SamplingParams, sample
 from dsfp4.runtime.generate.stats import GenerationStats
@@ -74,11 +76,13 @@ class BatchRun:
         prefill: Prefill,
         finished: Callable[[GenerationStats], None],
         routing: TraceRouting | None,
+        graphs: DecodeGraphs | None,
     ):
         self.model, self.max_batch, self.max_context, self.tokenizer = model, max_batch, max_context, tokenizer
         self.claim, self.prefill, self.finished, self.routing = claim, prefill, finished, routing
         self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]  # each name -> [max_len, ...]
-        self.rows: list[BatchSequence] = []  # row i decodes in slot i + 1
+        self.rows: list[BatchSequence] = []  # row i decodes in slot BATCH_SLOT + i
+        self.graphs, self.why_eager = graphs, None  # why the last step ran eagerly (None: it replayed a graph)
 
     @property
     def free(self) -> int:
@@ -102,7 +106,7 @@ class BatchRun:
             seq.pos = n
             if self.routing is not None:  # its decode routes through a stretch of the trace of its own
                 seq.trace_at = self.routing.reserve(budget)
-            slot = self.slots[len(self.rows) + 1]
+            slot = self.slots[BATCH_SLOT + len(self.rows)]
             for name, rows in self.slots[0].items():
                 slot[name][:n].copy_(rows[:n])
             self.rows.append(seq)
@@ -119,13 +123,16 @@ class BatchRun:
 
     def _step(self) -> None:
         b, device = len(self.rows), self.model.device
-        tokens = torch.tensor([[s.token] for s in self.rows], device=device)  # [B, 1]
-        pos = torch.tensor([s.pos for s in self.rows], device=device)  # [B]
-        span = max(s.pos for s in self.rows) + 1
+        tokens, positions = [s.token for s in self.rows], [s.pos for s in self.rows]
         if self.routing is not None:  # each sequence's token takes the next row of its stretch
             self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
-        logits, _ = self.model(tokens, DevicePosition(pos, span, slot=1), last_only=True)
-        logits = logits[:, -1]  # [B, V]
+        self.why_eager = "--no-cuda-graph" if self.graphs is None else self.graphs.why_eager_batch(b)
+        if self.why_eager is None:
+            logits = self.graphs.batch_step(tokens, positions)  # [B, V]
+        else:
+            pos = torch.tensor(positions, device=device)  # [B]
+            where = DevicePosition(pos, max(positions) + 1, slot=BATCH_SLOT)
+            logits = self.model(torch.tensor(tokens, device=device).view(b, 1), where, last_only=True)[0][:, -1]
         greedy = [s.sampling.greedy for s in self.rows]
         best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
         for i, seq in enumerate(self.rows):
@@ -159,7 +166,7 @@ class BatchRun:
                 continue
             last = self.rows.pop()
             if last is not seq:
-                dst, src = self.slots[i + 1], self.slots[len(self.rows) + 1]
+                dst, src = self.slots[BATCH_SLOT + i], self.slots[BATCH_SLOT + len(self.rows)]
                 for name, rows in src.items():
                     dst[name][: last.pos].copy_(rows[: last.pos])
                 self.rows[i] = last
@@ -172,7 +179,8 @@ class BatchRun:
         stats = steps.stats
         stats.decode_s = time.perf_counter() - steps.start - stats.prefill_s
         mean = seq.batch_sum / seq.steps_taken if seq.steps_taken else 1.0
-        stats.decode_mode = f"eager batch (mean {mean:.1f} sequences a step; CUDA graphs capture single steps)"
+        how = "CUDA graphs" if self.why_eager is None else f"eager: {self.why_eager}"
+        stats.decode_mode = f"batch of {mean:.1f} sequences a step on average, {how}"
         stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)  # the batch's, shared
         self.finished(stats)
         seq.generation = Generation(seq.prompt_ids, steps.tokens, steps.text, steps.finish, stats)

@@ -12,6 +12,10 @@ entries, its window ring being fixed); spans are powers of two (at least MIN_SPA
 one step each, all captured when the engine starts, in one memory pool. What a replay skips on the host
 is done after it: the experts' use counts (when nothing streams), V4's cache position. When a step cannot
 be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
+
+A batch's step (B sequences in cache slots BATCH_SLOT.., each at its own position) is captured per batch size and
+span on its first use, in the same pool; it replays as long as the store can hold the B K experts it may need at
+once (`why_eager_batch`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
 
 MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
+BATCH_SLOT = 1  # a batch's first cache slot (runtime/generate/batch.py); the single sequence's is 0
 
 
 @functools.lru_cache
@@ -44,8 +49,8 @@ class CapturedStep:
     the last), and the last piece's outputs."""
 
     pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]]
-    logits: torch.Tensor  # [1, 1, V]
-    hidden: torch.Tensor  # [1, 1, D]
+    logits: torch.Tensor  # [B, 1, V]
+    hidden: torch.Tensor  # [B, 1, D]
 
 
 class DecodeGraphs:
@@ -59,13 +64,13 @@ class DecodeGraphs:
     ):
         """routing: a routing trace the MoE layers take their experts from; each replay begins its next row."""
         self.model, self.max_context, self.device, self.routing = model, max_context, device, routing
-        self.graphs: dict[int, CapturedStep] = {}
+        self.graphs: dict[tuple[int, int, int], CapturedStep] = {}  # (B, first slot, span) -> the step
         store = model.experts
         self.streamed = store.layout is not None and not store.visible  # loads between pieces
         self.why_eager = self._why_not(recording)
+        self.inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (B, slot) -> token [B, 1], pos [B]
         if self.why_eager is None:
-            self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
-            self.pos = torch.zeros(1, dtype=torch.long, device=device)
+            self.token, self.pos = self._inputs(1, 0)
             self.pool = torch.cuda.graph_pool_handle()
         self.moe = [b.ffn for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
         self.moe_layers = [m.layer for m in self.moe]
@@ -84,6 +89,33 @@ class DecodeGraphs:
         if self.streamed and store.plan.gpu_slots < k:
             return f"experts are streamed through {store.plan.gpu_slots} device slots, fewer than a token's {k}"
         return None
+
+    def _inputs(self, b: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device tensors a step of b sequences from cache slot `slot` reads: tokens [B, 1], positions [B]."""
+        if (b, slot) not in self.inputs:
+            z = functools.partial(torch.zeros, dtype=torch.long, device=self.device)
+            self.inputs[b, slot] = (z(b, 1), z(b))
+        return self.inputs[b, slot]
+
+    def why_eager_batch(self, b: int) -> str | None:
+        """Why a batch of b sequences steps eagerly (None: its steps replay)."""
+        k, slots = self.model.args.n_activated_experts, self.model.experts.plan.gpu_slots
+        if self.why_eager is None and self.streamed and slots < b * k:
+            return f"a batch of {b} may need {b * k} experts at once, more than the {slots} device slots"
+        return self.why_eager
+
+    def batch_step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One step of a batch (runtime/generate/batch.py) by replay: sequence i's token at positions[i] in cache slot
+        BATCH_SLOT + i -> logits [B, V] (the caller began its routing trace rows). Its first step of a batch size
+        and span captures the step (an untimed run and the capture, then the replay)."""
+        b = len(tokens)
+        token, pos = self._inputs(b, BATCH_SLOT)
+        token.copy_(torch.tensor(tokens).view(b, 1))
+        pos.copy_(torch.tensor(positions))
+        key = (b, BATCH_SLOT, self.span(max(positions)))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key, begin=False)
+        return self._run(self.graphs[key], b)[0][:, -1].clone()
 
     def span(self, pos: int) -> int:
         """The attention span of a step at `pos`: the smallest power of two above it, within the context."""
@@ -130,10 +162,16 @@ class DecodeGraphs:
     def _replay(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the step of the token in self.token at pos -> the graph's own outputs (logits [1, 1, V],
         hidden [1, 1, D]), valid until the next replay. Streamed experts load between the pieces."""
-        step = self.graphs[self.span(pos)]  # all captured by capture_all
+        step = self.graphs[1, 0, self.span(pos)]  # all captured by capture_all
         self.pos.fill_(pos)
         if self.routing is not None:
             self.routing.begin(1)
+        logits, hidden = self._run(step, 1)
+        self.model.replayed(pos)  # V4's caches now end after pos (a step the caller discards: reusable knows)
+        return logits, hidden
+
+    def _run(self, step: CapturedStep, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay a captured step of b sequences, streamed experts loaded between its pieces -> its own outputs."""
         waves = None
         for graph, load in step.pieces:
             graph.replay()
@@ -141,8 +179,7 @@ class DecodeGraphs:
                 next(waves, None)  # the wave's slots may be refilled after the piece that computed with them
             waves = None if load is None else self._bring(load)
         if not self.streamed:  # the loads count what streams; here Python skipped the counting
-            self.model.experts.count_resident(self.moe_layers, self.model.args.n_activated_experts)
-        self.model.replayed(pos)  # V4's caches now end after pos (a step the caller discards: reusable knows)
+            self.model.experts.count_resident(self.moe_layers, b * self.model.args.n_activated_experts)
         return step.logits, step.hidden
 
     def _bring(self, load: LayerLoad) -> Iterator[list[int]]:
@@ -165,16 +202,19 @@ class DecodeGraphs:
         pos = 0
         while pos < self.max_context:  # each span covers the positions below it
             span = self.span(pos)
-            if span not in self.graphs:
-                self.graphs[span] = self._capture(span)
+            if (1, 0, span) not in self.graphs:
+                self.graphs[1, 0, span] = self._capture((1, 0, span))
             pos = span
 
-    def _capture(self, span: int) -> CapturedStep:
-        """Run the step once eagerly (it writes the same cache row the replay will), then capture it: every
-        kernel is compiled by then, so nothing is tuned or built during capture. The eager run stays on the
-        current stream. Streamed experts: the capture is cut before each MoE layer's expert kernel (MoE.cut),
-        with nothing in flight and the offsets table up to date, so the pieces read it in place."""
-        where, store = DevicePosition(self.pos, span), self.model.experts
+    def _capture(self, key: tuple[int, int, int], begin: bool = True) -> CapturedStep:
+        """Run the step of key (B, first slot, span) once eagerly (it writes the same cache rows the replay will),
+        then capture it: every kernel is compiled by then, so nothing is tuned or built during capture. The eager run
+        stays on the current stream. Streamed experts: the capture is cut before each MoE layer's expert kernel
+        (MoE.cut), with nothing in flight and the offsets table up to date, so the pieces read it in place. `begin`:
+        the capture begins a routing trace row (False: the caller began the batch's rows)."""
+        b, slot, span = key
+        token, pos = self._inputs(b, slot)
+        where, store = DevicePosition(pos, span, slot), self.model.experts
         pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]] = []
 
         def begin() -> torch.cuda.CUDAGraph:
@@ -190,9 +230,9 @@ class DecodeGraphs:
             return store.offsets(load.layer)
 
         with store.uncounted():  # neither run is a token of a generation
-            if self.routing is not None:
+            if self.routing is not None and begin:
                 self.routing.begin(1)
-            self.model(self.token, where, last_only=True)
+            self.model(token, where, last_only=True)
             if self.streamed:
                 store.sync()
                 store.offsets(0)
@@ -204,7 +244,7 @@ class DecodeGraphs:
                 for m in self.moe if self.streamed else ():
                     m.cut = cut
                 try:
-                    logits, hidden = self.model(self.token, where, last_only=True)
+                    logits, hidden = self.model(token, where, last_only=True)
                 finally:
                     for m in self.moe:
                         m.cut = None

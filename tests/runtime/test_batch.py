@@ -32,12 +32,16 @@ def _batched(engine: Engine, tokens: list[int] = TOKENS) -> dict[int, list[int]]
     return {i: g.token_ids for i, g in engine.generate_batch(requests)}
 
 
-def _check_batch_matches_alone(converted, device: str, dtype: str) -> None:
-    with Engine(converted, device=device, dtype=dtype, max_context=64, max_batch=3, cuda_graph=False) as engine:
+def _check_batch_matches_alone(converted, device: str, dtype: str, graphs: bool = False) -> None:
+    with Engine(converted, device=device, dtype=dtype, max_context=64, max_batch=3, cuda_graph=graphs) as engine:
         assert engine.plan.max_batch == 3
         alone = [_alone(engine, ids, n) for ids, n in zip(PROMPTS, TOKENS, strict=True)]
-        got = _batched(engine)
-        assert [got[i] for i in range(len(PROMPTS))] == alone
+        requests = [
+            (ids, engine.options_for(max_tokens=n, temperature=0)) for ids, n in zip(PROMPTS, TOKENS, strict=True)
+        ]
+        got = dict(engine.generate_batch(requests))
+        assert [got[i].token_ids for i in range(len(PROMPTS))] == alone
+        assert ("eager" not in got[0].stats.decode_mode) == graphs, got[0].stats.decode_mode
         assert engine.generate(PROMPTS[1], max_tokens=5, temperature=0).token_ids == alone[1][:5]  # slot 0 unharmed
 
 
@@ -46,8 +50,10 @@ def test_batched_greedy_tokens_equal_each_sequence_alone(converted):
 
 
 @pytest.mark.gpu
-def test_batched_greedy_tokens_equal_each_sequence_alone_on_cuda(converted):
-    _check_batch_matches_alone(converted, "cuda", "fp32")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_batched_greedy_tokens_equal_each_sequence_alone_on_cuda(converted, graphs):
+    """Eager steps, and steps replayed from graphs captured per batch size and span on their first use."""
+    _check_batch_matches_alone(converted, "cuda", "fp32", graphs)
 
 
 def test_each_sequence_keeps_its_own_budget_stop_strings_and_cancel(converted):

@@ -114,7 +114,7 @@ class Engine:
             if o.cuda_graph:
                 recording = self.recorder is not None
                 self.decoder.graphs = DecodeGraphs(self.model, self.max_context, device, recording, self.routing)
-                self.decoder.graphs.capture_all()  # now, not in the first answer's decode
+                self.decoder.graphs.capture_all(self.plan.max_batch)  # now, not in the first answer's decode
         except BaseException:
             self.close()
             raise

@@ -7,9 +7,9 @@ what the expert store moved per token and the union of experts a layer step need
 
 --share puts MODEL (a bench model of --family) at the whole model's share of that machine's budgets, as `dsfp4 bench
 --project` does; without it MODEL runs under --preset. Every answer runs to --max-tokens (EOS is ignored: a random
-model's would end answers at random lengths). A warm-up batch at the largest size runs first, untimed; then for each
-B, B prompts of --prompt-tokens distinct token ids are prefilled, and the batch's decode steps are timed until every
-sequence has its tokens. The row "1 (graph)" is the single-sequence path (Engine.generate: CUDA graphs).
+model's would end answers at random lengths). For each B a short batch runs first, untimed (it captures the CUDA
+graphs of that size's spans); then B prompts of --prompt-tokens distinct token ids are prefilled, and the batch's
+decode steps are timed until every sequence has its tokens. The row "1 (graph)" is the single-sequence path (Engine.generate: CUDA graphs).
 """
 
 from __future__ import annotations
@@ -123,9 +123,9 @@ def main(
     with Engine(model, options, plan=plan) as engine:
         engine.tokenizer.eos_ids = frozenset()  # every answer runs to max_tokens (see the module's doc)
         click.echo(f"plan: {plan.gpu_slots} device and {plan.ram_slots} RAM slots of {plan.total_records}", err=True)
-        _measure(engine, max(sizes), prompt_tokens, max_tokens // 4, first=100_000)  # warm-up, untimed
         rows.append(_single(engine, prompt_tokens, max_tokens, first=10))
-        for b in sizes:
+        for b in sizes:  # a short untimed batch first: graphs of its size and longer spans are captured there
+            _measure(engine, b, prompt_tokens, max_tokens // 4 + 2, first=100_000 + b)
             rows.append(_measure(engine, b, prompt_tokens, max_tokens, first=10 + 20_000 * b))
         device, mode = str(engine.device), engine.decode_mode
     base = rows[0]["aggregate_tok_s"]

@@ -68,7 +68,8 @@ class DecodeGraphs:
         store = model.experts
         self.streamed = store.layout is not None and not store.visible  # loads between pieces
         self.why_eager = self._why_not(recording)
-        self.inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (B, slot) -> token [B, 1], pos [B]
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (B, slot) -> [2, B]: tokens and positions
+        self.staging: dict[int, torch.Tensor] = {}  # B -> pinned [2, B]: a batch step's tokens and positions
         if self.why_eager is None:
             self.token, self.pos = self._inputs(1, 0)
             self.pool = torch.cuda.graph_pool_handle()
@@ -91,11 +92,13 @@ class DecodeGraphs:
         return None
 
     def _inputs(self, b: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device tensors a step of b sequences from cache slot `slot` reads: tokens [B, 1], positions [B]."""
+        """The device tensors a step of b sequences from cache slot `slot` reads: tokens [B, 1], positions [B] (rows
+        of one [2, B] tensor, which a batch step fills from pinned staging in one copy)."""
         if (b, slot) not in self.inputs:
-            z = functools.partial(torch.zeros, dtype=torch.long, device=self.device)
-            self.inputs[b, slot] = (z(b, 1), z(b))
-        return self.inputs[b, slot]
+            self.inputs[b, slot] = torch.zeros(2, b, dtype=torch.long, device=self.device)
+            self.staging[b] = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
+        both = self.inputs[b, slot]
+        return both[0].view(b, 1), both[1]
 
     def why_eager_batch(self, b: int) -> str | None:
         """Why a batch of b sequences steps eagerly (None: its steps replay)."""
@@ -109,9 +112,10 @@ class DecodeGraphs:
         BATCH_SLOT + i -> logits [B, V] (the caller began its routing trace rows). Its first step of a batch size
         and span captures the step (an untimed run and the capture, then the replay)."""
         b = len(tokens)
-        token, pos = self._inputs(b, BATCH_SLOT)
-        token.copy_(torch.tensor(tokens).view(b, 1))
-        pos.copy_(torch.tensor(positions))
+        self._inputs(b, BATCH_SLOT)
+        host = self.staging[b]  # free again: the last step's logits were read, after its copy
+        host.numpy()[:] = (tokens, positions)
+        self.inputs[b, BATCH_SLOT].copy_(host, non_blocking=True)  # the token and position rows in one copy
         key = (b, BATCH_SLOT, self.span(max(positions)))
         if key not in self.graphs:
             self.graphs[key] = self._capture(key, begin=False)
@@ -192,11 +196,17 @@ class DecodeGraphs:
         store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it
         return waves
 
-    def capture_all(self) -> None:
-        """Capture every span now (at engine start), so that no decode step pays for a capture. Each writes
-        cache row 0, which the first prompt's prefill overwrites."""
+    def capture_all(self, max_batch: int = 1) -> None:
+        """Capture every span now (at engine start), so that no decode step pays for a capture, and with a batch
+        (max_batch > 1) the step of each batch size at the shortest span (a batch's longer spans are captured on
+        first use). Each writes cache row 0 of its slots, which a prompt's prefill or a batch's copy overwrites."""
         if not self.ready:
             return
+        for b in range(1, max_batch + 1) if max_batch > 1 else ():
+            if self.why_eager_batch(b) is None:
+                self._inputs(b, BATCH_SLOT)
+                key = (b, BATCH_SLOT, self.span(0))
+                self.graphs[key] = self._capture(key, begin=False)
         self.token.fill_(0)
         self.pos.fill_(0)
         pos = 0

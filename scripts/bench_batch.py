@@ -9,7 +9,8 @@ what the expert store moved per token and the union of experts a layer step need
 --project` does; without it MODEL runs under --preset. Every answer runs to --max-tokens (EOS is ignored: a random
 model's would end answers at random lengths). For each B a short batch runs first, untimed (it captures the CUDA
 graphs of that size's spans); then B prompts of --prompt-tokens distinct token ids are prefilled, and the batch's
-decode steps are timed until every sequence has its tokens. The row "1 (graph)" is the single-sequence path (Engine.generate: CUDA graphs).
+decode steps are timed until every sequence has its tokens. The row "1 (graph)" is the single-sequence path
+(Engine.generate: CUDA graphs).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def main(
     if share is not None:
         from dsfp4.layout.manifest import Manifest
         from dsfp4.tools.bench_projection import share_plan
-        from dsfp4.tools.full_model import MACHINES, full_plan
+        from dsfp4.tools.projection import MACHINES, full_plan
 
         _, full = full_plan(family, MACHINES[share])
         n, k = full.total_records, Manifest.open(model).args.n_activated_experts

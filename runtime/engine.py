@@ -40,7 +40,7 @@ from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
-from dsfp4.runtime.options import RunOptions, with_knobs
+from dsfp4.runtime.options import SAMPLING, RunOptions, with_knobs
 from dsfp4.runtime.plan.budget import parse_size
 from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
@@ -264,7 +264,8 @@ class Engine:
         take the engine's options: temperature 0 is greedy; `seed` makes sampling reproducible; generation
         ends at an EOS token, at a `stop` string (not part of the text) or after `max_tokens` tokens. Setting
         `cancel` (from any thread) ends it at the next prefill chunk or token, with finish reason "cancelled"."""
-        options = self.options_for(max_tokens, temperature, top_p, top_k, seed, stop)
+        given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        options = self.options_for(**given)
         ids = self.encode(prompt, system, raw, thinking)
         self.check_prompt(ids)
         with self._claim():
@@ -272,18 +273,12 @@ class Engine:
             self._stream = Stream(self._steps(ids, options, cancel), self._claim)
         return self._stream
 
-    def options_for(
-        self,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-    ) -> RunOptions:
-        """The engine's options with a call's sampling arguments (those left at None keep the engine's)."""
-        given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-        return with_knobs(self.options, {k: v for k, v in given.items() if v is not None})
+    def options_for(self, **sampling: Any) -> RunOptions:
+        """The engine's options with a call's sampling arguments (SAMPLING: max_tokens, temperature, top_p, top_k,
+        seed, stop; those left at None keep the engine's)."""
+        if unknown := sorted(set(sampling) - set(SAMPLING)):
+            raise ConfigError(f"unknown sampling argument {', '.join(unknown)}; give {', '.join(SAMPLING)}")
+        return with_knobs(self.options, {k: v for k, v in sampling.items() if v is not None})
 
     def batch(self) -> BatchRun:
         """Sequences decoding together, up to the plan's max_batch (runtime/generate/batch.py): add prompts between

@@ -20,6 +20,7 @@ from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")  # the fields a single call may set
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class RunOptions:
     prompt_cache_size: str = "16G"
     zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
     # sequences decoded in one step (run --batch, serve, Engine.batch): 1 decodes one at a time; 0: the mode's
-    # (modes.MODE_BATCH) as far as the device budget affords their KV caches (planner.auto_batch)
+    # (modes.MODE_BATCH) as far as the device budget affords their KV caches and the tiers a step's experts
+    # (planner.auto_batch, planner.union_batch)
     max_batch: int = 1
 
     def __post_init__(self) -> None:

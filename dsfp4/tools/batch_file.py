@@ -22,9 +22,8 @@ from typing import Any
 from dsfp4.errors import ConfigError
 from dsfp4.layout.atomic import atomic_write_bytes
 from dsfp4.runtime.generate.prompt import ROLES, Prompt
-from dsfp4.runtime.options import RunOptions, with_knobs
+from dsfp4.runtime.options import SAMPLING, RunOptions, with_knobs
 
-SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 KEYS = ("prompt", "messages", "raw", *SAMPLING)
 
 

@@ -23,7 +23,7 @@ from dsfp4.runtime.modes import MODE_BATCH
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import resolve_budgets
 from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
-from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan
+from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
 from dsfp4.runtime.store.expert_store import ExpertStore
 
 
@@ -118,7 +118,10 @@ def plan_run(
             f"--max-batch {batch}: DeepSeek-V4's caches hold a running state, not rows by position, so it decodes one "
             "sequence at a time; give --max-batch 1"
         )
-    return make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=batch)
+    plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=batch)
+    if options.max_batch == 0 and (fit := union_batch(a, plan, batch)) < batch:  # the batch's experts fit the tiers
+        plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=fit)
+    return plan
 
 
 def host_arena_bytes(manifest: Manifest, on_host: HostBackbone, dtype: torch.dtype) -> int:

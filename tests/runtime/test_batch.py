@@ -4,6 +4,7 @@ the batch; refusals. On the GPU the same comparison runs the Triton kernels (-m 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -14,7 +15,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.plan.planner import auto_batch, cache_slots, sequence_cache_bytes
+from dsfp4.runtime.plan.planner import auto_batch, cache_slots, expected_union, sequence_cache_bytes, union_batch
 
 # prompts of different lengths, so that the batch's sequences sit at different positions; one more than the batch
 # holds, so that the last joins when a slot frees
@@ -100,6 +101,18 @@ def test_the_plan_holds_a_cache_slot_per_batched_sequence(converted):
     assert auto_batch(a, per_v3, 4096, 2, 8) == 1
     auto = plan_engine(converted, RunOptions(device="cpu", max_context=64, max_batch=0, mode="latency"))
     assert auto.max_batch == 1
+
+
+def test_the_default_batch_keeps_its_experts_within_the_tiers(converted):
+    """--max-batch 0 caps the batch where its expected union of experts per layer outgrows the device and RAM slots."""
+    assert round(expected_union(256, 8, 8), 1) == 57.4 and round(expected_union(256, 8, 16), 1) == 102.0
+    a = dataclasses.replace(Manifest.open(converted).args, n_routed_experts=256, n_activated_experts=8)
+    plan = plan_engine(converted, RunOptions(device="cpu", max_context=64))
+    share = dataclasses.replace(plan, gpu_slots=8, ram_slots=114, total_records=512, expert_layers=(1, 2))
+    assert union_batch(a, share, 16) == 8  # 61 slots a layer: 8 sequences' 57 experts fit, 9's 64 do not
+    assert union_batch(a, dataclasses.replace(share, ram_slots=504), 16) == 16  # every record held
+    auto = plan_engine(converted, RunOptions(device="cpu", max_context=64, max_batch=0, gpu_mem="1G", cpu_mem="1G"))
+    assert auto.max_batch == union_batch(Manifest.open(converted).args, auto, auto.max_batch)
 
 
 def test_batching_is_refused_where_it_cannot_work(converted, v4_converted):

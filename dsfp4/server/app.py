@@ -139,10 +139,20 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         a, splitter = call.answer, ReasoningSplitter(call.thinking)
         if call.req.chat:
             yield sse(a.chunk(role=True))
-        while isinstance(item := await call.job.out.get(), Delta):
-            reasoning, text = splitter.feed(item.text) if call.req.chat else ("", item.text)
+        out = call.job.out
+        item = await out.get()
+        while isinstance(item, Delta):
+            piece, item = item.text, None
+            while not out.empty():  # deltas that queued while the last chunk went out leave as one chunk
+                if not isinstance(nxt := out.get_nowait(), Delta):
+                    item = nxt
+                    break
+                piece += nxt.text
+            reasoning, text = splitter.feed(piece) if call.req.chat else ("", piece)
             if reasoning or text:
                 yield sse(a.chunk(reasoning, text))
+            if item is None:
+                item = await out.get()
         if isinstance(item, Generation):
             reasoning, text = splitter.flush() if call.req.chat else ("", "")
             yield sse({**a.chunk(reasoning, text, item.finish_reason), "stats": stats(item, call.job.wait_s)})

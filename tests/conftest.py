@@ -54,3 +54,11 @@ def v4_converted(v4_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("v4") / "model"
     convert(v4_checkpoint, out, ConvertOptions(), progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def mxfp4_converted(checkpoints, tmp_path_factory) -> Path:
+    """The fp8 checkpoint converted with MXFP4 experts (the exports' fixture)."""
+    out = tmp_path_factory.mktemp("converted") / "mxfp4"
+    convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4"), progress=False)
+    return out

@@ -104,7 +104,8 @@ def quantization_config(modules: list[Module]) -> dict:
 
 
 def _matrix(module: str, fmt: str, parts: dict[str, Read], shapes: dict[str, tuple[int, ...]]) -> list[OutTensor]:
-    """A stored matrix's tensors under the compressed-tensors names (parts: component -> reader)."""
+    """A stored matrix's tensors under the compressed-tensors names (parts: component -> reader; shapes: component ->
+    shape, and "dtype": the stored weight's)."""
     if fmt == FP8:
         names = {"weight": ("weight", "F8_E4M3"), "scale": ("weight_scale", "F32")}
     elif fmt == "nvfp4":
@@ -147,8 +148,15 @@ def check_fused(manifest: Manifest, read: Callable[[str, str], torch.Tensor]) ->
                 )
 
 
-def backbone_tensors(manifest: Manifest, read: Callable[[str, str], torch.Tensor]) -> Iterator[tuple[str, OutTensor]]:
-    """(backbone file, tensor) for every stored backbone tensor; read(file, stored name) -> the tensor."""
+# a stored matrix under an export's names: (module, stored format, component readers, shapes) -> its tensors
+Matrix = Callable[[str, str, dict[str, Read], dict[str, tuple[int, ...]]], list[OutTensor]]
+
+
+def backbone_tensors(
+    manifest: Manifest, read: Callable[[str, str], torch.Tensor], matrix: Matrix = _matrix
+) -> Iterator[tuple[str, OutTensor]]:
+    """(backbone file, tensor) for every stored backbone tensor, each matrix as `matrix` writes it; read(file, stored
+    name) -> the tensor."""
     a = manifest.args
     for rule, prefix, block, expert, _ in name_map(a).placed(a, True):
         if expert is not None:
@@ -163,7 +171,7 @@ def backbone_tensors(manifest: Manifest, read: Callable[[str, str], torch.Tensor
             yield entry.file, OutTensor(hf, spec.components[0][1], entry.shape, parts["weight"])
             continue
         shapes = dict(zip((c for c, _ in spec.components), component_shapes(spec, entry.shape, ref), strict=True))
-        for t in _matrix(hf, entry.format, parts, {**shapes, "dtype": spec.components[0][1]}):
+        for t in matrix(hf, entry.format, parts, {**shapes, "dtype": spec.components[0][1]}):
             yield entry.file, t
 
 
@@ -198,9 +206,11 @@ def matrices(manifest: Manifest) -> list[Module]:
     return out
 
 
-def expert_tensors(manifest: Manifest, layer: int, record: Callable[[int], dict[str, torch.Tensor]]) -> list[OutTensor]:
-    """The routed experts of one MoE layer; record(e) -> the unpacked parts of expert e's record (gate and up are the
-    first and second half of its w13 rows)."""
+def expert_tensors(
+    manifest: Manifest, layer: int, record: Callable[[int], dict[str, torch.Tensor]], matrix: Matrix = _matrix
+) -> list[OutTensor]:
+    """The routed experts of one MoE layer, each matrix as `matrix` writes it; record(e) -> the unpacked parts of
+    expert e's record (gate and up are the first and second half of its w13 rows)."""
     a, layout = manifest.args, manifest.record
     i = layout.inter_dim
     rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(None)}
@@ -221,7 +231,7 @@ def expert_tensors(manifest: Manifest, layer: int, record: Callable[[int], dict[
         if layout.format == "nvfp4":
             k = {"w1": 0, "w3": 1, "w2": 2}[proj]
             parts["scale_2"] = lambda e=e, k=k: _global(record(e), k, layer, e)
-        out += _matrix(module, layout.format, parts, shapes)
+        out += matrix(module, layout.format, parts, shapes)
     return out
 
 
@@ -230,6 +240,6 @@ def _global(parts: dict[str, torch.Tensor], k: int, layer: int, e: int) -> torch
     if k < 2 and g[0] != g[1]:
         raise FormatError(
             f"layer {layer} expert {e}: gate and up have different NVFP4 global scales ({float(g[0])} and "
-            f"{float(g[1])}); compressed-tensors fuses them under one: convert the model again with this dsfp4"
+            f"{float(g[1])}); engines fuse them under one: convert the model again with this dsfp4"
         )
     return g[k]

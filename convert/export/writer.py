@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from dsfp4.convert.export import compressed_tensors as ct
-from dsfp4.convert.export import gguf
+from dsfp4.convert.export import gguf, modelopt
 from dsfp4.errors import ConfigError, OutputError
 from dsfp4.layout.atomic import LOCK_NAME, atomic_write_bytes, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
@@ -32,7 +32,7 @@ from dsfp4.units import format_bytes
 INDEX = "model.safetensors.index.json"
 PROGRESS = ".dsfp4-export.json"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
-FORMATS = ("compressed-tensors", "gguf")
+FORMATS = ("compressed-tensors", "modelopt", "gguf")
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,11 @@ class Shard:
         return sum(t.nbytes for t in self.tensors)
 
 
-def plan_shards(model_dir: Path, manifest: Manifest) -> list[Shard]:
-    """Every shard of the export, in order, with readers of the model's files (nothing is read yet)."""
+MATRIX = {"compressed-tensors": ct._matrix, "modelopt": modelopt.matrix}  # the safetensors formats' matrix writers
+
+
+def plan_shards(model_dir: Path, manifest: Manifest, fmt: str = "compressed-tensors") -> list[Shard]:
+    """Every shard of the `fmt` export, in order, with readers of the model's files (nothing is read yet)."""
     model_dir = Path(model_dir)
 
     @functools.lru_cache(maxsize=2)
@@ -58,10 +61,11 @@ def plan_shards(model_dir: Path, manifest: Manifest) -> list[Shard]:
 
     ct.check_fused(manifest, read)
     groups: dict[str, list[ct.OutTensor]] = {}
-    for file, t in ct.backbone_tensors(manifest, read):
+    for file, t in ct.backbone_tensors(manifest, read, MATRIX[fmt]):
         groups.setdefault(file, []).append(t)
     for layer in sorted(manifest.experts):
-        groups[f"experts-{layer:03d}"] = ct.expert_tensors(manifest, layer, _records(model_dir, manifest, layer))
+        records = _records(model_dir, manifest, layer)
+        groups[f"experts-{layer:03d}"] = ct.expert_tensors(manifest, layer, records, MATRIX[fmt])
     n = len(groups)
     return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(ts)) for i, ts in enumerate(groups.values())]
 
@@ -82,11 +86,14 @@ def _records(model_dir: Path, manifest: Manifest, layer: int) -> Callable[[int],
     return record
 
 
-def config(model_dir: Path, manifest: Manifest) -> dict:
-    """The model's config.json with the export's quantization_config."""
+def config(model_dir: Path, manifest: Manifest, fmt: str = "compressed-tensors") -> tuple[dict, dict[str, dict]]:
+    """(the model's config.json with the export's quantization_config, the other JSON files the format writes)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if fmt == "modelopt":
+        cfg["quantization_config"], nested = modelopt.quantization_config(ct.matrices(manifest))
+        return cfg, {modelopt.HF_QUANT_CONFIG: nested}
     cfg["quantization_config"] = ct.quantization_config(ct.matrices(manifest))
-    return cfg
+    return cfg, {}
 
 
 def open_model(model_dir: Path) -> Manifest:
@@ -114,19 +121,20 @@ def _claim(out: Path, ours: tuple[str, ...]) -> int:
 
 
 def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress: bool = True) -> list[Shard]:
-    """Write (or with dry_run only plan) the compressed-tensors export of the converted model at model_dir."""
+    """Write (or with dry_run only plan) the `fmt` export (compressed-tensors, modelopt) of the model at model_dir."""
     model_dir, out = Path(model_dir), Path(out)
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    if fmt not in MATRIX:
+        raise ConfigError(f"--format {fmt}: export() writes {', '.join(MATRIX)}; GGUF is export_gguf's")
     manifest = open_model(model_dir)
     ct.check_plain(manifest, model_dir)
-    shards = plan_shards(model_dir, manifest)
-    cfg = config(model_dir, manifest)
+    cfg, extra = config(model_dir, manifest, fmt)  # before planning: a format that cannot hold the model says so
+    shards = plan_shards(model_dir, manifest, fmt)
     if dry_run:
         return shards
     fd = _claim(out, (PROGRESS, INDEX))
     try:
-        _write(model_dir, out, shards, cfg, progress, {"conversion": manifest.conversion_sha256(), "format": fmt})
+        identity = {"conversion": manifest.conversion_sha256(), "format": fmt}
+        _write(model_dir, out, shards, cfg, extra, progress, identity)
     finally:
         os.close(fd)
     return shards
@@ -152,8 +160,11 @@ def export_gguf(
     return p.tensors, p.stats.relative_rms()
 
 
-def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress: bool, identity: dict) -> None:
-    """identity: what the shards are of (the conversion, the format); shards of another are written again."""
+def _write(
+    model_dir: Path, out: Path, shards: list[Shard], cfg: dict, extra: dict[str, dict], progress: bool, identity: dict
+) -> None:
+    """identity: what the shards are of (the conversion, the format); shards of another are written again. `extra`:
+    the format's other JSON files, by name."""
     done_path = out / PROGRESS
     done = json.loads(done_path.read_text()) if done_path.is_file() else {}
     if done.get("identity") != identity:
@@ -186,7 +197,8 @@ def _write(model_dir: Path, out: Path, shards: list[Shard], cfg: dict, progress:
     for name in COPIED:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out / name)
-    atomic_write_bytes(out / "config.json", (json.dumps(cfg, indent=1) + "\n").encode())
+    for name, doc in {"config.json": cfg, **extra}.items():
+        atomic_write_bytes(out / name, (json.dumps(doc, indent=1) + "\n").encode())
     weight_map = {t.name: s.name for s in shards for t in s.tensors}
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     atomic_write_bytes(out / INDEX, (json.dumps(index, indent=1) + "\n").encode())

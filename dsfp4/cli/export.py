@@ -20,6 +20,8 @@ from dsfp4.units import format_bytes
     type=click.Choice(list(FORMATS)),
     required=True,
     help="compressed-tensors: the checkpoint vLLM and SGLang load (FP4 experts and FP8 blocks as they are stored). "
+    "modelopt: NVIDIA's NVFP4 layout (TensorRT-LLM, vLLM, SGLang), weight-only: NVFP4 as stored, FP8 blocks as "
+    "BF16, no activation scales; MXFP4 experts refused. "
     "gguf: OUT/model.gguf for llama.cpp (MXFP4 experts as they are stored; FP8 matrices requantized to Q8_0, the "
     "error reported; a model with NVFP4 experts converts again with --format mxfp4).",
 )
@@ -38,6 +40,7 @@ def export(model: Path, out: Path, fmt: str, requantize: bool, dry_run: bool, qu
     Examples:
       dsfp4 export model/ model-ct/ --format compressed-tensors --dry-run
       dsfp4 export model/ model-ct/ --format compressed-tensors && vllm serve model-ct/
+      dsfp4 export model/ model-mo/ --format modelopt
       dsfp4 export model-mxfp4/ model-gguf/ --format gguf && llama-cli -m model-gguf/model.gguf
     """
     from dsfp4.convert.export.writer import describe, describe_gguf, export_gguf

@@ -6,7 +6,6 @@ config group or the ignore list; the export streams, resumes and refuses bad inp
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,8 @@ from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.errors import FormatError
 from dsfp4.layout.manifest import Manifest
-from dsfp4.layout.quant import dequantize
-from dsfp4.layout.safetensors_file import pread_exact
 from tests.fixtures.cli import assert_one_line_error, run_cli
+from tests.fixtures.exported import dsfp4_matrices
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
@@ -30,37 +28,6 @@ from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 from compressed_tensors.utils.match import match_name  # noqa: E402
 
 FORMAT = "compressed-tensors"
-
-
-@pytest.fixture(scope="module")
-def mxfp4_converted(checkpoints, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("mx") / "mxfp4"
-    convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4"), progress=False)
-    return out
-
-
-def _ours(model: Path, m: Manifest) -> dict[str, torch.Tensor]:
-    """Every matrix and plain tensor of the converted model, dequantized by dsfp4, under the exported names."""
-    from dsfp4.convert.names.family import name_map
-
-    out, a = {}, m.args
-    for rule, prefix, block, expert, _ in name_map(a).placed(a, True):
-        hf, ref = rule.names(prefix, block, expert)
-        if expert is not None:
-            e = m.experts[block]
-            fd = os.open(model / e.file, os.O_RDONLY)
-            raw = pread_exact(fd, m.record.nbytes, e.offsets[expert])
-            os.close(fd)
-            w1, w3, w2 = m.record.dequantize(raw)
-            out[hf] = {"w1": w1, "w3": w3, "w2": w2}[rule.ref.rsplit(".", 1)[-1]]
-            continue
-        entry = m.tensors.get(ref)
-        if entry is None:
-            continue
-        with safe_open(model / entry.file, "pt") as f:
-            parts = tuple(f.get_tensor(n) for n in entry.tensors.values())
-        out[hf] = parts[0] if len(parts) == 1 else dequantize(entry.format, parts, dtype=torch.float32)
-    return out
 
 
 def _theirs(out: Path) -> tuple[dict[str, torch.Tensor], QuantizationConfig, dict]:
@@ -93,7 +60,7 @@ def test_every_tensor_decompresses_to_dsfp4s_own_dequantization(converted, mxfp4
     m = Manifest.read(model)
     export(model, tmp_path / "ct", FORMAT, progress=False)
     theirs, qc, cfg = _theirs(tmp_path / "ct")
-    ours = _ours(model, m)
+    ours = dsfp4_matrices(model, m)
     for name, want in ours.items():
         got = theirs[name] if name in theirs else theirs[name + ".weight"]  # a plain matrix keeps `.weight`
         if "experts." in name and ".shared_experts." not in name and which == "nvfp4":
@@ -152,7 +119,7 @@ def test_bad_input_is_one_line(converted, v4_converted, tmp_path):
     assert_one_line_error(run_cli("export", tmp_path, tmp_path / "o", "--format", FORMAT), "no manifest.json")
     r = run_cli("export", v4_converted, tmp_path / "o", "--format", FORMAT)
     assert_one_line_error(r, "DeepSeek-V4's own release layout")
-    r = run_cli("export", converted, tmp_path / "o", "--format", "modelopt")
+    r = run_cli("export", converted, tmp_path / "o", "--format", "tensorrt")
     assert r.exit_code == 2 and "--format" in r.output
 
 
@@ -177,7 +144,7 @@ def test_layers_engines_fuse_must_share_format_and_global_scale(checkpoints, tmp
     assert torch.equal(q, kv)
     export(fp4, tmp_path / "o2", FORMAT, progress=False)
     theirs, _, _ = _theirs(tmp_path / "o2")
-    ours = _ours(fp4, m)
+    ours = dsfp4_matrices(fp4, m)
     name = "model.layers.1.self_attn.q_a_proj"
     torch.testing.assert_close(theirs[name].float(), ours[name], rtol=2**-7, atol=0)
 

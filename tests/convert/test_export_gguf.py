@@ -16,8 +16,6 @@ import torch
 
 from dsfp4.convert.export.gguf import LAYER, PROGRESS, Source
 from dsfp4.convert.export.gguf_blocks import gguf_to_mxfp4, mxfp4_to_gguf
-from dsfp4.convert.pipeline import convert
-from dsfp4.convert.plan import ConvertOptions
 from dsfp4.layout.fp4 import mxfp4_dequantize, mxfp4_quantize
 from dsfp4.layout.manifest import Manifest
 from tests.fixtures.cli import assert_one_line_error, run_cli
@@ -27,16 +25,9 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
-def mxfp4_model(checkpoints, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gguf") / "mxfp4"
-    convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4"), progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def exported(mxfp4_model, tmp_path_factory) -> Path:
+def exported(mxfp4_converted, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gguf") / "out"
-    r = run_cli("export", mxfp4_model, out, "--format", "gguf")
+    r = run_cli("export", mxfp4_converted, out, "--format", "gguf")
     assert r.exit_code == 0, r.output
     assert "requantization error fp8_e4m3_b128 -> q8_0" in r.stderr
     return out / "model.gguf"
@@ -67,9 +58,9 @@ def _values(t) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
-def test_every_tensor_has_llama_cpps_name_type_shape_and_dsfp4s_values(mxfp4_model, exported):
-    m = Manifest.read(mxfp4_model)
-    a, src = m.args, Source(mxfp4_model, m)  # dsfp4's own dequantization of each stored tensor
+def test_every_tensor_has_llama_cpps_name_type_shape_and_dsfp4s_values(mxfp4_converted, exported):
+    m = Manifest.read(mxfp4_converted)
+    a, src = m.args, Source(mxfp4_converted, m)  # dsfp4's own dequantization of each stored tensor
     got = _tensors(exported)
     assert _values(got["token_embd.weight"]).tobytes() == src.dense("embed.weight").tobytes()  # BF16: exact
     assert got["token_embd.weight"].tensor_type == Q.BF16 and got["output.weight"].tensor_type == Q.BF16
@@ -99,7 +90,7 @@ def test_every_tensor_has_llama_cpps_name_type_shape_and_dsfp4s_values(mxfp4_mod
                 assert err < 0.01, (ref, err)
         if i in m.experts:
             for e in (0, a.n_routed_experts - 1):
-                w1, w3, w2 = m.record.dequantize(_raw(mxfp4_model, m, i, e))
+                w1, w3, w2 = m.record.dequantize(_raw(mxfp4_converted, m, i, e))
                 for name, w in (("ffn_gate_exps", w1), ("ffn_up_exps", w3), ("ffn_down_exps", w2)):
                     t = got[f"{p}{name}.weight"]
                     assert t.tensor_type == Q.MXFP4 and np.array_equal(_values(t)[e], w.numpy()), (i, e, name)
@@ -119,7 +110,7 @@ def _raw(model: Path, m: Manifest, layer: int, e: int) -> bytes:
         return f.read(m.record.nbytes)
 
 
-def test_an_interrupted_export_resumes_to_the_same_bytes(mxfp4_model, exported, tmp_path, monkeypatch):
+def test_an_interrupted_export_resumes_to_the_same_bytes(mxfp4_converted, exported, tmp_path, monkeypatch):
     out = tmp_path / "o"
     calls = {"n": 0}
     real = Source.raw_record
@@ -134,18 +125,18 @@ def test_an_interrupted_export_resumes_to_the_same_bytes(mxfp4_model, exported, 
     with pytest.raises(KeyboardInterrupt):
         from dsfp4.convert.export.writer import export_gguf
 
-        export_gguf(mxfp4_model, out, progress=False)
+        export_gguf(mxfp4_converted, out, progress=False)
     done = json.loads((out / PROGRESS).read_text())
     assert done["tensors"] > 0 and (out / "model.gguf.partial").is_file() and not (out / "model.gguf").exists()
     monkeypatch.setattr(Source, "raw_record", real)
-    r = run_cli("export", mxfp4_model, out, "--format", "gguf", "-q")
+    r = run_cli("export", mxfp4_converted, out, "--format", "gguf", "-q")
     assert r.exit_code == 0, r.output
     assert (out / "model.gguf").read_bytes() == exported.read_bytes()
     assert json.loads((out / PROGRESS).read_text())["complete"]
 
 
-def test_dry_run_and_bad_input(converted, mxfp4_model, tmp_path):
-    r = run_cli("export", mxfp4_model, tmp_path / "d", "--format", "gguf", "--dry-run")
+def test_dry_run_and_bad_input(converted, mxfp4_converted, tmp_path):
+    r = run_cli("export", mxfp4_converted, tmp_path / "d", "--format", "gguf", "--dry-run")
     assert r.exit_code == 0 and "MXFP4" in r.output and "model.gguf" in r.output and not (tmp_path / "d").exists()
     r = run_cli("export", converted, tmp_path / "n", "--format", "gguf")  # NVFP4 experts
     assert_one_line_error(r, "experts are nvfp4", "--format mxfp4", "--requantize")
@@ -153,16 +144,16 @@ def test_dry_run_and_bad_input(converted, mxfp4_model, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    assert_one_line_error(run_cli("export", mxfp4_model, other, "--format", "gguf"), "holds something other")
+    assert_one_line_error(run_cli("export", mxfp4_converted, other, "--format", "gguf"), "holds something other")
     os.remove(other / "notes.txt")
 
 
-def test_a_refusal_found_in_the_header_leaves_no_folder_behind(mxfp4_model, tmp_path):
+def test_a_refusal_found_in_the_header_leaves_no_folder_behind(mxfp4_converted, tmp_path):
     """The tokenizer is checked while the header is made, before OUT is touched."""
     import shutil
 
     bare = tmp_path / "bare"
-    shutil.copytree(mxfp4_model, bare)
+    shutil.copytree(mxfp4_converted, bare)
     (bare / "tokenizer.json").unlink()
     assert_one_line_error(run_cli("export", bare, tmp_path / "o", "--format", "gguf"), "tokenizer.json is missing")
     assert not (tmp_path / "o").exists()

@@ -13,6 +13,7 @@ zeros to a multiple of RECORD_ALIGN, so O_DIRECT can read it straight into pinne
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,27 @@ class RecordLayout:
         if self.format == "nvfp4":  # a global scale per matrix: w1, w3, w2
             parts += (t["scale_2"][("w1", "w3", "w2").index(which)],)
         return parts
+
+    def spans(self, which: str) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """Where one matrix (w1, w3 or w2) lies in a record, in `stored`'s order: (dtype, byte offset in the record,
+        bytes, shape) of its packed rows, of their block scales and, for NVFP4, of its global scale. A reader that
+        wants one matrix reads these bytes only."""
+        first, count = {"w1": (0, self.inter_dim), "w3": (self.inter_dim, self.inter_dim), "w2": (0, None)}[which]
+        base, out = "w2" if which == "w2" else "w13", []
+        for p in (self.part(base), self.part(base + "_scale")):
+            rows, row = p.shape[0] if count is None else count, p.nbytes // p.shape[0]
+            out.append((p.dtype, p.offset + first * row, rows * row, (rows, *p.shape[1:])))
+        if self.format == "nvfp4":
+            p, k = self.part("scale_2"), ("w1", "w3", "w2").index(which)
+            out.append((p.dtype, p.offset + k * DTYPE_NBYTES[p.dtype], DTYPE_NBYTES[p.dtype], ()))
+        return out
+
+    def stored_from(self, read: Callable[[int, int], bytes], which: str) -> tuple[torch.Tensor, ...]:
+        """stored()'s tensors of one matrix from read(offset in the record, bytes) of its spans alone."""
+        return tuple(
+            torch.frombuffer(bytearray(read(at, n)), dtype=TORCH_DTYPES[dt]).reshape(shape)
+            for dt, at, n, shape in self.spans(which)
+        )
 
     def matrix(
         self, buf: bytes | bytearray | memoryview | torch.Tensor, which: str, dtype: torch.dtype = torch.float32

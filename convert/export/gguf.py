@@ -140,22 +140,25 @@ class Source:
         t = self.m.tensors[ref]
         return dequantize(t.format, self.parts(ref), ref, dtype=torch.float32).numpy()
 
-    def raw_record(self, layer: int, e: int) -> bytes:
+    def stored(self, layer: int, e: int, which: str) -> tuple[torch.Tensor, ...]:
+        """One matrix of expert e's record as stored, its bytes alone read (GGUF puts each expert's gate, up and down
+        in three tensors: the record is read once over the three)."""
         entry, layout = self.m.experts[layer], self.m.record
-        fd = os.open(self.dir / entry.file, os.O_RDONLY)
+        path = self.dir / entry.file
+        fd = os.open(path, os.O_RDONLY)
         try:
-            return pread_exact(fd, layout.nbytes, entry.offsets[e], self.dir / entry.file)
+            return layout.stored_from(lambda at, n: pread_exact(fd, n, entry.offsets[e] + at, path), which)
         finally:
             os.close(fd)
 
     def mxfp4(self, layer: int, e: int, which: str, stats: ErrorStats) -> tuple[np.ndarray, np.ndarray]:
         """(packed, scale) of one matrix of expert e (w1, w3 or w2) in MXFP4: as stored, or an NVFP4 one requantized
         (dequantized, then quantized again; the error counted)."""
-        raw, layout = self.raw_record(layer, e), self.m.record
+        parts, layout = self.stored(layer, e, which), self.m.record
         if layout.format == "mxfp4":
-            packed, scale = layout.stored(raw, which)
+            packed, scale = parts
             return packed.view(torch.uint8).numpy(), scale.view(torch.uint8).numpy()
-        w = layout.matrix(raw, which)  # fp32
+        w = dequantize(layout.format, parts, which)  # fp32
         packed, scale = mxfp4_quantize(w, which)
         stats.add(f"{layout.format} -> mxfp4 (experts)", w.numpy(), mxfp4_dequantize(packed, scale).numpy())
         return packed.numpy(), scale.numpy()

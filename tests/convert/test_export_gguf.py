@@ -113,22 +113,22 @@ def _raw(model: Path, m: Manifest, layer: int, e: int) -> bytes:
 def test_an_interrupted_export_resumes_to_the_same_bytes(mxfp4_converted, exported, tmp_path, monkeypatch):
     out = tmp_path / "o"
     calls = {"n": 0}
-    real = Source.raw_record
+    real = Source.stored
 
-    def flaky(self, layer: int, e: int):
+    def flaky(self, layer: int, e: int, which: str):
         calls["n"] += 1
         if calls["n"] == 5:  # inside the first expert matrix: the file is part written
             raise KeyboardInterrupt
-        return real(self, layer, e)
+        return real(self, layer, e, which)
 
-    monkeypatch.setattr(Source, "raw_record", flaky)
+    monkeypatch.setattr(Source, "stored", flaky)
     with pytest.raises(KeyboardInterrupt):
         from dsfp4.convert.export.writer import export_gguf
 
         export_gguf(mxfp4_converted, out, progress=False)
     done = json.loads((out / PROGRESS).read_text())
     assert done["tensors"] > 0 and (out / "model.gguf.partial").is_file() and not (out / "model.gguf").exists()
-    monkeypatch.setattr(Source, "raw_record", real)
+    monkeypatch.setattr(Source, "stored", real)
     r = run_cli("export", mxfp4_converted, out, "--format", "gguf", "-q")
     assert r.exit_code == 0, r.output
     assert (out / "model.gguf").read_bytes() == exported.read_bytes()

@@ -46,6 +46,27 @@ def test_record_pack_unpack_round_trip_and_type_checks():
         layout.pack({**parts, "w2": parts["w2"].float()})
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_one_matrix_read_from_its_spans_alone_is_what_the_whole_record_gives(fmt):
+    layout = RecordLayout.for_expert(fmt, 256, 96)
+    raw = bytes(torch.randint(0, 256, (layout.nbytes,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8))
+    asked = []
+
+    def read(at: int, n: int) -> bytes:
+        asked.append(n)
+        return raw[at : at + n]
+
+    for which in ("w1", "w3", "w2"):
+        whole, alone = layout.stored(raw, which), layout.stored_from(read, which)
+        assert all(
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            for a, b in zip(whole, alone, strict=True)
+        )
+        assert [tuple(a.shape) for a in alone] == [tuple(b.shape) for b in whole]
+    weights = sum(p.nbytes for p in layout.parts)
+    assert sum(asked) == weights  # the three matrices read every byte of the parts once, nothing twice
+
+
 def test_writer_output_is_order_independent_and_loads_with_safetensors(tmp_path):
     entries = [("a", "F32", (3, 5)), ("b", "BF16", (7,)), ("c", "U8", (9, 2)), ("s", "F32", ())]
     values = {

@@ -23,7 +23,7 @@ import torch
 
 from dsfp4.runtime.generate.decode_graph import BATCH_SLOT, DecodeGraphs
 from dsfp4.runtime.generate.generation import Delta, Generation
-from dsfp4.runtime.generate.sampling import SamplingParams, choose
+from dsfp4.runtime.generate.sampling import SamplingParams, sample
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.steps import TextSteps
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
@@ -44,12 +44,12 @@ class BatchSequence:
 
     prompt_ids: list[int]
     sampling: SamplingParams
-    gen: torch.Generator | None  # on the model's device: tokens are chosen there
+    gen: torch.Generator | None
     steps: TextSteps
     cancel: threading.Event | None
     store_before: dict[str, float]  # the expert store's counters when it joined (a batch's shared counters)
-    pos: int = 0  # tokens its cache slot holds, the one of a step in flight counted
-    token: int = 0  # the token it feeds at the next step launched from the host
+    pos: int = 0  # tokens its cache slot holds
+    token: int = 0  # the token it feeds at the next step
     trace_at: int = 0  # under a routing trace: the first row of its stretch (TraceRouting.reserve)
     steps_taken: int = 0  # decode steps it was in, and the sequences in them, summed (for the mean batch size)
     batch_sum: int = 0
@@ -61,27 +61,10 @@ class BatchSequence:
         return self.steps.stats
 
 
-@dataclass
-class Flight:
-    """A step launched and not yet read: its sequences in launch order, and its logits [B, V] on the device (valid
-    until the next launch)."""
-
-    rows: list[BatchSequence]
-    logits: torch.Tensor
-
-
 class BatchRun:
     """The sequences decoding together in cache slots 1..max_batch of `model`. `prefill` fills slot 0 with a prompt
     (the engine's, with its prompt reuse and prompt cache); `finished` completes a sequence's stats with the
-    engine's; `claim` holds the engine while the batch uses it.
-
-    Steps are pipelined where they replay graphs (`pipelined`): each step's tokens are chosen on the device and the
-    next step launched with them before the host reads them, so detokenizing and stop strings overlap the device's
-    work. A sequence that then turns out to have ended was in that step (its work is discarded), as the single
-    sequence's graphs do. Eager steps (experts streamed through fewer slots than a batch needs) run one at a time,
-    where such a discarded step would read experts from the SSD for nothing."""
-
-    PIPELINED: bool | None = None  # None: where steps replay graphs; True or False forces it (the tests, on the CPU)
+    engine's; `claim` holds the engine while the batch uses it."""
 
     def __init__(
         self,
@@ -100,8 +83,6 @@ class BatchRun:
         self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]  # each name -> [max_len, ...]
         self.rows: list[BatchSequence] = []  # row i decodes in slot BATCH_SLOT + i
         self.graphs, self.why_eager = graphs, None  # why the last step ran eagerly (None: it replayed a graph)
-        self.pipelined = self.PIPELINED
-        self.flight: Flight | None = None
 
     @property
     def free(self) -> int:
@@ -117,7 +98,7 @@ class BatchRun:
         budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
         stats = GenerationStats(prompt_tokens=n)
         steps = TextSteps(self.tokenizer, options.stop, budget, stats, time.perf_counter())
-        gen = None if sampling.seed is None else torch.Generator(self.model.device).manual_seed(sampling.seed)
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         store = self.model.experts.counters
         seq = BatchSequence(list(prompt_ids), sampling, gen, steps, cancel, store.snapshot())
         with self.claim():
@@ -127,9 +108,9 @@ class BatchRun:
                 seq.trace_at = self.routing.reserve(budget)
             slot = self.slots[BATCH_SLOT + len(self.rows)]
             for name, rows in self.slots[0].items():
-                slot[name][:n].copy_(rows[:n])  # after any step in flight: it writes other slots
+                slot[name][:n].copy_(rows[:n])
             self.rows.append(seq)
-            self._take(seq, int(choose(logits, sampling, gen)))
+            self._take(seq, sample(logits, sampling, gen))
             self._drop_finished()
         return seq
 
@@ -141,71 +122,31 @@ class BatchRun:
                 self._step()
 
     def _step(self) -> None:
-        flight = self.flight or self._launch(None)
-        chosen = self._choose(flight)  # [B] on the device
-        host = torch.empty(len(flight.rows), dtype=torch.long, pin_memory=chosen.is_cuda)
-        host.copy_(chosen, non_blocking=True)
-        done = torch.cuda.Event() if chosen.is_cuda else None
-        if done is not None:
-            done.record()
-        pipelined = self.why_eager is None if self.pipelined is None else self.pipelined
-        self.flight = self._launch((flight.rows, chosen)) if pipelined else None
-        if done is not None:
-            done.synchronize()  # the tokens, not the step launched after them
-        for seq, token in zip(flight.rows, host.tolist(), strict=True):
-            if seq.steps.finish is None:
-                self._take(seq, token)
-        self._drop_finished()
-
-    def _launch(self, carried: tuple[list[BatchSequence], torch.Tensor] | None) -> Flight | None:
-        """Launch a step of every sequence -> it, in flight (None when no sequence is left). Each feeds its host token
-        or, when `carried` (the sequences of the step before and the tokens chosen for them on the device), that."""
-        rows = [s for s in self.rows if s.steps.finish is None]
-        if len(rows) != len(self.rows):  # ended ones leave first, so that the slots stay contiguous
-            self._drop_finished()
-            rows = list(self.rows)
-        if not rows:
-            return None
-        b, device = len(rows), self.model.device
-        tokens, positions = [s.token for s in rows], [s.pos for s in rows]
-        where = {id(s): j for j, s in enumerate(carried[0])} if carried is not None else {}
-        pairs = [(i, where[id(s)]) for i, s in enumerate(rows) if id(s) in where]
-        moved = None
-        if pairs:  # [C] rows of this step, [C] tokens the last step chose for them
-            to_row, from_row = (torch.tensor(x, device=device) for x in zip(*pairs, strict=True))
-            moved = (to_row, carried[1].index_select(0, from_row))
+        b, device = len(self.rows), self.model.device
+        tokens, positions = [s.token for s in self.rows], [s.pos for s in self.rows]
         if self.routing is not None:  # each sequence's token takes the next row of its stretch
-            self.routing.begin_rows([s.trace_at + s.pos - len(s.prompt_ids) for s in rows])
+            self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
         self.why_eager = "--no-cuda-graph" if self.graphs is None else self.graphs.why_eager_batch(b)
         if self.why_eager is None:
-            logits = self.graphs.batch_step(tokens, positions, moved)  # [B, V]
+            logits = self.graphs.batch_step(tokens, positions)  # [B, V]
         else:
-            token = torch.tensor(tokens, device=device)
-            if moved is not None:
-                token.index_copy_(0, *moved)
-            where_ = DevicePosition(torch.tensor(positions, device=device), max(positions) + 1, slot=BATCH_SLOT)
-            logits = self.model(token.view(b, 1), where_, last_only=True)[0][:, -1]
-        for s in rows:
-            s.pos += 1
-            s.steps_taken += 1
-            s.batch_sum += b
-        return Flight(rows, logits)
-
-    @staticmethod
-    def _choose(flight: Flight) -> torch.Tensor:
-        """Each sequence's next token, chosen on the device -> [B] long (greedy ones by one argmax)."""
-        chosen = flight.logits.argmax(-1)
-        for j, s in enumerate(flight.rows):
-            if not s.sampling.greedy:
-                chosen[j] = choose(flight.logits[j], s.sampling, s.gen)
-        return chosen
+            pos = torch.tensor(positions, device=device)  # [B]
+            where = DevicePosition(pos, max(positions) + 1, slot=BATCH_SLOT)
+            logits = self.model(torch.tensor(tokens, device=device).view(b, 1), where, last_only=True)[0][:, -1]
+        greedy = [s.sampling.greedy for s in self.rows]
+        best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
+        for i, seq in enumerate(self.rows):
+            seq.pos += 1
+            seq.steps_taken += 1
+            seq.batch_sum += b
+            self._take(seq, best[i] if greedy[i] else sample(logits[i], seq.sampling, seq.gen))
+        self._drop_finished()
 
     def cancel_all(self) -> None:
         """End every sequence now (finish reason "cancelled")."""
         for seq in self.rows:
             seq.steps.finish = "cancelled"
         self._drop_finished()
-        self.flight = None  # what it computed goes nowhere
 
     def _take(self, seq: BatchSequence, token: int) -> None:
         if seq.cancel is not None and seq.cancel.is_set():
@@ -216,8 +157,7 @@ class BatchRun:
             seq.deltas.append(delta)
 
     def _drop_finished(self) -> None:
-        """Sequences that ended leave their slots; the last row moves into each freed one (its rows copied after any
-        step in flight, which wrote them in its old slot)."""
+        """Sequences that ended leave their slots; the last row moves into each freed one."""
         i = 0
         while i < len(self.rows):
             seq = self.rows[i]
@@ -239,7 +179,7 @@ class BatchRun:
         stats = steps.stats
         stats.decode_s = time.perf_counter() - steps.start - stats.prefill_s
         mean = seq.batch_sum / seq.steps_taken if seq.steps_taken else 1.0
-        how = "CUDA graphs, pipelined" if self.why_eager is None else f"eager: {self.why_eager}"
+        how = "CUDA graphs" if self.why_eager is None else f"eager: {self.why_eager}"
         stats.decode_mode = f"batch of {mean:.1f} sequences a step on average, {how}"
         stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)  # the batch's, shared
         self.finished(stats)

@@ -69,8 +69,7 @@ class DecodeGraphs:
         self.streamed = store.layout is not None and not store.visible  # loads between pieces
         self.why_eager = self._why_not(recording)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (B, slot) -> [2, B]: tokens and positions
-        self.staging: dict[int, torch.Tensor] = {}  # B -> pinned [2, 2, B]: two launches' tokens and positions
-        self.launches = 0  # batch steps launched (which staging buffer the next one takes)
+        self.staging: dict[int, torch.Tensor] = {}  # B -> pinned [2, B]: a batch step's tokens and positions
         if self.why_eager is None:
             self.token, self.pos = self._inputs(1, 0)
             self.pool = torch.cuda.graph_pool_handle()
@@ -97,7 +96,7 @@ class DecodeGraphs:
         of one [2, B] tensor, which a batch step fills from pinned staging in one copy)."""
         if (b, slot) not in self.inputs:
             self.inputs[b, slot] = torch.zeros(2, b, dtype=torch.long, device=self.device)
-            self.staging[b] = torch.zeros(2, 2, b, dtype=torch.long, pin_memory=True)  # two, used in turn
+            self.staging[b] = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
         both = self.inputs[b, slot]
         return both[0].view(b, 1), both[1]
 
@@ -108,26 +107,19 @@ class DecodeGraphs:
             return f"a batch of {b} may need {b * k} experts at once, more than the {slots} device slots"
         return self.why_eager
 
-    def batch_step(
-        self, tokens: list[int], positions: list[int], carried: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Launch one step of a batch (runtime/generate/batch.py) by replay: sequence i's token at positions[i] in
-        cache slot BATCH_SLOT + i; carried = (rows [C], tokens [C]) on the device replace those rows' host tokens (the
-        tokens the step before chose, not yet read by the host) -> logits [B, V], the graph's own output: valid until
-        this batch size's next replay (the caller began its routing trace rows). Its first step of a batch size and
-        span captures the step (an untimed run and the capture, then the replay)."""
+    def batch_step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One step of a batch (runtime/generate/batch.py) by replay: sequence i's token at positions[i] in cache slot
+        BATCH_SLOT + i -> logits [B, V] (the caller began its routing trace rows). Its first step of a batch size
+        and span captures the step (an untimed run and the capture, then the replay)."""
         b = len(tokens)
-        token, _ = self._inputs(b, BATCH_SLOT)
-        self.launches += 1
-        host = self.staging[b][self.launches % 2]  # the other one may still feed the step in flight
+        self._inputs(b, BATCH_SLOT)
+        host = self.staging[b]  # free again: the last step's logits were read, after its copy
         host.numpy()[:] = (tokens, positions)
         self.inputs[b, BATCH_SLOT].copy_(host, non_blocking=True)  # the token and position rows in one copy
-        if carried is not None:
-            token.view(-1).index_copy_(0, *carried)
         key = (b, BATCH_SLOT, self.span(max(positions)))
         if key not in self.graphs:
             self.graphs[key] = self._capture(key, begin=False)
-        return self._run(self.graphs[key], b)[0][:, -1]
+        return self._run(self.graphs[key], b)[0][:, -1].clone()
 
     def span(self, pos: int) -> int:
         """The attention span of a step at `pos`: the smallest power of two above it, within the context."""

@@ -13,7 +13,6 @@ import torch
 from dsfp4 import Engine
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.generate.batch import BatchRun
 from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import auto_batch, cache_slots, expected_union, sequence_cache_bytes, union_batch
@@ -44,15 +43,10 @@ def _check_batch_matches_alone(converted, device: str, dtype: str, graphs: bool 
         got = dict(engine.generate_batch(requests))
         assert [got[i].token_ids for i in range(len(PROMPTS))] == alone
         assert ("eager" not in got[0].stats.decode_mode) == graphs, got[0].stats.decode_mode
-        assert all(got[i].finish_reason == "length" for i in got)
         assert engine.generate(PROMPTS[1], max_tokens=5, temperature=0).token_ids == alone[1][:5]  # slot 0 unharmed
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_batched_greedy_tokens_equal_each_sequence_alone(converted, pipelined, monkeypatch):
-    """Steps one at a time, and pipelined (each launched with the tokens the step before chose on the device, before
-    the host reads them: what graph replays do on CUDA) with sequences ending and one joining meanwhile."""
-    monkeypatch.setattr(BatchRun, "PIPELINED", pipelined)
+def test_batched_greedy_tokens_equal_each_sequence_alone(converted):
     _check_batch_matches_alone(converted, "cpu", "fp32")
 
 

@@ -25,7 +25,7 @@ from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import write_trace
-from dsfp4.runtime.generate.batch import BatchRun
+from dsfp4.runtime.generate.batch import BatchRun, Hooks
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
@@ -289,17 +289,14 @@ class Engine:
             raise ConfigError("Engine.batch: this engine decodes one sequence at a time; open it with max_batch >= 2")
         with self._claim():
             self._end_stream()
-        return BatchRun(
-            model,
-            self.plan.max_batch,
-            self.max_context,
-            self.tokenizer,
-            self._claim,
-            self._prefill_alone,
-            self._finish_stats,
-            self.routing,
-            self.decoder.graphs,
-        )
+        hooks = Hooks(self._claim, self._prefill_alone, lambda: self._truncate(0), self._finish_stats)
+        # prompts joining together prefill layer by layer where reading experts dominates a prefill (the tiers cannot
+        # hold every record); not under a trace (it routes only the passes it begins) nor with a prompt cache (the
+        # one-by-one prefill restores saved prompts: `run --batch` saves its lines there together first)
+        p, routing = self.plan, self.routing
+        joint = routing is None and self.prompt_cache is None and p.gpu_slots + p.ram_slots < p.total_records
+        chunk, graphs = self.options.prefill_chunk, self.decoder.graphs
+        return BatchRun(model, p.max_batch, self.max_context, chunk, self.tokenizer, hooks, routing, graphs, joint)
 
     def generate_batch(self, requests: Sequence[tuple[list[int], RunOptions]]) -> Iterator[tuple[int, Generation]]:
         """Generate after each (prompt ids, options) in batches of up to max_batch, a new one joining as soon as a
@@ -308,9 +305,9 @@ class Engine:
             self.check_prompt(ids)
         run, waiting, running = self.batch(), deque(enumerate(requests)), {}
         while waiting or running:
-            while waiting and run.free:
-                i, (ids, options) = waiting.popleft()
-                running[run.add(ids, options)] = i
+            joining = [waiting.popleft() for _ in range(min(run.free, len(waiting)))]
+            seqs = run.add_many([(ids, options, None) for _, (ids, options) in joining])
+            running.update({seq: i for seq, (i, _) in zip(seqs, joining, strict=True)})
             run.step()
             for seq in [s for s in running if s.generation is not None]:
                 yield running.pop(seq), seq.generation

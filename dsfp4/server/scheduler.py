@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.generate.batch import BatchSequence
+from dsfp4.runtime.generate.batch import BatchRun, BatchSequence
 from dsfp4.runtime.generate.decoder import Cancelled
 from dsfp4.runtime.generate.generation import Generation
 
@@ -143,13 +143,7 @@ class Scheduler:
         try:
             batch = self.engine.batch()
             while (jobs := self._take(batch.free, idle=not live)) is not None:
-                for job in jobs:
-                    try:
-                        live[batch.add(job.prompt_ids, self.engine.options_for(**job.options), job.cancelled)] = job
-                    except Cancelled:
-                        self._finish(job, None, None)
-                    except Exception as e:  # the request gets the error; the server goes on
-                        self._finish(job, e, None)
+                self._admit(batch, jobs, live)
                 try:
                     batch.step()
                 except Exception as e:  # every running request gets the error; the server goes on
@@ -166,6 +160,24 @@ class Scheduler:
                 batch.cancel_all()
             for seq, job in live.items():
                 self._send(seq, job)
+
+    def _admit(self, batch: BatchRun, jobs: list[Job], live: dict[BatchSequence, Job]) -> None:
+        """Jobs into the batch: prefilled together where the batch does that (BatchRun.add_many), else one by one."""
+        asks = [(job.prompt_ids, self.engine.options_for(**job.options), job.cancelled) for job in jobs]
+        if len(jobs) > 1 and batch.joint:
+            try:
+                live.update(zip(batch.add_many(asks), jobs, strict=True))
+            except Exception as e:  # every request of the pass gets the error (none joined); the server goes on
+                for job in jobs:
+                    self._finish(job, e, None)
+            return
+        for job, ask in zip(jobs, asks, strict=True):
+            try:
+                live[batch.add(*ask)] = job
+            except Cancelled:
+                self._finish(job, None, None)
+            except Exception as e:  # the request gets the error; the server goes on
+                self._finish(job, e, None)
 
     def _send(self, seq: BatchSequence, job: Job) -> None:
         """The sequence's new deltas to its request, and once it ended, its outcome."""

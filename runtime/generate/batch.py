@@ -23,6 +23,7 @@ import torch
 
 from dsfp4.runtime.generate.decode_graph import BATCH_SLOT, DecodeGraphs
 from dsfp4.runtime.generate.generation import Delta, Generation
+from dsfp4.runtime.generate.joint_prefill import prefill_into_slots
 from dsfp4.runtime.generate.sampling import SamplingParams, sample
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.steps import TextSteps
@@ -35,6 +36,16 @@ from dsfp4.runtime.store.counters import counters_since
 
 # prefill a prompt alone in slot 0, filling its stats' prompt counts -> its logits after the last token [V]
 Prefill = Callable[[list[int], threading.Event | None, GenerationStats], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a batch asks of its engine."""
+
+    claim: Callable[[], AbstractContextManager]  # hold the engine while the batch uses it
+    prefill: Prefill  # one prompt into slot 0, as a generation's (prompt reuse, prompt cache)
+    forget: Callable[[], None]  # slot 0 no longer holds what the engine thinks it does
+    finished: Callable[[GenerationStats], None]  # the engine's part of an ended sequence's stats
 
 
 @dataclass(eq=False)
@@ -62,31 +73,38 @@ class BatchSequence:
 
 
 class BatchRun:
-    """The sequences decoding together in cache slots 1..max_batch of `model`. `prefill` fills slot 0 with a prompt
-    (the engine's, with its prompt reuse and prompt cache); `finished` completes a sequence's stats with the
-    engine's; `claim` holds the engine while the batch uses it."""
+    """The sequences decoding together in cache slots 1..max_batch of `model`, with the engine's `hooks`. With `joint`
+    (the engine's choice) prompts that join together prefill layer by layer together (add_many)."""
 
     def __init__(
         self,
         model: Model,
         max_batch: int,
         max_context: int,
+        prefill_chunk: int,
         tokenizer: ChatTokenizer,
-        claim: Callable[[], AbstractContextManager],
-        prefill: Prefill,
-        finished: Callable[[GenerationStats], None],
+        hooks: Hooks,
         routing: TraceRouting | None,
         graphs: DecodeGraphs | None,
+        joint: bool = False,
     ):
-        self.model, self.max_batch, self.max_context, self.tokenizer = model, max_batch, max_context, tokenizer
-        self.claim, self.prefill, self.finished, self.routing = claim, prefill, finished, routing
+        self.model, self.max_batch, self.max_context, self.chunk = model, max_batch, max_context, prefill_chunk
+        self.tokenizer, self.hooks, self.routing = tokenizer, hooks, routing
         self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]  # each name -> [max_len, ...]
         self.rows: list[BatchSequence] = []  # row i decodes in slot BATCH_SLOT + i
         self.graphs, self.why_eager = graphs, None  # why the last step ran eagerly (None: it replayed a graph)
+        self.joint = joint
 
     @property
     def free(self) -> int:
         return self.max_batch - len(self.rows)
+
+    def _sequence(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None) -> BatchSequence:
+        n, sampling = len(prompt_ids), options.sampling()
+        budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
+        steps = TextSteps(self.tokenizer, options.stop, budget, GenerationStats(prompt_tokens=n), time.perf_counter())
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        return BatchSequence(list(prompt_ids), sampling, gen, steps, cancel, self.model.experts.counters.snapshot())
 
     @torch.inference_mode()
     def add(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None = None) -> BatchSequence:
@@ -94,31 +112,51 @@ class BatchRun:
         batch from the next step, unless that token ended it. Needs a free slot. Cancelled (the cancel event set
         during the prefill) leaves nothing in the batch."""
         assert self.free > 0, "BatchRun.add: every slot is taken"
-        n, sampling = len(prompt_ids), options.sampling()
-        budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
-        stats = GenerationStats(prompt_tokens=n)
-        steps = TextSteps(self.tokenizer, options.stop, budget, stats, time.perf_counter())
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        store = self.model.experts.counters
-        seq = BatchSequence(list(prompt_ids), sampling, gen, steps, cancel, store.snapshot())
-        with self.claim():
-            logits = self.prefill(seq.prompt_ids, cancel, stats)
+        seq = self._sequence(prompt_ids, options, cancel)
+        n = len(prompt_ids)
+        with self.hooks.claim():
+            logits = self.hooks.prefill(seq.prompt_ids, cancel, seq.stats)
             seq.pos = n
-            if self.routing is not None:  # its decode routes through a stretch of the trace of its own
-                seq.trace_at = self.routing.reserve(budget)
+            self._reserve(seq)
             slot = self.slots[BATCH_SLOT + len(self.rows)]
             for name, rows in self.slots[0].items():
                 slot[name][:n].copy_(rows[:n])
             self.rows.append(seq)
-            self._take(seq, sample(logits, sampling, gen))
+            self._take(seq, sample(logits, seq.sampling, seq.gen))
             self._drop_finished()
         return seq
+
+    @torch.inference_mode()
+    def add_many(self, requests: list[tuple[list[int], RunOptions, threading.Event | None]]) -> list[BatchSequence]:
+        """Prompts joining at once (as `add`'s arguments). With `joint`, those of 2 tokens or more prefill layer by
+        layer together straight into their slots (joint_prefill.prefill_into_slots: each layer's records read once
+        for all of them, not once each), all but their last tokens, which the next step feeds; else one by one."""
+        assert len(requests) <= self.free, "BatchRun.add_many: more prompts than free slots"
+        together = [r for r in requests if len(r[0]) >= 2] if self.joint else []
+        if len(together) < 2:
+            return [self.add(*r) for r in requests]
+        seqs = {id(r): self._sequence(*r) for r in together}
+        with self.hooks.claim():
+            self.hooks.forget()  # the pass leaves slot 0 holding no one prompt
+            first = BATCH_SLOT + len(self.rows)
+            prompts = [seqs[id(r)].prompt_ids[:-1] for r in together]
+            prefill_into_slots(self.model, prompts, list(range(first, first + len(prompts))), self.chunk)
+            for r in together:
+                seq = seqs[id(r)]
+                seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
+                self._reserve(seq)
+                self.rows.append(seq)
+        return [seqs[id(r)] if id(r) in seqs else self.add(*r) for r in requests]
+
+    def _reserve(self, seq: BatchSequence) -> None:
+        if self.routing is not None:  # its decode routes through a stretch of the trace of its own
+            seq.trace_at = self.routing.reserve(seq.steps.budget)
 
     @torch.inference_mode()
     def step(self) -> None:
         """One decode step of every sequence in the batch: each feeds its token and takes the next."""
         if self.rows:
-            with self.claim():
+            with self.hooks.claim():
                 self._step()
 
     def _step(self) -> None:
@@ -182,5 +220,5 @@ class BatchRun:
         how = "CUDA graphs" if self.why_eager is None else f"eager: {self.why_eager}"
         stats.decode_mode = f"batch of {mean:.1f} sequences a step on average, {how}"
         stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)  # the batch's, shared
-        self.finished(stats)
+        self.hooks.finished(stats)
         seq.generation = Generation(seq.prompt_ids, steps.tokens, steps.text, steps.finish, stats)

@@ -42,14 +42,36 @@ def layer_of(name: str) -> int | None:
     return int(parts[1]) if parts[0] == "layers" else None
 
 
-def prefill_together(model: Model, cache: PromptCache, prompts: list[list[int]], chunk: int) -> int:
-    """Prefill each prompt but its last token, layer by layer with the others of its group, and save its KV rows in
-    `cache` -> the tokens prefilled. The model's caches hold no one prompt afterwards."""
-    caches = model.positional_caches()  # name -> [max_len, ...] on the device
+def _by_layer(caches: dict[str, torch.Tensor]) -> dict[int, list[str]]:
+    """The main model's positional caches by block (the MTP layer's left out)."""
     by_layer: dict[int, list[str]] = {}
     for name in caches:
         if (layer := layer_of(name)) is not None:
             by_layer.setdefault(layer, []).append(name)
+    return by_layer
+
+
+def prefill_into_slots(model: Model, prompts: list[list[int]], slots: list[int], chunk: int) -> None:
+    """Prefill each prompt layer by layer with the others of its group, its KV rows copied into cache slot slots[k]
+    as it leaves each layer (a batch's sequences joining together: runtime/generate/batch.py). The single sequence's
+    slot 0 holds no one prompt afterwards."""
+    caches = model.positional_caches()  # name -> [max_len, ...] on the device
+    by_layer, targets = _by_layer(caches), [model.positional_caches(s) for s in slots]
+    for group in groups([len(p) for p in prompts]):
+
+        def keep(layer: int, j: int, group=group) -> None:
+            n = len(prompts[group[j]])
+            for name in by_layer.get(layer, ()):
+                targets[group[j]][name][:n].copy_(caches[name][:n])
+
+        layer_pass(model, [prompts[k] for k in group], chunk, lambda _: None, keep)
+
+
+def prefill_together(model: Model, cache: PromptCache, prompts: list[list[int]], chunk: int) -> int:
+    """Prefill each prompt but its last token, layer by layer with the others of its group, and save its KV rows in
+    `cache` -> the tokens prefilled. The model's caches hold no one prompt afterwards."""
+    caches = model.positional_caches()  # name -> [max_len, ...] on the device
+    by_layer = _by_layer(caches)
     sequences = [p[:-1] for p in prompts]
     for group in groups([len(s) for s in sequences]):
         seqs = [sequences[k] for k in group]

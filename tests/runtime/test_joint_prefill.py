@@ -82,3 +82,35 @@ def test_a_batch_with_a_prompt_cache_prefills_together_and_answers_as_without(co
     a, b = ([json.loads(x) for x in (tmp_path / f).read_text().splitlines()] for f in ("a.jsonl", "b.jsonl"))
     assert [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
     assert all(x["stats"]["restored_tokens"] > 0 for x in b)
+
+
+def test_prompts_joining_a_batch_together_prefill_layer_by_layer_into_their_slots(converted, tmp_path):
+    """Where records stream, prompts that join a batch at once prefill together straight into their batch slots
+    (BatchRun.add_many): each decodes the tokens it gets alone, and the prefill reads each record once, not once per
+    prompt. Where the tiers hold every record they prefill one by one."""
+    prompts = _prompts()
+    options = RunOptions(device="cpu", max_context=128, max_batch=len(prompts))
+    with Engine(converted, options, plan=_one_layer_of_ram(converted, options)) as e:
+        counters = e.model.experts.counters
+        want = [e.generate(p, max_tokens=6, temperature=0).token_ids for p in prompts]
+        before = counters.snapshot()["ssd_reads"]
+        for p in reversed(prompts):  # prompts[0] last: slot 0 holds it when the batch starts
+            e.reset()
+            e.generate(p, max_tokens=1, temperature=0)
+        one_by_one = counters.snapshot()["ssd_reads"] - before
+        run = e.batch()
+        assert run.joint
+        before = counters.snapshot()["ssd_reads"]
+        seqs = run.add_many([(p, e.options_for(max_tokens=6, temperature=0), None) for p in prompts])
+        joint = counters.snapshot()["ssd_reads"] - before
+        assert joint <= e.model.experts.plan.total_records < one_by_one
+        assert all(s.pos == len(p) - 1 and s.token == p[-1] for s, p in zip(seqs, prompts, strict=True))
+        while run.rows:
+            run.step()
+        assert [s.generation.token_ids for s in seqs] == want
+        assert e.generate(prompts[0], max_tokens=6, temperature=0).token_ids == want[0]  # slot 0 forgotten, refilled
+    with Engine(converted, options) as resident:
+        assert not resident.batch().joint  # every record held: one by one, reusing slot 0's prefix
+    cached = dataclasses.replace(options, prompt_cache=tmp_path / "pc")
+    with Engine(converted, cached, plan=_one_layer_of_ram(converted, cached)) as e:
+        assert not e.batch().joint  # one by one: each prefill restores what the prompt cache saved

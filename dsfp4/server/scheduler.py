@@ -163,7 +163,13 @@ class Scheduler:
 
     def _admit(self, batch: BatchRun, jobs: list[Job], live: dict[BatchSequence, Job]) -> None:
         """Jobs into the batch: prefilled together where the batch does that (BatchRun.add_many), else one by one."""
-        asks = [(job.prompt_ids, self.engine.options_for(**job.options), job.cancelled) for job in jobs]
+        asks = []
+        for job in list(jobs):
+            try:
+                asks.append((job.prompt_ids, self.engine.options_for(**job.options), job.cancelled))
+            except Exception as e:  # the request gets the error; the others go on
+                jobs.remove(job)
+                self._finish(job, e, None)
         if len(jobs) > 1 and batch.joint:
             try:
                 live.update(zip(batch.add_many(asks), jobs, strict=True))

@@ -111,7 +111,7 @@ def test_the_default_batch_keeps_its_experts_within_the_tiers(converted):
     share = dataclasses.replace(plan, gpu_slots=8, ram_slots=114, total_records=512, expert_layers=(1, 2))
     assert union_batch(a, share, 16) == 8  # 61 slots a layer: 8 sequences' 57 experts fit, 9's 64 do not
     assert union_batch(a, dataclasses.replace(share, ram_slots=504), 16) == 16  # every record held
-    auto = plan_engine(converted, RunOptions(device="cpu", max_context=64, max_batch=0, gpu_mem="1G", cpu_mem="1G"))
+    auto = plan_engine(converted, RunOptions(device="cpu", max_context=64, max_batch=0))
     assert auto.max_batch == union_batch(Manifest.open(converted).args, auto, auto.max_batch)
 
 

@@ -266,6 +266,30 @@ class MachineRun:
             host=self.host,
         )
 
+    def decode_batch(self, b: int, policy: str = "hot") -> Projection:
+        """b sequences decoding together (runtime/generate/batch.py), each through a stretch of the trace's second
+        half of its own, a step's b rows brought in as one chunk (simulate_prefill: their union of experts per layer,
+        in waves when the device slots run short; no prefetch) -> totals (`tokens`, `seconds`, bytes). A step costs
+        one token's compute: decode kernels are bound by the bytes they read, which the batch's tokens share (an
+        upper bound; run 37 measured a step of 16 at 4.4x one on a model whose host, not its bytes, bound it)."""
+        n, layers, k = self.run.shape
+        stretch = n // b
+        rows = self.run[: stretch * b].reshape(b, stretch, layers, k).swapaxes(0, 1).reshape(-1, layers, k)
+        c = self.costs
+        per_step = StepCosts(c.attn_s / b, c.experts_s / b, c.other_s / b, c.host_s)  # simulate_prefill multiplies
+        return simulate_prefill(
+            rows,
+            self.plan.gpu_slots,
+            self.plan.ram_slots,
+            self.m.record.nbytes,
+            self.machine.links,
+            per_step,
+            b,
+            policy,
+            warm=self.warm,
+            host=self.host,
+        )
+
 
 def machine_run(family: str, name: str, ids: np.ndarray, eff: float, backbone: str | None = None) -> MachineRun:
     """`family` planned on machine `name` (full_plan), `ids` [N, L, K] spread over its MoE layers and halved, its

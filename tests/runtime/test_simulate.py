@@ -5,6 +5,8 @@ whole model plans and projects on every machine."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -186,3 +188,21 @@ def test_the_whole_model_projects_its_first_token():
     short, long = (r.projection for r in rows)
     assert 0 < short.seconds < long.seconds and long.ssd_bytes > short.ssd_bytes > 0
     assert "TTFT s" in first_token_table(rows)
+
+
+def test_a_batch_brings_the_union_of_its_sequences_experts_each_step():
+    """MachineRun.decode_batch: b stretches of the trace decode together; a step brings their union in and costs one
+    token's compute, so with nothing to read (resident) b sequences decode b times one's tokens per second."""
+    from dsfp4.tools.projection import machine_run
+
+    ids = _trace(tokens=64, layers=8, experts=256, k=8)
+    r = machine_run("v3", "16g", ids, 0.7)
+    one, four = r.decode_batch(1), r.decode_batch(4)
+    steps = len(r.run) // 4
+    assert one.tokens == len(r.run) and four.tokens == 4 * steps
+    assert four.uses / (steps * r.run.shape[1]) <= 4 * 8 and one.uses == len(r.run) * r.run.shape[1] * 8
+    held = dataclasses.replace(r, plan=dataclasses.replace(r.plan, gpu_slots=r.plan.total_records, ram_slots=0))
+    warm = dataclasses.replace(held, warm=[(layer, e) for layer in range(r.run.shape[1]) for e in range(256)])
+    solo, batch = warm.decode_batch(1), warm.decode_batch(4)
+    assert batch.ssd_bytes == solo.ssd_bytes == 0
+    assert batch.tokens / batch.seconds == pytest.approx(4 * solo.tokens / solo.seconds, rel=0.02)

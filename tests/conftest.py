@@ -13,6 +13,7 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on th
 
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
+from tests.fixtures.converted import convert_fp8
 from tests.fixtures.tiny_checkpoint import build_checkpoint
 
 
@@ -35,9 +36,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def converted(checkpoints, tmp_path_factory) -> Path:
     """The fp8 checkpoint converted with default options."""
-    out = tmp_path_factory.mktemp("converted") / "fp8"
-    convert(checkpoints["fp8"], out, ConvertOptions(), progress=False)
-    return out
+    return convert_fp8(checkpoints, tmp_path_factory, "fp8")
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +58,4 @@ def v4_converted(v4_checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def mxfp4_converted(checkpoints, tmp_path_factory) -> Path:
     """The fp8 checkpoint converted with MXFP4 experts (the exports' fixture)."""
-    out = tmp_path_factory.mktemp("converted") / "mxfp4"
-    convert(checkpoints["fp8"], out, ConvertOptions(format="mxfp4"), progress=False)
-    return out
+    return convert_fp8(checkpoints, tmp_path_factory, "mxfp4", format="mxfp4")

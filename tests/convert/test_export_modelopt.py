@@ -14,10 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from dsfp4.convert.export.writer import INDEX, export
-from dsfp4.convert.pipeline import convert
-from dsfp4.convert.plan import ConvertOptions
 from dsfp4.layout.manifest import Manifest
 from tests.fixtures.cli import assert_one_line_error, run_cli
+from tests.fixtures.converted import convert_fp8
 from tests.fixtures.exported import dsfp4_matrices
 
 FORMAT = "modelopt"
@@ -42,9 +41,7 @@ def _exported(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def fp4_backbone(checkpoints, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("mo") / "fp4-shared"
-    convert(checkpoints["fp8"], out, ConvertOptions(backbone="fp4:shared,dense"), progress=False)
-    return out
+    return convert_fp8(checkpoints, tmp_path_factory, "fp4-shared", backbone="fp4:shared,dense")
 
 
 @pytest.mark.parametrize("which", ["fp8 backbone", "fp4:shared,dense"])

@@ -109,7 +109,8 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
     "--max-batch",
     type=click.IntRange(0, DECODE_TOKENS),
     help="With --serve or --batch: sequences decoded together in one step, each with a KV cache of --max-context "
-    "(0: the mode's, as far as an eighth of the device budget holds their caches; the default there).",
+    "(0, the default there: the mode's, as far as an eighth of the device budget holds their caches and the VRAM and "
+    "RAM slots the experts a step is expected to need).",
 )
 @click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")

@@ -47,16 +47,27 @@ def unpack_header(magic: bytes, version: int, data: bytes, what: str) -> tuple[d
 def unpack(magic: bytes, version: int, data: bytes, what: str, max_body: int) -> tuple[dict, bytes]:
     """The file's bytes -> (header, body of at most max_body bytes)."""
     header, at = unpack_header(magic, version, data, what)
+    return header, unpack_body(data, at, max_body)
+
+
+def unpack_body(data: bytes, at: int, max_body: int) -> bytes:
+    """The body that starts at `at` (unpack_header's), of at most max_body bytes once decompressed."""
     try:
         body = zstandard.ZstdDecompressor().decompress(data[at:], max_output_size=max_body)
     except zstandard.ZstdError as e:
         raise ValueError(f"damaged data ({e})") from e
     if len(body) > max_body:  # a frame that states its size is decompressed whole: the bound is checked here
         raise ValueError(f"damaged data ({len(body)} bytes where at most {max_body} fit the header)")
-    return header, body
+    return body
 
 
 def read_header(path: Path, magic: bytes, version: int, what: str, limit: int) -> dict:
-    """Only the header of the file at `path` (its first `limit` bytes read at most)."""
+    """Only the header of the file at `path`: its magic and length, then the header's own bytes (at most `limit`)."""
     with open(path, "rb") as f:
-        return unpack_header(magic, version, f.read(limit), what)[0]
+        head = f.read(len(magic) + LENGTH.size)
+        if not head.startswith(magic) or len(head) < len(magic) + LENGTH.size:
+            return unpack_header(magic, version, head, what)[0]  # raises what is wrong
+        (n,) = LENGTH.unpack(head[len(magic) :])
+        if n > limit:
+            raise ValueError(f"header of {n} bytes, more than the {limit} read")
+        return unpack_header(magic, version, head + f.read(n), what)[0]

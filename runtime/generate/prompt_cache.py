@@ -46,7 +46,7 @@ def encode_entry(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
 
 def decode_entry(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     """The entry's bytes -> (header, arrays); ValueError says what is wrong with them."""
-    header, _ = framed_file.unpack_header(MAGIC, FORMAT_VERSION, data, WHAT)
+    header, at = framed_file.unpack_header(MAGIC, FORMAT_VERSION, data, WHAT)
     specs = header.get("arrays")
     if not isinstance(specs, dict):
         raise ValueError("damaged header (no arrays)")
@@ -54,7 +54,7 @@ def decode_entry(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         sizes = {name: int(np.prod(shape)) * np.dtype(dtype).itemsize for name, (shape, dtype) in specs.items()}
     except (TypeError, ValueError) as e:
         raise ValueError(f"damaged header (arrays: {e})") from None
-    header, body = framed_file.unpack(MAGIC, FORMAT_VERSION, data, WHAT, sum(sizes.values()))
+    body = framed_file.unpack_body(data, at, sum(sizes.values()))
     if len(body) != sum(sizes.values()):
         raise ValueError(f"truncated data: {len(body)} bytes of {sum(sizes.values())}")
     arrays, at = {}, 0

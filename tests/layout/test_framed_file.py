@@ -40,3 +40,18 @@ def test_a_body_larger_than_allowed_is_refused():
     data = framed_file.pack(MAGIC, VERSION, {}, b"x" * 1000, level=3)
     with pytest.raises(ValueError, match="damaged data"):
         framed_file.unpack(MAGIC, VERSION, data, "a test file", max_body=10)
+
+
+@pytest.mark.parametrize("cut", [3, 10, 30, None])
+def test_read_header_reads_the_header_alone_and_names_damage(tmp_path, cut):
+    """It reads the magic, the length and the header's own bytes (not the body), within the limit."""
+    data = framed_file.pack(MAGIC, VERSION, {"a": "x" * 100}, b"y" * 100_000, level=3)
+    path = tmp_path / "f"
+    path.write_bytes(data[:cut] if cut else data)
+    if cut is not None:
+        with pytest.raises(ValueError, match="not a test file|truncated header"):
+            framed_file.read_header(path, MAGIC, VERSION, "a test file", limit=1 << 16)
+        return
+    assert framed_file.read_header(path, MAGIC, VERSION, "a test file", limit=1 << 16)["a"] == "x" * 100
+    with pytest.raises(ValueError, match="more than the 50 read"):
+        framed_file.read_header(path, MAGIC, VERSION, "a test file", limit=50)

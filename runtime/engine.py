@@ -282,8 +282,9 @@ class Engine:
 
     def batch(self) -> BatchRun:
         """Sequences decoding together, up to the plan's max_batch (runtime/generate/batch.py): add prompts between
-        steps, step, take each sequence's deltas and, once it ends, its Generation. One batch at a time, in the
-        thread that made it; the engine's other calls end it."""
+        steps, step, take each sequence's deltas and, once it ends, its Generation. One batch at a time, in one
+        thread; the engine's other calls may run between its steps (they use the single sequence's slot 0, as the
+        batch's prefills do, which keep the engine's record of it up to date)."""
         model = self._model()
         if self.plan.max_batch < 2:
             raise ConfigError("Engine.batch: this engine decodes one sequence at a time; open it with max_batch >= 2")

@@ -136,3 +136,18 @@ def test_a_batch_restores_from_the_prompt_cache_and_the_tokens_stay(converted, t
         again = dict(engine.generate_batch([(long, engine.options_for(max_tokens=5, temperature=0))]))[0]
     assert again.stats.restored_tokens > 0 and again.token_ids == first.token_ids
     assert torch.is_tensor(torch.tensor(again.token_ids))
+
+
+def test_other_calls_between_a_batchs_steps_leave_it_alone(converted):
+    """A generation or logits call between two steps uses slot 0, not the batch's slots."""
+    with Engine(converted, device="cpu", max_context=64, max_batch=2) as engine:
+        alone = [_alone(engine, ids, 8) for ids in PROMPTS[:2]]
+        run = engine.batch()
+        seqs = [run.add(ids, engine.options_for(max_tokens=8, temperature=0)) for ids in PROMPTS[:2]]
+        run.step()
+        between = engine.generate(PROMPTS[2], max_tokens=4, temperature=0).token_ids
+        engine.logits(PROMPTS[3])
+        while run.rows:
+            run.step()
+        assert [s.generation.token_ids for s in seqs] == alone
+        assert between == _alone(engine, PROMPTS[2], 4)

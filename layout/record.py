@@ -88,25 +88,25 @@ class RecordLayout:
             buf[p.offset : p.offset + p.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
         return memoryview(buf.numpy())
 
-    def unpack(self, buf: bytes | bytearray | memoryview | torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of the parts of one record (buf: the record's bytes, on any device if a tensor)."""
+    def _raw(self, buf: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
+        """A record's bytes as uint8 (a tensor stays where it is), checked to hold the whole layout."""
         raw = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(bytearray(buf), dtype=torch.uint8)
         if raw.numel() < self.nbytes:
             raise FormatError(f"record is {raw.numel()} bytes, layout needs {self.nbytes}")
+        return raw
+
+    def unpack(self, buf: bytes | bytearray | memoryview | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of the parts of one record (buf: the record's bytes, on any device if a tensor)."""
+        raw = self._raw(buf)
         return {
             p.name: raw[p.offset : p.offset + p.nbytes].view(TORCH_DTYPES[p.dtype]).reshape(p.shape) for p in self.parts
         }
 
     def stored(self, buf: bytes | bytearray | memoryview | torch.Tensor, which: str) -> tuple[torch.Tensor, ...]:
-        """One matrix of a record (w1, w3 or w2) as stored, in FORMATS order: its packed rows, their block scales,
-        and for NVFP4 its global scale."""
-        t, i = self.unpack(buf), self.inter_dim
-        rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(None)}[which]
-        part = "w2" if which == "w2" else "w13"
-        parts = (t[part][rows], t[part + "_scale"][rows])
-        if self.format == "nvfp4":  # a global scale per matrix: w1, w3, w2
-            parts += (t["scale_2"][("w1", "w3", "w2").index(which)],)
-        return parts
+        """One matrix of a record (w1, w3 or w2) as stored, in FORMATS order: views of its spans (its packed rows,
+        their block scales and for NVFP4 its global scale)."""
+        raw = self._raw(buf)
+        return tuple(raw[at : at + n].view(TORCH_DTYPES[dt]).reshape(shape) for dt, at, n, shape in self.spans(which))
 
     def spans(self, which: str) -> list[tuple[str, int, int, tuple[int, ...]]]:
         """Where one matrix (w1, w3 or w2) lies in a record, in `stored`'s order: (dtype, byte offset in the record,

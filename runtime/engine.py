@@ -84,9 +84,6 @@ class Engine:
                 f"--mtp: speculative decoding drives V3's MTP layer, not DeepSeek-V4's; run {self.model_dir} "
                 "without --mtp"
             )
-        if o.max_batch > 1 and (o.mtp or o.record_trace):
-            flag = "--mtp" if o.mtp else "--record-trace"
-            raise ConfigError(f"--max-batch with {flag}: {flag} follows one sequence; give --max-batch 1")
         self.model: Model | None = load_model(
             self.model_dir, device, dtype, self.max_context, with_mtp=o.mtp, manifest=manifest, options=o, plan=plan
         )
@@ -451,7 +448,7 @@ class Engine:
         """A batch's new sequence: its prompt into slot 0 as a generation's would go (reuse, prompt cache) -> logits
         after its last token [V]."""
         stats.cached_tokens, stats.restored_tokens = self._reuse(prompt_ids)
-        logits = deque(self.decoder.feed(prompt_ids[stats.cached_tokens :], cancel), maxlen=1)[0][0]
+        logits = self.decoder.prefill(prompt_ids[stats.cached_tokens :], cancel)
         self._save_prompt(prompt_ids, stats)
         return logits
 

@@ -51,5 +51,6 @@ MODES = {
     "balanced": Levers(expert_threshold=0.15),
     "throughput": Levers(expert_threshold=0.2),
 }
-# sequences decoded together under --max-batch 0, as far as the device budget affords their caches (planner.auto_batch)
+# sequences decoded together under --max-batch 0, as far as the device budget affords their caches and the tiers the
+# experts a step is expected to need (planner.auto_batch, planner.union_batch)
 MODE_BATCH = {"exact": 8, "latency": 1, "balanced": 8, "throughput": 16}

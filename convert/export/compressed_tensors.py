@@ -61,13 +61,20 @@ def _template(name: str) -> str:
     return re.sub(r"\\\.(\d+)(?=\\\.|$)", r"\\.\\d+", re.escape(name))
 
 
-def quantization_config(modules: list[Module]) -> dict:
-    """The checkpoint's quantization_config: a group per quantized format, `ignore` for the rest."""
+def kind_formats(modules: list[Module], template: Callable[[str], str]) -> dict[str, str]:
+    """Each kind of module (its name as `template` writes it, numbers generalized) -> its one stored format; an
+    export's config names kinds, so a kind stored in two formats is a FormatError naming it."""
     kinds: dict[str, str] = {}
     for m in modules:
-        kind = _template(m.name)
+        kind = template(m.name)
         if kinds.setdefault(kind, m.format) != m.format:
             raise FormatError(f"{kind}: modules of this kind are stored as {kinds[kind]} and {m.format}")
+    return kinds
+
+
+def quantization_config(modules: list[Module]) -> dict:
+    """The checkpoint's quantization_config: a group per quantized format, `ignore` for the rest."""
+    kinds = kind_formats(modules, _template)
     groups, ignore = {}, ["lm_head", r"re:.*\.mlp\.gate$"]
     by_format: dict[str, list[str]] = {}
     for kind, fmt in sorted(kinds.items()):

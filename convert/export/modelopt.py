@@ -26,7 +26,7 @@ import re
 import torch
 
 from dsfp4.convert.backbone import FP8
-from dsfp4.convert.export.compressed_tensors import Module, OutTensor, Read
+from dsfp4.convert.export.compressed_tensors import Module, OutTensor, Read, kind_formats
 from dsfp4.errors import FormatError
 from dsfp4.layout.quant import PLAIN_DTYPES, dequantize
 from dsfp4.version import __version__
@@ -69,13 +69,9 @@ def _pattern(name: str) -> str:
 
 def exclusions(modules: list[Module]) -> list[str]:
     """The fnmatch patterns of every module not in NVFP4 (lm_head and the routers always); FormatError when a kind is
-    NVFP4 in some layers and not in others (one pattern could not say which)."""
-    kinds: dict[str, bool] = {}
-    for m in modules:
-        kind = _pattern(m.name)
-        if kinds.setdefault(kind, m.format == "nvfp4") != (m.format == "nvfp4"):
-            raise FormatError(f"{kind}: NVFP4 in some layers and not in others; ModelOpt's exclusions go by kind")
-    return [*ALWAYS_EXCLUDED, *sorted(k for k, fp4 in kinds.items() if not fp4)]
+    stored in two formats (one pattern could not say which)."""
+    kinds = kind_formats(modules, _pattern)
+    return [*ALWAYS_EXCLUDED, *sorted(k for k, fmt in kinds.items() if fmt != "nvfp4")]
 
 
 def quantization_config(modules: list[Module]) -> tuple[dict, dict]:

@@ -96,9 +96,8 @@ if triton is not None:
         b, t = (tl.program_id(0) // T).to(tl.int64), tl.program_id(0) % T  # b * a cache's batch stride: past 2^31
         dims = tl.arange(0, RP)[None, :]  # [1, RP]: the rope dims as a row, for _pairs
         in_r = dims < R
-        cos, sin = _pairs(
-            f_ptr + b * stride_fb + t * stride_ft + dims, in_r
-        )  # freqs_cis as (real, imaginary) fp32 pairs
+        # freqs_cis as (real, imaginary) fp32 pairs: the token's own row, or its sequence's (stride_fb 0: shared)
+        cos, sin = _pairs(f_ptr + b * stride_fb + t * stride_ft + dims, in_r)
         heads = tl.arange(0, HP)[:, None]
         qp = q_ptr + b * stride_qb + t * stride_qt + heads * stride_qh + N + dims  # [HP, RP] rope dims
         q_ok = (heads < H) & in_r

@@ -118,9 +118,7 @@ class BatchRun:
             logits = self.hooks.prefill(seq.prompt_ids, cancel, seq.stats)
             seq.pos = n
             self._reserve(seq)
-            slot = self.slots[BATCH_SLOT + len(self.rows)]
-            for name, rows in self.slots[0].items():
-                slot[name][:n].copy_(rows[:n])
+            _copy_rows(self.slots[BATCH_SLOT + len(self.rows)], self.slots[0], n)
             self.rows.append(seq)
             self._take(seq, sample(logits, seq.sampling, seq.gen))
             self._drop_finished()
@@ -132,21 +130,20 @@ class BatchRun:
         layer together straight into their slots (joint_prefill.prefill_into_slots: each layer's records read once
         for all of them, not once each), all but their last tokens, which the next step feeds; else one by one."""
         assert len(requests) <= self.free, "BatchRun.add_many: more prompts than free slots"
-        together = [r for r in requests if len(r[0]) >= 2] if self.joint else []
+        together = {i: r for i, r in enumerate(requests) if len(r[0]) >= 2} if self.joint else {}
         if len(together) < 2:
             return [self.add(*r) for r in requests]
-        seqs = {id(r): self._sequence(*r) for r in together}
+        seqs = {i: self._sequence(*r) for i, r in together.items()}
         with self.hooks.claim():
             self.hooks.forget()  # the pass leaves slot 0 holding no one prompt
             first = BATCH_SLOT + len(self.rows)
-            prompts = [seqs[id(r)].prompt_ids[:-1] for r in together]
+            prompts = [seq.prompt_ids[:-1] for seq in seqs.values()]
             prefill_into_slots(self.model, prompts, list(range(first, first + len(prompts))), self.chunk)
-            for r in together:
-                seq = seqs[id(r)]
+            for seq in seqs.values():
                 seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
                 self._reserve(seq)
                 self.rows.append(seq)
-        return [seqs[id(r)] if id(r) in seqs else self.add(*r) for r in requests]
+        return [seqs[i] if i in seqs else self.add(*r) for i, r in enumerate(requests)]
 
     def _reserve(self, seq: BatchSequence) -> None:
         if self.routing is not None:  # its decode routes through a stretch of the trace of its own
@@ -204,9 +201,7 @@ class BatchRun:
                 continue
             last = self.rows.pop()
             if last is not seq:
-                dst, src = self.slots[BATCH_SLOT + i], self.slots[BATCH_SLOT + len(self.rows)]
-                for name, rows in src.items():
-                    dst[name][: last.pos].copy_(rows[: last.pos])
+                _copy_rows(self.slots[BATCH_SLOT + i], self.slots[BATCH_SLOT + len(self.rows)], last.pos)
                 self.rows[i] = last
             self._end(seq)
 
@@ -222,3 +217,9 @@ class BatchRun:
         stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)  # the batch's, shared
         self.hooks.finished(stats)
         seq.generation = Generation(seq.prompt_ids, steps.tokens, steps.text, steps.finish, stats)
+
+
+def _copy_rows(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], n: int) -> None:
+    """A sequence's first n rows of every positional cache, from one cache slot (src) to another (dst)."""
+    for name, rows in src.items():
+        dst[name][:n].copy_(rows[:n])

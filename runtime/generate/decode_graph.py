@@ -96,7 +96,6 @@ class DecodeGraphs:
         of one [2, B] tensor, which a batch step fills from pinned staging in one copy)."""
         if (b, slot) not in self.inputs:
             self.inputs[b, slot] = torch.zeros(2, b, dtype=torch.long, device=self.device)
-            self.staging[b] = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
         both = self.inputs[b, slot]
         return both[0].view(b, 1), both[1]
 
@@ -113,6 +112,8 @@ class DecodeGraphs:
         and span captures the step (an untimed run and the capture, then the replay)."""
         b = len(tokens)
         self._inputs(b, BATCH_SLOT)
+        if b not in self.staging:
+            self.staging[b] = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
         host = self.staging[b]  # free again: the last step's logits were read, after its copy
         host.numpy()[:] = (tokens, positions)
         self.inputs[b, BATCH_SLOT].copy_(host, non_blocking=True)  # the token and position rows in one copy

@@ -89,6 +89,11 @@ class Decoder:
         for i in range(0, len(ids), self.prefill_chunk):
             yield self.forward(ids[i : i + self.prefill_chunk], cancel)
 
+    def prefill(self, ids: list[int], cancel: threading.Event | None = None) -> torch.Tensor:
+        """Feed ids after the cached tokens (in chunks) -> the logits after the last one [V]; each chunk's tensors go
+        as the next one comes."""
+        return deque(self.feed(ids, cancel), maxlen=1)[0][0]
+
     def decode(
         self,
         ids: list[int],
@@ -100,7 +105,7 @@ class Decoder:
         """Plain decoding: prefill ids after the cached tokens, then yield tokens. Replayed steps run one ahead
         of the host (DecodeGraphs.tokens, sampling on the device); eager ones feed a token to the model only
         when the next one is asked for (so the last one never is)."""
-        logits = deque(self.feed(ids, cancel), maxlen=1)[0][0]  # each chunk's tensors go as the next one comes
+        logits = self.prefill(ids, cancel)
         if self.replays:
             seed = sampling.seed
             on_device = None if seed is None else torch.Generator(self.model.device).manual_seed(seed)

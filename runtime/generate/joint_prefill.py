@@ -12,6 +12,8 @@ not filled here (its entries are made as generation goes). Legend: S a prompt's 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from dsfp4.runtime.generate.prompt_cache import PromptCache
@@ -42,47 +44,53 @@ def layer_of(name: str) -> int | None:
     return int(parts[1]) if parts[0] == "layers" else None
 
 
-def _by_layer(caches: dict[str, torch.Tensor]) -> dict[int, list[str]]:
-    """The main model's positional caches by block (the MTP layer's left out)."""
-    by_layer: dict[int, list[str]] = {}
+Rows = dict[str, torch.Tensor]  # a prompt's rows of the positional caches, by name: each [>= its length, ...]
+
+
+def _passes(
+    model: Model, prompts: list[list[int]], chunk: int, into: Callable[[list[int]], list[Rows]]
+) -> Iterator[tuple[list[int], list[Rows]]]:
+    """Prefill the prompts group by group, each group layer by layer together; into(group) -> where each prompt's KV
+    rows go (its first len(prompt) rows of each cache), copied as the prompt leaves each layer -> after each group's
+    pass, (the group, its rows). The single sequence's slot 0 holds no one prompt afterwards."""
+    caches = model.positional_caches()  # name -> [max_len, ...] on the device
+    by_layer: dict[int, list[str]] = {}  # the main model's caches by block (the MTP layer's left out)
     for name in caches:
         if (layer := layer_of(name)) is not None:
             by_layer.setdefault(layer, []).append(name)
-    return by_layer
+    for group in groups([len(p) for p in prompts]):
+        rows = into(group)
+
+        def keep(layer: int, j: int, group=group, rows=rows) -> None:
+            n = len(prompts[group[j]])
+            for name in by_layer.get(layer, ()):
+                rows[j][name][:n].copy_(caches[name][:n])
+
+        layer_pass(model, [prompts[k] for k in group], chunk, lambda _: None, keep)
+        yield group, rows
 
 
 def prefill_into_slots(model: Model, prompts: list[list[int]], slots: list[int], chunk: int) -> None:
-    """Prefill each prompt layer by layer with the others of its group, its KV rows copied into cache slot slots[k]
-    as it leaves each layer (a batch's sequences joining together: runtime/generate/batch.py). The single sequence's
-    slot 0 holds no one prompt afterwards."""
-    caches = model.positional_caches()  # name -> [max_len, ...] on the device
-    by_layer, targets = _by_layer(caches), [model.positional_caches(s) for s in slots]
-    for group in groups([len(p) for p in prompts]):
-
-        def keep(layer: int, j: int, group=group) -> None:
-            n = len(prompts[group[j]])
-            for name in by_layer.get(layer, ()):
-                targets[group[j]][name][:n].copy_(caches[name][:n])
-
-        layer_pass(model, [prompts[k] for k in group], chunk, lambda _: None, keep)
+    """Prefill each prompt layer by layer with the others of its group straight into cache slot slots[k] (a batch's
+    sequences joining together: runtime/generate/batch.py)."""
+    targets = [model.positional_caches(s) for s in slots]
+    for _ in _passes(model, prompts, chunk, lambda group: [targets[k] for k in group]):
+        pass
 
 
 def prefill_together(model: Model, cache: PromptCache, prompts: list[list[int]], chunk: int) -> int:
     """Prefill each prompt but its last token, layer by layer with the others of its group, and save its KV rows in
     `cache` -> the tokens prefilled. The model's caches hold no one prompt afterwards."""
-    caches = model.positional_caches()  # name -> [max_len, ...] on the device
-    by_layer = _by_layer(caches)
+    caches = model.positional_caches()
     sequences = [p[:-1] for p in prompts]
-    for group in groups([len(s) for s in sequences]):
-        seqs = [sequences[k] for k in group]
-        rows = [{n: torch.zeros((len(s), *t.shape[1:]), dtype=t.dtype) for n, t in caches.items()} for s in seqs]
 
-        def keep(layer: int, j: int, seqs=seqs, rows=rows) -> None:  # [S, ...] rows of the layer's caches
-            for name in by_layer.get(layer, ()):
-                rows[j][name].copy_(caches[name][: len(seqs[j])])
+    def host_rows(group: list[int]) -> list[Rows]:  # [S, ...] each, waiting in host memory
+        return [
+            {n: torch.zeros((len(sequences[k]), *t.shape[1:]), dtype=t.dtype) for n, t in caches.items()} for k in group
+        ]
 
-        layer_pass(model, seqs, chunk, lambda _: None, keep)
-        for s, r in zip(seqs, rows, strict=True):
-            cache.save(s, r, mtp_upto=0)
+    for group, rows in _passes(model, sequences, chunk, host_rows):
+        for k, r in zip(group, rows, strict=True):
+            cache.save(sequences[k], r, mtp_upto=0)
     cache.wait()
     return sum(len(s) for s in sequences)

@@ -13,6 +13,7 @@ from dsfp4.device import resolve_device
 from dsfp4.errors import ChecksumError, ConfigError
 from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.safetensors_file import file_sha256
 from dsfp4.runtime.models.host_memory import ALIGN, HostArena
 from dsfp4.runtime.models.protocol import Model
@@ -109,19 +110,27 @@ def plan_run(
 ) -> Plan:
     budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
     chunk, threads, a = options.prefill_chunk, options.io_threads, manifest.args
-    batch = options.max_batch
-    if batch == 0:  # MTP and a recorded trace follow one sequence: they decode alone
-        elt, alone = torch.empty((), dtype=dtype).element_size(), with_mtp or options.record_trace is not None
+    batch, alone = options.max_batch, _decodes_alone(a, options, with_mtp)
+    if batch > 1 and alone:
+        raise ConfigError(alone)
+    if batch == 0:
+        elt = torch.empty((), dtype=dtype).element_size()
         batch = 1 if alone else auto_batch(a, budgets.gpu, max_len, elt, MODE_BATCH[options.mode])
-    elif batch > 1 and a.is_v4:
-        raise ConfigError(
-            f"--max-batch {batch}: DeepSeek-V4's caches hold a running state, not rows by position, so it decodes one "
-            "sequence at a time; give --max-batch 1"
-        )
     plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=batch)
     if options.max_batch == 0 and (fit := union_batch(a, plan, batch)) < batch:  # the batch's experts fit the tiers
         plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=fit)
     return plan
+
+
+def _decodes_alone(a: ModelArgs, options: RunOptions, with_mtp: bool) -> str | None:
+    """Why a run decodes one sequence at a time whatever --max-batch says (None: it may batch)."""
+    if a.is_v4:
+        return (
+            f"--max-batch {options.max_batch}: DeepSeek-V4's caches hold a running state, not rows by position, so it "
+            "decodes one sequence at a time; give --max-batch 1"
+        )
+    flag = "--mtp" if with_mtp else "--record-trace" if options.record_trace is not None else None
+    return None if flag is None else f"--max-batch with {flag}: {flag} follows one sequence; give --max-batch 1"
 
 
 def host_arena_bytes(manifest: Manifest, on_host: HostBackbone, dtype: torch.dtype) -> int:

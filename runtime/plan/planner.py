@@ -173,10 +173,10 @@ def sequence_cache_bytes(a: ModelArgs, layers: range, max_context: int, elt: int
 
 def auto_batch(a: ModelArgs, gpu_budget: int, max_context: int, elt: int, want: int) -> int:
     """--max-batch 0: `want` sequences (the mode's), as many as fit BATCH_KV_SHARE of the device budget with caches of
-    `max_context` (at least 1; V4's caches decode one sequence at a time). The plan then caps it (union_batch)."""
-    if a.is_v4 or want <= 1:
+    `max_context` (at least 1). The plan then caps it (union_batch)."""
+    if want <= 1:
         return 1
-    per = sequence_cache_bytes(a, range(a.n_blocks), max_context, elt)
+    per = sequence_cache_bytes(a, range(a.n_layers), max_context, elt)  # a batch runs without the MTP layer
     return max(1, min(want, int(gpu_budget * BATCH_KV_SHARE) // max(per, 1)))
 
 

@@ -96,7 +96,7 @@ def test_the_plan_holds_a_cache_slot_per_batched_sequence(converted):
     assert four.kv_cache - one.kv_cache == 4 * per and four.max_batch == 4
     assert "4 batched sequences" in four.table()
     # --max-batch 0: the mode's, as far as an eighth of the device budget holds the caches
-    per_v3 = sequence_cache_bytes(a, range(a.n_blocks), 4096, 2)
+    per_v3 = sequence_cache_bytes(a, range(a.n_layers), 4096, 2)
     assert auto_batch(a, 64 * per_v3, 4096, 2, 8) == 8 and auto_batch(a, 24 * per_v3, 4096, 2, 8) == 3
     assert auto_batch(a, per_v3, 4096, 2, 8) == 1
     auto = plan_engine(converted, RunOptions(device="cpu", max_context=64, max_batch=0, mode="latency"))

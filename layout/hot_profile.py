@@ -1,7 +1,7 @@
 """hot.json: how often each routed expert was chosen, per MoE layer, measured by `dsfp4 profile-hot`.
 
   {"format": "dsfp4-hot-1",
-   "conversion_sha256": "...",      Manifest.conversion_sha256() of the model it was measured on
+   "conversion_sha256": "...",      Manifest.exact_sha256() of the model it was measured on
    "tokens": 16384,                 tokens profiled; every MoE layer routed each of them
    "sources": ["builtin: ..."],     the calibration text (several after --merge)
    "layers": {"3": {"counts": [...], "weights": [...], "order": [...]}, ...}}
@@ -29,7 +29,7 @@ HOT_FORMAT = "dsfp4-hot-1"
 
 @dataclass(frozen=True)
 class HotProfile:
-    conversion: str  # Manifest.conversion_sha256()
+    conversion: str  # Manifest.exact_sha256(): the conversion, its cold records counted as the ones they came from
     tokens: int
     counts: dict[int, tuple[int, ...]]  # MoE layer -> times each expert was chosen
     weights: dict[int, tuple[float, ...]] = field(default_factory=dict)  # MoE layer -> summed routing weights
@@ -49,7 +49,7 @@ class HotProfile:
     def check(self, manifest: Manifest, path: Path | str) -> HotProfile:
         """Self, if it was measured on this conversion and covers its MoE layers' experts; else a
         ManifestError naming the file."""
-        self._same_conversion(manifest.conversion_sha256(), path)
+        self._same_conversion(manifest.exact_sha256(), path)
         n = manifest.args.n_routed_experts
         wrong = [layer for layer, c in self.counts.items() if layer not in manifest.experts or len(c) != n]
         if wrong:

@@ -37,6 +37,12 @@ def describe(model_dir: Path, tensors: bool = False) -> str:
             f"{len(m.experts)} layer files, {format_bytes(n * m.record.nbytes)}",
         ]
         lines += [f"  {p.name:<10}{p.dtype:>8} {str(list(p.shape)):<16} offset {p.offset}" for p in m.record.parts]
+        if (cold := m.cold_record) is not None:
+            k = sum(len(e.cold) for e in m.experts.values())
+            lines.append(
+                f"  of which {k} cold: {cold.code_bits}-bit codes, records of {format_bytes(cold.nbytes)} "
+                f"({cold.nbytes / m.record.nbytes:.0%}), widened to {m.record.format} on their way to the GPU"
+            )
         for layer, e in sorted(m.experts.items()):
             lines.append(f"  layer {layer:>3}: {e.file}, {len(e.offsets)} experts")
     if m.quant_error:

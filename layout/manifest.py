@@ -7,6 +7,7 @@ expert record layout and, per MoE layer, each expert's offset and checksum in it
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -45,11 +46,29 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class ExpertFile:
-    """One MoE layer's records: offsets[e] and sha256[e] belong to expert e."""
+    """One MoE layer's records: offsets[e] and sha256[e] belong to expert e. cold: the experts whose records are
+    cold (Manifest.cold_record), source_sha256 (in cold's order) the sha256 of the records they were narrowed from."""
 
     file: str
     offsets: tuple[int, ...]
     sha256: tuple[str, ...]
+    cold: tuple[int, ...] = ()
+    source_sha256: tuple[str, ...] = ()
+
+    def to_dict(self, placed: bool = True) -> dict[str, Any]:
+        """`placed` False: without where the records sit (file, offsets)."""
+        d: dict[str, Any] = {"file": self.file, "offsets": list(self.offsets)} if placed else {}
+        d["sha256"] = list(self.sha256)
+        if self.cold:
+            d |= {"cold": list(self.cold), "source_sha256": list(self.source_sha256)}
+        return d
+
+    def exact(self) -> ExpertFile:
+        """The layer as it was before its cold records were narrowed: each one's source checksum, none cold."""
+        sha = list(self.sha256)
+        for e, source in zip(self.cold, self.source_sha256, strict=True):
+            sha[e] = source
+        return ExpertFile(self.file, self.offsets, tuple(sha))
 
 
 @dataclass(frozen=True)
@@ -65,11 +84,21 @@ class Manifest:
     quant_error: dict[str, float] = field(default_factory=dict)
     version: int = MANIFEST_VERSION
     created_by: str = f"dsfp4 {__version__}"
+    cold_record: RecordLayout | None = None  # the layout of every layer's cold records
 
     def file_position(self, key: tuple[int, int]) -> tuple[int, int]:
         """(layer, offset in its expert file) of the record of key (layer, expert): sorting records by it gives
         the order of sequential reads."""
         return key[0], self.experts[key[0]].offsets[key[1]]
+
+    def layout_of(self, key: tuple[int, int]) -> RecordLayout:
+        """The layout of the record of key (layer, expert): a cold one's or the model's."""
+        cold = self.cold_record is not None and key[1] in self.experts[key[0]].cold
+        return self.cold_record if cold else self.record
+
+    def record_end(self, key: tuple[int, int]) -> int:
+        """Where the record of key ends in its layer file."""
+        return self.file_position(key)[1] + self.layout_of(key).nbytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,10 +115,8 @@ class Manifest:
             "files": {k: {"nbytes": f.nbytes, "sha256": f.sha256} for k, f in self.files.items()},
             "experts": {
                 "record": self.record.to_dict() if self.record else None,
-                "layers": {
-                    str(layer): {"file": e.file, "offsets": list(e.offsets), "sha256": list(e.sha256)}
-                    for layer, e in self.experts.items()
-                },
+                **({"cold_record": self.cold_record.to_dict()} if self.cold_record else {}),
+                "layers": {str(layer): e.to_dict() for layer, e in self.experts.items()},
             },
             "skipped": self.skipped,
             "quant_error": self.quant_error,
@@ -99,12 +126,17 @@ class Manifest:
         return (json.dumps(self.to_dict(), indent=1) + "\n").encode()
 
     def conversion_sha256(self) -> str:
-        """Identity of this conversion, which hot profiles bind to: the manifest without where the records
-        sit (each layer's file and offsets), the one thing a hot-first repack changes."""
+        """Identity of this conversion, which prompt caches and exports bind to: the manifest without where the
+        records sit (each layer's file and offsets), the one thing a hot-first repack changes."""
         d = self.to_dict()
-        for layer in d["experts"]["layers"].values():
-            del layer["file"], layer["offsets"]
+        d["experts"]["layers"] = {k: e.to_dict(placed=False) for k, e in self.experts.items()}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    def exact_sha256(self) -> str:
+        """Identity of the conversion before its cold records were narrowed (conversion_sha256 when none is):
+        hot profiles bind to it, since the experts a router picks are the same conversion's, narrowed or not."""
+        exact = dataclasses.replace(self, cold_record=None, experts={k: e.exact() for k, e in self.experts.items()})
+        return exact.conversion_sha256()
 
     def write(self, out_dir: Path) -> None:
         atomic_write_bytes(out_dir / MANIFEST_NAME, self.to_json())
@@ -117,10 +149,14 @@ class Manifest:
         """Every weight file (backbone/) is in `model_dir` at its size and each expert file holds its records (a
         stat per file: a truncated or missing file fails when the model is opened, not when it is first read). The
         tokenizer's and config's files are left to their parsers and to verify: a user may edit the chat template."""
-        record = self.record.nbytes if self.record else 0
         sizes = [(rel, self.files[rel].nbytes, "") for rel in self.backbone_files()]
         sizes += [
-            (e.file, max(e.offsets, default=0) + record, f" (experts of layer {b})") for b, e in self.experts.items()
+            (
+                e.file,
+                max((self.record_end((b, k)) for k in range(len(e.offsets))), default=0),
+                f" (experts of layer {b})",
+            )
+            for b, e in self.experts.items()
         ]
         for rel, want, what in sizes:
             path = Path(model_dir) / rel
@@ -175,9 +211,16 @@ class Manifest:
                 files={k: FileEntry(f["nbytes"], f["sha256"]) for k, f in d["files"].items()},
                 record=RecordLayout.from_dict(ex["record"]) if ex["record"] else None,
                 experts={
-                    int(k): ExpertFile(e["file"], tuple(e["offsets"]), tuple(e["sha256"]))
+                    int(k): ExpertFile(
+                        e["file"],
+                        tuple(e["offsets"]),
+                        tuple(e["sha256"]),
+                        tuple(map(int, e.get("cold", ()))),
+                        tuple(map(str, e.get("source_sha256", ()))),
+                    )
                     for k, e in ex["layers"].items()
                 },
+                cold_record=RecordLayout.from_dict(ex["cold_record"]) if ex.get("cold_record") else None,
                 skipped=d.get("skipped", {}),
                 quant_error=d.get("quant_error", {}),
                 version=version,

@@ -1,18 +1,21 @@
 """Hot-first repack: rewrite each layer file with its experts in hotness order, so that the warm start
-reads the hot prefix of every layer in one sequential read.
+reads the hot prefix of every layer in one sequential read; with `Cold`, the records outside each layer's hot set
+are narrowed to 2- or 3-bit codes on the way (layout/cold.py), so each SSD miss reads fewer bytes.
 
 Safe to interrupt, one layer at a time: the layer's new file is written under a new name and synced,
 then manifest.json is replaced atomically to point at it, then the old file is removed. The manifest
 always names complete files, so an interrupted repack leaves a model that loads (some layers in the new
 order, the rest in the old) and gives the same tokens; running it again finishes the job and removes
-what the interrupted run left behind. Record bytes and checksums never change, only file names and
-offsets, so the conversion's identity (and hot.json) stay valid. Extra disk space: one layer file.
+what the interrupted run left behind. A plain repack changes only file names and offsets, so the conversion's
+identity stays; narrowing changes records and their checksums (conversion_sha256), while the manifest keeps each
+cold record's source checksum, so hot.json (bound to exact_sha256) stays valid. Extra disk space: one layer file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import shutil
 import time
@@ -21,12 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dsfp4.errors import ChecksumError, ConfigError, OutputError
 from dsfp4.layout.atomic import fsync_dir, lock_folder
+from dsfp4.layout.cold import COLD_BITS
 from dsfp4.layout.direct_io import RecordFile, aligned_buffer, open_direct
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import ExpertFile, Manifest
-from dsfp4.layout.record import record_sha256
+from dsfp4.layout.record import RecordLayout, record_sha256
 from dsfp4.layout.safetensors_file import pwrite_all
 from dsfp4.units import format_bytes
 
@@ -39,8 +45,53 @@ COPY_DEPTH = 4  # chunks read ahead of the writer (RAM: COPY_DEPTH x COPY_RECORD
 class RepackReport:
     rewritten: int  # layer files written in the new order
     unchanged: int  # already in that order
-    nbytes: int  # bytes copied
+    nbytes: int  # bytes written
     seconds: float
+    narrowed: int = 0  # records narrowed to cold codes
+
+
+@dataclass(frozen=True)
+class Cold:
+    """Narrow the records outside each layer's hot set: the hottest `hot_share` of its experts stay exact, the rest
+    are stored in cold codes of `bits`, after the hot ones."""
+
+    bits: int
+    hot_share: float
+
+    def __post_init__(self) -> None:
+        if self.bits not in COLD_BITS or not 0 <= self.hot_share < 1:
+            raise ConfigError(f"cold records take {COLD_BITS} bits and a hot share in [0, 1), not {self}")
+
+    def experts(self, order: list[int]) -> tuple[int, ...]:
+        return tuple(sorted(order[math.ceil(self.hot_share * len(order)) :]))
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a layer's records go: in `order` through the file, `cold` ones narrowed to `layouts[1]`, each at
+    offsets[e]."""
+
+    order: list[int]
+    cold: tuple[int, ...]
+    offsets: tuple[int, ...]
+    layouts: tuple[RecordLayout, RecordLayout | None]  # exact, cold
+
+    @classmethod
+    def of(cls, manifest: Manifest, layer: int, order: list[int], cold: Cold | None) -> Target:
+        wide = manifest.record
+        narrow = wide.cold_of(cold.bits) if cold else manifest.cold_record
+        narrowed = cold.experts(order) if cold else manifest.experts[layer].cold
+        offsets, at = [0] * len(order), 0
+        for e in order:
+            offsets[e] = at
+            at += (narrow if e in narrowed else wide).nbytes
+        return cls(order, narrowed, tuple(offsets), (wide, narrow))
+
+    def layout(self, e: int) -> RecordLayout:
+        return self.layouts[e in self.cold]
+
+    def done(self, ef: ExpertFile) -> bool:
+        return ef.offsets == self.offsets and ef.cold == self.cold
 
 
 def hot_file_name(ef: ExpertFile, order: list[int]) -> str:
@@ -51,35 +102,54 @@ def hot_file_name(ef: ExpertFile, order: list[int]) -> str:
     return f"{EXPERTS_DIR}/{stem}.{digest}.bin"
 
 
-def _in_order(ef: ExpertFile, order: list[int], nbytes: int) -> bool:
-    return all(ef.offsets[e] == i * nbytes for i, e in enumerate(order))
+def _check_narrowing(manifest: Manifest, layer: int, target: Target) -> None:
+    """Narrowing is one-way: a layer already narrowed may only be narrowed the same way again (an interrupted run)."""
+    ef, have = manifest.experts[layer], manifest.cold_record
+    bits = target.layouts[1].code_bits if target.cold else None
+    if ef.cold and (set(ef.cold) - set(target.cold) or (have is not None and have.code_bits != bits)):
+        raise ConfigError(
+            f"layer {layer}: {len(ef.cold)} experts are already stored in {have.code_bits}-bit cold codes, which "
+            f"cannot be undone; run the same --cold-bits and hot share again, or convert again"
+        )
 
 
-def _copy_layer(model_dir: Path, ef: ExpertFile, order: list[int], nbytes: int, dst: Path) -> None:
-    """Write the layer's records to dst in `order`, checking each record's sha256 on the way. Reader
-    threads run COPY_DEPTH chunks ahead of the writer, both with O_DIRECT where the filesystem allows."""
+def _copy_layer(
+    model_dir: Path, manifest: Manifest, layer: int, target: Target, dst: Path, device: torch.device
+) -> dict[int, str]:
+    """Write the layer's records to dst as `target` places them, checking each record's sha256 on the way and
+    narrowing the ones `target` makes cold; returns the sha256 of each narrowed record. Reader threads run
+    COPY_DEPTH chunks ahead of the writer, both with O_DIRECT where the filesystem allows."""
+    ef = manifest.experts[layer]
     src = RecordFile(model_dir / ef.file)
     fd, direct = open_direct(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    chunks = [order[i : i + COPY_RECORDS] for i in range(0, len(order), COPY_RECORDS)]
-    bufs = [aligned_buffer(COPY_RECORDS * nbytes) for _ in range(min(COPY_DEPTH, len(chunks)))]
+    chunks = [target.order[i : i + COPY_RECORDS] for i in range(0, len(target.order), COPY_RECORDS)]
+    wide = target.layouts[0].nbytes
+    bufs = [aligned_buffer(COPY_RECORDS * wide) for _ in range(min(COPY_DEPTH, len(chunks)))]
+    narrowed: dict[int, str] = {}
 
     def read(k: int) -> memoryview:
-        buf = bufs[k % len(bufs)]
-        for j, e in enumerate(chunks[k]):
-            record = buf[j * nbytes : (j + 1) * nbytes]
+        buf, at = bufs[k % len(bufs)], 0
+        for e in chunks[k]:
+            have, out = manifest.layout_of((layer, e)), target.layout(e)
+            record = buf[at : at + have.nbytes] if have.nbytes <= out.nbytes else aligned_buffer(have.nbytes)
             src.read_into([record], ef.offsets[e])
             if record_sha256(record) != ef.sha256[e]:
                 raise ChecksumError(
                     f"{src.path}: the record of expert {e} fails its sha256 check; nothing was repacked "
                     f"past this layer (run `dsfp4 verify`, then convert again)"
                 )
-        return memoryview(buf)[: len(chunks[k]) * nbytes]
+            if out != have:
+                cold = have.narrow(torch.from_numpy(record).to(device), out.code_bits).cpu().numpy()
+                buf[at : at + out.nbytes] = cold
+                narrowed[e] = record_sha256(cold)
+            at += out.nbytes
+        return memoryview(buf)[:at]
 
     try:
         with ThreadPoolExecutor(len(bufs)) as pool:
             pending = {k: pool.submit(read, k) for k in range(len(bufs))}
             for k in range(len(chunks)):
-                pwrite_all(fd, pending.pop(k).result(), k * COPY_RECORDS * nbytes)
+                pwrite_all(fd, pending.pop(k).result(), target.offsets[chunks[k][0]])
                 if k + len(bufs) < len(chunks):  # its buffer is free again
                     pending[k + len(bufs)] = pool.submit(read, k + len(bufs))
         os.fsync(fd)
@@ -88,6 +158,7 @@ def _copy_layer(model_dir: Path, ef: ExpertFile, order: list[int], nbytes: int, 
     finally:
         os.close(fd)
         src.close()
+    return narrowed
 
 
 def _leftovers(model_dir: Path, manifest: Manifest) -> list[Path]:
@@ -97,59 +168,71 @@ def _leftovers(model_dir: Path, manifest: Manifest) -> list[Path]:
     return [p for p in sorted(folder.iterdir()) if p.name not in named and p.suffix in (".bin", ".tmp")]
 
 
+def _placed(ef: ExpertFile, name: str, target: Target, narrowed: dict[int, str]) -> ExpertFile:
+    """The layer's manifest entry once its new file is written."""
+    sha, source = list(ef.sha256), dict(zip(ef.cold, ef.source_sha256, strict=True))
+    for e, digest in narrowed.items():
+        source[e], sha[e] = sha[e], digest
+    return ExpertFile(name, target.offsets, tuple(sha), target.cold, tuple(source[e] for e in target.cold))
+
+
 def repack(
-    model_dir: Path, profile: HotProfile, on_layer: Callable[[int, int], None] = lambda done, total: None
+    model_dir: Path,
+    profile: HotProfile,
+    on_layer: Callable[[int, int], None] = lambda done, total: None,
+    cold: Cold | None = None,
 ) -> RepackReport:
-    """Store every profiled layer's experts hottest first (HotProfile.order); layers the profile does not
-    cover (the MTP layer) keep their order."""
+    """Store every profiled layer's experts hottest first (HotProfile.order), narrowing each layer's cold ones
+    with `cold`; layers the profile does not cover (the MTP layer) keep their order and records."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     busy = f"another dsfp4 process (convert or repack) is writing {model_dir}; wait for it"
     fd = lock_folder(model_dir, busy)  # before reading the manifest: another repack may just have changed it
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # narrowing is quicker there
     try:
         manifest = Manifest.open(model_dir)
         profile.check(manifest, "the hot profile")
         if manifest.record is None:
             raise ConfigError(f"{model_dir}: this model has no expert records to repack")
-        n = manifest.record.nbytes
         for stale in _leftovers(model_dir, manifest):
             stale.unlink()
-        todo = [
-            (layer, profile.order(layer))
-            for layer, ef in sorted(manifest.experts.items())
-            if layer in profile.counts and not _in_order(ef, profile.order(layer), n)
-        ]
-        largest = max((len(manifest.experts[layer].offsets) * n for layer, _ in todo), default=0)
+        targets = {
+            layer: Target.of(manifest, layer, profile.order(layer), cold)
+            for layer in sorted(manifest.experts)
+            if layer in profile.counts
+        }
+        for layer, target in targets.items():
+            _check_narrowing(manifest, layer, target)
+        todo = [(layer, t) for layer, t in targets.items() if not t.done(manifest.experts[layer])]
+        largest = max((t.offsets[t.order[-1]] + t.layout(t.order[-1]).nbytes for _, t in todo), default=0)
         free = shutil.disk_usage(model_dir / EXPERTS_DIR).free
         if largest > free:
             raise OutputError(
                 f"{model_dir / EXPERTS_DIR}: a repack needs {format_bytes(largest)} free (one layer file), "
                 f"{format_bytes(free)} is free; free some space and run it again"
             )
-        copied = 0
-        for done, (layer, order) in enumerate(todo, 1):
+        written = narrowed = 0
+        for done, (layer, target) in enumerate(todo, 1):
             ef = manifest.experts[layer]
-            assert sorted(order) == list(range(len(ef.offsets))), (layer, len(order))  # check() saw to it
-            name = hot_file_name(ef, order)
+            assert sorted(target.order) == list(range(len(ef.offsets))), (layer, len(target.order))  # check() did
+            name = hot_file_name(ef, target.order + ([-1, *target.cold] if target.cold else []))
             tmp = model_dir / (name + ".tmp")
             try:
-                _copy_layer(model_dir, ef, order, n, tmp)
+                new = _copy_layer(model_dir, manifest, layer, target, tmp, device)
             except Exception:
                 tmp.unlink(missing_ok=True)
                 raise
             tmp.replace(model_dir / name)
             fsync_dir(tmp.parent)  # the new name is durable before the manifest points at it
-            position = {e: i for i, e in enumerate(order)}
-            offsets = tuple(position[e] * n for e in range(len(order)))
-            manifest = dataclasses.replace(
-                manifest, experts={**manifest.experts, layer: ExpertFile(name, offsets, ef.sha256)}
-            )
+            experts = {**manifest.experts, layer: _placed(ef, name, target, new)}
+            cold_record = target.layouts[1] if target.cold else manifest.cold_record
+            manifest = dataclasses.replace(manifest, experts=experts, cold_record=cold_record)
             manifest.write(model_dir)  # atomic: from here the new file is the layer's
             if ef.file != name:
                 (model_dir / ef.file).unlink(missing_ok=True)
-            copied += len(order) * n
+            written += sum(target.layout(e).nbytes for e in target.order)
+            narrowed += len(new)
             on_layer(done, len(todo))
     finally:
         os.close(fd)  # the lock file stays: unlinking it would let two later writers lock different files
-    unchanged = sum(1 for layer in manifest.experts if layer in profile.counts) - len(todo)
-    return RepackReport(len(todo), unchanged, copied, time.perf_counter() - t0)
+    return RepackReport(len(todo), len(targets) - len(todo), written, time.perf_counter() - t0, narrowed)

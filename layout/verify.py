@@ -36,7 +36,7 @@ def _check_headers(model_dir: Path, m: Manifest) -> None:
 
 def checked_bytes(m: Manifest) -> int:
     """Bytes verify() reads: every listed file and every expert record."""
-    records = sum(len(e.offsets) for e in m.experts.values()) * (m.record.nbytes if m.record else 0)
+    records = sum(m.layout_of((layer, e)).nbytes for layer, ef in m.experts.items() for e in range(len(ef.offsets)))
     return sum(f.nbytes for f in m.files.values()) + records
 
 
@@ -62,25 +62,26 @@ def verify(
         on_bytes(f.nbytes)
     _check_headers(model_dir, m)
     n_records = 0
-    size = m.record.nbytes if m.record else 0
     for layer, ef in sorted(m.experts.items()):
         path = model_dir / ef.file
-        if size % RECORD_ALIGN or any(o % RECORD_ALIGN for o in ef.offsets):
+        sizes = [m.layout_of((layer, e)).nbytes for e in range(len(ef.offsets))]
+        if any(n % RECORD_ALIGN for n in sizes) or any(o % RECORD_ALIGN for o in ef.offsets):
             raise ManifestError(f"{path}: expert records are not {RECORD_ALIGN}-byte aligned")
         fd = os.open(path, os.O_RDONLY)
         try:
 
-            def digest(offset: int, fd: int = fd) -> str:
-                return record_sha256(os.pread(fd, size, offset))
+            def digest(span: tuple[int, int], fd: int = fd) -> str:
+                return record_sha256(os.pread(fd, *span))
 
             with ThreadPoolExecutor(workers) as pool:
-                for e, (want, got) in enumerate(zip(ef.sha256, pool.map(digest, ef.offsets), strict=True)):
+                spans = pool.map(digest, zip(sizes, ef.offsets, strict=True))
+                for e, (want, got) in enumerate(zip(ef.sha256, spans, strict=True)):
                     if want != got:
                         raise ChecksumError(
                             f"{path}: the record of expert {e} (layer {layer}, offset "
                             f"{ef.offsets[e]}) fails its sha256 check; convert again"
                         )
-                    on_bytes(size)
+                    on_bytes(sizes[e])
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

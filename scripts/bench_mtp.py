@@ -97,7 +97,7 @@ def main() -> int:
     manifest = bench_model_at(path, n_layers=a.layers, with_tokenizer=True, mtp=True)
     res: dict = {"write_s": time.perf_counter() - t0, "ceilings": ceilings(path, manifest)}
     uniform = {layer: (1,) * manifest.args.n_routed_experts for layer in manifest.experts}
-    HotProfile(manifest.conversion_sha256(), 1, uniform).write(path / HOT_NAME)
+    HotProfile(manifest.exact_sha256(), 1, uniform).write(path / HOT_NAME)
     base = {"device": "cuda", "max_context": 1024, "temperature": 0.0, "io_threads": 8}
     cases = {
         "resident": (RunOptions(**base, gpu_mem="70G", cpu_mem="24G"), a.tokens),

@@ -113,7 +113,7 @@ def profile_model(
         layer_pass(model, calib.sequences, options.prefill_chunk, lambda i: on_layer(i, store.counters.snapshot()))
         recorder.commit([t for s in calib.sequences for t in s])  # every layer has seen every token
         model.experts.sync()
-        profile = recorder.profile(manifest.conversion_sha256(), (calib.source,))
+        profile = recorder.profile(manifest.exact_sha256(), (calib.source,))
         return ProfileRun(
             profile,
             recorder.routing_trace() if trace else None,

@@ -100,12 +100,12 @@ def test_an_interrupted_repack_leaves_a_model_that_loads_and_finishes_on_rerun(m
     real_copy = repack_module._copy_layer
     calls = []
 
-    def copy_then_stop(model_dir, ef, order, nbytes, dst):  # the second layer stops halfway through its file
+    def copy_then_stop(model_dir, manifest, layer, target, dst, device):  # the second layer stops halfway through
         calls.append(dst)
         if len(calls) == 2:
-            dst.write_bytes(b"\0" * nbytes * 3)
+            dst.write_bytes(b"\0" * manifest.record.nbytes * 3)
             raise Interrupt
-        real_copy(model_dir, ef, order, nbytes, dst)
+        return real_copy(model_dir, manifest, layer, target, dst, device)
 
     monkeypatch.setattr(repack_module, "_copy_layer", copy_then_stop)
     with pytest.raises(Interrupt):
@@ -139,10 +139,11 @@ import sys, time
 import dsfp4.layout.repack as r
 from dsfp4.layout.hot_profile import HotProfile
 real = r._copy_layer
-def slow(model_dir, ef, order, nbytes, dst):
-    real(model_dir, ef, order, nbytes, dst)
+def slow(*args):
+    out = real(*args)
     print("copied", flush=True)
     time.sleep(60)
+    return out
 r._copy_layer = slow
 r.repack(sys.argv[1], HotProfile.read(sys.argv[1] + "/hot.json"))
 """

@@ -143,7 +143,7 @@ class Source:
     def stored(self, layer: int, e: int, which: str) -> tuple[torch.Tensor, ...]:
         """One matrix of expert e's record as stored, its bytes alone read (GGUF puts each expert's gate, up and down
         in three tensors: the record is read once over the three)."""
-        entry, layout = self.m.experts[layer], self.m.record
+        entry, layout = self.m.experts[layer], self.m.layout_of((layer, e))  # a cold record's codes come widened
         path = self.dir / entry.file
         fd = os.open(path, os.O_RDONLY)
         try:

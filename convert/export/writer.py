@@ -72,16 +72,17 @@ def plan_shards(model_dir: Path, manifest: Manifest, fmt: str = "compressed-tens
 
 def _records(model_dir: Path, manifest: Manifest, layer: int) -> Callable[[int], dict[str, torch.Tensor]]:
     """record(e) -> the unpacked parts of expert e of `layer` (the last one read is kept: its tensors come in turn)."""
-    entry, layout = manifest.experts[layer], manifest.record
+    entry = manifest.experts[layer]
 
     @functools.lru_cache(maxsize=1)
     def record(e: int) -> dict[str, torch.Tensor]:
+        layout = manifest.layout_of((layer, e))
         fd = os.open(model_dir / entry.file, os.O_RDONLY)
         try:
             raw = pread_exact(fd, layout.nbytes, entry.offsets[e], model_dir / entry.file)
         finally:
             os.close(fd)
-        return layout.unpack(raw)
+        return manifest.record.unpack(layout.widen(raw) if layout.cold else raw)  # a cold record exported widened
 
     return record
 

@@ -267,6 +267,8 @@ def make_plan(
     workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + acts + a.vocab_size * FP32 * 2 * LOGIT_ROWS
     if manifest.record:  # the routed-expert kernels' workspaces
         workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
+    if manifest.cold_record:  # cold records are widened from one staging buffer (store/transfers.py)
+        workspace += manifest.cold_record.nbytes
     workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
     top_k = a.n_activated_experts if total_records else 0
     # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated

@@ -161,8 +161,7 @@ class ExpertStore:
         self.io.read(run)
 
     def _next_position(self, key: Key) -> tuple[int, int]:
-        layer, offset = self.file_position(key)
-        return layer, offset + self.layout.nbytes
+        return key[0], self.manifest.record_end(key)
 
     def start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
         """Begin moving a record that is not on the device there: (SSD ->) RAM -> device. Returns the job
@@ -174,11 +173,16 @@ class ExpertStore:
         gslot = self._allocate(self.gpu_pool, key, protected, wait)
         if gslot is None:
             return None  # prefetch: the record stays in RAM
-        return self.io.upload(gslot, rslot, read)
+        return self.io.upload(key, gslot, rslot, read)
 
     def map(self, host_slots: torch.Tensor, counts: DeviceUseCounts) -> None:
         """Every used record is placed (placement.map_all): those not on the device are read from these RAM slots
-        ([blocks, experts] int32, -1 none) in place, and kernels count their uses on the device."""
+        ([blocks, experts] int32, -1 none) in place, and kernels count their uses on the device. Cold records among
+        them are widened where they are, once: kernels read only records of the model's format."""
+        cold = self.manifest.cold_record
+        for (layer, e), rslot in self.ram_pool.slot_of.items():
+            if host_slots[layer, e] >= 0 and self.manifest.layout_of((layer, e)) == cold:
+                self.ram[rslot].copy_(cold.widen(self.ram[rslot, : cold.nbytes]))  # widen() builds a new tensor
         self.table.map_host(host_slots)
         self._device_counts, self.mapped = counts, True
 
@@ -261,7 +265,7 @@ class ExpertStore:
         kept = {e for e, d in zip(ids, drop, strict=True) if not d}
         skip = cold - kept
         self._counters.skipped += len(skip)
-        self._counters.skipped_bytes += len(skip) * self.layout.nbytes
+        self._counters.skipped_bytes += sum(self.manifest.layout_of((layer, e)).nbytes for e in skip)
         return skip, drop
 
     def is_warm(self, layer: int, expert: int) -> bool:

@@ -4,11 +4,14 @@ stream of their own, and the jobs in flight.
 
 Only the main thread touches the bookkeeping; workers read and upload. A slot with a job in flight is pinned in its
 pool until the job and its copy event complete, and a device slot is refilled only after the compute that last read
-it (the copy stream waits on that event, on the device).
+it (the copy stream waits on that event, on the device). A cold record (layout/cold.py) moves as it is stored, fewer
+bytes from the SSD and over PCIe, into a device staging buffer, and is widened from there into its slot
+(kernels/fp4/widen.py), so the kernels only ever read records of the model's format.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -17,6 +20,8 @@ import numpy as np
 import torch
 
 from dsfp4.errors import ChecksumError, ConfigError
+from dsfp4.kernels.fp4.widen import widen_record
+from dsfp4.layout.cold import cold_to_e2m1
 from dsfp4.layout.direct_io import RecordFile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.record import record_sha256
@@ -57,8 +62,12 @@ class Transfers:
         self.dir, self.manifest, self.table, self.counters, self.verify = model_dir, manifest, table, counters, verify
         self.gpu, self.ram_np, self.ram = tiers
         self.gpu_pool, self.ram_pool = pools
-        self.record_nbytes = manifest.record.nbytes if manifest.record else 0
         self.cuda = self.gpu.device.type == "cuda"
+        self.cold = manifest.cold_record
+        if self.cold is not None:  # one staging buffer: uploads queue on one stream, one at a time (_stage)
+            self.staging = torch.empty(self.cold.nbytes, dtype=torch.uint8, device=self.gpu.device)
+            self.lut = cold_to_e2m1(self.cold.code_bits, self.gpu.device)
+            self._stage = threading.Lock()
         self.copy_stream = torch.cuda.Stream(self.gpu.device) if self.cuda else None
         self.files = {layer: RecordFile(model_dir / ef.file) for layer, ef in manifest.experts.items()}
         self.reads = ThreadPoolExecutor(io_threads, thread_name_prefix="dsfp4-io")
@@ -81,27 +90,41 @@ class Transfers:
         (layer, first), _ = run[0]
         ef = self.manifest.experts[layer]
         t0 = time.perf_counter()
-        self.files[layer].read_into([self.ram_np[rslot] for _, rslot in run], ef.offsets[first])
-        for key, rslot in run:
+        records = [self.ram_np[rslot, : self.manifest.layout_of(key).nbytes] for key, rslot in run]
+        self.files[layer].read_into(records, ef.offsets[first])
+        for (key, _), record in zip(run, records, strict=True):
             if self.verify and key not in self._verified:
-                if record_sha256(self.ram_np[rslot]) != ef.sha256[key[1]]:
+                if record_sha256(record) != ef.sha256[key[1]]:
                     raise ChecksumError(
                         f"{self.dir / ef.file}: the record of expert {key[1]} (layer {layer}) fails its sha256 "
                         f"check; run `dsfp4 verify` and convert again"
                     )
                 self._verified.add(key)
-        self.counters.add_read(len(run) * self.record_nbytes, time.perf_counter() - t0)
+        self.counters.add_read(sum(r.nbytes for r in records), time.perf_counter() - t0)
 
-    def _upload(self, gslot: int, rslot: int, after: Future | None, released: object) -> torch.cuda.Event | None:
+    def _copy(self, gslot: int, rslot: int, cold: bool) -> None:
+        """RAM slot -> device slot on the current stream; a cold record through the staging buffer, widened."""
+        if not cold:
+            self.gpu[gslot].copy_(self.ram[rslot], non_blocking=True)
+            return
+        with self._stage:  # the copy and its widening queue together: another upload's copy would overwrite
+            src = self.ram[rslot]
+            if self.cuda:
+                src = self.staging.copy_(src[: self.cold.nbytes], non_blocking=True)
+            widen_record(src, self.gpu[gslot], self.cold, self.lut)
+
+    def _upload(
+        self, gslot: int, rslot: int, cold: bool, after: Future | None, released: object
+    ) -> torch.cuda.Event | None:
         if after is not None:
             after.result()  # the read of this record
         if not self.cuda:
-            self.gpu[gslot].copy_(self.ram[rslot])
+            self._copy(gslot, rslot, cold)
             return None
         with torch.cuda.stream(self.copy_stream):
             if released is not None:
                 self.copy_stream.wait_event(released)  # compute has finished reading the old record
-            self.gpu[gslot].copy_(self.ram[rslot], non_blocking=True)
+            self._copy(gslot, rslot, cold)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return event
@@ -123,17 +146,17 @@ class Transfers:
         self.counters.ssd_reads += len(run)
         return job
 
-    def upload(self, gslot: int, rslot: int, read: Future | None) -> Future:
-        """Start copying RAM slot rslot to device slot gslot once `read` (the record's SSD read, if still in
-        flight) is done; the job's result is the copy's event."""
-        released = self.released[gslot]
+    def upload(self, key: Key, gslot: int, rslot: int, read: Future | None) -> Future:
+        """Start copying the record of key from RAM slot rslot to device slot gslot once `read` (its SSD read, if
+        still in flight) is done; the job's result is the copy's event."""
+        released, layout = self.released[gslot], self.manifest.layout_of(key)
         if read is None or read.done():
-            job = _finished(self._upload(gslot, rslot, read, released))
+            job = _finished(self._upload(gslot, rslot, layout.cold, read, released))
         else:
-            job = self.uploads.submit(self._upload, gslot, rslot, read, released)
+            job = self.uploads.submit(self._upload, gslot, rslot, layout.cold, read, released)
         self._track(self.gpu_jobs, self.gpu_pool, gslot, job)
         self._track(self.ram_jobs, self.ram_pool, rslot, job)
-        self.counters.h2d_bytes += self.record_nbytes
+        self.counters.h2d_bytes += layout.nbytes
         return job
 
     def reading(self, rslot: int) -> Future | None:

@@ -2,13 +2,14 @@
 routing trace, with the lossy levers carried over from a trained model as dsfp4/tools/lever_projection.py states.
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
-        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--json OUT] [SETTING...]
+        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--json OUT] [SETTING...]
 
 --trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
 (`dsfp4 run --record-trace`), for its routing weights; --margins: scripts/router_margins.py's output on the trained
 model (at every margin a mode uses); --efficiency: the bench model's measured resident decode efficiency (`dsfp4 bench
---project` prints it); SETTING: a mode or THRESHOLD:MARGIN (default: every mode). Prints a table; --json writes
-the rows.
+--project` prints it); SETTING: a mode or THRESHOLD:MARGIN (default: every mode); --cold-bits: each setting also
+with the records outside each layer's hot set in cold codes of these bits (`profile-hot --repack --cold-bits`).
+Prints a table; --json writes the rows.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--efficiency", type=click.FloatRange(0, 2, min_open=True), required=True)
 @click.option("--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True)
 @click.option("--machines", default="16g,24g", show_default=True)
+@click.option("--cold-bits", type=click.Choice(["2", "3"]), multiple=True)
 @click.option("--json", "out", type=click.Path(path_type=Path))
 @click.argument("settings", nargs=-1)
 def main(
@@ -42,6 +44,7 @@ def main(
     efficiency: float,
     family: str,
     machines: str,
+    cold_bits: tuple[str, ...],
     out: Path | None,
     settings: tuple[str, ...],
 ) -> None:
@@ -56,14 +59,15 @@ def main(
     missing = sorted({m.cache_aware for m in modes.values() if m.cache_aware and m.cache_aware not in close})
     if missing:
         raise click.UsageError(f"--margins {margins}: no figure at margin {missing}; rerun scripts/router_margins.py")
-    rows = project_levers(family, ids, machines.split(","), efficiency, modes, weights, close)
-    head = ("setting", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped")
-    click.echo("{:<11} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8}".format(*head))
+    bits = (None, *map(int, cold_bits))
+    rows = project_levers(family, ids, machines.split(","), efficiency, modes, weights, close, cold_bits=bits)
+    head = ("setting", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped")
+    click.echo("{:<11} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8}".format(*head))
     for r in rows:
-        d = r.to_dict()
+        d, cold = r.to_dict(), f"{r.cold_bits}-bit" if r.cold_bits else "-"
         click.echo(
-            f"{r.mode:<11} {r.machine:<8} {d['tok_s']:6.2f} {d['ssd_gb_per_token']:7.2f} {d['pcie_gb_per_token']:8.2f} "
-            f"{d['skipped_share']:9.1%} {d['swapped_share']:8.1%}"
+            f"{r.mode:<11} {cold:<5} {r.machine:<8} {d['tok_s']:6.2f} {d['ssd_gb_per_token']:7.2f} "
+            f"{d['pcie_gb_per_token']:8.2f} {d['skipped_share']:9.1%} {d['swapped_share']:8.1%}"
         )
     if out is not None:
         out.write_text(json.dumps([r.to_dict() for r in rows], indent=1))

@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from tqdm import tqdm
@@ -27,6 +28,10 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.runtime.options import RunOptions
 from dsfp4.units import format_bytes
 
+if TYPE_CHECKING:
+    from dsfp4.layout.repack import Cold
+    from dsfp4.runtime.plan.planner import Plan
+
 PROFILE_TOKENS = 16384  # calibration tokens: ~500 selections per expert of a 256-expert top-8 layer
 PROFILE_SEQUENCE = 2048  # tokens per calibration sequence, prefilled in one pass by default
 MEASURE_FLAGS = ("prompts", "chat_format", "tokens", "trace", "max_context", "prefill_chunk")
@@ -42,7 +47,6 @@ def _measure(
     quiet: bool,
 ) -> HotProfile:
     from dsfp4.layout.routing_trace import write_trace
-    from dsfp4.runtime.plan.planner import Plan
     from dsfp4.runtime.profile.profiler import profile_model
 
     bar: list[tqdm] = []
@@ -107,6 +111,18 @@ def _measure(
     help="Rewrite the layer files hottest expert first (safe to interrupt; needs one layer file of free disk).",
 )
 @click.option(
+    "--cold-bits",
+    type=click.Choice(["2", "3"]),
+    help="With --repack: store each layer's experts outside its hot set in 2- or 3-bit codes, fewer bytes per SSD "
+    "read (lossy, one way: measure it with `dsfp4 eval`).",
+)
+@click.option(
+    "--hot-share",
+    type=click.FloatRange(0, 1, max_open=True),
+    help="With --cold-bits: the share of each layer's experts, hottest first, kept exact (default: the share the "
+    "budgets hold on the GPU and in RAM).",
+)
+@click.option(
     "--report",
     is_flag=True,
     help="Print each layer's skew and a static hot set's hit rate at the budgets; plot coverage (PNG).",
@@ -122,6 +138,8 @@ def profile_hot(
     no_measure: bool,
     trace: Path | None,
     repack: bool,
+    cold_bits: str | None,
+    hot_share: float | None,
     report: bool,
     quiet: bool,
     **knobs,
@@ -134,6 +152,7 @@ def profile_hot(
       dsfp4 profile-hot model/ --repack --report
       dsfp4 profile-hot model/ --prompts code.txt -o code.json --trace code.npz
       dsfp4 profile-hot model/ --no-measure --merge model/hot.json --merge code.json
+      dsfp4 profile-hot model/ --no-measure --repack --cold-bits 3 --cpu-mem 80G
     """
     from dsfp4.layout.manifest import Manifest
     from dsfp4.layout.routing_trace import check_trace_path
@@ -141,6 +160,10 @@ def profile_hot(
     ctx = click.get_current_context()
     if no_measure and (given := given_flags(ctx, MEASURE_FLAGS)):
         raise click.UsageError(f"--no-measure runs nothing, so {', '.join(given)} would do nothing; drop them")
+    if cold_bits and not repack:
+        raise click.UsageError("--cold-bits narrows records while repacking; add --repack")
+    if hot_share is not None and not cold_bits:
+        raise click.UsageError("--hot-share says which experts --cold-bits keeps exact; add --cold-bits 2 or 3")
     if trace is not None:
         check_trace_path(trace)
     options = RunOptions(**knobs)
@@ -158,7 +181,8 @@ def profile_hot(
         _write(result, output)
         click.echo(f"hot profile of {result.tokens} tokens: {output}", err=True)
     if repack:
-        _repack(model, result, quiet)
+        cold = _cold(model, options, int(cold_bits), hot_share) if cold_bits else None
+        _repack(model, result, quiet, cold)
     if report:
         _report(model, options, result, output)
     click.echo(str(output))
@@ -179,7 +203,22 @@ def _write(profile: HotProfile, output: Path) -> None:
         ) from e
 
 
-def _repack(model: Path, profile: HotProfile, quiet: bool) -> None:
+def _cold(model: Path, options: RunOptions, bits: int, hot_share: float | None) -> Cold:
+    """--cold-bits' plan: `hot_share` given, or the share of records the budgets hold on the device and in RAM."""
+    from dsfp4.layout.repack import Cold
+
+    if hot_share is None:
+        plan = _plan(model, options)
+        hot_share = (plan.gpu_slots + plan.ram_slots) / plan.total_records
+        if hot_share >= 1:
+            raise ConfigError(
+                f"--cold-bits: the budgets hold all {plan.total_records} expert records on the GPU and in RAM, so "
+                f"narrowing would cost quality and save no SSD read; give --hot-share to narrow anyway"
+            )
+    return Cold(bits, hot_share)
+
+
+def _repack(model: Path, profile: HotProfile, quiet: bool, cold: Cold | None) -> None:
     from dsfp4.layout.repack import repack
 
     with tqdm(unit="layer", desc="repack", disable=quiet, file=sys.stderr) as bar:
@@ -188,21 +227,30 @@ def _repack(model: Path, profile: HotProfile, quiet: bool) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        r = repack(model, profile, on_layer)
+        r = repack(model, profile, on_layer, cold)
     rate = format_bytes(r.nbytes / r.seconds) if r.seconds > 0 else "-"
+    narrowed = (
+        f", {r.narrowed} records narrowed to {cold.bits}-bit codes (hot share {cold.hot_share:.2f})" if cold else ""
+    )
     click.echo(
-        f"repacked {r.rewritten} layer files hottest expert first ({r.unchanged} were already), "
-        f"{format_bytes(r.nbytes)} in {r.seconds:.1f} s ({rate}/s)",
+        f"repacked {r.rewritten} layer files hottest expert first ({r.unchanged} were already){narrowed}, "
+        f"{format_bytes(r.nbytes)} written in {r.seconds:.1f} s ({rate}/s)",
         err=True,
     )
 
 
-def _report(model: Path, options: RunOptions, profile: HotProfile, output: Path) -> None:
+def _plan(model: Path, options: RunOptions) -> Plan:
+    """The placement `dsfp4 run` would use with these budgets."""
     from dsfp4.runtime.models.load import plan_engine
-    from dsfp4.runtime.profile.hot_report import report_table, write_plot
 
     run = dataclasses.replace(options, max_context=RUN_DEFAULTS.max_context, prefill_chunk=RUN_DEFAULTS.prefill_chunk)
-    plan = plan_engine(model, run)  # the placement `dsfp4 run` would use with these budgets
+    return plan_engine(model, run)
+
+
+def _report(model: Path, options: RunOptions, profile: HotProfile, output: Path) -> None:
+    from dsfp4.runtime.profile.hot_report import report_table, write_plot
+
+    plan = _plan(model, options)
     click.echo(report_table(profile, plan.gpu_slots, plan.ram_slots, plan.device))
     png = output.with_suffix(".png")
     note = write_plot(profile, png)

@@ -16,7 +16,7 @@ from dsfp4.layout.routing_trace import read_trace
 from dsfp4.runtime.modes import EXACT
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
-from dsfp4.runtime.profile.simulate import Links, StepCosts, simulate
+from dsfp4.runtime.profile.simulate import ColdRecords, Links, StepCosts, simulate
 from dsfp4.tools.doctor import Ceilings
 from dsfp4.tools.projection import (
     MACHINES,
@@ -88,6 +88,7 @@ def validate(
         warmup=prompt_tokens + 1,
         warm=warm,
         prefetch_reads=options.prefetch_reads,
+        cold=_cold_records(manifest, row),
     )
     d = g.stats.derived()
     return {
@@ -107,6 +108,14 @@ def validate(
         "decode_mode": mode,
         "routing": g.stats.routing,
     }
+
+
+def _cold_records(manifest: Manifest, row: dict[int, int]) -> ColdRecords | None:
+    """The model's cold records (layout/cold.py) as the simulation numbers its MoE layers (`row`)."""
+    if manifest.cold_record is None:
+        return None
+    keys = frozenset((j, e) for layer, j in row.items() for e in manifest.experts[layer].cold)
+    return ColdRecords(keys, manifest.cold_record.nbytes)
 
 
 def run_projection(

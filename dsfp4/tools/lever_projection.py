@@ -8,6 +8,8 @@ of the others. What the levers need of those is measured on a trained model and 
   calibrated trace is drawn at that share, independently.
 - cache-aware margin D: the share of (chosen, unchosen same-group) pairs scored within D (scripts/router_margins.py
   on the trained model); the simulation's SwapModel takes a warm neighbour of a cold choice at that share.
+- cold records of B bits: a property of the model, not a lever of the run, projected beside each mode: the records
+  outside each layer's hot set (as much as the plan's slots hold) read and copied at their cold size.
 Legend: N tokens, L MoE layers, K experts per token.
 """
 
@@ -66,6 +68,7 @@ class LeverRow:
     low_share: float
     close: float
     projection: Projection
+    cold_bits: int | None = None
 
     def to_dict(self) -> dict:
         p = self.projection
@@ -76,6 +79,7 @@ class LeverRow:
             "cache_aware": self.levers.cache_aware,
             "low_share": self.low_share,
             "close": self.close,
+            "cold_bits": self.cold_bits,
             "tok_s": p.tok_s,
             "ssd_gb_per_token": p.ssd_bytes / 1e9,
             "pcie_gb_per_token": p.pcie_bytes / 1e9,
@@ -94,10 +98,12 @@ def project_levers(
     close: dict[float, float],
     recall: float = 0.9,
     seed: int = 0,
+    cold_bits: tuple[int | None, ...] = (None,),
 ) -> list[LeverRow]:
     """The whole model of `family` decoding the calibrated trace `ids` [N, L, K] on each machine under each mode's
-    levers, the store as shipped (hot policy, prefetch at `recall` copying up from RAM only). weights: a recorded
-    trace's routing weights; close: margin -> pair share (scripts/router_margins.py), for every margin used."""
+    levers, the store as shipped (hot policy, prefetch at `recall` copying up from RAM only), with the model's cold
+    records of each of `cold_bits` (None: none). weights: a recorded trace's routing weights; close: margin -> pair
+    share (scripts/router_margins.py), for every margin used."""
     rows = []
     for name in machines:
         r = machine_run(family, name, ids, eff)
@@ -106,6 +112,7 @@ def project_levers(
             share = low_share(weights, levers.expert_threshold) if levers.expert_threshold else 0.0
             near = close[levers.cache_aware] if levers.cache_aware else 0.0
             swap = SwapModel(groups, near, seed) if near else None
-            p = r.decode("hot", recall, False, skippable(r.run.shape, share, seed), swap)
-            rows.append(LeverRow(mode, name, levers, share, near, p))
+            for bits in cold_bits:
+                p = r.decode("hot", recall, False, skippable(r.run.shape, share, seed), swap, bits)
+                rows.append(LeverRow(mode, name, levers, share, near, p, bits))
     return rows

@@ -37,6 +37,7 @@ from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
 from dsfp4.runtime.profile.replay import belady
 from dsfp4.runtime.profile.simulate import (
+    ColdRecords,
     HostStream,
     Links,
     Projection,
@@ -219,6 +220,17 @@ def warm_order(profile: np.ndarray, n_experts: int) -> list[tuple[int, int]]:
     return sorted(keys, key=lambda k: -counts[k])
 
 
+def cold_records(warm: list[tuple[int, int]], n_experts: int, hot_share: float, nbytes: int) -> ColdRecords:
+    """The records a cold repack (layout/repack.py Cold) narrows when its profile ranks them as `warm` does (every
+    (layer, expert) hottest first): in each layer, those after its hottest ceil(hot_share x n_experts)."""
+    hot, keep, keys = {}, math.ceil(hot_share * n_experts), set()
+    for layer, e in warm:
+        hot[layer] = hot.get(layer, 0) + 1
+        if hot[layer] > keep:
+            keys.add((layer, e))
+    return ColdRecords(frozenset(keys), nbytes)
+
+
 def halves(ids: np.ndarray, n_experts: int) -> tuple[list[tuple[int, int]], np.ndarray]:
     """A trace [N, L, K] -> (the warm start a profile of its first half gives, its second half: the decode scored)."""
     half = len(ids) // 2
@@ -245,9 +257,11 @@ class MachineRun:
         prefetch_reads: bool,
         skippable: np.ndarray | None = None,
         swap: SwapModel | None = None,
+        cold_bits: int | None = None,
     ) -> Projection:
         """The trace's second half decoded through the plan's pools, warm-started from the first (halves);
-        skippable and swap: the lossy levers (simulate)."""
+        skippable and swap: the lossy levers (simulate); cold_bits: the records outside each layer's hot set, as
+        much of it as the plan's device and RAM slots hold (`profile-hot --cold-bits`' default), in cold codes."""
         return simulate(
             self.run,
             self.plan.gpu_slots,
@@ -264,7 +278,13 @@ class MachineRun:
             skippable=skippable,
             swap=swap,
             host=self.host,
+            cold=self.cold(cold_bits) if cold_bits else None,
         )
+
+    def cold(self, bits: int) -> ColdRecords:
+        """The records a `profile-hot --repack --cold-bits BITS` at this plan's budgets narrows."""
+        share = (self.plan.gpu_slots + self.plan.ram_slots) / self.plan.total_records
+        return cold_records(self.warm, self.m.args.n_routed_experts, share, self.m.record.cold_of(bits).nbytes)
 
     def decode_batch(self, b: int, policy: str = "hot") -> Projection:
         """b sequences decoding together (runtime/generate/batch.py), each through a stretch of the trace's second

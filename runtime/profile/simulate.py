@@ -122,6 +122,15 @@ class SwapModel:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class ColdRecords:
+    """Records stored in cold codes (layout/cold.py): `keys`, each `nbytes` long on the SSD and over PCIe (widened
+    on the device, at no cost counted here)."""
+
+    keys: frozenset[Key] = frozenset()
+    nbytes: int = 0
+
+
 class Tiers:
     """The store's two pools and its two links in simulated time: where each record is, when its read and its copy
     complete, and the moves counted into `out` while `counting`."""
@@ -135,13 +144,14 @@ class Tiers:
         policy: str,
         warm: list[Key],
         keep_free: int,
+        cold: ColdRecords | None = None,
     ) -> None:
         """Pools warm-started from `warm` (Tiers.place, `keep_free` slots left to move through); `out`, a fresh
-        Projection, counts the moves."""
+        Projection, counts the moves; `cold`: records stored in cold codes, read and copied at their own size."""
         gpu_policy, ram_policy = TIER_POLICIES[policy]
         self.gpu, self.ram = SlotPool(gpu_slots, gpu_policy), SlotPool(ram_slots, ram_policy)
         self.record, self.out, self.counting = record_bytes, Projection(), True
-        self.copy_s, self.read_s = record_bytes / links.pcie, record_bytes / links.ssd
+        self.cold, self.links = cold or ColdRecords(), links
         self.in_place = links.pcie * IN_PLACE_SHARE
         self.on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
         self.in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
@@ -178,21 +188,22 @@ class Tiers:
         """Start moving a record that is not on the device there at time `at`, its copy not before `copy_after`
         (when its slot is free) -> its arrival time, or None (no slot that may be evicted)."""
         out, counting = self.out, self.counting
+        nbytes = self.cold.nbytes if key in self.cold.keys else self.record
         if self.ram.lookup(key) is not None:
             ready = self.in_ram.get(key, 0.0)
             out.ram_hits += demand * counting
         else:
             if self.ram.allocate(key, protected) is None:
                 return None
-            self.ssd_free = max(self.ssd_free, at) + self.read_s
+            self.ssd_free = max(self.ssd_free, at) + nbytes / self.links.ssd
             ready = self.in_ram[key] = self.ssd_free
-            out.ssd_bytes += self.record * counting
+            out.ssd_bytes += nbytes * counting
             out.ssd_misses += demand * counting
         if self.gpu.allocate(key, protected) is None:
             return None
-        self.pcie_free = max(self.pcie_free, ready, at, copy_after) + self.copy_s
+        self.pcie_free = max(self.pcie_free, ready, at, copy_after) + nbytes / self.links.pcie
         self.on_device[key] = self.pcie_free
-        out.pcie_bytes += self.record * counting
+        out.pcie_bytes += nbytes * counting
         return self.pcie_free
 
 
@@ -213,6 +224,7 @@ def simulate(
     skippable: np.ndarray | None = None,
     swap: SwapModel | None = None,
     host: HostStream = HostStream(),
+    cold: ColdRecords | None = None,
 ) -> Projection:
     """Decode the tokens of `trace` [N, L, K] through pools of gpu_slots and ram_slots records under `policy`
     (TIER_POLICIES), prefetching with guesses at `recall` (None: no prefetch) -> per-token averages. `warm`: records
@@ -220,13 +232,14 @@ def simulate(
     guesses are only copied up from RAM, never read from the SSD (a wrong guess then costs PCIe time, not SSD
     time). skippable [N, L, K] bool: the choices a token weighs below an expert threshold (never its best): each is
     left out when its record is in neither tier, as the store's skip_cold leaves it out. swap: cache-aware routing,
-    before the threshold as in the store. host: backbone read in place from RAM, sharing the PCIe link."""
+    before the threshold as in the store. host: backbone read in place from RAM, sharing the PCIe link. cold: records
+    stored in cold codes."""
     n_tokens, n_layers, top_k = trace.shape
     n_experts = n_experts or int(trace.max()) + 1
     guessed = None
     if recall is not None:
         guessed = guesses(trace[:, 1:], recall, n_experts, np.random.default_rng([seed, 23]))  # [N, L - 1, K]
-    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
+    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k, cold)
     out = tiers.out
     swap_rng = None if swap is None else np.random.default_rng([swap.seed, 29])
     streams = gpu_slots < n_layers * n_experts  # every record resident: nothing moves, the host is not asked

@@ -4,10 +4,8 @@ set, read by the store at their own size and widened on their way to a slot (the
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -130,16 +128,6 @@ def test_a_narrowed_record_widens_to_its_format_and_the_kernel_matches_the_refer
     assert torch.equal(ref, wide)
     with pytest.raises(FormatError, match="narrowed again"):
         cold.narrow(narrowed, bits)
-
-
-@pytest.fixture
-def model(converted, tmp_path) -> Path:
-    path = Path(shutil.copytree(converted, tmp_path / "model"))
-    manifest = Manifest.read(path)
-    rng = np.random.default_rng(1)
-    counts = {layer: tuple(int(c) for c in rng.permutation(8) * 3) for layer in (1, 2)}  # the main MoE layers
-    HotProfile(manifest.conversion_sha256(), 12, counts).write(path / HOT_NAME)
-    return path
 
 
 def _engine(model_dir: Path, slots: tuple[int, int] | None) -> Engine:

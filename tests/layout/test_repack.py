@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -30,16 +28,6 @@ from dsfp4.runtime.store.expert_store import ExpertStore
 from dsfp4.runtime.store.placement import warm_start
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def model(converted, tmp_path) -> Path:
-    path = Path(shutil.copytree(converted, tmp_path / "model"))
-    manifest = Manifest.read(path)
-    rng = np.random.default_rng(1)
-    counts = {layer: tuple(int(c) for c in rng.permutation(8) * 3) for layer in (1, 2)}  # the main MoE layers
-    HotProfile(manifest.conversion_sha256(), 12, counts).write(path / HOT_NAME)
-    return path
 
 
 def _tokens(model_dir: Path) -> list[int]:

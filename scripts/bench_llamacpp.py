@@ -1,7 +1,8 @@
 """llama.cpp beside dsfp4 on the same model: the GGUF `dsfp4 export --format gguf` writes, run by a llama.cpp build.
 
     python scripts/bench_llamacpp.py check MODEL GGUF --llama-cpp BUILD --llama-src SRC [--prompt TEXT] [--tokens 16]
-    python scripts/bench_llamacpp.py bench MODEL GGUF --llama-cpp BUILD [--budget GPU:CPU ...] [--json OUT]
+    python scripts/bench_llamacpp.py bench MODEL GGUF --llama-cpp BUILD [--budget GPU:CPU ...] [--placement P ...]
+        [--share 16g] [--reps 5] [--json OUT]
 
 MODEL: a dsfp4 conversion with MXFP4 experts; GGUF: its export; BUILD: llama.cpp's build folder (bin/libllama.so,
 bin/llama-bench); SRC: its source (include/llama.h).
@@ -10,19 +11,36 @@ from dsfp4 (fp32 on the CPU); where they part, both top-2 logit margins say whet
 GGUF's Q8_0 backbone rounds differently from dsfp4's FP8).
 `bench`: llama-bench's prompt and decode tok/s with everything on the GPU (-ngl 99), with the experts on the CPU
 (-ot exps=CPU), and CPU only, beside dsfp4's at the budgets given, on the same machine in the same run.
+`--share 16g` adds the SSD-bound pair (root, cgroup v1 or v2): dsfp4 with MODEL at the whole DeepSeek-V3's share of
+that machine's records on the device and in RAM, and llama.cpp with its experts on the CPU, mmapped, in a memory cgroup
+capped at the bytes of dsfp4's RAM tier plus llama.cpp's own memory (measured uncapped). The cgroup charges the page
+cache its process faults in, so experts beyond the cap are read from the disk again; GGUF is dropped from the page
+cache first. Its rows say the disk bytes read per token and GB/s over the timed runs (/sys/block) and the cgroup's
+peak page cache and own memory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import torch
 
+from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.models.load import plan_engine
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.planner import Plan
+from dsfp4.tools.bench_projection import share_plan
+from dsfp4.tools.projection import MACHINES, full_plan
+from dsfp4.units import format_bytes
 
 FILE = click.Path(exists=True, path_type=Path)
 
@@ -85,6 +103,168 @@ def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, to
         click.echo(f"llama.cpp gave {len(theirs)} tokens, dsfp4 {len(ours)} (dsfp4 stops at an end-of-sequence token)")
 
 
+PLACEMENTS = {
+    "gpu": ("all on the GPU", ["-ngl", "99"]),
+    "exps-cpu": ("experts on the CPU", ["-ngl", "99", "-ot", "exps=CPU"]),
+    "cpu": ("CPU only", ["-ngl", "0"]),
+}
+CGROUP = Path("/sys/fs/cgroup")
+CAP_MARGIN = 256 << 20  # bytes over llama.cpp's measured own memory in its cap, so its peaks are not OOM-killed
+
+
+@dataclass
+class MemoryCgroup:
+    """A memory cgroup for llama-bench (cgroup v2, or v1's memory hierarchy). Its limit charges the page cache its
+    processes fault in as well as their own memory, so mmapped weights beyond it are read from the disk again."""
+
+    path: Path
+    v2: bool
+
+    @classmethod
+    def make(cls, name: str = "dsfp4-llama") -> MemoryCgroup:
+        """A new cgroup under this process's own (v2: under the root where its own cannot hand memory down)."""
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        own = {controllers: path.lstrip("/") for _, controllers, path in (line.split(":", 2) for line in lines)}
+        if not (CGROUP / "cgroup.controllers").is_file():
+            path = CGROUP / "memory" / own["memory"] / name
+            path.mkdir(exist_ok=True)
+            return cls(path, False)
+        for parent in (CGROUP / own[""], CGROUP):
+            control = parent / "cgroup.subtree_control"
+            try:
+                if "memory" not in control.read_text().split():
+                    control.write_text("+memory")
+            except OSError:
+                continue
+            (parent / name).mkdir(exist_ok=True)
+            return cls(parent / name, True)
+        raise click.ClickException(f"no cgroup can limit memory here ({CGROUP} is read-only or lacks memory)")
+
+    def limit(self, nbytes: int | None) -> None:
+        """Cap the cgroup's memory at nbytes (None: no cap)."""
+        name, off = ("memory.max", "max") if self.v2 else ("memory.limit_in_bytes", "-1")
+        (self.path / name).write_text(off if nbytes is None else str(nbytes))
+
+    def usage(self) -> tuple[int, int]:
+        """(its processes' own memory, page cache) charged to the cgroup now, in bytes."""
+        stat = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines())
+        anon, cache = ("anon", "file") if self.v2 else ("rss", "cache")
+        return int(stat[anon]), int(stat[cache])
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """cmd, started inside the cgroup."""
+        return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh", *cmd]
+
+
+def disk_read_bytes() -> int:
+    """Bytes read so far from this machine's disks (loop, RAM and device-mapper devices left out)."""
+    skip = ("loop", "ram", "zram", "dm-", "md", "sr")
+    disks = [d for d in Path("/sys/block").iterdir() if not d.name.startswith(skip)]
+    return sum(int((d / "stat").read_text().split()[2]) * 512 for d in disks)
+
+
+def evict(path: Path) -> None:
+    """Drop a file's pages from the page cache, so that the next reader gets them from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Watched:
+    """A llama-bench run watched: its stdout, its progress lines (label, seconds, disk bytes read so far, then
+    "exit"), and the peaks of its cgroup's own memory and page cache."""
+
+    stdout: bytes
+    events: list[tuple[str, float, int]]
+    peak_anon: int = 0
+    peak_cache: int = 0
+
+    def timed_reads(self, kind: str) -> tuple[int, float]:
+        """Disk bytes and seconds of the timed runs of one kind ("prompt" or "generation"): from the progress line of
+        its first run to the line (or the exit) after its last."""
+        runs = [i for i, e in enumerate(self.events) if f"{kind} run" in e[0] and "warmup" not in e[0]]
+        (_, t0, d0), (_, t1, d1) = self.events[runs[0]], self.events[runs[-1] + 1]
+        return d1 - d0, t1 - t0
+
+
+def run_watched(cmd: list[str], cgroup: MemoryCgroup) -> Watched:
+    """Run llama-bench (with --progress) inside the cgroup, noting the disk's reads at each progress line and the
+    cgroup's peak usage every 0.1 s."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cgroup.wrap(cmd), stdout=out, stderr=subprocess.PIPE, text=True)
+        watched, start, tail = Watched(b"", []), time.monotonic(), []
+
+        def progress() -> None:
+            for line in proc.stderr:
+                tail[:] = [line.strip()]
+                if line.startswith("llama-bench: benchmark"):
+                    watched.events.append((line.strip(), time.monotonic() - start, disk_read_bytes()))
+
+        reader = threading.Thread(target=progress)
+        reader.start()
+        while proc.poll() is None:
+            anon, cache = cgroup.usage()
+            watched.peak_anon, watched.peak_cache = max(watched.peak_anon, anon), max(watched.peak_cache, cache)
+            time.sleep(0.1)
+        reader.join()
+        watched.events.append(("exit", time.monotonic() - start, disk_read_bytes()))
+        if proc.returncode != 0:
+            raise click.ClickException(f"llama-bench failed ({proc.returncode}): {tail}")
+        out.seek(0)
+        watched.stdout = out.read()
+    return watched
+
+
+def llama_rows(build: Path, args: list[str], name: str, cgroup: MemoryCgroup | None, ram: str) -> tuple[list, int]:
+    """llama-bench's prefill and decode rows for one placement (and its peak own memory, where it ran in a cgroup)."""
+    exe = build / "bin" / "llama-bench"
+    if cgroup is None:
+        results, watched = json.loads(_llama_run(exe, *args).decode()), None
+    else:
+        watched = run_watched([str(exe), *args, "--progress"], cgroup)
+        results = json.loads(watched.stdout.decode())
+    rows = []
+    for r in results:
+        kind = "prefill" if r.get("n_prompt") else "decode"
+        row = {"engine": "llama.cpp", "placement": name, "ram": ram, "kind": kind, "tok_s": r["avg_ts"]}
+        if watched is not None:
+            nbytes, seconds = watched.timed_reads("prompt" if kind == "prefill" else "generation")
+            tokens = (r["n_prompt"] or r["n_gen"]) * len(r["samples_ts"])
+            row |= {"disk_gb_per_token": nbytes / tokens / 1e9, "disk_gb_s": nbytes / seconds / 1e9}
+            row |= {"peak_cache_gb": watched.peak_cache / 1e9, "peak_own_gb": watched.peak_anon / 1e9}
+        rows.append(row)
+    return rows, watched.peak_anon if watched else 0
+
+
+def share_plan_of(model: Path, share: str, options: RunOptions) -> Plan:
+    """The bench model's plan at the whole DeepSeek-V3's share of a machine's budgets (scripts/bench_batch.py's)."""
+    full = full_plan("v3", MACHINES[share])[1]
+    n, k = full.total_records, Manifest.open(model).args.n_activated_experts
+    return share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k)
+
+
+def dsfp4_rows(model: Path, options: RunOptions, plan: Plan | None, where: str, prompt_tokens: int, tokens: int):
+    """dsfp4's prefill and decode rows, after a warm-up prompt of the same length (Triton compiles per length)."""
+    with Engine(model, options, plan=plan) as e:
+        e.tokenizer.eos_ids = frozenset()  # every answer runs to its max_tokens
+        e.generate(list(range(1000, 1000 + prompt_tokens)), max_tokens=4, temperature=0)  # warm
+        g = e.generate(list(range(10, 10 + prompt_tokens)), max_tokens=tokens, temperature=0)
+        plan = e.plan
+    ram = f"{plan.ram_slots} of {plan.total_records} records in RAM"
+    placement = f"{where}: {plan.gpu_slots} of {plan.total_records} records on the device"
+    stats = g.stats.to_dict()  # the store's SSD bytes are counted over the prompt and the decode together
+    extra = {"ssd_gb_per_token_of_both": stats["ssd_bytes_per_token"] / 1e9, "ssd_read_gb_s": stats["ssd_read_gb_s"]}
+    extra["ram_hit_rate"] = stats["ram_hit_rate"]
+    return [
+        {"engine": "dsfp4", "placement": placement, "ram": ram, "kind": "prefill", "tok_s": g.stats.prefill_tok_s},
+        {"engine": "dsfp4", "placement": placement, "ram": ram, "kind": "decode", "tok_s": g.stats.decode_tok_s}
+        | extra,
+    ]
+
+
 @main.command()
 @click.argument("model", type=FILE)
 @click.argument("gguf", type=FILE)
@@ -94,6 +274,20 @@ def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, to
 @click.option(
     "--budget", "budgets", multiple=True, help="dsfp4's GPU:CPU budgets, e.g. 60G:40G (repeat; default: free memory)"
 )
+@click.option(
+    "--placement",
+    "placements",
+    multiple=True,
+    type=click.Choice(list(PLACEMENTS)),
+    help="llama.cpp's placements (repeat; default: all three)",
+)
+@click.option(
+    "--share",
+    type=click.Choice(["16g", "24g"]),
+    help="also the SSD-bound pair: dsfp4 at the whole V3's share of that machine, llama.cpp (experts on the CPU, "
+    "mmapped) in a memory cgroup capped at the same RAM bytes plus its own memory measured uncapped (root)",
+)
+@click.option("--reps", default=5, show_default=True, help="llama-bench's -r")
 @click.option(
     "--flash-attn", default="0", show_default=True, help="llama-bench's -fa (0 where its build has no FA kernels)"
 )
@@ -105,35 +299,56 @@ def bench(
     prompt_tokens: int,
     tokens: int,
     budgets: tuple[str, ...],
+    placements: tuple[str, ...],
+    share: str | None,
+    reps: int,
     flash_attn: str,
-    out,
+    out: Path | None,
 ) -> None:
-    rows = []
-    placements = {"all on the GPU": ["-ngl", "99"], "experts on the CPU": ["-ngl", "99", "-ot", "exps=CPU"]}
-    placements["CPU only"] = ["-ngl", "0"]
-    for name, extra in placements.items():
-        args = ("-m", str(gguf), "-p", str(prompt_tokens), "-n", str(tokens), "-fa", flash_attn, "-o", "json", *extra)
-        for r in json.loads(_llama_run(build / "bin" / "llama-bench", *args).decode()):
-            kind = "prefill" if r.get("n_prompt") else "decode"
-            rows.append({"engine": "llama.cpp", "placement": name, "kind": kind, "tok_s": r["avg_ts"]})
+    """llama-bench beside dsfp4 at the same prompt and decode lengths; with --share, also where RAM is short."""
+    args = ["-m", str(gguf), "-p", str(prompt_tokens), "-n", str(tokens), "-fa", flash_attn, "-r", str(reps)]
+    args += ["-lm", "mmap", "-o", "json"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for budget in budgets or ("",):
+    max_context = prompt_tokens + tokens + 8
+    rows: list[dict] = []
+
+    def emit(new: list[dict]) -> None:
+        """Print rows as they are measured (a run cut short keeps them), and rewrite the JSON."""
+        for r in new:
+            more = "  ".join(f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float) and k != "tok_s")
+            click.echo(f"{r['engine']:<10} {r['placement']:<62} {r['kind']:<8} {r['tok_s']:10.2f} tok/s  {more}")
+            click.echo(f"{'':<10} RAM: {r['ram']}")
+        rows.extend(new)
+        if out:
+            out.write_text(json.dumps(rows, indent=1))
+
+    cgroup, own = MemoryCgroup.make() if share else None, {}
+    if cgroup:
+        cgroup.limit(None)
+    for key in placements or PLACEMENTS:
+        name, extra = PLACEMENTS[key]
+        placed, own[key] = llama_rows(build, [*args, *extra], name, cgroup, "uncapped")
+        emit(placed)
+    if share:
+        options = RunOptions(device=device, max_context=max_context)
+        plan = share_plan_of(model, share, options)
+        ram = plan.ram_slots * Manifest.open(model).record.nbytes
+        streamed = [*args, *PLACEMENTS["exps-cpu"][1]]
+        own_mem = own.get("exps-cpu") or llama_rows(build, streamed, "", cgroup, "")[1]
+        cap = ram + own_mem + CAP_MARGIN
+        what = f"a {format_bytes(cap)} cgroup: dsfp4's RAM tier {format_bytes(ram)} + its own {format_bytes(own_mem)}"
+        cgroup.limit(cap)
+        evict(gguf)
+        try:
+            emit(llama_rows(build, streamed, "experts on the CPU, mmapped, RAM capped", cgroup, what)[0])
+        except click.ClickException as err:  # dsfp4's rows still count
+            click.echo(f"capped llama-bench: {err.message}", err=True)
+        cgroup.limit(None)
+        emit(dsfp4_rows(model, options, plan, f"{device} V3's {share} share", prompt_tokens, tokens))
+    for budget in budgets or (() if share else ("",)):
         gpu, _, cpu = budget.partition(":")
-        knobs = {"gpu_mem": gpu or None, "cpu_mem": cpu or None}
-        with Engine(model, device=device, max_context=prompt_tokens + tokens + 8, **knobs) as e:
-            ids = list(range(10, 10 + prompt_tokens))
-            e.generate(ids[:8], max_tokens=4, temperature=0)  # warm
-            g = e.generate(ids, max_tokens=tokens, temperature=0)
-            plan = e.plan
-        where = f"{device} {budget or 'free memory'}: {plan.gpu_slots} of {plan.total_records} records on the device"
-        rows += [
-            {"engine": "dsfp4", "placement": where, "kind": "prefill", "tok_s": g.stats.prefill_tok_s},
-            {"engine": "dsfp4", "placement": where, "kind": "decode", "tok_s": g.stats.decode_tok_s},
-        ]
-    for r in rows:
-        click.echo(f"{r['engine']:<10} {r['placement']:<60} {r['kind']:<8} {r['tok_s']:10.1f} tok/s")
-    if out:
-        out.write_text(json.dumps(rows, indent=1))
+        options = RunOptions(device=device, max_context=max_context, gpu_mem=gpu or None, cpu_mem=cpu or None)
+        emit(dsfp4_rows(model, options, None, f"{device} {budget or 'free memory'}", prompt_tokens, tokens))
 
 
 if __name__ == "__main__":

@@ -175,14 +175,15 @@ class RecordLayout:
             out.append((p.dtype, p.offset + k * DTYPE_NBYTES[p.dtype], DTYPE_NBYTES[p.dtype], ()))
         return out
 
-    def stored_from(self, read: Callable[[int, int], bytes], which: str) -> tuple[torch.Tensor, ...]:
-        """stored()'s tensors of one matrix from read(offset in the record, bytes) of its spans alone."""
-        return self._fp4(
-            tuple(
-                torch.frombuffer(bytearray(read(at, n)), dtype=TORCH_DTYPES[dt]).reshape(shape)
-                for dt, at, n, shape in self.spans(which)
-            )
-        )
+    def stored_from(self, read: Callable[[int, int], bytes | torch.Tensor], which: str) -> tuple[torch.Tensor, ...]:
+        """stored()'s tensors of one matrix from read(offset in the record, bytes) of its spans alone (bytes, or a
+        uint8 tensor taken as it is)."""
+        spans = []
+        for dt, at, n, shape in self.spans(which):
+            raw = read(at, n)
+            raw = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            spans.append(raw.view(TORCH_DTYPES[dt]).reshape(shape))
+        return self._fp4(tuple(spans))
 
     def matrix(
         self, buf: bytes | bytearray | memoryview | torch.Tensor, which: str, dtype: torch.dtype = torch.float32

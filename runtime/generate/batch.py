@@ -7,8 +7,10 @@ the next free batch slot (1..max_batch), and from then on it decodes in the batc
 with its own sampling, stop strings and cancel event. A sequence that ends leaves at once; the last sequence moves
 into its slot, so the batch's slots stay contiguous and attention takes them as one [B, S] block. A step replays a
 CUDA graph of its batch size where one captures (runtime/generate/decode_graph.py), else runs eagerly. Greedy tokens
-are those of decoding each sequence alone, up to float rounding (tests/runtime/test_batch.py). Legend: B sequences
-in the step, V vocab.
+are those of decoding each sequence alone, up to float rounding (tests/runtime/test_batch.py). A batch of greedy
+sequences runs one step ahead of the host, as a single sequence does: each step's tokens feed the next step on the
+device before the host reads them; when the rows change (a join, an end) the step ahead is discarded (it ran: the
+expert counters include it). Legend: B sequences in the step, V vocab.
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ class BatchRun:
         self.rows: list[BatchSequence] = []  # row i decodes in slot BATCH_SLOT + i
         self.graphs, self.why_eager = graphs, None  # why the last step ran eagerly (None: it replayed a graph)
         self.joint = joint
+        # the rows change (a join, an end): a step launched ahead for the old rows is discarded
+        self.version, self.ahead = 0, None  # ahead: (version, the next step's tokens on the device [B])
+        if graphs is not None and graphs.ready and routing is None:  # trace rows are begun by the host: no step ahead
+            self.chosen = torch.empty(max_batch, dtype=torch.long, pin_memory=True)
+            self.copied = torch.cuda.Event()
 
     @property
     def free(self) -> int:
@@ -120,6 +127,7 @@ class BatchRun:
             self._reserve(seq)
             _copy_rows(self.slots[BATCH_SLOT + len(self.rows)], self.slots[0], n)
             self.rows.append(seq)
+            self.version += 1
             self._take(seq, sample(logits, seq.sampling, seq.gen))
             self._drop_finished()
         return seq
@@ -143,6 +151,7 @@ class BatchRun:
                 seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
                 self._reserve(seq)
                 self.rows.append(seq)
+                self.version += 1
         return [seqs[i] if i in seqs else self.add(*r) for i, r in enumerate(requests)]
 
     def _reserve(self, seq: BatchSequence) -> None:
@@ -162,20 +171,40 @@ class BatchRun:
         if self.routing is not None:  # each sequence's token takes the next row of its stretch
             self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
         self.why_eager = "--no-cuda-graph" if self.graphs is None else self.graphs.why_eager_batch(b)
-        if self.why_eager is None:
-            logits = self.graphs.batch_step(tokens, positions)  # [B, V]
-        else:
-            pos = torch.tensor(positions, device=device)  # [B]
-            where = DevicePosition(pos, max(positions) + 1, slot=BATCH_SLOT)
-            logits = self.model(torch.tensor(tokens, device=device).view(b, 1), where, last_only=True)[0][:, -1]
         greedy = [s.sampling.greedy for s in self.rows]
-        best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == self.version:  # launched by the last call, for these rows
+            best = self._ahead(ahead[1], positions)
+        else:
+            if self.why_eager is None:
+                logits = self.graphs.batch_step(tokens, positions)  # [B, V]
+            else:
+                pos = torch.tensor(positions, device=device)  # [B]
+                where = DevicePosition(pos, max(positions) + 1, slot=BATCH_SLOT)
+                logits = self.model(torch.tensor(tokens, device=device).view(b, 1), where, last_only=True)[0][:, -1]
+            if all(greedy) and self.why_eager is None and self.routing is None:
+                best = self._ahead(logits.argmax(-1), positions)
+            else:
+                best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
         for i, seq in enumerate(self.rows):
             seq.pos += 1
             seq.steps_taken += 1
             seq.batch_sum += b
             self._take(seq, best[i] if greedy[i] else sample(logits[i], seq.sampling, seq.gen))
         self._drop_finished()
+
+    def _ahead(self, chosen: torch.Tensor, positions: list[int]) -> list[int]:
+        """This step's greedy tokens (chosen: device [B]) to the host, the next step launched with them first (kept in
+        self.ahead for the next call, which uses it if the rows stay as they are)."""
+        b = len(positions)
+        self.chosen[:b].copy_(chosen, non_blocking=True)
+        self.copied.record()
+        room = max(positions) + 1 < self.max_context  # the next step's cache rows exist
+        logits = self.graphs.batch_ahead(chosen, [p + 1 for p in positions]) if room else None
+        if logits is not None:
+            self.ahead = (self.version, logits.argmax(-1))
+        self.copied.synchronize()  # this step's tokens, not the step launched after them
+        return self.chosen[:b].tolist()
 
     def cancel_all(self) -> None:
         """End every sequence now (finish reason "cancelled")."""
@@ -200,6 +229,7 @@ class BatchRun:
                 i += 1
                 continue
             last = self.rows.pop()
+            self.version += 1
             if last is not seq:
                 _copy_rows(self.slots[BATCH_SLOT + i], self.slots[BATCH_SLOT + len(self.rows)], last.pos)
                 self.rows[i] = last

@@ -15,7 +15,8 @@ be captured it runs eagerly, and `why_eager` says why (it goes into the stats).
 
 A batch's step (B sequences in cache slots BATCH_SLOT.., each at its own position) is captured per batch size and
 span on its first use, in the same pool; it replays as long as the store can hold the B K experts it may need at
-once (`why_eager_batch`).
+once (`why_eager_batch`). A batch of greedy sequences launches its next step before the host reads this one's tokens
+(batch_ahead): the host's work per row overlaps the device's step.
 """
 
 from __future__ import annotations
@@ -121,6 +122,20 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(key, begin=False)
         return self._run(self.graphs[key], b)[0][:, -1].clone()
+
+    def batch_ahead(self, chosen: torch.Tensor, positions: list[int]) -> torch.Tensor | None:
+        """Launch a batch's next step without the host: `chosen` (device [B], the last step's tokens, in its row
+        order) moves device to device into the step's inputs and each position steps by one (`positions`: the new
+        ones, for the span) -> the step's logits [B, V] (the graph's own, valid until its next replay), or None when
+        its graph is not captured yet (the caller steps as usual, capturing it)."""
+        b = len(positions)
+        key = (b, BATCH_SLOT, self.span(max(positions)))
+        if key not in self.graphs:
+            return None
+        both = self.inputs[b, BATCH_SLOT]  # the last step's tokens and positions: same rows, one further
+        both[0].copy_(chosen)
+        both[1].add_(1)
+        return self._run(self.graphs[key], b)[0][:, -1]
 
     def span(self, pos: int) -> int:
         """The attention span of a step at `pos`: the smallest power of two above it, within the context."""

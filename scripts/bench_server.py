@@ -16,6 +16,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,6 +88,31 @@ def load(base: str, streams: int, requests: int, max_tokens: int) -> dict:
     }
 
 
+def _sweep(
+    cmd: list[str], log, base: str, counts: list[int], requests: int, max_tokens: int, passes: int
+) -> list[dict]:
+    """Start the server (stderr to `log`), wait for /health, warm it, sweep the concurrencies `passes` times -> the
+    last sweep's rows."""
+    server = subprocess.Popen(cmd, stderr=log, text=True)
+    try:
+        while True:  # the model loads, then the server answers /health
+            if server.poll() is not None:
+                log.seek(0)
+                raise click.ClickException(f"the server exited: {log.read()[-2000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        load(base, 1, 1, 8)  # warm: the first request compiles what the engine start did not
+        for _ in range(passes):
+            rows = [load(base, n, requests, max_tokens) for n in counts]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return rows
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("model", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--streams", default="1,2,4,8,16", show_default=True)
@@ -110,22 +136,8 @@ def main(
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "dsfp4.cli.main", "run", str(model), "--serve", "--port", str(port)]
     cmd += ["--max-queue", str(max(counts)), "-q", *run_flags]
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    try:
-        while True:  # the model loads, then the server answers /health
-            if server.poll() is not None:
-                raise click.ClickException(f"the server exited: {server.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        load(base, 1, 1, 8)  # warm: the first request compiles what the engine start did not
-        for _ in range(passes):
-            rows = [load(base, n, requests, max_tokens) for n in counts]
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with tempfile.TemporaryFile("w+") as log:  # the server's stderr: a pipe nobody reads would block it once full
+        rows = _sweep(cmd, log, base, counts, requests, max_tokens, passes)
     click.echo(f"{'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
     for r in rows:
         click.echo(

@@ -36,6 +36,7 @@ import torch
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_engine
+from dsfp4.runtime.models.moe import Gate, expert_scores
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.tools.bench_projection import share_plan
@@ -77,18 +78,19 @@ def main() -> None:
 @click.option("--tokens", default=16, show_default=True)
 @click.option("--gpu-layers", default=0, show_default=True, help="llama.cpp's -ngl")
 def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, tokens: int, gpu_layers: int) -> None:
-    """Greedy token ids of llama.cpp (scripts/llama_greedy.cpp) and dsfp4 (fp32 on the CPU) after one prompt."""
+    """Greedy token ids of llama.cpp (scripts/llama_greedy.cpp) and dsfp4 (fp32 on the CPU) after one prompt; then
+    llama.cpp's logits along dsfp4's tokens, to tell a parting within the two engines' rounding from one beyond it."""
     with tempfile.TemporaryDirectory() as tmp:
         exe = build_greedy(llama_src, build, Path(tmp))
         with Engine(model, device="cpu", dtype="fp32", max_context=256) as engine:
             ids = engine.tokenizer.encode(prompt)
-            text = _llama_run(exe, str(gguf), str(tokens), str(gpu_layers), *map(str, ids))
-        theirs = [tuple(line.split()) for line in text.decode().splitlines()]
-        with Engine(model, device="cpu", dtype="fp32", max_context=256) as engine:
             ours = engine.generate(ids, max_tokens=tokens, temperature=0).token_ids
-            logits = engine.logits(ids + ours)[len(ids) - 1 :]  # [tokens + 1, V]: the logits each token came from
-    top2 = torch.topk(logits.float(), 2, dim=-1).values
-    margins = (top2[:, 0] - top2[:, 1]).tolist()
+            logits = engine.logits(ids + ours)[len(ids) - 1 : len(ids) - 1 + len(ours)]  # [T, V]: each token's
+        text = _llama_run(exe, str(gguf), str(tokens), str(gpu_layers), *map(str, ids))
+        rows = _llama_run(exe, str(gguf), f"rows:{len(ours) - 1}", str(gpu_layers), *map(str, ids + ours[:-1]))
+    theirs = [tuple(line.split()) for line in text.decode().splitlines()]
+    top2 = torch.topk(logits.float(), 2, dim=-1)
+    margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
     same = 0
     while same < min(len(ours), len(theirs)) and ours[same] == int(theirs[same][0]):
         same += 1
@@ -101,6 +103,52 @@ def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, to
         )
     elif len(theirs) != len(ours):
         click.echo(f"llama.cpp gave {len(theirs)} tokens, dsfp4 {len(ours)} (dsfp4 stops at an end-of-sequence token)")
+    # along dsfp4's tokens: each row's logit differences, less their mean (a shift of a whole row changes nothing)
+    llama = torch.tensor([[float(x) for x in r.split()] for r in rows.decode().splitlines()])  # [T, V]
+    delta = llama - logits.float()
+    delta -= delta.mean(-1, keepdim=True)
+    noise = float(delta.pow(2).mean().sqrt()) * 2**0.5  # of a difference of two logits
+    click.echo(f"the engines' logits along dsfp4's tokens: RMS difference of two logits {noise:.4f}")
+    if same < len(ours):
+        a, b = top2.indices[same].tolist()
+        moved = float(delta[same, b] - delta[same, a])
+        click.echo(
+            f"at token {same} llama.cpp's rounding moves dsfp4's top two {moved:+.4f} closer, their margin "
+            f"{margins[same]:.4f} is {margins[same] / noise:.1f}x that RMS; its narrowest routing decision per MoE "
+            f"layer: {[round(m, 4) for m in _router_margins(model, ids + ours[:same])]}"
+        )
+
+
+def _router_margins(model: Path, seq: list[int]) -> list[float]:
+    """dsfp4's routing of the last token of `seq`, per MoE layer: the narrowest of its decisions, the weakest kept
+    group's score less the best dropped one's (V3: a group scores its top two) and the weakest chosen expert's less
+    the best unchosen one's in the kept groups. A near-tie there flips an expert between engines that round
+    differently, and with it the layer's output."""
+    out: list[float] = []
+
+    def hook(gate: Gate, inputs: tuple, output: tuple) -> None:
+        a = gate.args
+        score = expert_scores(inputs[0][-1:], gate.weight, a.score_func)[0]  # [E]
+        score = score + gate.bias if gate.bias is not None else score
+        groups = score.view(gate.groups, -1)  # [G, E / G]
+        rank = groups.topk(min(2, groups.shape[1]), dim=-1).values.sum(-1).sort(descending=True).values
+        kept = a.n_limited_groups if gate.groups > 1 else 1
+        group_margin = float(rank[kept - 1] - rank[kept]) if gate.groups > kept else float("inf")
+        chosen = output[1][-1]
+        held = groups.topk(min(2, groups.shape[1]), dim=-1).values.sum(-1).topk(kept).indices
+        pool = torch.zeros_like(groups, dtype=torch.bool)
+        pool[held] = True
+        pool = pool.flatten()
+        pool[chosen] = False
+        expert_margin = float(score[chosen].min() - score[pool].max()) if pool.any() else float("inf")
+        out.append(min(group_margin, expert_margin))
+
+    with Engine(model, device="cpu", dtype="fp32", max_context=256) as engine, torch.inference_mode():
+        for m in engine.model.modules():
+            if isinstance(m, Gate):
+                m.register_forward_hook(hook)
+        engine.logits(seq)
+    return out
 
 
 PLACEMENTS = {

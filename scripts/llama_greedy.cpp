@@ -1,6 +1,7 @@
 // Greedy continuation of a token-id prompt through llama.cpp's library, one token id and its top-2 logit margin per
 // line: what scripts/bench_llamacpp.py compares with dsfp4's (llama-simple prints text only, and a byte-level
 // tokenizer's pieces need not be text). Usage: llama_greedy MODEL.gguf N_TOKENS N_GPU_LAYERS ID...
+// N_TOKENS given as rows:K: the last K ids are fed, not chosen, and each step prints its whole logits row instead.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -12,11 +13,15 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "usage: %s MODEL.gguf N_TOKENS N_GPU_LAYERS ID...\n", argv[0]);
         return 2;
     }
-    const int n_new = atoi(argv[2]);
+    const bool rows = argv[2][0] == 'r';  // rows:K
+    const int n_forced = rows ? atoi(argv[2] + 5) : 0;
     std::vector<llama_token> prompt;
     for (int i = 4; i < argc; i++) {
         prompt.push_back(atoi(argv[i]));
     }
+    const std::vector<llama_token> forced(prompt.end() - n_forced, prompt.end());
+    prompt.resize(prompt.size() - n_forced);
+    const int n_new = rows ? n_forced + 1 : atoi(argv[2]);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = atoi(argv[3]);
@@ -35,6 +40,18 @@ int main(int argc, char ** argv) {
             return 1;
         }
         const float * logits = llama_get_logits_ith(ctx, -1);
+        if (rows) {
+            for (int j = 0; j < n_vocab; j++) {
+                printf(j ? " %.6f" : "%.6f", logits[j]);
+            }
+            printf("\n");
+            if (step == n_forced) {
+                break;
+            }
+            next = forced[step];
+            batch = llama_batch_get_one(&next, 1);
+            continue;
+        }
         int best = 0, second = 1;
         if (logits[second] > logits[best]) {
             best = 1, second = 0;

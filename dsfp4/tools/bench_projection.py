@@ -18,12 +18,11 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.simulate import ColdRecords, Links, StepCosts, simulate
 from dsfp4.tools.doctor import Ceilings
+from dsfp4.tools.first_token import first_token_table, first_tokens
 from dsfp4.tools.projection import (
     MACHINES,
     decode_costs,
     efficiency,
-    first_token_table,
-    first_tokens,
     full_plan,
     n_moe_layers,
     project,

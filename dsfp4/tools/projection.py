@@ -11,10 +11,7 @@ gives the whole model on a user's machine, with compute scaled from what the ben
   from a profile of the trace's first half (as profile-hot measures one on calibration text) and the second half
   is decoded (so the profile never saw the tokens it is scored on).
 - Links: the machine's SSD and pinned PCIe bandwidth, each at its full rate.
-- Time to first token: the trace's rows after the profile's are the prompt, prefilled in chunks as `dsfp4 run`
-  prefills (runtime/profile/simulate.py simulate_prefill); its compute is the prompt's FLOPs at PREFILL_SHARE of
-  the user's GPU's dense BF16 peak (what our prefill reached on the H100), attention's scores left out (under 10%
-  of a V3 layer's FLOPs at 2,048 tokens).
+- Time to first token: tools/first_token.py.
 - The process: USER_PROCESS, what `dsfp4 run` holds when it plans (not what the projecting process holds).
 """
 
@@ -31,7 +28,6 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
-from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
@@ -52,10 +48,6 @@ from dsfp4.tools.backbone_choice import choose_backbone, run_shape
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
 MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = run_shape()  # the run the plan is made for: `dsfp4 run`'s defaults
 HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing and queues the loads
-# our prefill MoE's 310.5 TFLOP/s at 4,096 tokens on the H100 (docs/BENCHMARKS.md, 2026-11-23) over the H100 SXM's
-# 989.4 dense BF16 TFLOP/s: the share of a GPU's peak the projected prefill runs at
-PREFILL_SHARE = 310.5 / 989.4
-PROMPTS = (64, 512, 2048)  # prompt tokens the time to first token is projected for
 USER_PROCESS = int(0.56 * GiB)  # RSS of a `dsfp4 run` as it plans, on the H200 machine (docs/BENCHMARKS.md)
 
 
@@ -181,13 +173,6 @@ def step_flops(m: Manifest) -> tuple[float, float, float]:
 
     a = m.args
     return _per_token(m, size, 2.0 * 3 * a.dim * a.moe_inter_dim)
-
-
-def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
-    """A prompt token's compute on the machine's GPU at PREFILL_SHARE of its peak."""
-    rate = machine.flops * PREFILL_SHARE
-    attn, experts, other = step_flops(m)
-    return StepCosts(attn / rate, experts / rate, other / rate, HOST_S)
 
 
 def n_moe_layers(m: Manifest) -> int:
@@ -415,74 +400,13 @@ def table(rows: list[Row]) -> str:
                 f"{100 * (1 - r.belady_not_ssd):.1f}",
             )
         )
-    return _columns(lines, left=3)
+    return columns(lines, left=3)
 
 
-def _columns(lines: list[tuple[str, ...]], left: int) -> str:
+def columns(lines: list[tuple[str, ...]], left: int) -> str:
     """Rows of cells as aligned text: the first `left` columns to the left, the rest to the right."""
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
         for line in lines
     )
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    machine: str
-    prompt: int  # tokens
-    projection: Projection  # the prompt's totals; seconds: the time to its first token
-
-    def to_dict(self) -> dict:
-        return {"machine": self.machine, "prompt": self.prompt, **self.projection.to_dict()}
-
-
-def first_tokens(family: str, ids: np.ndarray, machines: list[str], prompts: tuple[int, ...] = PROMPTS) -> list:
-    """The whole model's time to first token on each machine for prompts of each length: the trace's rows after its
-    first half (wrapping around, as --routing does), prefilled through the plan's pools warm from that half."""
-    rows = []
-    for name in machines:
-        machine = MACHINES[name]
-        m, plan = full_plan(family, machine)
-        trace = spread(ids, n_moe_layers(m))
-        half = len(trace) // 2
-        warm = warm_order(trace[:half], m.args.n_routed_experts)
-        costs = prefill_costs(m, machine)
-        for n in prompts:
-            prompt = trace[(half + np.arange(n)) % len(trace)]  # [n, L, K]
-            p = simulate_prefill(
-                prompt,
-                plan.gpu_slots,
-                plan.ram_slots,
-                m.record.nbytes,
-                machine.links,
-                costs,
-                PREFILL_CHUNK,
-                RunOptions.policy,
-                warm,
-                host_stream(m, plan),
-            )
-            rows.append(FirstToken(name, n, p))
-    return rows
-
-
-def first_token_table(rows: list[FirstToken]) -> str:
-    head = ("machine", "prompt", "TTFT s", "compute s", "SSD GB", "PCIe GB", "device %", "RAM %", "SSD %")
-    lines = [head]
-    for r in rows:
-        p = r.projection
-        uses = max(p.uses, 1)
-        lines.append(
-            (
-                r.machine,
-                str(r.prompt),
-                f"{p.seconds:.1f}",
-                f"{p.compute_s:.1f}",
-                f"{p.ssd_bytes / 1e9:.1f}",
-                f"{p.pcie_bytes / 1e9:.1f}",
-                f"{100 * p.device_hits / uses:.1f}",
-                f"{100 * p.ram_hits / uses:.1f}",
-                f"{100 * p.ssd_misses / uses:.1f}",
-            )
-        )
-    return _columns(lines, left=1)

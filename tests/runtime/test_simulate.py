@@ -20,10 +20,9 @@ from dsfp4.runtime.profile.simulate import (
     simulate_prefill,
 )
 from dsfp4.tools.bench_projection import share_plan
+from dsfp4.tools.first_token import first_token_table, first_tokens
 from dsfp4.tools.projection import (
     MACHINES,
-    first_token_table,
-    first_tokens,
     full_plan,
     project,
     spread,

@@ -8,6 +8,7 @@ expert record layout and, per MoE layer, each expert's offset and checksum in it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -63,6 +64,11 @@ class ExpertFile:
             d |= {"cold": list(self.cold), "source_sha256": list(self.source_sha256)}
         return d
 
+    @functools.cached_property
+    def cold_set(self) -> frozenset[int]:
+        """`cold` as a set: the store asks it on every read and upload."""
+        return frozenset(self.cold)
+
     def exact(self) -> ExpertFile:
         """The layer as it was before its cold records were narrowed: each one's source checksum, none cold."""
         sha = list(self.sha256)
@@ -93,7 +99,7 @@ class Manifest:
 
     def layout_of(self, key: tuple[int, int]) -> RecordLayout:
         """The layout of the record of key (layer, expert): a cold one's or the model's."""
-        cold = self.cold_record is not None and key[1] in self.experts[key[0]].cold
+        cold = self.cold_record is not None and key[1] in self.experts[key[0]].cold_set
         return self.cold_record if cold else self.record
 
     def record_end(self, key: tuple[int, int]) -> int:

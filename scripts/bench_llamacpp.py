@@ -131,11 +131,12 @@ def _router_margins(model: Path, seq: list[int]) -> list[float]:
         score = expert_scores(inputs[0][-1:], gate.weight, a.score_func)[0]  # [E]
         score = score + gate.bias if gate.bias is not None else score
         groups = score.view(gate.groups, -1)  # [G, E / G]
-        rank = groups.topk(min(2, groups.shape[1]), dim=-1).values.sum(-1).sort(descending=True).values
+        group_score = groups.topk(min(2, groups.shape[1]), dim=-1).values.sum(-1)  # [G]
         kept = a.n_limited_groups if gate.groups > 1 else 1
+        rank = group_score.sort(descending=True).values
         group_margin = float(rank[kept - 1] - rank[kept]) if gate.groups > kept else float("inf")
         chosen = output[1][-1]
-        held = groups.topk(min(2, groups.shape[1]), dim=-1).values.sum(-1).topk(kept).indices
+        held = group_score.topk(kept).indices
         pool = torch.zeros_like(groups, dtype=torch.bool)
         pool[held] = True
         pool = pool.flatten()

@@ -209,7 +209,7 @@ def _cold(model: Path, options: RunOptions, bits: int, hot_share: float | None) 
 
     if hot_share is None:
         plan = _plan(model, options)
-        hot_share = (plan.gpu_slots + plan.ram_slots) / plan.total_records
+        hot_share = plan.held_share
         if hot_share >= 1:
             raise ConfigError(
                 f"--cold-bits: the budgets hold all {plan.total_records} expert records on the GPU and in RAM, so "

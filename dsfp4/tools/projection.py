@@ -268,8 +268,9 @@ class MachineRun:
 
     def cold(self, bits: int) -> ColdRecords:
         """The records a `profile-hot --repack --cold-bits BITS` at this plan's budgets narrows."""
-        share = (self.plan.gpu_slots + self.plan.ram_slots) / self.plan.total_records
-        return cold_records(self.warm, self.m.args.n_routed_experts, share, self.m.record.cold_of(bits).nbytes)
+        return cold_records(
+            self.warm, self.m.args.n_routed_experts, self.plan.held_share, self.m.record.cold_of(bits).nbytes
+        )
 
     def decode_batch(self, b: int, policy: str = "hot") -> Projection:
         """b sequences decoding together (runtime/generate/batch.py), each through a stretch of the trace's second

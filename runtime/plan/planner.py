@@ -57,6 +57,11 @@ class Plan:
     on_host: HostBackbone = HostBackbone()
     max_batch: int = 1  # sequences decoded together (cache_slots: the KV cache holds theirs)
 
+    @property
+    def held_share(self) -> float:
+        """The share of the run's expert records the device and RAM slots hold at once (1 or more: all of them)."""
+        return (self.gpu_slots + self.ram_slots) / self.total_records if self.total_records else 1.0
+
     def table(self) -> str:
         r, n = self.record, self.total_records
         on_cpu = self.device == "cpu"  # both tiers are host memory: the process is counted on the device side

@@ -64,8 +64,10 @@ class Transfers:
         self.gpu_pool, self.ram_pool = pools
         self.cuda = self.gpu.device.type == "cuda"
         self.cold = manifest.cold_record
-        if self.cold is not None:  # one staging buffer: uploads queue on one stream, one at a time (_stage)
-            self.staging = torch.empty(self.cold.nbytes, dtype=torch.uint8, device=self.gpu.device)
+        if self.cold is not None:  # on CUDA one staging buffer: uploads queue on one stream, one at a time (_stage)
+            self.staging = (
+                torch.empty(self.cold.nbytes, dtype=torch.uint8, device=self.gpu.device) if self.cuda else None
+            )
             self.lut = cold_to_e2m1(self.cold.code_bits, self.gpu.device)
             self._stage = threading.Lock()
         self.copy_stream = torch.cuda.Stream(self.gpu.device) if self.cuda else None

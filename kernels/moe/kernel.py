@@ -1,7 +1,7 @@
 """The routed-expert interface the MoE layer calls (the formula and the record convention: ref.py).
 
 `MoEKernel` runs the decode kernel for up to MAX_TOKENS tokens and the prefill kernel above it, on CUDA
-with Triton, and the torch reference elsewhere.
+with Triton; on the CPU, the C kernel of kernels/cpu where it builds (a C compiler on PATH), else the torch reference.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dsfp4.kernels.backend import use_kernels
+from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.kernels.moe.decode import MAX_TOKENS, DecodeMoE
 from dsfp4.kernels.moe.decode import workspace_bytes as decode_workspace_bytes
 from dsfp4.kernels.moe.prefill import max_blocks, moe_prefill, prefill_blocks
@@ -18,12 +19,14 @@ from dsfp4.layout.record import RecordLayout
 
 class MoEKernel:
     """moe_ref's result for one record layout: the decode kernel for up to MAX_TOKENS tokens and the
-    prefill kernel above, on CUDA with Triton; the reference elsewhere. Holds the decode workspaces."""
+    prefill kernel above, on CUDA with Triton; on the CPU the C kernel where it builds; the reference elsewhere.
+    Holds the decode workspaces."""
 
     def __init__(self, layout: RecordLayout, top_k: int, device: torch.device, limit: float = 0.0):
         """limit: the SwiGLU clamp (kernels/swiglu.py; DeepSeek-V4's swiglu_limit), 0.0 for none."""
         self.layout, self.top_k, self.limit = layout, top_k, limit
         self.triton = use_kernels(torch.device(device))
+        self.host = torch.device(device).type == "cpu" and host_moe.available()
         if self.triton:
             self.decode = DecodeMoE(layout, top_k, device, limit=limit)
 
@@ -40,7 +43,9 @@ class MoEKernel:
         x's dtype (the shared experts' output) -> y [T, D]: the routed experts' sum in x's dtype, plus add."""
         if self.triton and x.shape[0] <= MAX_TOKENS:  # the decode kernel adds it in its final launch
             return self.decode(x, ids, weights, records, offsets, add)
-        if not self.triton:
+        if self.host:
+            y = host_moe.moe_host(x, ids, weights, records, offsets, self.layout, self.limit)
+        elif not self.triton:
             y = moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
         else:
             y = moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)

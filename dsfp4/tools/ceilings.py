@@ -18,6 +18,7 @@ import torch
 from dsfp4.layout.direct_io import DIRECT_ALIGN, aligned_buffer, open_direct
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.record import align_up
+from dsfp4.runtime.plan.probes import h2d_gbps
 
 
 def hbm_read_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -31,22 +32,6 @@ def hbm_read_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -
         x.sum()
     torch.cuda.synchronize(device)
     return reps * nbytes / (time.perf_counter() - t) / 1e9
-
-
-def h2d_gbps(device: torch.device, chunk: int, total: int = 1 << 30, pinned: bool = True) -> float:
-    """Host->GPU copies of `chunk` bytes (an expert record's size) from a pinned or pageable buffer."""
-    n = max(total // chunk, 2)
-    host = torch.empty(2 * chunk, dtype=torch.uint8, pin_memory=pinned)
-    host.fill_(1)
-    gpu = torch.empty(chunk, dtype=torch.uint8, device=device)
-    for i in range(2):
-        gpu.copy_(host[i * chunk : (i + 1) * chunk], non_blocking=pinned)
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for i in range(n):
-        gpu.copy_(host[(i % 2) * chunk : (i % 2 + 1) * chunk], non_blocking=pinned)
-    torch.cuda.synchronize(device)
-    return n * chunk / (time.perf_counter() - t) / 1e9
 
 
 def direct_io_allowed(path: Path) -> bool:

@@ -19,13 +19,16 @@ import torch
 from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.record import RecordLayout
 from dsfp4.runtime.plan.budget import available_ram
 from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.planner import Plan, expert_layers, token_bytes
+from dsfp4.runtime.plan.probes import host_moe_gbps
 from dsfp4.tools import ceilings
 from dsfp4.units import format_bytes
 
-RECORD_BYTES = 24_772_608  # a DeepSeek-V3 NVFP4 expert record: the copy size when no model is given
+V3_LAYOUT = RecordLayout.for_expert("nvfp4", 7168, 2048)  # a DeepSeek-V3 NVFP4 expert record, when no model is given
+RECORD_BYTES = V3_LAYOUT.nbytes  # the copy size when no model is given
 SCRATCH = ".dsfp4-doctor.tmp"
 BF16 = 2  # bytes of a plain weight on a GPU run, where backbone in RAM is read
 
@@ -53,6 +56,7 @@ class Ceilings:
     ram_available: int = 0
     cpu_cores: int = 0
     cpu_isa: list[str] = field(default_factory=list)
+    cpu_moe_gbps: float = 0.0  # the CPU lane's kernel on one record for one token, alone (0: no C compiler)
     measured_at: str = ""
     seconds: float = 0.0
 
@@ -145,6 +149,7 @@ def measure(
         ram_available=available_ram(),
         cpu_cores=len(os.sched_getaffinity(0)),
         cpu_isa=ceilings.cpu_isa(),
+        cpu_moe_gbps=host_moe_gbps(model.record if model is not None else V3_LAYOUT),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         seconds=time.perf_counter() - t0,
     )
@@ -198,6 +203,12 @@ def table(c: Ceilings) -> str:
         ),
         ("RAM available", format_bytes(c.ram_available)),
         ("CPU", f"{c.cpu_cores} cores, {' '.join(c.cpu_isa) or 'no vector extensions found'}"),
+        (
+            "CPU experts",
+            f"{c.cpu_moe_gbps:.1f} GB/s of records for one token (the CPU lane's kernel, --cpu-experts)"
+            if c.cpu_moe_gbps
+            else "no C compiler: the CPU lane is off",
+        ),
         ("measured", f"{c.measured_at} in {c.seconds:.1f} s"),
     ]
     w = max(len(a) for a, _ in rows)

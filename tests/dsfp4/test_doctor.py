@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from dsfp4.cli.main import cli
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.layout.manifest import Manifest
 from dsfp4.tools.doctor import SCRATCH, Ceilings, load, verdict
 
@@ -31,6 +32,7 @@ def test_doctor_reads_a_converted_models_expert_files_as_they_are(converted, tmp
     assert r.exit_code == 0, r.output
     c = Ceilings.from_dict(json.loads(r.output))
     assert c.record_bytes == Manifest.read(converted).record.nbytes
+    assert (c.cpu_moe_gbps > 0) == host_moe.available()  # the CPU lane's kernel, on the model's record
     assert sorted(p.name for p in converted.iterdir()) == before  # nothing written into the model
 
 

@@ -463,9 +463,11 @@ class Engine:
             self.prompt_cache.save(prompt_ids[:filled], self._model().positional_caches(), upto)
 
     def _finish_stats(self, stats: GenerationStats) -> None:
-        """What every generation's stats report of the engine: routing, warm start, host backbone, peaks."""
+        """What every generation's stats report of the engine: routing, the CPU lane, warm start, host backbone,
+        peaks."""
         store = self._model().experts
         stats.routing = self.routing.describe() if self.routing is not None else ""
+        stats.cpu_lane = store.lane_split.describe() if store.lane is not None else ""
         stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
         stats.host_backbone_step = self.host_backbone_step
         stats.peak_gpu, stats.peak_rss = peak_memory(self.device)

@@ -16,6 +16,7 @@ from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.sampling import SamplingParams
 from dsfp4.runtime.modes import MODES, Levers
 from dsfp4.runtime.plan.budget import parse_size
+from dsfp4.runtime.plan.probes import parse_host_share
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 
@@ -50,6 +51,10 @@ class RunOptions:
     # a chosen expert in neither the device nor RAM is swapped for an unchosen warm one of its group that the router
     # scored within this margin of it (runtime/models/cache_aware.py; 0: exact; None: the mode's)
     cache_aware: float | None = None
+    # a decode step's RAM hits the CPU computes from RAM while PCIe carries the rest (runtime/store/host_lane.py): off,
+    # auto (the share that balances the CPU kernel against PCIe, measured at load; CUDA runs), or a share from 0 to 1.
+    # Off by default: it gained where PCIe binds (every record in RAM, copied) and nothing where the SSD binds
+    cpu_experts: str = "off"
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of the backbone files as they load, and of each record on its first read from the SSD
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
@@ -95,6 +100,7 @@ class RunOptions:
         if self.cache_aware is not None and self.cache_aware < 0:
             raise ConfigError(f"--cache-aware {self.cache_aware}: give a score margin of 0 (off) or more")
         parse_size(self.prompt_cache_size, "--prompt-cache-size")
+        parse_host_share(self.cpu_experts)
         if self.prompt_cache is not None and Path(self.prompt_cache).exists() and not Path(self.prompt_cache).is_dir():
             raise ConfigError(f"--prompt-cache {self.prompt_cache}: a file, not a folder; give a folder for the cache")
         if not 0 <= self.max_batch <= DECODE_TOKENS:

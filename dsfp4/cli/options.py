@@ -158,6 +158,15 @@ store_options = _stack(  # how the expert store runs: `run`, `eval`, `bench`
         "VRAM or RAM that the router scored within this margin of it; 0 is exact. Default: the mode's.",
     ),
     click.option(
+        "--cpu-experts",
+        default=RUN_DEFAULTS.cpu_experts,
+        show_default=True,
+        help="Compute some of a decode step's RAM hits on the CPU cores, from their records in RAM, while PCIe carries "
+        "the rest: auto takes the share that balances the two, both measured at load (CUDA runs); or a share 0-1 of "
+        "the step's experts not on the GPU. It gains where PCIe binds (records in RAM, copied up), not where the SSD "
+        "does (README).",
+    ),
+    click.option(
         "--prefetch-reads",
         is_flag=True,
         help="Let a prefetch read its guesses from the SSD (default: only copy up guesses already in RAM, faster while "

@@ -206,10 +206,13 @@ class DecodeGraphs:
         """Run a layer's loads between two pieces (the host waits for the first piece's routing) -> the
         store's waves, left open so that the slots are released after the next piece."""
         store = self.model.experts
-        chosen, waves, _ = load.waves(store)  # experts left out have no slot: the next piece reads offset -1
-        wave = next(waves)
-        assert len(wave) == len(chosen), "a decode step's experts fit the device slots (_why_not checks it)"
+        chosen, waves, _, job = load.waves(store)  # experts left out have no slot: the next piece reads offset -1
+        wave = next(waves, [])
+        on_host = len(job.experts) if job is not None else 0
+        assert len(wave) + on_host == len(chosen), "a decode step's experts fit the device slots (_why_not checks it)"
         store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it
+        if load.lane is not None:
+            load.lane.fill(job)  # the host's sum, queued before the next piece too
         return waves
 
     def capture_all(self, max_batch: int = 1) -> None:

@@ -47,6 +47,7 @@ class GenerationStats:
     mtp_note: str = ""  # why drafting stopped, when it did
     decode_mode: str = ""  # "CUDA graph", or "eager" and why (runtime/generate/decode_graph.py)
     routing: str = ""  # the routing trace the MoE layers took their experts from, and its prefetcher (--routing)
+    cpu_lane: str = ""  # the CPU lane's split and what decided it (--cpu-experts), when it runs
     # the engine's warm start from hot.json, before its first generation (the same in each generation's stats)
     warm_records: int = 0
     warm_s: float = 0.0
@@ -76,6 +77,7 @@ class GenerationStats:
             "skipped_share": ratio(s.get("skipped", 0), uses + s.get("skipped", 0)),  # of the experts chosen
             "skipped_bytes_per_token": ratio(s.get("skipped_bytes", 0), tokens),
             "swapped_share": ratio(s.get("swapped", 0), uses + s.get("skipped", 0)),  # of the experts chosen
+            "host_share": ratio(s.get("host_computed", 0), uses),  # computed on the host from RAM (the CPU lane)
             "ssd_read_gb_s": ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
             "acceptance_rate": ratio(self.accepted, self.drafted),
             "tokens_per_verify": ratio(self.drafted + self.accepted, self.drafted),
@@ -107,6 +109,7 @@ class GenerationStats:
             f"{d['ram_hit_rate']:.0%} RAM, SSD {format_bytes(self.store.get('ssd_bytes', 0))}"
             + (f", {d['skipped_share']:.1%} left out by the threshold" if self.store.get("skipped") else "")
             + (f", {d['swapped_share']:.1%} swapped for warm experts" if self.store.get("swapped") else "")
+            + (f", {d['host_share']:.1%} computed on the CPU" if self.store.get("host_computed") else "")
             + (f", MTP {d['acceptance_rate']:.0%} of {self.drafted} drafts kept" if self.drafted else "")
         )
 
@@ -164,6 +167,18 @@ class GenerationStats:
             *(
                 [("cache-aware", f"{s['swapped']:.0f} cold choices swapped for warm ones ({d['swapped_share']:.1%})")]
                 if s.get("swapped")
+                else []
+            ),
+            *(
+                [
+                    (
+                        "CPU lane",
+                        f"{self.cpu_lane}: {s.get('host_computed', 0):.0f} RAM hits computed on the CPU "
+                        f"({d['host_share']:.1%} of uses) in {s.get('host_s', 0):.3f} s, "
+                        f"{s.get('host_wait_s', 0):.3f} s of it waited for",
+                    )
+                ]
+                if self.cpu_lane
                 else []
             ),
             *([("routing", self.routing)] if self.routing else []),

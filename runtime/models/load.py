@@ -25,6 +25,7 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import resolve_budgets
 from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
+from dsfp4.runtime.plan.probes import host_share
 from dsfp4.runtime.store.expert_store import ExpertStore
 
 
@@ -71,6 +72,7 @@ def load_model(
         host=False,
         prefetch_reads=options.prefetch_reads,
         levers=options.levers(),
+        lane=host_share(options.cpu_experts, manifest.record, device),
     )
     hashing = ThreadPoolExecutor(options.io_threads, thread_name_prefix="dsfp4-hash")
     try:

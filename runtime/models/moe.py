@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dsfp4.kernels.backend import use_kernels
+from dsfp4.kernels.backend import DECODE_TOKENS, use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
@@ -25,6 +25,7 @@ from dsfp4.runtime.models.weights import Weights
 if TYPE_CHECKING:
     from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.host_lane import HostJob
 
 
 class MLP(nn.Module):
@@ -153,21 +154,30 @@ class MoE(nn.Module):
             after = self.next_router[0]
         thresholded = self.experts.levers.expert_threshold > 0
         swap = self.gate.swap(weights, indices, scores, margin) if margin else None
-        load = LayerLoad(self.layer, torch.cat(ask), indices.numel(), after, weights if thresholded else None, swap)
+        lane = None
+        if self.experts.lane is not None and x.shape[0] <= DECODE_TOKENS:  # a decode step: the host may take RAM hits
+            lane = HostInputs.captured(x, weights, self.experts.n_experts) if self.cut else HostInputs(x, weights)
+        ask = torch.cat(ask)
+        load = LayerLoad(self.layer, ask, indices.numel(), after, weights if thresholded else None, swap, lane)
         if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
             offsets = self.cut(load)
             if thresholded:  # one token: the expert it leaves out is exactly the one without a slot (offset -1)
-                weights = kept_weights(weights, offsets[indices] >= 0)
+                kept = offsets[indices] >= 0
+                weights = kept_weights(weights, kept if lane is None else kept | lane.kept[indices])
+            if lane is not None:
+                shared = lane.out if shared is None else shared + lane.out
             return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
         parts = []
-        chosen, waves, drop = load.waves(self.experts)
+        chosen, waves, drop, job = load.waves(self.experts)
         if drop is not None and any(drop):
             weights = kept_weights(weights, ~torch.tensor(drop, device=indices.device).view(indices.shape))
         for wave in waves:  # one wave unless slots run short
             offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
             parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
-        # several waves add up in fp32: each is rounded once, as one wave would be
-        y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
+        if job is not None:  # the host's sum, in fp32 like several waves'
+            parts.append(job.result().to(x.device))
+        # several parts add up in fp32: each is rounded once, as one wave would be
+        y = parts[0].to(x.dtype) if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
         return (y if shared is None else y + shared).view(shape)
 
 
@@ -179,11 +189,54 @@ def kept_weights(weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class HostInputs:
+    """What the CPU lane (runtime/store/host_lane.py) reads of a layer step: its input x [T, D] and the tokens'
+    weights [T, K] (after any cache-aware swap). Captured steps also hold the device buffers the next piece reads: `out`
+    [T, D], the host's sum, added to the layer's output, and `kept` [E] bool, the experts the host computed (they
+    have no slot, yet are not left out)."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+
+    @classmethod
+    def captured(cls, x: torch.Tensor, weights: torch.Tensor, n_experts: int) -> HostInputs:
+        return cls(x, weights, torch.zeros_like(x), torch.zeros(n_experts, dtype=torch.bool, device=x.device))
+
+    def submit(
+        self, store: ExpertStore, host: dict[int, int], ids: list[int], skipped: set[int], drop: list[bool] | None
+    ) -> HostJob:
+        """Start the host's experts (expert -> RAM slot), weighted as the device weighs the same choices: renormalized
+        over the choices that are not left out (per choice when eager, by expert when captured)."""
+        k = self.weights.shape[-1]
+        chosen = torch.tensor(ids, dtype=torch.int64).view(-1, k)  # [T, K]
+        weights = self.weights.float().cpu()  # [T, K]
+        if self.out is not None and skipped:
+            weights = kept_weights(weights, ~torch.isin(chosen, torch.tensor(sorted(skipped))))
+        elif self.out is None and drop is not None and any(drop):
+            weights = kept_weights(weights, ~torch.tensor(drop).view(-1, k))
+        return store.compute_on_host(host, self.x.float().cpu(), chosen, weights)
+
+    def fill(self, job: HostJob | None) -> None:
+        """Captured: the host's sum and experts into the buffers the next piece reads (zero when it took none)."""
+        if job is None:
+            self.out.zero_()
+            self.kept.zero_()
+            return
+        self.out.copy_(job.result().to(self.out.dtype).pin_memory(), non_blocking=True)
+        kept = torch.zeros(self.kept.shape, dtype=torch.bool)
+        kept[job.experts] = True
+        self.kept.copy_(kept.pin_memory(), non_blocking=True)
+
+
+@dataclass(frozen=True)
 class LayerLoad:
     """What a streamed MoE layer asks the store for: the experts its tokens chose (ids[:chosen]) and, when
     `after` is set, those predicted for that next MoE layer (ids[chosen:]), to prefetch; with `weights` (the
     tokens' [T, K], under an expert threshold) tokens may leave cold experts out (ExpertStore.skip_cold); with `swap`
-    (cache-aware routing) they may first trade a cold expert for a warm one (runtime/models/cache_aware.py)."""
+    (cache-aware routing) they may first trade a cold expert for a warm one (runtime/models/cache_aware.py); with `lane`
+    the store may compute some RAM hits on the host (runtime/store/host_lane.py)."""
 
     layer: int
     ids: torch.Tensor  # [chosen + predicted] on the device
@@ -191,11 +244,12 @@ class LayerLoad:
     after: int | None
     weights: torch.Tensor | None = None  # [T, K]
     swap: Swap | None = None  # cache-aware routing's view of the step
+    lane: HostInputs | None = None
 
-    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]], list[bool] | None]:
-        """Read the ids (the one host sync of the layer) -> (the distinct chosen experts to load, the store's waves
-        of them: each yielded once its records are on the device for compute queued next, the [T * K] choices that
-        tokens left out: None without a threshold)."""
+    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]], list[bool] | None, HostJob | None]:
+        """Read the ids (the one host sync of the layer) -> (the distinct chosen experts, the store's waves of those
+        the device computes: each yielded once its records are on the device for compute queued next, the [T * K]
+        choices that tokens left out: None without a threshold, the host's job: None when it takes no expert)."""
         ids = self.ids.tolist()
         if self.swap is not None:  # before the threshold: a swapped-in expert is warm, so never left out
             ids[: self.chosen] = self.swap.apply(store, self.layer, ids[: self.chosen])
@@ -205,4 +259,7 @@ class LayerLoad:
             skipped, drop = store.skip_cold(self.layer, ids[: self.chosen], self.weights.flatten().tolist(), top_k)
         chosen = sorted(set(ids[: self.chosen]) - skipped)
         prefetch = None if self.after is None else (self.after, sorted(set(ids[self.chosen :])))
-        return chosen, store.load_waves(self.layer, chosen, prefetch), drop
+        host = store.host_split(self.layer, chosen) if self.lane is not None else {}
+        job = self.lane.submit(store, host, ids[: self.chosen], skipped, drop) if host else None
+        device = [e for e in chosen if e not in host]
+        return chosen, store.load_waves(self.layer, device, prefetch, host=list(host)), drop, job

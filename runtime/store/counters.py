@@ -27,6 +27,9 @@ class StoreCounters:
     skipped: int = 0  # experts left out by the expert threshold (cold, and every token that chose them left them out)
     skipped_bytes: int = 0  # the records they would have read
     swapped: int = 0  # choices cache-aware routing traded for a warm expert of the same group
+    host_computed: int = 0  # RAM hits the host computed from RAM (the CPU lane), counted among ram_hits too
+    host_s: float = 0.0  # the CPU lane's kernel time
+    host_wait_s: float = 0.0  # host time blocked waiting for the CPU lane's result
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _layers: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # [uses, device, RAM]
 
@@ -47,6 +50,10 @@ class StoreCounters:
         with self._lock:  # reader threads
             self.ssd_bytes += nbytes
             self.ssd_read_s += seconds
+
+    def add_host(self, seconds: float) -> None:
+        with self._lock:  # the lane's worker
+            self.host_s += seconds
 
     def add_prediction(self, predicted: int, actual: int, both: int) -> None:
         self.predicted += predicted

@@ -27,8 +27,10 @@ from dsfp4.layout.direct_io import aligned_buffer
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.planner import Plan
+from dsfp4.runtime.plan.probes import NO_LANE, LaneSplit
 from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
+from dsfp4.runtime.store.host_lane import HostJob, HostLane
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.runtime.store.slots import SlotPool
 from dsfp4.runtime.store.transfers import Transfers
@@ -55,11 +57,14 @@ class ExpertStore:
         host: bool = True,
         prefetch_reads: bool = False,
         levers: Levers = EXACT,
+        lane: LaneSplit = NO_LANE,
     ):
         """`host` False: the RAM cache is allocated (and pinned) by open_host, once the caller has loaded what it
         maps first (load_model: the backbone), so the two never share the RAM budget. `prefetch_reads` False: a
         prefetch only copies guesses already in RAM, never reads one from the SSD. `levers`: the lossy ones
-        (runtime/modes.py): skip_cold's threshold, cache-aware routing's margin (runtime/models/cache_aware.py)."""
+        (runtime/modes.py): skip_cold's threshold, cache-aware routing's margin (runtime/models/cache_aware.py).
+        `lane`: of a decode step's experts not on the device, the share the host computes from RAM (host_lane.py; 0:
+        none), and what decided it."""
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
         self.cuda = device.type == "cuda"
@@ -71,7 +76,9 @@ class ExpertStore:
         a = manifest.args
         self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
         self._io_threads, self._verify, self.prefetch_reads = io_threads, verify, prefetch_reads
-        self.levers = levers
+        self.levers, self.lane_split = levers, lane
+        self.n_experts = a.n_routed_experts
+        self.lane: HostLane | None = None  # with the RAM cache (open_host), when the split has a share
         self._unpin = None
         self.io: Transfers | None = None  # with the RAM cache (open_host)
         self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
@@ -102,6 +109,9 @@ class ExpertStore:
         self.io = Transfers(
             self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify
         )
+        if self.lane_split.share > 0 and self.layout is not None and self.plan.ram_slots:
+            limit = self.manifest.args.swiglu_limit
+            self.lane = HostLane(self.ram, self.layout, self.n_experts, limit, self.lane_split.share, self._counters)
         self.notes = [
             f"{self.dir / 'experts'}: the filesystem refuses O_DIRECT (tmpfs?); records are read through "
             f"the page cache, and dropped from it after each read"
@@ -189,19 +199,21 @@ class ExpertStore:
     # -- the interface the model uses -----------------------------------------------------------------
 
     def load_waves(
-        self, layer: int, experts: list[int], prefetch: tuple[int, list[int]] | None = None
+        self, layer: int, experts: list[int], prefetch: tuple[int, list[int]] | None = None, host: list[int] = ()
     ) -> Iterator[list[int]]:
         """Yield `experts` in waves of at most the device slot count (a long prompt's layer may use more
         experts than fit): those on the device first, then those in RAM, then the SSD's. When a wave is
         yielded its records are on the device for compute queued on the current stream (copies are
         waited for there, not on the host); their slots are refilled only after the compute queued
         before the next wave (or the end). `prefetch` (next layer, predicted experts) starts once this
-        layer's own loads are queued."""
+        layer's own loads are queued. `host`: the layer's other experts, which the host computes (host_split): counted
+        here as RAM hits, not moved."""
         assert not self.mapped, "a mapped store moves nothing: its layers read records where they are"
-        self._score_prediction(layer, experts)
+        self._score_prediction(layer, [*experts, *host])
         tier = {e: 0 if (layer, e) in self.gpu_pool else 1 if (layer, e) in self.ram_pool else 2 for e in experts}
         tiers = list(tier.values())
-        self._counters.add_layer(layer, len(experts), tiers.count(0), tiers.count(1))
+        self._counters.add_layer(layer, len(experts) + len(host), tiers.count(0), tiers.count(1) + len(host))
+        self._counters.ram_hits += len(host)
         order = sorted(experts, key=tier.__getitem__)
         for first in range(0, len(order), self.plan.gpu_slots):
             wave = order[first : first + self.plan.gpu_slots]
@@ -267,6 +279,40 @@ class ExpertStore:
         self._counters.skipped += len(skip)
         self._counters.skipped_bytes += sum(self.manifest.layout_of((layer, e)).nbytes for e in skip)
         return skip, drop
+
+    def _host_candidates(self, layer: int, experts: list[int]) -> list[int]:
+        """Of `experts` (of one layer), those the host would take: the lane's share of those not on the device, from
+        the RAM hits of the model's format whose SSD read is done (a copy up may read the slot too)."""
+        crossing = [e for e in experts if (layer, e) not in self.gpu_pool]
+        eligible = [e for e in crossing if self._host_may_read(layer, e)]
+        return eligible[: self.lane.count(len(crossing), len(eligible))]
+
+    def _host_may_read(self, layer: int, e: int) -> bool:
+        rslot = self.ram_pool.slot_of.get((layer, e))
+        if rslot is None or self.manifest.layout_of((layer, e)).cold:
+            return False
+        job = self.io.reading(rslot)
+        return job is None or job.done()  # an upload still waiting is waiting for the read
+
+    def host_split(self, layer: int, chosen: list[int]) -> dict[int, int]:
+        """Of a decode step's distinct chosen experts, those the host computes (expert -> RAM slot, pinned until its
+        job is collected): the lane's share of those not on the device (_host_candidates). Only these: a prefetch
+        copies its guesses while the layer before computes, off the critical path, where the host cannot start (it
+        needs the layer's input); taking guesses from it measured slower (docs/BENCHMARKS.md)."""
+        self.io.retire()
+        take = self._host_candidates(layer, chosen)
+        host = {e: self.ram_pool.slot_of[(layer, e)] for e in take}
+        for e, rslot in host.items():
+            self.ram_pool.lookup((layer, e))  # a use, for the policy
+            self.ram_pool.pin(rslot)
+        self._counters.host_computed += len(host)
+        return host
+
+    def compute_on_host(
+        self, host: dict[int, int], x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> HostJob:
+        """Start the host's experts of host_split on x [T, D] (ids, weights: [T, K], all on the host)."""
+        return self.lane.submit(host, x, ids, weights, self.ram_pool.unpin)
 
     def is_warm(self, layer: int, expert: int) -> bool:
         """The record is on the device or in RAM: using it reads nothing from the SSD."""
@@ -349,6 +395,8 @@ class ExpertStore:
         self.io.sync()
 
     def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
         if self.io is not None:
             self.io.close()
         if self._unpin is not None:

@@ -177,8 +177,8 @@ def test_fp4_error_against_the_unquantized_weights(tmp_path, capsys):
 def test_prefill_loads_each_used_expert_once_per_layer(model_dir):
     model = load_model(model_dir, CPU, torch.float32, max_len=64, options=RunOptions(max_batch=2))
     calls, real = [], model.experts.load_waves
-    model.experts.load_waves = lambda layer, experts, *rest: (
-        calls.append((layer, list(experts))) or real(layer, experts, *rest)
+    model.experts.load_waves = lambda layer, experts, *rest, **named: (
+        calls.append((layer, list(experts))) or real(layer, experts, *rest, **named)
     )
     tokens, _ = _batch()
     with torch.no_grad():

@@ -2,7 +2,8 @@
 routing trace, with the lossy levers carried over from a trained model as dsfp4/tools/lever_projection.py states.
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
-        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--json OUT] [SETTING...]
+        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--cpu-gbps 16] [--json OUT] \
+        [SETTING...]
 
 --trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
 (`dsfp4 run --record-trace`), for its routing weights; --margins: scripts/router_margins.py's output on the trained
@@ -35,6 +36,12 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True)
 @click.option("--machines", default="16g,24g", show_default=True)
 @click.option("--cold-bits", type=click.Choice(["2", "3"]), multiple=True)
+@click.option(
+    "--cpu-gbps",
+    type=click.FloatRange(0),
+    default=0.0,
+    help="The CPU lane on (--cpu-experts auto) at this kernel rate, GB/s of records (dsfp4 doctor's cpu_moe_gbps).",
+)
 @click.option("--json", "out", type=click.Path(path_type=Path))
 @click.argument("settings", nargs=-1)
 def main(
@@ -45,6 +52,7 @@ def main(
     family: str,
     machines: str,
     cold_bits: tuple[str, ...],
+    cpu_gbps: float,
     out: Path | None,
     settings: tuple[str, ...],
 ) -> None:
@@ -60,14 +68,16 @@ def main(
     if missing:
         raise click.UsageError(f"--margins {margins}: no figure at margin {missing}; rerun scripts/router_margins.py")
     bits = (None, *map(int, cold_bits))
-    rows = project_levers(family, ids, machines.split(","), efficiency, modes, weights, close, cold_bits=bits)
-    head = ("setting", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped")
-    click.echo("{:<11} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8}".format(*head))
+    rows = project_levers(
+        family, ids, machines.split(","), efficiency, modes, weights, close, cold_bits=bits, cpu=cpu_gbps * 1e9
+    )
+    head = ("setting", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
+    click.echo("{:<11} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8} {:>7}".format(*head))
     for r in rows:
         d, cold = r.to_dict(), f"{r.cold_bits}-bit" if r.cold_bits else "-"
         click.echo(
             f"{r.mode:<11} {cold:<5} {r.machine:<8} {d['tok_s']:6.2f} {d['ssd_gb_per_token']:7.2f} "
-            f"{d['pcie_gb_per_token']:8.2f} {d['skipped_share']:9.1%} {d['swapped_share']:8.1%}"
+            f"{d['pcie_gb_per_token']:8.2f} {d['skipped_share']:9.1%} {d['swapped_share']:8.1%} {d['host_share']:7.1%}"
         )
     if out is not None:
         out.write_text(json.dumps([r.to_dict() for r in rows], indent=1))

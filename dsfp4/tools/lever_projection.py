@@ -85,6 +85,7 @@ class LeverRow:
             "pcie_gb_per_token": p.pcie_bytes / 1e9,
             "skipped_share": p.skipped / max(p.uses + p.skipped, 1e-9),
             "swapped_share": p.swapped / max(p.uses + p.skipped, 1e-9),
+            "host_share": p.host_computed / max(p.uses, 1e-9),
         }
 
 
@@ -99,11 +100,12 @@ def project_levers(
     recall: float = 0.9,
     seed: int = 0,
     cold_bits: tuple[int | None, ...] = (None,),
+    cpu: float = 0.0,
 ) -> list[LeverRow]:
     """The whole model of `family` decoding the calibrated trace `ids` [N, L, K] on each machine under each mode's
     levers, the store as shipped (hot policy, prefetch at `recall` copying up from RAM only), with the model's cold
     records of each of `cold_bits` (None: none). weights: a recorded trace's routing weights; close: margin -> pair
-    share (scripts/router_margins.py), for every margin used."""
+    share (scripts/router_margins.py), for every margin used; cpu: the CPU lane's kernel rate, bytes/s (0: none)."""
     rows = []
     for name in machines:
         r = machine_run(family, name, ids, eff)
@@ -113,6 +115,6 @@ def project_levers(
             near = close[levers.cache_aware] if levers.cache_aware else 0.0
             swap = SwapModel(groups, near, seed) if near else None
             for bits in cold_bits:
-                p = r.decode("hot", recall, False, skippable(r.run.shape, share, seed), swap, bits)
+                p = r.decode("hot", recall, False, skippable(r.run.shape, share, seed), swap, bits, cpu)
                 rows.append(LeverRow(mode, name, levers, share, near, p, bits))
     return rows

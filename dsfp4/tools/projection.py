@@ -17,6 +17,7 @@ gives the whole model on a user's machine, with compute scaled from what the ben
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -243,16 +244,19 @@ class MachineRun:
         skippable: np.ndarray | None = None,
         swap: SwapModel | None = None,
         cold_bits: int | None = None,
+        cpu: float = 0.0,
     ) -> Projection:
         """The trace's second half decoded through the plan's pools, warm-started from the first (halves);
         skippable and swap: the lossy levers (simulate); cold_bits: the records outside each layer's hot set, as
-        much of it as the plan's device and RAM slots hold (`profile-hot --cold-bits`' default), in cold codes."""
+        much of it as the plan's device and RAM slots hold (`profile-hot --cold-bits`' default), in cold codes;
+        cpu: the CPU lane's kernel rate, bytes/s (0: no lane), at the share `--cpu-experts auto` would take."""
+        links = dataclasses.replace(self.machine.links, cpu=cpu)
         return simulate(
             self.run,
             self.plan.gpu_slots,
             self.plan.ram_slots,
             self.m.record.nbytes,
-            self.machine.links,
+            links,
             self.costs,
             policy,
             recall,
@@ -264,6 +268,7 @@ class MachineRun:
             swap=swap,
             host=self.host,
             cold=self.cold(cold_bits) if cold_bits else None,
+            host_share=cpu / (cpu + links.pcie) if cpu else 0.0,
         )
 
     def cold(self, bits: int) -> ColdRecords:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dsfp4.runtime.models.trace_routing import guesses
+from dsfp4.runtime.store.host_lane import host_count
 from dsfp4.runtime.store.placement import hold_hottest
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.runtime.store.slots import SlotPool
@@ -43,15 +44,18 @@ PER_TOKEN = (
     "prefetch_loads",
     "skipped",
     "swapped",
+    "host_computed",
 )  # summed over the tokens counted, then averaged
 
 
 @dataclass(frozen=True)
 class Links:
-    """Bytes per second: SSD record reads at the store's read pattern, pinned host->device copies."""
+    """Bytes per second: SSD record reads at the store's read pattern, pinned host->device copies, and the host's
+    cores computing records of RAM for one token (the CPU lane's kernel; 0: no lane)."""
 
     ssd: float
     pcie: float
+    cpu: float = 0.0
 
 
 # a kernel reading pinned RAM in place moves bytes at this share of a pinned copy's rate: a GEMV on FP8 blocks read
@@ -102,6 +106,7 @@ class Projection:
     prefetch_loads: float = 0.0
     skipped: float = 0.0  # choices left out by an expert threshold (cold, and weighed below it)
     swapped: float = 0.0  # cold choices cache-aware routing traded for a warm expert of the same group
+    host_computed: float = 0.0  # RAM hits the CPU lane computed (among ram_hits)
 
     @property
     def tok_s(self) -> float:
@@ -155,7 +160,7 @@ class Tiers:
         self.in_place = links.pcie * IN_PLACE_SHARE
         self.on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
         self.in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
-        self.ssd_free = self.pcie_free = 0.0
+        self.ssd_free = self.pcie_free = self.cpu_free = 0.0
         self.place(list(warm), keep_free)
 
     def place(self, warm: list[Key], keep_free: int) -> None:
@@ -184,11 +189,33 @@ class Tiers:
         self.out.pcie_bytes += nbytes * self.counting
         return max(self.pcie_free, at + compute_s)
 
+    def nbytes(self, key: Key) -> int:
+        return self.cold.nbytes if key in self.cold.keys else self.record
+
+    def host_may_read(self, key: Key, at: float) -> bool:
+        """A RAM hit of the model's format whose read is done at `at` (what the CPU lane computes)."""
+        return key in self.ram and key not in self.cold.keys and self.in_ram.get(key, 0.0) <= at
+
+    def host_candidates(self, keys: list[Key], at: float, share: float) -> list[Key]:
+        """Of one layer's records those the CPU lane would take at `at`, as the store's _host_candidates picks them:
+        by host_count, of the records not on the device."""
+        crossing = [k for k in keys if k not in self.gpu]
+        eligible = [k for k in crossing if self.host_may_read(k, at)]
+        return eligible[: host_count(share, len(crossing), len(eligible))]
+
+    def compute_on_host(self, key: Key, at: float) -> float:
+        """The CPU lane computes a RAM hit from `at`, behind its earlier work -> when it is done."""
+        self.ram.lookup(key)
+        self.cpu_free = max(self.cpu_free, at) + self.record / self.links.cpu
+        self.out.ram_hits += self.counting
+        self.out.host_computed += self.counting
+        return self.cpu_free
+
     def bring(self, key: Key, at: float, protected: set[Key], demand: bool, copy_after: float = 0.0) -> float | None:
         """Start moving a record that is not on the device there at time `at`, its copy not before `copy_after`
         (when its slot is free) -> its arrival time, or None (no slot that may be evicted)."""
         out, counting = self.out, self.counting
-        nbytes = self.cold.nbytes if key in self.cold.keys else self.record
+        nbytes = self.nbytes(key)
         if self.ram.lookup(key) is not None:
             ready = self.in_ram.get(key, 0.0)
             out.ram_hits += demand * counting
@@ -225,6 +252,7 @@ def simulate(
     swap: SwapModel | None = None,
     host: HostStream = HostStream(),
     cold: ColdRecords | None = None,
+    host_share: float = 0.0,
 ) -> Projection:
     """Decode the tokens of `trace` [N, L, K] through pools of gpu_slots and ram_slots records under `policy`
     (TIER_POLICIES), prefetching with guesses at `recall` (None: no prefetch) -> per-token averages. `warm`: records
@@ -233,7 +261,7 @@ def simulate(
     time). skippable [N, L, K] bool: the choices a token weighs below an expert threshold (never its best): each is
     left out when its record is in neither tier, as the store's skip_cold leaves it out. swap: cache-aware routing,
     before the threshold as in the store. host: backbone read in place from RAM, sharing the PCIe link. cold: records
-    stored in cold codes."""
+    stored in cold codes. host_share: the CPU lane's share (runtime/store/host_lane.py), at the links' cpu rate."""
     n_tokens, n_layers, top_k = trace.shape
     n_experts = n_experts or int(trace.max()) + 1
     guessed = None
@@ -257,9 +285,14 @@ def simulate(
                 out.swapped += swaps * counting
             protected = set(chosen)
             ready = routed
-            for key in chosen:
-                if key[1] in low and key not in tiers.gpu and key not in tiers.ram:
-                    out.skipped += counting
+            kept = [k for k in chosen if not (k[1] in low and k not in tiers.gpu and k not in tiers.ram)]
+            out.skipped += (len(chosen) - len(kept)) * counting
+            on_host = tiers.host_candidates(kept, routed, host_share) if host_share and links.cpu else []
+            for key in on_host:
+                out.uses += counting
+                ready = max(ready, tiers.compute_on_host(key, routed))
+            for key in kept:
+                if key in on_host:
                     continue
                 out.uses += counting
                 if (there := tiers.on_gpu(key)) is not None:

@@ -205,3 +205,23 @@ def test_a_batch_brings_the_union_of_its_sequences_experts_each_step():
     solo, batch = warm.decode_batch(1), warm.decode_batch(4)
     assert batch.ssd_bytes == solo.ssd_bytes == 0
     assert batch.tokens / batch.seconds == pytest.approx(4 * solo.tokens / solo.seconds, rel=0.02)
+
+
+def test_the_cpu_lane_takes_ram_hits_off_the_link_and_is_bound_by_its_own_rate():
+    """Every record in RAM, 2 device slots: all of a layer's experts cross PCIe. The lane takes its share of them
+    (RAM hits) at the cores' rate; none without a cpu rate or a share, and a slow CPU makes the step slower."""
+    trace = _trace(k=4)
+    everything = [(layer, e) for layer in range(4) for e in range(16)]
+    fast, alone = Links(1e9, 1e9, cpu=1e9), Links(1e9, 1e9)
+    base = simulate(trace, 4, 64, RECORD, alone, COSTS, "lru", None, 16, warm=everything)
+    lane = simulate(trace, 4, 64, RECORD, fast, COSTS, "lru", None, 16, warm=everything, host_share=0.5)
+    assert base.host_computed == 0 and 0 < lane.host_computed <= lane.ram_hits
+    assert lane.pcie_bytes == pytest.approx(base.pcie_bytes - lane.host_computed * RECORD)
+    assert lane.seconds < base.seconds  # two links' worth of records a step instead of one
+    for links, share in ((alone, 0.5), (fast, 0.0)):  # no cpu rate, or no share: the store as without the lane
+        same = simulate(trace, 4, 64, RECORD, links, COSTS, "lru", None, 16, warm=everything, host_share=share)
+        assert same.seconds == base.seconds and same.host_computed == 0
+    slow = simulate(
+        trace, 4, 64, RECORD, Links(1e9, 1e9, cpu=1e8), COSTS, "lru", None, 16, warm=everything, host_share=0.5
+    )
+    assert slow.seconds > base.seconds

@@ -178,17 +178,23 @@ def run(
         knobs["max_batch"] = 0 if serve or batch is not None else 1
     options = RunOptions(**knobs)
     if show_plan:
+        from dsfp4.device import resolve_device
+        from dsfp4.runtime.plan.probes import host_share
         from dsfp4.tools.doctor import expected_floor
 
         plan = plan_engine(model, options)
-        floor, line = expected_floor(plan, Manifest.open(model))
+        manifest = Manifest.open(model)
+        floor, line = expected_floor(plan, manifest)
         levers = {"mode": options.mode, **dataclasses.asdict(options.levers())}
+        lane = host_share(options.cpu_experts, manifest.record, resolve_device(options.device))
         if as_json:
-            click.echo(json.dumps({**dataclasses.asdict(plan), "floor_s_per_token": floor, "levers": levers}))
+            out = {**dataclasses.asdict(plan), "floor_s_per_token": floor, "levers": levers}
+            click.echo(json.dumps({**out, "cpu_lane": dataclasses.asdict(lane)}))
             return
         click.echo(plan.table())
         click.echo(line)
         click.echo(f"mode {options.mode}: {options.levers().describe()}")
+        click.echo(f"CPU lane: {lane.describe()}")
         return
     if sum((prompt is not None, chat, serve, batch is not None)) != 1:
         raise click.UsageError("give one of --prompt TEXT, --chat, --serve or --batch FILE")

@@ -174,8 +174,9 @@ class MoE(nn.Module):
         for wave in waves:  # one wave unless slots run short
             offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
             parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
-        if job is not None:  # the host's sum, in fp32 like several waves'
-            parts.append(job.result().to(x.device))
+        if job is not None:  # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
+            y_host = job.result()
+            parts.append(y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host)
         # several parts add up in fp32: each is rounded once, as one wave would be
         y = parts[0].to(x.dtype) if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
         return (y if shared is None else y + shared).view(shape)

@@ -3,6 +3,8 @@ eager and captured, exact routing and under a threshold; what it takes and how t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -81,3 +83,10 @@ def test_on_cuda_graph_steps_add_what_the_host_computed(converted, knobs):
     layout = Manifest.read(converted).record
     split = probes.host_share("auto", layout, torch.device("cuda"))
     assert 0 < split.share < 1 and split.cpu_gbps > 0 and split.pcie_gbps > 0 and "GB/s" in split.describe()
+
+
+def test_plan_reports_the_lane(converted):
+    r = run_cli("run", converted, "--plan", "--device", "cpu")
+    assert r.exit_code == 0 and "CPU lane: off (--cpu-experts off)" in r.output
+    r = run_cli("run", converted, "--plan", "--json", "--device", "cpu", "--cpu-experts", "0.3")
+    assert json.loads(r.stdout)["cpu_lane"]["share"] == 0.3

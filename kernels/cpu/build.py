@@ -49,28 +49,35 @@ def load(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     path = shutil.which(compiler)
     if path is None:
         raise KernelUnavailable(f"no C compiler ({compiler}) on PATH for {source.name}; install gcc or set $CC")
-    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
     flags = (*FLAGS, *extra)
-    key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_signature(), *flags]).encode()).hexdigest()
-    target = cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: never half a file
-            built = Path(tmp) / target.name
-            try:
-                run = subprocess.run(
-                    [path, *flags, str(source), "-o", str(built), "-lm"],
-                    capture_output=True,
-                    text=True,
-                    timeout=COMPILE_TIMEOUT_S,
-                )
-            except subprocess.TimeoutExpired:
-                raise KernelUnavailable(f"{compiler} took over {COMPILE_TIMEOUT_S} s on {source.name}") from None
-            if run.returncode != 0:
-                first = (run.stderr.strip().splitlines() or ["no message"])[0]
-                raise KernelUnavailable(f"{compiler} failed on {source.name}: {first}")
-            built.replace(target)
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_signature(), *flags]).encode()).hexdigest()
+        target = cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
+        if not target.is_file():
+            _build(path, flags, source, target)
+    except OSError as e:  # the compiler will not start, or the cache folder cannot be written
+        raise KernelUnavailable(f"cannot build {source.name} into {cache_root() / 'kernels'}: {e}") from None
     try:
         return ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelUnavailable(f"{target}: cannot load the built kernel ({e}); delete it to rebuild") from None
+
+
+def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: never half a file
+        built = Path(tmp) / target.name
+        try:
+            run = subprocess.run(
+                [compiler, *flags, str(source), "-o", str(built), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=COMPILE_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            raise KernelUnavailable(f"{compiler} took over {COMPILE_TIMEOUT_S} s on {source.name}") from None
+        if run.returncode != 0:
+            first = (run.stderr.strip().splitlines() or ["no message"])[0]
+            raise KernelUnavailable(f"{Path(compiler).name} failed on {source.name}: {first}")
+        built.replace(target)

@@ -36,14 +36,19 @@ def _kernel(path: str = "native") -> ctypes._CFuncPtr:
     return fn
 
 
-@functools.lru_cache
 def available() -> bool:
     """Whether the kernel builds and loads here (a C compiler is on PATH)."""
+    return why_unavailable() == ""
+
+
+@functools.lru_cache
+def why_unavailable() -> str:
+    """Why the kernel cannot be built here, in a line; "" when it can."""
     try:
         _kernel()
-    except KernelUnavailable:
-        return False
-    return True
+    except KernelUnavailable as e:
+        return str(e)
+    return ""
 
 
 @functools.lru_cache
@@ -87,7 +92,7 @@ def moe_host(
         token, j = (ids == e).nonzero(as_tuple=True)
         xs, w = xf[token].contiguous(), weights[token, j].float().contiguous()  # [n, D], [n]
         rows = token.to(torch.int64).contiguous()
-        scratch = torch.empty(len(token) * (2 * layout.inter_dim + layout.dim))
+        scratch = torch.empty(len(token) * (2 * layout.inter_dim + layout.dim), dtype=torch.float32)
         kernel(
             record.data_ptr(),
             parts.data_ptr(),

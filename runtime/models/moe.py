@@ -169,11 +169,16 @@ class MoE(nn.Module):
             return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
         parts = []
         chosen, waves, drop, job = load.waves(self.experts)
-        if drop is not None and any(drop):
-            weights = kept_weights(weights, ~torch.tensor(drop, device=indices.device).view(indices.shape))
-        for wave in waves:  # one wave unless slots run short
-            offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
-            parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
+        try:
+            if drop is not None and any(drop):
+                weights = kept_weights(weights, ~torch.tensor(drop, device=indices.device).view(indices.shape))
+            for wave in waves:  # one wave unless slots run short
+                offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
+                parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
+        except BaseException:
+            if job is not None:  # its RAM slots are pinned until it is collected
+                job.abandon()
+            raise
         if job is not None:  # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
             y_host = job.result()
             parts.append(y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host)
@@ -261,6 +266,12 @@ class LayerLoad:
         chosen = sorted(set(ids[: self.chosen]) - skipped)
         prefetch = None if self.after is None else (self.after, sorted(set(ids[self.chosen :])))
         host = store.host_split(self.layer, chosen) if self.lane is not None else {}
-        job = self.lane.submit(store, host, ids[: self.chosen], skipped, drop) if host else None
+        job = None
+        if host:
+            try:
+                job = self.lane.submit(store, host, ids[: self.chosen], skipped, drop)
+            except BaseException:
+                store.release_host(host)
+                raise
         device = [e for e in chosen if e not in host]
         return chosen, store.load_waves(self.layer, device, prefetch, host=list(host)), drop, job

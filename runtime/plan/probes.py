@@ -95,11 +95,16 @@ def host_share(setting: str, layout: RecordLayout | None, device: torch.device) 
     if layout is None:
         return LaneSplit(0.0, why="no expert records")
     if setting != "auto":
-        return LaneSplit(float(setting), why="--cpu-experts")
+        if float(setting) and not host_moe.available():
+            raise ConfigError(
+                f"--cpu-experts {setting}: the CPU kernel cannot be built here ({host_moe.why_unavailable()}); "
+                "install a C compiler, or give off"
+            )
+        return LaneSplit(float(setting), why="--cpu-experts")  # on a CPU run too: the tests run the lane there
     if device.type != "cuda":
         return LaneSplit(0.0, why="the experts compute on the CPU already")
     if not host_moe.available():
-        return LaneSplit(0.0, why="no C compiler for the CPU kernel")
+        return LaneSplit(0.0, why=f"the CPU kernel cannot be built here: {host_moe.why_unavailable()}")
     cpu, pcie = host_moe_gbps(layout), h2d_gbps(device, layout.wide().nbytes, total=PROBE_BYTES)
     return LaneSplit(cpu / (cpu + pcie), cpu, pcie)
 

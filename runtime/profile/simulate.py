@@ -199,7 +199,7 @@ class Tiers:
     def host_candidates(self, keys: list[Key], at: float, share: float) -> list[Key]:
         """Of one layer's records those the CPU lane would take at `at`, as the store's _host_candidates picks them:
         by host_count, of the records not on the device."""
-        crossing = [k for k in keys if k not in self.gpu]
+        crossing = sorted(k for k in keys if k not in self.gpu)  # in expert order, as the store's chosen list
         eligible = [k for k in crossing if self.host_may_read(k, at)]
         return eligible[: host_count(share, len(crossing), len(eligible))]
 
@@ -253,6 +253,7 @@ def simulate(
     host: HostStream = HostStream(),
     cold: ColdRecords | None = None,
     host_share: float = 0.0,
+    hide_ratio: float | None = None,
 ) -> Projection:
     """Decode the tokens of `trace` [N, L, K] through pools of gpu_slots and ram_slots records under `policy`
     (TIER_POLICIES), prefetching with guesses at `recall` (None: no prefetch) -> per-token averages. `warm`: records
@@ -261,7 +262,9 @@ def simulate(
     time). skippable [N, L, K] bool: the choices a token weighs below an expert threshold (never its best): each is
     left out when its record is in neither tier, as the store's skip_cold leaves it out. swap: cache-aware routing,
     before the threshold as in the store. host: backbone read in place from RAM, sharing the PCIe link. cold: records
-    stored in cold codes. host_share: the CPU lane's share (runtime/store/host_lane.py), at the links' cpu rate."""
+    stored in cold codes. host_share: the CPU lane's share (runtime/store/host_lane.py), at the links' cpu rate.
+    hide_ratio: the adaptive threshold (--expert-threshold auto): of the skippable cold choices a layer leaves out
+    only those beyond floor(hide_ratio x its RAM hits crossing PCIe), the least weighed first."""
     n_tokens, n_layers, top_k = trace.shape
     n_experts = n_experts or int(trace.max()) + 1
     guessed = None
@@ -285,7 +288,13 @@ def simulate(
                 out.swapped += swaps * counting
             protected = set(chosen)
             ready = routed
-            kept = [k for k in chosen if not (k[1] in low and k not in tiers.gpu and k not in tiers.ram)]
+            cold = [k for k in chosen if k not in tiers.gpu and k not in tiers.ram]
+            leave = [k for k in cold if k[1] in low]
+            if hide_ratio is not None:  # adaptive: only what the RAM hits' copies cannot hide, the least weighed
+                crossing = sum(1 for k in chosen if k in tiers.ram and k not in tiers.gpu)
+                n = max(0, len(cold) - int(hide_ratio * crossing))
+                leave = leave[len(leave) - n :] if n else []  # a trace lists a token's choices best first
+            kept = [k for k in chosen if k not in leave]
             out.skipped += (len(chosen) - len(kept)) * counting
             on_host = tiers.host_candidates(kept, routed, host_share) if host_share and links.cpu else []
             for key in on_host:

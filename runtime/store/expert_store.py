@@ -27,7 +27,7 @@ from dsfp4.layout.direct_io import aligned_buffer
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.planner import Plan
-from dsfp4.runtime.plan.probes import NO_LANE, LaneSplit
+from dsfp4.runtime.plan.probes import NO_LANE, PROBE_BYTES, LaneSplit, h2d_gbps
 from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
 from dsfp4.runtime.store.host_lane import HostJob, HostLane
@@ -79,6 +79,7 @@ class ExpertStore:
         self.levers, self.lane_split = levers, lane
         self.n_experts = a.n_routed_experts
         self.lane: HostLane | None = None  # with the RAM cache (open_host), when the split has a share
+        self._pcie_gbps = 0.0  # pinned copies, measured when the adaptive threshold needs them (open_host)
         self._unpin = None
         self.io: Transfers | None = None  # with the RAM cache (open_host)
         self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
@@ -109,6 +110,8 @@ class ExpertStore:
         self.io = Transfers(
             self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify
         )
+        if self.levers.adaptive and self.levers.hide_ratio is None and self.cuda and self.layout is not None:
+            self._pcie_gbps = h2d_gbps(self.device, self.layout.nbytes, total=PROBE_BYTES)
         if self.lane_split.share > 0 and self.layout is not None and self.plan.ram_slots:
             limit = self.manifest.args.swiglu_limit
             self.lane = HostLane(self.ram, self.layout, self.n_experts, limit, self.lane_split.share, self._counters)
@@ -215,6 +218,8 @@ class ExpertStore:
         self._counters.add_layer(layer, len(experts) + len(host), tiers.count(0), tiers.count(1) + len(host))
         self._counters.ram_hits += len(host)
         order = sorted(experts, key=tier.__getitem__)
+        if not order and prefetch is not None:  # the host takes every expert of the step: the guesses still go
+            self.prefetch(*prefetch, protect={(layer, e) for e in host})
         for first in range(0, len(order), self.plan.gpu_slots):
             wave = order[first : first + self.plan.gpu_slots]
             protected = {(layer, e) for e in wave}
@@ -269,13 +274,21 @@ class ExpertStore:
         if not threshold:
             return set(), drop
         cold = {e for e in set(ids) if not self.is_warm(layer, e)}
+        share = [0.0] * len(ids)  # each choice's share of its token's routed weight
         for row in range(0, len(ids), top_k):
             w = weights[row : row + top_k]
             total, best = sum(w) or 1.0, max(range(len(w)), key=w.__getitem__)
             for j in range(len(w)):
-                drop[row + j] = j != best and ids[row + j] in cold and w[j] / total < threshold
+                share[row + j] = w[j] / total
+                drop[row + j] = j != best and ids[row + j] in cold and share[row + j] < threshold
         kept = {e for e, d in zip(ids, drop, strict=True) if not d}
         skip = cold - kept
+        if self.levers.adaptive and skip:  # only what the step's copies cannot hide, the least weighed first
+            crossing = sum(1 for e in set(ids) if (layer, e) in self.ram_pool and (layer, e) not in self.gpu_pool)
+            leave = max(0, len(cold) - int(self._hide_ratio() * crossing))
+            weight = {e: max(sh for i, sh in zip(ids, share, strict=True) if i == e) for e in skip}
+            skip = set(sorted(skip, key=weight.__getitem__)[:leave])
+            drop = [d and e in skip for e, d in zip(ids, drop, strict=True)]
         self._counters.skipped += len(skip)
         self._counters.skipped_bytes += sum(self.manifest.layout_of((layer, e)).nbytes for e in skip)
         return skip, drop
@@ -313,6 +326,22 @@ class ExpertStore:
     ) -> HostJob:
         """Start the host's experts of host_split on x [T, D] (ids, weights: [T, K], all on the host)."""
         return self.lane.submit(host, x, ids, weights, self.ram_pool.unpin)
+
+    def release_host(self, host: dict[int, int]) -> None:
+        """Unpin host_split's RAM slots when no job was started for them (its inputs failed)."""
+        for rslot in host.values():
+            self.ram_pool.unpin(rslot)
+
+    def _hide_ratio(self) -> float:
+        """The SSD's read rate over the PCIe copies' (Levers.hide_ratio, else measured: the readers' bytes over their
+        time, all io_threads in flight, against pinned copies measured when the RAM cache opened; 0 before any
+        read, or without a GPU)."""
+        if self.levers.hide_ratio is not None:
+            return self.levers.hide_ratio
+        c = self._counters
+        if not (self._pcie_gbps and c.ssd_read_s):
+            return 0.0
+        return c.ssd_bytes / c.ssd_read_s * self._io_threads / 1e9 / self._pcie_gbps
 
     def is_warm(self, layer: int, expert: int) -> bool:
         """The record is on the device or in RAM: using it reads nothing from the SSD."""

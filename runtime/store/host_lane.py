@@ -11,6 +11,7 @@ while the main thread queues the device's loads and kernels; its [T, D] result i
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,11 @@ class HostJob:
     ) -> None:
         self.experts = list(slots)
         self._future, self._unpin, self._release, self._counters = future, list(slots.values()), release, counters
+
+    def abandon(self) -> None:
+        """The step failed: wait for the job, whatever it raises, and unpin its slots."""
+        with contextlib.suppress(Exception):  # the step's own error is the one raised
+            self.result()
 
     def result(self) -> torch.Tensor:
         t0 = time.perf_counter()

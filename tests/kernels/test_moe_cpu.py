@@ -77,3 +77,12 @@ def test_a_build_is_cached_by_source(monkeypatch, tmp_path):
     src.write_text("int one(void) { return 2; }\n")  # a changed source is built anew, not read from the cache
     assert build.load.__wrapped__(src).one() == 2
     assert len(list((tmp_path / "dsfp4" / "kernels").glob("one-*.so"))) == 2
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    src = tmp_path / "two.c"
+    src.write_text("int two(void) { return 2; }\n")
+    with pytest.raises(build.KernelUnavailable, match="cannot build two.c into"):
+        build.load.__wrapped__(src)

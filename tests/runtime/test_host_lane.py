@@ -14,7 +14,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan import probes
 from tests.fixtures.cli import run_cli
-from tests.runtime.test_expert_store import _engine, _generate
+from tests.runtime.test_expert_store import PROMPT, _engine, _generate
 from tests.runtime.test_expert_threshold import captured_and_eager
 
 needs_kernel = pytest.mark.skipif(not host_moe.available(), reason="no C compiler builds kernels/cpu/moe.c here")
@@ -90,3 +90,31 @@ def test_plan_reports_the_lane(converted):
     assert r.exit_code == 0 and "CPU lane: off (--cpu-experts off)" in r.output
     r = run_cli("run", converted, "--plan", "--json", "--device", "cpu", "--cpu-experts", "0.3")
     assert json.loads(r.stdout)["cpu_lane"]["share"] == 0.3
+
+
+@needs_kernel
+def test_a_failed_step_leaves_no_ram_slot_pinned(converted):
+    """A wave that fails after the host took its experts: the job is waited for and its slots unpinned."""
+    engine = _engine(converted, 2, 3, io_threads=1, cpu_experts="1")
+    with engine:
+        engine.generate(PROMPT, max_tokens=2, temperature=0)  # RAM holds records now
+        store, real = engine.model.experts, engine.model.experts.load_waves
+
+        def failing(layer, experts, prefetch=None, host=()):
+            yield from ()
+            raise OSError("the disk went away")
+
+        store.load_waves = failing
+        with pytest.raises(OSError, match="went away"):
+            engine.generate(PROMPT, max_tokens=2, temperature=0)
+        store.load_waves = real
+        assert store.counters.host_computed > 0 and not any(store.ram_pool.pins)
+
+
+def test_a_share_without_a_compiler_fails_at_load(monkeypatch, converted):
+    monkeypatch.setattr(host_moe, "available", lambda: False)
+    monkeypatch.setattr(host_moe, "why_unavailable", lambda: "no C compiler (cc) on PATH")
+    layout = Manifest.read(converted).record
+    with pytest.raises(ConfigError, match="--cpu-experts 0.5: the CPU kernel cannot be built here .*give off"):
+        probes.host_share("0.5", layout, torch.device("cpu"))
+    assert "cannot be built" in probes.host_share("auto", layout, torch.device("cuda")).describe()

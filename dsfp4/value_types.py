@@ -91,9 +91,13 @@ def check(value: Any, spec: Any, path: str) -> str | None:
 
 
 def annotation_spec(annotation: str) -> Any:
-    """The spec of a dataclass field from its annotation: 'int', 'int | None', 'tuple[str, ...]', 'Path | None'."""
+    """The spec of a dataclass field from its annotation: 'int', 'int | None', 'tuple[str, ...]', 'Path | None',
+    'float | str | None'."""
     if annotation.endswith(" | None"):
         return Nullable(annotation_spec(annotation.removesuffix(" | None")))
     if annotation.startswith("tuple["):
         return ListOf(ANNOTATIONS[annotation.removeprefix("tuple[").split(",")[0]])
+    if " | " in annotation:  # any of the types: 'float | str'
+        types = [ANNOTATIONS[part] for part in annotation.split(" | ")]
+        return tuple(t for spec in types for t in (spec if isinstance(spec, tuple) else (spec,)))
     return ANNOTATIONS[annotation]

@@ -16,27 +16,42 @@ Each mode also names how many sequences `serve` and `run --batch` decode togethe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Levers:
     """What the expert store may trade: expert_threshold (ExpertStore.skip_cold) and cache_aware (the score margin of
-    runtime/models/cache_aware.py); 0 each is exact routing."""
+    runtime/models/cache_aware.py); 0 each is exact routing. `adaptive` (--expert-threshold auto): the threshold is a
+    cap, and a step leaves out only the cold experts whose reads would outlast its copies of RAM hits over PCIe: it
+    hides floor(hide_ratio x those copies) reads, hide_ratio the SSD's rate over the copies' (None: the store's own,
+    measured as it runs)."""
 
     expert_threshold: float = 0.0
     cache_aware: float = 0.0
+    adaptive: bool = False
+    hide_ratio: float | None = None
 
     def describe(self) -> str:
         if self == EXACT:
             return "exact routing"
-        return f"expert threshold {self.expert_threshold:g}, cache-aware margin {self.cache_aware:g}"
+        threshold = f"auto (up to {self.expert_threshold:g})" if self.adaptive else f"{self.expert_threshold:g}"
+        return f"expert threshold {threshold}, cache-aware margin {self.cache_aware:g}"
 
 
 def parse_levers(text: str) -> Levers:
-    """A mode's name, or THRESHOLD:MARGIN (the scripts that measure the levers take either); ValueError otherwise."""
+    """A mode's name, THRESHOLD:MARGIN, or auto[:HIDE_RATIO] (the adaptive threshold, at a machine's ratio of SSD to
+    PCIe rates; the scripts that measure the levers take any); ValueError otherwise."""
     if text in MODES:
         return MODES[text]
+    if text == "auto":
+        return AUTO
+    if text.startswith("auto:"):
+        try:
+            return dataclasses.replace(AUTO, hide_ratio=float(text.removeprefix("auto:")))
+        except ValueError:
+            raise ValueError(f"{text}: give auto:RATIO, the SSD's read rate over PCIe's copy rate") from None
     try:
         threshold, margin = (float(v) for v in text.split(":"))
     except ValueError:
@@ -51,6 +66,8 @@ MODES = {
     "balanced": Levers(expert_threshold=0.15),
     "throughput": Levers(expert_threshold=0.2),
 }
+# --expert-threshold auto: leaves out what a step cannot hide, at most what `throughput` leaves out
+AUTO = Levers(expert_threshold=MODES["throughput"].expert_threshold, adaptive=True)
 # sequences decoded together under --max-batch 0, as far as the device budget affords their caches and the tiers the
 # experts a step is expected to need (planner.auto_batch, planner.union_batch)
 MODE_BATCH = {"exact": 8, "latency": 1, "balanced": 8, "throughput": 16}

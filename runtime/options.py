@@ -14,7 +14,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.sampling import SamplingParams
-from dsfp4.runtime.modes import MODES, Levers
+from dsfp4.runtime.modes import AUTO, MODES, Levers
 from dsfp4.runtime.plan.budget import parse_size
 from dsfp4.runtime.plan.probes import parse_host_share
 from dsfp4.runtime.store.policy import TIER_POLICIES
@@ -46,8 +46,9 @@ class RunOptions:
     prefetch_reads: bool = False
     mode: str = "exact"  # the lossy levers' setting (runtime/modes.py MODES); a lever set below wins over it
     # a routed expert in neither the device nor RAM whose normalized weight is below this for every token that chose
-    # it is left out of the step, the token's other weights rescaled to the same sum (0: exact; None: the mode's)
-    expert_threshold: float | None = None
+    # it is left out of the step, the token's other weights rescaled to the same sum (0: exact; None: the mode's;
+    # "auto": only what the step's copies cannot hide, up to `throughput`'s threshold: runtime/modes.py AUTO)
+    expert_threshold: float | str | None = None
     # a chosen expert in neither the device nor RAM is swapped for an unchosen warm one of its group that the router
     # scored within this margin of it (runtime/models/cache_aware.py; 0: exact; None: the mode's)
     cache_aware: float | None = None
@@ -95,8 +96,9 @@ class RunOptions:
             raise ConfigError(f"--policy {self.policy}: choose one of {', '.join(TIER_POLICIES)}")
         if self.mode not in MODES:
             raise ConfigError(f"--mode {self.mode}: choose one of {', '.join(MODES)}")
-        if self.expert_threshold is not None and not 0.0 <= self.expert_threshold < 1.0:
-            raise ConfigError(f"--expert-threshold {self.expert_threshold}: give a weight from 0 (off) to below 1")
+        t = self.expert_threshold
+        if t is not None and (t != "auto" if isinstance(t, str) else not 0.0 <= t < 1.0):
+            raise ConfigError(f"--expert-threshold {t}: give auto, or a weight from 0 (off) to below 1")
         if self.cache_aware is not None and self.cache_aware < 0:
             raise ConfigError(f"--cache-aware {self.cache_aware}: give a score margin of 0 (off) or more")
         parse_size(self.prompt_cache_size, "--prompt-cache-size")
@@ -122,10 +124,10 @@ class RunOptions:
     def levers(self) -> Levers:
         """The lossy levers this run uses: its mode's, where it does not set one itself."""
         mode = MODES[self.mode]
-        return Levers(
-            mode.expert_threshold if self.expert_threshold is None else self.expert_threshold,
-            mode.cache_aware if self.cache_aware is None else self.cache_aware,
-        )
+        margin = mode.cache_aware if self.cache_aware is None else self.cache_aware
+        if self.expert_threshold == "auto":
+            return dataclasses.replace(AUTO, cache_aware=margin)
+        return Levers(mode.expert_threshold if self.expert_threshold is None else self.expert_threshold, margin)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)

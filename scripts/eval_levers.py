@@ -12,6 +12,7 @@ megabytes per token, and tokens per second (on a GPU at --chunk 1: the host's pe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -67,11 +68,14 @@ def main(
             device=device,
             max_context=head["context"],
             prefill_chunk=chunk,
-            expert_threshold=levers.expert_threshold,
+            expert_threshold="auto" if levers.adaptive else levers.expert_threshold,
             cache_aware=levers.cache_aware,
         )
         plan = share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k)
         with Engine(model, options, plan=plan) as engine:
+            if levers.adaptive:  # the adaptive threshold at the machine's ratio of SSD to PCIe rates, not this one's
+                ratio = MACHINES[machine].links.ssd / MACHINES[machine].links.pcie
+                engine.model.experts.levers = dataclasses.replace(levers, hide_ratio=levers.hide_ratio or ratio)
             bos = head["bos"]
             wins = windows(len(ids), head["context"], head["stride"], bos)
             before = engine.model.experts.counters.snapshot()
@@ -85,6 +89,7 @@ def main(
         row = {
             "setting": name,
             "expert_threshold": levers.expert_threshold,
+            "adaptive": levers.adaptive,
             "cache_aware": levers.cache_aware,
             "machine": machine,
             "gpu_slots": plan.gpu_slots,

@@ -119,6 +119,23 @@ routing_options = _stack(
 )
 
 
+class ThresholdType(click.ParamType):
+    """--expert-threshold: auto, or a weight from 0 to below 1."""
+
+    name = "auto|WEIGHT"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 (click's signature)
+        if value == "auto" or isinstance(value, float):
+            return value
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not 0.0 <= weight < 1.0:
+            self.fail(f"{value!r}: give auto, or a weight from 0 (off) to below 1", param, ctx)
+        return weight
+
+
 store_options = _stack(  # how the expert store runs: `run`, `eval`, `bench`
     click.option(
         "--policy",
@@ -147,9 +164,10 @@ store_options = _stack(  # how the expert store runs: `run`, `eval`, `bench`
     ),
     click.option(
         "--expert-threshold",
-        type=click.FloatRange(0, 1, max_open=True),
+        type=ThresholdType(),
         help="Lossy: leave out a routed expert that is in neither VRAM nor RAM when every token that chose it gives "
-        "it less than this share of its routing weight (the others rescaled); 0 is exact. Default: the mode's.",
+        "it less than this share of its routing weight (the others rescaled); 0 is exact; auto leaves out only what "
+        "a step's reads cannot hide behind its copies, up to throughput's threshold. Default: the mode's.",
     ),
     click.option(
         "--cache-aware",

@@ -115,6 +115,7 @@ def project_levers(
             near = close[levers.cache_aware] if levers.cache_aware else 0.0
             swap = SwapModel(groups, near, seed) if near else None
             for bits in cold_bits:
-                p = r.decode("hot", recall, False, skippable(r.run.shape, share, seed), swap, bits, cpu)
+                low = skippable(r.run.shape, share, seed)
+                p = r.decode("hot", recall, False, low, swap, bits, cpu, levers.adaptive)
                 rows.append(LeverRow(mode, name, levers, share, near, p, bits))
     return rows

@@ -245,11 +245,13 @@ class MachineRun:
         swap: SwapModel | None = None,
         cold_bits: int | None = None,
         cpu: float = 0.0,
+        adaptive: bool = False,
     ) -> Projection:
         """The trace's second half decoded through the plan's pools, warm-started from the first (halves);
         skippable and swap: the lossy levers (simulate); cold_bits: the records outside each layer's hot set, as
         much of it as the plan's device and RAM slots hold (`profile-hot --cold-bits`' default), in cold codes;
-        cpu: the CPU lane's kernel rate, bytes/s (0: no lane), at the share `--cpu-experts auto` would take."""
+        cpu: the CPU lane's kernel rate, bytes/s (0: no lane), at the share `--cpu-experts auto` would take;
+        adaptive: the threshold as `--expert-threshold auto` applies it, at this machine's SSD / PCIe ratio."""
         links = dataclasses.replace(self.machine.links, cpu=cpu)
         return simulate(
             self.run,
@@ -269,6 +271,7 @@ class MachineRun:
             host=self.host,
             cold=self.cold(cold_bits) if cold_bits else None,
             host_share=cpu / (cpu + links.pcie) if cpu else 0.0,
+            hide_ratio=links.ssd / links.pcie if adaptive else None,
         )
 
     def cold(self, bits: int) -> ColdRecords:

@@ -97,3 +97,36 @@ def test_on_cuda_graph_steps_leave_out_what_eager_steps_leave_out(converted):
     """Captured steps rescale by the offsets table (an expert left out has no slot); eager steps by the choices."""
     captured, eager = captured_and_eager(converted, "skipped", ram_slots=1, expert_threshold=0.49)
     assert captured == eager
+
+
+@pytest.mark.parametrize("ratio,left_out", [(0.0, {2, 3, 4}), (0.5, {3, 4}), (1.0, {4}), (2.0, set())])
+def test_auto_leaves_out_only_the_cold_reads_its_copies_cannot_hide(converted, ratio, left_out):
+    """Experts 0 and 1 in RAM (two copies cross PCIe: they hide floor(ratio x 2) reads); 2, 3, 4 cold and each
+    weighed below the cap by the one token that chose it (2 most, 4 least): the least weighed are left out."""
+    manifest = Manifest.read(converted)
+    layer = min(manifest.experts)
+    levers = Levers(expert_threshold=0.3, adaptive=True, hide_ratio=ratio)
+    store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), levers=levers)
+    try:
+        store.read_ahead([(layer, 0), (layer, 1)], set())
+        store.sync()
+        ids, weights = [0, 2, 1, 3, 0, 4], [0.75, 0.25, 0.8, 0.2, 0.85, 0.15]  # three tokens, two choices each
+        skip, drop = store.skip_cold(layer, ids, weights, 2)
+        assert skip == left_out and drop == [e in left_out for e in ids]
+        assert store.counters.skipped == len(left_out)
+    finally:
+        store.close()
+
+
+def test_auto_is_a_flag_value_and_its_plan_says_so(converted):
+    assert RunOptions(expert_threshold="auto").levers() == Levers(0.2, 0.0, adaptive=True)
+    with pytest.raises(ConfigError, match="--expert-threshold fast: give auto"):
+        RunOptions(expert_threshold="fast")
+    r = run_cli("run", converted, "--plan", "--expert-threshold", "auto", "--device", "cpu")
+    assert r.exit_code == 0 and "expert threshold auto (up to 0.2)" in r.output
+    r = run_cli("run", converted, "--prompt", "hi", "--expert-threshold", "fast")
+    assert r.exit_code == 2 and "give auto, or a weight" in r.output
+    # on the CPU no copy hides a read (ratio 0): auto leaves out what its cap would
+    auto = _generate(_engine(converted, 2, 1, io_threads=1, expert_threshold="auto"), n=8)
+    cap = _generate(_engine(converted, 2, 1, io_threads=1, expert_threshold=0.2), n=8)
+    assert auto.token_ids == cap.token_ids and auto.stats.store["skipped"] == cap.stats.store["skipped"]

@@ -58,6 +58,8 @@ def test_plan_reports_the_levers_a_mode_chose(converted):
         "mode": "balanced",
         "expert_threshold": b.expert_threshold,
         "cache_aware": 0,
+        "adaptive": False,
+        "hide_ratio": None,
     }
     r = run_cli("run", converted, "--prompt", "hi", "--mode", "fast")
     assert r.exit_code == 2 and "--mode" in r.output

@@ -292,7 +292,7 @@ def simulate(
             leave = [k for k in cold if k[1] in low]
             if hide_ratio is not None:  # adaptive: only what the RAM hits' copies cannot hide, the least weighed
                 crossing = sum(1 for k in chosen if k in tiers.ram and k not in tiers.gpu)
-                n = max(0, len(cold) - int(hide_ratio * crossing))
+                n = min(len(leave), max(0, len(cold) - int(hide_ratio * crossing)))
                 leave = leave[len(leave) - n :] if n else []  # a trace lists a token's choices best first
             kept = [k for k in chosen if k not in leave]
             out.skipped += (len(chosen) - len(kept)) * counting

@@ -225,3 +225,18 @@ def test_the_cpu_lane_takes_ram_hits_off_the_link_and_is_bound_by_its_own_rate()
         trace, 4, 64, RECORD, Links(1e9, 1e9, cpu=1e8), COSTS, "lru", None, 16, warm=everything, host_share=0.5
     )
     assert slow.seconds > base.seconds
+
+
+def test_the_adaptive_threshold_leaves_out_only_what_copies_cannot_hide():
+    """hide_ratio 0: every skippable cold choice goes, as a fixed threshold's; the larger the ratio, the more reads a
+    layer's copies of RAM hits hide and the fewer go (a layer with no copy hides none)."""
+    trace = _trace(k=4)
+    low = np.zeros(trace.shape, dtype=bool)
+    low[..., 1:] = True  # every choice but the best is below the threshold
+
+    def run(ratio: float | None):
+        return simulate(trace, 4, 24, RECORD, Links(1e9, 1e10), COSTS, "lru", None, 16, skippable=low, hide_ratio=ratio)
+
+    fixed = run(None)
+    assert run(0.0).skipped == fixed.skipped > 0
+    assert 0 < run(100.0).skipped < run(1.0).skipped < fixed.skipped

@@ -164,7 +164,7 @@ class MoE(nn.Module):
             if thresholded:  # one token: the expert it leaves out is exactly the one without a slot (offset -1)
                 kept = offsets[indices] >= 0
                 weights = kept_weights(weights, kept if lane is None else kept | lane.kept[indices])
-            if lane is not None:
+            if lane is not None:  # added in x's dtype (eager steps add it in fp32): one rounding apart
                 shared = lane.out if shared is None else shared + lane.out
             return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
         parts = []

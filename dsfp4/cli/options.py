@@ -124,6 +124,9 @@ class ThresholdType(click.ParamType):
 
     name = "auto|WEIGHT"
 
+    def get_metavar(self, *args, **kwargs) -> str:  # click passes (param) or (param, ctx) by version
+        return self.name
+
     def convert(self, value, param, ctx):  # noqa: ANN001 (click's signature)
         if value == "auto" or isinstance(value, float):
             return value

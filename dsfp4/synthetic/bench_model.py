@@ -46,7 +46,7 @@ from dsfp4.layout.quant import quantize
 from dsfp4.layout.record import RecordLayout
 from dsfp4.layout.safetensors_file import SafetensorsWriter, pwrite_all, tensor_bytes
 from dsfp4.layout.writer import ExpertFileWriter, ModelWriter
-from dsfp4.synthetic.hf_v3 import write_tokenizer
+from dsfp4.synthetic.hf_v3 import word_corpus, write_tokenizer
 from dsfp4.synthetic.hf_v4 import F32_NAMES
 from dsfp4.synthetic.shapes import V3_FULL, v3_config, v4_flash_config
 
@@ -375,7 +375,7 @@ def write_bench_model(
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     aux = ["config.json"]
     if with_tokenizer:
-        write_tokenizer(out, args.vocab_size, cfg["model_type"])
+        write_tokenizer(out, args.vocab_size, cfg["model_type"], corpus=word_corpus(args.vocab_size, seed))
         aux += ["tokenizer.json", "tokenizer_config.json"]
     for name in aux:
         w.copied(name)

@@ -85,6 +85,19 @@ def _encode(name: str, w: torch.Tensor, fmt: str | None, dtype: str, amax: torch
     return [w.to(torch.float32 if dtype == "F32" else torch.bfloat16)]
 
 
+def word_corpus(vocab_size: int, seed: int = 0) -> list[str]:
+    """Lines of random lowercase words, enough for a byte-level BPE to learn `vocab_size` tokens: a random model's
+    every output id then decodes to text (a full-width bench model's answers carry text for a client to time)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 10, (2 * vocab_size,), generator=g).tolist()
+    letters = torch.randint(0, 26, (sum(lengths),), generator=g).tolist()
+    words, at = [], 0
+    for n in lengths:
+        words.append("".join(chr(97 + c) for c in letters[at : at + n]))
+        at += n
+    return [" ".join(words[i : i + 50]) for i in range(0, len(words), 50)]
+
+
 def write_tokenizer(
     out: Path, vocab_size: int, model_type: str = "deepseek_v3", corpus: Iterable[str] | None = None
 ) -> None:

@@ -23,6 +23,7 @@ from dsfp4.layout.verify import verify
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import load_model
 from dsfp4.synthetic.bench_model import model_args, write_bench_model
+from dsfp4.synthetic.hf_v3 import word_corpus, write_tokenizer
 from dsfp4.synthetic.hf_v4 import random_v4_values, write_v4_checkpoint
 
 BENCH_MODEL = Path(__file__).resolve().parents[2] / "scripts" / "bench_model.py"
@@ -210,3 +211,15 @@ def test_bench_v4_verifies_and_generates_finite_logits(v4_bench):
         g = engine.generate(prompt, max_tokens=4)
     assert logits.shape == (140, 512) and torch.isfinite(logits).all() and logits.std() > 0.1
     assert len(g.token_ids) == 4 and g.token_ids[0] == int(logits[-1].argmax())
+
+
+def test_a_bench_tokenizer_decodes_nearly_every_id_to_text(tmp_path):
+    """Trained on word_corpus, a bench model's tokenizer fills its vocabulary with words: whatever id a random model
+    emits decodes to text a client sees (all but the byte alphabet's lone non-ASCII bytes)."""
+    from tokenizers import Tokenizer
+
+    write_tokenizer(tmp_path, 8192, corpus=word_corpus(8192))
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() > 8000
+    visible = sum(bool(tok.decode([i]).strip()) for i in range(tok.get_vocab_size()))
+    assert visible / tok.get_vocab_size() > 0.97

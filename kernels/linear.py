@@ -1,9 +1,10 @@
 """Backbone matmuls on weights kept in their stored format (FP8 blocks, NVFP4, MXFP4, plain).
 
-`linear` is the interface the model calls: on CUDA it is `linear_triton`, the Triton kernels on the stored
-parts (kernels/fp8/linear.py for fp8_e4m3_b128, kernels/fp4/matmul.py for nvfp4 and mxfp4); elsewhere it
-is `linear_ref`, the torch reference (dequantize, then one dense matmul, as DeepSeek's reference does with
-gemm_impl="bf16"). Plain weights are one F.linear everywhere.
+`linear` is the interface the model calls: on CUDA it is `linear_triton`, the Triton kernels on the stored parts
+(kernels/fp8/linear.py for fp8_e4m3_b128, kernels/fp4/matmul.py for nvfp4 and mxfp4); on the CPU, FP8 blocks of up
+to DECODE_TOKENS tokens go to the C kernel of kernels/cpu/fp8.py where it builds; elsewhere it is `linear_ref`, the
+torch reference (dequantize, then one dense matmul, as DeepSeek's reference does with gemm_impl="bf16"). Plain
+weights are one F.linear everywhere.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.backend import use_kernels
+from dsfp4.kernels.backend import DECODE_TOKENS, use_kernels
+from dsfp4.kernels.cpu.fp8 import FP8_LINEAR, fp8_linear_host
 from dsfp4.kernels.fp4.matmul import fp4_matmul
 from dsfp4.kernels.fp8.dequant import fp8_dequantize
 from dsfp4.kernels.fp8.linear import fp8_linear
+from dsfp4.layout.fp8 import e8m0_scales
 from dsfp4.layout.quant import dequantize
 
 
@@ -70,8 +73,23 @@ def linear_triton(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+FP8_BLOCKS = ("fp8_e4m3_b128", "fp8_e4m3_e8m0_b128")  # e4m3 with a multiplier per 128 x 128 block: fp32 or e8m0
+
+
+def linear_host(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x: [..., K] -> [..., N] in x's dtype from the CPU kernel on FP8 blocks as stored: linear_ref's result up to
+    rounding (summed in fp32)."""
+    q, scale = w.parts
+    if w.format == "fp8_e4m3_e8m0_b128":
+        scale = e8m0_scales(scale, w.name)
+    return fp8_linear_host(x, q, scale)
+
+
 def linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype."""
     if use_kernels(x):
         return linear_triton(x, w)
+    tokens = x.numel() // x.shape[-1]  # above the decode kernels' count a BLAS matmul on the dequantized weight wins
+    if w.format in FP8_BLOCKS and x.device.type == "cpu" and tokens <= DECODE_TOKENS and FP8_LINEAR.available():
+        return linear_host(x, w)
     return linear_ref(x, w)

@@ -81,3 +81,33 @@ def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) ->
             first = (run.stderr.strip().splitlines() or ["no message"])[0]
             raise KernelUnavailable(f"{Path(compiler).name} failed on {source.name}: {first}")
         built.replace(target)
+
+
+# a source's paths, by the flags that pick them: this CPU's best (AVX-512 where it has it), AVX2 (most desktop CPUs),
+# plain C. Every run takes "native"; the tests compare the others with it where the CPU runs them
+PATHS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-DDSFP4_PORTABLE",)}
+
+
+class CFunction:
+    """One function of a C source: `get(path)` is it built along one of PATHS, with its argument types set;
+    `why_unavailable()` says in a line why it cannot be built here ("" when it can)."""
+
+    def __init__(self, source: Path, name: str, argtypes: list):
+        self.source, self.name, self.argtypes = source, name, argtypes
+
+    @functools.lru_cache  # noqa: B019 (one per source function, for the process)
+    def get(self, path: str = "native") -> ctypes._CFuncPtr:
+        fn = getattr(load(self.source, PATHS[path]), self.name)
+        fn.argtypes, fn.restype = self.argtypes, None
+        return fn
+
+    @functools.lru_cache  # noqa: B019
+    def why_unavailable(self) -> str:
+        try:
+            self.get()
+        except KernelUnavailable as e:
+            return str(e)
+        return ""
+
+    def available(self) -> bool:
+        return self.why_unavailable() == ""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dsfp4.kernels.cpu.build import KernelUnavailable, load
+from dsfp4.kernels.cpu.build import CFunction
 from dsfp4.kernels.moe.ref import ABSENT, record_at
 from dsfp4.layout.formats import get_format
 from dsfp4.layout.fp4 import e2m1_decode, e8m0_to_float
@@ -19,36 +19,19 @@ from dsfp4.layout.record import RecordLayout
 
 SOURCE = Path(__file__).with_name("moe.c")
 PARTS = ("w13", "w13_scale", "w2", "w2_scale", "scale_2")  # the byte offsets expert_ffn takes, in its order
-_P = ctypes.c_void_p
 
-
-# moe.c's paths, by the flags that pick them: this CPU's best (AVX-512 where it has it), AVX2 (most desktop CPUs),
-# plain C. Every run takes "native"; the tests compare the others with it where the CPU runs them
-PATHS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-DDSFP4_PORTABLE",)}
-
-
-@functools.lru_cache
-def _kernel(path: str = "native") -> ctypes._CFuncPtr:
-    fn = load(SOURCE, PATHS[path]).expert_ffn
-    i, f = ctypes.c_int, ctypes.c_float
-    fn.argtypes = [_P, _P, i, i, i, _P, _P, f, _P, i, _P, _P, _P, _P, i]
-    fn.restype = None
-    return fn
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+EXPERT_FFN = CFunction(SOURCE, "expert_ffn", [_P, _P, _I, _I, _I, _P, _P, _F, _P, _I, _P, _P, _P, _P, _I])
 
 
 def available() -> bool:
     """Whether the kernel builds and loads here (a C compiler is on PATH)."""
-    return why_unavailable() == ""
+    return EXPERT_FFN.available()
 
 
-@functools.lru_cache
 def why_unavailable() -> str:
     """Why the kernel cannot be built here, in a line; "" when it can."""
-    try:
-        _kernel()
-    except KernelUnavailable as e:
-        return str(e)
-    return ""
+    return EXPERT_FFN.why_unavailable()
 
 
 @functools.lru_cache
@@ -77,10 +60,10 @@ def moe_host(
 ) -> torch.Tensor:
     """moe_ref's arguments and result on the CPU (x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes] u8,
     offsets: [E] -> y [T, D] in x's dtype), summed in fp32 by the C kernel on the records in place. path: which of
-    moe.c's paths (PATHS)."""
+    moe.c's paths (kernels/cpu/build.py PATHS)."""
     if layout.cold:
         raise ValueError("the CPU kernel reads 4-bit records; widen a cold record first (RecordLayout.widen)")
-    kernel, (e2m1, scale_of), parts = _kernel(path), _tables(layout.format), _offsets(layout)
+    kernel, (e2m1, scale_of), parts = EXPERT_FFN.get(path), _tables(layout.format), _offsets(layout)
     block = get_format(layout.format).block[1]
     xf = x.float().contiguous()  # [T, D]
     y = torch.zeros_like(xf)

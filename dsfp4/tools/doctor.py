@@ -18,6 +18,7 @@ import torch
 
 from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.cpu.build import cache_root
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.record import RecordLayout
 from dsfp4.runtime.plan.budget import available_ram
@@ -34,8 +35,7 @@ BF16 = 2  # bytes of a plain weight on a GPU run, where backbone in RAM is read
 
 
 def default_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dsfp4" / "doctor.json"
+    return cache_root() / "doctor.json"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dsfp4.kernels.cpu.build import CFunction
-from dsfp4.kernels.moe.ref import ABSENT, record_at
+from dsfp4.kernels.moe.ref import routed
 from dsfp4.layout.formats import get_format
 from dsfp4.layout.fp4 import e2m1_decode, e8m0_to_float
 from dsfp4.layout.record import RecordLayout
@@ -67,12 +67,8 @@ def moe_host(
     block = get_format(layout.format).block[1]
     xf = x.float().contiguous()  # [T, D]
     y = torch.zeros_like(xf)
-    offs, threads = offsets.tolist(), torch.get_num_threads()
-    for e in sorted(set(ids.flatten().tolist())):
-        if offs[e] == ABSENT:
-            continue
-        record = record_at(records, offs[e], layout.nbytes)
-        token, j = (ids == e).nonzero(as_tuple=True)
+    threads = torch.get_num_threads()
+    for record, token, j in routed(ids, records, offsets, layout):
         xs, w = xf[token].contiguous(), weights[token, j].float().contiguous()  # [n, D], [n]
         rows = token.to(torch.int64).contiguous()
         scratch = torch.empty(len(token) * (2 * layout.inter_dim + layout.dim), dtype=torch.float32)

@@ -14,6 +14,8 @@ one. Legend: T tokens, K experts per token, E routed experts, D dim, I expert wi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -51,6 +53,18 @@ def record_at(records: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     return flat[offset : offset + nbytes]
 
 
+def routed(
+    ids: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor, layout: RecordLayout
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """ids: [T, K] -> for each expert chosen and present (offset not ABSENT), in expert order: (its record as a view,
+    the tokens that chose it [n], the place of it in each one's choice [n])."""
+    offs = offsets.tolist()
+    for e in sorted(set(ids.flatten().tolist())):
+        if offs[e] != ABSENT:
+            token, j = (ids == e).nonzero(as_tuple=True)
+            yield record_at(records, offs[e], layout.nbytes), token, j
+
+
 def moe_ref(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -64,12 +78,8 @@ def moe_ref(
     -> y [T, D] in x's dtype, computed in x's dtype on dense copies of each expert (as DeepSeek's reference);
     limit: the SwiGLU clamp (kernels/swiglu.py), 0.0 for none."""
     y = torch.zeros_like(x)
-    offs = offsets.tolist()
-    for e in sorted(set(ids.flatten().tolist())):
-        if offs[e] == ABSENT:
-            continue
-        w1, w3, w2 = layout.dequantize(record_at(records, offs[e], layout.nbytes), dtype=x.dtype)
-        token, j = (ids == e).nonzero(as_tuple=True)
+    for record, token, j in routed(ids, records, offsets, layout):
+        w1, w3, w2 = layout.dequantize(record, dtype=x.dtype)
         h = F.linear(swiglu(F.linear(x[token], w1), F.linear(x[token], w3), limit), w2)  # [n, D]
         y.index_add_(0, token, h * weights[token, j, None].to(x.dtype))
     return y

@@ -32,6 +32,7 @@ from dsfp4.runtime.models.moe import LayerLoad
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
+from dsfp4.runtime.store.host_lane import abandoned_on_error
 
 MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
 BATCH_SLOT = 1  # a batch's first cache slot (runtime/generate/batch.py); the single sequence's is 0
@@ -207,15 +208,11 @@ class DecodeGraphs:
         store's waves, left open so that the slots are released after the next piece."""
         store = self.model.experts
         chosen, waves, _, job = load.waves(store)  # experts left out have no slot: the next piece reads offset -1
-        try:
+        with abandoned_on_error(job):
             wave = next(waves, [])
             on_host = len(job.experts) if job is not None else 0
             assert len(wave) + on_host == len(chosen), "a decode step's experts fit the device slots (_why_not says)"
             store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it
-        except BaseException:
-            if job is not None:  # its RAM slots are pinned until it is collected
-                job.abandon()
-            raise
         if load.lane is not None:
             load.lane.fill(job)  # the host's sum, queued before the next piece too
         return waves

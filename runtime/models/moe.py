@@ -25,7 +25,7 @@ from dsfp4.runtime.models.weights import Weights
 if TYPE_CHECKING:
     from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.store.expert_store import ExpertStore
-from dsfp4.runtime.store.host_lane import HostJob
+from dsfp4.runtime.store.host_lane import HostJob, abandoned_on_error
 
 
 class MLP(nn.Module):
@@ -169,16 +169,12 @@ class MoE(nn.Module):
             return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
         parts = []
         chosen, waves, drop, job = load.waves(self.experts)
-        try:
+        with abandoned_on_error(job):
             if drop is not None and any(drop):
                 weights = kept_weights(weights, ~torch.tensor(drop, device=indices.device).view(indices.shape))
             for wave in waves:  # one wave unless slots run short
                 offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
                 parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
-        except BaseException:
-            if job is not None:  # its RAM slots are pinned until it is collected
-                job.abandon()
-            raise
         if job is not None:  # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
             y_host = job.result()
             parts.append(y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host)

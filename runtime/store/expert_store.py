@@ -274,19 +274,19 @@ class ExpertStore:
         if not threshold:
             return set(), drop
         cold = {e for e in set(ids) if not self.is_warm(layer, e)}
-        share = [0.0] * len(ids)  # each choice's share of its token's routed weight
+        weight: dict[int, float] = {}  # each expert's largest share of a choosing token's routed weight
         for row in range(0, len(ids), top_k):
             w = weights[row : row + top_k]
             total, best = sum(w) or 1.0, max(range(len(w)), key=w.__getitem__)
             for j in range(len(w)):
-                share[row + j] = w[j] / total
-                drop[row + j] = j != best and ids[row + j] in cold and share[row + j] < threshold
+                e, share = ids[row + j], w[j] / total
+                weight[e] = max(weight.get(e, 0.0), share)
+                drop[row + j] = j != best and e in cold and share < threshold
         kept = {e for e, d in zip(ids, drop, strict=True) if not d}
         skip = cold - kept
         if self.levers.adaptive and skip:  # only what the step's copies cannot hide, the least weighed first
             crossing = sum(1 for e in set(ids) if (layer, e) in self.ram_pool and (layer, e) not in self.gpu_pool)
             leave = max(0, len(cold) - int(self._hide_ratio() * crossing))
-            weight = {e: max(sh for i, sh in zip(ids, share, strict=True) if i == e) for e in skip}
             skip = set(sorted(skip, key=weight.__getitem__)[:leave])
             drop = [d and e in skip for e, d in zip(ids, drop, strict=True)]
         self._counters.skipped += len(skip)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -48,6 +48,18 @@ class HostJob:
             for rslot in self._unpin:
                 self._release(rslot)
             self._unpin = []
+
+
+@contextlib.contextmanager
+def abandoned_on_error(job: HostJob | None) -> Iterator[None]:
+    """Around what a step does between starting the host's job and collecting it: if it fails, the job is waited for
+    and its RAM slots unpinned (they stay pinned until the job is collected)."""
+    try:
+        yield
+    except BaseException:
+        if job is not None:
+            job.abandon()
+        raise
 
 
 class HostLane:

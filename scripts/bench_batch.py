@@ -129,8 +129,9 @@ def main(
         from dsfp4.tools.projection import MACHINES, full_plan
 
         _, full = full_plan(family, MACHINES[share])
-        n, k = full.total_records, Manifest.open(model).args.n_activated_experts
-        plan = share_plan(plan, full.gpu_slots / n, full.ram_slots / n, k)
+        m = Manifest.open(model)
+        n, k = full.total_records, m.args.n_activated_experts
+        plan = share_plan(plan, full.gpu_slots / n, full.ram_slots / n, k, m)
     rows = []
     with Engine(model, options, plan=plan) as engine:
         engine.tokenizer.eos_ids = frozenset()  # every answer runs to max_tokens (see the module's doc)

@@ -291,8 +291,9 @@ def llama_rows(build: Path, args: list[str], name: str, cgroup: MemoryCgroup | N
 def share_plan_of(model: Path, share: str, options: RunOptions) -> Plan:
     """The bench model's plan at the whole DeepSeek-V3's share of a machine's budgets (scripts/bench_batch.py's)."""
     full = full_plan("v3", MACHINES[share])[1]
-    n, k = full.total_records, Manifest.open(model).args.n_activated_experts
-    return share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k)
+    m = Manifest.open(model)
+    n, k = full.total_records, m.args.n_activated_experts
+    return share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k, m)
 
 
 def dsfp4_rows(model: Path, options: RunOptions, plan: Plan | None, where: str, prompt_tokens: int, tokens: int):

@@ -61,7 +61,8 @@ def main(
     _, full = full_plan(family, MACHINES[machine])
     n = full.total_records
     head, lp = logprobs_file.read(reference)
-    k = Manifest.read(model).args.n_activated_experts
+    manifest = Manifest.read(model)
+    k = manifest.args.n_activated_experts
     ids = ChatTokenizer(model).encode(text.read_text(), special=False)  # the same tokens for every setting
     for name, levers in map(setting, settings):
         options = RunOptions(
@@ -71,7 +72,7 @@ def main(
             expert_threshold="auto" if levers.adaptive else levers.expert_threshold,
             cache_aware=levers.cache_aware,
         )
-        plan = share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k)
+        plan = share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k, manifest)
         with Engine(model, options, plan=plan) as engine:
             if levers.adaptive:  # the adaptive threshold at the machine's ratio of SSD to PCIe rates, not this one's
                 ratio = MACHINES[machine].links.ssd / MACHINES[machine].links.pcie

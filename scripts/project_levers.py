@@ -2,14 +2,15 @@
 routing trace, with the lossy levers carried over from a trained model as dsfp4/tools/lever_projection.py states.
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
-        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--cpu-gbps 16] [--json OUT] \
-        [SETTING...]
+        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--hot-share 0.1] \
+        [--cpu-gbps 16] [--json OUT] [SETTING...]
 
 --trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
 (`dsfp4 run --record-trace`), for its routing weights; --margins: scripts/router_margins.py's output on the trained
 model (at every margin a mode uses); --efficiency: the bench model's measured resident decode efficiency (`dsfp4 bench
 --project` prints it); SETTING: a mode or THRESHOLD:MARGIN (default: every mode); --cold-bits: each setting also
-with the records outside each layer's hot set in cold codes of these bits (`profile-hot --repack --cold-bits`).
+with the records outside each layer's hot set in cold codes of these bits (`profile-hot --repack --cold-bits`), the
+hot set each layer's hottest --hot-share (default: what the budgets hold at full size, as profile-hot's).
 Prints a table; --json writes the rows.
 """
 
@@ -36,6 +37,7 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True)
 @click.option("--machines", default="16g,24g", show_default=True)
 @click.option("--cold-bits", type=click.Choice(["2", "3"]), multiple=True)
+@click.option("--hot-share", type=click.FloatRange(0, 1, max_open=True), help="With --cold-bits: experts kept exact.")
 @click.option(
     "--cpu-gbps",
     type=click.FloatRange(0),
@@ -52,6 +54,7 @@ def main(
     family: str,
     machines: str,
     cold_bits: tuple[str, ...],
+    hot_share: float | None,
     cpu_gbps: float,
     out: Path | None,
     settings: tuple[str, ...],
@@ -67,9 +70,20 @@ def main(
     missing = sorted({m.cache_aware for m in modes.values() if m.cache_aware and m.cache_aware not in close})
     if missing:
         raise click.UsageError(f"--margins {margins}: no figure at margin {missing}; rerun scripts/router_margins.py")
+    if hot_share is not None and not cold_bits:
+        raise click.UsageError("--hot-share says which experts --cold-bits keeps exact; add --cold-bits 2 or 3")
     bits = (None, *map(int, cold_bits))
     rows = project_levers(
-        family, ids, machines.split(","), efficiency, modes, weights, close, cold_bits=bits, cpu=cpu_gbps * 1e9
+        family,
+        ids,
+        machines.split(","),
+        efficiency,
+        modes,
+        weights,
+        close,
+        cold_bits=bits,
+        cpu=cpu_gbps * 1e9,
+        hot_share=hot_share,
     )
     head = ("setting", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
     click.echo("{:<11} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8} {:>7}".format(*head))

@@ -120,7 +120,7 @@ def _measure(
     "--hot-share",
     type=click.FloatRange(0, 1, max_open=True),
     help="With --cold-bits: the share of each layer's experts, hottest first, kept exact (default: the share the "
-    "budgets hold on the GPU and in RAM).",
+    "budgets hold on the GPU and in RAM). Smaller narrows more, and RAM then holds the rest in slots of their size.",
 )
 @click.option(
     "--report",

@@ -15,7 +15,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.runtime.modes import EXACT
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.plan.planner import Plan
+from dsfp4.runtime.plan.planner import Plan, narrowed
 from dsfp4.runtime.profile.simulate import ColdRecords, Links, StepCosts, simulate
 from dsfp4.tools.doctor import Ceilings
 from dsfp4.tools.first_token import first_token_table, first_tokens
@@ -31,13 +31,15 @@ from dsfp4.tools.projection import (
 )
 
 
-def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int) -> Plan:
+def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int, manifest: Manifest | None = None) -> Plan:
     """The bench model's plan with the whole model's shares of its records on the device and in RAM (at least one
-    layer's experts on the device, the reads in flight in RAM)."""
+    layer's experts on the device, the reads in flight in RAM); with `manifest`, the RAM's bytes split for its cold
+    records as the planner splits them (narrowed)."""
     n = plan.total_records
     gpu = max(top_k, round(gpu_share * n))
     ram = max(plan.staging, math.ceil(ram_share * n))
-    return Plan(**{**plan.__dict__, "gpu_slots": min(gpu, n), "ram_slots": min(ram, n)})
+    shared = dataclasses.replace(plan, gpu_slots=min(gpu, n), ram_slots=min(ram, n), cold_slots=0)
+    return narrowed(shared, manifest) if manifest is not None else shared
 
 
 def validate(
@@ -60,9 +62,8 @@ def validate(
 
     m_full, full = full_plan(family, MACHINES[machine])
     n = full.total_records
-    plan = share_plan(
-        plan_engine(model_dir, options), full.gpu_slots / n, full.ram_slots / n, manifest.args.n_activated_experts
-    )
+    k = manifest.args.n_activated_experts
+    plan = share_plan(plan_engine(model_dir, options), full.gpu_slots / n, full.ram_slots / n, k, manifest)
     ids = read_trace(trace_path).ids
     trace = spread(ids, n_moe_layers(manifest))[: prompt_tokens + decode_tokens]
     hot = model_dir / HOT_NAME
@@ -87,13 +88,14 @@ def validate(
         warmup=prompt_tokens + 1,
         warm=warm,
         prefetch_reads=options.prefetch_reads,
-        cold=_cold_records(manifest, row),
+        cold=_cold_records(manifest, row, plan.cold_slots),
     )
     d = g.stats.derived()
     return {
         "machine": machine,
         "gpu_slots": plan.gpu_slots,
         "ram_slots": plan.ram_slots,
+        "cold_slots": plan.cold_slots,
         "total_records": plan.total_records,
         "measured_tok_s": measured,
         "simulated_tok_s": sim.tok_s,
@@ -109,12 +111,13 @@ def validate(
     }
 
 
-def _cold_records(manifest: Manifest, row: dict[int, int]) -> ColdRecords | None:
-    """The model's cold records (layout/cold.py) as the simulation numbers its MoE layers (`row`)."""
+def _cold_records(manifest: Manifest, row: dict[int, int], slots: int) -> ColdRecords | None:
+    """The model's cold records (layout/cold.py) as the simulation numbers its MoE layers (`row`), `slots` RAM slots
+    of their size (Plan.cold_slots)."""
     if manifest.cold_record is None:
         return None
     keys = frozenset((j, e) for layer, j in row.items() for e in manifest.experts[layer].cold)
-    return ColdRecords(keys, manifest.cold_record.nbytes)
+    return ColdRecords(keys, manifest.cold_record.nbytes, slots)
 
 
 def run_projection(

@@ -69,6 +69,7 @@ class LeverRow:
     close: float
     projection: Projection
     cold_bits: int | None = None
+    hot_share: float | None = None  # with cold_bits: given, or None for the plan's held share
 
     def to_dict(self) -> dict:
         p = self.projection
@@ -80,6 +81,7 @@ class LeverRow:
             "low_share": self.low_share,
             "close": self.close,
             "cold_bits": self.cold_bits,
+            "hot_share": self.hot_share,
             "tok_s": p.tok_s,
             "ssd_gb_per_token": p.ssd_bytes / 1e9,
             "pcie_gb_per_token": p.pcie_bytes / 1e9,
@@ -101,11 +103,13 @@ def project_levers(
     seed: int = 0,
     cold_bits: tuple[int | None, ...] = (None,),
     cpu: float = 0.0,
+    hot_share: float | None = None,
 ) -> list[LeverRow]:
     """The whole model of `family` decoding the calibrated trace `ids` [N, L, K] on each machine under each mode's
     levers, the store as shipped (hot policy, prefetch at `recall` copying up from RAM only), with the model's cold
-    records of each of `cold_bits` (None: none). weights: a recorded trace's routing weights; close: margin -> pair
-    share (scripts/router_margins.py), for every margin used; cpu: the CPU lane's kernel rate, bytes/s (0: none)."""
+    records of each of `cold_bits` (None: none) outside each layer's hottest `hot_share` (MachineRun.decode's
+    default). weights: a recorded trace's routing weights; close: margin -> pair share (scripts/router_margins.py),
+    for every margin used; cpu: the CPU lane's kernel rate, bytes/s (0: none)."""
     rows = []
     for name in machines:
         r = machine_run(family, name, ids, eff)
@@ -116,6 +120,6 @@ def project_levers(
             swap = SwapModel(groups, near, seed) if near else None
             for bits in cold_bits:
                 low = skippable(r.run.shape, share, seed)
-                p = r.decode("hot", recall, False, low, swap, bits, cpu, levers.adaptive)
-                rows.append(LeverRow(mode, name, levers, share, near, p, bits))
+                p = r.decode("hot", recall, False, low, swap, bits, cpu, levers.adaptive, hot_share)
+                rows.append(LeverRow(mode, name, levers, share, near, p, bits, hot_share if bits else None))
     return rows

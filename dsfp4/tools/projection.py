@@ -31,7 +31,7 @@ from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
-from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan
+from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, narrow_slots
 from dsfp4.runtime.profile.replay import belady
 from dsfp4.runtime.profile.simulate import (
     ColdRecords,
@@ -246,17 +246,22 @@ class MachineRun:
         cold_bits: int | None = None,
         cpu: float = 0.0,
         adaptive: bool = False,
+        hot_share: float | None = None,
     ) -> Projection:
         """The trace's second half decoded through the plan's pools, warm-started from the first (halves);
-        skippable and swap: the lossy levers (simulate); cold_bits: the records outside each layer's hot set, as
-        much of it as the plan's device and RAM slots hold (`profile-hot --cold-bits`' default), in cold codes;
-        cpu: the CPU lane's kernel rate, bytes/s (0: no lane), at the share `--cpu-experts auto` would take;
-        adaptive: the threshold as `--expert-threshold auto` applies it, at this machine's SSD / PCIe ratio."""
+        skippable and swap: the lossy levers (simulate); cold_bits: the records outside each layer's hottest
+        `hot_share` (default: as much as the plan's device and RAM slots hold, `profile-hot --cold-bits`' default) in
+        cold codes, the RAM cache split as the planner splits it (narrow_slots); cpu: the CPU lane's kernel rate,
+        bytes/s (0: no lane), at the share `--cpu-experts auto` would take; adaptive: the threshold as
+        `--expert-threshold auto` applies it, at this machine's SSD / PCIe ratio."""
         links = dataclasses.replace(self.machine.links, cpu=cpu)
+        plan, cold = self.plan, None
+        if cold_bits:
+            plan, cold = self.narrowed(cold_bits, hot_share)
         return simulate(
             self.run,
-            self.plan.gpu_slots,
-            self.plan.ram_slots,
+            plan.gpu_slots,
+            plan.ram_slots,
             self.m.record.nbytes,
             links,
             self.costs,
@@ -269,16 +274,22 @@ class MachineRun:
             skippable=skippable,
             swap=swap,
             host=self.host,
-            cold=self.cold(cold_bits) if cold_bits else None,
+            cold=cold,
             host_share=cpu / (cpu + links.pcie) if cpu else 0.0,
             hide_ratio=links.ssd / links.pcie if adaptive else None,
         )
 
-    def cold(self, bits: int) -> ColdRecords:
-        """The records a `profile-hot --repack --cold-bits BITS` at this plan's budgets narrows."""
-        return cold_records(
-            self.warm, self.m.args.n_routed_experts, self.plan.held_share, self.m.record.cold_of(bits).nbytes
-        )
+    def narrowed(self, bits: int, hot_share: float | None = None) -> tuple[Plan, ColdRecords]:
+        """The records a `profile-hot --repack --cold-bits BITS [--hot-share S]` at this plan's budgets narrows, and
+        the plan with the RAM cache split for them (the planner's narrow_slots on the same bytes)."""
+        p, nbytes = self.plan, self.m.record.cold_of(bits).nbytes
+        share = p.held_share if hot_share is None else hot_share
+        keys = cold_records(self.warm, self.m.args.n_routed_experts, share, nbytes).keys
+        least = max(p.staging, self.m.args.n_activated_experts)
+        split = narrow_slots(p.record_cache, p.record, nbytes, len(keys), p.total_records, least, p.gpu_slots)
+        ram, narrow = split or (p.ram_slots, 0)
+        plan = dataclasses.replace(p, ram_slots=ram, cold_slots=narrow, cold_record=nbytes)
+        return plan, ColdRecords(keys, nbytes, narrow)
 
     def decode_batch(self, b: int, policy: str = "hot") -> Projection:
         """b sequences decoding together (runtime/generate/batch.py), each through a stretch of the trace's second

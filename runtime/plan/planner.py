@@ -9,6 +9,7 @@ checked against measured peaks on the GPU machine (docs/BENCHMARKS.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,13 @@ class Plan:
     )
     on_host: HostBackbone = HostBackbone()
     max_batch: int = 1  # sequences decoded together (cache_slots: the KV cache holds theirs)
+    cold_slots: int = 0  # of ram_slots, those sized for a cold record (narrow_slots); the rest hold a record each
+    cold_record: int = 0  # bytes of a cold record (one narrow slot)
+
+    @property
+    def record_cache(self) -> int:
+        """Bytes of the RAM cache's slots: record-sized ones and the narrow ones."""
+        return (self.ram_slots - self.cold_slots) * self.record + self.cold_slots * self.cold_record
 
     @property
     def held_share(self) -> float:
@@ -86,11 +94,44 @@ class Plan:
                 if self.host_backbone
                 else []
             ),
-            ("  record cache", format_bytes(self.ram_slots * r), f"{self.ram_slots} slots, {self.staging} for reads"),
+            ("  record cache", format_bytes(self.record_cache), self._cache_slots()),
             ("experts", f"{n} records", f"{self.gpu_slots / n:.0%} on {self.device}, {self.ram_slots / n:.0%} in RAM"),
         ]
         w = max(len(a) for a, _, _ in rows)
         return "\n".join(f"{a:<{w}}  {b:>12}  {c}".rstrip() for a, b, c in rows)
+
+    def _cache_slots(self) -> str:
+        wide = f"{self.ram_slots - self.cold_slots} slots"
+        if self.cold_slots:
+            wide += f" and {self.cold_slots} of {format_bytes(self.cold_record)} for cold records"
+        return f"{wide}, {self.staging} for reads"
+
+
+def narrow_slots(
+    room: int, record: int, cold: int, n_cold: int, total: int, least: int, beside: int
+) -> tuple[int, int] | None:
+    """(RAM slots, how many of them narrow) for a record cache of `room` bytes when `n_cold` of the run's `total`
+    records are cold ones of `cold` bytes (layout/cold.py), or None for record-sized slots alone: when they hold every
+    record beside the `beside` device slots (a mapped run reads them in place, widened), or when the room cannot give
+    each size `least` slots (the reads in flight, and one token's experts of a layer). Else the records of the model's
+    format first (the profile's hottest: every one of them, while the room lasts beside `least` narrow slots), and the
+    rest of the room in narrow slots, so that RAM holds record / cold times as many cold records as it would wide."""
+    if not (cold and n_cold) or beside + room // record >= total or room < least * (record + cold):
+        return None
+    wide = max(min((room - least * cold) // record, total - n_cold), least)
+    narrow = max(min((room - wide * record) // cold, n_cold), least)
+    return wide + narrow, narrow
+
+
+def narrowed(plan: Plan, manifest: Manifest) -> Plan:
+    """`plan` with the bytes of its record cache split for the manifest's cold records as make_plan splits a RAM
+    budget (narrow_slots): for a plan whose slots were set by hand (a share of a whole model's, in benchmarks)."""
+    cold = manifest.cold_record.nbytes if manifest.cold_record else 0
+    n_cold, least = cold_records(manifest, plan.expert_layers), max(plan.staging, manifest.args.n_activated_experts)
+    split = narrow_slots(plan.record_cache, plan.record, cold, n_cold, plan.total_records, least, plan.gpu_slots)
+    if split is None:
+        return plan
+    return dataclasses.replace(plan, ram_slots=split[0], cold_slots=split[1], cold_record=cold)
 
 
 def _used_layers(manifest: Manifest, with_mtp: bool) -> range:
@@ -101,6 +142,11 @@ def _used_layers(manifest: Manifest, with_mtp: bool) -> range:
 def expert_layers(manifest: Manifest, with_mtp: bool = False) -> tuple[int, ...]:
     """The MoE layers with expert records that a run uses (the MTP layer's only `with_mtp`)."""
     return tuple(i for i in _used_layers(manifest, with_mtp) if i in manifest.experts)
+
+
+def cold_records(manifest: Manifest, layers: tuple[int, ...]) -> int:
+    """How many records of these MoE layers are stored in cold codes."""
+    return sum(len(manifest.experts[layer].cold) for layer in layers) if manifest.cold_record else 0
 
 
 def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> int:
@@ -315,7 +361,11 @@ def make_plan(
             f"({format_bytes(loading)}) and to read {staging} records at once; give at least "
             f"{format_bytes(min_cpu)} (or fewer --io-threads)"
         )
-    ram_slots = max(min((budgets.cpu - host_cpu) // record, total_records), staging) if record else 0
+    cold, n_cold = manifest.cold_record.nbytes if manifest.cold_record else 0, cold_records(manifest, used)
+    room = budgets.cpu - host_cpu
+    ram_slots = max(min(room // record, total_records), staging) if record else 0
+    split = narrow_slots(room, record, cold, n_cold, total_records, max(staging, top_k), gpu_slots) if record else None
+    ram_slots, cold_slots = split or (ram_slots, 0)
     return Plan(
         str(device),
         budgets,
@@ -332,4 +382,6 @@ def make_plan(
         moved,
         on_host,
         max_batch,
+        cold_slots,
+        cold,
     )

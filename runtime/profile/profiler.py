@@ -54,18 +54,18 @@ def layer_pass(
     tokens = [torch.tensor([s], device=device) for s in sequences]  # [1, T] each
     hidden = [model.embed_tokens(t).cpu() for t in tokens]  # [1, T, D] (V4: [1, T, N, D], its streams)
     moe = [i for i, block in enumerate(model.layers) if block.moe]
-    room = store.plan.ram_slots - n_experts  # RAM slots left beside one whole layer
 
     def records(layer: int) -> list[tuple[int, int]]:
         return sorted(((layer, e) for e in range(n_experts)), key=store.file_position)
 
     for i, block in enumerate(model.layers):
-        if block.moe and room >= 0:  # this layer's records, then as much of the next one as fits behind them
-            mine = records(i)
+        mine = records(i) if block.moe else []
+        if mine and len(store.ram_pool.fitting(mine)) == n_experts:  # the layer's records, then what fits behind them
             store.read_ahead(mine, set())
             later = [j for j in moe if j > i]
-            if room and later:
-                store.read_ahead(records(later[0])[:room], set(mine))  # this layer's stay
+            ahead = store.ram_pool.fitting(mine + records(later[0]))[n_experts:] if later else []
+            if ahead:
+                store.read_ahead(ahead, set(mine))  # this layer's stay
         for index, (h, t) in enumerate(zip(hidden, tokens, strict=True)):
             for a in range(0, h.shape[1], chunk):
                 x = h[:, a : a + chunk].to(device)  # [1, T, ...]

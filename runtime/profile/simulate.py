@@ -130,10 +130,12 @@ class SwapModel:
 @dataclass(frozen=True)
 class ColdRecords:
     """Records stored in cold codes (layout/cold.py): `keys`, each `nbytes` long on the SSD and over PCIe (widened
-    on the device, at no cost counted here)."""
+    on the device, at no cost counted here); `slots`: of the RAM slots, those sized for them (Plan.cold_slots; 0:
+    they take record-sized ones)."""
 
     keys: frozenset[Key] = frozenset()
     nbytes: int = 0
+    slots: int = 0
 
 
 class Tiers:
@@ -154,9 +156,10 @@ class Tiers:
         """Pools warm-started from `warm` (Tiers.place, `keep_free` slots left to move through); `out`, a fresh
         Projection, counts the moves; `cold`: records stored in cold codes, read and copied at their own size."""
         gpu_policy, ram_policy = TIER_POLICIES[policy]
-        self.gpu, self.ram = SlotPool(gpu_slots, gpu_policy), SlotPool(ram_slots, ram_policy)
-        self.record, self.out, self.counting = record_bytes, Projection(), True
         self.cold, self.links = cold or ColdRecords(), links
+        self.gpu = SlotPool(gpu_slots, gpu_policy)
+        self.ram = SlotPool(ram_slots, ram_policy, self.cold.slots, self.cold.keys.__contains__)
+        self.record, self.out, self.counting = record_bytes, Projection(), True
         self.in_place = links.pcie * IN_PLACE_SHARE
         self.on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
         self.in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
@@ -165,10 +168,10 @@ class Tiers:
 
     def place(self, warm: list[Key], keep_free: int) -> None:
         """Records hottest first, placed as a warm start places them (placement.preload: the first gpu_slots on the
-        device and the first ram_slots in RAM, or the next ones when the device is the larger); the hot policy then
-        holds them, leaving `keep_free` slots to move through."""
+        device and the first the RAM slots hold in RAM, or the next ones when the device is the larger); the hot policy
+        then holds them, leaving `keep_free` slots to move through."""
         g, r = len(self.gpu.key_of), len(self.ram.key_of)
-        for pool, keys in ((self.gpu, warm[:g]), (self.ram, warm[:r] if g <= r else warm[g : g + r])):
+        for pool, keys in ((self.gpu, warm[:g]), (self.ram, self.ram.fitting(warm if g <= r else warm[g:]))):
             for key in reversed(keys):  # the hottest touched last, counted most
                 pool.allocate(key, ())
         hold_hottest(self.ram, warm, keep_free)

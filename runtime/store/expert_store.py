@@ -13,7 +13,6 @@ kernels read RAM's in place over PCIe (zero-copy): nothing moves, no layer asks 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -22,8 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsfp4.errors import ConfigError
-from dsfp4.layout.direct_io import aligned_buffer
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.planner import Plan
@@ -32,16 +29,13 @@ from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
 from dsfp4.runtime.store.host_lane import HostJob, HostLane
 from dsfp4.runtime.store.policy import TIER_POLICIES
+from dsfp4.runtime.store.ram_cache import RamCache
 from dsfp4.runtime.store.slots import SlotPool
 from dsfp4.runtime.store.transfers import Transfers
 from dsfp4.runtime.store.use_counts import DeviceUseCounts
 
 Key = tuple[int, int]  # (layer, expert)
 RUN_RECORDS = 4  # records per read ahead: streams, yet runs in parallel (fastest of 1, 4, 16: BENCHMARKS.md)
-
-
-def _unregister(host: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 class ExpertStore:
@@ -71,7 +65,8 @@ class ExpertStore:
         self._counters = StoreCounters()
         n = self.layout.nbytes if self.layout else 0
         gpu_policy, ram_policy = TIER_POLICIES[policy]
-        self.gpu_pool, self.ram_pool = SlotPool(plan.gpu_slots, gpu_policy), SlotPool(plan.ram_slots, ram_policy)
+        self.gpu_pool = SlotPool(plan.gpu_slots, gpu_policy)
+        self.ram_pool = SlotPool(plan.ram_slots, ram_policy, plan.cold_slots, lambda key: manifest.layout_of(key).cold)
         self.gpu = torch.empty((plan.gpu_slots, n), dtype=torch.uint8, device=device)  # [slots, record]
         a = manifest.args
         self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
@@ -80,7 +75,7 @@ class ExpertStore:
         self.n_experts = a.n_routed_experts
         self.lane: HostLane | None = None  # with the RAM cache (open_host), when the split has a share
         self._pcie_gbps = 0.0  # pinned copies, measured when the adaptive threshold needs them (open_host)
-        self._unpin = None
+        self.cache: RamCache | None = None
         self.io: Transfers | None = None  # with the RAM cache (open_host)
         self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
         self.notes: list[str] = []
@@ -93,20 +88,15 @@ class ExpertStore:
 
     def open_host(self) -> None:
         """Allocate the RAM cache (pinned on CUDA) and start the SSD readers."""
-        n = self.gpu.shape[1]
-        self.ram_np = aligned_buffer(self.plan.ram_slots * n).reshape(self.plan.ram_slots, n)
-        self.ram = torch.from_numpy(self.ram_np)  # [slots, record]
-        if self.cuda and self.ram.numel():
-            err = torch.cuda.cudart().cudaHostRegister(self.ram.data_ptr(), self.ram.numel(), 0)
-            if int(err) != 0:
-                raise ConfigError(
-                    f"cannot pin {self.ram.numel()} bytes of RAM for the record cache (CUDA error {int(err)}); "
-                    f"lower --cpu-mem"
-                )
-            # unregistered when closed or collected, before the buffer can be unmapped and its addresses reused
-            self._unpin = weakref.finalize(self, _unregister, self.ram)
+        p = self.plan
+        wide = p.ram_slots - p.cold_slots
+        self.cache = RamCache(wide, self.gpu.shape[1], p.cold_slots, p.cold_record, pin=self.cuda)
+        self.ram_np, self.ram = (
+            self.cache.wide_np,
+            self.cache.wide,
+        )  # [slots, record]: the records of the model's format
         pools = (self.gpu_pool, self.ram_pool)
-        tiers = (self.gpu, self.ram_np, self.ram)
+        tiers = (self.gpu, self.cache)
         self.io = Transfers(
             self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify
         )
@@ -428,8 +418,9 @@ class ExpertStore:
             self.lane.close()
         if self.io is not None:
             self.io.close()
-        if self._unpin is not None:
-            self._unpin()
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
         # the record memory goes back now, not when the store is collected: the process may go on
         n = self.gpu.shape[1]
         self.gpu = self.gpu.new_empty((0, n))

@@ -35,7 +35,7 @@ def place_records(store: ExpertStore, profile: HotProfile | None, zero_copy: boo
     p = store.plan
     if store.cuda and p.gpu_slots >= p.total_records > 0:
         fill(store)  # every expert fits: all on the device, and decode steps can be captured
-    elif zero_copy and p.gpu_slots + p.ram_slots >= p.total_records > 0:
+    elif zero_copy and not p.cold_slots and p.gpu_slots + p.ram_slots >= p.total_records > 0:
         map_all(store, hottest_first(store.manifest, p, profile))  # the rest read from RAM in place: graphs too
     elif profile is not None:
         warm_start(store, profile)
@@ -64,6 +64,7 @@ def map_all(store: ExpertStore, ranked: list[Key]) -> None:
     used = [(layer, e) for layer in sorted(p.expert_layers) for e in range(n)]
     assert sorted(ranked) == used, "map_all() ranks every used record once"
     assert p.gpu_slots + p.ram_slots >= p.total_records, "map_all() needs a device or RAM slot per record"
+    assert not p.cold_slots, "map_all() widens cold records in record-sized RAM slots"
     preload(store, ranked, inclusive=False)  # each record once: a slot for every one
     tier = store.residency()  # [blocks, experts]: 2 on the device, 1 in RAM only
     host = torch.full(tier.shape, -1, dtype=torch.int32)  # the RAM slots of the records read in place
@@ -74,24 +75,25 @@ def map_all(store: ExpertStore, ranked: list[Key]) -> None:
 
 
 def hold_hottest(pool: SlotPool, ranked: list[Key], keep_free: int) -> None:
-    """Under a policy that holds a hot set ("hot"), the hottest HOT_SHARE of the pool's records, by `ranked`
-    (hottest first), are held: never evicted; at least `keep_free` slots stay free to turn over (a wave of loads
-    needs them)."""
-    if hasattr(pool.policy, "hold"):
-        present = [k for k in ranked if k in pool]
-        slots = len(pool.key_of)
-        pool.policy.hold(present[: max(0, min(int(HOT_SHARE * slots), slots - keep_free))])
+    """Under a policy that holds a hot set ("hot"), the hottest HOT_SHARE of each slot class's records, by `ranked`
+    (hottest first), are held: never evicted; at least `keep_free` slots of a class stay free to turn over (a wave of
+    loads needs them)."""
+    for policy, slots, takes in pool.classes():
+        if hasattr(policy, "hold"):
+            present = [k for k in ranked if k in pool and takes(k)]
+            policy.hold(present[: max(0, min(int(HOT_SHARE * slots), slots - keep_free))])
 
 
 def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> None:
-    """The first gpu_slots of `ranked` onto the device and, as the tiers are inclusive, the first ram_slots into RAM
-    (the device's among them: a record the device evicts is still a RAM hit, and RAM's held hot set starts at the
-    hottest); waits for all of it. A device larger than RAM, or `inclusive` False (map_all: every record once),
-    takes the device's records through RAM, layer by layer in file order, and RAM then holds the next ones."""
+    """The first gpu_slots of `ranked` onto the device and, as the tiers are inclusive, the first that the RAM slots
+    hold into RAM (SlotPool.fitting: the device's among them, so a record the device evicts is still a RAM hit, and
+    RAM's held hot set starts at the hottest); waits for all of it. A device larger than RAM, or `inclusive` False
+    (map_all: every record once), takes the device's records through RAM, layer by layer in file order, and RAM then
+    holds the next ones."""
     t0 = time.perf_counter()
-    p = store.plan
+    p, pool = store.plan, store.ram_pool
     if inclusive and p.gpu_slots <= p.ram_slots:
-        to_gpu, to_ram = ranked[: p.gpu_slots], ranked[: p.ram_slots]
+        to_gpu, to_ram = ranked[: p.gpu_slots], pool.fitting(ranked)
         store.read_ahead(to_ram, set())  # in file order, adjacent records together
         store.sync()
         for key in sorted(to_gpu, key=store.file_position):
@@ -100,12 +102,13 @@ def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> No
         hold_hottest(store.ram_pool, ranked, p.gpu_slots + p.staging)
         store.warm_records, store.warm_s = len(to_ram), time.perf_counter() - t0
         return
-    to_gpu, to_ram = ranked[: p.gpu_slots], ranked[p.gpu_slots : p.gpu_slots + p.ram_slots]
+    to_gpu, to_ram = ranked[: p.gpu_slots], pool.fitting(ranked[p.gpu_slots :])
+    at_once = pool.least_class  # through RAM, as much at once as it surely holds
     for layer in sorted({layer for layer, _ in to_gpu}):
         keys = sorted((k for k in to_gpu if k[0] == layer), key=store.file_position)
-        for i in range(0, len(keys), p.ram_slots):  # through RAM, as much at once as it holds
-            store.read_ahead(keys[i : i + p.ram_slots], set())
-            for key in keys[i : i + p.ram_slots]:
+        for i in range(0, len(keys), at_once):
+            store.read_ahead(keys[i : i + at_once], set())
+            for key in keys[i : i + at_once]:
                 store.start(key, set(), wait=True)
     store.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
     store.read_ahead(to_ram, set())

@@ -16,7 +16,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dsfp4.errors import ChecksumError, ConfigError
@@ -27,6 +26,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.record import record_sha256
 from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
+from dsfp4.runtime.store.ram_cache import RamCache
 from dsfp4.runtime.store.slots import SlotPool
 
 Key = tuple[int, int]  # (layer, expert)
@@ -45,14 +45,14 @@ def _finished(value: object) -> Future:
 
 
 class Transfers:
-    """Reads and uploads of one store: `gpu` [slots, record] and `ram_np` [slots, record] are its tiers' bytes
-    (`ram` the same RAM as a tensor), the pools and the device table its bookkeeping."""
+    """Reads and uploads of one store: `gpu` [slots, record] and `cache` (the RAM slots) are its tiers' bytes, the
+    pools and the device table its bookkeeping."""
 
     def __init__(
         self,
         model_dir: Path,
         manifest: Manifest,
-        tiers: tuple[torch.Tensor, np.ndarray, torch.Tensor],
+        tiers: tuple[torch.Tensor, RamCache],
         pools: tuple[SlotPool, SlotPool],
         table: DeviceTable,
         counters: StoreCounters,
@@ -60,7 +60,7 @@ class Transfers:
         verify: bool,
     ):
         self.dir, self.manifest, self.table, self.counters, self.verify = model_dir, manifest, table, counters, verify
-        self.gpu, self.ram_np, self.ram = tiers
+        self.gpu, self.cache = tiers
         self.gpu_pool, self.ram_pool = pools
         self.cuda = self.gpu.device.type == "cuda"
         self.cold = manifest.cold_record
@@ -92,7 +92,7 @@ class Transfers:
         (layer, first), _ = run[0]
         ef = self.manifest.experts[layer]
         t0 = time.perf_counter()
-        records = [self.ram_np[rslot, : self.manifest.layout_of(key).nbytes] for key, rslot in run]
+        records = [self.cache.row(rslot)[: self.manifest.layout_of(key).nbytes] for key, rslot in run]
         self.files[layer].read_into(records, ef.offsets[first])
         for (key, _), record in zip(run, records, strict=True):
             if self.verify and key not in self._verified:
@@ -107,10 +107,10 @@ class Transfers:
     def _copy(self, gslot: int, rslot: int, cold: bool) -> None:
         """RAM slot -> device slot on the current stream; a cold record through the staging buffer, widened."""
         if not cold:
-            self.gpu[gslot].copy_(self.ram[rslot], non_blocking=True)
+            self.gpu[gslot].copy_(self.cache.tensor(rslot), non_blocking=True)
             return
         with self._stage:  # the copy and its widening queue together: another upload's copy would overwrite
-            src = self.ram[rslot]
+            src = self.cache.tensor(rslot)
             if self.cuda:
                 src = self.staging.copy_(src[: self.cold.nbytes], non_blocking=True)
             widen_record(src, self.gpu[gslot], self.cold, self.lut)
@@ -237,4 +237,4 @@ class Transfers:
         self.files = {}
         if self.cuda:
             self.copy_stream.synchronize()
-        self.gpu = self.ram_np = self.ram = None  # the store frees its tiers' memory now
+        self.gpu = self.cache = None  # the store frees its tiers' memory now

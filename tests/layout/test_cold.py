@@ -33,6 +33,8 @@ from dsfp4.layout.verify import verify
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.budget import Budgets
+from dsfp4.runtime.plan.planner import make_plan
 from dsfp4.runtime.store.expert_store import ExpertStore
 from dsfp4.runtime.store.placement import hottest_first, map_all
 
@@ -175,6 +177,30 @@ def test_repack_narrows_the_cold_experts_and_the_store_reads_them_at_their_size(
     assert s["ssd_bytes"] < s["ssd_reads"] * m.record.nbytes and s["ssd_bytes"] >= s["ssd_reads"] * min(sizes)
 
 
+@pytest.mark.slow
+def test_a_ram_budget_short_of_every_record_holds_cold_ones_in_narrow_slots(model):
+    """The planner splits the RAM cache (narrow_slots): the records of the model's format first, the rest of the room
+    in slots of a cold record's size, so RAM holds more records than at full size; the tokens stay exact."""
+    repack(model, HotProfile.read(model / HOT_NAME), cold=Cold(2, 0.5))
+    m = Manifest.read(model)
+    n, c = m.record.nbytes, m.cold_record.nbytes
+    room = 5 * n + 6 * c  # on a CPU device the RAM budget is all the record cache's
+    options = RunOptions(device="cpu", max_context=64, io_threads=1, zero_copy=False)
+    fixed = make_plan(m, CPU, torch.float32, Budgets(1 << 40, room, "test"), 64, 64, 1, process=0)
+    fixed = fixed.backbone + fixed.kv_cache + fixed.workspace + fixed.host_base
+    plan = make_plan(m, CPU, torch.float32, Budgets(fixed + 2 * n, room, "test"), 64, 64, 1, process=0)
+    assert plan.gpu_slots == 2 and plan.cold_slots > 0
+    assert plan.record_cache <= room < plan.ram_slots * n  # RAM holds more records than at full size
+    assert plan.ram_slots - plan.cold_slots <= plan.total_records - 8  # 4 cold experts in each of 2 layers
+    assert f"{plan.cold_slots} of" in plan.table() and "for cold records" in plan.table()
+    with Engine(model, options, plan=plan) as engine:
+        streamed = engine.generate("Which experts are cold?", max_tokens=8, temperature=0)
+        pool, wide = engine.model.experts.ram_pool, plan.ram_slots - plan.cold_slots
+        assert all((slot >= wide) == (m.layout_of(key) == m.cold_record) for key, slot in pool.slot_of.items())
+        assert len(pool.slot_of) > wide  # the narrow slots were used
+    assert streamed.token_ids == _generate(model, None).token_ids
+
+
 def test_a_mapped_store_widens_its_cold_records_in_ram(model):
     repack(model, HotProfile.read(model / HOT_NAME), cold=Cold(2, 0.25))
     m = Manifest.read(model)
@@ -227,18 +253,23 @@ def test_on_cuda_cold_records_stream_with_the_tokens_of_everything_resident(mode
     repack(model, HotProfile.read(model / HOT_NAME), cold=Cold(3, 0.25))
     cuda, m = torch.device("cuda"), Manifest.read(model)
 
-    def run(slots: tuple[int, int] | None, **knobs):
+    def run(slots: tuple[int, int] | None, cold_slots: int = 0, **knobs):
         options = RunOptions(device="cuda", max_context=64, dtype="fp32", **knobs)
         plan = plan_run(m, cuda, torch.float32, 64, options, False)
         if slots:
-            plan = dataclasses.replace(plan, gpu_slots=slots[0], ram_slots=slots[1], staging=min(4, slots[1]))
+            g, r = slots
+            staging = min(4, r - cold_slots, cold_slots or r)
+            plan = dataclasses.replace(plan, gpu_slots=g, ram_slots=r, staging=staging, cold_slots=cold_slots)
+            plan = dataclasses.replace(plan, cold_record=m.cold_record.nbytes * bool(cold_slots))
         with Engine(model, options, plan=plan) as engine:
             return engine.generate("Which experts are cold?", max_tokens=12, temperature=0)
 
     resident = run(None)
-    for slots, knobs in [((3, 5), {"zero_copy": False}), ((2, 1), {"io_threads": 1}), ((3, 16), {})]:
-        g = run(slots, **knobs)
-        assert g.token_ids == resident.token_ids, (slots, knobs)
+    cases = [((3, 5), 0, {"zero_copy": False}), ((2, 1), 0, {"io_threads": 1}), ((3, 16), 0, {})]
+    cases += [((3, 6), 3, {}), ((2, 12), 8, {"io_threads": 1})]  # cold records in RAM slots of their size
+    for slots, cold_slots, knobs in cases:
+        g = run(slots, cold_slots, **knobs)
+        assert g.token_ids == resident.token_ids, (slots, cold_slots, knobs)
     assert run((3, 5), cuda_graph=False).token_ids == resident.token_ids
 
 

@@ -237,7 +237,7 @@ def test_the_hot_policy_holds_the_warm_starts_hottest_records_in_ram(converted, 
     profile = HotProfile(manifest.conversion_sha256(), 100, counts)
     store = ExpertStore(model, manifest, CPU, _plan(model, 2, 12), policy="hot")
     warm_start(store, profile)
-    held = set(store.ram_pool.policy.held)
+    held = set(store.ram_pool.policies[0].held)
     assert held and len(held) <= 12 - (2 + store.plan.staging)  # room left to turn over
     ranked = [k for k in profile.ranked() if k[0] in store.plan.expert_layers]
     assert held <= set(ranked[: 2 + 12])

@@ -12,6 +12,7 @@ import pytest
 
 from dsfp4.runtime.profile.simulate import (
     IN_PLACE_SHARE,
+    ColdRecords,
     HostStream,
     Links,
     StepCosts,
@@ -24,6 +25,7 @@ from dsfp4.tools.first_token import first_token_table, first_tokens
 from dsfp4.tools.projection import (
     MACHINES,
     full_plan,
+    machine_run,
     project,
     spread,
     step_bytes,
@@ -136,6 +138,11 @@ def test_the_whole_model_plans_and_projects_on_every_machine():
     rows = project("v3", ids, ["16g"], eff=0.7, variants=(("mix", None, True), ("hot", 1.0, True)))
     assert [r.policy for r in rows] == ["mix", "hot"] and all(0 < r.projection.tok_s < 100 for r in rows)
     assert "Belady SSD %" in table(rows) and spread(ids, 58).shape == (40, 58, 8)
+    r = machine_run("v3", "16g", ids, 0.7)
+    plan, cold = r.narrowed(2, hot_share=0.1)  # V3's 16g RAM budget split for 2-bit cold records
+    assert plan.record_cache <= r.plan.record_cache and plan.ram_slots > 1.3 * r.plan.ram_slots
+    assert plan.cold_slots == cold.slots > 0 and len(cold.keys) == 58 * (256 - 26)
+    assert r.narrowed(2)[0].cold_slots < 0.01 * plan.ram_slots  # profile-hot's default hot set fills RAM at full size
 
 
 def test_share_plan_keeps_one_layer_on_the_device():
@@ -240,3 +247,17 @@ def test_the_adaptive_threshold_leaves_out_only_what_copies_cannot_hide():
     fixed = run(None)
     assert run(0.0).skipped == fixed.skipped > 0
     assert 0 < run(100.0).skipped < run(1.0).skipped < fixed.skipped
+
+
+def test_narrow_ram_slots_hold_more_cold_records_in_the_same_bytes_and_read_less():
+    """Cold records of half a record's size: RAM split as the planner splits it holds more of them than record-sized
+    slots of the same bytes, so fewer uses go to the SSD; the cold ones only ever take narrow slots."""
+    trace, links = _trace(tokens=120), Links(1e9, 1e10)
+    keys = [(layer, e) for layer in range(4) for e in range(16)]
+    cold = frozenset(k for k in keys if k[1] >= 4)  # 12 of each layer's 16 experts
+    warm = sorted(keys, key=lambda k: k[1])
+    wide = simulate(trace, 4, 24, RECORD, links, COSTS, "lru", None, 16, warm=warm, cold=ColdRecords(cold, RECORD // 2))
+    split = ColdRecords(cold, RECORD // 2, slots=32)  # the same bytes: 8 record slots and 32 of half the size
+    narrow = simulate(trace, 4, 40, RECORD, links, COSTS, "lru", None, 16, warm=warm, cold=split)
+    assert narrow.ssd_misses < wide.ssd_misses and narrow.ssd_bytes < wide.ssd_bytes
+    assert narrow.ram_hits > wide.ram_hits

@@ -54,10 +54,11 @@ MB = 1 << 20
         (100 * MB, 0, 0, None),  # no cold records: record-sized slots
         (1000 * MB, 60, 0, None),  # RAM holds every record at full size: mapped runs read them widened in place
         (100 * MB, 60, 91, None),  # so it does beside the device's slots
-        (100 * MB, 60, 0, (11, 2)),  # else the wide records first, as far as the room goes beside 2 narrow slots...
-        (300 * MB, 80, 0, (45, 25)),  # ...all 20 of them, and the rest of the room in narrow slots
-        (30 * MB, 80, 0, (4, 2)),
-        (25 * MB, 80, 0, None),  # too small for 2 slots of each size: record-sized slots
+        (300 * MB, 80, 0, (45, 25)),  # a slot for each of the 20 wide records, the rest of the room in narrow slots
+        (250 * MB, 90, 0, (47, 37)),
+        (100 * MB, 99, 0, (22, 20)),  # at least `least` wide slots
+        (205 * MB, 80, 0, None),  # the 20 wide records do not fit beside 2 narrow slots: record-sized slots, shared
+        (100 * MB, 60, 0, None),
     ],
 )
 def test_the_ram_budget_splits_into_wide_slots_first_then_narrow_ones(room, n_cold, beside, want):
@@ -67,4 +68,4 @@ def test_the_ram_budget_splits_into_wide_slots_first_then_narrow_ones(room, n_co
     if got is not None:
         ram, narrow = got
         assert (ram - narrow) * record + narrow * cold <= room and least <= narrow <= n_cold
-        assert least <= ram - narrow <= total - n_cold
+        assert ram - narrow == max(total - n_cold, least)

@@ -20,6 +20,9 @@ from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
 MAX_TOKENS = DECODE_TOKENS  # beyond this, dequantize once and multiply on tensor cores
 KEY_ROWS, VALUE_ROWS = 32, 16  # a program's tiles: [32, FP8_BLOCK] of W_UK per step, [16, C] of W_UV
+# tokens a values program takes with its tile: a batch's tokens spread over programs, each tile read from L2 by a
+# quarter as many programs as tokens
+VALUE_TOKENS = 4
 
 
 def _heads(q8: torch.Tensor, scale: torch.Tensor, heads: int) -> torch.Tensor:
@@ -54,7 +57,6 @@ if triton is not None:
         w_ptr,
         s_ptr,
         out_ptr,
-        M,
         stride_qm,
         stride_qh,
         stride_om,
@@ -68,22 +70,23 @@ if triton is not None:
         SB: tl.constexpr,
         HW_E4M3: tl.constexpr,
     ):
-        """Head pid 0, columns pid 1 * SB ..: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c], RN rows at a time
-        (rows of SB contiguous bytes, one scale block wide; a second token reads the tiles again from L2)."""
-        h = tl.program_id(0)
+        """Head pid 0, columns pid 1 * SB .., token pid 2: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c], RN rows at
+        a time (rows of SB contiguous bytes, one scale block wide). A program per token: the batch's tokens read the
+        tiles from L2 in parallel, where one program looping over them ran them one after another (a batch step of 16
+        sequences spent 18% of its time here on the trained small model: docs/BENCHMARKS.md)."""
+        h, m = tl.program_id(0), tl.program_id(2)
         c = tl.program_id(1) * SB + tl.arange(0, SB)
-        for m in range(M):
-            acc = tl.zeros((SB,), dtype=tl.float32)
-            for n0 in tl.static_range(0, N, RN):
-                n = n0 + tl.arange(0, RN)
-                ok = (n < N)[:, None] & (c < C)[None, :]
-                w = _fp8_tile(w_ptr, h * HD + n, c, ok, stride_w, HW_E4M3)  # [RN, SB]
-                # a scale per weight: measured faster here than folding a per-row one into q (72 against 61 us per
-                # V3 step), unlike the values' tile below
-                w *= tl.load(s_ptr + ((h * HD + n) // SB)[:, None] * stride_s + (c // SB)[None, :], mask=ok, other=0.0)
-                qv = tl.load(q_ptr + m * stride_qm + h * stride_qh + n, mask=n < N, other=0.0).to(tl.float32)
-                acc += tl.sum(w * qv[:, None], axis=0)
-            tl.store(out_ptr + m * stride_om + h * stride_oh + c, acc.to(out_ptr.dtype.element_ty), mask=c < C)
+        acc = tl.zeros((SB,), dtype=tl.float32)
+        for n0 in tl.static_range(0, N, RN):
+            n = n0 + tl.arange(0, RN)
+            ok = (n < N)[:, None] & (c < C)[None, :]
+            w = _fp8_tile(w_ptr, h * HD + n, c, ok, stride_w, HW_E4M3)  # [RN, SB]
+            # a scale per weight: measured faster here than folding a per-row one into q (72 against 61 us per
+            # V3 step), unlike the values' tile below
+            w *= tl.load(s_ptr + ((h * HD + n) // SB)[:, None] * stride_s + (c // SB)[None, :], mask=ok, other=0.0)
+            qv = tl.load(q_ptr + m * stride_qm + h * stride_qh + n, mask=n < N, other=0.0).to(tl.float32)
+            acc += tl.sum(w * qv[:, None], axis=0)
+        tl.store(out_ptr + m * stride_om + h * stride_oh + c, acc.to(out_ptr.dtype.element_ty), mask=c < C)
 
     @triton.jit
     def _values_kernel(
@@ -107,10 +110,11 @@ if triton is not None:
         SB: tl.constexpr,
         HW_E4M3: tl.constexpr,
         ONE_ROW_BLOCK: tl.constexpr,
+        MT: tl.constexpr,
     ):
-        """Head pid 0, value rows pid 1 * BV ..: out[m, h, v] = sum_c o[m, h, c] W[h HD + N + v, c]. With
-        ONE_ROW_BLOCK (the BV rows sit in one 128-row block) the scales multiply o's elements, else W's."""
-        h = tl.program_id(0)
+        """Head pid 0, value rows pid 1 * BV .., tokens pid 2 * MT ..: out[m, h, v] = sum_c o[m, h, c] W[h HD + N + v,
+        c]. With ONE_ROW_BLOCK (the BV rows sit in one 128-row block) the scales multiply o's elements, else W's."""
+        h, m0 = tl.program_id(0), tl.program_id(2) * MT
         v = tl.program_id(1) * BV + tl.arange(0, BV)
         c = tl.arange(0, CP)
         ok = (v < V)[:, None] & (c < C)[None, :]
@@ -120,7 +124,7 @@ if triton is not None:
             s = tl.load(s_ptr + (tl.min(rows, 0) // SB) * stride_s + c // SB, mask=c < C, other=0.0)  # [CP]
         else:
             w *= tl.load(s_ptr + (rows // SB)[:, None] * stride_s + (c // SB)[None, :], mask=ok, other=0.0)
-        for m in range(M):
+        for m in range(m0, tl.minimum(m0 + MT, M)):
             lat = tl.load(o_ptr + m * stride_om + h * stride_oh + c, mask=c < C, other=0.0).to(tl.float32)
             if ONE_ROW_BLOCK:
                 lat *= s
@@ -134,12 +138,11 @@ def absorb_keys(q: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: in
     c = q8.shape[1]
     assert m <= MAX_TOKENS and n == nope and q.stride(2) == 1, f"absorb_keys takes up to {MAX_TOKENS} [H, N] rows"
     out = torch.empty(m, heads, c, dtype=q.dtype, device=q.device)
-    _keys_kernel[(heads, triton.cdiv(c, FP8_BLOCK))](
+    _keys_kernel[(heads, triton.cdiv(c, FP8_BLOCK), m)](
         q,
         q8.view(torch.uint8),
         scale,
         out,
-        m,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -162,7 +165,7 @@ def absorb_values(o: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: 
     hd = q8.shape[0] // heads
     assert m <= MAX_TOKENS and c == q8.shape[1] and o.stride(2) == 1, f"absorb_values takes up to {MAX_TOKENS} tokens"
     out = torch.empty(m, heads, hd - nope, dtype=o.dtype, device=o.device)
-    _values_kernel[(heads, triton.cdiv(hd - nope, VALUE_ROWS))](
+    _values_kernel[(heads, triton.cdiv(hd - nope, VALUE_ROWS), triton.cdiv(m, VALUE_TOKENS))](
         o,
         q8.view(torch.uint8),
         scale,
@@ -183,5 +186,6 @@ def absorb_values(o: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: 
         SB=FP8_BLOCK,
         HW_E4M3=hw_e4m3(o.device),
         ONE_ROW_BLOCK=hd % VALUE_ROWS == 0 and nope % VALUE_ROWS == 0,  # tiles then start on multiples of BV
+        MT=VALUE_TOKENS,
     )
     return out

@@ -39,7 +39,7 @@ def main() -> None:
         engine.generate("The store reads records from the SSD.", max_tokens=args.tokens, temperature=0)
         after, peak = proc_status_bytes("VmRSS"), proc_status_bytes("VmHWM")
         anon, mapped = proc_status_bytes("RssAnon"), proc_status_bytes("RssFile")  # the cache is anonymous
-    cache = plan.ram_slots * (m.record.nbytes if m.record else 0)
+    cache = plan.record_cache
     r = {
         "device": plan.device,
         "rss_imports": imported,

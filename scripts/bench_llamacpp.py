@@ -382,7 +382,7 @@ def bench(
     if share:
         options = RunOptions(device=device, max_context=max_context)
         plan = share_plan_of(model, share, options)
-        ram = plan.ram_slots * Manifest.open(model).record.nbytes
+        ram = plan.record_cache
         streamed = [*args, *PLACEMENTS["exps-cpu"][1]]
         own_mem = own.get("exps-cpu") or llama_rows(build, streamed, "", cgroup, "")[1]
         cap = ram + own_mem + CAP_MARGIN

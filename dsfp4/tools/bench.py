@@ -90,6 +90,7 @@ def run_preset(
         "cpu_budget": plan.budgets.cpu,
         "gpu_slots": plan.gpu_slots,
         "ram_slots": plan.ram_slots,
+        "cold_slots": plan.cold_slots,  # of ram_slots, those sized for cold records
         "total_records": plan.total_records,
         "load_s": load_s,
         "decode_mode": decode_mode,

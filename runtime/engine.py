@@ -289,10 +289,10 @@ class Engine:
             self._end_stream()
         hooks = Hooks(self._claim, self._prefill_alone, lambda: self._truncate(0), self._finish_stats)
         # prompts joining together prefill layer by layer where reading experts dominates a prefill (the tiers cannot
-        # hold every record); not under a trace (it routes only the passes it begins) nor with a prompt cache (the
-        # one-by-one prefill restores saved prompts: `run --batch` saves its lines there together first)
+        # hold every record), under a trace too (each prompt through a stretch of its rows); not with a prompt cache
+        # (the one-by-one prefill restores saved prompts: `run --batch` saves its lines there together first)
         p, routing = self.plan, self.routing
-        joint = routing is None and self.prompt_cache is None and p.gpu_slots + p.ram_slots < p.total_records
+        joint = self.prompt_cache is None and p.gpu_slots + p.ram_slots < p.total_records
         chunk, graphs = self.options.prefill_chunk, self.decoder.graphs
         return BatchRun(model, p.max_batch, self.max_context, chunk, self.tokenizer, hooks, routing, graphs, joint)
 

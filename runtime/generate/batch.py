@@ -146,7 +146,9 @@ class BatchRun:
             self.hooks.forget()  # the pass leaves slot 0 holding no one prompt
             first = BATCH_SLOT + len(self.rows)
             prompts = [seq.prompt_ids[:-1] for seq in seqs.values()]
-            prefill_into_slots(self.model, prompts, list(range(first, first + len(prompts))), self.chunk)
+            # under a trace each prompt routes through a stretch of rows of its own, as its decode will
+            trace = (self.routing, [self.routing.reserve(len(p)) for p in prompts]) if self.routing else None
+            prefill_into_slots(self.model, prompts, list(range(first, first + len(prompts))), self.chunk, trace)
             for seq in seqs.values():
                 seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
                 self._reserve(seq)

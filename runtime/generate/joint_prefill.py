@@ -18,6 +18,7 @@ import torch
 
 from dsfp4.runtime.generate.prompt_cache import PromptCache
 from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.profile.profiler import layer_pass
 
 # V3: 16k tokens' hidden states and latent KV rows are about 1.4 GiB of host memory, held beside the plan's RAM budget
@@ -48,11 +49,17 @@ Rows = dict[str, torch.Tensor]  # a prompt's rows of the positional caches, by n
 
 
 def _passes(
-    model: Model, prompts: list[list[int]], chunk: int, into: Callable[[list[int]], list[Rows]]
+    model: Model,
+    prompts: list[list[int]],
+    chunk: int,
+    into: Callable[[list[int]], list[Rows]],
+    trace: tuple[TraceRouting, list[int]] | None = None,
 ) -> Iterator[tuple[list[int], list[Rows]]]:
     """Prefill the prompts group by group, each group layer by layer together; into(group) -> where each prompt's KV
     rows go (its first len(prompt) rows of each cache), copied as the prompt leaves each layer -> after each group's
-    pass, (the group, its rows). The single sequence's slot 0 holds no one prompt afterwards."""
+    pass, (the group, its rows). `trace`: (the routing trace, each prompt's first row): prompt k's token i routes by
+    row first[k] + i, begun before each chunk enters a block. The single sequence's slot 0 holds no one prompt
+    afterwards."""
     caches = model.positional_caches()  # name -> [max_len, ...] on the device
     by_layer: dict[int, list[str]] = {}  # the main model's caches by block (the MTP layer's left out)
     for name in caches:
@@ -66,15 +73,36 @@ def _passes(
             for name in by_layer.get(layer, ()):
                 rows[j][name][:n].copy_(caches[name][:n])
 
-        layer_pass(model, [prompts[k] for k in group], chunk, lambda _: None, keep)
+        layer_pass(model, [prompts[k] for k in group], chunk, lambda _: None, keep, _trace_rows(trace, group))
         yield group, rows
 
 
-def prefill_into_slots(model: Model, prompts: list[list[int]], slots: list[int], chunk: int) -> None:
+def _trace_rows(
+    trace: tuple[TraceRouting, list[int]] | None, group: list[int]
+) -> Callable[[int, int, int], None] | None:
+    """layer_pass's `before` for a group under a trace: the rows of its prompt j's chunk at `start`, `n` tokens."""
+    if trace is None:
+        return None
+    routing, first = trace
+
+    def begin(j: int, start: int, n: int) -> None:
+        at = first[group[j]] + start
+        routing.begin_rows(list(range(at, at + n)))
+
+    return begin
+
+
+def prefill_into_slots(
+    model: Model,
+    prompts: list[list[int]],
+    slots: list[int],
+    chunk: int,
+    trace: tuple[TraceRouting, list[int]] | None = None,
+) -> None:
     """Prefill each prompt layer by layer with the others of its group straight into cache slot slots[k] (a batch's
-    sequences joining together: runtime/generate/batch.py)."""
+    sequences joining together: runtime/generate/batch.py); `trace` as _passes takes it."""
     targets = [model.positional_caches(s) for s in slots]
-    for _ in _passes(model, prompts, chunk, lambda group: [targets[k] for k in group]):
+    for _ in _passes(model, prompts, chunk, lambda group: [targets[k] for k in group], trace):
         pass
 
 

@@ -46,9 +46,11 @@ def layer_pass(
     chunk: int,
     on_layer: Callable[[int], None],
     after: Callable[[int, int], None] | None = None,
+    before: Callable[[int, int, int], None] | None = None,
 ) -> None:
     """Run every sequence through every block, one block at a time (hidden states wait on the host); `after(block,
-    sequence)` runs once a sequence has been through a block, while that block's caches still hold it."""
+    sequence)` runs once a sequence has been through a block, while that block's caches still hold it; `before(sequence,
+    start, tokens)` before each chunk of a sequence enters a block (a routing trace's rows for it)."""
     store, device = model.experts, model.device
     n_experts = model.args.n_routed_experts
     tokens = [torch.tensor([s], device=device) for s in sequences]  # [1, T] each
@@ -68,6 +70,8 @@ def layer_pass(
                 store.read_ahead(ahead, set(mine))  # this layer's stay
         for index, (h, t) in enumerate(zip(hidden, tokens, strict=True)):
             for a in range(0, h.shape[1], chunk):
+                if before is not None:
+                    before(index, a, min(chunk, h.shape[1] - a))
                 x = h[:, a : a + chunk].to(device)  # [1, T, ...]
                 h[:, a : a + chunk] = model.block_step(i, x, a, t[:, a : a + chunk]).to(h.device)
             if after is not None:

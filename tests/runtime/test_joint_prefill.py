@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.routing_trace import RoutingTrace, write_trace
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.joint_prefill import groups, layer_of
 from dsfp4.runtime.models.load import plan_engine
@@ -114,3 +116,31 @@ def test_prompts_joining_a_batch_together_prefill_layer_by_layer_into_their_slot
     cached = dataclasses.replace(options, prompt_cache=tmp_path / "pc")
     with Engine(converted, cached, plan=_one_layer_of_ram(converted, cached)) as e:
         assert not e.batch().joint  # one by one: each prefill restores what the prompt cache saved
+
+
+def test_under_a_routing_trace_joining_prompts_prefill_together_each_through_rows_of_its_own(
+    converted, tmp_path, monkeypatch
+):
+    """A benchmark's routing trace keeps the joint prefill: each joining prompt's tokens route through a stretch of the
+    trace's rows of its own (reserved from the cursor on, in order), begun before each chunk enters a block; with a
+    trace whose rows are all alike the tokens are those of each prompt alone."""
+    with Engine(converted, device="cpu", max_context=128) as engine:
+        moe_layers = sum(1 for b in engine.model.layers if b.moe)
+    trace = tmp_path / "fixed.npy"
+    write_trace(trace, RoutingTrace(np.tile(np.array([5, 2], dtype=np.int32), (1000, moe_layers, 1))))
+    prompts = _prompts()
+    options = RunOptions(device="cpu", max_context=128, max_batch=len(prompts), routing=trace)
+    with Engine(converted, options, plan=_one_layer_of_ram(converted, options)) as e:
+        want = [e.generate(p, max_tokens=6, temperature=0).token_ids for p in prompts]
+        run, routing = e.batch(), e.routing
+        assert run.joint
+        begun, real = [], routing.begin_rows
+        monkeypatch.setattr(routing, "begin_rows", lambda rows: (begun.append(list(rows)), real(rows))[1])
+        cursor = routing.cursor
+        seqs = run.add_many([(p, e.options_for(max_tokens=6, temperature=0), None) for p in prompts])
+        prefilled = sum(n - 1 for n in LENGTHS)
+        assert sorted({r for rows in begun for r in rows}) == list(range(cursor, cursor + prefilled))
+        assert all(rows == list(range(rows[0], rows[0] + len(rows))) for rows in begun)  # a chunk: consecutive rows
+        while run.rows:
+            run.step()
+        assert [s.generation.token_ids for s in seqs] == want

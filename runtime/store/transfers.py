@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -38,9 +39,14 @@ def _done(job: Future) -> bool:
     return job.result() is None or job.result().query()  # and its copy event, if any, has passed
 
 
-def _finished(value: object) -> Future:
+def _run_now(fn: Callable[..., object], *args: object) -> Future:
+    """fn(*args) on this thread, as a finished job: its result, or its error for whoever awaits the job (a read that
+    already failed must not escape half-way through the bookkeeping: retire then forgets the slots it claimed)."""
     f: Future = Future()
-    f.set_result(value)
+    try:
+        f.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 (re-raised where the job is awaited)
+        f.set_exception(e)
     return f
 
 
@@ -153,7 +159,7 @@ class Transfers:
         still in flight) is done; the job's result is the copy's event."""
         released, layout = self.released[gslot], self.manifest.layout_of(key)
         if read is None or read.done():
-            job = _finished(self._upload(gslot, rslot, layout.cold, read, released))
+            job = _run_now(self._upload, gslot, rslot, layout.cold, read, released)
         else:
             job = self.uploads.submit(self._upload, gslot, rslot, layout.cold, read, released)
         self._track(self.gpu_jobs, self.gpu_pool, gslot, job)

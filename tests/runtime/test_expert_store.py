@@ -8,6 +8,7 @@ import errno
 import os
 import random
 import shutil
+from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,35 @@ def test_a_damaged_record_names_layer_and_expert_unless_verify_is_off(converted,
                 assert [e for e, _ in store.load(layer, [4, 5])] == [4, 5]
         finally:
             store.close()
+
+
+def test_a_damaged_record_read_before_its_copy_is_queued_leaves_no_slot_behind(converted, tmp_path, monkeypatch):
+    """A read that has already failed when its copy is queued (a busy host: the reader ran first) fails the load
+    where it is awaited, and no device slot keeps the expert whose record never arrived (it did, under load, before)."""
+    model = Path(shutil.copytree(converted, tmp_path / "model"))
+    manifest = Manifest.read(model)
+    layer = max(manifest.experts)
+    ef = manifest.experts[layer]
+    with open(model / ef.file, "r+b") as f:
+        f.seek(ef.offsets[5] + 100)
+        f.write(b"\xff\x00\xff")
+    store = ExpertStore(model, manifest, CPU, _plan(model, 3, 5))
+    try:
+        reads = store.io.read
+
+        def read_first(run):
+            job = reads(run)
+            if job is not None:
+                wait([job])  # done, with its checksum error, before the copy is queued
+            return job
+
+        monkeypatch.setattr(store.io, "read", read_first)
+        with pytest.raises(ChecksumError, match=f"expert 5 \\(layer {layer}\\)"):
+            list(store.load(layer, [4, 5]))
+        assert (layer, 5) not in store.gpu_pool and (layer, 5) not in store.ram_pool
+        assert int(store.slot_table()[layer, 5]) == -1
+    finally:
+        store.close()
 
 
 def test_warm_start_fills_the_device_and_ram_with_the_hottest(converted, tmp_path):

@@ -104,10 +104,11 @@ def profile_model(
     notes = list(model.experts.notes)
     if calib.available < tokens:
         notes.append(f"the calibration text holds {calib.available} tokens, fewer than --tokens {tokens}")
-    if plan.ram_slots < manifest.args.n_routed_experts:
+    n, pool = manifest.args.n_routed_experts, model.experts.ram_pool
+    if any(len(pool.fitting([(layer, e) for e in range(n)])) < n for layer in plan.expert_layers):
         notes.append(
-            f"the RAM cache holds {plan.ram_slots} records, less than one layer's {manifest.args.n_routed_experts}: "
-            f"records are read from the SSD more than once (raise --cpu-mem)"
+            f"the RAM cache holds {plan.ram_slots} records, less than one layer's {n} (of each size: record-sized and "
+            f"cold): records are read from the SSD more than once (raise --cpu-mem)"
         )
     recorder = None
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.planner import Plan
@@ -65,6 +66,13 @@ class ExpertStore:
         self._counters = StoreCounters()
         n = self.layout.nbytes if self.layout else 0
         gpu_policy, ram_policy = TIER_POLICIES[policy]
+        cold = manifest.cold_record
+        if plan.cold_slots and not (cold and plan.cold_record >= cold.nbytes and plan.cold_slots < plan.ram_slots):
+            raise ConfigError(
+                f"the plan's {plan.cold_slots} narrow RAM slots of {plan.cold_record} bytes do not fit this model's "
+                f"cold records ({cold.nbytes if cold else 'none'} bytes) beside {plan.ram_slots} RAM slots in all; "
+                f"plan it again (planner.narrowed)"
+            )
         self.gpu_pool = SlotPool(plan.gpu_slots, gpu_policy)
         self.ram_pool = SlotPool(plan.ram_slots, ram_policy, plan.cold_slots, lambda key: manifest.layout_of(key).cold)
         self.gpu = torch.empty((plan.gpu_slots, n), dtype=torch.uint8, device=device)  # [slots, record]

@@ -103,13 +103,15 @@ def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> No
         store.warm_records, store.warm_s = len(to_ram), time.perf_counter() - t0
         return
     to_gpu, to_ram = ranked[: p.gpu_slots], pool.fitting(ranked[p.gpu_slots :])
-    at_once = pool.least_class  # through RAM, as much at once as it surely holds
     for layer in sorted({layer for layer, _ in to_gpu}):
         keys = sorted((k for k in to_gpu if k[0] == layer), key=store.file_position)
-        for i in range(0, len(keys), at_once):
-            store.read_ahead(keys[i : i + at_once], set())
-            for key in keys[i : i + at_once]:
+        while keys:  # through RAM, as much at once as its slots of each size hold
+            now = pool.fitting(keys)
+            store.read_ahead(now, set())
+            for key in now:
                 store.start(key, set(), wait=True)
+            taken = set(now)
+            keys = [k for k in keys if k not in taken]
     store.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
     store.read_ahead(to_ram, set())
     store.sync()

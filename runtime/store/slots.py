@@ -20,7 +20,8 @@ class SlotPool:
     def __init__(
         self, n_slots: int, policy: str = "lru", narrow: int = 0, is_narrow: Callable[[Key], bool] | None = None
     ):
-        assert 0 <= narrow <= n_slots and (is_narrow is not None or not narrow), (n_slots, narrow)
+        assert 0 <= narrow < n_slots or narrow == n_slots == 0, (n_slots, narrow)  # some wide slots beside narrow ones
+        assert is_narrow is not None or not narrow, "narrow slots need is_narrow"
         self.sizes = (n_slots - narrow, narrow) if narrow else (n_slots,)
         self.policies = [POLICIES[policy](n) for n in self.sizes]
         self.is_narrow = is_narrow
@@ -38,11 +39,6 @@ class SlotPool:
         """Each class's (policy, slots, whether a key takes it)."""
         for c, (policy, n) in enumerate(zip(self.policies, self.sizes, strict=True)):
             yield policy, n, lambda key, c=c: self.class_of(key) == c
-
-    @property
-    def least_class(self) -> int:
-        """Slots of the smallest class: any that many keys fit at once."""
-        return min(self.sizes)
 
     def fitting(self, keys: list[Key]) -> list[Key]:
         """The keys of `keys`, in order, as many of each class as its slots hold (a warm start's share)."""

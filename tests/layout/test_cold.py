@@ -193,12 +193,17 @@ def test_a_ram_budget_short_of_every_record_holds_cold_ones_in_narrow_slots(mode
     assert plan.record_cache <= room < plan.ram_slots * n  # RAM holds more records than at full size
     assert (plan.ram_slots, plan.cold_slots) == (14, 6)  # a wide slot for each of the 8 hot records, then narrow ones
     assert f"{plan.cold_slots} of" in plan.table() and "for cold records" in plan.table()
-    with Engine(model, options, plan=plan) as engine:
-        streamed = engine.generate("Which experts are cold?", max_tokens=8, temperature=0)
-        pool, wide = engine.model.experts.ram_pool, plan.ram_slots - plan.cold_slots
-        assert all((slot >= wide) == (m.layout_of(key) == m.cold_record) for key, slot in pool.slot_of.items())
-        assert len(pool.slot_of) > wide  # the narrow slots were used
-    assert streamed.token_ids == _generate(model, None).token_ids
+    resident = _generate(model, None).token_ids
+    for gpu in (2, 15):  # 15: the warm start takes the device's records through RAM, as much as each size holds
+        with Engine(model, options, plan=dataclasses.replace(plan, gpu_slots=gpu)) as engine:
+            streamed = engine.generate("Which experts are cold?", max_tokens=8, temperature=0)
+            pool, wide = engine.model.experts.ram_pool, plan.ram_slots - plan.cold_slots
+            assert all((slot >= wide) == (m.layout_of(key) == m.cold_record) for key, slot in pool.slot_of.items())
+            assert len(pool.slot_of) > wide  # the narrow slots were used
+        assert streamed.token_ids == resident, gpu
+    bad = dataclasses.replace(plan, cold_record=m.cold_record.nbytes - 4096)
+    with pytest.raises(ConfigError, match="narrow RAM slots"):
+        ExpertStore(model, m, CPU, bad)  # a hand-made plan whose narrow slots cannot hold a cold record
 
 
 def test_a_mapped_store_widens_its_cold_records_in_ram(model):

@@ -35,14 +35,15 @@ def test_fitting_takes_each_class_up_to_its_slots_in_order():
     pool = _pool()
     keys = [(0, 10), (0, 0), (0, 11), (0, 12), (0, 13), (0, 1), (0, 2), (1, 0)]
     assert pool.fitting(keys) == [(0, 10), (0, 0), (0, 11), (0, 12), (0, 1)]
-    assert pool.least_class == 2
-    assert SlotPool(4).fitting(keys) == keys[:4] and SlotPool(4).least_class == 4  # one class: the first n
+    assert SlotPool(4).fitting(keys) == keys[:4]  # one class: the first n
     assert SlotPool(4, narrow=0).class_of((0, 10)) == 0
 
 
 def test_without_narrow_slots_every_key_takes_a_wide_one():
     pool = SlotPool(2, "lru")
     assert [pool.allocate((0, e))[0] for e in (10, 0)] == [0, 1]
+    with pytest.raises(AssertionError):
+        SlotPool(2, "lru", narrow=2, is_narrow=lambda key: True)  # narrow slots need wide ones beside them
 
 
 MB = 1 << 20

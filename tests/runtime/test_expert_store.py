@@ -181,7 +181,8 @@ def test_record_reads_use_o_direct_and_fall_back_where_refused(converted, monkey
     store.close()
 
 
-def test_a_damaged_record_names_layer_and_expert_unless_verify_is_off(converted, tmp_path):
+def _damaged(converted: Path, tmp_path: Path) -> tuple[Path, Manifest, int]:
+    """A copy of the model whose last MoE layer's expert 5 has three bytes changed -> (it, its manifest, the layer)."""
     model = Path(shutil.copytree(converted, tmp_path / "model"))
     manifest = Manifest.read(model)
     layer = max(manifest.experts)
@@ -189,6 +190,11 @@ def test_a_damaged_record_names_layer_and_expert_unless_verify_is_off(converted,
     with open(model / ef.file, "r+b") as f:
         f.seek(ef.offsets[5] + 100)
         f.write(b"\xff\x00\xff")
+    return model, manifest, layer
+
+
+def test_a_damaged_record_names_layer_and_expert_unless_verify_is_off(converted, tmp_path):
+    model, manifest, layer = _damaged(converted, tmp_path)
     for verify in (True, False):
         store = ExpertStore(model, manifest, CPU, _plan(model, 3, 5), verify=verify)
         try:
@@ -205,13 +211,7 @@ def test_a_damaged_record_names_layer_and_expert_unless_verify_is_off(converted,
 def test_a_damaged_record_read_before_its_copy_is_queued_leaves_no_slot_behind(converted, tmp_path, monkeypatch):
     """A read that has already failed when its copy is queued (a busy host: the reader ran first) fails the load
     where it is awaited, and no device slot keeps the expert whose record never arrived (it did, under load, before)."""
-    model = Path(shutil.copytree(converted, tmp_path / "model"))
-    manifest = Manifest.read(model)
-    layer = max(manifest.experts)
-    ef = manifest.experts[layer]
-    with open(model / ef.file, "r+b") as f:
-        f.seek(ef.offsets[5] + 100)
-        f.write(b"\xff\x00\xff")
+    model, manifest, layer = _damaged(converted, tmp_path)
     store = ExpertStore(model, manifest, CPU, _plan(model, 3, 5))
     try:
         reads = store.io.read

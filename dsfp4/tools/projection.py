@@ -31,7 +31,7 @@ from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
-from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, narrow_slots
+from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, with_narrow_slots
 from dsfp4.runtime.profile.replay import belady
 from dsfp4.runtime.profile.simulate import (
     ColdRecords,
@@ -285,11 +285,8 @@ class MachineRun:
         p, nbytes = self.plan, self.m.record.cold_of(bits).nbytes
         share = p.held_share if hot_share is None else hot_share
         keys = cold_records(self.warm, self.m.args.n_routed_experts, share, nbytes).keys
-        least = max(p.staging, self.m.args.n_activated_experts)
-        split = narrow_slots(p.record_cache, p.record, nbytes, len(keys), p.total_records, least, p.gpu_slots)
-        ram, narrow = split or (p.ram_slots, 0)
-        plan = dataclasses.replace(p, ram_slots=ram, cold_slots=narrow, cold_record=nbytes)
-        return plan, ColdRecords(keys, nbytes, narrow)
+        plan = with_narrow_slots(p, nbytes, len(keys), self.m.args.n_activated_experts)
+        return plan, ColdRecords(keys, nbytes, plan.cold_slots)
 
     def decode_batch(self, b: int, policy: str = "hot") -> Projection:
         """b sequences decoding together (runtime/generate/batch.py), each through a stretch of the trace's second

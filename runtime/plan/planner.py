@@ -125,15 +125,21 @@ def narrow_slots(
     return wide + narrow, narrow
 
 
-def narrowed(plan: Plan, manifest: Manifest) -> Plan:
-    """`plan` with the bytes of its record cache split for the manifest's cold records as make_plan splits a RAM
-    budget (narrow_slots): for a plan whose slots were set by hand (a share of a whole model's, in benchmarks)."""
-    cold = manifest.cold_record.nbytes if manifest.cold_record else 0
-    n_cold, least = cold_records(manifest, plan.expert_layers), max(plan.staging, manifest.args.n_activated_experts)
+def with_narrow_slots(plan: Plan, cold: int, n_cold: int, top_k: int) -> Plan:
+    """`plan` with the bytes of its record cache split for `n_cold` cold records of `cold` bytes as make_plan splits a
+    RAM budget (narrow_slots), or as it is where that gives no split: for plans whose slots were set by hand (a share
+    of a whole model's, in benchmarks and projections)."""
+    least = max(plan.staging, top_k)
     split = narrow_slots(plan.record_cache, plan.record, cold, n_cold, plan.total_records, least, plan.gpu_slots)
     if split is None:
         return plan
     return dataclasses.replace(plan, ram_slots=split[0], cold_slots=split[1], cold_record=cold)
+
+
+def narrowed(plan: Plan, manifest: Manifest) -> Plan:
+    """with_narrow_slots for the manifest's cold records."""
+    cold = manifest.cold_record.nbytes if manifest.cold_record else 0
+    return with_narrow_slots(plan, cold, cold_records(manifest, plan.expert_layers), manifest.args.n_activated_experts)
 
 
 def _used_layers(manifest: Manifest, with_mtp: bool) -> range:

@@ -99,10 +99,7 @@ class ExpertStore:
         p = self.plan
         wide = p.ram_slots - p.cold_slots
         self.cache = RamCache(wide, self.gpu.shape[1], p.cold_slots, p.cold_record, pin=self.cuda)
-        self.ram_np, self.ram = (
-            self.cache.wide_np,
-            self.cache.wide,
-        )  # [slots, record]: the records of the model's format
+        self.ram = self.cache.wide  # [slots, record]: the record-sized slots (what the host lane and mapping read)
         pools = (self.gpu_pool, self.ram_pool)
         tiers = (self.gpu, self.cache)
         self.io = Transfers(
@@ -432,8 +429,7 @@ class ExpertStore:
         # the record memory goes back now, not when the store is collected: the process may go on
         n = self.gpu.shape[1]
         self.gpu = self.gpu.new_empty((0, n))
-        self.ram_np = np.empty((0, n), dtype=np.uint8)
-        self.ram = torch.from_numpy(self.ram_np)
+        self.ram = torch.empty((0, n), dtype=torch.uint8)
 
     def residency(self) -> np.ndarray:
         """[layers, experts] int8: 2 on the device, 1 in RAM only, 0 on the SSD only (for tests and stats)."""

@@ -36,7 +36,7 @@ def _record(store: ExpertStore, offset: int) -> bytes:
         return store.gpu.view(-1)[offset : offset + n].cpu().numpy().tobytes()
     delta = store.ram.data_ptr() - store.gpu.data_ptr()
     assert (offset - delta) % n == 0
-    return store.ram_np[(offset - delta) // n].tobytes()
+    return store.ram[(offset - delta) // n].numpy().tobytes()
 
 
 def test_hottest_first_ranks_every_used_record_once_profile_first(converted):

@@ -37,9 +37,15 @@ class Answer:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
+    _around: dict = field(init=False, repr=False, compare=False)  # event()'s: reasoning? -> (before, after)
+
     def __post_init__(self) -> None:
         if not self.id:
             object.__setattr__(self, "id", f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}")
+        mark = "\x00"
+        wholes = {False: sse(self.chunk("", mark)), True: sse(self.chunk(mark, ""))}
+        around = {kind: tuple(whole.split(json.dumps(mark))) for kind, whole in wholes.items()}
+        object.__setattr__(self, "_around", {kind: parts for kind, parts in around.items() if len(parts) == 2})
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -64,6 +70,15 @@ class Answer:
         if role:
             choice["delta"] = {"role": "assistant", "content": ""}
         return {**self._head(kind), "choices": [choice]}
+
+    def event(self, reasoning: str, text: str) -> str:
+        """The SSE event of a streamed piece, as sse(self.chunk(reasoning, text)) gives it. A piece with one kind of
+        text is the chunk's fixed JSON around that text's: a token's event then encodes only its text (whole
+        chunks' encoding took 15% of the server's time at 16 streams)."""
+        if bool(reasoning) == bool(text) or bool(reasoning) not in self._around:
+            return sse(self.chunk(reasoning, text))
+        before, after = self._around[bool(reasoning)]
+        return before + json.dumps(reasoning or text, ensure_ascii=False) + after
 
     def usage_chunk(self, g: Generation) -> dict:
         """The last chunk when stream_options.include_usage asks for it: no choices, the usage."""

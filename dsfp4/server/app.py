@@ -150,7 +150,7 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
                 piece += nxt.text
             reasoning, text = splitter.feed(piece) if call.req.chat else ("", piece)
             if reasoning or text:
-                yield sse(a.chunk(reasoning, text))
+                yield a.event(reasoning, text)
             if item is None:
                 item = await out.get()
         if isinstance(item, Generation):

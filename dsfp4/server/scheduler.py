@@ -44,8 +44,23 @@ class Job:
     wait_s: float = 0.0  # in the queue before the engine took it
 
     def send(self, item: object) -> None:
+        post([(self, item)])
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for out, item in items:
+        out.put_nowait(item)
+
+
+def post(mail: list[tuple[Job, object]]) -> None:
+    """Items to their jobs' channels, in order, in one wake of each event loop: a wake costs a write to the loop's
+    pipe, so a batch step's deltas share one (a wake per delta took a fifth of the server's time at 16 streams)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for job, item in mail:
+        by_loop.setdefault(job.loop, []).append((job.out, item))
+    for loop, items in by_loop.items():
         with contextlib.suppress(RuntimeError):  # a closed event loop (the server shut down): nobody reads it
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, items)
 
 
 class Scheduler:
@@ -151,15 +166,11 @@ class Scheduler:
                         self._finish(job, e, None)
                     live.clear()
                     batch.cancel_all()
-                for seq in list(live):
-                    self._send(seq, live[seq])
-                    if seq.generation is not None:
-                        del live[seq]
+                self._send(live)
         finally:
             if batch is not None:
                 batch.cancel_all()
-            for seq, job in live.items():
-                self._send(seq, job)
+            self._send(live)
 
     def _admit(self, batch: BatchRun, jobs: list[Job], live: dict[BatchSequence, Job]) -> None:
         """Jobs into the batch: prefilled together where the batch does that (BatchRun.add_many), else one by one."""
@@ -185,10 +196,11 @@ class Scheduler:
             except Exception as e:  # the request gets the error; the server goes on
                 self._finish(job, e, None)
 
-    def _send(self, seq: BatchSequence, job: Job) -> None:
-        """The sequence's new deltas to its request, and once it ended, its outcome."""
-        for delta in seq.deltas:
-            job.send(delta)
-        seq.deltas.clear()
-        if (g := seq.generation) is not None:
-            self._finish(job, None if g.finish_reason == "cancelled" else g, g)
+    def _send(self, live: dict[BatchSequence, Job]) -> None:
+        """Each sequence's new deltas to its request (all in one post), then the outcomes of those that ended, which
+        leave `live`."""
+        post([(job, delta) for seq, job in live.items() for delta in seq.deltas])
+        for seq in list(live):
+            seq.deltas.clear()
+            if (g := seq.generation) is not None:
+                self._finish(live.pop(seq), None if g.finish_reason == "cancelled" else g, g)

@@ -440,3 +440,13 @@ def test_a_port_in_use_fails_in_one_line_before_the_model_loads(converted):
         r = run_cli("run", converted, "--serve", "--device", "cpu", "--port", str(port))
     assert_one_line_error(r, f"--port {port}: cannot listen there", "another --port")
     assert "expert slots" not in r.output  # the plan is printed once the model has loaded: it never was
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_streamed_piece_is_the_chunk_it_stands_for(chat):
+    """Answer.event writes a token's event around its text alone: byte for byte what encoding its whole chunk gives."""
+    from dsfp4.server.answers import Answer, sse
+
+    answer = Answer(chat, 'model "x"')
+    for reasoning, text in [("", 'a "quote"\n\\ é \x00 </s>'), ("thinking", ""), ("both", "kinds"), ("", "")]:
+        assert answer.event(reasoning, text) == sse(answer.chunk(reasoning, text))

@@ -6,6 +6,8 @@ into memory.
     kernel (kernels/fp8/gemv.py: rows read in 8-byte pieces, one thread per piece and row, fp16x2 products on x
     scaled per piece, or fp32 products; GEMV_MATH picks); fp32 x (the exact runs) takes fp8_gemv_kernel, which
     converts BLOCK_N rows to fp32 once per K step and multiplies each 128-wide partial sum by its block scale.
+    From GEMV_MMA_TOKENS tokens bf16/fp16 x takes the tensor cores instead (kernels/fp8/gemv_mma.py: W widened
+    exactly to x's dtype, fp32 products and sums), where the piece kernel's per-token instructions would bind.
     When the rows give too few programs, K is split and the fp32 partials of the splits are summed in a fixed
     order by a second small kernel: no atomics, the same bits on every run.
   - fp8_gemm (larger T, prefill): W8A8 on FP8 tensor cores, as DeepSeek's gemm_impl="fp8" and as the model
@@ -32,6 +34,9 @@ from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
 
 GEMV_MAX_TOKENS = DECODE_TOKENS  # decode and speculative verify batches; above it tensor cores pay
 GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
+GEMV_MMA_TOKENS = 8  # bf16/fp16 x of this many tokens and more: the tensor-core GEMV ("mma", gemv_mma.py)
+GEMV_MMA_TOKEN_ROWS = 16  # its token tile: the smallest tensor-core product's rows
+GEMV_MMA_ROWS = (64, 16)  # its rows per program, halved from the first to the second while the SMs lack programs
 GEMV_ROWS = ((8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32
 # accumulators and 8 bytes of every row per step in registers (16 rows: slower at T = 1, spills at T = 4 on sm_90)
 GEMV_MIN_ROWS = 4  # the piece kernel halves its rows down to this while fewer than PROGRAMS_PER_SM row blocks per SM
@@ -50,9 +55,9 @@ ACT_GROUPS = 8  # 128-wide groups per act_quant program
 
 @dataclass(frozen=True)
 class GemvPlan:
-    """math: "legacy" (fp8_gemv_kernel), "f16x2" or "f32" (the piece kernel); block_t: fp8_gemv_kernel's token
-    lanes (T rounded up to a power of two); block_n x block_k: the weight tile of one step; split: programs along
-    K, each covering k_split columns."""
+    """math: "legacy" (fp8_gemv_kernel), "f16x2" or "f32" (the piece kernel), "mma" (gemv_mma.py); block_t:
+    the token lanes (legacy: T rounded up to a power of two; mma: 16); block_n x block_k: the weight tile of one
+    step; split: programs along K, each covering k_split columns."""
 
     block_t: int
     block_n: int
@@ -96,6 +101,13 @@ def gemv_plan(
     split only when they number fewer than the SMs (none of DeepSeek's shapes: q_a, kv_a and the shared expert's
     w1/w3 take 4 rows); `rows` and `block_k` pin a tile (the FP8 probes in docs/BENCHMARKS.md measured the rules)."""
     math = GEMV_MATH if math is None else math
+    if math == "mma":
+        rows, least = GEMV_MMA_ROWS
+        while rows > least and ceil_div(n, rows) < PROGRAMS_PER_SM * n_sms:
+            rows //= 2
+        whole = (1, ceil_div(k, FP8_BLOCK) * FP8_BLOCK)
+        split, k_split = _split(n, k, rows, FP8_BLOCK, n_sms) if ceil_div(n, rows) < n_sms else whole
+        return GemvPlan(GEMV_MMA_TOKEN_ROWS, rows, FP8_BLOCK, split, k_split, math, warps)
     if math == "legacy":
         block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, next_pow2(k)))
         return GemvPlan(next_pow2(t), GEMV_BLOCK_N, block_k, *_split(n, k, GEMV_BLOCK_N, block_k, n_sms))
@@ -165,6 +177,7 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 
 if triton is not None:
     from dsfp4.kernels.fp8.gemv import fp8_gemv_pieces_kernel
+    from dsfp4.kernels.fp8.gemv_mma import fp8_gemv_mma_kernel
 
     E4M3_MANTISSA_BITS = tl.constexpr(3)
     E4M3_MIN_EXP = tl.constexpr(-6)  # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
@@ -311,8 +324,11 @@ if triton is not None:
 
 
 def gemv_math(x: torch.Tensor, k: int, math: str | None = None) -> str:
-    """The GEMV kernel x takes: fp32 x and K off the piece grid the legacy one, else `math` or GEMV_MATH."""
-    return "legacy" if x.dtype == torch.float32 or k % PIECE else (math or GEMV_MATH)
+    """The GEMV kernel x [T, K] takes: fp32 x and K off the piece grid the legacy one, else `math`, else the
+    tensor cores from GEMV_MMA_TOKENS tokens, else GEMV_MATH."""
+    if x.dtype == torch.float32 or k % PIECE:
+        return "legacy"
+    return math or ("mma" if x.shape[0] >= GEMV_MMA_TOKENS else GEMV_MATH)
 
 
 def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | None = None) -> torch.Tensor:
@@ -331,7 +347,25 @@ def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPl
     out = y if p.split == 1 else torch.empty(p.split, t, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, p.block_n), p.split)
     args = (x, q, scale, out)
-    if p.math == "legacy":
+    if p.math == "mma":
+        fp8_gemv_mma_kernel[grid](
+            *args,
+            t,
+            n,
+            k,
+            x.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            n,
+            t * n,
+            p.k_split,
+            BLOCK_T=p.block_t,
+            BLOCK_N=p.block_n,
+            SCALE_BLOCK=FP8_BLOCK,
+            WIDE=interpreted(),
+            num_warps=p.num_warps,
+        )
+    elif p.math == "legacy":
         fp8_gemv_kernel[grid](
             *args,
             t,

@@ -69,7 +69,7 @@ def _ref_w8a8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor
 
 
 SHAPES = [(1, 200, 96), (3, 130, 200), (16, 64, 257), (4, 72, 1280)]  # the last splits K (below)
-MATHS = ["f16x2", "f32", "legacy"]
+MATHS = ["f16x2", "f32", "legacy", "mma"]
 # fp16 products and piece sums round to fp16's 11 bits before the fp32 sums: about twice fp16's output rounding
 F16X2_TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3}
 
@@ -99,9 +99,11 @@ def test_fp32_x_keeps_the_legacy_kernel_bits():
     x = _x(3, 200, torch.float32, seed=2)
     assert torch.equal(f8.fp8_gemv(x, q, s), f8.fp8_gemv(x, q, s, math="legacy"))
     assert f8.gemv_math(x.bfloat16(), 200) == f8.GEMV_MATH and f8.gemv_math(x.bfloat16(), 201) == "legacy"
+    many = _x(f8.GEMV_MMA_TOKENS, 200, torch.bfloat16, seed=3)
+    assert f8.gemv_math(many, 200) == "mma" and f8.gemv_math(many.float(), 200) == "legacy"
 
 
-@pytest.mark.parametrize("math", ["f16x2", "f32"])
+@pytest.mark.parametrize("math", ["f16x2", "f32", "mma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.slow
 def test_fp8_gemv_takes_any_x_magnitude(poisoned, math, dtype):
@@ -256,6 +258,20 @@ def test_piece_plan_fills_the_sms_without_splitting_deepseek_shapes(t):
     assert f8.gemv_plan(4, 72, 1280, REFERENCE_SMS, "f16x2").split == 2  # too few rows: K splits after all
 
 
+def test_mma_plan_halves_rows_then_splits_k_in_whole_scale_blocks():
+    """The tensor-core GEMV: 64 rows a program, halved to 16 while the SMs lack two programs each, then K split in
+    whole 128-wide blocks until every SM has one; the splits cover K exactly once."""
+    most, least = f8.GEMV_MMA_ROWS
+    for name, n, k in ATTENTION_SHAPES + MLP_SHAPES:
+        p = f8.gemv_plan(16, n, k, H100_SMS, "mma")
+        assert p.block_t == 16 and p.block_k == 128 and 128 % p.block_n == 0, name
+        assert p.block_n == most or (least <= p.block_n < most and -(-n // (2 * p.block_n)) < 2 * H100_SMS), name
+        assert p.k_split % 128 == 0 and (p.split - 1) * p.k_split < k <= p.split * p.k_split, name
+        assert p.split == 1 or -(-n // p.block_n) < H100_SMS, name
+    assert f8.gemv_plan(16, 576, 7168, H100_SMS, "mma").split > 1  # 36 row blocks of 16 on 132 SMs
+    assert f8.gemv_plan(16, 18432, 7168, H100_SMS, "mma") == f8.GemvPlan(16, 64, 128, 1, 7168, "mma", f8.GEMV_WARPS)
+
+
 @pytest.mark.parametrize("math", MATHS)
 @pytest.mark.slow
 def test_fp8_gemv_split_k_is_deterministic(math):
@@ -346,7 +362,7 @@ MLP_SHAPES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("t", [1, 4, 16])
 @pytest.mark.parametrize("math", MATHS)
 @pytest.mark.parametrize(("name", "n", "k"), ATTENTION_SHAPES[:3] + MLP_SHAPES[:2])
 def test_fp8_gemv_maths_on_deepseek_shapes(poisoned, name, n, k, math, t):

@@ -1,7 +1,7 @@
 """The decode MoE kernels: a few tokens' routed experts straight from FP4 records, in a few small launches.
 
   0. (bf16 and fp16 x, words) x scaled per token by a power of two, in fp16, permuted to meet whole code words;
-     from 2 tokens on, one more program writes the plan: each expert's run (the pairs that chose it) for 1 and 2.
+     from 2 tokens on, a program per pair writes the plan: each expert's run (the pairs that chose it) for 1 and 2.
   1. gate+up: a program per (pair, BN1 rows of the expert width). Only the first pair to choose an expert
      works: it reads the expert's rows once for every token that chose it (its run) and writes
      silu(gate) * up * routing weight to an fp32 row per pair, even elements first, so launch 2 loads
@@ -185,7 +185,7 @@ class DecodeMoE:
         words1, words2 = self.words1[bn1, bk1] and not exact, self.words2 and not exact
         rows, plan = t if words1 else 0, t > 1  # one token needs no plan: every pair leads its own run
         if rows or plan:
-            jit.prep_kernel[(rows + plan,)](
+            jit.prep_kernel[(rows + plan * t * k,)](
                 x,
                 x.stride(0),
                 self.xq,

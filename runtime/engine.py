@@ -25,7 +25,7 @@ from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import write_trace
-from dsfp4.runtime.generate.batch import BatchRun, Hooks
+from dsfp4.runtime.generate.batch import STEPPED_PROMPT_TOKENS, BatchRun, Hooks
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
@@ -294,7 +294,13 @@ class Engine:
         p, routing = self.plan, self.routing
         joint = self.prompt_cache is None and p.gpu_slots + p.ram_slots < p.total_records
         chunk, graphs = self.options.prefill_chunk, self.decoder.graphs
-        return BatchRun(model, p.max_batch, self.max_context, chunk, self.tokenizer, hooks, routing, graphs, joint)
+        # short prompts join through the batch's captured steps where a step reads nothing (every record on the
+        # device, no trace) and no prompt cache would restore them
+        resident = p.gpu_slots >= p.total_records and routing is None and self.prompt_cache is None
+        stepped = STEPPED_PROMPT_TOKENS if resident and graphs is not None and graphs.ready else 0
+        return BatchRun(
+            model, p.max_batch, self.max_context, chunk, self.tokenizer, hooks, routing, graphs, joint, stepped
+        )
 
     def generate_batch(self, requests: Sequence[tuple[list[int], RunOptions]]) -> Iterator[tuple[int, Generation]]:
         """Generate after each (prompt ids, options) in batches of up to max_batch, a new one joining as soon as a

@@ -4,19 +4,22 @@ For an offloading engine this is the big lever: a step brings each expert record
 routes to it, and reads the backbone once for all of them. A sequence joins between steps: its prompt is prefilled
 alone in cache slot 0 (the single sequence's slot, with its prompt reuse and prompt cache), its KV rows are copied to
 the next free batch slot (1..max_batch), and from then on it decodes in the batch, each sequence at its own position,
-with its own sampling, stop strings and cancel event. A sequence that ends leaves at once; the last sequence moves
-into its slot, so the batch's slots stay contiguous and attention takes them as one [B, S] block. A step replays a
-CUDA graph of its batch size where one captures (runtime/generate/decode_graph.py), else runs eagerly. Greedy tokens
-are those of decoding each sequence alone, up to float rounding (tests/runtime/test_batch.py). A batch of greedy
-sequences runs one step ahead of the host, as a single sequence does: each step's tokens feed the next step on the
-device before the host reads them; when the rows change (a join, an end) the step ahead is discarded (it ran: the
-expert counters include it). Legend: B sequences in the step, V vocab.
+with its own sampling, stop strings and cancel event. Where every record is on the device a short prompt skips the
+prefill: the batch's steps feed it a token each, beside the others' tokens, so a join no longer stalls the batch.
+A sequence that ends leaves at once; the last sequence moves into its slot, so the batch's slots stay contiguous and
+attention takes them as one [B, S] block. A step replays a CUDA graph of its batch size where one captures
+(runtime/generate/decode_graph.py), else runs eagerly. Greedy tokens are those of decoding each sequence alone, up to
+float rounding (tests/runtime/test_batch.py). A batch of greedy sequences runs one step ahead of the host, as a single
+sequence does: each step's tokens feed the next step on the device before the host reads them; when the rows change
+(a join, an end) or a prompt is being fed, no step runs ahead (one launched is discarded: it ran, and the expert
+counters include it). Legend: B sequences in the step, V vocab.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -35,6 +38,10 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.counters import counters_since
+
+# where every record is on the device a prompt this short joins through the batch's steps (Engine.batch): on the trained
+# small model a prefill cost ~10 ms of launches, during which the batch waited, against ~0.4 ms a step of 16 sequences
+STEPPED_PROMPT_TOKENS = 32
 
 # prefill a prompt alone in slot 0, filling its stats' prompt counts -> its logits after the last token [V]
 Prefill = Callable[[list[int], threading.Event | None, GenerationStats], torch.Tensor]
@@ -68,6 +75,7 @@ class BatchSequence:
     batch_sum: int = 0
     deltas: list[Delta] = field(default_factory=list)
     generation: Generation | None = None
+    feed: deque[int] = field(default_factory=deque)  # prompt tokens still to feed after `token` (stepped prompts)
 
     @property
     def stats(self) -> GenerationStats:
@@ -76,7 +84,8 @@ class BatchSequence:
 
 class BatchRun:
     """The sequences decoding together in cache slots 1..max_batch of `model`, with the engine's `hooks`. With `joint`
-    (the engine's choice) prompts that join together prefill layer by layer together (add_many)."""
+    (the engine's choice) prompts that join together prefill layer by layer together (add_many). Prompts of up to
+    `stepped` tokens (the engine's choice) join without a prefill: the batch's steps feed them a token a step."""
 
     def __init__(
         self,
@@ -89,13 +98,14 @@ class BatchRun:
         routing: TraceRouting | None,
         graphs: DecodeGraphs | None,
         joint: bool = False,
+        stepped: int = 0,
     ):
         self.model, self.max_batch, self.max_context, self.chunk = model, max_batch, max_context, prefill_chunk
         self.tokenizer, self.hooks, self.routing = tokenizer, hooks, routing
         self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]  # each name -> [max_len, ...]
         self.rows: list[BatchSequence] = []  # row i decodes in slot BATCH_SLOT + i
         self.graphs, self.why_eager = graphs, None  # why the last step ran eagerly (None: it replayed a graph)
-        self.joint = joint
+        self.joint, self.stepped = joint, stepped
         # the rows change (a join, an end): a step launched ahead for the old rows is discarded
         self.version, self.ahead = 0, None  # ahead: (version, the next step's tokens on the device [B])
         if graphs is not None and graphs.ready and routing is None:  # trace rows are begun by the host: no step ahead
@@ -121,6 +131,11 @@ class BatchRun:
         assert self.free > 0, "BatchRun.add: every slot is taken"
         seq = self._sequence(prompt_ids, options, cancel)
         n = len(prompt_ids)
+        if n <= self.stepped:  # its prompt goes through the next steps, a token each, beside the others' tokens
+            seq.token, seq.feed = prompt_ids[0], deque(prompt_ids[1:])
+            self.rows.append(seq)
+            self.version += 1
+            return seq
         with self.hooks.claim():
             logits = self.hooks.prefill(seq.prompt_ids, cancel, seq.stats)
             seq.pos = n
@@ -174,6 +189,7 @@ class BatchRun:
             self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
         self.why_eager = "--no-cuda-graph" if self.graphs is None else self.graphs.why_eager_batch(b)
         greedy = [s.sampling.greedy for s in self.rows]
+        feeding = any(s.feed for s in self.rows)  # a prompt's next token is not the one this step chooses
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead[0] == self.version:  # launched by the last call, for these rows
             best = self._ahead(ahead[1], positions)
@@ -184,12 +200,17 @@ class BatchRun:
                 pos = torch.tensor(positions, device=device)  # [B]
                 where = DevicePosition(pos, max(positions) + 1, slot=BATCH_SLOT)
                 logits = self.model(torch.tensor(tokens, device=device).view(b, 1), where, last_only=True)[0][:, -1]
-            if all(greedy) and self.why_eager is None and self.routing is None:
+            if all(greedy) and self.why_eager is None and self.routing is None and not feeding:
                 best = self._ahead(logits.argmax(-1), positions)
             else:
                 best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
         for i, seq in enumerate(self.rows):
             seq.pos += 1
+            if seq.feed:  # a stepped prompt: the step only filled its cache row
+                seq.token = seq.feed.popleft()
+                if seq.cancel is not None and seq.cancel.is_set():
+                    seq.steps.finish = "cancelled"
+                continue
             seq.steps_taken += 1
             seq.batch_sum += b
             self._take(seq, best[i] if greedy[i] else sample(logits[i], seq.sampling, seq.gen))

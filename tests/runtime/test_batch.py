@@ -13,6 +13,7 @@ import torch
 from dsfp4 import Engine
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.generate.batch import STEPPED_PROMPT_TOKENS
 from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import auto_batch, cache_slots, expected_union, sequence_cache_bytes, union_batch
@@ -151,3 +152,48 @@ def test_other_calls_between_a_batchs_steps_leave_it_alone(converted):
             run.step()
         assert [s.generation.token_ids for s in seqs] == alone
         assert between == _alone(engine, PROMPTS[2], 4)
+
+
+def _stepped_batch(engine: Engine):
+    run = engine.batch()
+    assert run.stepped == 0  # on the CPU, without graphs, prompts prefill (the engine's choice)
+    run.stepped = STEPPED_PROMPT_TOKENS  # as the engine sets it where every record is on the device, with graphs
+    return run
+
+
+def _until_done(run, seqs, most: int = 200) -> None:
+    for _ in range(most):
+        if all(s.generation is not None for s in seqs):
+            return
+        run.step()
+    raise AssertionError("the batch never finished")
+
+
+def test_short_prompts_join_through_the_batchs_steps_with_the_tokens_of_alone(converted):
+    """Prompts fed a token a step, beside sequences already decoding and joining mid-way: greedy tokens and seeded
+    samples as each alone; a prompt cancelled while it is fed leaves the batch; nothing is prefilled."""
+    with Engine(converted, device="cpu", max_context=64, max_batch=3) as engine:
+        alone = [_alone(engine, ids, n) for ids, n in zip(PROMPTS, TOKENS, strict=True)]
+        sampled = engine.generate(PROMPTS[1], max_tokens=8, temperature=0.9, seed=3).token_ids
+        run = _stepped_batch(engine)
+        prefills = []
+        run.hooks = dataclasses.replace(run.hooks, prefill=lambda *a: prefills.append(a))
+        greedy = engine.options_for(max_tokens=TOKENS[0], temperature=0)
+        seqs = {0: run.add(PROMPTS[0], greedy)}
+        for _ in range(3):  # the first is decoding when the others join
+            run.step()
+        seqs[2] = run.add(PROMPTS[2], engine.options_for(max_tokens=TOKENS[2], temperature=0))
+        seqs[9] = run.add(PROMPTS[1], engine.options_for(max_tokens=8, temperature=0.9, seed=3))
+        _until_done(run, list(seqs.values()))
+        assert seqs[0].generation.token_ids == alone[0] and seqs[2].generation.token_ids == alone[2]
+        assert seqs[9].generation.token_ids == sampled
+        assert seqs[0].generation.stats.prompt_tokens == len(PROMPTS[0]) and not prefills
+        cancel = threading.Event()
+        gone = run.add(PROMPTS[2], greedy, cancel)
+        kept = run.add(PROMPTS[3], engine.options_for(max_tokens=TOKENS[3], temperature=0))
+        run.step()
+        cancel.set()
+        run.step()
+        assert gone.generation.finish_reason == "cancelled" and gone.generation.token_ids == []
+        _until_done(run, [kept])
+        assert kept.generation.token_ids == alone[3]

@@ -6,8 +6,9 @@ into memory.
     kernel (kernels/fp8/gemv.py: rows read in 8-byte pieces, one thread per piece and row, fp16x2 products on x
     scaled per piece, or fp32 products; GEMV_MATH picks); fp32 x (the exact runs) takes fp8_gemv_kernel, which
     converts BLOCK_N rows to fp32 once per K step and multiplies each 128-wide partial sum by its block scale.
-    From GEMV_MMA_TOKENS tokens bf16/fp16 x takes the tensor cores instead (kernels/fp8/gemv_mma.py: W widened
-    exactly to x's dtype, fp32 products and sums), where the piece kernel's per-token instructions would bind.
+    From GEMV_MMA_TOKENS tokens (16 where K is long) bf16/fp16 x takes the tensor cores instead
+    (kernels/fp8/gemv_mma.py: W widened exactly to x's dtype, fp32 products and sums), where the piece kernel's
+    per-token instructions would bind.
     When the rows give too few programs, K is split and the fp32 partials of the splits are summed in a fixed
     order by a second small kernel: no atomics, the same bits on every run.
   - fp8_gemm (larger T, prefill): W8A8 on FP8 tensor cores, as DeepSeek's gemm_impl="fp8" and as the model
@@ -34,7 +35,9 @@ from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
 
 GEMV_MAX_TOKENS = DECODE_TOKENS  # decode and speculative verify batches; above it tensor cores pay
 GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
-GEMV_MMA_TOKENS = 8  # bf16/fp16 x of this many tokens and more: the tensor-core GEMV ("mma", gemv_mma.py)
+GEMV_MMA_TOKENS = 8  # bf16/fp16 x of this many tokens and more: the tensor-core GEMV ("mma", gemv_mma.py) ...
+GEMV_MMA_LONG_K = 2048  # ... but above this K only at GEMV_MAX_TOKENS: its long K loop lost to the piece kernel at 8
+# tokens on V3's o, q_a, kv_a, shared w13 (run 67: o 109 against 88 us) and won on q_b and shared w2
 GEMV_MMA_TOKEN_ROWS = 16  # its token tile: the smallest tensor-core product's rows
 GEMV_MMA_ROWS = (64, 16)  # its rows per program, halved from the first to the second while the SMs lack programs
 GEMV_ROWS = ((8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32
@@ -325,10 +328,12 @@ if triton is not None:
 
 def gemv_math(x: torch.Tensor, k: int, math: str | None = None) -> str:
     """The GEMV kernel x [T, K] takes: fp32 x and K off the piece grid the legacy one, else `math`, else the
-    tensor cores from GEMV_MMA_TOKENS tokens, else GEMV_MATH."""
+    tensor cores from GEMV_MMA_TOKENS tokens (from GEMV_MAX_TOKENS above GEMV_MMA_LONG_K), else GEMV_MATH."""
     if x.dtype == torch.float32 or k % PIECE:
         return "legacy"
-    return math or ("mma" if x.shape[0] >= GEMV_MMA_TOKENS else GEMV_MATH)
+    t = x.shape[0]
+    mma = t >= (GEMV_MMA_TOKENS if k <= GEMV_MMA_LONG_K else GEMV_MAX_TOKENS)
+    return math or ("mma" if mma else GEMV_MATH)
 
 
 def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | None = None) -> torch.Tensor:

@@ -101,6 +101,9 @@ def test_fp32_x_keeps_the_legacy_kernel_bits():
     assert f8.gemv_math(x.bfloat16(), 200) == f8.GEMV_MATH and f8.gemv_math(x.bfloat16(), 201) == "legacy"
     many = _x(f8.GEMV_MMA_TOKENS, 200, torch.bfloat16, seed=3)
     assert f8.gemv_math(many, 200) == "mma" and f8.gemv_math(many.float(), 200) == "legacy"
+    long_k = f8.GEMV_MMA_LONG_K + 8  # the tensor cores only at the most tokens there
+    assert f8.gemv_math(many, long_k) == f8.GEMV_MATH
+    assert f8.gemv_math(_x(f8.GEMV_MAX_TOKENS, 8, torch.bfloat16, seed=3), long_k) == "mma"
 
 
 @pytest.mark.parametrize("math", ["f16x2", "f32", "mma"])

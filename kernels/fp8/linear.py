@@ -351,60 +351,27 @@ def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPl
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     out = y if p.split == 1 else torch.empty(p.split, t, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, p.block_n), p.split)
-    args = (x, q, scale, out)
+    # the three kernels share the pointers, the row strides of x, W and scales, out's token and split strides, K a split
+    head, strides = (x, q, scale, out), (x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split)
+    tiles = dict(BLOCK_N=p.block_n, SCALE_BLOCK=FP8_BLOCK)
     if p.math == "mma":
         fp8_gemv_mma_kernel[grid](
-            *args,
-            t,
-            n,
-            k,
-            x.stride(0),
-            q.stride(0),
-            scale.stride(0),
-            n,
-            t * n,
-            p.k_split,
-            BLOCK_T=p.block_t,
-            BLOCK_N=p.block_n,
-            SCALE_BLOCK=FP8_BLOCK,
-            WIDE=interpreted(),
-            num_warps=p.num_warps,
+            *head, t, n, k, *strides, BLOCK_T=p.block_t, WIDE=interpreted(), num_warps=p.num_warps, **tiles
         )
     elif p.math == "legacy":
-        fp8_gemv_kernel[grid](
-            *args,
-            t,
-            n,
-            k,
-            x.stride(0),
-            q.stride(0),
-            scale.stride(0),
-            n,
-            t * n,
-            p.k_split,
-            BLOCK_T=p.block_t,
-            BLOCK_N=p.block_n,
-            BLOCK_K=p.block_k,
-            SCALE_BLOCK=FP8_BLOCK,
-        )
+        fp8_gemv_kernel[grid](*head, t, n, k, *strides, BLOCK_T=p.block_t, BLOCK_K=p.block_k, **tiles)
     else:
         fp8_gemv_pieces_kernel[grid](
-            *args,
+            *head,
             n,
             k,
-            x.stride(0),
-            q.stride(0),
-            scale.stride(0),
-            n,
-            t * n,
-            p.k_split,
+            *strides,
             T=t,
-            BLOCK_N=p.block_n,
             BLOCK_K=p.block_k,
-            SCALE_BLOCK=FP8_BLOCK,
             F16X2=p.math == "f16x2",
             USE_ASM=not interpreted(),
             num_warps=p.num_warps,
+            **tiles,
         )
     if p.split > 1:
         sum_splits_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](out, y, t * n, p.split, BLOCK=SUM_BLOCK)

@@ -127,7 +127,8 @@ class BatchRun:
     def add(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None = None) -> BatchSequence:
         """Prefill a prompt (checked by the caller: Engine.check_prompt) and take its first token; it decodes in the
         batch from the next step, unless that token ended it. Needs a free slot. Cancelled (the cancel event set
-        during the prefill) leaves nothing in the batch."""
+        during the prefill) leaves nothing in the batch. A prompt of up to `stepped` tokens is not prefilled: it
+        joins the rows at once, and the next steps feed it (its first token comes from the step of its last)."""
         assert self.free > 0, "BatchRun.add: every slot is taken"
         seq = self._sequence(prompt_ids, options, cancel)
         n = len(prompt_ids)

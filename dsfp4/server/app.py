@@ -253,7 +253,11 @@ def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
             scheduler.cancel_all()  # open streams end at their next token, so shutdown need not wait for them
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
+    # asyncio's loop, not uvloop's: its socket writes let go of the GIL, so the engine's thread steps on while the loop
+    # streams (16 streams on the small model: 14,771 tok/s against uvloop's 9,726-11,101, run 71)
+    config = uvicorn.Config(
+        app, loop="asyncio", log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
+    )
     try:
         Server(config).run(sockets=[sock])
     finally:

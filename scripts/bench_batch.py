@@ -125,13 +125,9 @@ def main(
     plan = plan_engine(model, options)
     if share is not None:
         from dsfp4.layout.manifest import Manifest
-        from dsfp4.tools.bench_projection import share_plan
-        from dsfp4.tools.projection import MACHINES, full_plan
+        from dsfp4.tools.bench_projection import whole_model_share
 
-        _, full = full_plan(family, MACHINES[share])
-        m = Manifest.open(model)
-        n, k = full.total_records, m.args.n_activated_experts
-        plan = share_plan(plan, full.gpu_slots / n, full.ram_slots / n, k, m)
+        plan = whole_model_share(plan, Manifest.open(model), family, share)
     rows = []
     with Engine(model, options, plan=plan) as engine:
         engine.tokenizer.eos_ids = frozenset()  # every answer runs to max_tokens (see the module's doc)

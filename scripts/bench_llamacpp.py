@@ -39,8 +39,7 @@ from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.models.moe import Gate, expert_scores
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
-from dsfp4.tools.bench_projection import share_plan
-from dsfp4.tools.projection import MACHINES, full_plan
+from dsfp4.tools.bench_projection import whole_model_share
 from dsfp4.units import format_bytes
 
 FILE = click.Path(exists=True, path_type=Path)
@@ -288,14 +287,6 @@ def llama_rows(build: Path, args: list[str], name: str, cgroup: MemoryCgroup | N
     return rows, watched.peak_anon if watched else 0
 
 
-def share_plan_of(model: Path, share: str, options: RunOptions) -> Plan:
-    """The bench model's plan at the whole DeepSeek-V3's share of a machine's budgets (scripts/bench_batch.py's)."""
-    full = full_plan("v3", MACHINES[share])[1]
-    m = Manifest.open(model)
-    n, k = full.total_records, m.args.n_activated_experts
-    return share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k, m)
-
-
 def dsfp4_rows(model: Path, options: RunOptions, plan: Plan | None, where: str, prompt_tokens: int, tokens: int):
     """dsfp4's prefill and decode rows, after a warm-up prompt of the same length (Triton compiles per length)."""
     with Engine(model, options, plan=plan) as e:
@@ -381,7 +372,7 @@ def bench(
         emit(placed)
     if share:
         options = RunOptions(device=device, max_context=max_context)
-        plan = share_plan_of(model, share, options)
+        plan = whole_model_share(plan_engine(model, options), Manifest.open(model), "v3", share)
         ram = plan.record_cache
         streamed = [*args, *PLACEMENTS["exps-cpu"][1]]
         own_mem = own.get("exps-cpu") or llama_rows(build, streamed, "", cgroup, "")[1]

@@ -25,9 +25,9 @@ from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.modes import Levers, parse_levers
 from dsfp4.runtime.options import RunOptions
 from dsfp4.tools import logprobs_file
-from dsfp4.tools.bench_projection import share_plan
+from dsfp4.tools.bench_projection import whole_model_share
 from dsfp4.tools.evaluate import evaluate, windows
-from dsfp4.tools.projection import MACHINES, full_plan
+from dsfp4.tools.projection import MACHINES
 
 FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -58,11 +58,8 @@ def main(
     chunk: int,
     device: str,
 ) -> None:
-    _, full = full_plan(family, MACHINES[machine])
-    n = full.total_records
     head, lp = logprobs_file.read(reference)
     manifest = Manifest.read(model)
-    k = manifest.args.n_activated_experts
     ids = ChatTokenizer(model).encode(text.read_text(), special=False)  # the same tokens for every setting
     for name, levers in map(setting, settings):
         options = RunOptions(
@@ -72,7 +69,7 @@ def main(
             expert_threshold="auto" if levers.adaptive else levers.expert_threshold,
             cache_aware=levers.cache_aware,
         )
-        plan = share_plan(plan_engine(model, options), full.gpu_slots / n, full.ram_slots / n, k, manifest)
+        plan = whole_model_share(plan_engine(model, options), manifest, family, machine)
         with Engine(model, options, plan=plan) as engine:
             if levers.adaptive:  # the adaptive threshold at the machine's ratio of SSD to PCIe rates, not this one's
                 ratio = MACHINES[machine].links.ssd / MACHINES[machine].links.pcie

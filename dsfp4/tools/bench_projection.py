@@ -42,6 +42,14 @@ def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int, manif
     return narrowed(shared, manifest) if manifest is not None else shared
 
 
+def whole_model_share(plan: Plan, manifest: Manifest, family: str, machine: str) -> Plan:
+    """The bench model's plan at the whole `family` model's share of `machine`'s budgets: share_plan with the shares
+    of full_plan's records, the RAM split for the bench model's cold records."""
+    _, full = full_plan(family, MACHINES[machine])
+    n = full.total_records
+    return share_plan(plan, full.gpu_slots / n, full.ram_slots / n, manifest.args.n_activated_experts, manifest)
+
+
 def validate(
     model_dir: Path,
     manifest: Manifest,
@@ -60,10 +68,7 @@ def validate(
     from dsfp4.runtime.engine import Engine
     from dsfp4.runtime.models.load import plan_engine
 
-    m_full, full = full_plan(family, MACHINES[machine])
-    n = full.total_records
-    k = manifest.args.n_activated_experts
-    plan = share_plan(plan_engine(model_dir, options), full.gpu_slots / n, full.ram_slots / n, k, manifest)
+    plan = whole_model_share(plan_engine(model_dir, options), manifest, family, machine)
     ids = read_trace(trace_path).ids
     trace = spread(ids, n_moe_layers(manifest))[: prompt_tokens + decode_tokens]
     hot = model_dir / HOT_NAME

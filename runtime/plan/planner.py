@@ -10,6 +10,7 @@ checked against measured peaks on the GPU machine (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +139,8 @@ def with_narrow_slots(plan: Plan, cold: int, n_cold: int, top_k: int) -> Plan:
 
 def narrowed(plan: Plan, manifest: Manifest) -> Plan:
     """with_narrow_slots for the manifest's cold records."""
-    cold = manifest.cold_record.nbytes if manifest.cold_record else 0
-    return with_narrow_slots(plan, cold, cold_records(manifest, plan.expert_layers), manifest.args.n_activated_experts)
+    cold, n_cold = cold_records(manifest, plan.expert_layers)
+    return with_narrow_slots(plan, cold, n_cold, manifest.args.n_activated_experts)
 
 
 def _used_layers(manifest: Manifest, with_mtp: bool) -> range:
@@ -152,9 +153,11 @@ def expert_layers(manifest: Manifest, with_mtp: bool = False) -> tuple[int, ...]
     return tuple(i for i in _used_layers(manifest, with_mtp) if i in manifest.experts)
 
 
-def cold_records(manifest: Manifest, layers: tuple[int, ...]) -> int:
-    """How many records of these MoE layers are stored in cold codes."""
-    return sum(len(manifest.experts[layer].cold) for layer in layers) if manifest.cold_record else 0
+def cold_records(manifest: Manifest, layers: Iterable[int]) -> tuple[int, int]:
+    """(bytes of a cold record, how many records of these MoE layers are stored in cold codes); (0, 0) without."""
+    if manifest.cold_record is None:
+        return 0, 0
+    return manifest.cold_record.nbytes, sum(len(manifest.experts[layer].cold) for layer in layers)
 
 
 def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> int:
@@ -369,7 +372,7 @@ def make_plan(
             f"({format_bytes(loading)}) and to read {staging} records at once; give at least "
             f"{format_bytes(min_cpu)} (or fewer --io-threads)"
         )
-    cold, n_cold = manifest.cold_record.nbytes if manifest.cold_record else 0, cold_records(manifest, used)
+    cold, n_cold = cold_records(manifest, used)
     room = budgets.cpu - host_cpu
     ram_slots = max(min(room // record, total_records), staging) if record else 0
     split = narrow_slots(room, record, cold, n_cold, total_records, max(staging, top_k), gpu_slots) if record else None

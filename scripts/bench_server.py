@@ -96,8 +96,8 @@ def load(base: str, streams: int, requests: int, max_tokens: int) -> dict:
 def _sweep(
     cmd: list[str], log, base: str, counts: list[int], requests: int, max_tokens: int, passes: int
 ) -> list[dict]:
-    """Start the server (stderr to `log`), wait for /health, warm it, sweep the concurrencies `passes` times -> the
-    last sweep's rows."""
+    """Start the server (stderr to `log`), wait for /health, warm it, sweep the concurrencies `passes` times -> each
+    sweep's rows."""
     server = subprocess.Popen(cmd, stderr=log, text=True)
     try:
         while True:  # the model loads, then the server answers /health
@@ -110,12 +110,11 @@ def _sweep(
             except httpx.HTTPError:
                 time.sleep(0.5)
         load(base, 1, 1, 8)  # warm: the first request compiles what the engine start did not
-        for _ in range(passes):
-            rows = [load(base, n, requests, max_tokens) for n in counts]
+        sweeps = [[load(base, n, requests, max_tokens) for n in counts] for _ in range(passes)]
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return rows
+    return sweeps
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -128,7 +127,7 @@ def _sweep(
     type=click.IntRange(1),
     default=1,
     show_default=True,
-    help="Sweep the concurrencies this many times and report the last (Triton compiles each new prompt length's "
+    help="Sweep the concurrencies this many times and report each sweep (Triton compiles each new prompt length's "
     "kernels once per machine: a later pass measures the server, not the compiler).",
 )
 @click.option("--json", "out", type=click.Path(path_type=Path))
@@ -142,15 +141,20 @@ def main(
     cmd = [sys.executable, "-m", "dsfp4.cli.main", "run", str(model), "--serve", "--port", str(port)]
     cmd += ["--max-queue", str(max(counts)), "-q", *run_flags]
     with tempfile.TemporaryFile("w+") as log:  # the server's stderr: a pipe nobody reads would block it once full
-        rows = _sweep(cmd, log, base, counts, requests, max_tokens, passes)
-    click.echo(f"{'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
-    for r in rows:
-        click.echo(
-            f"{r['streams']:7d} {r['aggregate_tok_s']:8.1f} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} "
-            f"{r['itl_p50_s'] * 1e3:6.1f}ms {r['itl_p99_s'] * 1e3:6.1f}ms"
-        )
+        sweeps = _sweep(cmd, log, base, counts, requests, max_tokens, passes)
+    # x1: the aggregate against the same sweep's single stream, where the sweep ran one
+    head = ["pass", "streams", "tok/s", "x1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    click.echo(" ".join(f"{h:>{w}}" for h, w in zip(head, [4, 7, 8, 5, 9, 9, 8, 8], strict=True)))
+    for i, rows in enumerate(sweeps, 1):
+        single = next((r["aggregate_tok_s"] for r in rows if r["streams"] == 1), None)
+        for r in rows:
+            gain = f"{r['aggregate_tok_s'] / single:5.2f}" if single else f"{'-':>5}"
+            click.echo(
+                f"{i:4d} {r['streams']:7d} {r['aggregate_tok_s']:8.1f} {gain} {r['ttft_p50_s']:9.3f} "
+                f"{r['ttft_p99_s']:9.3f} {r['itl_p50_s'] * 1e3:6.1f}ms {r['itl_p99_s'] * 1e3:6.1f}ms"
+            )
     if out is not None:
-        out.write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
+        out.write_text(json.dumps({"command": cmd, "sweeps": sweeps}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dsfp4.device import use_expandable_segments
-from dsfp4.errors import ConfigError, ContextLengthError, DsfpError
+from dsfp4.errors import ConfigError, DsfpError
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.model_args import ModelArgs
@@ -30,27 +30,23 @@ from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
 from dsfp4.runtime.generate.joint_prefill import prefill_together
-from dsfp4.runtime.generate.prompt import Prompt, as_token_ids, encode_prompt
+from dsfp4.runtime.generate.prompt import Prompt, PromptRules, PromptSpec, as_token_ids
 from dsfp4.runtime.generate.prompt_cache import MIN_NEW_TOKENS, PromptCache
-from dsfp4.runtime.generate.reasoning import opens_thinking
 from dsfp4.runtime.generate.speculative import Speculator
-from dsfp4.runtime.generate.stats import GenerationStats, peak_memory
+from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.steps import common_prefix, text_deltas
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
 from dsfp4.runtime.options import SAMPLING, RunOptions, with_knobs
-from dsfp4.runtime.plan.budget import parse_size
+from dsfp4.runtime.plan.budget import parse_size, peak_memory
 from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.recorder import RoutingRecorder
 from dsfp4.runtime.store.counters import counters_since
 from dsfp4.runtime.store.placement import place_records
-
-THINK_TAIL = 8  # prompt tokens decoded to see whether the prompt opens a <think> block
-
 
 class Engine:
     """A converted model loaded for generation.
@@ -77,6 +73,11 @@ class Engine:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.tokenizer = ChatTokenizer(self.model_dir, manifest.args.eos_token_ids)
+        a = manifest.args
+        spec = PromptSpec(
+            str(self.model_dir), a.eos_token_ids, self.max_context, a.max_seq_len, a.vocab_size, o.thinking
+        )
+        self.rules = PromptRules(spec, self.tokenizer)
         if o.mtp and not manifest.args.n_mtp_layers:
             raise ConfigError(f"--mtp: {self.model_dir} has no MTP layer (converted with --no-mtp?)")
         if o.mtp and manifest.args.is_v4:
@@ -210,30 +211,20 @@ class Engine:
         """Token ids of a prompt: text (through the prompt format, with an optional system message, unless
         `raw`), chat messages ([{"role": ..., "content": ...}], through the format) or token ids as given.
         `thinking` turns thinking on or off where the format has a switch (None: the engine's --thinking)."""
-        return encode_prompt(self.tokenizer, prompt, system, raw, thinking, self.options.thinking)
+        return self.rules.encode(prompt, system, raw, thinking)
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""
-        return opens_thinking(self.tokenizer.decode(prompt_ids[-THINK_TAIL:], keep_special=True))
+        return self.rules.opens_thinking(prompt_ids)
 
     def check_prompt(self, prompt_ids: list[int], room: int = 1) -> None:
         """A prompt must leave `room` positions of the context free and name tokens of the vocabulary."""
-        n, vocab = len(prompt_ids), self._model().args.vocab_size
-        if n == 0:
-            raise ConfigError("the prompt is empty")
-        if n + room > self.max_context:
-            raise ContextLengthError(
-                f"the prompt is {n} tokens; the context holds {self.max_context} "
-                f"(raise --max-context, up to the model's {self._model().args.max_seq_len})",
-                n,
-                self.max_context,
-            )
-        if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
-            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+        self._model()  # a closed engine says so first
+        self.rules.check(prompt_ids, room)
 
     def room(self, prompt_tokens: int) -> int:
         """Tokens a generation after a prompt of this length may produce (the last is never fed back)."""
-        return self.max_context - prompt_tokens + 1
+        return self.rules.room(prompt_tokens)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Generation:
         """Generate to the end; the arguments are stream()'s."""

@@ -28,10 +28,10 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.repack import repack
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.generate.stats import peak_memory
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.budget import peak_memory
 from dsfp4.runtime.profile.calibration import calibration
 from dsfp4.runtime.profile.profiler import profile_model
 from dsfp4.runtime.store.expert_store import ExpertStore

@@ -27,7 +27,6 @@ import torch
 
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.generate.stats import peak_memory
 from dsfp4.runtime.models.load import load_model, plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.placement import warm_start
@@ -175,7 +174,7 @@ def main() -> int:
 
 def budget_check(path: Path, gpu_mem: str, cpu_mem: str, tokens: int) -> int:
     """Open through the planner with these budgets, decode, and compare the peaks with the budgets."""
-    from dsfp4.runtime.plan.budget import parse_size
+    from dsfp4.runtime.plan.budget import parse_size, peak_memory
 
     options = RunOptions(device="cuda", max_context=4096, gpu_mem=gpu_mem, cpu_mem=cpu_mem)
     torch.cuda.reset_peak_memory_stats(DEV)

@@ -219,8 +219,11 @@ def run(
         raise click.UsageError("--thinking/--no-thinking switch the prompt format, which --raw skips; give one of them")
     if serve:  # before the model loads: a missing server library fails in a second, not after minutes
         try:
-            from dsfp4.server.app import Served, listen
-            from dsfp4.server.app import serve as run_server
+            import uvicorn  # noqa: F401  (the HTTP process's)
+
+            from dsfp4.server.app import Served
+            from dsfp4.server.serve import listen
+            from dsfp4.server.serve import serve as run_server
         except ImportError as e:
             raise ConfigError(f"--serve needs {e.name}: reinstall dsfp4 (pip install -e .) to get it") from e
         sock = listen(host, port)  # a port in use fails here, not after the model has loaded

@@ -1,36 +1,39 @@
-"""`dsfp4 run MODEL --serve`: an OpenAI-compatible HTTP server over one Engine.
+"""The OpenAI-compatible HTTP app of `dsfp4 run MODEL --serve`.
 
 Routes: /v1/models, /v1/chat/completions and /v1/completions (JSON, or server-sent events with "stream":
 true), /health, /metrics. Every answer that is not a success carries an OpenAI-style error body. Requests
-are checked and tokenized on the event loop; the generation runs on the scheduler's worker thread, and a
-watcher cancels it as soon as its client disconnects.
+are checked and tokenized on the event loop; the generation runs on a scheduler's worker thread, and a
+watcher cancels it as soon as its client disconnects. The scheduler is the engine's own (create_app: one
+process) or the link to the engine's process (front.py, as `dsfp4 run --serve` runs it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from dsfp4.errors import ConfigError, ContextLengthError
-from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.generation import Delta, Generation
+from dsfp4.runtime.generate.prompt import PromptRules
 from dsfp4.runtime.generate.reasoning import ReasoningSplitter, split_reasoning
 from dsfp4.server.answers import Answer, sse, stats
+from dsfp4.server.jobs import Job, LoopSink, QueueFull, Report
 from dsfp4.server.metrics import Metrics
 from dsfp4.server.requests import ApiError, GenRequest, parse_request
-from dsfp4.server.scheduler import Job, QueueFull, Scheduler
+
+if TYPE_CHECKING:
+    from dsfp4.runtime.engine import Engine
 
 POLL_S = 0.25  # how often a request checks whether its client is still there
 CANCELLED = "the generation was cancelled: the server is shutting down"
-GRACE_S = 10  # at shutdown, how long open connections may take to end once their generations are cancelled
 
 
 @dataclass(frozen=True)
@@ -54,20 +57,25 @@ class Call:
     watcher: asyncio.Task | None = None
 
 
-def _error(e: BaseException) -> ApiError:
-    return e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {e}")
+class Runs(Protocol):
+    """What the app asks of a scheduler (scheduler.Scheduler, link.RemoteScheduler)."""
+
+    def submit(self, job: Job) -> None: ...
+    def cancel(self, job: Job) -> None: ...
+    def stop(self) -> None: ...
+    async def report(self) -> Report: ...
 
 
 def create_app(engine: Engine, served: Served) -> FastAPI:
+    """The app over an engine of this process."""
+    from dsfp4.server.scheduler import Scheduler  # here: the HTTP process imports this file without torch
+
     metrics = Metrics()
+    return build_app(engine.rules, Scheduler(engine, served.max_queue, metrics.done), served, metrics)
 
-    def done(job: Job, result: Generation | None) -> None:
-        if result is not None:
-            metrics.finish(result.finish_reason, result.stats)
-        else:
-            metrics.finish("cancelled" if job.cancelled.is_set() else "error")
 
-    scheduler = Scheduler(engine, served.max_queue, done)
+def build_app(rules: PromptRules, scheduler: Runs, served: Served, metrics: Metrics) -> FastAPI:
+    """The app: requests checked with `rules`, run by `scheduler`, counted in `metrics`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -102,8 +110,8 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
             )
         where = "messages" if req.chat else "prompt"
         try:
-            ids = engine.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)  # completions: raw
-            engine.check_prompt(ids)
+            ids = rules.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)  # completions: raw
+            rules.check(ids)
         except ContextLengthError as e:  # the engine's message names the CLI flag; a client gets the server's
             message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
             raise ApiError(
@@ -111,21 +119,21 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
             ) from None
         except ConfigError as e:  # the chat template refused the conversation, or a token id is out of range
             raise ApiError(400, str(e), where) from None
-        room = engine.room(len(ids))
+        room = rules.room(len(ids))
         if req.max_tokens is not None and req.max_tokens > room:
             message = f"max_tokens {req.max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
             raise ApiError(
-                400, message + f"server's context of {engine.max_context}", "max_tokens", "context_length_exceeded"
+                400, message + f"server's context of {rules.max_context}", "max_tokens", "context_length_exceeded"
             )
         max_tokens = req.max_tokens or min(served.max_tokens or room, room)
-        job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, asyncio.get_running_loop())
+        job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, LoopSink(asyncio.get_running_loop()))
         try:
             scheduler.submit(job)
         except QueueFull:
             raise ApiError(
                 503, f"the server is busy: {served.max_queue} requests wait already; retry later", code="queue_full"
             ) from None
-        return Call(req, job, Answer(req.chat, served.model_id), req.chat and engine.opens_thinking(ids))
+        return Call(req, job, Answer(req.chat, served.model_id), req.chat and rules.opens_thinking(ids))
 
     async def watch(call: Call, request: Request) -> None:
         """Cancel the job as soon as its client disconnects, streaming or not, until the job is done."""
@@ -160,7 +168,7 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
                 yield sse(a.usage_chunk(item))
             yield sse("[DONE]")
         else:  # an error, or None: cancelled because the client left (unread) or the server is shutting down
-            e = _error(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
+            e = ApiError.of(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
             yield sse(e.body())
 
     async def complete(request: Request, chat: bool) -> Response:
@@ -183,7 +191,7 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
             metrics.answered(endpoint, 499)
             return Response(status_code=499)
         if not isinstance(item, Generation):
-            e = _error(item)
+            e = ApiError.of(item)
             metrics.answered(endpoint, e.status)
             return JSONResponse(e.body(), e.status)
         metrics.answered(endpoint, 200)
@@ -205,61 +213,20 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         except ApiError as e:
             return JSONResponse(e.body(), e.status)
         card = {"id": served.model_id, "object": "model", "created": 0, "owned_by": "dsfp4"}
-        card["thinking_switch"] = engine.tokenizer.thinking_switch  # chat_template_kwargs' thinking applies
+        card["thinking_switch"] = rules.tokenizer.thinking_switch  # chat_template_kwargs' thinking applies
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not scheduler.alive():
+        r = await scheduler.report()
+        if not r.alive:
             return JSONResponse({"status": "error", "detail": "the engine's worker thread has stopped"}, 503)
-        running = scheduler.busy()
-        return JSONResponse({"status": "ok", "busy": running > 0, "running": running, "queue": scheduler.depth()})
+        return JSONResponse({"status": "ok", "busy": r.running > 0, "running": r.running, "queue": r.waiting})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        store = engine.model.experts.counters.snapshot() if engine.model is not None else {}
-        text = metrics.render(scheduler.depth(), scheduler.busy(), scheduler.slots, store)
+        r = await scheduler.report()
+        text = metrics.render(r.waiting, r.running, r.slots, r.counters)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now: a port in use fails in one line before the model loads, not after."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(
-            f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); stop what holds the port "
-            f"or give another --port"
-        ) from e
-    return sock
-
-
-def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
-    """Serve on `sock` (listen's) until interrupted (Ctrl-C or SIGTERM): running and waiting generations are
-    cancelled at once, and the worker has stopped when this returns, so the caller can close the engine."""
-    import uvicorn
-
-    app = create_app(engine, served)
-    scheduler: Scheduler = app.state.scheduler
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
-            scheduler.cancel_all()  # open streams end at their next token, so shutdown need not wait for them
-            super().handle_exit(sig, frame)
-
-    # asyncio's loop, not uvloop's: its socket writes let go of the GIL, so the engine's thread steps on while the loop
-    # streams (16 streams on the small model: 14,771 tok/s against uvloop's 9,726-11,101, run 71)
-    config = uvicorn.Config(
-        app, loop="asyncio", log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
-    )
-    try:
-        Server(config).run(sockets=[sock])
-    finally:
-        scheduler.stop()
-        sock.close()

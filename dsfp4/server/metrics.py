@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from dsfp4.runtime.generate.generation import Generation
 from dsfp4.runtime.generate.stats import GenerationStats, ratio
+from dsfp4.server.jobs import Job
 
 TIERS = ("gpu_hits", "ram_hits")
 
@@ -35,6 +37,13 @@ class Metrics:
             self.decode_tokens += max(stats.generated_tokens - 1, 0)  # the first comes out of the prefill
             self.prefill_s += stats.prefill_s
             self.decode_s += stats.decode_s
+
+    def done(self, job: Job, result: Generation | None) -> None:
+        """A job ended: finished (result), cancelled by its client or the shutdown, or failed."""
+        if result is not None:
+            self.finish(result.finish_reason, result.stats)
+        else:
+            self.finish("cancelled" if job.cancelled.is_set() else "error")
 
     def render(self, queue_depth: int, running: int, slots: int, store: dict[str, float]) -> str:
         """The text a Prometheus scraper reads: `running` generations of `slots` at once, `store` the expert store's

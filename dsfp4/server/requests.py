@@ -78,6 +78,14 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def __reduce__(self) -> tuple:  # pickled whole: an error crosses from the engine's process to the HTTP one
+        return ApiError, (self.status, self.message, self.param, self.code)
+
+    @classmethod
+    def of(cls, e: BaseException) -> ApiError:
+        """What the client hears of an exception that ended its generation."""
+        return e if isinstance(e, ApiError) else cls(500, f"generation failed: {e}")
+
     @property
     def kind(self) -> str:
         return {401: "authentication_error", 404: "not_found_error", 503: "server_overloaded"}.get(

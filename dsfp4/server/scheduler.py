@@ -10,57 +10,16 @@ stopped at its next prefill chunk or token if it runs.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.batch import BatchRun, BatchSequence
 from dsfp4.runtime.generate.decoder import Cancelled
 from dsfp4.runtime.generate.generation import Generation
-
-
-class QueueFull(Exception):
-    """max_queue requests wait already (or the server is shutting down)."""
-
-
-@dataclass(eq=False)
-class Job:
-    """A request's generation: what to run, and the channel its results come back on: Delta..., then the
-    Generation, or None when it was cancelled, or the exception that ended it."""
-
-    prompt_ids: list[int]
-    options: dict[str, Any]  # Engine.stream keywords
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)  # its last item is on the way
-    queued: float = field(default_factory=time.perf_counter)
-    wait_s: float = 0.0  # in the queue before the engine took it
-
-    def send(self, item: object) -> None:
-        post([(self, item)])
-
-
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for out, item in items:
-        out.put_nowait(item)
-
-
-def post(mail: list[tuple[Job, object]]) -> None:
-    """Items to their jobs' channels, in order, in one wake of each event loop: a wake costs a write to the loop's
-    pipe, so a batch step's deltas share one (a wake per delta took a fifth of the server's time at 16 streams)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for job, item in mail:
-        by_loop.setdefault(job.loop, []).append((job.out, item))
-    for loop, items in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # a closed event loop (the server shut down): nobody reads it
-            loop.call_soon_threadsafe(_put_all, items)
+from dsfp4.server.jobs import Job, QueueFull, Report, post
 
 
 class Scheduler:
@@ -108,6 +67,15 @@ class Scheduler:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def snapshot(self) -> Report:
+        model = self.engine.model
+        counters = model.experts.counters.snapshot() if model is not None else {}
+        return Report(self.alive(), self.depth(), self.busy(), self.slots, counters)
+
+    async def report(self) -> Report:
+        """snapshot(), as the app awaits it (from another process, RemoteScheduler.report)."""
+        return self.snapshot()
 
     def stop(self) -> None:
         """Cancel what waits and runs, then end the worker (the engine stays open: its owner closes it)."""

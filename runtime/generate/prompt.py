@@ -1,17 +1,22 @@
 """What a caller may give as a prompt, and its token ids: text (through the chat template, with an optional system
-message, unless raw), chat messages (through the template) or token ids as given."""
+message, unless raw), chat messages (through the template) or token ids as given; and what a prompt must leave of
+the context (PromptRules: without the model, so the server's HTTP process checks requests with them)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from numbers import Integral
+from pathlib import Path
 
-from dsfp4.errors import ConfigError
+from dsfp4.errors import ConfigError, ContextLengthError
+from dsfp4.runtime.generate.reasoning import opens_thinking
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
 # the roles a chat message may have, and the role the chat template sees (OpenAI's developer is a system message)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+THINK_TAIL = 8  # prompt tokens decoded to see whether the prompt opens a <think> block
 
 
 def as_token_ids(items: list) -> list[int] | None:
@@ -61,3 +66,56 @@ def encode_prompt(
         chat = [*head, *({"role": ROLES[m["role"]], "content": m["content"]} for m in items)]
         return tokenizer.encode_chat(chat, thinking=default_thinking if thinking is None else thinking)
     raise ConfigError("the prompt must be text, a non-empty list of chat messages or a non-empty list of token ids")
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """What PromptRules are made of, in plain values: another process rebuilds them from it."""
+
+    model_dir: str
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    max_seq_len: int  # the model's: what --max-context may be raised to
+    vocab_size: int
+    thinking: bool | None  # the engine's --thinking: the default of prompts through the format
+
+
+class PromptRules:
+    """A model's prompts as token ids, and whether they fit its context: what an engine refuses before it runs."""
+
+    def __init__(self, spec: PromptSpec, tokenizer: ChatTokenizer | None = None):
+        self.spec = spec
+        self.tokenizer = tokenizer or ChatTokenizer(Path(spec.model_dir), spec.eos_token_ids)
+
+    @property
+    def max_context(self) -> int:
+        return self.spec.max_context
+
+    def encode(
+        self, prompt: Prompt, system: str | None = None, raw: bool = False, thinking: bool | None = None
+    ) -> list[int]:
+        """encode_prompt with this model's tokenizer and default thinking."""
+        return encode_prompt(self.tokenizer, prompt, system, raw, thinking, self.spec.thinking)
+
+    def opens_thinking(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""
+        return opens_thinking(self.tokenizer.decode(prompt_ids[-THINK_TAIL:], keep_special=True))
+
+    def check(self, prompt_ids: list[int], room: int = 1) -> None:
+        """A prompt must leave `room` positions of the context free and name tokens of the vocabulary."""
+        n, s = len(prompt_ids), self.spec
+        if n == 0:
+            raise ConfigError("the prompt is empty")
+        if n + room > s.max_context:
+            raise ContextLengthError(
+                f"the prompt is {n} tokens; the context holds {s.max_context} "
+                f"(raise --max-context, up to the model's {s.max_seq_len})",
+                n,
+                s.max_context,
+            )
+        if bad := [t for t in prompt_ids if not 0 <= t < s.vocab_size]:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0 to {s.vocab_size - 1})")
+
+    def room(self, prompt_tokens: int) -> int:
+        """Tokens a generation after a prompt of this length may produce (the last is never fed back)."""
+        return self.spec.max_context - prompt_tokens + 1

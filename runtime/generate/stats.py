@@ -5,16 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-import torch
-
-from dsfp4.runtime.plan.budget import proc_status_bytes
 from dsfp4.units import format_bytes
-
-
-def peak_memory(device: torch.device) -> tuple[int, int]:
-    """(peak device bytes: torch's max reserved, 0 on the CPU; peak process RSS: VmHWM)."""
-    gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
-    return gpu, proc_status_bytes("VmHWM")
 
 
 def ratio(a: float, b: float) -> float:

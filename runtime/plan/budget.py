@@ -80,6 +80,12 @@ def process_rss() -> int:
     return proc_status_bytes("VmRSS")
 
 
+def peak_memory(device: torch.device) -> tuple[int, int]:
+    """(peak device bytes: torch's max reserved, 0 on the CPU; peak process RSS: VmHWM)."""
+    gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+    return gpu, proc_status_bytes("VmHWM")
+
+
 def available_ram() -> int:
     room = _cgroup_room()
     avail = _meminfo("MemAvailable")

@@ -37,9 +37,17 @@ class Server:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=KEY, max_retries=0)
 
+    def children(self) -> list[int]:
+        """The HTTP process (the engine's runs in `proc`)."""
+        return [int(c) for c in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+
     def rss(self) -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024
+        """Both processes'."""
+        total = 0
+        for pid in [self.proc.pid, *self.children()]:
+            status = Path(f"/proc/{pid}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024
+        return total
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.base + "/metrics").text
@@ -428,6 +436,29 @@ def test_dsfp4_chat_streams_from_the_server(server):
     assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "401" in r.stderr and "API key" in r.stderr
     r = CliRunner().invoke(cli, ["chat", "--url", f"http://127.0.0.1:{_free_port()}"], input="/quit\n")
     assert r.exit_code == 1 and "is a server running there?" in r.stderr and r.stderr.count("\n") == 1
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+def test_the_http_process_ends_with_the_engines(converted):
+    with _serve(converted) as s:  # SIGTERM to the engine's process: both end, cleanly
+        (front,) = s.children()
+        s.proc.terminate()
+        assert s.proc.wait(timeout=30) == 0, s.proc.communicate()[1][-2000:]
+        _wait_for(lambda: _gone(front))
+    with _serve(converted) as s:  # the engine's process killed: the HTTP one sees the link close and stops
+        (front,) = s.children()
+        s.proc.kill()
+        s.proc.wait(timeout=30)
+        _wait_for(lambda: _gone(front))
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(s.base + "/health", timeout=5)
 
 
 def test_a_port_in_use_fails_in_one_line_before_the_model_loads(converted):

@@ -3,7 +3,7 @@ the link and the listening socket. It parses, tokenizes and streams; the engine'
 
 Its first message on the link names the prompt rules, the served model and the scheduler's slots. It stops on
 SIGINT or SIGTERM (the running generations are cancelled, the open streams end at their next token) or when the
-engine's process closes the link. It imports no torch: it costs the host a few tens of MB, not the engine's."""
+engine's process closes the link. It imports no torch: it costs the host about 60 MB, not the engine's."""
 
 from __future__ import annotations
 

@@ -86,9 +86,14 @@ def test_jobs_cross_the_link_in_order_end_once_and_fail_when_the_engine_goes():
         assert await items(jobs[1], 1) == [None] and engine.cancelled == [jobs[1].id] and jobs[1].cancelled.is_set()
         engine.end(there[2], RuntimeError("boom"))
         delta, error = await items(jobs[2], 2)
-        assert delta == Delta(5, "z") and isinstance(error, ApiError) and (error.status, error.message) == (
-            500,
-            "generation failed: boom",
+        assert (
+            delta == Delta(5, "z")
+            and isinstance(error, ApiError)
+            and (error.status, error.message)
+            == (
+                500,
+                "generation failed: boom",
+            )
         )
         assert await remote.report() == Report(True, 1, 2, 3, {"ssd_bytes": 5.0})
         assert [k for k, _ in ended] == [j.id for j in jobs] and not remote.jobs and not link.jobs

@@ -67,16 +67,14 @@ class Engine:
             raise ConfigError(f"Engine takes a model folder and RunOptions, not {model_dir!r:.40} and {options!r:.40}")
         self.options = o = with_knobs(options or RunOptions(), knobs)
         self.model_dir = Path(model_dir)
-        device, manifest, self.max_context, dtype = run_target(self.model_dir, o)
+        device, manifest, max_context, dtype = run_target(self.model_dir, o)
         if device.type == "cuda":
             use_expandable_segments()  # as the CLI does: the device budget relies on it
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.tokenizer = ChatTokenizer(self.model_dir, manifest.args.eos_token_ids)
         a = manifest.args
-        spec = PromptSpec(
-            str(self.model_dir), a.eos_token_ids, self.max_context, a.max_seq_len, a.vocab_size, o.thinking
-        )
+        spec = PromptSpec(str(self.model_dir), a.eos_token_ids, max_context, a.max_seq_len, a.vocab_size, o.thinking)
         self.rules = PromptRules(spec, self.tokenizer)
         if o.mtp and not manifest.args.n_mtp_layers:
             raise ConfigError(f"--mtp: {self.model_dir} has no MTP layer (converted with --no-mtp?)")
@@ -116,6 +114,11 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def max_context(self) -> int:
+        """Positions of the KV cache: the room of a prompt and its answer."""
+        return self.rules.max_context
 
     def _open_prompt_cache(self, conversion: str) -> PromptCache:
         """--prompt-cache: entries of this conversion, dtype and caches (runtime/generate/prompt_cache.py)."""

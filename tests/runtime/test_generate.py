@@ -3,6 +3,8 @@ streaming, the KV-cache prefix reuse across chat turns, and the context limit.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -156,14 +158,16 @@ def test_text_that_is_not_utf8_is_tokenized_with_replacement_characters(engine):
 
 def test_repl_survives_a_bad_turn(engine):
     from dsfp4.cli.repl import LocalChat, chat_repl
+    from dsfp4.runtime.generate.prompt import PromptRules
 
     lines = iter(["hi", "/stats", "/quit"])
     out = []
-    engine.max_context, real = 3, engine.max_context  # every prompt is now too long
+    real = engine.rules
+    engine.rules = PromptRules(replace(real.spec, max_context=3), real.tokenizer)  # every prompt is now too long
     try:
         chat_repl(LocalChat(engine), read=lambda p: next(lines), write=out.append)
     finally:
-        engine.max_context = real
+        engine.rules = real
     text = "".join(out)
     assert "error: the prompt is" in text and "(nothing generated yet)" in text
 

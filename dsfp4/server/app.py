@@ -220,7 +220,7 @@ def build_app(rules: PromptRules, scheduler: Runs, served: Served, metrics: Metr
     async def health() -> JSONResponse:
         r = await scheduler.report()
         if not r.alive:
-            return JSONResponse({"status": "error", "detail": "the engine's worker thread has stopped"}, 503)
+            return JSONResponse({"status": "error", "detail": "the engine has stopped or does not answer"}, 503)
         return JSONResponse({"status": "ok", "busy": r.running > 0, "running": r.running, "queue": r.waiting})
 
     @app.get("/metrics")

@@ -27,13 +27,14 @@ class _Server(uvicorn.Server):
     """uvicorn's, where a signal cancels the generations at once and only the first counts: a Ctrl-C reaches both
     processes, and the engine's passes it on."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: RemoteScheduler):
+    def __init__(self, config: uvicorn.Config, scheduler: RemoteScheduler, loop: asyncio.AbstractEventLoop):
         super().__init__(config)
-        self.scheduler = scheduler
+        self.scheduler, self.loop = scheduler, loop
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        if not self.should_exit:
-            self.scheduler.cancel_all()  # open streams end at their next token, so shutdown need not wait for them
+        if not self.should_exit:  # open streams end at their next token, so shutdown need not wait for them; on the
+            # loop, not in the handler, which may run in the middle of a message to the engine's process
+            self.loop.call_soon_threadsafe(self.scheduler.cancel_all)
         self.should_exit = True  # and the signal is not raised again once the server has stopped
 
 
@@ -48,13 +49,14 @@ async def _serve(conn: Connection, sock: socket.socket) -> None:
         if server is not None:
             server.should_exit = True
 
+    loop = asyncio.get_running_loop()
     scheduler = RemoteScheduler(conn, served.max_queue, slots, metrics.done, lost)
-    scheduler.attach(asyncio.get_running_loop())
+    scheduler.attach(loop)
     app = build_app(PromptRules(spec), scheduler, served, metrics)
     # the loop is asyncio's, not uvloop's: its socket writes let go of the GIL (run 71); here the engine's steps
     # no longer share it, but the link's reads do
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
-    server = _Server(config, scheduler)
+    server = _Server(config, scheduler, loop)
     await server.serve(sockets=[sock])
 
 

@@ -5,8 +5,9 @@ loop's writes of 16 streams and the engine's steps took turns (16 streams: 0.9 m
 Messages are pickled tuples. From the HTTP process:
     ("submit", id, prompt_ids, options)   ("cancel", id)   ("report", rid)
 From the engine's:
-    ("items", [(id, item), ...])   a step's items for every job: Delta..., then its outcome (Generation, None, ApiError)
-    ("done", id, result, wait_s)   the job has ended: its Generation (None without one) and its time in the queue
+    ("items", [(id, Delta), ...])                a step's deltas for every job
+    ("end", id, outcome, result, wait_s)         a job's last item (Generation, None when cancelled, or ApiError), its
+                                                 Generation where it has one, and its time in the queue
     ("report", rid, Report)
 
 Nothing here imports torch at module level: the HTTP process imports this file.
@@ -15,13 +16,15 @@ Nothing here imports torch at module level: the HTTP process imports this file.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import pickle
+import queue
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from dsfp4.runtime.generate.generation import Delta
 from dsfp4.server.jobs import Job, QueueFull, Report
 from dsfp4.server.requests import ApiError
 
@@ -31,35 +34,61 @@ if TYPE_CHECKING:
 
 STOPPING = "the server is shutting down; retry later"
 LOST = "the engine's process has stopped; the server is shutting down"
+REPORT_S = 5.0  # how long /health and /metrics wait for the engine's process before they call it stuck
+BROKEN = (EOFError, OSError, pickle.UnpicklingError)  # the other end has gone, or what came is not a message
 
 
 class EngineLink:
-    """The engine's end: runs the HTTP process's jobs on the scheduler and sends their items back (a Sink)."""
+    """The engine's end: runs the HTTP process's jobs on the scheduler and sends their items back (a Sink).
+
+    Its messages leave from a thread of its own: the engine's thread and serve() never wait on the HTTP process, which
+    may itself be waiting for serve() to read (two full socket buffers would stall both processes)."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
         self.jobs: dict[int, Job] = {}  # running or waiting, by the HTTP process's id
-        self._lock = threading.Lock()  # the engine's thread and serve()'s both send
+        self._outcomes: dict[int, object] = {}  # a job's last item, held until its end goes with it
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="dsfp4-link", daemon=True)
+        self._writer.start()
 
     def send(self, message: tuple) -> None:
-        with self._lock, contextlib.suppress(OSError):  # the HTTP process is gone: nobody reads
-            self.conn.send(message)
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except OSError:  # the HTTP process is gone: nobody reads
+                return
+
+    def close(self) -> None:
+        """Send what is queued, then close the link."""
+        self._outbox.put(None)
+        self._writer.join()
+        self.conn.close()
 
     def deliver(self, items: list[tuple[Job, object]]) -> None:
-        wire = [(job.id, ApiError.of(item) if isinstance(item, BaseException) else item) for job, item in items]
-        self.send(("items", wire))
+        deltas = []
+        for job, item in items:
+            if isinstance(item, Delta):
+                deltas.append((job.id, item))
+            else:  # the outcome: it leaves with the job's end (done), which brings its wait and result
+                self._outcomes[job.id] = ApiError.of(item) if isinstance(item, BaseException) else item
+        if deltas:
+            self.send(("items", deltas))
 
     def done(self, job: Job, result: Generation | None) -> None:
-        """The scheduler's on_done."""
+        """The scheduler's on_done (its outcome was delivered just before)."""
         self.jobs.pop(job.id, None)
-        self.send(("done", job.id, result, job.wait_s))
+        self.send(("end", job.id, self._outcomes.pop(job.id, None), result, job.wait_s))
 
     def serve(self, scheduler: Scheduler) -> None:
         """Answer the HTTP process until it closes its end."""
         while True:
             try:
                 message = self.conn.recv()
-            except (EOFError, OSError):
+            except BROKEN:
                 return
             if message[0] == "submit":
                 _, jid, prompt_ids, options = message
@@ -89,7 +118,7 @@ class RemoteScheduler:
         on_lost: Callable[[], None],
     ):
         self.conn, self.max_queue, self.slots, self.on_done, self.on_lost = conn, max_queue, slots, on_done, on_lost
-        self.jobs: dict[int, Job] = {}  # submitted, not done
+        self.jobs: dict[int, Job] = {}  # submitted, not ended
         self._ids = itertools.count(1)
         self._reports: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,7 +130,7 @@ class RemoteScheduler:
         loop.add_reader(self.conn.fileno(), self._read)
 
     def submit(self, job: Job) -> None:
-        # the scheduler's rule: waiting + running below max_queue + slots (a job counts here until its "done")
+        # the scheduler's rule: waiting + running below max_queue + slots (a job counts here until its end)
         if self._stopping or self._lost or len(self.jobs) >= self.max_queue + self.slots:
             raise QueueFull
         job.id = next(self._ids)
@@ -122,12 +151,20 @@ class RemoteScheduler:
         self.cancel_all()
 
     async def report(self) -> Report:
+        """The engine's; not alive when its process has gone or does not answer within REPORT_S."""
         if self._lost or self._loop is None:
-            return Report(False, 0, 0, self.slots, {})
+            return self._silent()
         rid = next(self._ids)
         self._reports[rid] = answer = self._loop.create_future()
         self._send(("report", rid))
-        return await answer
+        try:
+            return await asyncio.wait_for(answer, REPORT_S)
+        except asyncio.TimeoutError:  # noqa: UP041  (not yet the builtin on Python 3.10)
+            self._reports.pop(rid, None)
+            return self._silent()
+
+    def _silent(self) -> Report:
+        return Report(False, 0, 0, self.slots, {})
 
     def _send(self, message: tuple) -> None:
         try:
@@ -139,7 +176,7 @@ class RemoteScheduler:
         try:
             while self.conn.poll():  # every message that has come, in one wake
                 self._handle(self.conn.recv())
-        except (EOFError, OSError):
+        except BROKEN:
             self._lose()
 
     def _handle(self, message: tuple) -> None:
@@ -147,12 +184,13 @@ class RemoteScheduler:
             for jid, item in message[1]:
                 if (job := self.jobs.get(jid)) is not None:
                     job.out.put_nowait(item)
-        elif message[0] == "done":
-            _, jid, result, wait_s = message
+        elif message[0] == "end":
+            _, jid, outcome, result, wait_s = message
             if (job := self.jobs.pop(jid, None)) is not None:
-                job.wait_s = wait_s
+                job.wait_s = wait_s  # before the request reads its outcome, as the scheduler sets it
                 job.done.set()
                 self.on_done(job, result)
+                job.out.put_nowait(outcome)
         elif message[0] == "report" and (answer := self._reports.pop(message[1], None)) and not answer.done():
             answer.set_result(message[2])
 
@@ -170,6 +208,6 @@ class RemoteScheduler:
         self.jobs.clear()
         for answer in self._reports.values():
             if not answer.done():
-                answer.set_result(Report(False, 0, 0, self.slots, {}))
+                answer.set_result(self._silent())
         self._reports.clear()
         self.on_lost()

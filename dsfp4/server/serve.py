@@ -4,7 +4,7 @@ between them (link.py). The event loop's streaming and the engine's steps then r
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
 import socket
 import subprocess
@@ -14,8 +14,11 @@ from multiprocessing.connection import Connection
 from dsfp4.errors import ConfigError, DsfpError
 from dsfp4.runtime.engine import Engine
 from dsfp4.server.app import Served
+from dsfp4.server.front import GRACE_S
 from dsfp4.server.link import EngineLink
 from dsfp4.server.scheduler import Scheduler
+
+STOP_S = GRACE_S + 5  # how long the HTTP process may take to end: its open connections get GRACE_S
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -36,35 +39,56 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
     """Serve on `sock` (listen's) until interrupted (Ctrl-C or SIGTERM, passed on to the HTTP process, which cancels
-    what runs and waits) or until the HTTP process ends; the worker has stopped when this returns, so the caller can
-    close the engine. A HTTP process that fails is a DsfpError."""
+    what runs and waits; a second one kills it) or until the HTTP process ends; the worker has stopped when this
+    returns, so the caller can close the engine. A HTTP process that fails is a DsfpError."""
     mine, theirs = socket.socketpair()
-    link = EngineLink(Connection(os.dup(mine.fileno())))
-    mine.close()
-    scheduler = Scheduler(engine, served.max_queue, link.done)
     fds = (theirs.fileno(), sock.fileno())
-    front = subprocess.Popen([sys.executable, "-m", "dsfp4.server.front", *map(str, fds)], pass_fds=fds)
-    theirs.close()
-    stopping = []
+    try:
+        front = subprocess.Popen([sys.executable, "-m", "dsfp4.server.front", *map(str, fds)], pass_fds=fds)
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+        sock.close()  # the HTTP process has its copy: once it has gone, connections are refused, not left waiting
+    link = EngineLink(Connection(mine.detach()))
+    signals: list[int] = []
 
     def stop(sig: int, frame: object) -> None:
-        stopping.append(sig)
+        signals.append(sig)
         if front.poll() is None:
-            front.send_signal(signal.SIGTERM)
+            front.send_signal(signal.SIGKILL if len(signals) > 1 else signal.SIGTERM)
 
     handlers = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    scheduler, closed = None, False
     try:
+        scheduler = Scheduler(engine, served.max_queue, link.done)
         link.send((engine.rules.spec, served, scheduler.slots))
-        link.serve(scheduler)  # until the HTTP process closes the link
-        code = front.wait()
+        link.serve(scheduler)  # until the HTTP process closes the link: it is ending, or it broke the link
+        closed = True
     finally:
-        if front.poll() is None:
-            front.kill()
-            front.wait()
+        asked = _end(front, patient=closed)
         for s, handler in handlers.items():
             signal.signal(s, handler)
-        scheduler.stop()
-        link.conn.close()
-        sock.close()
-    if code != 0 and not stopping:
-        raise DsfpError(f"the server's HTTP process exited with status {code} (its message is above)")
+        if scheduler is not None:
+            scheduler.stop()
+        link.close()
+    if front.returncode != 0 and not (signals or asked):
+        raise DsfpError(f"the server's HTTP process exited with status {front.returncode} (its message is above)")
+
+
+def _end(front: subprocess.Popen, patient: bool) -> bool:
+    """The HTTP process has ended when this returns: given STOP_S to end by itself when `patient`, then asked to
+    (SIGTERM, STOP_S), then killed. -> whether it was asked."""
+    if patient:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            front.wait(STOP_S)
+    if front.poll() is not None:
+        return False
+    front.terminate()
+    try:
+        front.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        front.kill()
+        front.wait()
+    return True

@@ -111,6 +111,40 @@ def test_jobs_cross_the_link_in_order_end_once_and_fail_when_the_engine_goes():
     asyncio.run(main())
 
 
+def test_the_engine_never_waits_on_an_http_process_that_does_not_read():
+    """Its sends queue for the link's thread: the engine's thread steps on, and serve() goes on reading what the HTTP
+    process sends (both sides blocked on full socket buffers would stall both processes)."""
+    a, b = socket.socketpair()
+    link = EngineLink(_connection(a))
+    job = Job([1], {}, link, 1)
+    sent = threading.Event()
+
+    def step() -> None:
+        for _ in range(200):  # about 20 MB: far past the socket buffers
+            link.deliver([(job, Delta(1, "x" * 100_000))])
+        sent.set()
+
+    threading.Thread(target=step, daemon=True).start()
+    assert sent.wait(60), "a send waited for the HTTP process to read"
+    b.close()  # the HTTP process goes: the link's thread ends
+    link.close()
+
+
+def test_an_engine_that_does_not_answer_reads_as_not_alive(monkeypatch):
+    from dsfp4.server import link
+
+    monkeypatch.setattr(link, "REPORT_S", 0.05)
+    a, b = socket.socketpair()
+
+    async def main() -> Report:
+        remote = RemoteScheduler(_connection(b), 1, 2, lambda j, r: None, lambda: None)
+        remote.attach(asyncio.get_running_loop())
+        return await remote.report()  # nobody reads the other end
+
+    assert asyncio.run(main()) == Report(False, 0, 0, 2, {})
+    a.close()
+
+
 def test_an_api_error_survives_pickling():
     import pickle
 

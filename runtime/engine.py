@@ -48,6 +48,7 @@ from dsfp4.runtime.profile.recorder import RoutingRecorder
 from dsfp4.runtime.store.counters import counters_since
 from dsfp4.runtime.store.placement import place_records
 
+
 class Engine:
     """A converted model loaded for generation.
 

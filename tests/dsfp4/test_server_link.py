@@ -111,22 +111,24 @@ def test_jobs_cross_the_link_in_order_end_once_and_fail_when_the_engine_goes():
     asyncio.run(main())
 
 
-def test_the_engine_never_waits_on_an_http_process_that_does_not_read():
-    """Its sends queue for the link's thread: the engine's thread steps on, and serve() goes on reading what the HTTP
-    process sends (both sides blocked on full socket buffers would stall both processes)."""
+def test_serve_reads_on_while_the_http_process_does_not():
+    """What serve()'s thread sends waits for the link's writer: serve() goes on reading what the HTTP process sends
+    (both sides blocked on full socket buffers would stall both processes)."""
     a, b = socket.socketpair()
     link = EngineLink(_connection(a))
-    job = Job([1], {}, link, 1)
-    sent = threading.Event()
+    engine = StandIn(link)
+    threading.Thread(target=link.serve, args=(engine,), daemon=True).start()
+    front = _connection(b)
 
-    def step() -> None:
-        for _ in range(200):  # about 20 MB: far past the socket buffers
-            link.deliver([(job, Delta(1, "x" * 100_000))])
-        sent.set()
+    def flood() -> None:
+        for rid in range(5000):  # replies far past the socket buffers, none of them read
+            front.send(("report", rid))
+        front.send(("submit", 1, [1, 2], {}))
 
-    threading.Thread(target=step, daemon=True).start()
-    assert sent.wait(60), "a send waited for the HTTP process to read"
-    b.close()  # the HTTP process goes: the link's thread ends
+    threading.Thread(target=flood, daemon=True).start()
+    assert engine.arrived.acquire(timeout=60), "serve() stopped reading"
+    assert front.recv() == ("report", 0, engine.snapshot())  # and the replies come, in order
+    front.close()  # the HTTP process goes: serve() and the writer end
     link.close()
 
 

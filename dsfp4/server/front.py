@@ -8,6 +8,7 @@ engine's process closes the link. It imports no torch: it costs the host about 6
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import socket
 import sys
@@ -57,6 +58,7 @@ async def _serve(conn: Connection, sock: socket.socket) -> None:
     # no longer share it, but the link's reads do
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
     server = _Server(config, scheduler, loop)
+    gc.freeze()  # what lives as long as the server: the collector need not walk it again
     await server.serve(sockets=[sock])
 
 

@@ -3,17 +3,20 @@ loopback; per concurrency the aggregate decode tok/s and the p50/p99 time to fir
 the client sees them.
 
     python scripts/bench_server.py MODEL [--streams 1,2,4,8,16] [--requests 2] [--max-tokens 64] [--passes 2]
-                                         [--json OUT] [-- RUN FLAGS...]
+                                         [--server-cpus 0-3] [--json OUT] [-- RUN FLAGS...]
 
 Each stream sends --requests requests one after another (streaming, greedy, --max-tokens each, a prompt of its own);
 the streams start together. RUN FLAGS go to `dsfp4 run --serve` (e.g. --preset 24g --routing trace.npy). The
-server's --max-queue is set to the largest concurrency so that no request is refused.
+server's --max-queue is set to the largest concurrency so that no request is refused. With --server-cpus the server
+runs on those cores and the clients on the others, as if they ran on other machines: 16 openai clients parse chunks on
+several cores, and on a shared core they slow the server they measure.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -62,14 +65,19 @@ def _client_loop(base: str, model: str, i: int, requests: int, max_tokens: int) 
     return [_stream(client, model, p, max_tokens) for p in prompts]
 
 
-def load(base: str, streams: int, requests: int, max_tokens: int) -> dict:
+def _pin(cpus: set[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def load(base: str, streams: int, requests: int, max_tokens: int, cpus: set[int] | None = None) -> dict:
     """`streams` clients at once, each `requests` requests in turn -> aggregate tok/s and latency percentiles.
 
     Each stream is a process of its own, as clients on other machines would be: in one process the openai client's
     parsing (200-400 us of CPU a chunk, under one GIL) bounded the load at a few thousand tokens a second."""
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     args = [(base, model, i, requests, max_tokens) for i in range(streams)]
-    with multiprocessing.get_context("fork").Pool(streams) as pool:  # the processes start before the clock does
+    with multiprocessing.get_context("fork").Pool(streams, _pin, (cpus,)) as pool:  # they start before the clock
         t0 = time.perf_counter()
         results = [r for rs in pool.starmap(_client_loop, args, chunksize=1) for r in rs]  # a failed one raises here
         wall = time.perf_counter() - t0
@@ -94,11 +102,19 @@ def load(base: str, streams: int, requests: int, max_tokens: int) -> dict:
 
 
 def _sweep(
-    cmd: list[str], log, base: str, counts: list[int], requests: int, max_tokens: int, passes: int
+    cmd: list[str],
+    log,
+    base: str,
+    counts: list[int],
+    requests: int,
+    max_tokens: int,
+    passes: int,
+    server_cpus: set[int] | None,
 ) -> list[dict]:
     """Start the server (stderr to `log`), wait for /health, warm it, sweep the concurrencies `passes` times -> each
     sweep's rows."""
-    server = subprocess.Popen(cmd, stderr=log, text=True)
+    server = subprocess.Popen(cmd, stderr=log, text=True, preexec_fn=lambda: _pin(server_cpus))
+    clients = os.sched_getaffinity(0) - server_cpus if server_cpus else None
     try:
         while True:  # the model loads, then the server answers /health
             if server.poll() is not None:
@@ -109,12 +125,29 @@ def _sweep(
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        load(base, 1, 1, 8)  # warm: the first request compiles what the engine start did not
-        sweeps = [[load(base, n, requests, max_tokens) for n in counts] for _ in range(passes)]
+        load(base, 1, 1, 8, clients)  # warm: the first request compiles what the engine start did not
+        sweeps = [[load(base, n, requests, max_tokens, clients) for n in counts] for _ in range(passes)]
     finally:
         server.terminate()
         server.wait(timeout=60)
     return sweeps
+
+
+def _cpus(text: str) -> set[int]:
+    """'0-3,6' -> {0, 1, 2, 3, 6}, checked against the cores this process may use."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give cores as 0-3 or 0,2", param_hint="--server-cpus") from None
+    have = os.sched_getaffinity(0)
+    if not cpus or not cpus < have:
+        raise click.BadParameter(
+            f"{text!r}: name some, not all, of this machine's cores {min(have)}-{max(have)}", param_hint="--server-cpus"
+        )
+    return cpus
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -130,18 +163,30 @@ def _sweep(
     help="Sweep the concurrencies this many times and report each sweep (Triton compiles each new prompt length's "
     "kernels once per machine: a later pass measures the server, not the compiler).",
 )
+@click.option(
+    "--server-cpus",
+    help="Cores for the server (e.g. 0-3 or 0,2); the clients get the rest. Default: all share every core.",
+)
 @click.option("--json", "out", type=click.Path(path_type=Path))
 @click.argument("run_flags", nargs=-1, type=click.UNPROCESSED)
 def main(
-    model: Path, streams: str, requests: int, max_tokens: int, passes: int, out: Path | None, run_flags: tuple
+    model: Path,
+    streams: str,
+    requests: int,
+    max_tokens: int,
+    passes: int,
+    server_cpus: str | None,
+    out: Path | None,
+    run_flags: tuple,
 ) -> None:
     counts = [int(s) for s in streams.split(",")]
+    pinned = _cpus(server_cpus) if server_cpus else None
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "dsfp4.cli.main", "run", str(model), "--serve", "--port", str(port)]
     cmd += ["--max-queue", str(max(counts)), "-q", *run_flags]
     with tempfile.TemporaryFile("w+") as log:  # the server's stderr: a pipe nobody reads would block it once full
-        sweeps = _sweep(cmd, log, base, counts, requests, max_tokens, passes)
+        sweeps = _sweep(cmd, log, base, counts, requests, max_tokens, passes, pinned)
     # x1: the aggregate against the same sweep's single stream, where the sweep ran one
     head = ["pass", "streams", "tok/s", "x1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
     click.echo(" ".join(f"{h:>{w}}" for h, w in zip(head, [4, 7, 8, 5, 9, 9, 8, 8], strict=True)))
@@ -154,7 +199,7 @@ def main(
                 f"{r['ttft_p99_s']:9.3f} {r['itl_p50_s'] * 1e3:6.1f}ms {r['itl_p99_s'] * 1e3:6.1f}ms"
             )
     if out is not None:
-        out.write_text(json.dumps({"command": cmd, "sweeps": sweeps}, indent=1))
+        out.write_text(json.dumps({"command": cmd, "server_cpus": server_cpus, "sweeps": sweeps}, indent=1))
 
 
 if __name__ == "__main__":

@@ -311,15 +311,17 @@ def test_serve_and_chat_flags_that_would_do_nothing_are_refused(converted, monke
 
 
 def test_concurrent_requests_decode_together_and_each_gets_its_own_answer(server):
-    c = server.client()
+    c, n = server.client(), 32  # tokens each: long enough to overlap on a loaded machine
     alone = {
-        p: c.completions.create(model="fp8", prompt=p, max_tokens=10, temperature=0).choices[0].text for p in PROMPTS
+        p: c.completions.create(model="fp8", prompt=p, max_tokens=n, temperature=0).choices[0].text for p in PROMPTS
     }
     got: dict[str, str] = {}
     occupancy: list[float] = []
+    together = threading.Barrier(len(PROMPTS))
 
     def ask(p: str) -> None:
-        got[p] = c.completions.create(model="fp8", prompt=p, max_tokens=10, temperature=0).choices[0].text
+        together.wait()
+        got[p] = c.completions.create(model="fp8", prompt=p, max_tokens=n, temperature=0).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
     for t in threads:

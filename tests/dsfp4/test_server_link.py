@@ -158,3 +158,27 @@ def test_the_http_process_imports_no_torch():
     code = "import sys, dsfp4.server.front; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_signal_cancels_on_the_loop_once_not_in_its_handler():
+    """The handler may run in the middle of a message to the engine's process: the cancels wait for the loop."""
+    import uvicorn
+
+    from dsfp4.server.front import _Server
+
+    class Remote:
+        cancels = 0
+
+        def cancel_all(self) -> None:
+            self.cancels += 1
+
+    async def main() -> None:
+        remote = Remote()
+        server = _Server(uvicorn.Config(app=None), remote, asyncio.get_running_loop())
+        server.handle_exit(2, None)
+        server.handle_exit(15, None)  # a Ctrl-C reaches both processes, and the engine's passes on a SIGTERM
+        assert remote.cancels == 0 and server.should_exit and not server.force_exit
+        await asyncio.sleep(0)
+        assert remote.cancels == 1
+
+    asyncio.run(main())

@@ -33,9 +33,12 @@ def percentile(ordered: list[float], q: float) -> float:
 def held_back(text: str, stop: tuple[str, ...]) -> int:
     """How many trailing characters may still become a stop string or an unfinished UTF-8 character."""
     partial = len(text) - len(text.rstrip("\ufffd"))
-    prefix = max((partial_suffix(text, s) for s in stop), default=0)
+    if not stop:
+        return partial
+    text = text[-(max(map(len, stop)) + partial) :]  # only its end can matter: a batch step does this for every row
+    prefix = max(partial_suffix(text, s) for s in stop)
     body = text[: len(text) - partial]  # a stop string may also end just before the unfinished character
-    before = max((partial_suffix(body, s, whole=True) for s in stop), default=0)
+    before = max(partial_suffix(body, s, whole=True) for s in stop)
     return max(prefix, partial + before)
 
 

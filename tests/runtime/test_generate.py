@@ -129,6 +129,25 @@ def test_hold_back_covers_stop_prefixes_before_an_unfinished_character():
     assert _held_back("xy\ufffd\ufffd", ()) == 2
 
 
+def test_hold_back_reads_only_the_end_and_agrees_with_reading_all():
+    import random
+
+    from dsfp4.runtime.generate.reasoning import partial_suffix
+    from dsfp4.runtime.generate.steps import held_back
+
+    def whole(text: str, stop: tuple[str, ...]) -> int:  # every suffix of the whole text considered
+        partial = len(text) - len(text.rstrip("\ufffd"))
+        prefix = max((partial_suffix(text, s) for s in stop), default=0)
+        before = max((partial_suffix(text[: len(text) - partial], s, whole=True) for s in stop), default=0)
+        return max(prefix, partial + before)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab\ufffd") for _ in range(rng.randrange(12)))
+        stop = tuple("".join(rng.choice("ab") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(3)))
+        assert held_back(text, stop) == whole(text, stop), (text, stop)
+
+
 def test_an_interrupted_prefill_leaves_a_consistent_cache(converted, engine):
     first = [{"role": "user", "content": "hello"}]
     engine.generate(first, max_tokens=4, **GREEDY)

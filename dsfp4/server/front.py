@@ -1,4 +1,4 @@
-"""The server's HTTP process: `python -m dsfp4.server.front LINK_FD SOCKET_FD`, started by serve.py with its end of
+"""The server's HTTP process: main(LINK_FD, SOCKET_FD from argv), started by serve.py (front_command) with its end of
 the link and the listening socket. It parses, tokenizes and streams; the engine's process generates.
 
 Its first message on the link names the prompt rules, the served model and the scheduler's slots. It stops on

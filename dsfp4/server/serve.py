@@ -10,7 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from dsfp4.errors import ConfigError, DsfpError
 from dsfp4.runtime.engine import Engine
@@ -20,6 +22,14 @@ from dsfp4.server.link import EngineLink
 from dsfp4.server.scheduler import Scheduler
 
 STOP_S = GRACE_S + 5  # how long the HTTP process may take to end: its open connections get GRACE_S
+HOME = str(Path(__file__).resolve().parents[2])  # where this dsfp4 is imported from
+
+
+def front_command(*args: str) -> list[str]:
+    """The HTTP process's command: this dsfp4 first on its path, not the working directory's, which `python -m` or
+    `-c` would put there (another checkout's would run beside this engine)."""
+    code = f"import sys; sys.path[0] = {HOME!r}; import dsfp4.server.front as front; front.main()"
+    return [sys.executable, "-c", code, *args]
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -41,11 +51,12 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
     """Serve on `sock` (listen's) until interrupted (Ctrl-C or SIGTERM, passed on to the HTTP process, which cancels
     what runs and waits; a second one kills it) or until the HTTP process ends; the worker has stopped when this
-    returns, so the caller can close the engine. A HTTP process that fails is a DsfpError."""
+    returns, so the caller can close the engine. Ctrl-C then raises KeyboardInterrupt, as it would have at once. A
+    HTTP process that fails is a DsfpError. Off the main thread, which cannot take signals, the caller stops it."""
     mine, theirs = socket.socketpair()
     fds = (theirs.fileno(), sock.fileno())
     try:
-        front = subprocess.Popen([sys.executable, "-m", "dsfp4.server.front", *map(str, fds)], pass_fds=fds)
+        front = subprocess.Popen(front_command(*map(str, fds)), pass_fds=fds)
     except BaseException:
         mine.close()
         raise
@@ -60,9 +71,10 @@ def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
         if front.poll() is None:
             front.send_signal(signal.SIGKILL if len(signals) > 1 else signal.SIGTERM)
 
-    handlers = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    scheduler, closed = None, False
+    handlers, scheduler, closed = {}, None, False
     try:
+        if threading.current_thread() is threading.main_thread():
+            handlers = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
         scheduler = Scheduler(engine, served.max_queue, link.done)
         # the engine's objects (190k on the small model) live as long as the server: a full collection walked them all,
         # 94 ms on the dev box, while every stream's step waited
@@ -77,6 +89,8 @@ def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
         if scheduler is not None:
             scheduler.stop()
         link.close()
+    if signal.SIGINT in signals:
+        raise KeyboardInterrupt
     if front.returncode != 0 and not (signals or asked):
         raise DsfpError(f"the server's HTTP process exited with status {front.returncode} (its message is above)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -453,6 +454,11 @@ def test_the_http_process_ends_with_the_engines(converted):
         (front,) = s.children()
         s.proc.terminate()
         assert s.proc.wait(timeout=30) == 0, s.proc.communicate()[1][-2000:]
+        _wait_for(lambda: _gone(front))
+    with _serve(converted) as s:  # Ctrl-C, as a shell reports it, once both have ended
+        (front,) = s.children()
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=30) == 130 and "interrupted" in s.proc.communicate()[1]
         _wait_for(lambda: _gone(front))
     with _serve(converted) as s:  # the engine's process killed: the HTTP one sees the link close and stops
         (front,) = s.children()

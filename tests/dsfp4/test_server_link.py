@@ -182,3 +182,12 @@ def test_a_signal_cancels_on_the_loop_once_not_in_its_handler():
         assert remote.cancels == 1
 
     asyncio.run(main())
+
+
+def test_the_http_process_imports_this_dsfp4_whatever_the_working_directory(tmp_path):
+    from dsfp4.server.serve import front_command
+
+    (tmp_path / "dsfp4").mkdir()
+    (tmp_path / "dsfp4" / "__init__.py").write_text("raise SystemExit('a decoy dsfp4')")
+    r = subprocess.run(front_command("not-a-descriptor", "0"), cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "decoy" not in r.stderr and "server/front.py" in r.stderr, r.stderr

@@ -73,10 +73,9 @@ class Engine:
             use_expandable_segments()  # as the CLI does: the device budget relies on it
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self.tokenizer = ChatTokenizer(self.model_dir, manifest.args.eos_token_ids)
         a = manifest.args
         spec = PromptSpec(str(self.model_dir), a.eos_token_ids, max_context, a.max_seq_len, a.vocab_size, o.thinking)
-        self.rules = PromptRules(spec, self.tokenizer)
+        self.rules = PromptRules(spec)
         if o.mtp and not manifest.args.n_mtp_layers:
             raise ConfigError(f"--mtp: {self.model_dir} has no MTP layer (converted with --no-mtp?)")
         if o.mtp and manifest.args.is_v4:
@@ -120,6 +119,10 @@ class Engine:
     def max_context(self) -> int:
         """Positions of the KV cache: the room of a prompt and its answer."""
         return self.rules.max_context
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self.rules.tokenizer
 
     def _open_prompt_cache(self, conversion: str) -> PromptCache:
         """--prompt-cache: entries of this conversion, dtype and caches (runtime/generate/prompt_cache.py)."""

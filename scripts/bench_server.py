@@ -9,7 +9,8 @@ Each stream sends --requests requests one after another (streaming, greedy, --ma
 the streams start together. RUN FLAGS go to `dsfp4 run --serve` (e.g. --preset 24g --routing trace.npy). The
 server's --max-queue is set to the largest concurrency so that no request is refused. With --server-cpus the server
 runs on those cores and the clients on the others, as if they ran on other machines: 16 openai clients parse chunks on
-several cores, and on a shared core they slow the server they measure.
+several cores, and on a shared core they slow the server they measure. Where /proc exists each sweep also gives the
+CPU the server's two processes used, in cores (the engine's, the HTTP front's): one near 1.0 is what binds.
 """
 
 from __future__ import annotations
@@ -101,6 +102,35 @@ def load(base: str, streams: int, requests: int, max_tokens: int, cpus: set[int]
     }
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process used so far (Linux /proc; 0.0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _with_cpu(pid: int, measure) -> dict:
+    """measure() -> its row, with the cores the server (pid) and its HTTP child used while it ran."""
+    procs = [pid, *_children(pid)]
+    before = [_cpu_s(p) for p in procs]
+    row = measure()
+    used = [_cpu_s(p) - b for p, b in zip(procs, before, strict=True)]
+    row["engine_cores"] = used[0] / row["wall_s"]
+    row["http_cores"] = sum(used[1:]) / row["wall_s"]
+    return row
+
+
 def _sweep(
     cmd: list[str],
     log,
@@ -126,7 +156,8 @@ def _sweep(
             except httpx.HTTPError:
                 time.sleep(0.5)
         load(base, 1, 1, 8, clients)  # warm: the first request compiles what the engine start did not
-        sweeps = [[load(base, n, requests, max_tokens, clients) for n in counts] for _ in range(passes)]
+        sweep = [lambda n=n: load(base, n, requests, max_tokens, clients) for n in counts]
+        sweeps = [[_with_cpu(server.pid, measure) for measure in sweep] for _ in range(passes)]
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -188,15 +219,17 @@ def main(
     with tempfile.TemporaryFile("w+") as log:  # the server's stderr: a pipe nobody reads would block it once full
         sweeps = _sweep(cmd, log, base, counts, requests, max_tokens, passes, pinned)
     # x1: the aggregate against the same sweep's single stream, where the sweep ran one
-    head = ["pass", "streams", "tok/s", "x1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
-    click.echo(" ".join(f"{h:>{w}}" for h, w in zip(head, [4, 7, 8, 5, 9, 9, 8, 8], strict=True)))
+    head = ["pass", "streams", "tok/s", "x1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "cores: engine", "http"]
+    widths = [4, 7, 8, 5, 9, 9, 8, 8, 13, 5]
+    click.echo(" ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)))
     for i, rows in enumerate(sweeps, 1):
         single = next((r["aggregate_tok_s"] for r in rows if r["streams"] == 1), None)
         for r in rows:
             gain = f"{r['aggregate_tok_s'] / single:5.2f}" if single else f"{'-':>5}"
             click.echo(
                 f"{i:4d} {r['streams']:7d} {r['aggregate_tok_s']:8.1f} {gain} {r['ttft_p50_s']:9.3f} "
-                f"{r['ttft_p99_s']:9.3f} {r['itl_p50_s'] * 1e3:6.1f}ms {r['itl_p99_s'] * 1e3:6.1f}ms"
+                f"{r['ttft_p99_s']:9.3f} {r['itl_p50_s'] * 1e3:6.1f}ms {r['itl_p99_s'] * 1e3:6.1f}ms "
+                f"{r['engine_cores']:13.2f} {r['http_cores']:5.2f}"
             )
     if out is not None:
         out.write_text(json.dumps({"command": cmd, "server_cpus": server_cpus, "sweeps": sweeps}, indent=1))

@@ -40,7 +40,7 @@ def _measure(engine: Engine, b: int, n: int, max_tokens: int, first: int) -> dic
     run, counters = engine.batch(), engine.model.experts.counters
     seqs = [run.add(p, opts) for p in _prompts(b, n, first, engine.model.args.vocab_size)]
     before, t0 = counters.snapshot(), time.perf_counter()
-    while run.rows:
+    while run.busy:
         run.step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)

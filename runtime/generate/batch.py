@@ -10,9 +10,12 @@ A sequence that ends leaves at once; the last sequence moves into its slot, so t
 attention takes them as one [B, S] block. A step replays a CUDA graph of its batch size where one captures
 (runtime/generate/decode_graph.py), else runs eagerly. Greedy tokens are those of decoding each sequence alone, up to
 float rounding (tests/runtime/test_batch.py). A batch of greedy sequences runs one step ahead of the host, as a single
-sequence does: each step's tokens feed the next step on the device before the host reads them; when the rows change
-(a join, an end) or a prompt is being fed, no step runs ahead (one launched is discarded: it ran, and the expert
-counters include it). Legend: B sequences in the step, V vocab.
+sequence does: each step's tokens feed the next step on the device before the host reads them. The host knows the
+next step's rows and the tokens it does not choose (a prompt's next token, a joining prompt's first) before it reads
+this step's, so joins and prompts being fed keep the step ahead: a stepped prompt joins at the next step boundary
+(`joining`), in the step launched then. A row that ends by its length launches nothing ahead; one that ends otherwise
+(a stop, EOS, a cancel) discards the step launched (it ran, and the expert counters include it; `discarded` counts
+them). counters include it). Legend: B sequences in the step, V vocab.
 """
 
 from __future__ import annotations
@@ -106,15 +109,22 @@ class BatchRun:
         self.rows: list[BatchSequence] = []  # row i decodes in slot BATCH_SLOT + i
         self.graphs, self.why_eager = graphs, None  # why the last step ran eagerly (None: it replayed a graph)
         self.joint, self.stepped = joint, stepped
-        # the rows change (a join, an end): a step launched ahead for the old rows is discarded
-        self.version, self.ahead = 0, None  # ahead: (version, the next step's tokens on the device [B])
+        self.joining: list[BatchSequence] = []  # stepped prompts that join at the next step boundary
+        # ahead: (the rows it runs, their tokens on the device [B]); used only if the rows are still those
+        self.ahead: tuple[list[BatchSequence], torch.Tensor] | None = None
+        self.discarded = 0  # steps launched ahead for rows that then changed
         if graphs is not None and graphs.ready and routing is None:  # trace rows are begun by the host: no step ahead
             self.chosen = torch.empty(max_batch, dtype=torch.long, pin_memory=True)
             self.copied = torch.cuda.Event()
 
     @property
     def free(self) -> int:
-        return self.max_batch - len(self.rows)
+        return self.max_batch - len(self.rows) - len(self.joining)
+
+    @property
+    def busy(self) -> bool:
+        """Sequences decode or wait to join at the next step."""
+        return bool(self.rows or self.joining)
 
     def _sequence(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None) -> BatchSequence:
         n, sampling = len(prompt_ids), options.sampling()
@@ -128,22 +138,21 @@ class BatchRun:
         """Prefill a prompt (checked by the caller: Engine.check_prompt) and take its first token; it decodes in the
         batch from the next step, unless that token ended it. Needs a free slot. Cancelled (the cancel event set
         during the prefill) leaves nothing in the batch. A prompt of up to `stepped` tokens is not prefilled: it
-        joins the rows at once, and the next steps feed it (its first token comes from the step of its last)."""
+        joins the rows at the next step, and the steps feed it (its first token comes from the step of its last)."""
         assert self.free > 0, "BatchRun.add: every slot is taken"
         seq = self._sequence(prompt_ids, options, cancel)
         n = len(prompt_ids)
         if n <= self.stepped:  # its prompt goes through the next steps, a token each, beside the others' tokens
             seq.token, seq.feed = prompt_ids[0], deque(prompt_ids[1:])
-            self.rows.append(seq)
-            self.version += 1
+            self.joining.append(seq)
             return seq
         with self.hooks.claim():
             logits = self.hooks.prefill(seq.prompt_ids, cancel, seq.stats)
             seq.pos = n
             self._reserve(seq)
             _copy_rows(self.slots[BATCH_SLOT + len(self.rows)], self.slots[0], n)
+            self._discard()
             self.rows.append(seq)
-            self.version += 1
             self._take(seq, sample(logits, seq.sampling, seq.gen))
             self._drop_finished()
         return seq
@@ -168,8 +177,8 @@ class BatchRun:
             for seq in seqs.values():
                 seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
                 self._reserve(seq)
+                self._discard()
                 self.rows.append(seq)
-                self.version += 1
         return [seqs[i] if i in seqs else self.add(*r) for i, r in enumerate(requests)]
 
     def _reserve(self, seq: BatchSequence) -> None:
@@ -179,29 +188,31 @@ class BatchRun:
     @torch.inference_mode()
     def step(self) -> None:
         """One decode step of every sequence in the batch: each feeds its token and takes the next."""
-        if self.rows:
+        if self.busy:
             with self.hooks.claim():
                 self._step()
 
     def _step(self) -> None:
+        ahead, self.ahead = self.ahead, None
+        launched = ahead is not None and ahead[0] == self.rows  # this step already runs on the device
+        if not launched:
+            self._join()
         b, device = len(self.rows), self.model.device
         tokens, positions = [s.token for s in self.rows], [s.pos for s in self.rows]
-        if self.routing is not None:  # each sequence's token takes the next row of its stretch
-            self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
         self.why_eager = "--no-cuda-graph" if self.graphs is None else self.graphs.why_eager_batch(b)
         greedy = [s.sampling.greedy for s in self.rows]
-        feeding = any(s.feed for s in self.rows)  # a prompt's next token is not the one this step chooses
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead[0] == self.version:  # launched by the last call, for these rows
+        if launched:
             best = self._ahead(ahead[1], positions)
         else:
+            if self.routing is not None:  # each sequence's token takes the next row of its stretch
+                self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
             if self.why_eager is None:
                 logits = self.graphs.batch_step(tokens, positions)  # [B, V]
             else:
                 pos = torch.tensor(positions, device=device)  # [B]
                 where = DevicePosition(pos, max(positions) + 1, slot=BATCH_SLOT)
                 logits = self.model(torch.tensor(tokens, device=device).view(b, 1), where, last_only=True)[0][:, -1]
-            if all(greedy) and self.why_eager is None and self.routing is None and not feeding:
+            if all(greedy) and self.why_eager is None and self.routing is None:
                 best = self._ahead(logits.argmax(-1), positions)
             else:
                 best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
@@ -216,22 +227,46 @@ class BatchRun:
             seq.batch_sum += b
             self._take(seq, best[i] if greedy[i] else sample(logits[i], seq.sampling, seq.gen))
         self._drop_finished()
+        self._join()  # those in the step launched ahead, if one was
+
+    def _discard(self) -> None:
+        """The rows change: a step launched ahead for the old ones is of no use (it ran all the same)."""
+        if self.ahead is not None:
+            self.ahead, self.discarded = None, self.discarded + 1
+
+    def _join(self) -> None:
+        self.rows += self.joining
+        self.joining = []
 
     def _ahead(self, chosen: torch.Tensor, positions: list[int]) -> list[int]:
-        """This step's greedy tokens (chosen: device [B]) to the host, the next step launched with them first (kept in
-        self.ahead for the next call, which uses it if the rows stay as they are)."""
+        """This step's greedy tokens (chosen: device [B]) to the host; before reading them, the next step launched
+        where the host knows its rows and the tokens it does not choose (kept in self.ahead for the next call)."""
         b = len(positions)
         self.chosen[:b].copy_(chosen, non_blocking=True)
-        self.copied.record()
-        room = max(positions) + 1 < self.max_context  # the next step's cache rows exist
-        logits = self.graphs.batch_ahead(chosen, [p + 1 for p in positions]) if room else None
-        if logits is not None:
-            self.ahead = (self.version, logits.argmax(-1))
+        self.copied.record(self.graphs.stream)
+        if (following := self._following()) is not None:
+            rows, fed, at = following
+            logits = self.graphs.batch_ahead(chosen, fed, at)
+            if logits is not None:
+                self.ahead = (rows, logits.argmax(-1))
         self.copied.synchronize()  # this step's tokens, not the step launched after them
         return self.chosen[:b].tolist()
 
+    def _following(self) -> tuple[list[BatchSequence], list[int], list[int]] | None:
+        """The next step's rows, the tokens the host gives them (-1: the token this step chooses) and their positions,
+        or None where the host cannot know them yet: a row that may sample, or one this step ends by its length."""
+        rows = self.rows + self.joining
+        if not all(s.sampling.greedy for s in rows) or self.graphs.why_eager_batch(len(rows)) is not None:
+            return None
+        if any(not s.feed and s.stats.generated_tokens + 1 >= s.steps.budget for s in self.rows):
+            return None
+        fed = [s.feed[0] if s.feed else -1 for s in self.rows] + [s.token for s in self.joining]
+        at = [s.pos + 1 for s in self.rows] + [s.pos for s in self.joining]
+        return (rows, fed, at) if max(at) < self.max_context else None
+
     def cancel_all(self) -> None:
         """End every sequence now (finish reason "cancelled")."""
+        self._join()
         for seq in self.rows:
             seq.steps.finish = "cancelled"
         self._drop_finished()
@@ -252,8 +287,8 @@ class BatchRun:
             if seq.steps.finish is None:
                 i += 1
                 continue
+            self._discard()
             last = self.rows.pop()
-            self.version += 1
             if last is not seq:
                 _copy_rows(self.slots[BATCH_SLOT + i], self.slots[BATCH_SLOT + len(self.rows)], last.pos)
                 self.rows[i] = last

@@ -75,6 +75,8 @@ class DecodeGraphs:
         if self.why_eager is None:
             self.token, self.pos = self._inputs(1, 0)
             self.pool = torch.cuda.graph_pool_handle()
+            self.staged = torch.cuda.Event()  # after the last copy from the pinned staging rows
+            self.stream = torch.cuda.current_stream(device)  # the steps' stream (looking it up costs ~10 us a time)
         self.moe = [b.ffn for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
         self.moe_layers = [m.layer for m in self.moe]
 
@@ -112,31 +114,45 @@ class DecodeGraphs:
         """One step of a batch (runtime/generate/batch.py) by replay: sequence i's token at positions[i] in cache slot
         BATCH_SLOT + i -> logits [B, V] (the caller began its routing trace rows). Its first step of a batch size
         and span captures the step (an untimed run and the capture, then the replay)."""
-        b = len(tokens)
-        self._inputs(b, BATCH_SLOT)
-        if b not in self.staging:
-            self.staging[b] = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
-        host = self.staging[b]  # free again: the last step's logits were read, after its copy
-        host.numpy()[:] = (tokens, positions)
-        self.inputs[b, BATCH_SLOT].copy_(host, non_blocking=True)  # the token and position rows in one copy
-        key = (b, BATCH_SLOT, self.span(max(positions)))
+        self._stage(tokens, positions)
+        key = (len(tokens), BATCH_SLOT, self.span(max(positions)))
         if key not in self.graphs:
             self.graphs[key] = self._capture(key, begin=False)
-        return self._run(self.graphs[key], b)[0][:, -1].clone()
+        return self._run(self.graphs[key], len(tokens))[0][:, -1].clone()
 
-    def batch_ahead(self, chosen: torch.Tensor, positions: list[int]) -> torch.Tensor | None:
-        """Launch a batch's next step without the host: `chosen` (device [B], the last step's tokens, in its row
-        order) moves device to device into the step's inputs and each position steps by one (`positions`: the new
-        ones, for the span) -> the step's logits [B, V] (the graph's own, valid until its next replay), or None when
-        its graph is not captured yet (the caller steps as usual, capturing it)."""
-        b = len(positions)
-        key = (b, BATCH_SLOT, self.span(max(positions)))
+    def batch_ahead(self, chosen: torch.Tensor, fed: list[int], positions: list[int]) -> torch.Tensor | None:
+        """Launch a batch's next step without the host reading `chosen` (device [N], the last step's tokens, for the
+        first N rows): row i feeds fed[i], or chosen[i] where fed[i] is -1, at positions[i] -> the step's logits
+        [B, V] (the graph's own, valid until its next replay), or None when its graph is not captured yet (the
+        caller steps as usual, capturing it). The caller launches it right after the last step of the same N rows,
+        whose inputs are still in place: where the rows stay and every one takes its chosen token, nothing is
+        staged on the host (the tokens move device to device and each position steps by one)."""
+        key = (len(fed), BATCH_SLOT, self.span(max(positions)))
         if key not in self.graphs:
             return None
-        both = self.inputs[b, BATCH_SLOT]  # the last step's tokens and positions: same rows, one further
-        both[0].copy_(chosen)
-        both[1].add_(1)
-        return self._run(self.graphs[key], b)[0][:, -1]
+        n = len(chosen)
+        if n == len(fed) and max(fed) < 0:  # the same rows, each taking its chosen token, one position further
+            both = self.inputs[n, BATCH_SLOT]  # as the last step of this size left them: these rows' tokens
+            both[0].copy_(chosen)
+            both[1].add_(1)
+        else:
+            head = self._stage(fed, positions)[0, :n]
+            head.copy_(torch.where(head < 0, chosen, head))
+        return self._run(self.graphs[key], len(fed))[0][:, -1]
+
+    def _stage(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """A batch step's tokens and positions into its input rows [2, B], from pinned memory in one copy."""
+        b = len(tokens)
+        self._inputs(b, BATCH_SLOT)
+        both = self.inputs[b, BATCH_SLOT]
+        if b not in self.staging:
+            self.staging[b] = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
+        self.staged.synchronize()  # the pinned rows' last copy has run (a step launched ahead may still be queued)
+        host = self.staging[b]
+        host.numpy()[:] = (tokens, positions)
+        both.copy_(host, non_blocking=True)
+        self.staged.record(self.stream)
+        return both
 
     def span(self, pos: int) -> int:
         """The attention span of a step at `pos`: the smallest power of two above it, within the context."""

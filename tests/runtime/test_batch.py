@@ -148,7 +148,7 @@ def test_other_calls_between_a_batchs_steps_leave_it_alone(converted):
         run.step()
         between = engine.generate(PROMPTS[2], max_tokens=4, temperature=0).token_ids
         engine.logits(PROMPTS[3])
-        while run.rows:
+        while run.busy:
             run.step()
         assert [s.generation.token_ids for s in seqs] == alone
         assert between == _alone(engine, PROMPTS[2], 4)
@@ -167,6 +167,38 @@ def _until_done(run, seqs, most: int = 200) -> None:
             return
         run.step()
     raise AssertionError("the batch never finished")
+
+
+@pytest.mark.gpu
+def test_steps_run_ahead_through_joins_fed_prompts_and_ends_on_cuda(converted):
+    """With graphs, prompts join mid-way and are fed a token a step while each step is launched before the host reads
+    the last: tokens as alone; the host waits for a step only at the start and after each end by length; a cancel
+    discards the one step launched for the old rows."""
+    with Engine(converted, device="cuda", dtype="fp32", max_context=64, max_batch=3, cuda_graph=True) as engine:
+        alone = [_alone(engine, ids, n) for ids, n in zip(PROMPTS, TOKENS, strict=True)]
+        run = engine.batch()
+        assert run.stepped and run.why_eager is None
+        waited = []  # steps the host launched and then waited for (batch_ahead launches the others)
+        step = run.graphs.batch_step
+        run.graphs.batch_step = lambda *a: waited.append(a) or step(*a)
+        seqs = [run.add(PROMPTS[0], engine.options_for(max_tokens=TOKENS[0], temperature=0))]
+        for _ in range(2):  # the first decodes when the others join, one at a time
+            run.step()
+        seqs.append(run.add(PROMPTS[1], engine.options_for(max_tokens=TOKENS[1], temperature=0)))
+        run.step()
+        seqs.append(run.add(PROMPTS[3], engine.options_for(max_tokens=TOKENS[3], temperature=0)))
+        _until_done(run, seqs)
+        assert [s.generation.token_ids for s in seqs] == [alone[0], alone[1], alone[3]]
+        assert len(waited) <= 1 + len(seqs) and run.discarded == 0, (len(waited), run.discarded)
+        cancel = threading.Event()
+        gone = run.add(PROMPTS[2], engine.options_for(max_tokens=20, temperature=0), cancel)
+        kept = run.add(PROMPTS[0], engine.options_for(max_tokens=TOKENS[0], temperature=0))
+        for _ in range(len(PROMPTS[2]) + 2):
+            run.step()
+        cancel.set()
+        _until_done(run, [gone, kept])
+        assert gone.generation.finish_reason == "cancelled" and kept.generation.token_ids == alone[0]
+        assert run.discarded == 1
 
 
 def test_short_prompts_join_through_the_batchs_steps_with_the_tokens_of_alone(converted):

@@ -107,7 +107,7 @@ def test_prompts_joining_a_batch_together_prefill_layer_by_layer_into_their_slot
         joint = counters.snapshot()["ssd_reads"] - before
         assert joint <= e.model.experts.plan.total_records < one_by_one
         assert all(s.pos == len(p) - 1 and s.token == p[-1] for s, p in zip(seqs, prompts, strict=True))
-        while run.rows:
+        while run.busy:
             run.step()
         assert [s.generation.token_ids for s in seqs] == want
         assert e.generate(prompts[0], max_tokens=6, temperature=0).token_ids == want[0]  # slot 0 forgotten, refilled
@@ -141,6 +141,6 @@ def test_under_a_routing_trace_joining_prompts_prefill_together_each_through_row
         prefilled = sum(n - 1 for n in LENGTHS)
         assert sorted({r for rows in begun for r in rows}) == list(range(cursor, cursor + prefilled))
         assert all(rows == list(range(rows[0], rows[0] + len(rows))) for rows in begun)  # a chunk: consecutive rows
-        while run.rows:
+        while run.busy:
             run.step()
         assert [s.generation.token_ids for s in seqs] == want

@@ -70,6 +70,7 @@ class ChatTokenizer:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises plain Exception for a malformed file
             raise ManifestError(f"{path}: not a valid tokenizer.json ({e}); copy it again from the source") from e
+        self.alone: dict[int, str] = {}  # token -> its text decoded alone (decode_alone)
         cfg_path = model_dir / "tokenizer_config.json"
         try:
             cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -112,6 +113,14 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int], keep_special: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=not keep_special)
+
+    def decode_alone(self, token: int) -> str:
+        """One token's text decoded alone (as decode([token])), kept once decoded: a TextStream needs its last
+        folded token's at every step, and a batch steps many streams."""
+        text = self.alone.get(token)
+        if text is None:
+            text = self.alone[token] = self.decode([token])
+        return text
 
     def render_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, thinking: bool | None = None
@@ -168,7 +177,8 @@ class TextStream:
     def add(self, token: int) -> str:
         """Append a token -> the whole text so far (with a trailing U+FFFD while a character is unfinished)."""
         self.ids.append(token)
-        head = self.tok.decode(self.ids[self.prefix : self.read])
+        window = self.ids[self.prefix : self.read]  # mostly one token: the last one folded
+        head = self.tok.decode_alone(window[0]) if len(window) == 1 else self.tok.decode(window)
         full = self.tok.decode(self.ids[self.prefix :])
         if not full.startswith(head):  # a decoder that rewrites across the window's edge: widen it to all
             self.text, self.prefix, self.read = "", 0, 0

@@ -13,9 +13,10 @@ float rounding (tests/runtime/test_batch.py). A batch of greedy sequences runs o
 sequence does: each step's tokens feed the next step on the device before the host reads them. The host knows the
 next step's rows and the tokens it does not choose (a prompt's next token, a joining prompt's first) before it reads
 this step's, so joins and prompts being fed keep the step ahead: a stepped prompt joins at the next step boundary
-(`joining`), in the step launched then. A row that ends by its length launches nothing ahead; one that ends otherwise
-(a stop, EOS, a cancel) discards the step launched (it ran, and the expert counters include it; `discarded` counts
-them). counters include it). Legend: B sequences in the step, V vocab.
+(`joining`), in the step launched then. A row that ends by its length, or whose cancel is set, launches nothing
+ahead. What the host cannot foresee discards the step launched: an end by a stop string or EOS, a cancel set while
+it ran, a prompt prefilled into the batch (it ran, and the expert counters include it; `discarded` counts them).
+Legend: B sequences in the step, V vocab.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class BatchRun:
         self.joining: list[BatchSequence] = []  # stepped prompts that join at the next step boundary
         # ahead: (the rows it runs, their tokens on the device [B]); used only if the rows are still those
         self.ahead: tuple[list[BatchSequence], torch.Tensor] | None = None
-        self.discarded = 0  # steps launched ahead for rows that then changed
+        self.discarded = 0  # steps launched ahead and not used: the rows changed, or the batch was cancelled
         if graphs is not None and graphs.ready and routing is None:  # trace rows are begun by the host: no step ahead
             self.chosen = torch.empty(max_batch, dtype=torch.long, pin_memory=True)
             self.copied = torch.cuda.Event()
@@ -197,8 +198,7 @@ class BatchRun:
         launched = ahead is not None and ahead[0] == self.rows  # this step already runs on the device
         if not launched:
             self._join()
-        b, device = len(self.rows), self.model.device
-        tokens, positions = [s.token for s in self.rows], [s.pos for s in self.rows]
+        b, device, positions = len(self.rows), self.model.device, [s.pos for s in self.rows]
         self.why_eager = "--no-cuda-graph" if self.graphs is None else self.graphs.why_eager_batch(b)
         greedy = [s.sampling.greedy for s in self.rows]
         if launched:
@@ -206,6 +206,7 @@ class BatchRun:
         else:
             if self.routing is not None:  # each sequence's token takes the next row of its stretch
                 self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
+            tokens = [s.token for s in self.rows]
             if self.why_eager is None:
                 logits = self.graphs.batch_step(tokens, positions)  # [B, V]
             else:
@@ -243,7 +244,7 @@ class BatchRun:
         where the host knows its rows and the tokens it does not choose (kept in self.ahead for the next call)."""
         b = len(positions)
         self.chosen[:b].copy_(chosen, non_blocking=True)
-        self.copied.record(self.graphs.stream)
+        self.copied.record()
         if (following := self._following()) is not None:
             rows, fed, at = following
             logits = self.graphs.batch_ahead(chosen, fed, at)
@@ -254,9 +255,12 @@ class BatchRun:
 
     def _following(self) -> tuple[list[BatchSequence], list[int], list[int]] | None:
         """The next step's rows, the tokens the host gives them (-1: the token this step chooses) and their positions,
-        or None where the host cannot know them yet: a row that may sample, or one this step ends by its length."""
+        or None where the host cannot know them yet: a row that may sample, or one this step ends (by its length, or
+        cancelled already)."""
         rows = self.rows + self.joining
         if not all(s.sampling.greedy for s in rows) or self.graphs.why_eager_batch(len(rows)) is not None:
+            return None
+        if any(s.cancel is not None and s.cancel.is_set() for s in rows):
             return None
         if any(not s.feed and s.stats.generated_tokens + 1 >= s.steps.budget for s in self.rows):
             return None

@@ -76,7 +76,6 @@ class DecodeGraphs:
             self.token, self.pos = self._inputs(1, 0)
             self.pool = torch.cuda.graph_pool_handle()
             self.staged = torch.cuda.Event()  # after the last copy from the pinned staging rows
-            self.stream = torch.cuda.current_stream(device)  # the steps' stream (looking it up costs ~10 us a time)
         self.moe = [b.ffn for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
         self.moe_layers = [m.layer for m in self.moe]
 
@@ -151,7 +150,7 @@ class DecodeGraphs:
         host = self.staging[b]
         host.numpy()[:] = (tokens, positions)
         both.copy_(host, non_blocking=True)
-        self.staged.record(self.stream)
+        self.staged.record()  # on the calling thread's stream, as the copy
         return both
 
     def span(self, pos: int) -> int:

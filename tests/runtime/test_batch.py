@@ -173,31 +173,40 @@ def _until_done(run, seqs, most: int = 200) -> None:
 def test_steps_run_ahead_through_joins_fed_prompts_and_ends_on_cuda(converted):
     """With graphs, prompts join mid-way and are fed a token a step while each step is launched before the host reads
     the last: tokens as alone; the host waits for a step only at the start and after each end by length; a cancel
-    discards the one step launched for the old rows."""
+    set between steps discards nothing, an EOS the one step launched after it."""
     with Engine(converted, device="cuda", dtype="fp32", max_context=64, max_batch=3, cuda_graph=True) as engine:
         alone = [_alone(engine, ids, n) for ids, n in zip(PROMPTS, TOKENS, strict=True)]
+        assert [len(a) for a in alone] == TOKENS  # every end is by length, which the host foresees
         run = engine.batch()
-        assert run.stepped and run.why_eager is None
+        assert run.stepped
         waited = []  # steps the host launched and then waited for (batch_ahead launches the others)
         step = run.graphs.batch_step
         run.graphs.batch_step = lambda *a: waited.append(a) or step(*a)
         seqs = [run.add(PROMPTS[0], engine.options_for(max_tokens=TOKENS[0], temperature=0))]
-        for _ in range(2):  # the first decodes when the others join, one at a time
+        for _ in range(2):  # the others join one at a time, the first still fed its prompt, then decoding
             run.step()
         seqs.append(run.add(PROMPTS[1], engine.options_for(max_tokens=TOKENS[1], temperature=0)))
         run.step()
         seqs.append(run.add(PROMPTS[3], engine.options_for(max_tokens=TOKENS[3], temperature=0)))
         _until_done(run, seqs)
         assert [s.generation.token_ids for s in seqs] == [alone[0], alone[1], alone[3]]
-        assert len(waited) <= 1 + len(seqs) and run.discarded == 0, (len(waited), run.discarded)
+        # the first step, then one after each end but the last
+        assert len(waited) <= len(seqs) and run.discarded == 0, (len(waited), run.discarded)
         cancel = threading.Event()
         gone = run.add(PROMPTS[2], engine.options_for(max_tokens=20, temperature=0), cancel)
         kept = run.add(PROMPTS[0], engine.options_for(max_tokens=TOKENS[0], temperature=0))
         for _ in range(len(PROMPTS[2]) + 2):
             run.step()
-        cancel.set()
+        cancel.set()  # between steps: the host sees it before it launches the next step, so none is thrown away
         _until_done(run, [gone, kept])
         assert gone.generation.finish_reason == "cancelled" and kept.generation.token_ids == alone[0]
+        assert run.discarded == 0
+        eos = alone[1][2]  # an end the host cannot foresee: the step launched after it is thrown away
+        engine.tokenizer.eos_ids = frozenset({eos})
+        ended = run.add(PROMPTS[1], engine.options_for(max_tokens=TOKENS[1], temperature=0))
+        _until_done(run, [ended])
+        assert ended.generation.finish_reason == "stop"
+        assert ended.generation.token_ids == alone[1][: alone[1].index(eos)]
         assert run.discarded == 1
 
 

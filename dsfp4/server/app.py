@@ -25,7 +25,7 @@ from dsfp4.runtime.generate.generation import Delta, Generation
 from dsfp4.runtime.generate.prompt import PromptRules
 from dsfp4.runtime.generate.reasoning import ReasoningSplitter, split_reasoning
 from dsfp4.server.answers import Answer, sse, stats
-from dsfp4.server.jobs import Job, LoopSink, QueueFull, Report
+from dsfp4.server.jobs import Job, QueueFull, Report, Sink
 from dsfp4.server.metrics import Metrics
 from dsfp4.server.requests import ApiError, GenRequest, parse_request
 
@@ -60,6 +60,7 @@ class Call:
 class Runs(Protocol):
     """What the app asks of a scheduler (scheduler.Scheduler, link.RemoteScheduler)."""
 
+    def sink(self, loop: asyncio.AbstractEventLoop) -> Sink | None: ...
     def submit(self, job: Job) -> None: ...
     def cancel(self, job: Job) -> None: ...
     def stop(self) -> None: ...
@@ -126,7 +127,7 @@ def build_app(rules: PromptRules, scheduler: Runs, served: Served, metrics: Metr
                 400, message + f"server's context of {rules.max_context}", "max_tokens", "context_length_exceeded"
             )
         max_tokens = req.max_tokens or min(served.max_tokens or room, room)
-        job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, LoopSink(asyncio.get_running_loop()))
+        job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, scheduler.sink(asyncio.get_running_loop()))
         try:
             scheduler.submit(job)
         except QueueFull:

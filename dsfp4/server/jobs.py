@@ -40,7 +40,7 @@ class Job:
 
     prompt_ids: list[int]
     options: dict[str, Any]  # Engine.stream keywords
-    sink: Sink  # where post() sends its items from the engine's thread (unused where the link brings them)
+    sink: Sink | None  # where post() sends its items from the engine's thread; None where the link brings them
     id: int = 0  # the link's name for it, between the processes
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -139,6 +139,10 @@ class RemoteScheduler:
         self._loop = loop
         loop.add_reader(self.conn.fileno(), self._read)
 
+    def sink(self, loop: asyncio.AbstractEventLoop) -> None:
+        """None: the link's reader puts each job's items on its queue itself (_handle)."""
+        return None
+
     def submit(self, job: Job) -> None:
         # the scheduler's rule: waiting + running below max_queue + slots (a job counts here until its end)
         if self._stopping or self._lost or len(self.jobs) >= self.max_queue + self.slots:

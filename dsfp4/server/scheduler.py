@@ -10,6 +10,7 @@ stopped at its next prefill chunk or token if it runs.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -19,7 +20,7 @@ from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.batch import BatchRun, BatchSequence
 from dsfp4.runtime.generate.decoder import Cancelled
 from dsfp4.runtime.generate.generation import Generation
-from dsfp4.server.jobs import Job, QueueFull, Report, post
+from dsfp4.server.jobs import Job, LoopSink, QueueFull, Report, post
 
 
 class Scheduler:
@@ -33,6 +34,10 @@ class Scheduler:
         work = self._work_batched if self.slots > 1 else self._work
         self._thread = threading.Thread(target=work, name="dsfp4-engine", daemon=True)
         self._thread.start()
+
+    def sink(self, loop: asyncio.AbstractEventLoop) -> LoopSink:
+        """Where a job made on `loop` gets its items: that loop, woken from the engine's thread."""
+        return LoopSink(loop)
 
     def submit(self, job: Job) -> None:
         with self._wake:

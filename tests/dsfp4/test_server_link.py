@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from dsfp4.runtime.generate.generation import Delta, Generation
-from dsfp4.server.jobs import Job, LoopSink, QueueFull, Report, post
+from dsfp4.server.jobs import Job, QueueFull, Report, post
 from dsfp4.server.link import EngineLink, RemoteScheduler
 from dsfp4.server.requests import ApiError
 
@@ -69,11 +69,11 @@ def test_jobs_cross_the_link_in_order_end_once_and_fail_when_the_engine_goes():
         loop = asyncio.get_running_loop()
         remote = RemoteScheduler(_connection(b), 1, 2, lambda j, r: ended.append((j.id, r)), lambda: lost.append(1))
         remote.attach(loop)
-        jobs = [Job([1, i], {"max_tokens": 2}, LoopSink(loop)) for i in range(3)]
+        jobs = [Job([1, i], {"max_tokens": 2}, remote.sink(loop)) for i in range(3)]
         for job in jobs:
             remote.submit(job)
         with pytest.raises(QueueFull):  # max_queue 1 + slots 2
-            remote.submit(Job([1], {}, LoopSink(loop)))
+            remote.submit(Job([1], {}, remote.sink(loop)))
         there = await arrived(3)
         assert [(j.id, j.prompt_ids, j.options) for j in there] == [(j.id, j.prompt_ids, j.options) for j in jobs]
         done = Generation([1, 0], [7, 8], "ab", "length")
@@ -97,7 +97,7 @@ def test_jobs_cross_the_link_in_order_end_once_and_fail_when_the_engine_goes():
         )
         assert await remote.report() == Report(True, 1, 2, 3, {"ssd_bytes": 5.0})
         assert [k for k, _ in ended] == [j.id for j in jobs] and not remote.jobs and not link.jobs
-        waiting = Job([2], {}, LoopSink(loop))
+        waiting = Job([2], {}, remote.sink(loop))
         remote.submit(waiting)  # the queue has room again
         await arrived(1)
         with socket.socket(fileno=os.dup(link.conn.fileno())) as end:  # the engine's process goes
@@ -106,7 +106,7 @@ def test_jobs_cross_the_link_in_order_end_once_and_fail_when_the_engine_goes():
         assert error.status == 503 and error.code == "engine_stopped" and waiting.done.is_set() and lost == [1]
         assert not (await remote.report()).alive
         with pytest.raises(QueueFull):
-            remote.submit(Job([1], {}, LoopSink(loop)))
+            remote.submit(Job([1], {}, remote.sink(loop)))
 
     asyncio.run(main())
 

@@ -85,6 +85,10 @@ class BatchSequence:
     def stats(self) -> GenerationStats:
         return self.steps.stats
 
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
 
 class BatchRun:
     """The sequences decoding together in cache slots 1..max_batch of `model`, with the engine's `hooks`. With `joint`
@@ -221,7 +225,7 @@ class BatchRun:
             seq.pos += 1
             if seq.feed:  # a stepped prompt: the step only filled its cache row
                 seq.token = seq.feed.popleft()
-                if seq.cancel is not None and seq.cancel.is_set():
+                if seq.cancelled:
                     seq.steps.finish = "cancelled"
                 continue
             seq.steps_taken += 1
@@ -260,9 +264,7 @@ class BatchRun:
         rows = self.rows + self.joining
         if not all(s.sampling.greedy for s in rows) or self.graphs.why_eager_batch(len(rows)) is not None:
             return None
-        if any(s.cancel is not None and s.cancel.is_set() for s in rows):
-            return None
-        if any(not s.feed and s.stats.generated_tokens + 1 >= s.steps.budget for s in self.rows):
+        if any(s.cancelled for s in rows) or any(not s.feed and s.steps.last_is_next for s in self.rows):
             return None
         fed = [s.feed[0] if s.feed else -1 for s in self.rows] + [s.token for s in self.joining]
         at = [s.pos + 1 for s in self.rows] + [s.pos for s in self.joining]
@@ -276,7 +278,7 @@ class BatchRun:
         self._drop_finished()
 
     def _take(self, seq: BatchSequence, token: int) -> None:
-        if seq.cancel is not None and seq.cancel.is_set():
+        if seq.cancelled:
             seq.steps.finish = "cancelled"
             return
         seq.token = token

@@ -76,9 +76,19 @@ class TextSteps:
             return None
         end = max(len(text) - held_back(text, self.stop), emitted)
         self.emitted = end
-        if stats.generated_tokens >= self.budget:
+        if self.spent:
             self.finish = "length"
         return Delta(token, text[emitted:end])
+
+    @property
+    def spent(self) -> bool:
+        """The budget's tokens are all generated."""
+        return self.stats.generated_tokens >= self.budget
+
+    @property
+    def last_is_next(self) -> bool:
+        """The next token is the budget's last (a batch launches no step after it)."""
+        return self.stats.generated_tokens + 1 >= self.budget
 
     def end(self) -> Delta | None:
         """The generation is over (finish "length" unless set): the inter-token times into the stats -> the last

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -67,6 +67,19 @@ class Runs(Protocol):
     async def report(self) -> Report: ...
 
 
+@dataclass(frozen=True)
+class Context:
+    """What the endpoints share: the rules requests are checked with, the scheduler, what is served, the counts."""
+
+    rules: PromptRules
+    scheduler: Runs
+    served: Served
+    metrics: Metrics
+
+
+Endpoint = Callable[[Context, Request], Awaitable[Response]]
+
+
 def create_app(engine: Engine, served: Served) -> FastAPI:
     """The app over an engine of this process."""
     from dsfp4.server.scheduler import Scheduler  # here: the HTTP process imports this file without torch
@@ -85,149 +98,176 @@ def build_app(rules: PromptRules, scheduler: Runs, served: Served, metrics: Metr
 
     app = FastAPI(title="dsfp4", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
-        return JSONResponse(error.body(), e.status_code)
-
-    def check_key(request: Request) -> None:
-        if served.api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), served.api_key.encode()):
-            raise ApiError(
-                401, "incorrect or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
-            )
-
-    def accept(req: GenRequest) -> Call:
-        """Tokenize, check against the context, queue: an ApiError for anything the engine would refuse."""
-        if req.model not in (None, served.model_id):
-            raise ApiError(
-                404,
-                f"model {req.model!r} is not served here; this server serves {served.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
-        where = "messages" if req.chat else "prompt"
-        try:
-            ids = rules.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)  # completions: raw
-            rules.check(ids)
-        except ContextLengthError as e:  # the engine's message names the CLI flag; a client gets the server's
-            message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
-            raise ApiError(
-                400, message + "(start it with a larger --max-context)", where, "context_length_exceeded"
-            ) from None
-        except ConfigError as e:  # the chat template refused the conversation, or a token id is out of range
-            raise ApiError(400, str(e), where) from None
-        room = rules.room(len(ids))
-        if req.max_tokens is not None and req.max_tokens > room:
-            message = f"max_tokens {req.max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
-            raise ApiError(
-                400, message + f"server's context of {rules.max_context}", "max_tokens", "context_length_exceeded"
-            )
-        max_tokens = req.max_tokens or min(served.max_tokens or room, room)
-        job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, scheduler.sink(asyncio.get_running_loop()))
-        try:
-            scheduler.submit(job)
-        except QueueFull:
-            raise ApiError(
-                503, f"the server is busy: {served.max_queue} requests wait already; retry later", code="queue_full"
-            ) from None
-        return Call(req, job, Answer(req.chat, served.model_id), req.chat and rules.opens_thinking(ids))
-
-    async def watch(call: Call, request: Request) -> None:
-        """Cancel the job as soon as its client disconnects, streaming or not, until the job is done."""
-        while not call.job.done.is_set():
-            if await request.is_disconnected():
-                scheduler.cancel(call.job)
-                return
-            await asyncio.sleep(POLL_S)
-
-    async def events(call: Call) -> AsyncIterator[str]:
-        a, splitter = call.answer, ReasoningSplitter(call.thinking)
-        if call.req.chat:
-            yield sse(a.chunk(role=True))
-        out = call.job.out
-        item = await out.get()
-        while isinstance(item, Delta):
-            piece, item = item.text, None
-            while not out.empty():  # deltas that queued while the last chunk went out leave as one chunk
-                if not isinstance(nxt := out.get_nowait(), Delta):
-                    item = nxt
-                    break
-                piece += nxt.text
-            reasoning, text = splitter.feed(piece) if call.req.chat else ("", piece)
-            if reasoning or text:
-                yield a.event(reasoning, text)
-            if item is None:
-                item = await out.get()
-        if isinstance(item, Generation):
-            reasoning, text = splitter.flush() if call.req.chat else ("", "")
-            yield sse({**a.chunk(reasoning, text, item.finish_reason), "stats": stats(item, call.job.wait_s)})
-            if call.req.include_usage:
-                yield sse(a.usage_chunk(item))
-            yield sse("[DONE]")
-        else:  # an error, or None: cancelled because the client left (unread) or the server is shutting down
-            e = ApiError.of(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
-            yield sse(e.body())
-
-    async def complete(request: Request, chat: bool) -> Response:
-        endpoint = "chat" if chat else "completions"
-        try:
-            check_key(request)
-            call = accept(parse_request(await request.body(), chat))
-        except ApiError as e:
-            metrics.answered(endpoint, e.status)
-            return JSONResponse(e.body(), e.status)
-        call.watcher = asyncio.create_task(watch(call, request))
-        if call.req.stream:
-            metrics.answered(endpoint, 200)
-            return StreamingResponse(
-                events(call), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        while isinstance(item := await call.job.out.get(), Delta):
-            pass
-        if item is None:  # cancelled: the client is gone, nobody reads this answer
-            metrics.answered(endpoint, 499)
-            return Response(status_code=499)
-        if not isinstance(item, Generation):
-            e = ApiError.of(item)
-            metrics.answered(endpoint, e.status)
-            return JSONResponse(e.body(), e.status)
-        metrics.answered(endpoint, 200)
-        reasoning, text = split_reasoning(item.text, call.thinking) if chat else ("", item.text)
-        return JSONResponse(call.answer.whole(reasoning, text, item, call.job.wait_s))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await complete(request, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await complete(request, chat=False)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        try:
-            check_key(request)
-        except ApiError as e:
-            return JSONResponse(e.body(), e.status)
-        card = {"id": served.model_id, "object": "model", "created": 0, "owned_by": "dsfp4"}
-        card["thinking_switch"] = rules.tokenizer.thinking_switch  # chat_template_kwargs' thinking applies
-        return JSONResponse({"object": "list", "data": [card]})
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        r = await scheduler.report()
-        if not r.alive:
-            return JSONResponse({"status": "error", "detail": "the engine has stopped or does not answer"}, 503)
-        return JSONResponse({"status": "ok", "busy": r.running > 0, "running": r.running, "queue": r.waiting})
-
-    @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        r = await scheduler.report()
-        text = metrics.render(r.waiting, r.running, r.slots, r.counters)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
+    app.add_exception_handler(HTTPException, http_error)
+    ctx = Context(rules, scheduler, served, metrics)
+    for method, path, endpoint in (
+        ("POST", "/v1/chat/completions", chat_completions),
+        ("POST", "/v1/completions", completions),
+        ("GET", "/v1/models", models),
+        ("GET", "/health", health),
+        ("GET", "/metrics", prometheus),
+    ):
+        app.add_api_route(path, _route(ctx, endpoint), methods=[method], name=endpoint.__name__)
     return app
+
+
+def _route(ctx: Context, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint as FastAPI calls it: with the request alone."""
+
+    async def route(request: Request) -> Response:
+        return await endpoint(ctx, request)
+
+    return route
+
+
+async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """FastAPI's own refusals (an unknown route, a wrong method) in the OpenAI error shape."""
+    error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+    return JSONResponse(error.body(), e.status_code)
+
+
+async def chat_completions(ctx: Context, request: Request) -> Response:
+    return await complete(ctx, request, chat=True)
+
+
+async def completions(ctx: Context, request: Request) -> Response:
+    return await complete(ctx, request, chat=False)
+
+
+async def models(ctx: Context, request: Request) -> Response:
+    try:
+        check_key(ctx.served, request)
+    except ApiError as e:
+        return JSONResponse(e.body(), e.status)
+    card = {"id": ctx.served.model_id, "object": "model", "created": 0, "owned_by": "dsfp4"}
+    # chat_template_kwargs' thinking applies
+    card["thinking_switch"] = ctx.rules.tokenizer.thinking_switch
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(ctx: Context, request: Request) -> Response:
+    r = await ctx.scheduler.report()
+    if not r.alive:
+        return JSONResponse({"status": "error", "detail": "the engine has stopped or does not answer"}, 503)
+    return JSONResponse({"status": "ok", "busy": r.running > 0, "running": r.running, "queue": r.waiting})
+
+
+async def prometheus(ctx: Context, request: Request) -> Response:
+    r = await ctx.scheduler.report()
+    text = ctx.metrics.render(r.waiting, r.running, r.slots, r.counters)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def complete(ctx: Context, request: Request, chat: bool) -> Response:
+    """A chat or text completion: the whole answer as JSON, or its pieces as server-sent events."""
+    endpoint = "chat" if chat else "completions"
+    try:
+        check_key(ctx.served, request)
+        call = accept(ctx, parse_request(await request.body(), chat))
+    except ApiError as e:
+        ctx.metrics.answered(endpoint, e.status)
+        return JSONResponse(e.body(), e.status)
+    call.watcher = asyncio.create_task(watch(ctx.scheduler, call, request))
+    if call.req.stream:
+        ctx.metrics.answered(endpoint, 200)
+        return StreamingResponse(events(call), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    while isinstance(item := await call.job.out.get(), Delta):
+        pass
+    if item is None:  # cancelled: the client is gone, nobody reads this answer
+        ctx.metrics.answered(endpoint, 499)
+        return Response(status_code=499)
+    if not isinstance(item, Generation):
+        e = ApiError.of(item)
+        ctx.metrics.answered(endpoint, e.status)
+        return JSONResponse(e.body(), e.status)
+    ctx.metrics.answered(endpoint, 200)
+    reasoning, text = split_reasoning(item.text, call.thinking) if chat else ("", item.text)
+    return JSONResponse(call.answer.whole(reasoning, text, item, call.job.wait_s))
+
+
+def check_key(served: Served, request: Request) -> None:
+    """An ApiError unless the request carries the served API key (when there is one)."""
+    if served.api_key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), served.api_key.encode()):
+        raise ApiError(401, "incorrect or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+
+def accept(ctx: Context, req: GenRequest) -> Call:
+    """Tokenize, check against the context, queue: an ApiError for anything the engine would refuse."""
+    rules, served = ctx.rules, ctx.served
+    if req.model not in (None, served.model_id):
+        raise ApiError(
+            404,
+            f"model {req.model!r} is not served here; this server serves {served.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    where = "messages" if req.chat else "prompt"
+    try:
+        # a completion's text is raw: it skips the prompt format
+        ids = rules.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)
+        rules.check(ids)
+    except ContextLengthError as e:  # the engine's message names the CLI flag; a client gets the server's
+        message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
+        raise ApiError(
+            400, message + "(start it with a larger --max-context)", where, "context_length_exceeded"
+        ) from None
+    except ConfigError as e:  # the chat template refused the conversation, or a token id is out of range
+        raise ApiError(400, str(e), where) from None
+    room = rules.room(len(ids))
+    if req.max_tokens is not None and req.max_tokens > room:
+        message = f"max_tokens {req.max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
+        raise ApiError(
+            400, message + f"server's context of {rules.max_context}", "max_tokens", "context_length_exceeded"
+        )
+    max_tokens = req.max_tokens or min(served.max_tokens or room, room)
+    job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, ctx.scheduler.sink(asyncio.get_running_loop()))
+    try:
+        ctx.scheduler.submit(job)
+    except QueueFull:
+        raise ApiError(
+            503, f"the server is busy: {served.max_queue} requests wait already; retry later", code="queue_full"
+        ) from None
+    return Call(req, job, Answer(req.chat, served.model_id), req.chat and rules.opens_thinking(ids))
+
+
+async def watch(scheduler: Runs, call: Call, request: Request) -> None:
+    """Cancel the job as soon as its client disconnects, streaming or not, until the job is done."""
+    while not call.job.done.is_set():
+        if await request.is_disconnected():
+            scheduler.cancel(call.job)
+            return
+        await asyncio.sleep(POLL_S)
+
+
+async def events(call: Call) -> AsyncIterator[str]:
+    """A streamed answer's server-sent events, up to [DONE] or an error's body."""
+    a, splitter = call.answer, ReasoningSplitter(call.thinking)
+    if call.req.chat:
+        yield sse(a.chunk(role=True))
+    out = call.job.out
+    item = await out.get()
+    while isinstance(item, Delta):
+        piece, item = item.text, None
+        # deltas that queued while the last chunk went out leave as one chunk
+        while not out.empty():
+            if not isinstance(nxt := out.get_nowait(), Delta):
+                item = nxt
+                break
+            piece += nxt.text
+        reasoning, text = splitter.feed(piece) if call.req.chat else ("", piece)
+        if reasoning or text:
+            yield a.event(reasoning, text)
+        if item is None:
+            item = await out.get()
+    if isinstance(item, Generation):
+        reasoning, text = splitter.flush() if call.req.chat else ("", "")
+        yield sse({**a.chunk(reasoning, text, item.finish_reason), "stats": stats(item, call.job.wait_s)})
+        if call.req.include_usage:
+            yield sse(a.usage_chunk(item))
+        yield sse("[DONE]")
+    else:  # an error, or None: cancelled because the client left (unread) or the server is shutting down
+        e = ApiError.of(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
+        yield sse(e.body())

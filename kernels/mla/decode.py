@@ -101,6 +101,97 @@ if triton is not None:
             return add.to(tl.float32) * _LOG2E
         return tl.where(s_ok[None, :], tl.zeros((HB, s.shape[0]), dtype=tl.float32), float("-inf"))
 
+    @triton.jit
+    def _query_rows(ptr, b, t, h, row_ok, cols, stride_b, stride_t, stride_h, N: tl.constexpr, DOT: tl.constexpr):
+        """[HB, NP] the query of each row's (token t, head h) in sequence b, in the products' dtype; 0 at columns
+        cols >= N and padding rows."""
+        ok = row_ok[:, None] & (cols < N)[None, :]
+        return tl.load(
+            ptr + b * stride_b + (t * stride_t + h * stride_h)[:, None] + cols[None, :], mask=ok, other=0.0
+        ).to(DOT)
+
+    @triton.jit
+    def _cache_tile(ptr, b, s, s_ok, cols, stride_b, stride_s, N: tl.constexpr, DOT: tl.constexpr):
+        """[BS, NP] sequence b's cache rows at positions s, in the products' dtype; 0 past the split (s_ok false)
+        and at columns cols >= N."""
+        return tl.load(
+            ptr + b * stride_b + s[:, None] * stride_s + cols[None, :],
+            mask=s_ok[:, None] & (cols < N)[None, :],
+            other=0.0,
+        ).to(DOT)
+
+    @triton.jit
+    def _live_span(
+        mask_ptr,
+        t,
+        row_ok,
+        start,
+        stop,
+        stride_mt,
+        stride_ms,
+        HB: tl.constexpr,
+        BS: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+    ):
+        """[lo, hi): [start, stop) narrowed to the tiles some row sees (a captured step's span past its position
+        is -inf): the main loop then reads no cache for the others, and stays free of branches to pipeline."""
+        lo, hi = stop, start
+        for s0 in range(start, stop, BS):
+            s = s0 + tl.arange(0, BS)
+            add = _mask_tile(mask_ptr, t, s, row_ok, s < stop, stride_mt, stride_ms, HB, HAS_MASK)
+            live = tl.max(tl.max(add, axis=1), axis=0) > float("-inf")
+            lo = tl.where(live & (lo == stop), s0, lo)
+            hi = tl.where(live, s0 + BS, hi)
+        return lo, hi
+
+    @triton.jit
+    def _attend_tile(qn, qp, kv, pe, add, m_i, l_i, acc, qk_scale, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        """One tile of the online softmax: the rows' base-2 scores against kv, pe (add: the mask) folded into the
+        running max m_i [HB], sum l_i [HB] and unnormalized sum of c_kv rows acc [HB, CP] -> the three updated."""
+        scores = tl.dot(qn, tl.trans(kv), input_precision=PRECISION)  # [HB, BS] fp32
+        scores = tl.dot(qp, tl.trans(pe), scores, input_precision=PRECISION)
+        scores = scores * qk_scale + add
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # rows with nothing unmasked yet keep m = -inf: subtract 0 there (not -inf - -inf = NaN)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(scores - m_ref[:, None])  # [HB, BS]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p rounds to the cache's dtype for the tensor cores (the reference rounds its probs likewise)
+        acc = tl.dot(p.to(DOT), kv, acc * alpha[:, None], input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _store_split(
+        part_ptr,
+        ml_ptr,
+        lat_ptr,
+        acc,
+        m_i,
+        l_i,
+        b,
+        sp,
+        splits,
+        rows,
+        row_ok,
+        c,
+        T: tl.constexpr,
+        H: tl.constexpr,
+        C: tl.constexpr,
+        DIRECT: tl.constexpr,
+    ):
+        """The split's sum acc [HB, CP] with its running max and sum into its partials, or lat when DIRECT."""
+        out_ok = row_ok[:, None] & (c < C)[None, :]
+        seq_row = b * T * H + rows  # [HB]: the row's index among all B T H rows
+        if DIRECT:
+            lat = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
+            tl.store(lat_ptr + seq_row[:, None] * C + c[None, :], lat.to(lat_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            part = seq_row * splits + sp  # [HB]
+            tl.store(part_ptr + part[:, None] * C + c[None, :], acc, mask=out_ok)
+            tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
     # the span and its splits change at every eager decode step: one compiled variant for all of them
     @triton.jit(do_not_specialize=["S", "chunk", "splits", "stride_mb", "stride_mt"])
     def _split_kernel(
@@ -152,65 +243,24 @@ if triton is not None:
         row_ok = rows < T * H
         t, h = rows // H, rows % H
         c, r = tl.arange(0, CP), tl.arange(0, RP)
-        q_ok = row_ok[:, None] & (c < C)[None, :]
-        qn = tl.load(
-            qn_ptr + b * stride_qnb + (t * stride_qnt + h * stride_qnh)[:, None] + c[None, :], mask=q_ok, other=0.0
-        ).to(DOT)
-        qr_ok = row_ok[:, None] & (r < R)[None, :]
-        qp = tl.load(
-            qp_ptr + b * stride_qpb + (t * stride_qpt + h * stride_qph)[:, None] + r[None, :], mask=qr_ok, other=0.0
-        ).to(DOT)
+        qn = _query_rows(qn_ptr, b, t, h, row_ok, c, stride_qnb, stride_qnt, stride_qnh, C, DOT)  # [HB, CP]
+        qp = _query_rows(qp_ptr, b, t, h, row_ok, r, stride_qpb, stride_qpt, stride_qph, R, DOT)  # [HB, RP]
         m_i = tl.full((HB,), float("-inf"), dtype=tl.float32)  # running max of the base-2 scores
         l_i = tl.zeros((HB,), dtype=tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros((HB, CP), dtype=tl.float32)
         start = sp * chunk
         stop = tl.minimum(start + chunk, S)
         lo, hi = start, stop
-        if SKIP_MASKED:  # narrow [lo, hi) to the tiles some row sees (a captured step's span past its position
-            # is -inf): the main loop then reads no cache for the others, and stays free of branches to pipeline
-            lo, hi = stop, start
-            for s0 in range(start, stop, BS):
-                s = s0 + tl.arange(0, BS)
-                add = _mask_tile(mask_ptr, t, s, row_ok, s < stop, stride_mt, stride_ms, HB, HAS_MASK)
-                live = tl.max(tl.max(add, axis=1), axis=0) > float("-inf")
-                lo = tl.where(live & (lo == stop), s0, lo)
-                hi = tl.where(live, s0 + BS, hi)
+        if SKIP_MASKED:
+            lo, hi = _live_span(mask_ptr, t, row_ok, start, stop, stride_mt, stride_ms, HB, BS, HAS_MASK)
         for s0 in range(lo, hi, BS):
             s = s0 + tl.arange(0, BS)
             s_ok = s < stop
             add = _mask_tile(mask_ptr, t, s, row_ok, s_ok, stride_mt, stride_ms, HB, HAS_MASK)  # [HB, BS]
-            kv = tl.load(
-                kv_ptr + b * stride_kvb + s[:, None] * stride_kvs + c[None, :],
-                mask=s_ok[:, None] & (c < C)[None, :],
-                other=0.0,
-            ).to(DOT)
-            pe = tl.load(
-                pe_ptr + b * stride_peb + s[:, None] * stride_pes + r[None, :],
-                mask=s_ok[:, None] & (r < R)[None, :],
-                other=0.0,
-            ).to(DOT)
-            scores = tl.dot(qn, tl.trans(kv), input_precision=PRECISION)  # [HB, BS] fp32
-            scores = tl.dot(qp, tl.trans(pe), scores, input_precision=PRECISION)
-            scores = scores * qk_scale + add
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # rows with nothing unmasked yet keep m = -inf: subtract 0 there (not -inf - -inf = NaN)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_ref)
-            p = tl.math.exp2(scores - m_ref[:, None])  # [HB, BS]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            # p rounds to the cache's dtype for the tensor cores (the reference rounds its probs likewise)
-            acc = tl.dot(p.to(DOT), kv, acc * alpha[:, None], input_precision=PRECISION)
-            m_i = m_new
-        out_ok = row_ok[:, None] & (c < C)[None, :]
-        seq_row = b * T * H + rows  # [HB]: the row's index among all B T H rows
-        if DIRECT:
-            lat = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
-            tl.store(lat_ptr + seq_row[:, None] * C + c[None, :], lat.to(lat_ptr.dtype.element_ty), mask=out_ok)
-        else:
-            part = seq_row * splits + sp  # [HB]
-            tl.store(part_ptr + part[:, None] * C + c[None, :], acc, mask=out_ok)
-            tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
-            tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+            kv = _cache_tile(kv_ptr, b, s, s_ok, c, stride_kvb, stride_kvs, C, DOT)  # [BS, CP]
+            pe = _cache_tile(pe_ptr, b, s, s_ok, r, stride_peb, stride_pes, R, DOT)  # [BS, RP]
+            m_i, l_i, acc = _attend_tile(qn, qp, kv, pe, add, m_i, l_i, acc, qk_scale, DOT, PRECISION)
+        _store_split(part_ptr, ml_ptr, lat_ptr, acc, m_i, l_i, b, sp, splits, rows, row_ok, c, T, H, C, DIRECT)
 
     @triton.jit(do_not_specialize=["splits"])
     def _combine_kernel(part_ptr, ml_ptr, lat_ptr, splits, C: tl.constexpr, SP: tl.constexpr, CB: tl.constexpr):

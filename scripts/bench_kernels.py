@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from dsfp4.kernels.fp8.linear import fp8_linear
 from dsfp4.kernels.moe.decode import MAX_TOKENS, DecodeConfig, DecodeMoE
 from dsfp4.kernels.moe.prefill import align_by_expert, down, gate_up, moe_prefill, prefill_blocks
-from dsfp4.kernels.moe.ref import record_offsets
 from dsfp4.kernels.router.gate_scores import GateTiles, gate_scores, gate_scores_ref
 from dsfp4.layout import fp4
 from dsfp4.layout.fp8 import fp8_block_quantize
 from dsfp4.layout.record import RecordLayout
+from dsfp4.layout.record_offsets import record_offsets
 from dsfp4.tools.ceilings import gpu_ceilings
 
 DEV = torch.device("cuda")

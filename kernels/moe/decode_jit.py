@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dsfp4.kernels.backend import tl, triton
 from dsfp4.kernels.fp4.codes import E2M1_UNBIAS, X16_TOP_EXP, block_scale, e2m1_halves, rounded, words_sums
-from dsfp4.kernels.moe.ref import ABSENT
+from dsfp4.layout.record_offsets import ABSENT
 
 if triton is not None:
     from dsfp4.kernels.swiglu import swiglu_tl

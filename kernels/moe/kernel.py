@@ -13,8 +13,9 @@ from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.kernels.moe.decode import MAX_TOKENS, DecodeMoE
 from dsfp4.kernels.moe.decode import workspace_bytes as decode_workspace_bytes
 from dsfp4.kernels.moe.prefill import max_blocks, moe_prefill, prefill_blocks
-from dsfp4.kernels.moe.ref import ABSENT, moe_ref
+from dsfp4.kernels.moe.ref import moe_ref
 from dsfp4.layout.record import RecordLayout
+from dsfp4.layout.record_offsets import ABSENT
 
 
 class MoEKernel:

@@ -30,10 +30,11 @@ from dsfp4.errors import FormatError
 from dsfp4.kernels.backend import hw_e4m3, interpreted, tl
 from dsfp4.kernels.fp4.codes import E4M3_LIFT_UNBIAS
 from dsfp4.kernels.moe import prefill_jit as jit
-from dsfp4.kernels.moe.ref import ABSENT, record_at
+from dsfp4.kernels.moe.ref import record_at
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.formats import get_format
 from dsfp4.layout.record import RecordLayout
+from dsfp4.layout.record_offsets import ABSENT
 
 BLOCK_M_RANGE = (16, 128)  # tl.dot needs 16 rows; a [2 BN, 128] fp32 accumulator per program
 BLOCK_M_HEADROOM = 1.25  # a block holds 1.25x the mean rows per expert, so most experts fit in one

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dsfp4.kernels.backend import tl, triton
 from dsfp4.kernels.fp4.codes import E4M3_LIFT, E8M0_LIFT
-from dsfp4.kernels.moe.ref import ABSENT
+from dsfp4.layout.record_offsets import ABSENT
 
 if triton is not None:
     from dsfp4.kernels.fp4.codes import block_scale, e2m1_bf16, rounded

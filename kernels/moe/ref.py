@@ -6,7 +6,8 @@ Records are found on the device: `offsets[e]` is the byte offset of expert e's r
 of `records` (the device slot pool), or ABSENT when the expert takes no part in this call (its terms are
 left out, which lets a caller split a layer into waves). An offset may point outside `records`, into
 pinned host memory (zero-copy: the kernel reads the record over PCIe), since the GPU sees host and device
-memory in one address space. No host sync is needed to route: ids and offsets stay on the device.
+memory in one address space (layout/record_offsets.py gives the offsets). No host sync is needed to route: ids
+and offsets stay on the device.
 
 `moe_ref` is the torch reference of the kernels in decode.py and prefill.py; kernels/moe/kernel.py picks
 one. Legend: T tokens, K experts per token, E routed experts, D dim, I expert width, S slots.
@@ -21,28 +22,7 @@ import torch.nn.functional as F
 
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.record import RecordLayout
-
-ABSENT = -1  # offsets are multiples of the slot alignment, so -1 never names a record
-
-
-def record_offsets(
-    slots: torch.Tensor,
-    records: torch.Tensor,
-    host_slots: torch.Tensor | None = None,
-    host: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """slots: [..., E] int device slot per expert (-1: not on the device); host_slots: the same shape, slots
-    in `host` (pinned [S', nbytes], -1: not there) -> offsets [..., E] int64 from `records`' address
-    (device first)."""
-    nbytes = records.shape[1]
-    off = torch.where(slots >= 0, slots.long() * nbytes, torch.full_like(slots, ABSENT, dtype=torch.long))
-    if host_slots is not None:
-        assert host is not None and host.shape[1] == nbytes, "host records need the device's record size"
-        delta = host.data_ptr() - records.data_ptr()
-        assert delta % 16 == 0, "the kernels read records 16 bytes at a time: both pools must be 16-byte aligned"
-        from_host = torch.where(host_slots >= 0, host_slots.long() * nbytes + delta, ABSENT)
-        off = torch.where(slots >= 0, off, from_host.to(off.device))
-    return off
+from dsfp4.layout.record_offsets import ABSENT
 
 
 def record_at(records: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:

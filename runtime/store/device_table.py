@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.moe.ref import record_offsets
+from dsfp4.layout.record_offsets import record_offsets
 
 Key = tuple[int, int]  # (layer, expert)
 

@@ -10,8 +10,9 @@ import torch
 from dsfp4.kernels.backend import triton
 from dsfp4.kernels.moe.decode import DecodeConfig, DecodeMoE, combine_ref, workspace_bytes
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.kernels.moe.ref import moe_ref, record_offsets
+from dsfp4.kernels.moe.ref import moe_ref
 from dsfp4.layout.record import RecordLayout
+from dsfp4.layout.record_offsets import record_offsets
 from tests.fixtures.moe_records import random_expert, routing, slot_pool
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")

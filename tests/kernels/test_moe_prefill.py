@@ -9,8 +9,9 @@ import torch
 
 from dsfp4.kernels.backend import triton
 from dsfp4.kernels.moe import prefill as mp
-from dsfp4.kernels.moe.ref import ABSENT, moe_ref, record_offsets
+from dsfp4.kernels.moe.ref import moe_ref
 from dsfp4.layout.record import RecordLayout
+from dsfp4.layout.record_offsets import ABSENT, record_offsets
 from tests.fixtures.moe_records import routing, slot_pool
 
 pytestmark = [

@@ -3,6 +3,13 @@
 A policy only ranks keys; the slot pool decides what may be evicted (never a pinned slot or an expert
 the current layer needs) and asks `victim(protected)` for the best candidate among the rest. The same
 classes drive the runtime's tiers and the replay tool, so what the replay measures is what runs.
+
+A new policy is a class that meets `EvictionPolicy`: built as `cls(capacity)` (the slots of one pool's class),
+a class attribute `name`, and `touch` (a key placed or used), `remove` (a key left the pool) and `victim`
+(the key to evict, skipping `protected`); `hold` (`HoldingPolicy`) is optional: the warm start
+(store/placement.py) gives its hottest keys to a policy that has it. It is registered in POLICIES (by its name:
+what SlotPool builds) and run through TIER_POLICIES, whose keys are the choices of --policy and RunOptions.policy,
+each naming the (device, RAM) pools' policies.
 """
 
 from __future__ import annotations
@@ -10,10 +17,33 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Container, Hashable, Iterable
+from collections.abc import Callable, Container, Hashable, Iterable
+from typing import Protocol
 
 Key = Hashable
 HALF_LIFE_TURNOVERS = 4  # LFU memory: uses of the pool, in pool sizes (tuned on traces: docs/BENCHMARKS.md)
+
+
+class EvictionPolicy(Protocol):
+    """What a slot pool asks of its policy: it is told of every key placed, used and gone, and names a victim."""
+
+    name: str  # its key in POLICIES
+
+    def touch(self, key: Key) -> None:
+        """key was placed in the pool or used there."""
+
+    def remove(self, key: Key) -> None:
+        """key left the pool (evicted, or its load failed)."""
+
+    def victim(self, protected: Container[Key]) -> Key | None:
+        """The resident key to evict next, none of `protected`; None when every resident key is protected."""
+
+
+class HoldingPolicy(EvictionPolicy, Protocol):
+    """A policy that can keep a set of keys (a warm start's hottest records) out of eviction."""
+
+    def hold(self, keys: Iterable[Key]) -> None:
+        """Never pick these keys as victims."""
 
 
 class LRU:
@@ -115,7 +145,8 @@ class HeldLRU(LRU):
             super().touch(key)
 
 
-POLICIES = {p.name: p for p in (LRU, LFUDecay, HeldLRU)}  # what one pool can run
+# what one pool can run, built with its capacity
+POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {p.name: p for p in (LRU, LFUDecay, HeldLRU)}
 # What a run chooses (--policy): the (device, RAM) pools' policies. "mix" keeps a stable frequent set in
 # a device tier too small for a token's working set, where recency thrashes, and recency in RAM. "hot" holds
 # HOT_SHARE of RAM for the warm start's hottest records and runs LRU on the rest (docs/BENCHMARKS.md: SSD-bound

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Iterator
 
-from dsfp4.runtime.store.policy import POLICIES
+from dsfp4.runtime.store.policy import POLICIES, EvictionPolicy
 
 Key = Hashable
 
@@ -23,7 +23,7 @@ class SlotPool:
         assert 0 <= narrow < n_slots or narrow == n_slots == 0, (n_slots, narrow)  # some wide slots beside narrow ones
         assert is_narrow is not None or not narrow, "narrow slots need is_narrow"
         self.sizes = (n_slots - narrow, narrow) if narrow else (n_slots,)
-        self.policies = [POLICIES[policy](n) for n in self.sizes]
+        self.policies: list[EvictionPolicy] = [POLICIES[policy](n) for n in self.sizes]
         self.is_narrow = is_narrow
         self.slot_of: dict[Key, int] = {}
         self.key_of: list[Key | None] = [None] * n_slots
@@ -35,7 +35,7 @@ class SlotPool:
         """0: a wide slot; 1: a narrow one (the pool has narrow slots and `is_narrow` picks the key)."""
         return int(len(self.sizes) > 1 and self.is_narrow(key))
 
-    def classes(self) -> Iterator[tuple[object, int, Callable[[Key], bool]]]:
+    def classes(self) -> Iterator[tuple[EvictionPolicy, int, Callable[[Key], bool]]]:
         """Each class's (policy, slots, whether a key takes it)."""
         for c, (policy, n) in enumerate(zip(self.policies, self.sizes, strict=True)):
             yield policy, n, lambda key, c=c: self.class_of(key) == c

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Levers:
-    """What the expert store may trade: expert_threshold (ExpertStore.skip_cold) and cache_aware (the score margin of
-    runtime/models/cache_aware.py); 0 each is exact routing. `adaptive` (--expert-threshold auto): the threshold is a
+    """What the expert store may trade: expert_threshold (StepLevers.skip_cold) and cache_aware (the score margin of
+    runtime/store/cache_aware.py); 0 each is exact routing. `adaptive` (--expert-threshold auto): the threshold is a
     cap, and a step leaves out only the cold experts whose reads would outlast its copies of RAM hits over PCIe: it
     hides floor(hide_ratio x those copies) reads, hide_ratio the SSD's rate over the copies' (None: the store's own,
     measured as it runs)."""

@@ -19,15 +19,15 @@ from pathlib import Path
 import click
 
 from dsfp4.layout.manifest import Manifest
+from dsfp4.projection.bench_check import whole_model_share
+from dsfp4.projection.machines import MACHINES
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.modes import Levers, parse_levers
 from dsfp4.runtime.options import RunOptions
 from dsfp4.tools import logprobs_file
-from dsfp4.tools.bench_projection import whole_model_share
 from dsfp4.tools.evaluate import evaluate, windows
-from dsfp4.tools.projection import MACHINES
 
 FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -73,7 +73,7 @@ def main(
         with Engine(model, options, plan=plan) as engine:
             if levers.adaptive:  # the adaptive threshold at the machine's ratio of SSD to PCIe rates, not this one's
                 ratio = MACHINES[machine].links.ssd / MACHINES[machine].links.pcie
-                engine.model.experts.levers = dataclasses.replace(levers, hide_ratio=levers.hide_ratio or ratio)
+                engine.model.experts.rules.levers = dataclasses.replace(levers, hide_ratio=levers.hide_ratio or ratio)
             bos = head["bos"]
             wins = windows(len(ids), head["context"], head["stride"], bos)
             before = engine.model.experts.counters.snapshot()

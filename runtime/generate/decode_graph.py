@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.runtime.models.moe import LayerLoad
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.store.host_lane import abandoned_on_error
+from dsfp4.runtime.store.layer_step import LayerAsk
 
 MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
 BATCH_SLOT = 1  # a batch's first cache slot (runtime/generate/batch.py); the single sequence's is 0
@@ -50,7 +50,7 @@ class CapturedStep:
     """A decode step as graphs: each piece, then the expert loads to run before the next one (None after
     the last), and the last piece's outputs."""
 
-    pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]]
+    pieces: list[tuple[torch.cuda.CUDAGraph, LayerAsk | None]]
     logits: torch.Tensor  # [B, 1, V]
     hidden: torch.Tensor  # [B, 1, D]
 
@@ -218,19 +218,20 @@ class DecodeGraphs:
             self.model.experts.count_resident(self.moe_layers, b * self.model.args.n_activated_experts)
         return step.logits, step.hidden
 
-    def _bring(self, load: LayerLoad) -> Iterator[list[int]]:
+    def _bring(self, load: LayerAsk) -> Iterator[list[int]]:
         """Run a layer's loads between two pieces (the host waits for the first piece's routing) -> the
         store's waves, left open so that the slots are released after the next piece."""
         store = self.model.experts
-        chosen, waves, _, job = load.waves(store)  # experts left out have no slot: the next piece reads offset -1
-        with abandoned_on_error(job):
-            wave = next(waves, [])
-            on_host = len(job.experts) if job is not None else 0
-            assert len(wave) + on_host == len(chosen), "a decode step's experts fit the device slots (_why_not says)"
+        got = store.step(load)  # experts left out have no slot: the next piece reads offset -1
+        with abandoned_on_error(got.job):
+            wave = next(got.waves, [])
+            on_host = len(got.job.experts) if got.job is not None else 0
+            fits = len(wave) + on_host == len(got.chosen)
+            assert fits, "a decode step's experts fit the device slots (_why_not says)"
             store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it
         if load.lane is not None:
-            load.lane.fill(job)  # the host's sum, queued before the next piece too
-        return waves
+            load.lane.fill(got.job)  # the host's sum, queued before the next piece too
+        return got.waves
 
     def capture_all(self, max_batch: int = 1) -> None:
         """Capture every span now (at engine start), so that no decode step pays for a capture, and with a batch
@@ -261,14 +262,14 @@ class DecodeGraphs:
         b, slot, span = key
         token, pos = self._inputs(b, slot)
         where, store = DevicePosition(pos, span, slot), self.model.experts
-        pieces: list[tuple[torch.cuda.CUDAGraph, LayerLoad | None]] = []
+        pieces: list[tuple[torch.cuda.CUDAGraph, LayerAsk | None]] = []
 
         def begin() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
             return graph
 
-        def cut(load: LayerLoad) -> torch.Tensor:
+        def cut(load: LayerAsk) -> torch.Tensor:
             nonlocal graph
             graph.capture_end()
             pieces.append((graph, load))

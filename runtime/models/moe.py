@@ -5,27 +5,28 @@ Legend: T tokens, D dim, E routed experts, K activated experts per token, G expe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dsfp4.kernels.backend import DECODE_TOKENS, use_kernels
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
 from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
 from dsfp4.layout.model_args import ModelArgs
-from dsfp4.runtime.models.cache_aware import Swap
 from dsfp4.runtime.models.weights import Weights
+from dsfp4.runtime.store.cache_aware import Swap
+from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.host_lane import abandoned_on_error
+from dsfp4.runtime.store.layer_step import LayerAsk, LayerExperts
+from dsfp4.runtime.store.lever_rules import kept_weights
 
 if TYPE_CHECKING:
     from dsfp4.runtime.models.trace_routing import TraceRouting
-from dsfp4.runtime.store.expert_store import ExpertStore
-from dsfp4.runtime.store.host_lane import HostJob, abandoned_on_error
 
 
 class MLP(nn.Module):
@@ -79,7 +80,7 @@ class Gate(nn.Module):
         return weights, ids, scores
 
     def swap(self, weights: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor, margin: float) -> Swap:
-        """Cache-aware routing's view of this step (runtime/models/cache_aware.py)."""
+        """Cache-aware routing's view of this step (runtime/store/cache_aware.py)."""
         a = self.args
         return Swap(ids, weights, scores, self.bias, self.groups, a.norm_topk_prob, a.route_scale, margin)
 
@@ -124,18 +125,18 @@ class MoE(nn.Module):
         self.trace: TraceRouting | None = None  # routes by a routing trace instead (models/trace_routing.py)
         # set while a decode step is captured in pieces (runtime/generate/decode_graph.py): ends the piece before this
         # layer's loads and gives the offsets the next piece's kernel reads once they are done
-        self.cut: Callable[[LayerLoad], torch.Tensor] | None = None
+        self.cut: Callable[[LayerAsk], torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x: [B, T, D] normed input; residual: the stream(s) x came from, for predicting the next layer's
         experts; tokens: [B, T] ids (hash layers route by them)."""
-        shape = x.shape
+        shape, store = x.shape, self.experts
         x = x.view(-1, shape[-1])  # [T, D]
         tokens = None if tokens is None else tokens.reshape(-1)
         # cache-aware routing swaps choices by the router's scores: not a trace's choice, nor a hash layer's table
-        margin = self.experts.levers.cache_aware if self.trace is None and isinstance(self.gate, Gate) else 0.0
+        margin = store.rules.levers.cache_aware if self.trace is None and isinstance(self.gate, Gate) else 0.0
         weights, indices, scores = self.gate.scored(x, tokens) if margin else (*self.gate(x, tokens), None)
         if self.trace is not None:  # the router ran (its cost stays); the trace's choice replaces its own
             weights, indices = self.trace.route(self.layer, x.shape[0])
@@ -144,130 +145,63 @@ class MoE(nn.Module):
         # the shared experts' output goes to the routed kernel, which adds it as it sums each token's experts (on
         # CUDA, up to 16 tokens); streamed waves add it after their sum
         shared = None if self.shared_experts is None else self.shared_experts(x)  # [T, D]
-        if self.experts.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
-            self.experts.count_step(self.layer, indices)
-            offsets = self.experts.offsets(self.layer)
-            return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
+        if store.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
+            offsets = store.reached(self.layer, indices)
+            return self.kernel(x, indices, weights, store.gpu, offsets, add=shared).view(shape)
+        ask = self._ask(x, weights, indices, scores, margin, residual, tokens)
+        if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
+            return self._captured(ask, x, indices, weights, shared).view(shape)
+        return self._streamed(store.step(ask), x, indices, weights, shared).view(shape)
+
+    def _ask(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        scores: torch.Tensor | None,
+        margin: float,
+        residual: torch.Tensor | None,
+        tokens: torch.Tensor | None,
+    ) -> LayerAsk:
+        """What this layer step asks the store for: its choice, the next layer's guesses and the levers' inputs."""
         ask, after = [indices.flatten()], None
         if self.next_router is not None and residual is not None:
             ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
             after = self.next_router[0]
-        thresholded = self.experts.levers.expert_threshold > 0
+        thresholded = weights if self.experts.rules.levers.expert_threshold > 0 else None
         swap = self.gate.swap(weights, indices, scores, margin) if margin else None
-        lane = None
-        if self.experts.lane is not None and x.shape[0] <= DECODE_TOKENS:  # a decode step: the host may take RAM hits
-            lane = HostInputs.captured(x, weights, self.experts.n_experts) if self.cut else HostInputs(x, weights)
-        ask = torch.cat(ask)
-        load = LayerLoad(self.layer, ask, indices.numel(), after, weights if thresholded else None, swap, lane)
-        if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
-            offsets = self.cut(load)
-            if thresholded:  # one token: the expert it leaves out is exactly the one without a slot (offset -1)
-                kept = offsets[indices] >= 0
-                weights = kept_weights(weights, kept if lane is None else kept | lane.kept[indices])
-            if lane is not None:  # added in x's dtype (eager steps add it in fp32): one rounding apart
-                shared = lane.out if shared is None else shared + lane.out
-            return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared).view(shape)
+        lane = self.experts.host_inputs(x, weights, captured=self.cut is not None)
+        return LayerAsk(self.layer, torch.cat(ask), indices.numel(), after, thresholded, swap, lane)
+
+    def _captured(
+        self, ask: LayerAsk, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A captured step's expert kernel, reading the offsets the loads between the pieces leave in place."""
+        offsets = self.cut(ask)
+        if ask.weights is not None:  # one token: the expert it leaves out is exactly the one without a slot (offset -1)
+            kept = offsets[indices] >= 0
+            weights = kept_weights(weights, kept if ask.lane is None else kept | ask.lane.kept[indices])
+        if ask.lane is not None:  # added in x's dtype (eager steps add it in fp32): one rounding apart
+            shared = ask.lane.out if shared is None else shared + ask.lane.out
+        return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared)
+
+    def _streamed(
+        self,
+        got: LayerExperts,
+        x: torch.Tensor,
+        indices: torch.Tensor,
+        weights: torch.Tensor,
+        shared: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """An eager step's expert kernel over the store's waves, and the host's share added behind them."""
         parts = []
-        chosen, waves, drop, job = load.waves(self.experts)
-        with abandoned_on_error(job):
-            if drop is not None and any(drop):
-                weights = kept_weights(weights, ~torch.tensor(drop, device=indices.device).view(indices.shape))
-            for wave in waves:  # one wave unless slots run short
-                offsets = self.experts.offsets(self.layer, None if len(wave) == len(chosen) else wave)
+        with abandoned_on_error(got.job):
+            weights = got.kept(weights)
+            for offsets in got.offsets():  # one wave unless slots run short
                 parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
-        if job is not None:  # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
-            y_host = job.result()
+        if got.job is not None:  # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
+            y_host = got.job.result()
             parts.append(y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host)
         # several parts add up in fp32: each is rounded once, as one wave would be
         y = parts[0].to(x.dtype) if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
-        return (y if shared is None else y + shared).view(shape)
-
-
-def kept_weights(weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """weights: [T, K], keep: [T, K] bool -> the kept experts' weights rescaled to each token's former sum (the
-    experts left out weigh 0), as DeepSeek-V3's top-k renormalization would weight the experts that remain."""
-    kept = weights * keep
-    return kept * (weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).tiny))
-
-
-@dataclass(frozen=True)
-class HostInputs:
-    """What the CPU lane (runtime/store/host_lane.py) reads of a layer step: its input x [T, D] and the tokens'
-    weights [T, K] (after any cache-aware swap). Captured steps also hold the device buffers the next piece reads: `out`
-    [T, D], the host's sum, added to the layer's output, and `kept` [E] bool, the experts the host computed (they
-    have no slot, yet are not left out)."""
-
-    x: torch.Tensor
-    weights: torch.Tensor
-    out: torch.Tensor | None = None
-    kept: torch.Tensor | None = None
-
-    @classmethod
-    def captured(cls, x: torch.Tensor, weights: torch.Tensor, n_experts: int) -> HostInputs:
-        return cls(x, weights, torch.zeros_like(x), torch.zeros(n_experts, dtype=torch.bool, device=x.device))
-
-    def submit(
-        self, store: ExpertStore, host: dict[int, int], ids: list[int], skipped: set[int], drop: list[bool] | None
-    ) -> HostJob:
-        """Start the host's experts (expert -> RAM slot), weighted as the device weighs the same choices: renormalized
-        over the choices that are not left out (per choice when eager, by expert when captured)."""
-        k = self.weights.shape[-1]
-        chosen = torch.tensor(ids, dtype=torch.int64).view(-1, k)  # [T, K]
-        weights = self.weights.float().cpu()  # [T, K]
-        if self.out is not None and skipped:
-            weights = kept_weights(weights, ~torch.isin(chosen, torch.tensor(sorted(skipped))))
-        elif self.out is None and drop is not None and any(drop):
-            weights = kept_weights(weights, ~torch.tensor(drop).view(-1, k))
-        return store.compute_on_host(host, self.x.float().cpu(), chosen, weights)
-
-    def fill(self, job: HostJob | None) -> None:
-        """Captured: the host's sum and experts into the buffers the next piece reads (zero when it took none)."""
-        if job is None:
-            self.out.zero_()
-            self.kept.zero_()
-            return
-        self.out.copy_(job.result().to(self.out.dtype).pin_memory(), non_blocking=True)
-        kept = torch.zeros(self.kept.shape, dtype=torch.bool)
-        kept[job.experts] = True
-        self.kept.copy_(kept.pin_memory(), non_blocking=True)
-
-
-@dataclass(frozen=True)
-class LayerLoad:
-    """What a streamed MoE layer asks the store for: the experts its tokens chose (ids[:chosen]) and, when
-    `after` is set, those predicted for that next MoE layer (ids[chosen:]), to prefetch; with `weights` (the
-    tokens' [T, K], under an expert threshold) tokens may leave cold experts out (ExpertStore.skip_cold); with `swap`
-    (cache-aware routing) they may first trade a cold expert for a warm one (runtime/models/cache_aware.py); with `lane`
-    the store may compute some RAM hits on the host (runtime/store/host_lane.py)."""
-
-    layer: int
-    ids: torch.Tensor  # [chosen + predicted] on the device
-    chosen: int
-    after: int | None
-    weights: torch.Tensor | None = None  # [T, K]
-    swap: Swap | None = None  # cache-aware routing's view of the step
-    lane: HostInputs | None = None
-
-    def waves(self, store: ExpertStore) -> tuple[list[int], Iterator[list[int]], list[bool] | None, HostJob | None]:
-        """Read the ids (the one host sync of the layer) -> (the distinct chosen experts, the store's waves of those
-        the device computes: each yielded once its records are on the device for compute queued next, the [T * K]
-        choices that tokens left out: None without a threshold, the host's job: None when it takes no expert)."""
-        ids = self.ids.tolist()
-        if self.swap is not None:  # before the threshold: a swapped-in expert is warm, so never left out
-            ids[: self.chosen] = self.swap.apply(store, self.layer, ids[: self.chosen])
-        skipped, drop = set(), None
-        if self.weights is not None:
-            top_k = self.weights.shape[-1]
-            skipped, drop = store.skip_cold(self.layer, ids[: self.chosen], self.weights.flatten().tolist(), top_k)
-        chosen = sorted(set(ids[: self.chosen]) - skipped)
-        prefetch = None if self.after is None else (self.after, sorted(set(ids[self.chosen :])))
-        host = store.host_split(self.layer, chosen) if self.lane is not None else {}
-        job = None
-        if host:
-            try:
-                job = self.lane.submit(store, host, ids[: self.chosen], skipped, drop)
-            except BaseException:
-                store.release_host(host)
-                raise
-        device = [e for e in chosen if e not in host]
-        return chosen, store.load_waves(self.layer, device, prefetch, host=list(host)), drop, job
+        return y if shared is None else y + shared

@@ -58,7 +58,7 @@ def layer_pass(
     moe = [i for i, block in enumerate(model.layers) if block.moe]
 
     def records(layer: int) -> list[tuple[int, int]]:
-        return sorted(((layer, e) for e in range(n_experts)), key=store.file_position)
+        return sorted(((layer, e) for e in range(n_experts)), key=store.manifest.file_position)
 
     for i, block in enumerate(model.layers):
         mine = records(i) if block.moe else []

@@ -5,8 +5,9 @@
   RAM cache     page-aligned (pinned on CUDA) record slots; reads from the SSD land here directly
   SSD           O_DIRECT reads by a thread pool, several in flight, checksummed on first read (transfers.py)
 
-This file is what the model asks of the store: a layer's experts brought onto the device in waves (load_waves), the
-offsets its kernel reads, the next layer's predicted experts started early (prefetch), and the counters. Where the
+This file is what the model asks of the store: one call per streamed MoE layer step (step: the levers applied by
+step_levers.py, the host's share started, the layer's experts brought onto the device in waves by load_waves, the
+offsets its kernel reads), the next layer's predicted experts started early (prefetch), and the counters. Where the
 records start a run is placement.py's; when device and RAM hold every record, `map` leaves them where they are and
 kernels read RAM's in place over PCIe (zero-copy): nothing moves, no layer asks the host, graphs capture.
 """
@@ -22,16 +23,19 @@ import numpy as np
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.plan.probes import NO_LANE, PROBE_BYTES, LaneSplit, h2d_gbps
 from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
-from dsfp4.runtime.store.host_lane import HostJob, HostLane
+from dsfp4.runtime.store.host_lane import HostLane
+from dsfp4.runtime.store.layer_step import HostInputs, LayerAsk, LayerExperts
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.runtime.store.ram_cache import RamCache
 from dsfp4.runtime.store.slots import SlotPool
+from dsfp4.runtime.store.step_levers import StepLevers
 from dsfp4.runtime.store.transfers import Transfers
 from dsfp4.runtime.store.use_counts import DeviceUseCounts
 
@@ -57,9 +61,9 @@ class ExpertStore:
         """`host` False: the RAM cache is allocated (and pinned) by open_host, once the caller has loaded what it
         maps first (load_model: the backbone), so the two never share the RAM budget. `prefetch_reads` False: a
         prefetch only copies guesses already in RAM, never reads one from the SSD. `levers`: the lossy ones
-        (runtime/modes.py): skip_cold's threshold, cache-aware routing's margin (runtime/models/cache_aware.py).
+        (runtime/modes.py): the threshold, cache-aware routing's margin (step_levers.py, cache_aware.py).
         `lane`: of a decode step's experts not on the device, the share the host computes from RAM (host_lane.py; 0:
-        none), and what decided it."""
+        none), and what decided it. The levers and the lane apply to each streamed layer step (step)."""
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
         self.cuda = device.type == "cuda"
@@ -79,10 +83,10 @@ class ExpertStore:
         a = manifest.args
         self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
         self._io_threads, self._verify, self.prefetch_reads = io_threads, verify, prefetch_reads
-        self.levers, self.lane_split = levers, lane
+        self.lane_split = lane
         self.n_experts = a.n_routed_experts
         self.lane: HostLane | None = None  # with the RAM cache (open_host), when the split has a share
-        self._pcie_gbps = 0.0  # pinned copies, measured when the adaptive threshold needs them (open_host)
+        self.rules = StepLevers(levers, (self.gpu_pool, self.ram_pool), manifest, self._counters)
         self.cache: RamCache | None = None
         self.io: Transfers | None = None  # with the RAM cache (open_host)
         self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
@@ -105,11 +109,13 @@ class ExpertStore:
         self.io = Transfers(
             self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify
         )
-        if self.levers.adaptive and self.levers.hide_ratio is None and self.cuda and self.layout is not None:
-            self._pcie_gbps = h2d_gbps(self.device, self.layout.nbytes, total=PROBE_BYTES)
+        levers, pcie_gbps = self.rules.levers, 0.0  # pinned copies, measured when the adaptive threshold needs them
+        if levers.adaptive and levers.hide_ratio is None and self.cuda and self.layout is not None:
+            pcie_gbps = h2d_gbps(self.device, self.layout.nbytes, total=PROBE_BYTES)
         if self.lane_split.share > 0 and self.layout is not None and self.plan.ram_slots:
             limit = self.manifest.args.swiglu_limit
             self.lane = HostLane(self.ram, self.layout, self.n_experts, limit, self.lane_split.share, self._counters)
+        self.rules.open(self.io, self.lane, pcie_gbps, self._io_threads)
         self.notes = [
             f"{self.dir / 'experts'}: the filesystem refuses O_DIRECT (tmpfs?); records are read through "
             f"the page cache, and dropped from it after each read"
@@ -142,16 +148,12 @@ class ExpertStore:
             return None
         return rslot, self.io.read([(key, rslot)])
 
-    def file_position(self, key: Key) -> tuple[int, int]:
-        """(layer, offset in its file): sorting keys by it gives the order of a sequential read."""
-        return self.manifest.file_position(key)
-
     def read_ahead(self, keys: Iterable[Key], protected: set[Key]) -> None:
         """Start reading the records of `keys` that are not in RAM from the SSD, in file order, adjacent
         records in one read (runs of RUN_RECORDS); waits only when no RAM slot is free. Never evicts one
         of `keys` or of `protected`."""
         self.io.retire()
-        keys = sorted(keys, key=self.file_position)
+        keys = sorted(keys, key=self.manifest.file_position)
         protected = protected | set(keys)
         run: list[tuple[Key, int]] = []
         for key in keys:
@@ -162,14 +164,12 @@ class ExpertStore:
                 self.io.read(run)
                 run = []
                 rslot = self._allocate(self.ram_pool, key, protected, wait=True)
-            if run and (len(run) == RUN_RECORDS or self.file_position(key) != self._next_position(run[-1][0])):
+            follows = run and self.manifest.file_position(key) == (key[0], self.manifest.record_end(run[-1][0]))
+            if run and (len(run) == RUN_RECORDS or not follows):
                 self.io.read(run)
                 run = []
             run.append((key, rslot))
         self.io.read(run)
-
-    def _next_position(self, key: Key) -> tuple[int, int]:
-        return key[0], self.manifest.record_end(key)
 
     def start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
         """Begin moving a record that is not on the device there: (SSD ->) RAM -> device. Returns the job
@@ -195,6 +195,43 @@ class ExpertStore:
         self._device_counts, self.mapped = counts, True
 
     # -- the interface the model uses -----------------------------------------------------------------
+
+    def step(self, ask: LayerAsk) -> LayerExperts:
+        """One streamed MoE layer's step: read the ids (the one host sync of the layer), apply the levers to them
+        (a cache-aware swap before the threshold: a swapped-in expert is warm, so never left out), start the host's
+        share of the RAM hits, and queue the device's experts in waves (load_waves) -> what the layer computes with."""
+        rules, ids = self.rules, ask.ids.tolist()
+        chosen_ids = ids[: ask.chosen]
+        if ask.swap is not None:
+            chosen_ids = ask.swap.apply(rules, ask.layer, chosen_ids)
+        skipped, drop = set(), None
+        if ask.weights is not None:
+            top_k = ask.weights.shape[-1]
+            skipped, drop = rules.skip_cold(ask.layer, chosen_ids, ask.weights.flatten().tolist(), top_k)
+        chosen = sorted(set(chosen_ids) - skipped)
+        prefetch = None if ask.after is None else (ask.after, sorted(set(ids[ask.chosen :])))
+        host = rules.host_split(ask.layer, chosen) if ask.lane is not None else {}
+        job = None
+        if host:
+            lane, captured = ask.lane, ask.lane.out is not None
+            job = rules.submit_host(lane.x, lane.weights, host, chosen_ids, skipped, drop, by_expert=captured)
+        device = [e for e in chosen if e not in host]
+        waves = self.load_waves(ask.layer, device, prefetch, host=list(host))
+        return LayerExperts(ask.layer, chosen, waves, drop, job, self.offsets)
+
+    def reached(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """A layer step whose records the kernels reach without the host (visible): counted (count_step) -> the
+        offsets [E] of every expert."""
+        self.count_step(layer, ids)
+        return self.offsets(layer)
+
+    def host_inputs(self, x: torch.Tensor, weights: torch.Tensor, captured: bool) -> HostInputs | None:
+        """What the CPU lane reads of a layer step of x [T, D], weights [T, K]: None without a lane, or for more
+        tokens than a decode step's (a prefill's experts all go to the device); captured: with the buffers the next
+        piece reads."""
+        if self.lane is None or x.shape[0] > DECODE_TOKENS:
+            return None
+        return HostInputs.captured(x, weights, self.n_experts) if captured else HostInputs(x, weights)
 
     def load_waves(
         self, layer: int, experts: list[int], prefetch: tuple[int, list[int]] | None = None, host: list[int] = ()
@@ -258,92 +295,6 @@ class ExpertStore:
         """[experts] int64 on the device: each expert's record offset from the device pool (kernels/moe), into
         pinned RAM when mapped there, -1 when not there; with `wave`, every other expert is left out (-1) too."""
         return self.table.offsets(layer, self.gpu, self.ram, wave)
-
-    def skip_cold(self, layer: int, ids: list[int], weights: list[float], top_k: int) -> tuple[set[int], list[bool]]:
-        """Under Levers.expert_threshold: a token leaves out a chosen expert that is in neither the device nor RAM
-        and that it weighs below the threshold (as a share of its routed weight), unless it is the token's best.
-        ids, weights: the step's [T, K] choice, flattened -> (the experts no token keeps: not loaded, the choices
-        left out [T * K])."""
-        drop = [False] * len(ids)
-        threshold = self.levers.expert_threshold
-        if not threshold:
-            return set(), drop
-        cold = {e for e in set(ids) if not self.is_warm(layer, e)}
-        weight: dict[int, float] = {}  # each expert's largest share of a choosing token's routed weight
-        for row in range(0, len(ids), top_k):
-            w = weights[row : row + top_k]
-            total, best = sum(w) or 1.0, max(range(len(w)), key=w.__getitem__)
-            for j in range(len(w)):
-                e, share = ids[row + j], w[j] / total
-                weight[e] = max(weight.get(e, 0.0), share)
-                drop[row + j] = j != best and e in cold and share < threshold
-        kept = {e for e, d in zip(ids, drop, strict=True) if not d}
-        skip = cold - kept
-        if self.levers.adaptive and skip:  # only what the step's copies cannot hide, the least weighed first
-            crossing = sum(1 for e in set(ids) if (layer, e) in self.ram_pool and (layer, e) not in self.gpu_pool)
-            leave = max(0, len(cold) - int(self._hide_ratio() * crossing))
-            skip = set(sorted(skip, key=weight.__getitem__)[:leave])
-            drop = [d and e in skip for e, d in zip(ids, drop, strict=True)]
-        self._counters.skipped += len(skip)
-        self._counters.skipped_bytes += sum(self.manifest.layout_of((layer, e)).nbytes for e in skip)
-        return skip, drop
-
-    def _host_candidates(self, layer: int, experts: list[int]) -> list[int]:
-        """Of `experts` (of one layer), those the host would take: the lane's share of those not on the device, from
-        the RAM hits of the model's format whose SSD read is done (a copy up may read the slot too)."""
-        crossing = [e for e in experts if (layer, e) not in self.gpu_pool]
-        eligible = [e for e in crossing if self._host_may_read(layer, e)]
-        return eligible[: self.lane.count(len(crossing), len(eligible))]
-
-    def _host_may_read(self, layer: int, e: int) -> bool:
-        rslot = self.ram_pool.slot_of.get((layer, e))
-        if rslot is None or self.manifest.layout_of((layer, e)).cold:
-            return False
-        job = self.io.reading(rslot)
-        return job is None or job.done()  # an upload still waiting is waiting for the read
-
-    def host_split(self, layer: int, chosen: list[int]) -> dict[int, int]:
-        """Of a decode step's distinct chosen experts, those the host computes (expert -> RAM slot, pinned until its
-        job is collected): the lane's share of those not on the device (_host_candidates). Only these: a prefetch
-        copies its guesses while the layer before computes, off the critical path, where the host cannot start (it
-        needs the layer's input); taking guesses from it measured slower (docs/BENCHMARKS.md)."""
-        self.io.retire()
-        take = self._host_candidates(layer, chosen)
-        host = {e: self.ram_pool.slot_of[(layer, e)] for e in take}
-        for e, rslot in host.items():
-            self.ram_pool.lookup((layer, e))  # a use, for the policy
-            self.ram_pool.pin(rslot)
-        self._counters.host_computed += len(host)
-        return host
-
-    def compute_on_host(
-        self, host: dict[int, int], x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> HostJob:
-        """Start the host's experts of host_split on x [T, D] (ids, weights: [T, K], all on the host)."""
-        return self.lane.submit(host, x, ids, weights, self.ram_pool.unpin)
-
-    def release_host(self, host: dict[int, int]) -> None:
-        """Unpin host_split's RAM slots when no job was started for them (its inputs failed)."""
-        for rslot in host.values():
-            self.ram_pool.unpin(rslot)
-
-    def _hide_ratio(self) -> float:
-        """The SSD's read rate over the PCIe copies' (Levers.hide_ratio, else measured: the readers' bytes over their
-        time, all io_threads in flight, against pinned copies measured when the RAM cache opened; 0 before any
-        read, or without a GPU)."""
-        if self.levers.hide_ratio is not None:
-            return self.levers.hide_ratio
-        c = self._counters
-        if not (self._pcie_gbps and c.ssd_read_s):
-            return 0.0
-        return c.ssd_bytes / c.ssd_read_s * self._io_threads / 1e9 / self._pcie_gbps
-
-    def is_warm(self, layer: int, expert: int) -> bool:
-        """The record is on the device or in RAM: using it reads nothing from the SSD."""
-        return (layer, expert) in self.gpu_pool or (layer, expert) in self.ram_pool
-
-    def count_swaps(self, n: int) -> None:
-        self._counters.swapped += n
 
     def prefetch(self, layer: int, experts: list[int], protect: set[Key]) -> None:
         """Start moving predicted experts of `layer` towards the device without waiting and without

@@ -4,9 +4,10 @@ not on the device crossing PCIe once, ~50 GB/s of pinned PCIe bounds a step what
 that bound by the share of those experts they take: CPU GB/s / (CPU GB/s + PCIe GB/s), so both finish together
 (`share`, measured when the engine starts: runtime/plan/probes.py).
 
-A step's host experts are decided on the main thread (ExpertStore.host_split: RAM hits of the model's format, their
-RAM slots pinned until the job is collected); the job runs on one worker thread whose kernel spreads over the cores,
-while the main thread queues the device's loads and kernels; its [T, D] result is added to the layer's output.
+A step's host experts are decided on the main thread (StepLevers.host_split, by lever_rules.host_candidates: RAM
+hits of the model's format, their RAM slots pinned until the job is collected); the job runs on one worker thread whose
+kernel spreads over the cores, while the main thread queues the device's loads and kernels; its [T, D] result is added
+to the layer's output.
 """
 
 from __future__ import annotations
@@ -79,9 +80,6 @@ class HostLane:
         self.counters = counters
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="dsfp4-cpu-experts")
 
-    def count(self, crossing: int, eligible: int) -> int:
-        return host_count(self.share, crossing, eligible)
-
     def submit(
         self,
         slots: dict[int, int],
@@ -106,12 +104,3 @@ class HostLane:
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
-
-
-def host_count(share: float, crossing: int, eligible: int) -> int:
-    """How many of a step's `crossing` experts (not on the device) the host takes, of `eligible` RAM hits: the whole
-    number nearest the balance whose slower side ends first (host: c (1 - share), PCIe: (crossing - c) share, in units
-    of one record's time on both together)."""
-    low = int(share * crossing)
-    cost = lambda c: max(c * (1 - share), (crossing - c) * share)  # noqa: E731
-    return min(eligible, low if cost(low) <= cost(low + 1) else low + 1)

@@ -96,7 +96,7 @@ def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> No
         to_gpu, to_ram = ranked[: p.gpu_slots], pool.fitting(ranked)
         store.read_ahead(to_ram, set())  # in file order, adjacent records together
         store.sync()
-        for key in sorted(to_gpu, key=store.file_position):
+        for key in sorted(to_gpu, key=store.manifest.file_position):
             store.start(key, set(), wait=True)  # from its RAM copy
         store.sync()
         hold_hottest(store.ram_pool, ranked, p.gpu_slots + p.staging)
@@ -104,7 +104,7 @@ def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> No
         return
     to_gpu, to_ram = ranked[: p.gpu_slots], pool.fitting(ranked[p.gpu_slots :])
     for layer in sorted({layer for layer, _ in to_gpu}):
-        keys = sorted((k for k in to_gpu if k[0] == layer), key=store.file_position)
+        keys = sorted((k for k in to_gpu if k[0] == layer), key=store.manifest.file_position)
         while keys:  # through RAM, as much at once as its slots of each size hold
             now = pool.fitting(keys)
             store.read_ahead(now, set())

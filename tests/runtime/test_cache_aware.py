@@ -10,10 +10,11 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.router.route import chosen_weights
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.models.cache_aware import Swap, swap_cold
 from dsfp4.runtime.modes import Levers
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.cache_aware import Swap
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.lever_rules import swap_cold
 from tests.fixtures.cli import run_cli
 from tests.runtime.test_expert_store import CPU, _engine, _generate, _plan
 from tests.runtime.test_expert_threshold import captured_and_eager
@@ -88,7 +89,7 @@ def test_cache_aware_swaps_cold_choices_for_warm_ones_and_counts_them(converted)
     assert "cache-aware" in g.stats.table()
     store = ExpertStore(converted, manifest, CPU, _plan(converted, 3, 5), levers=Levers(cache_aware=1.0))
     try:
-        assert not store.is_warm(min(manifest.experts), 0)
+        assert not store.rules.is_warm(min(manifest.experts), 0)
     finally:
         store.close()
 

@@ -10,10 +10,10 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.models.moe import kept_weights
 from dsfp4.runtime.modes import Levers
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.lever_rules import kept_weights
 from tests.fixtures.cli import run_cli
 from tests.runtime.test_expert_store import CPU, _engine, _generate, _plan
 
@@ -36,11 +36,11 @@ def test_a_token_leaves_out_only_cold_experts_it_weighs_below_the_threshold_and_
         store.sync()
         # token 0 chose 0 (its best), 2 (0.2 of its weight); token 1 chose 2 (0.4), 1 (in RAM); token 2 chose 3, 4
         ids, weights = [0, 2, 2, 1, 3, 4], [0.8, 0.2, 0.4, 0.6, 0.5, 0.5]
-        skip, drop = store.skip_cold(layer, ids, weights, 2)
+        skip, drop = store.rules.skip_cold(layer, ids, weights, 2)
         assert drop == [False, True, False, False, False, False] and skip == set()  # token 1 keeps expert 2
-        skip, drop = store.skip_cold(layer, [0, 2, 1, 2], [0.9, 0.1, 0.75, 0.25], 2)
+        skip, drop = store.rules.skip_cold(layer, [0, 2, 1, 2], [0.9, 0.1, 0.75, 0.25], 2)
         assert drop == [False, True, False, True] and skip == {2}  # cold, and both tokens weigh it below 0.3
-        skip, drop = store.skip_cold(layer, [1, 2], [0.1, 0.9], 2)
+        skip, drop = store.rules.skip_cold(layer, [1, 2], [0.1, 0.9], 2)
         assert drop == [False, False] and skip == set()  # a token's best stays, and so does RAM's expert
         assert store.counters.skipped == 1 and store.counters.skipped_bytes == manifest.record.nbytes
     finally:
@@ -111,7 +111,7 @@ def test_auto_leaves_out_only_the_cold_reads_its_copies_cannot_hide(converted, r
         store.read_ahead([(layer, 0), (layer, 1)], set())
         store.sync()
         ids, weights = [0, 2, 1, 3, 0, 4], [0.75, 0.25, 0.8, 0.2, 0.85, 0.15]  # three tokens, two choices each
-        skip, drop = store.skip_cold(layer, ids, weights, 2)
+        skip, drop = store.rules.skip_cold(layer, ids, weights, 2)
         assert skip == left_out and drop == [e in left_out for e in ids]
         assert store.counters.skipped == len(left_out)
     finally:

@@ -168,7 +168,7 @@ def make_plan(
     src: SourceCheckpoint, tmap: TensorMap, options: ConvertOptions, choose_backbone: BackboneChooser | None = None
 ) -> Plan:
     """`choose_backbone`: what --backbone auto becomes for the model's shape and expert format (the CLI sizes it for
-    the machine: tools/backbone_choice.py); without one, fp8."""
+    the machine: projection/backbone_choice.py); without one, fp8."""
     options = dataclasses.replace(options, format=expert_format(options.format, tmap))
     args = src.args if not options.no_mtp else dataclasses.replace(src.args, n_mtp_layers=0)
     if options.backbone == AUTO_FORMAT:

@@ -125,7 +125,7 @@ def main(
     plan = plan_engine(model, options)
     if share is not None:
         from dsfp4.layout.manifest import Manifest
-        from dsfp4.tools.bench_projection import whole_model_share
+        from dsfp4.projection.bench_check import whole_model_share
 
         plan = whole_model_share(plan, Manifest.open(model), family, share)
     rows = []

@@ -34,12 +34,12 @@ import click
 import torch
 
 from dsfp4.layout.manifest import Manifest
+from dsfp4.projection.bench_check import whole_model_share
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.models.moe import Gate, expert_scores
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
-from dsfp4.tools.bench_projection import whole_model_share
 from dsfp4.units import format_bytes
 
 FILE = click.Path(exists=True, path_type=Path)

@@ -27,6 +27,7 @@ from dsfp4.layout.direct_io import RecordFile
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.repack import repack
+from dsfp4.projection.full_model import preset_shares
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import plan_run
@@ -39,7 +40,6 @@ from dsfp4.runtime.store.placement import warm_start
 from dsfp4.synthetic.bench_model import bench_model_at
 from dsfp4.tools.ceilings import model_ceilings as ceilings
 from dsfp4.tools.ceilings import odirect_write_gbps
-from dsfp4.tools.full_model import preset_shares
 
 READS: list[int] = []  # bytes of each RecordFile.read_into call
 

@@ -27,12 +27,12 @@ import torch
 
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import Manifest
+from dsfp4.projection.full_model import preset_shares
 from dsfp4.runtime.models.load import load_model, plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.placement import warm_start
 from dsfp4.synthetic.bench_model import bench_model_at
 from dsfp4.tools.ceilings import model_ceilings
-from dsfp4.tools.full_model import preset_shares
 
 DEV = torch.device("cuda")
 GB = 1e9

@@ -19,7 +19,9 @@ import math
 import numpy as np
 import torch
 
-from dsfp4.runtime.profile.replay import belady
+from dsfp4.projection.machines import MACHINES
+from dsfp4.projection.replay import belady
+from dsfp4.projection.whole_model import full_plan, warm_order
 from dsfp4.runtime.store.placement import hold_hottest
 from dsfp4.runtime.store.slots import SlotPool
 from dsfp4.synthetic.routing_trace import (
@@ -32,7 +34,6 @@ from dsfp4.synthetic.routing_trace import (
     trace_rng,
     v3_shares,
 )
-from dsfp4.tools.projection import MACHINES, full_plan, warm_order
 
 SHAPE = RouterShape(256, 8, 8, 4)  # DeepSeek-V3's router
 

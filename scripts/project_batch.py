@@ -1,5 +1,5 @@
 """Project batched decode on the whole model: B sequences decoding together on each machine class, under a calibrated
-routing trace, through the store's pools (dsfp4/tools/projection.py MachineRun.decode_batch).
+routing trace, through the store's pools (dsfp4/projection/whole_model.py MachineRun.decode_batch).
 
     python scripts/project_batch.py --trace v3_mid.npy --efficiency 0.73 [--family v3] [--machines 16g,24g]
                                     [--batches 1,2,4,8,16] [--json OUT]
@@ -19,8 +19,8 @@ import click
 import numpy as np
 
 from dsfp4.layout.routing_trace import read_trace
+from dsfp4.projection.whole_model import machine_run
 from dsfp4.runtime.generate.stats import ratio
-from dsfp4.tools.projection import machine_run
 
 
 @click.command()

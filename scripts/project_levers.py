@@ -1,5 +1,5 @@
 """Project each --mode (runtime/modes.py) on the whole model: decode tok/s on each machine class under a calibrated
-routing trace, with the lossy levers carried over from a trained model as dsfp4/tools/lever_projection.py states.
+routing trace, with the lossy levers carried over from a trained model as dsfp4/projection/levers.py states.
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
         --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--hot-share 0.1] \
@@ -23,8 +23,8 @@ import click
 import numpy as np
 
 from dsfp4.layout.routing_trace import read_trace
+from dsfp4.projection.levers import project_levers
 from dsfp4.runtime.modes import MODES, parse_levers
-from dsfp4.tools.lever_projection import project_levers
 
 FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dsfp4.errors import DsfpError
 from dsfp4.layout.routing_trace import read_trace
-from dsfp4.runtime.profile.replay import compare, table
+from dsfp4.projection.replay import compare, table
 from dsfp4.runtime.store.policy import TIER_POLICIES
 
 

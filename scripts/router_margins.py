@@ -1,7 +1,7 @@
 """How close a model's router scores its runners-up: for each margin D, the share of (chosen expert, unchosen expert of
 the same group) pairs whose selection scores (with the router's bias) lie within D. That is the chance cache-aware
 routing (--cache-aware D) may take a given warm neighbour in place of a cold choice; the simulation's SwapModel uses
-it to project the lever on a routing trace that has no scores (runtime/profile/simulate.py).
+it to project the lever on a routing trace that has no scores (dsfp4/projection/simulate.py).
 
     python scripts/router_margins.py MODEL --text FILE [--margins 0.01,0.02,0.05,0.1] [--tokens 4096]
 
@@ -18,10 +18,10 @@ import click
 import numpy as np
 import torch
 
+from dsfp4.projection.levers import margin_shares
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.moe import Gate, expert_scores
 from dsfp4.runtime.options import RunOptions
-from dsfp4.tools.lever_projection import margin_shares
 
 
 @click.command()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsfp4.runtime.profile.replay import replay
+from dsfp4.projection.replay import replay
 from dsfp4.synthetic.routing_trace import RouterShape, figures, synthetic_trace, trace_stats, v3_shares, zipf_shares
 
 V4_ZIPF, V4_REUSE = 0.75, 0.42  # fitted to V4.1-Flash's coverage figures (module docstring)

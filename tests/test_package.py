@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dsfp4"
 LAYERS = ("convert", "layout", "runtime", "kernels")  # top-level folders, dsfp4.<name> through dsfp4/<name>
-FACE = ("dsfp4.cli", "dsfp4.server", "dsfp4.tools", "dsfp4.synthetic")
+FACE = ("dsfp4.cli", "dsfp4.server", "dsfp4.tools", "dsfp4.synthetic", "dsfp4.projection")
 HUB = "dsfp4.hub"  # below convert (convert --from-hub), above layout
 GROUND = ("dsfp4.errors", "dsfp4.units", "dsfp4.version", "dsfp4.value_types")  # what layout may import besides itself
 
@@ -141,8 +141,8 @@ FORBIDDEN = (
 
 def test_the_layers_keep_their_direction():
     """layout imports nothing but errors, units and version; kernels no runtime; convert and runtime never each
-    other; none of them the CLI, the server, the tools or the synthetic models; the hub only what lies below it,
-    and of the layers only convert imports it."""
+    other; none of them the CLI, the server, the tools, the synthetic models or the whole-model projection; the hub
+    only what lies below it, and of the layers only convert imports it."""
     bad = []
     for name, imports in _graph(top_level_only=False).items():
         for t in sorted(imports):

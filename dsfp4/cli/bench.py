@@ -166,8 +166,8 @@ def doctor(folder: Path, out: Path | None, scratch: str, as_json: bool) -> None:
 
 
 def _project(model: Path, family: str, machines: list[str], c, options, prompts: list[str], out: Path) -> None:
-    """--project: the check of the simulation on MODEL, then the whole model's projection (tools/projection.py)."""
-    from dsfp4.tools.bench_projection import run_projection
+    """--project: the check of the simulation on MODEL, then the whole model projected (projection/whole_model.py)."""
+    from dsfp4.projection.bench_check import run_projection
 
     r = run_projection(model, family, machines, c, options, prompts)
     click.echo(f"resident decode {r['resident']['decode_tok_s']:.1f} tok/s: {r['efficiency']:.0%} of HBM", err=True)

@@ -15,13 +15,13 @@ from dsfp4.units import format_bytes
 
 
 def backbone_chooser(preset: str | None):
-    """--backbone auto's chooser (tools/backbone_choice.py), sized for `preset` or this machine's GPU; it says what
+    """--backbone auto's chooser (projection/backbone_choice.py), sized for `preset` or this machine's GPU; it says what
     it chose on stderr. None with neither: the converter takes fp8."""
     import torch
 
+    from dsfp4.projection.backbone_choice import card_budget, choose_backbone
+    from dsfp4.projection.machines import USER_PROCESS
     from dsfp4.runtime.plan.budget import Budgets
-    from dsfp4.tools.backbone_choice import card_budget, choose_backbone
-    from dsfp4.tools.projection import USER_PROCESS
 
     if preset is not None:
         budgets = Budgets(PRESETS[preset].gpu, PRESETS[preset].cpu, f"preset {preset}")

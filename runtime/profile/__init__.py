@@ -1,1 +1,1 @@
-"""Routing observed and replayed: the recorder, the layer-wise profiler, calibration text, reports, trace replay."""
+"""Routing observed: the recorder, the layer-wise profiler, calibration text, reports."""

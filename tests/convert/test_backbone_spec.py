@@ -64,7 +64,8 @@ def test_a_mixed_backbone_converts_records_each_format_and_runs(checkpoints, tmp
 
 
 def test_the_whole_v3_plans_each_spec_with_what_does_not_fit_in_ram():
-    from dsfp4.tools.projection import MACHINES, full_plan
+    from dsfp4.projection.machines import MACHINES
+    from dsfp4.projection.whole_model import full_plan
 
     on_16g = full_plan("v3", MACHINES["16g"], "fp4:wo")[1]
     assert on_16g.on_host.embed and on_16g.host_backbone > 0  # 1.3 GiB short of the device: the embedding and more
@@ -74,9 +75,9 @@ def test_the_whole_v3_plans_each_spec_with_what_does_not_fit_in_ram():
 
 
 def test_auto_keeps_fp8_where_the_whole_backbone_fits_and_takes_the_16g_way_where_it_does_not():
+    from dsfp4.projection.backbone_choice import WAYS, choose_backbone
     from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
     from dsfp4.synthetic.bench_model import model_args
-    from dsfp4.tools.backbone_choice import WAYS, choose_backbone
 
     v3 = model_args(61, 3)[1]
     p16, p24 = PRESETS["16g"], PRESETS["24g"]

@@ -1,5 +1,5 @@
 """Modes (runtime/modes.py): what each sets, that a lever given wins over its mode's, the flag and --plan's report;
-the levers projected on the whole model (tools/lever_projection.py) and the router's margins they take
+the levers projected on the whole model (projection/levers.py) and the router's margins they take
 (scripts/router_margins.py)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from dsfp4.errors import ConfigError
+from dsfp4.projection.levers import low_share, margin_shares, project_levers, skippable
 from dsfp4.runtime.modes import EXACT, MODES, Levers
 from dsfp4.runtime.options import RunOptions, with_knobs
-from dsfp4.tools.lever_projection import low_share, margin_shares, project_levers, skippable
+from tests.dsfp4.test_simulate import _trace
 from tests.fixtures.cli import run_cli
 from tests.runtime.test_expert_store import _engine, _generate
-from tests.runtime.test_simulate import _trace
 
 
 def test_exact_is_the_default_and_a_lever_given_wins_over_the_modes():
@@ -85,7 +85,7 @@ def test_margin_shares_counts_unchosen_neighbours_of_the_same_group():
 
 @pytest.mark.slow
 def test_project_levers_exact_is_the_exact_projection_and_levers_read_less():
-    from dsfp4.tools.projection import project
+    from dsfp4.projection.whole_model import project
 
     ids = _trace(tokens=60, layers=8, experts=256, k=8)
     weights = np.random.default_rng(1).random((100, 4, 8))

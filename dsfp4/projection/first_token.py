@@ -1,8 +1,8 @@
-"""The whole model's time to first token, projected as tools/projection.py projects its decode: the trace's rows after
-the profile's are the prompt, prefilled in chunks as `dsfp4 run` prefills (runtime/profile/simulate.py
-simulate_prefill) through the plan's pools warm from the trace's first half; its compute is the prompt's FLOPs at
-PREFILL_SHARE of the user's GPU's dense BF16 peak (what our prefill reached on the H100), attention's scores left out
-(under 10% of a V3 layer's FLOPs at 2,048 tokens)."""
+"""The whole model's time to first token, projected as whole_model.py projects its decode: the trace's rows after
+the profile's are the prompt, prefilled in chunks as `dsfp4 run` prefills (simulate.py simulate_prefill) through the
+plan's pools warm from the trace's first half; its compute is the prompt's FLOPs at PREFILL_SHARE of the user's GPU's
+dense BF16 peak (what our prefill reached on the H100), attention's scores left out (under 10% of a V3 layer's FLOPs
+at 2,048 tokens)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.profile.simulate import Projection, StepCosts, simulate_prefill
-from dsfp4.tools.projection import (
+from dsfp4.projection.machines import MACHINES, Machine
+from dsfp4.projection.simulate import Projection, StepCosts, simulate_prefill
+from dsfp4.projection.whole_model import (
     HOST_S,
-    MACHINES,
     PREFILL_CHUNK,
-    Machine,
     columns,
     full_plan,
     host_stream,
@@ -26,6 +24,7 @@ from dsfp4.tools.projection import (
     step_flops,
     warm_order,
 )
+from dsfp4.runtime.options import RunOptions
 
 # our prefill MoE's 310.5 TFLOP/s at 4,096 tokens on the H100 (docs/BENCHMARKS.md, 2026-11-23) over the H100 SXM's
 # 989.4 dense BF16 TFLOP/s: the share of a GPU's peak the projected prefill runs at

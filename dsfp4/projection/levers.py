@@ -1,5 +1,5 @@
 """The lossy levers (runtime/modes.py) projected on the whole model: its decode under a calibrated routing trace, as
-projection.py projects exact routing, with each lever applied where the store would apply it.
+whole_model.py projects exact routing, with each lever applied where the store would apply it.
 
 A calibrated trace (synthetic/routing_trace.py) holds the experts chosen, not their weights nor the router's scores
 of the others. What the levers need of those is measured on a trained model and carried over, stated:
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsfp4.projection.simulate import Projection, SwapModel
+from dsfp4.projection.whole_model import machine_run
 from dsfp4.runtime.modes import Levers
-from dsfp4.runtime.profile.simulate import Projection, SwapModel
-from dsfp4.tools.projection import machine_run
 
 
 def low_share(weights: np.ndarray, threshold: float) -> float:

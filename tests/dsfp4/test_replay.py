@@ -9,7 +9,7 @@ import pytest
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import read_trace
-from dsfp4.runtime.profile.replay import belady, compare, replay, table
+from dsfp4.projection.replay import belady, compare, replay, table
 
 
 def _trace(*rows: list[list[int]]) -> np.ndarray:

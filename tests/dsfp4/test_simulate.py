@@ -1,4 +1,4 @@
-"""The store simulated (runtime/profile/simulate.py) and the whole-model projection on it (tools/projection.py):
+"""The store simulated (projection/simulate.py) and the whole-model projection on it (projection/whole_model.py):
 resident records cost compute only, a store that holds nothing is bound by its links, prefetch with perfect
 guesses hides what a store without it waits for, a prompt's experts come in waves of the device's slots, and the
 whole model plans and projects on every machine."""
@@ -10,7 +10,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dsfp4.runtime.profile.simulate import (
+from dsfp4.projection.bench_check import share_plan
+from dsfp4.projection.first_token import first_token_table, first_tokens
+from dsfp4.projection.machines import MACHINES
+from dsfp4.projection.simulate import (
     IN_PLACE_SHARE,
     ColdRecords,
     HostStream,
@@ -20,10 +23,7 @@ from dsfp4.runtime.profile.simulate import (
     simulate,
     simulate_prefill,
 )
-from dsfp4.tools.bench_projection import share_plan
-from dsfp4.tools.first_token import first_token_table, first_tokens
-from dsfp4.tools.projection import (
-    MACHINES,
+from dsfp4.projection.whole_model import (
     full_plan,
     machine_run,
     project,
@@ -199,7 +199,7 @@ def test_the_whole_model_projects_its_first_token():
 def test_a_batch_brings_the_union_of_its_sequences_experts_each_step():
     """MachineRun.decode_batch: b stretches of the trace decode together; a step brings their union in and costs one
     token's compute, so with nothing to read (resident) b sequences decode b times one's tokens per second."""
-    from dsfp4.tools.projection import machine_run
+    from dsfp4.projection.whole_model import machine_run
 
     ids = _trace(tokens=64, layers=8, experts=256, k=8)
     r = machine_run("v3", "16g", ids, 0.7)

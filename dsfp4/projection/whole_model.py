@@ -1,9 +1,9 @@
 """The whole model projected from the small one: a DeepSeek model that is not on this machine, decoded through the
-store's own pools and policies (runtime/profile/simulate.py) under a routing trace, at the budgets the planner
-gives the whole model on a user's machine, with compute scaled from what the bench model measured.
+store's own pools and policies (simulate.py) under a routing trace, at the budgets the planner gives the whole model
+on a user's machine, with compute scaled from what the bench model measured.
 
 - Budgets: the planner's plan of the whole model (its manifest without files: synthetic/bench_model.py
-  planned_manifest) under the machine's budgets; V3 on a 16 GB card takes the NVFP4 backbone it needs.
+  planned_manifest) under the machine's budgets (machines.py); V3 on a 16 GB card takes the NVFP4 backbone it needs.
 - Compute: the bench model's resident decode step reads its bytes at a measured fraction of the GPU's memory
   bandwidth (`efficiency`); the whole model's step reads its own bytes (per MoE layer: attention and router,
   then routed and shared experts; per token: dense layers and the head) at that fraction of the user's GPU's.
@@ -11,8 +11,9 @@ gives the whole model on a user's machine, with compute scaled from what the ben
   from a profile of the trace's first half (as profile-hot measures one on calibration text) and the second half
   is decoded (so the profile never saw the tokens it is scored on).
 - Links: the machine's SSD and pinned PCIe bandwidth, each at its full rate.
-- Time to first token: tools/first_token.py.
-- The process: USER_PROCESS, what `dsfp4 run` holds when it plans (not what the projecting process holds).
+- Time to first token: first_token.py.
+- The process: machines.py's USER_PROCESS, what `dsfp4 run` holds when it plans (not what the projecting process
+  holds).
 """
 
 from __future__ import annotations
@@ -29,63 +30,26 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
-from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
-from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
-from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, with_narrow_slots
-from dsfp4.runtime.profile.replay import belady
-from dsfp4.runtime.profile.simulate import (
+from dsfp4.projection.backbone_choice import choose_backbone, run_shape
+from dsfp4.projection.machines import MACHINES, USER_PROCESS, Machine
+from dsfp4.projection.replay import belady
+from dsfp4.projection.simulate import (
     ColdRecords,
     HostStream,
-    Links,
     Projection,
     StepCosts,
     SwapModel,
     simulate,
     simulate_prefill,
 )
+from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
+from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, with_narrow_slots
 from dsfp4.synthetic.bench_model import model_args, planned_manifest
-from dsfp4.tools.backbone_choice import choose_backbone, run_shape
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
 MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = run_shape()  # the run the plan is made for: `dsfp4 run`'s defaults
 HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing and queues the loads
-USER_PROCESS = int(0.56 * GiB)  # RSS of a `dsfp4 run` as it plans, on the H200 machine (docs/BENCHMARKS.md)
 
-
-@dataclass(frozen=True)
-class Machine:
-    about: str
-    budgets: Budgets
-    hbm: float  # the GPU's memory bandwidth, bytes/s
-    links: Links
-    flops: float  # the GPU's dense BF16 tensor peak (FP32 accumulate), FLOP/s: NVIDIA's specifications
-
-
-MACHINES = {
-    "16g": Machine(
-        "the design's seed machine: 16 GB GPU (896 GB/s, 88 BF16 TFLOP/s: an RTX 5070 Ti), 96 GB RAM, "
-        "14 GB/s PCIe 5 SSD, 50 GB/s pinned PCIe",
-        Budgets(PRESETS["16g"].gpu, PRESETS["16g"].cpu, "preset 16g"),
-        896e9,
-        Links(14e9, 50e9),
-        87.9e12,
-    ),
-    "24g": Machine(
-        "24 GB GPU (1,008 GB/s, 165 BF16 TFLOP/s: an RTX 4090), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe "
-        "(the 16g machine's links)",
-        Budgets(PRESETS["24g"].gpu, PRESETS["24g"].cpu, "preset 24g"),
-        1008e9,
-        Links(14e9, 50e9),
-        165.2e12,
-    ),
-    "home-seek": Machine(
-        "home-seek's: RTX 4090 24 GB (1,008 GB/s), ~90 GB RAM, 1.5 GB/s disk, PCIe 4 (25 GB/s pinned)",
-        Budgets(23 * GiB, 76 * GiB, "home-seek's machine"),
-        1008e9,
-        Links(1.5e9, 25e9),
-        165.2e12,
-    ),
-}
 FAMILIES = {  # the whole model: (decoder layers, dense layers, family of the bench model's writer)
     "v3": (61, 3, "v3"),
     "v4": (43, 0, "v4"),
@@ -99,7 +63,7 @@ def full_args(family: str) -> ModelArgs:
 
 def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tuple[Manifest, Plan]:
     """The whole model's manifest and plan on the machine: with the backbone `convert --backbone auto` gives it
-    there (tools/backbone_choice.py), or `backbone` (a --backbone spec, convert/backbone.py); a ConfigError when
+    there (backbone_choice.py), or `backbone` (a --backbone spec, convert/backbone.py); a ConfigError when
     even with the backbone in RAM it does not fit."""
     args = full_args(family)
     expert_format = "mxfp4" if args.is_v4 else "nvfp4"

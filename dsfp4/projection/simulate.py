@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dsfp4.runtime.models.trace_routing import guesses
-from dsfp4.runtime.store.host_lane import host_count
+from dsfp4.runtime.store.lever_rules import host_candidates, leave_out, swap_cold_by, unhidden
 from dsfp4.runtime.store.placement import hold_hottest
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.runtime.store.slots import SlotPool
@@ -200,11 +200,9 @@ class Tiers:
         return key in self.ram and key not in self.cold.keys and self.in_ram.get(key, 0.0) <= at
 
     def host_candidates(self, keys: list[Key], at: float, share: float) -> list[Key]:
-        """Of one layer's records those the CPU lane would take at `at`, as the store's _host_candidates picks them:
-        by host_count, of the records not on the device."""
-        crossing = sorted(k for k in keys if k not in self.gpu)  # in expert order, as the store's chosen list
-        eligible = [k for k in crossing if self.host_may_read(k, at)]
-        return eligible[: host_count(share, len(crossing), len(eligible))]
+        """Of one layer's records those the CPU lane would take at `at`, by the store's rule (host_candidates), in
+        expert order as the store's chosen list."""
+        return host_candidates(sorted(keys), self.gpu.__contains__, lambda k: self.host_may_read(k, at), share)
 
     def compute_on_host(self, key: Key, at: float) -> float:
         """The CPU lane computes a RAM hit from `at`, behind its earlier work -> when it is done."""
@@ -284,19 +282,20 @@ def simulate(
         for layer in range(n_layers):
             streamed = layer in host.layers
             routed = tiers.stream(now, host.attn_bytes * streamed, costs.attn_s) + (costs.host_s if streams else 0.0)
-            chosen = dict.fromkeys((layer, int(e)) for e in trace[token, layer])
-            low = set() if skippable is None else set(trace[token, layer][skippable[token, layer]].tolist())
-            if swap is not None:
-                chosen, swaps = _swapped(list(chosen), tiers, n_experts // swap.groups, swap.close, swap_rng)
+            ids = trace[token, layer]
+            light = [False] * top_k if skippable is None else skippable[token, layer].tolist()
+            if swap is not None:  # before the threshold, as in the store: a swapped-in expert is warm
+                ids, swaps = _swapped(ids, layer, tiers, n_experts // swap.groups, swap.close, swap_rng)
                 out.swapped += swaps * counting
+            chosen = list(dict.fromkeys((layer, int(e)) for e in ids))
             protected = set(chosen)
             ready = routed
-            cold = [k for k in chosen if k not in tiers.gpu and k not in tiers.ram]
-            leave = [k for k in cold if k[1] in low]
+            cold = {k for k in chosen if k not in tiers.gpu and k not in tiers.ram}
+            leave, _ = leave_out(chosen, light, cold)
             if hide_ratio is not None:  # adaptive: only what the RAM hits' copies cannot hide, the least weighed
                 crossing = sum(1 for k in chosen if k in tiers.ram and k not in tiers.gpu)
-                n = min(len(leave), max(0, len(cold) - int(hide_ratio * crossing)))
-                leave = leave[len(leave) - n :] if n else []  # a trace lists a token's choices best first
+                least_first = [k for k in reversed(chosen) if k in leave]  # a trace lists a token's choices best first
+                leave = set(unhidden(least_first, len(cold), crossing, hide_ratio))
             kept = [k for k in chosen if k not in leave]
             out.skipped += (len(chosen) - len(kept)) * counting
             on_host = tiers.host_candidates(kept, routed, host_share) if host_share and links.cpu else []
@@ -338,24 +337,19 @@ def simulate(
 
 
 def _swapped(
-    chosen: list[Key], tiers: Tiers, per_group: int, close: float, rng: np.random.Generator
-) -> tuple[dict[Key, None], int]:
-    """A token's chosen records at one layer -> (the choice after cache-aware routing's swaps, their number)."""
-    out, swaps = dict.fromkeys(chosen), 0
-    for key in chosen:
-        if key in tiers.gpu or key in tiers.ram:
-            continue
-        layer, first = key[0], key[1] // per_group * per_group
-        near = [
-            c
-            for c in ((layer, e) for e in range(first, first + per_group))
-            if c not in out and (c in tiers.gpu or c in tiers.ram) and rng.random() < close
-        ]
-        if near:
-            del out[key]
-            out[near[int(rng.integers(len(near)))]] = None
-            swaps += 1
-    return out, swaps
+    ids: np.ndarray, layer: int, tiers: Tiers, per_group: int, close: float, rng: np.random.Generator
+) -> tuple[np.ndarray, int]:
+    """A token's chosen experts [K] at one layer -> (the choice after cache-aware routing's swaps, by the store's rule
+    (swap_cold_by), their number): each warm group mate of a cold choice counts as scored within the margin with
+    probability `close`, and the swap takes one of those at random."""
+
+    def near(t: int, e: int, mates: list[int]) -> int | None:
+        close_ones = [c for c in mates if rng.random() < close]
+        return close_ones[int(rng.integers(len(close_ones)))] if close_ones else None
+
+    warm = lambda e: (layer, e) in tiers.gpu or (layer, e) in tiers.ram  # noqa: E731
+    new, swaps = swap_cold_by(ids[None], warm, per_group, near)
+    return new[0], swaps
 
 
 def simulate_prefill(

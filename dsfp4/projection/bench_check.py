@@ -1,5 +1,5 @@
 """`dsfp4 bench MODEL --routing TRACE --project FAMILY`: the bench model measured where the whole model is projected
-from it (tools/projection.py): its resident decode step gives the compute model, and at the whole model's share
+from it (whole_model.py): its resident decode step gives the compute model, and at the whole model's share
 of each machine's budgets its decode under the trace is measured beside the store's simulation of the same plan,
 trace rows and links (the check of the simulation)."""
 
@@ -13,14 +13,10 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import read_trace
-from dsfp4.runtime.modes import EXACT
-from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.plan.planner import Plan, narrowed
-from dsfp4.runtime.profile.simulate import ColdRecords, Links, StepCosts, simulate
-from dsfp4.tools.doctor import Ceilings
-from dsfp4.tools.first_token import first_token_table, first_tokens
-from dsfp4.tools.projection import (
-    MACHINES,
+from dsfp4.projection.first_token import first_token_table, first_tokens
+from dsfp4.projection.machines import MACHINES
+from dsfp4.projection.simulate import ColdRecords, Links, StepCosts, simulate
+from dsfp4.projection.whole_model import (
     decode_costs,
     efficiency,
     full_plan,
@@ -29,6 +25,10 @@ from dsfp4.tools.projection import (
     spread,
     table,
 )
+from dsfp4.runtime.modes import EXACT
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.planner import Plan, narrowed
+from dsfp4.tools.doctor import Ceilings
 
 
 def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int, manifest: Manifest | None = None) -> Plan:

@@ -1,0 +1,47 @@
+"""The user machines a projection plans for: each one's budgets, GPU memory bandwidth and compute peak, SSD and
+pinned PCIe links, and what `dsfp4 run` holds there as it plans (not what the projecting process holds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsfp4.projection.simulate import Links
+from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
+
+USER_PROCESS = int(0.56 * GiB)  # RSS of a `dsfp4 run` as it plans, on the H200 machine (docs/BENCHMARKS.md)
+
+
+@dataclass(frozen=True)
+class Machine:
+    about: str
+    budgets: Budgets
+    hbm: float  # the GPU's memory bandwidth, bytes/s
+    links: Links
+    flops: float  # the GPU's dense BF16 tensor peak (FP32 accumulate), FLOP/s: NVIDIA's specifications
+
+
+MACHINES = {
+    "16g": Machine(
+        "the design's seed machine: 16 GB GPU (896 GB/s, 88 BF16 TFLOP/s: an RTX 5070 Ti), 96 GB RAM, "
+        "14 GB/s PCIe 5 SSD, 50 GB/s pinned PCIe",
+        Budgets(PRESETS["16g"].gpu, PRESETS["16g"].cpu, "preset 16g"),
+        896e9,
+        Links(14e9, 50e9),
+        87.9e12,
+    ),
+    "24g": Machine(
+        "24 GB GPU (1,008 GB/s, 165 BF16 TFLOP/s: an RTX 4090), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe "
+        "(the 16g machine's links)",
+        Budgets(PRESETS["24g"].gpu, PRESETS["24g"].cpu, "preset 24g"),
+        1008e9,
+        Links(14e9, 50e9),
+        165.2e12,
+    ),
+    "home-seek": Machine(
+        "home-seek's: RTX 4090 24 GB (1,008 GB/s), ~90 GB RAM, 1.5 GB/s disk, PCIe 4 (25 GB/s pinned)",
+        Budgets(23 * GiB, 76 * GiB, "home-seek's machine"),
+        1008e9,
+        Links(1.5e9, 25e9),
+        165.2e12,
+    ),
+}

@@ -1,10 +1,16 @@
-"""Runtime knobs; each field is the `dsfp4 run` flag of the same name."""
+"""Runtime knobs; each field is the `dsfp4 run` flag of the same name.
+
+Three kinds, each a frozen dataclass with its own checks: `EngineOptions` (where the model runs, its budgets, context
+and decode machinery), `StoreOptions` (how the routed experts are held, read, traded and routed) and `SamplingOptions`
+(how a generation samples and ends). `RunOptions` is all three at once, the flat face that the CLI, the Python API and
+the server build; a consumer that needs one kind may take it alone.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,30 +21,86 @@ from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.sampling import SamplingParams
 from dsfp4.runtime.modes import AUTO, MODES, Levers
-from dsfp4.runtime.plan.budget import parse_size
+from dsfp4.runtime.plan.budget import Budgets, parse_size
 from dsfp4.runtime.plan.probes import parse_host_share
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")  # the fields a single call may set
+# one message for both, as the flags have always been checked (the two fields are of different kinds)
+AT_LEAST_ONE = "--io-threads and --prefill-chunk must be at least 1"
+
+
+def _typed(options: Any) -> None:
+    """The Python API passes anything: each value must have its field's type. Stop strings arrive as a string, a list
+    (JSON, Click's multiple flag) or a tuple, and become a tuple; a path given as text becomes a Path."""
+    for f in dataclasses.fields(options):
+        if not f.init:
+            continue
+        value = getattr(options, f.name)
+        if f.type == "tuple[str, ...]" and isinstance(value, (str, list)):
+            value = (value,) if isinstance(value, str) else tuple(value)
+        if (err := check(value, annotation_spec(str(f.type)), f.name)) is not None:
+            raise ConfigError(f"option {err} (the flag --{f.name.replace('_', '-')})")
+        if f.type == "Path | None" and isinstance(value, str):
+            value = Path(value)
+        object.__setattr__(options, f.name, value)
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class EngineOptions:
+    """Where the model runs and under which budgets; its context, prefill chunks and decode machinery."""
+
     device: str = "auto"
     dtype: str = "auto"  # bf16 on CUDA, fp32 on the CPU
     max_context: int = 4096
-    max_tokens: int = 256
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    thinking: bool | None = None  # the prompt format's thinking switch (V4's mode, V3.1's template); None: its default
     gpu_mem: str | None = None  # budgets: sizes such as 14G; None: the preset, else free memory
     cpu_mem: str | None = None
     preset: str | None = None
+    prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
+    mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/generate/speculative.py)
+    cuda_graph: bool = True  # replay decode steps as CUDA graphs where they can be captured (generate/decode_graph.py)
+    # a folder of saved prompt KV caches: a prompt sharing a prefix with a saved one restores it instead of
+    # prefilling it (runtime/generate/prompt_cache.py), held to prompt_cache_size by evicting the least recently used
+    prompt_cache: Path | None = None
+    prompt_cache_size: str = "16G"
+    # sequences decoded in one step (run --batch, serve, Engine.batch): 1 decodes one at a time; 0: the mode's
+    # (modes.MODE_BATCH) as far as the device budget affords their KV caches and the tiers a step's experts
+    # (planner.auto_batch, planner.union_batch)
+    max_batch: int = 1
+    # gpu_mem, cpu_mem and preset parsed once, here: the sizes they give (None: this machine's free memory, which
+    # Budgets.resolve takes on the run's device)
+    budgets: Budgets = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _typed(self)
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"--dtype {self.dtype}: choose auto, {', '.join(DTYPES)}")
+        if self.max_context < 2:
+            raise ConfigError(f"--max-context {self.max_context}: give at least 2")
+        object.__setattr__(self, "budgets", Budgets.parse(self.gpu_mem, self.cpu_mem, self.preset))
+        parse_size(self.prompt_cache_size, "--prompt-cache-size")
+        if self.prompt_cache is not None and Path(self.prompt_cache).exists() and not Path(self.prompt_cache).is_dir():
+            raise ConfigError(f"--prompt-cache {self.prompt_cache}: a file, not a folder; give a folder for the cache")
+        if not 0 <= self.max_batch <= DECODE_TOKENS:
+            raise ConfigError(f"--max-batch {self.max_batch}: give 1 to {DECODE_TOKENS} sequences (0: the mode's)")
+        if self.prefill_chunk < 1:
+            raise ConfigError(AT_LEAST_ONE)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How the routed experts are held in the tiers, read from the SSD, traded by the lossy levers and routed."""
+
     policy: str = "hot"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on calibrated traces)
     prefetch: bool = True  # predict the next MoE layer's experts with its router
     # a guess may read its record from the SSD; False: only guesses already in RAM are copied up (a wrong guess then
@@ -50,7 +112,7 @@ class RunOptions:
     # "auto": only what the step's copies cannot hide, up to `throughput`'s threshold: runtime/modes.py AUTO)
     expert_threshold: float | str | None = None
     # a chosen expert in neither the device nor RAM is swapped for an unchosen warm one of its group that the router
-    # scored within this margin of it (runtime/models/cache_aware.py; 0: exact; None: the mode's)
+    # scored within this margin of it (runtime/store/cache_aware.py; 0: exact; None: the mode's)
     cache_aware: float | None = None
     # a decode step's RAM hits the CPU computes from RAM while PCIe carries the rest (runtime/store/host_lane.py): off,
     # auto (the share that balances the CPU kernel against PCIe, measured at load; CUDA runs), or a share from 0 to 1.
@@ -58,40 +120,16 @@ class RunOptions:
     cpu_experts: str = "off"
     io_threads: int = 4  # SSD reads in flight
     verify: bool = True  # sha256 of the backbone files as they load, and of each record on its first read from the SSD
-    prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
-    record_trace: Path | None = None  # where the engine writes its routing trace when it closes
+    zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
     routing: Path | None = None  # route by this trace instead of the routers (runtime/models/trace_routing.py)
     routing_recall: float = 0.9  # under a trace, the share of the next layer's experts its prefetch guesses right
-    mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/generate/speculative.py)
-    cuda_graph: bool = True  # replay decode steps as CUDA graphs where they can be captured (generate/decode_graph.py)
-    # a folder of saved prompt KV caches: a prompt sharing a prefix with a saved one restores it instead of
-    # prefilling it (runtime/generate/prompt_cache.py), held to prompt_cache_size by evicting the least recently used
-    prompt_cache: Path | None = None
-    prompt_cache_size: str = "16G"
-    zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
-    # sequences decoded in one step (run --batch, serve, Engine.batch): 1 decodes one at a time; 0: the mode's
-    # (modes.MODE_BATCH) as far as the device budget affords their KV caches and the tiers a step's experts
-    # (planner.auto_batch, planner.union_batch)
-    max_batch: int = 1
+    record_trace: Path | None = None  # where the engine writes its routing trace when it closes
 
     def __post_init__(self) -> None:
-        # stop strings arrive as a string, a list (JSON, Click's multiple flag) or a tuple
-        if isinstance(self.stop, (str, list)):
-            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        for f in dataclasses.fields(self):  # the Python API passes anything: each value has its field's type
-            if (err := check(getattr(self, f.name), annotation_spec(str(f.type)), f.name)) is not None:
-                raise ConfigError(f"option {err} (the flag --{f.name.replace('_', '-')})")
-        for name in ("record_trace", "routing", "prompt_cache"):
-            if isinstance(getattr(self, name), str):
-                object.__setattr__(self, name, Path(getattr(self, name)))
-        if self.dtype not in ("auto", *DTYPES):
-            raise ConfigError(f"--dtype {self.dtype}: choose auto, {', '.join(DTYPES)}")
-        if self.max_context < 2:
-            raise ConfigError(f"--max-context {self.max_context}: give at least 2")
-        if self.max_tokens < 1:
-            raise ConfigError(f"--max-tokens {self.max_tokens}: give at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+        _typed(self)
+        self._check_store()
+
+    def _check_store(self) -> None:
         if self.policy not in TIER_POLICIES:
             raise ConfigError(f"--policy {self.policy}: choose one of {', '.join(TIER_POLICIES)}")
         if self.mode not in MODES:
@@ -101,14 +139,9 @@ class RunOptions:
             raise ConfigError(f"--expert-threshold {t}: give auto, or a weight from 0 (off) to below 1")
         if self.cache_aware is not None and self.cache_aware < 0:
             raise ConfigError(f"--cache-aware {self.cache_aware}: give a score margin of 0 (off) or more")
-        parse_size(self.prompt_cache_size, "--prompt-cache-size")
         parse_host_share(self.cpu_experts)
-        if self.prompt_cache is not None and Path(self.prompt_cache).exists() and not Path(self.prompt_cache).is_dir():
-            raise ConfigError(f"--prompt-cache {self.prompt_cache}: a file, not a folder; give a folder for the cache")
-        if not 0 <= self.max_batch <= DECODE_TOKENS:
-            raise ConfigError(f"--max-batch {self.max_batch}: give 1 to {DECODE_TOKENS} sequences (0: the mode's)")
-        if self.io_threads < 1 or self.prefill_chunk < 1:
-            raise ConfigError("--io-threads and --prefill-chunk must be at least 1")
+        if self.io_threads < 1:
+            raise ConfigError(AT_LEAST_ONE)
         if self.record_trace is not None:
             check_trace_path(self.record_trace)
         if self.routing is not None and not Path(self.routing).is_file():
@@ -118,8 +151,6 @@ class RunOptions:
             )
         if not 0.0 <= self.routing_recall <= 1.0:
             raise ConfigError(f"--routing-recall {self.routing_recall}: give a share from 0 to 1")
-        if any(not s for s in self.stop):
-            raise ConfigError("--stop: an empty stop string would end every answer at once")
 
     def levers(self) -> Levers:
         """The lossy levers this run uses: its mode's, where it does not set one itself."""
@@ -129,18 +160,51 @@ class RunOptions:
             return dataclasses.replace(AUTO, cache_aware=margin)
         return Levers(mode.expert_threshold if self.expert_threshold is None else self.expert_threshold, margin)
 
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How a generation samples and ends (SAMPLING: the fields a single call may set), and the prompt format's
+    thinking switch."""
+
+    max_tokens: int = 256
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    thinking: bool | None = None  # the prompt format's thinking switch (V4's mode, V3.1's template); None: its default
+
+    def __post_init__(self) -> None:
+        _typed(self)
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens {self.max_tokens}: give at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+        if any(not s for s in self.stop):
+            raise ConfigError("--stop: an empty stop string would end every answer at once")
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+
+@dataclass(frozen=True)
+class RunOptions(SamplingOptions, StoreOptions, EngineOptions):
+    """The knobs of a run, every kind at once: the fields of `dsfp4 run`'s flags, one to one (EngineOptions,
+    StoreOptions, SamplingOptions for what each means)."""
+
+    def __post_init__(self) -> None:
+        _typed(self)
+        self._check_engine()
+        self._check_sampling()
+        self._check_store()
 
 
 def with_knobs(options: RunOptions, knobs: Mapping[str, Any]) -> RunOptions:
     """options with the given fields replaced (and checked); an unknown name is a one-line error."""
-    names = {f.name for f in dataclasses.fields(RunOptions)}
+    names = {f.name for f in dataclasses.fields(RunOptions) if f.init}
     if unknown := sorted(set(knobs) - names):
         raise ConfigError(f"unknown option {', '.join(unknown)}; RunOptions has {', '.join(sorted(names))}")
     return dataclasses.replace(options, **knobs)

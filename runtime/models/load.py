@@ -21,15 +21,14 @@ from dsfp4.runtime.models.v3.model import Transformer
 from dsfp4.runtime.models.v4.model import TransformerV4
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.modes import MODE_BATCH
-from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.plan.budget import resolve_budgets
+from dsfp4.runtime.options import EngineOptions, RunOptions
 from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
 from dsfp4.runtime.plan.probes import host_share
 from dsfp4.runtime.store.expert_store import ExpertStore
 
 
-def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
+def run_target(model_dir: Path, options: EngineOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
     """Device, manifest, context (capped at the model's) and compute dtype of a run."""
     device = resolve_device(options.device)
     manifest = Manifest.open(model_dir)
@@ -110,7 +109,7 @@ def plan_run(
     with_mtp: bool,
     host_extra: int = 0,
 ) -> Plan:
-    budgets = resolve_budgets(options.gpu_mem, options.cpu_mem, options.preset, device)
+    budgets = options.budgets.resolve(device)  # the flags' sizes, parsed by RunOptions
     chunk, threads, a = options.prefill_chunk, options.io_threads, manifest.args
     batch, alone = options.max_batch, _decodes_alone(a, options, with_mtp)
     if batch > 1 and alone:

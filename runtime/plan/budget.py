@@ -117,19 +117,32 @@ def _defaults(gpu: int | None, cpu: int | None, device: torch.device) -> tuple[i
 
 @dataclass(frozen=True)
 class Budgets:
-    gpu: int
-    cpu: int
+    """Bytes the run may hold on the device (`gpu`) and in the process (`cpu`). Parsed from the flags (`parse`), a size
+    neither a flag nor the preset gives is None until `resolve` takes it from the run's device and host: the planner
+    sees resolved budgets only."""
+
+    gpu: int | None
+    cpu: int | None
     source: str  # how they were chosen, for the plan table
+
+    @classmethod
+    def parse(cls, gpu_mem: str | None, cpu_mem: str | None, preset: str | None) -> Budgets:
+        """--gpu-mem, --cpu-mem and --preset: explicit sizes win over the preset's."""
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
+        p = PRESETS.get(preset) if preset else None
+        gpu = parse_size(gpu_mem, "--gpu-mem") if gpu_mem else p.gpu if p else None
+        cpu = parse_size(cpu_mem, "--cpu-mem") if cpu_mem else p.cpu if p else None
+        sources = [f"preset {preset} ({p.about})"] if p else []
+        sources += [flag for flag, given in (("--gpu-mem", gpu_mem), ("--cpu-mem", cpu_mem)) if given]
+        return cls(gpu, cpu, ", ".join(sources) or "free memory of this machine")
+
+    def resolve(self, device: torch.device) -> Budgets:
+        """Both sizes: those not given from this machine's free memory (the preset's and the flags' win over it)."""
+        gpu, cpu = _defaults(self.gpu, self.cpu, device)
+        return Budgets(gpu, cpu, self.source)
 
 
 def resolve_budgets(gpu_mem: str | None, cpu_mem: str | None, preset: str | None, device: torch.device) -> Budgets:
     """Explicit flags win over the preset, the preset over the machine's free memory."""
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
-    p = PRESETS.get(preset) if preset else None
-    gpu = parse_size(gpu_mem, "--gpu-mem") if gpu_mem else p.gpu if p else None
-    cpu = parse_size(cpu_mem, "--cpu-mem") if cpu_mem else p.cpu if p else None
-    gpu, cpu = _defaults(gpu, cpu, device)
-    sources = [f"preset {preset} ({p.about})"] if p else []
-    sources += [flag for flag, given in (("--gpu-mem", gpu_mem), ("--cpu-mem", cpu_mem)) if given]
-    return Budgets(gpu, cpu, ", ".join(sources) or "free memory of this machine")
+    return Budgets.parse(gpu_mem, cpu_mem, preset).resolve(device)

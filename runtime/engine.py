@@ -2,7 +2,8 @@
 
 The CLI (`dsfp4 run`, its chat loop, `--json`) and the server are thin shells over it. One generation runs
 at a time. The engine keeps the tokens whose latent KV sits in the cache (its decoder's), so a chat turn only
-prefills what is new (the longest common prefix with the previous call is reused).
+prefills what is new (the longest common prefix with the previous call is reused, or a longer saved one restored
+from the prompt cache: runtime/generate/prompt_reuse.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dsfp4.device import use_expandable_segments
 from dsfp4.errors import ConfigError, DsfpError
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.generate.batch import STEPPED_PROMPT_TOKENS, BatchRun, Hooks
@@ -32,20 +34,22 @@ from dsfp4.runtime.generate.generation import Delta, Generation, Stream
 from dsfp4.runtime.generate.joint_prefill import prefill_together
 from dsfp4.runtime.generate.prompt import Prompt, PromptRules, PromptSpec, as_token_ids
 from dsfp4.runtime.generate.prompt_cache import MIN_NEW_TOKENS, PromptCache
+from dsfp4.runtime.generate.prompt_reuse import PromptReuse, open_prompt_cache
 from dsfp4.runtime.generate.speculative import Speculator
 from dsfp4.runtime.generate.stats import GenerationStats
-from dsfp4.runtime.generate.steps import common_prefix, text_deltas
+from dsfp4.runtime.generate.steps import text_deltas
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
-from dsfp4.runtime.options import SAMPLING, RunOptions, with_knobs
-from dsfp4.runtime.plan.budget import parse_size, peak_memory
+from dsfp4.runtime.options import SAMPLING, RunOptions, SamplingOptions, with_knobs
+from dsfp4.runtime.plan.budget import peak_memory
 from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.recorder import RoutingRecorder
 from dsfp4.runtime.store.counters import counters_since
+from dsfp4.runtime.store.expert_store import ExpertStore
 from dsfp4.runtime.store.placement import place_records
 
 
@@ -64,25 +68,14 @@ class Engine:
     def __init__(
         self, model_dir: str | os.PathLike, options: RunOptions | None = None, *, plan: Plan | None = None, **knobs
     ):
-        if not isinstance(model_dir, (str, os.PathLike)) or not isinstance(options, (RunOptions, type(None))):
-            raise ConfigError(f"Engine takes a model folder and RunOptions, not {model_dir!r:.40} and {options!r:.40}")
-        self.options = o = with_knobs(options or RunOptions(), knobs)
+        self.options = o = _engine_options(model_dir, options, knobs)
         self.model_dir = Path(model_dir)
         device, manifest, max_context, dtype = run_target(self.model_dir, o)
-        if device.type == "cuda":
-            use_expandable_segments()  # as the CLI does: the device budget relies on it
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        _prepare_device(device)
         a = manifest.args
         spec = PromptSpec(str(self.model_dir), a.eos_token_ids, max_context, a.max_seq_len, a.vocab_size, o.thinking)
         self.rules = PromptRules(spec)
-        if o.mtp and not manifest.args.n_mtp_layers:
-            raise ConfigError(f"--mtp: {self.model_dir} has no MTP layer (converted with --no-mtp?)")
-        if o.mtp and manifest.args.is_v4:
-            raise ConfigError(
-                f"--mtp: speculative decoding drives V3's MTP layer, not DeepSeek-V4's; run {self.model_dir} "
-                "without --mtp"
-            )
+        _check_mtp(o, manifest, self.model_dir)
         self.model: Model | None = load_model(
             self.model_dir, device, dtype, self.max_context, with_mtp=o.mtp, manifest=manifest, options=o, plan=plan
         )
@@ -94,23 +87,21 @@ class Engine:
         self._stream: Stream | None = None  # the generation in progress
         self._busy = threading.Lock()  # one call at a time: two threads would corrupt the cache
         self.recorder = RoutingRecorder(self.model, trace=True) if o.record_trace else None
-        self.routing = self._trace_routing(manifest.args) if o.routing is not None else None
+        self.routing = _trace_routing(self.model, a, o, device, self.max_context) if o.routing is not None else None
         self.decoder = Decoder(self.model, None, self.recorder, o.prefill_chunk, self.max_context, self.routing)
         self.speculator = Speculator(self.decoder, self.model) if o.mtp else None
         self.prompt_cache: PromptCache | None = None
         try:
             if o.prompt_cache is not None:
-                self.prompt_cache = self._open_prompt_cache(manifest.conversion_sha256())
-            store, hot = self.model.experts, self.model_dir / HOT_NAME
-            profile = HotProfile.read(hot).check(manifest, hot) if hot.is_file() else None
-            kernel = self.model.moe_kernel
-            place_records(store, profile, zero_copy=o.zero_copy and kernel is not None and kernel.triton)
-            if kernel is not None:  # Triton compiles here, not in the first TTFT
-                kernel.warm_up(dtype, store.gpu, manifest.args.n_routed_experts, min(o.prefill_chunk, self.max_context))
+                conversion = manifest.conversion_sha256()
+                pc = open_prompt_cache(self.model, self.model_dir, o.prompt_cache, o.prompt_cache_size, conversion)
+                self.prompt_cache = pc
+            self.reuse = PromptReuse(self.decoder, self.speculator, self.prompt_cache, self._model)
+            _warm_start(self.model, self.model_dir, manifest, o.zero_copy)
+            _warm_up_kernels(self.model, dtype, manifest.args, min(o.prefill_chunk, self.max_context))
             if o.cuda_graph:
                 recording = self.recorder is not None
-                self.decoder.graphs = DecodeGraphs(self.model, self.max_context, device, recording, self.routing)
-                self.decoder.graphs.capture_all(self.plan.max_batch)  # now, not in the first answer's decode
+                self.decoder.graphs = _captured_graphs(self.model, self.max_context, device, recording, self.routing)
         except BaseException:
             self.close()
             raise
@@ -123,36 +114,6 @@ class Engine:
     @property
     def tokenizer(self) -> ChatTokenizer:
         return self.rules.tokenizer
-
-    def _open_prompt_cache(self, conversion: str) -> PromptCache:
-        """--prompt-cache: entries of this conversion, dtype and caches (runtime/generate/prompt_cache.py)."""
-        o, caches = self.options, self._model().positional_caches()
-        if caches is None:
-            raise ConfigError(
-                f"--prompt-cache: {self.model_dir}'s caches (DeepSeek-V4's compressed ones) are not saved by position; "
-                "run it without --prompt-cache"
-            )
-        rows = {name: [list(t.shape[1:]), str(t.dtype)] for name, t in caches.items()}
-        identity = {"conversion": conversion, "rows": rows}
-        return PromptCache(o.prompt_cache, parse_size(o.prompt_cache_size, "--prompt-cache-size"), identity)
-
-    def _trace_routing(self, a: ModelArgs) -> TraceRouting:
-        """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
-        model, o = self._model(), self.options
-        layers = [b.ffn.layer for b in model.layers if b.moe]
-        chunk = max(min(o.prefill_chunk, self.max_context), 2)  # a pass: a prefill chunk, or an MTP verify step
-        routing = TraceRouting(
-            o.routing,
-            layers,
-            a.n_routed_experts,
-            a.n_activated_experts,
-            a.route_scale,
-            self.device,
-            chunk,
-            o.routing_recall,
-        )
-        attach(model, routing)
-        return routing
 
     @property
     def plan(self) -> Plan:
@@ -210,7 +171,7 @@ class Engine:
         """Forget the cached conversation: the next call prefills its whole prompt."""
         with self._claim():
             self._end_stream()
-            self._truncate(0)
+            self.reuse.truncate(0)
 
     def encode(
         self, prompt: Prompt, system: str | None = None, raw: bool = False, thinking: bool | None = None
@@ -285,7 +246,11 @@ class Engine:
             raise ConfigError("Engine.batch: this engine decodes one sequence at a time; open it with max_batch >= 2")
         with self._claim():
             self._end_stream()
-        hooks = Hooks(self._claim, self._prefill_alone, lambda: self._truncate(0), self._finish_stats)
+
+        def finished(stats: GenerationStats) -> None:
+            _finish_stats(stats, model.experts, self.routing, self.host_backbone_step, self.device)
+
+        hooks = Hooks(self._claim, self.reuse.prefill, lambda: self.reuse.truncate(0), finished)
         # prompts joining together prefill layer by layer where reading experts dominates a prefill (the tiers cannot
         # hold every record), under a trace too (each prompt through a stretch of its rows); not with a prompt cache
         # (the one-by-one prefill restores saved prompts: `run --batch` saves its lines there together first)
@@ -326,7 +291,7 @@ class Engine:
         with self._claim():
             self._end_stream()
             head, rows = self._model().head, []
-            self._truncate(0)
+            self.reuse.truncate(0)
             done = 0
             for _, h in self.decoder.feed(ids):  # h: [t, D]
                 if self.speculator is not None:  # its entries follow, so a generation after this reuses it
@@ -353,7 +318,7 @@ class Engine:
             return 0
         with self._claim():
             self._end_stream()
-            self._truncate(0)  # the caches will hold no one prompt
+            self.reuse.truncate(0)  # the caches will hold no one prompt
             return prefill_together(self._model(), self.prompt_cache, worth, self.options.prefill_chunk)
 
     # -- internals ------------------------------------------------------------------------------------
@@ -375,12 +340,6 @@ class Engine:
         finally:
             self._busy.release()
 
-    def _truncate(self, n: int) -> None:
-        """Keep the first n cached positions (main and MTP caches): later ones belong to other tokens."""
-        self.decoder.truncate(n)
-        if self.speculator is not None:
-            self.speculator.truncate(n)
-
     def _end_stream(self) -> None:
         if self._stream is not None:
             if self._stream.generation is None:
@@ -388,32 +347,9 @@ class Engine:
             self._stream.close()  # a generation left unfinished ends here, with the cache consistent
             self._stream = None
 
-    def _restore(self, prompt_ids: list[int], reuse: int) -> int:
-        """--prompt-cache: restore a saved prefix of the prompt when it serves more than the `reuse` positions the
-        cache keeps, MTP entries counted -> the positions the prompt then reuses (0: nothing restored)."""
-        pc = self.prompt_cache
-        hit = None if pc is None else pc.find(prompt_ids, reuse)
-        if hit is None:
-            return 0
-        upto = min(hit.mtp_upto, hit.common)
-        gain = hit.common if self.speculator is None else self.speculator.reusable(hit.common, upto)
-        if self._model().reusable(gain) <= reuse or not pc.restore(hit, self._model().positional_caches()):
-            return 0
-        self.decoder.cached = list(prompt_ids[: hit.common])
-        if self.speculator is not None:
-            self.speculator.upto = upto
-        return self._reusable(prompt_ids)
-
-    def _reusable(self, prompt_ids: list[int]) -> int:
-        """Cached tokens this prompt may keep: its common prefix with the cache, short of its last token, as far
-        as the MTP entries and the model's caches allow (V4's hold their last positions only)."""
-        common = common_prefix(self.decoder.cached, prompt_ids)
-        reuse = min(common, len(prompt_ids) - 1, self.speculator.reusable(common) if self.speculator else common)
-        return self._model().reusable(reuse)
-
     @torch.inference_mode()
     def _steps(
-        self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None
+        self, prompt_ids: list[int], options: SamplingOptions, cancel: threading.Event | None
     ) -> Generator[Delta, None, Generation]:
         """The generation loop: tokens from plain or speculative decoding, as deltas of text; then the stats."""
         n, store = len(prompt_ids), self._model().experts
@@ -422,7 +358,7 @@ class Engine:
         sampling = options.sampling()
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
-        reuse, restored = self._reuse(prompt_ids)
+        reuse, restored = self.reuse.keep(prompt_ids)
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse, restored_tokens=restored)
         if self.speculator is not None and budget > 1:
             source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget)
@@ -432,46 +368,84 @@ class Engine:
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.store = counters_since(store.counters.snapshot(), before)
         stats.decode_mode = self.decode_mode
-        self._finish_stats(stats)
-        self._save_prompt(prompt_ids, stats)
+        _finish_stats(stats, store, self.routing, self.host_backbone_step, self.device)
+        self.reuse.save(prompt_ids, stats)
         self.stats, self._stream = stats, None
         return Generation(list(prompt_ids), tokens, text, finish, stats)
 
-    def _reuse(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """Keep the cached prefix the prompt may reuse, or restore a longer one from the prompt cache -> (prompt tokens
-        cached, of them restored). The cache grows chunk by chunk from here: valid should the prefill be interrupted."""
-        reuse = self._reusable(prompt_ids)
-        restored = self._restore(prompt_ids, reuse)
-        reuse = max(reuse, restored)
-        self._truncate(reuse)
-        return reuse, restored
 
-    def _prefill_alone(
-        self, prompt_ids: list[int], cancel: threading.Event | None, stats: GenerationStats
-    ) -> torch.Tensor:
-        """A batch's new sequence: its prompt into slot 0 as a generation's would go (reuse, prompt cache) -> logits
-        after its last token [V]."""
-        stats.cached_tokens, stats.restored_tokens = self._reuse(prompt_ids)
-        logits = self.decoder.prefill(prompt_ids[stats.cached_tokens :], cancel)
-        self._save_prompt(prompt_ids, stats)
-        return logits
+def _engine_options(model_dir: object, options: object, knobs: dict[str, Any]) -> RunOptions:
+    """The engine's options: `options` (default RunOptions()) with the keyword knobs replaced."""
+    if not isinstance(model_dir, (str, os.PathLike)) or not isinstance(options, (RunOptions, type(None))):
+        raise ConfigError(f"Engine takes a model folder and RunOptions, not {model_dir!r:.40} and {options!r:.40}")
+    return with_knobs(options or RunOptions(), knobs)
 
-    def _save_prompt(self, prompt_ids: list[int], stats: GenerationStats) -> None:
-        """--prompt-cache: save the prompt's KV when enough of it was prefilled here to be worth a file."""
-        if self.prompt_cache is None:
-            return
-        stats.prompt_cache_note = self.prompt_cache.take_notes()
-        filled = common_prefix(self.decoder.cached, prompt_ids)  # short of the prompt when it was cancelled
-        if filled - stats.cached_tokens >= MIN_NEW_TOKENS:  # a prefill this long costs more than restoring it
-            upto = self.speculator.upto if self.speculator is not None else 0
-            self.prompt_cache.save(prompt_ids[:filled], self._model().positional_caches(), upto)
 
-    def _finish_stats(self, stats: GenerationStats) -> None:
-        """What every generation's stats report of the engine: routing, the CPU lane, warm start, host backbone,
-        peaks."""
-        store = self._model().experts
-        stats.routing = self.routing.describe() if self.routing is not None else ""
-        stats.cpu_lane = store.lane_split.describe() if store.lane is not None else ""
-        stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
-        stats.host_backbone_step = self.host_backbone_step
-        stats.peak_gpu, stats.peak_rss = peak_memory(self.device)
+def _prepare_device(device: torch.device) -> None:
+    """On CUDA, as the CLI does: expandable segments (the device budget relies on them) and the peaks counted from
+    here."""
+    if device.type == "cuda":
+        use_expandable_segments()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _check_mtp(o: RunOptions, manifest: Manifest, model_dir: Path) -> None:
+    """--mtp needs the checkpoint's MTP layer, and a family whose MTP layer speculative decoding drives."""
+    if o.mtp and not manifest.args.n_mtp_layers:
+        raise ConfigError(f"--mtp: {model_dir} has no MTP layer (converted with --no-mtp?)")
+    if o.mtp and manifest.args.is_v4:
+        raise ConfigError(
+            f"--mtp: speculative decoding drives V3's MTP layer, not DeepSeek-V4's; run {model_dir} without --mtp"
+        )
+
+
+def _trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.device, max_context: int) -> TraceRouting:
+    """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
+    layers = [b.ffn.layer for b in model.layers if b.moe]
+    chunk = max(min(o.prefill_chunk, max_context), 2)  # a pass: a prefill chunk, or an MTP verify step
+    routing = TraceRouting(
+        o.routing, layers, a.n_routed_experts, a.n_activated_experts, a.route_scale, device, chunk, o.routing_recall
+    )
+    attach(model, routing)
+    return routing
+
+
+def _warm_start(model: Model, model_dir: Path, manifest: Manifest, zero_copy: bool) -> None:
+    """The expert tiers filled before the first generation: from the folder's hot.json when it belongs to this
+    conversion; with --zero-copy, kernels that read RAM's records in place where the device and RAM hold them all."""
+    hot = model_dir / HOT_NAME
+    profile = HotProfile.read(hot).check(manifest, hot) if hot.is_file() else None
+    kernel = model.moe_kernel
+    place_records(model.experts, profile, zero_copy=zero_copy and kernel is not None and kernel.triton)
+
+
+def _warm_up_kernels(model: Model, dtype: torch.dtype, a: ModelArgs, chunk: int) -> None:
+    """Triton compiles the MoE kernels here, not in the first TTFT."""
+    if model.moe_kernel is not None:
+        model.moe_kernel.warm_up(dtype, model.experts.gpu, a.n_routed_experts, chunk)
+
+
+def _captured_graphs(
+    model: Model, max_context: int, device: torch.device, recording: bool, routing: TraceRouting | None
+) -> DecodeGraphs:
+    """The decode step's CUDA graphs, captured now for every batch size of the plan, not in the first answer's
+    decode."""
+    graphs = DecodeGraphs(model, max_context, device, recording, routing)
+    graphs.capture_all(model.experts.plan.max_batch)
+    return graphs
+
+
+def _finish_stats(
+    stats: GenerationStats,
+    store: ExpertStore,
+    routing: TraceRouting | None,
+    host_backbone_step: int,
+    device: torch.device,
+) -> None:
+    """What every generation's stats report of the engine: routing, the CPU lane, warm start, host backbone,
+    peaks."""
+    stats.routing = routing.describe() if routing is not None else ""
+    stats.cpu_lane = store.lane_split.describe() if store.lane is not None else ""
+    stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
+    stats.host_backbone_step = host_backbone_step
+    stats.peak_gpu, stats.peak_rss = peak_memory(device)

@@ -29,9 +29,11 @@ from dsfp4.cli.options import (
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.options import RunOptions, SamplingOptions
 
 if TYPE_CHECKING:
+    import socket
+
     from dsfp4.runtime.engine import Engine
     from dsfp4.runtime.generate.generation import Generation
 
@@ -170,7 +172,6 @@ def run(
     from dsfp4.cli.repl import LocalChat, chat_repl
     from dsfp4.layout.atomic import require_folder
     from dsfp4.runtime.engine import Engine
-    from dsfp4.runtime.models.load import plan_engine
     from dsfp4.tools.batch_file import answered, read_batch
 
     ctx = click.get_current_context()
@@ -178,31 +179,71 @@ def run(
         knobs["max_batch"] = 0 if serve or batch is not None else 1
     options = RunOptions(**knobs)
     if show_plan:
-        from dsfp4.device import resolve_device
-        from dsfp4.runtime.plan.probes import host_share
-        from dsfp4.tools.doctor import expected_floor
-
-        plan = plan_engine(model, options)
-        manifest = Manifest.open(model)
-        floor, line = expected_floor(plan, manifest)
-        levers = {"mode": options.mode, **dataclasses.asdict(options.levers())}
-        lane = host_share(options.cpu_experts, manifest.record, resolve_device(options.device))
-        if as_json:
-            out = {**dataclasses.asdict(plan), "floor_s_per_token": floor, "levers": levers}
-            click.echo(json.dumps({**out, "cpu_lane": dataclasses.asdict(lane)}))
-            return
-        click.echo(plan.table())
-        click.echo(line)
-        click.echo(f"mode {options.mode}: {options.levers().describe()}")
-        click.echo(f"CPU lane: {lane.describe()}")
+        _print_plan(model, options, as_json)
         return
+    _check_one_command(prompt, chat, serve, batch, output)
+    items = None if batch is None else read_batch(batch, options)  # every line checked before the model loads
+    done = None if output is None else answered(require_folder(output, "--output"), items)
+    _check_flags(ctx, options, prompt, serve, batch, as_json, raw, system)
+    sock = _listen(host, port) if serve else None
+    with Engine(model, options) as engine:
+        _note_context(ctx, engine, options)
+        ids = _prompt_ids(engine, prompt, system, raw)  # before the plan, so bad input stays a one-line error
+        _show_load(engine, as_json, quiet)
+        if chat:
+            chat_repl(LocalChat(engine), system)
+        elif batch is not None:
+            run_batch(engine, batch, items, done, output, system, quiet)
+        elif serve:
+            max_tokens = options.max_tokens if given_params(ctx, ("max_tokens",)) else None
+            _serve(engine, sock, Path(model).resolve().name, api_key, max_queue, max_tokens, f"http://{host}:{port}/v1")
+        else:
+            _answer(engine, ids, as_json, show_stats, quiet)
+    if engine.recorder is not None and engine.recorder.tokens:
+        click.echo(f"routing trace of {engine.recorder.tokens} tokens: {options.record_trace}", err=True)
+
+
+def _print_plan(model: Path, options: RunOptions, as_json: bool) -> None:
+    """--plan: the memory plan, the expected floor of a token, the levers and the CPU lane; as JSON with --json."""
+    from dsfp4.device import resolve_device
+    from dsfp4.runtime.models.load import plan_engine
+    from dsfp4.runtime.plan.probes import host_share
+    from dsfp4.tools.doctor import expected_floor
+
+    plan = plan_engine(model, options)
+    manifest = Manifest.open(model)
+    floor, line = expected_floor(plan, manifest)
+    levers = {"mode": options.mode, **dataclasses.asdict(options.levers())}
+    lane = host_share(options.cpu_experts, manifest.record, resolve_device(options.device))
+    if as_json:
+        out = {**dataclasses.asdict(plan), "floor_s_per_token": floor, "levers": levers}
+        click.echo(json.dumps({**out, "cpu_lane": dataclasses.asdict(lane)}))
+        return
+    click.echo(plan.table())
+    click.echo(line)
+    click.echo(f"mode {options.mode}: {options.levers().describe()}")
+    click.echo(f"CPU lane: {lane.describe()}")
+
+
+def _check_one_command(prompt: str | None, chat: bool, serve: bool, batch: Path | None, output: Path | None) -> None:
+    """One of --prompt, --chat, --serve and --batch; --batch with its --output."""
     if sum((prompt is not None, chat, serve, batch is not None)) != 1:
         raise click.UsageError("give one of --prompt TEXT, --chat, --serve or --batch FILE")
     if (batch is None) != (output is None):
         raise click.UsageError("--batch FILE and --output FILE go together")
-    items = None if batch is None else read_batch(batch, options)  # every line checked before the model loads
-    if output is not None:
-        done = answered(require_folder(output, "--output"), items)
+
+
+def _check_flags(
+    ctx: click.Context,
+    options: RunOptions,
+    prompt: str | None,
+    serve: bool,
+    batch: Path | None,
+    as_json: bool,
+    raw: bool,
+    system: str | None,
+) -> None:
+    """The flags that apply to one command only are given with it; --raw skips the prompt format's flags."""
     if as_json and prompt is None:
         raise click.UsageError("--json applies to --prompt (or --plan)")
     if not serve and (flags := given_flags(ctx, SERVE_FLAGS)):
@@ -217,44 +258,64 @@ def run(
         raise click.UsageError("--system goes through the chat template, which --raw skips; give one of them")
     if raw and options.thinking is not None:
         raise click.UsageError("--thinking/--no-thinking switch the prompt format, which --raw skips; give one of them")
-    if serve:  # before the model loads: a missing server library fails in a second, not after minutes
-        try:
-            import uvicorn  # noqa: F401  (the HTTP process's)
 
-            from dsfp4.server.app import Served
-            from dsfp4.server.serve import listen
-            from dsfp4.server.serve import serve as run_server
-        except ImportError as e:
-            raise ConfigError(f"--serve needs {e.name}: reinstall dsfp4 (pip install -e .) to get it") from e
-        sock = listen(host, port)  # a port in use fails here, not after the model has loaded
-    with Engine(model, options) as engine:
-        asked = bool(given_params(ctx, ("max_context",)))
-        if asked and engine.max_context < options.max_context:
-            click.echo(
-                f"note: --max-context {options.max_context} is above the model's limit; using {engine.max_context}",
-                err=True,
-            )
-        ids = [] if prompt is None else engine.encode(prompt, system, raw)
-        if prompt is not None:
-            engine.check_prompt(ids)  # before the plan, so bad input stays a one-line error
-        if not (as_json or quiet):
-            click.echo(engine.plan.table(), err=True)
-        for note in engine.notes if not quiet else ():
-            click.echo(f"note: {note}", err=True)
-        if chat:
-            chat_repl(LocalChat(engine), system)
-        elif batch is not None:
-            run_batch(engine, batch, items, done, output, system, quiet)
-        elif serve:
-            given = bool(given_params(ctx, ("max_tokens",)))
-            served = Served(Path(model).resolve().name, api_key, max_queue, options.max_tokens if given else None)
-            where = f"http://{host}:{port}/v1"
-            click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)
-            run_server(engine, served, sock)
-        else:
-            _answer(engine, ids, as_json, show_stats, quiet)
-    if engine.recorder is not None and engine.recorder.tokens:
-        click.echo(f"routing trace of {engine.recorder.tokens} tokens: {options.record_trace}", err=True)
+
+def _listen(host: str, port: int) -> socket.socket:
+    """--serve, before the model loads: a missing server library or a port in use fails in a second, not after
+    minutes."""
+    try:
+        import uvicorn  # noqa: F401  (the HTTP process's)
+
+        import dsfp4.server.app  # noqa: F401  (_serve's, with its libraries)
+        from dsfp4.server.serve import listen
+    except ImportError as e:
+        raise ConfigError(f"--serve needs {e.name}: reinstall dsfp4 (pip install -e .) to get it") from e
+    return listen(host, port)
+
+
+def _note_context(ctx: click.Context, engine: Engine, options: RunOptions) -> None:
+    """A --max-context given above the model's own limit: the engine took the model's."""
+    asked = bool(given_params(ctx, ("max_context",)))
+    if asked and engine.max_context < options.max_context:
+        click.echo(
+            f"note: --max-context {options.max_context} is above the model's limit; using {engine.max_context}",
+            err=True,
+        )
+
+
+def _prompt_ids(engine: Engine, prompt: str | None, system: str | None, raw: bool) -> list[int]:
+    """--prompt's token ids, checked ([] without --prompt)."""
+    ids = [] if prompt is None else engine.encode(prompt, system, raw)
+    if prompt is not None:
+        engine.check_prompt(ids)
+    return ids
+
+
+def _show_load(engine: Engine, as_json: bool, quiet: bool) -> None:
+    """The plan table (not with --json or --quiet) and the engine's notes (not with --quiet), on stderr."""
+    if not (as_json or quiet):
+        click.echo(engine.plan.table(), err=True)
+    for note in engine.notes if not quiet else ():
+        click.echo(f"note: {note}", err=True)
+
+
+def _serve(
+    engine: Engine,
+    sock: socket.socket,
+    model_id: str,
+    api_key: str | None,
+    max_queue: int,
+    max_tokens: int | None,
+    where: str,
+) -> None:
+    """--serve: the OpenAI API on the socket until Ctrl-C (`max_tokens`: --max-tokens when given, else each
+    request's own)."""
+    from dsfp4.server.app import Served
+    from dsfp4.server.serve import serve as run_server
+
+    served = Served(model_id, api_key, max_queue, max_tokens)
+    click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)
+    run_server(engine, served, sock)
 
 
 @click.command()
@@ -275,7 +336,7 @@ def chat(url: str, api_key: str | None, model: str | None, system: str | None, *
     from dsfp4.cli.chat_client import RemoteChat
     from dsfp4.cli.repl import chat_repl
 
-    RunOptions(**sampling)  # checked as `run` checks them
+    SamplingOptions(**sampling)  # checked as `run` checks them
     given = given_params(click.get_current_context(), tuple(sampling))  # the server's defaults hold otherwise
     request = {name: sampling[name] for name in given}
     if "stop" in request:

@@ -1,1 +1,1 @@
-"""DeepSeek checkpoint -> layout v1 conversion (reads sources, quantizes, writes the layout)."""
+"""DeepSeek checkpoints into layout v1 (source/, names/, plan, transform, parts, resume) and back out (export/)."""

@@ -1,1 +1,1 @@
-"""Triton kernels, each beside its wrapper and a torch reference (docs/kernels.md)."""
+"""Triton kernels by family and C ones for the CPU (cpu/), each beside its torch reference (docs/kernels.md)."""

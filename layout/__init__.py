@@ -1,1 +1,1 @@
-"""The on-disk contract shared by convert and runtime: formats, manifest, expert records."""
+"""The on-disk contract of convert and runtime: ModelArgs, formats, records, manifest, hot profile, traces, file I/O."""

@@ -1,1 +1,1 @@
-"""The runtime: model, expert store, generation (filled in by the runtime issue)."""
+"""The runtime: the Engine and its options, generation, the model math, the expert store, the plan, profiling."""

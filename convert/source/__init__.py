@@ -1,1 +1,1 @@
-"""Reading a source checkpoint: its config.json, its shards (local or fetched from the hub as needed)."""
+"""Reading a source checkpoint: its config.json into ModelArgs, its shards (local or fetched from the hub)."""

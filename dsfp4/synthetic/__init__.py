@@ -1,2 +1,1 @@
-"""Fake models for the demo, the tests and the benchmarks: checkpoints in the official layouts, converted bench
-models, routing traces."""
+"""Fake models for the demo, tests and benchmarks: tiny official-layout checkpoints, bench models, routing traces."""

@@ -1,1 +1,1 @@
-"""Kernels for the host CPU: C sources built once by the system's compiler (build.py), called through ctypes."""
+"""The host CPU's C kernels (routed experts, FP8 linear): built once by the system's compiler, called via ctypes."""

@@ -1,1 +1,1 @@
-"""FP4 (NVFP4, MXFP4) codes decoded in registers, and the FP4 matmul."""
+"""FP4 (NVFP4, MXFP4) codes decoded in registers, the FP4 matmul, and cold records widened to FP4 on the device."""

@@ -1,1 +1,1 @@
-"""DeepSeek's FP8 128x128-block weights: dequantization, the decode GEMV, the linear layer."""
+"""DeepSeek's FP8 128x128-block weights: dequantization, the decode GEMV (CUDA and tensor cores), the linear."""

@@ -1,1 +1,1 @@
-"""MLA attention at decode: the cache writes, the absorbed products with wkv_b, flash-decoding."""
+"""MLA attention: the latent cache writes (prefill and decode), the absorbed wkv_b products and flash-decoding."""

@@ -1,1 +1,1 @@
-"""The MoE router at decode: expert scores and the group-limited top-k selection."""
+"""The MoE router: the experts' scores at decode, the group-limited top-k selection and its weights."""

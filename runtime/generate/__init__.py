@@ -1,1 +1,1 @@
-"""Generation: the decoding core, plain and speculative decoding, CUDA graphs, sampling, text in and out, stats."""
+"""Generation: one sequence or a batch, MTP drafts, CUDA graphs, sampling, prompts and their cache, text, stats."""

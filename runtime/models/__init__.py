@@ -1,1 +1,1 @@
-"""The model math: the protocol both families meet, the shared pieces, and one folder per family."""
+"""The model math: the protocol both families meet, loading, the shared pieces, and one folder per family."""

@@ -1,1 +1,1 @@
-"""Routing observed: the recorder, the layer-wise profiler, calibration text, reports."""
+"""Routing observed: the router's recorder, the layer-wise profiler, its calibration text, the hot-set report."""

@@ -1,1 +1,1 @@
-"""The expert store: records in device slots, pinned RAM and on the SSD, under byte budgets."""
+"""The expert store: records in device slots, pinned RAM and on the SSD under byte budgets, and a step's levers."""

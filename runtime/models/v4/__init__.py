@@ -1,1 +1,1 @@
-"""DeepSeek-V4: its attention, KV compressor and indexer, mHC residual streams, blocks, the transformer."""
+"""DeepSeek-V4: attention, KV compressor and indexer, mHC residual streams, blocks, the transformer, MTP."""

@@ -42,7 +42,7 @@ from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
-from dsfp4.runtime.options import SAMPLING, RunOptions, SamplingOptions, with_knobs
+from dsfp4.runtime.options import SAMPLING, EngineOptions, RunOptions, SamplingOptions, with_knobs
 from dsfp4.runtime.plan.budget import peak_memory
 from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
@@ -389,7 +389,7 @@ def _prepare_device(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _check_mtp(o: RunOptions, manifest: Manifest, model_dir: Path) -> None:
+def _check_mtp(o: EngineOptions, manifest: Manifest, model_dir: Path) -> None:
     """--mtp needs the checkpoint's MTP layer, and a family whose MTP layer speculative decoding drives."""
     if o.mtp and not manifest.args.n_mtp_layers:
         raise ConfigError(f"--mtp: {model_dir} has no MTP layer (converted with --no-mtp?)")

@@ -143,7 +143,8 @@ def target_format(item: MappedTensor, backbone: str, head: str = "bf16") -> str:
     return backbone_format(item.ref, backbone)
 
 
-def _out_tensor(item: MappedTensor, options: ConvertOptions) -> OutTensor:
+def out_tensor(item: MappedTensor, options: ConvertOptions) -> OutTensor:
+    """What convert stores a backbone tensor as: its format (target_format) and its components' names."""
     fmt = target_format(item, options.backbone, options.head)
     spec = get_format(fmt)
     names = {"weight": item.ref} if spec.scale is None else {c: f"{item.ref}.{c}" for c, _ in spec.components}
@@ -185,7 +186,7 @@ def make_plan(
     for block in [None, *range(args.n_blocks)]:
         name = part_name(block)
         items = [i for i in tmap.items if i.part == name]
-        backbone = _pair_fused(tuple(_out_tensor(i, options) for i in items if i.kind != EXPERT))
+        backbone = _pair_fused(tuple(out_tensor(i, options) for i in items if i.kind != EXPERT))
         by_expert: dict[int, dict[str, MappedTensor]] = {}
         for i in items:
             if i.kind == EXPERT:

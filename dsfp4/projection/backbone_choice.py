@@ -18,10 +18,10 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.model_args import ModelArgs
+from dsfp4.projection.planned import planned_manifest
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import Budgets, GiB
 from dsfp4.runtime.plan.planner import make_plan
-from dsfp4.synthetic.bench_model import planned_manifest
 
 AUTO = "auto"
 WAYS = ("fp8", "fp4:wo,wq_b,shared")

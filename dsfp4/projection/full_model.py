@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from dsfp4.projection.planned import planned_manifest
 from dsfp4.runtime.plan.budget import PRESETS, Budgets
 from dsfp4.runtime.plan.planner import make_plan
-from dsfp4.synthetic.bench_model import model_args, planned_manifest
+from dsfp4.synthetic.bench_model import model_args
 
 PLAN_DEVICE = torch.device("cuda")  # the presets describe GPU machines: plan as on one, wherever this runs
 

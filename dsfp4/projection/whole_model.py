@@ -2,8 +2,8 @@
 store's own pools and policies (simulate.py) under a routing trace, at the budgets the planner gives the whole model
 on a user's machine, with compute scaled from what the bench model measured.
 
-- Budgets: the planner's plan of the whole model (its manifest without files: synthetic/bench_model.py
-  planned_manifest) under the machine's budgets (machines.py); V3 on a 16 GB card takes the NVFP4 backbone it needs.
+- Budgets: the planner's plan of the whole model (its manifest without files: planned.py) under the machine's
+  budgets (machines.py); V3 on a 16 GB card takes the NVFP4 backbone it needs.
 - Compute: the bench model's resident decode step reads its bytes at a measured fraction of the GPU's memory
   bandwidth (`efficiency`); the whole model's step reads its own bytes (per MoE layer: attention and router,
   then routed and shared experts; per token: dense layers and the head) at that fraction of the user's GPU's.
@@ -32,6 +32,7 @@ from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.projection.backbone_choice import choose_backbone, run_shape
 from dsfp4.projection.machines import MACHINES, USER_PROCESS, Machine
+from dsfp4.projection.planned import planned_manifest
 from dsfp4.projection.replay import belady
 from dsfp4.projection.simulate import (
     ColdRecords,
@@ -44,7 +45,7 @@ from dsfp4.projection.simulate import (
 )
 from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, with_narrow_slots
-from dsfp4.synthetic.bench_model import model_args, planned_manifest
+from dsfp4.synthetic.bench_model import model_args
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
 MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = run_shape()  # the run the plan is made for: `dsfp4 run`'s defaults

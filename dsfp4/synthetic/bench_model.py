@@ -37,7 +37,7 @@ from dsfp4.convert.names.family import name_map
 from dsfp4.convert.names.rules import AUX, EXPERT, LINEAR, part_name
 from dsfp4.convert.source.hf_config import from_hf_config
 from dsfp4.layout.atomic import fsync_dir
-from dsfp4.layout.formats import FORMATS, component_shapes, get_format, stored_nbytes
+from dsfp4.layout.formats import FORMATS, component_shapes, get_format
 from dsfp4.layout.fp4 import nvfp4_global_scale
 from dsfp4.layout.fp8 import FP8_BLOCK
 from dsfp4.layout.manifest import BACKBONE_DIR, ExpertFile, FileEntry, Manifest, TensorEntry
@@ -394,27 +394,6 @@ def write_bench_model(
     }
     options = {"format": expert_format, "backbone": BACKBONES[backbone], "head": "bf16", "mtp": mtp}
     return w.finish(args, source, options, record)
-
-
-def planned_manifest(args: ModelArgs, backbone: str = "fp8_e4m3_b128", expert_format: str = "nvfp4") -> Manifest:
-    """The manifest a conversion of this shape would write, with no file behind it: what the planner reads to place
-    a model that is not on this machine (the whole DeepSeek-V3, say). No checksums; a file's size is its tensors'
-    stored bytes (the planner counts the largest, mapped while it loads)."""
-    tensors = {}
-    for block in [None, *range(args.n_blocks)]:
-        tensors.update(BackbonePart(args, block, backbone).manifest_tensors())
-    sizes: dict[str, int] = {}
-    for t in tensors.values():
-        sizes[t.file] = sizes.get(t.file, 0) + stored_nbytes(FORMATS[t.format], t.shape)
-    files = {name: FileEntry(n, "") for name, n in sizes.items()}
-    n = args.n_routed_experts
-    record = RecordLayout.for_expert(expert_format, args.dim, args.moe_inter_dim)
-    experts = {
-        b: ExpertFile(f"experts/{part_name(b)}.bin", tuple(e * record.nbytes for e in range(n)), ("",) * n)
-        for b in range(args.n_blocks)
-        if args.is_moe_layer(b)
-    }
-    return Manifest(args, {}, {}, tensors, files, record, experts)
 
 
 def bench_model_at(out: Path, **kw: object) -> Manifest:

@@ -11,13 +11,14 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
+from dsfp4.projection.planned import planned_manifest
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.host_backbone import HostBackbone, layer_bytes, place_on_host, spans, tensor_bytes
 from dsfp4.runtime.plan.planner import backbone_bytes, dequant_bytes, make_plan
-from dsfp4.synthetic.bench_model import model_args, planned_manifest
+from dsfp4.synthetic.bench_model import model_args
 
 CUDA = torch.device("cuda")  # planned as on a GPU machine: nothing here touches one
 PROMPT = "Explain the tiers of the expert store"

@@ -66,9 +66,9 @@ def test_on_cuda_the_largest_backbone_file_shares_the_ram_budget_with_the_proces
     budget past the process, and the budget need only cover the process plus the larger of the largest file and a
     read's staging; on the CPU the mapping counts on the device side as before."""
     from dsfp4.errors import ConfigError
+    from dsfp4.projection.planned import planned_manifest
     from dsfp4.runtime.plan.budget import Budgets, GiB
     from dsfp4.runtime.plan.planner import CUDA_HOST_RESERVE, make_plan
-    from dsfp4.synthetic.bench_model import planned_manifest
 
     _, args = model_args(5, 1)
     m = planned_manifest(args, "fp8_e4m3_b128", "nvfp4")

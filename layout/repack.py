@@ -63,7 +63,13 @@ class Cold:
             raise ConfigError(f"cold records take {COLD_BITS} bits and a hot share in [0, 1), not {self}")
 
     def experts(self, order: list[int]) -> tuple[int, ...]:
-        return tuple(sorted(order[math.ceil(self.hot_share * len(order)) :]))
+        return cold_experts(order, self.hot_share)
+
+
+def cold_experts(order: list[int], hot_share: float) -> tuple[int, ...]:
+    """order: a layer's experts hottest first -> those a cold repack narrows: all but its hottest ceil(hot_share x
+    len(order)), in expert order (the projection's cold records follow the same rule)."""
+    return tuple(sorted(order[math.ceil(hot_share * len(order)) :]))
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from dsfp4.kernels.cpu import moe as host_moe
-from dsfp4.kernels.moe.ref import ABSENT
 from dsfp4.layout.record import RecordLayout
+from dsfp4.layout.record_offsets import ABSENT
 from dsfp4.runtime.store.counters import StoreCounters
 
 

@@ -11,11 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsfp4.errors import ConfigError
-
-V4_FAMILY = "deepseek_v4"
-# V4 attention kinds: a sliding window only, compressed sparse attention (CSA: overlapping windows and the
-# lightning indexer), heavily compressed attention (HCA: every compressed entry)
-SLIDING, CSA, HCA = "sliding", "csa", "hca"
+from dsfp4.layout.family import V4_FAMILY, Family, family_of
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,7 @@ class ModelArgs:
     window_size: int = 0  # sliding window, counting the current token
     o_groups: int = 0  # grouped output projection: head groups, and each group's output width
     o_lora_rank: int = 0
-    layer_kinds: tuple[str, ...] = ()  # per block (main layers, then MTP): SLIDING, CSA or HCA
+    layer_kinds: tuple[str, ...] = ()  # per block (main layers, then MTP): SLIDING, CSA or HCA (layout/family.py)
     compress_ratios: tuple[int, ...] = ()  # per block: tokens per compressed entry (0 for sliding)
     compress_rope_theta: float = 0.0  # RoPE base of layers with a compressor (the YaRN fields apply there only)
     index_n_heads: int = 0  # lightning indexer of CSA layers: heads, head width, entries kept per query
@@ -86,7 +82,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         """Reject shapes the router cannot route, with the config key to fix."""
         e, g, k = self.n_routed_experts, self.n_expert_groups, self.n_activated_experts
-        problems = self._v4_problems() if self.is_v4 else []
+        problems = self.family_spec.problems(self)
         if e % g:
             problems.append(f"n_routed_experts ({e}) is not a multiple of n_group ({g})")
         elif self.n_limited_groups > g:
@@ -98,27 +94,14 @@ class ModelArgs:
         if problems:
             raise ConfigError(f"config.json: {problems[0]}")
 
-    def _v4_problems(self) -> list[str]:
-        problems = []
-        if len(self.layer_kinds) != self.n_blocks or len(self.compress_ratios) != self.n_blocks:
-            problems.append(
-                f"compress_ratios / layer_types give {len(self.layer_kinds)} layer kinds; "
-                f"{self.n_layers} layers + {self.n_mtp_layers} MTP need {self.n_blocks}"
-            )
-        elif bad := [i for i, k in enumerate(self.layer_kinds) if (k == SLIDING) != (self.compress_ratios[i] == 0)]:
-            i = bad[0]
-            problems.append(f"layer {i}: kind {self.layer_kinds[i]} with compress ratio {self.compress_ratios[i]}")
-        if self.o_groups < 1 or self.n_heads % self.o_groups:
-            problems.append(f"num_attention_heads ({self.n_heads}) is not a multiple of o_groups ({self.o_groups})")
-        if self.n_hash_layers > self.n_layers:
-            problems.append(f"num_hash_layers ({self.n_hash_layers}) exceeds num_hidden_layers ({self.n_layers})")
-        rope = self.qk_rope_head_dim
-        if rope > min(self.head_dim, self.index_head_dim) or rope % 2:
-            problems.append(f"qk_rope_head_dim ({rope}) must be even and fit head_dim and index_head_dim")
-        return problems
+    @property
+    def family_spec(self) -> Family:
+        """What the contract knows of the model's family (layout/family.py)."""
+        return family_of(self.family)
 
     @property
     def is_v4(self) -> bool:
+        """Only runtime/engine.py's --mtp check still asks (its family's entry says: runtime/models/families.py)."""
         return self.family == V4_FAMILY
 
     def is_hash_layer(self, layer: int) -> bool:

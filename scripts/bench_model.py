@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from dsfp4.runtime.plan.budget import proc_status_bytes
-from dsfp4.synthetic.bench_model import BACKBONES, EXPERT_FORMATS, write_bench_model, written_bytes
+from dsfp4.synthetic.bench_model import BACKBONES, write_bench_model, written_bytes
+from dsfp4.synthetic.releases import RELEASES
 from dsfp4.units import format_bytes
 
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="new folder for the model")
     p.add_argument("--layers", type=int, default=6, help="decoder blocks (default 6)")
-    p.add_argument("--family", choices=sorted(EXPERT_FORMATS), default="v3", help="DeepSeek-V3 or V4-Flash")
+    p.add_argument("--family", choices=sorted(RELEASES), default="v3", help="DeepSeek-V3 or V4-Flash")
     p.add_argument("--dense", type=int, help="leading blocks with a dense MLP (default: V3 1, V4 none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backbone", choices=sorted(BACKBONES), default="fp8_e4m3_b128")

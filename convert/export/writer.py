@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from dsfp4.convert.export import compressed_tensors as ct
 from dsfp4.convert.export import gguf, modelopt
+from dsfp4.convert.family import source_family
 from dsfp4.errors import ConfigError, OutputError
 from dsfp4.layout.atomic import LOCK_NAME, atomic_write_bytes, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
@@ -104,11 +105,8 @@ def open_model(model_dir: Path) -> Manifest:
     manifest = Manifest.open(model_dir)
     if manifest.record is None:
         raise ConfigError(f"{model_dir}: a model without routed experts has nothing this export format is for")
-    if manifest.args.is_v4:
-        raise ConfigError(
-            f"{model_dir}: DeepSeek-V4's own release layout (FP8 blocks, MXFP4 experts) is what engines load for V4; "
-            "export writes the DeepSeek-V3 family's"
-        )
+    if why := source_family(manifest.args).no_export:
+        raise ConfigError(f"{model_dir}: {why}")
     return manifest
 
 

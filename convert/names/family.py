@@ -1,19 +1,18 @@
-"""The family switch: each family's name map, the names a checkpoint of a given shape holds, and the mapping of a
-source's tensors with its completeness check."""
+"""A family's name map (convert/family.py names it), the names a checkpoint of a given shape holds, and the mapping
+of a source's tensors with its completeness check."""
 
 from __future__ import annotations
 
+from dsfp4.convert.family import source_family
 from dsfp4.convert.names.rules import NO_MTP_REASON, PLAIN, Mapper, NameMap, TensorMap
-from dsfp4.convert.names.v3 import V3_NAMES
-from dsfp4.convert.names.v4 import V4_NAMES
 from dsfp4.errors import SourceError
-from dsfp4.layout.model_args import V4_FAMILY, ModelArgs
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.safetensors_file import TensorInfo
 
 
 def name_map(args: ModelArgs | str | None) -> NameMap:
     """The name map of the model's family (ModelArgs.family: config.json's model_type; V3's when unknown)."""
-    return V4_NAMES if (args.family if isinstance(args, ModelArgs) else args) == V4_FAMILY else V3_NAMES
+    return source_family(args).names
 
 
 def source_names(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dsfp4.convert.names.rules import AUX, EXPERT, LINEAR, PLAIN, NameMap, Placed, Rule, SourceStorage
-from dsfp4.layout.model_args import CSA, SLIDING, ModelArgs
+from dsfp4.layout.family import CSA, SLIDING
+from dsfp4.layout.model_args import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ V4_STORAGE = SourceStorage(
         "fp8_e4m3_e8m0_b128": {"weight": ("weight", "F8_E4M3"), "scale": ("scale", "F8_E8M0")},
     },
     {"BF16": "bf16", "F32": "f32", "I64": "i64"},
+    aux="bf16",  # the compressors' and the indexer's
 )
 
 # the mHC head that collapses the streams before the final norm; the main model's and each MTP block's

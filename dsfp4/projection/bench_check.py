@@ -28,6 +28,7 @@ from dsfp4.projection.whole_model import (
 from dsfp4.runtime.modes import EXACT
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan, narrowed
+from dsfp4.synthetic.releases import RELEASES
 from dsfp4.tools.doctor import Ceilings
 
 
@@ -151,7 +152,7 @@ def run_projection(
     links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
     checks = [validate(model_dir, manifest, options.routing, m, family, options, links, costs) for m in machines]
     ids = read_trace(options.routing).ids
-    every = machines + (["home-seek"] if family == "v4" else [])
+    every = machines + list(RELEASES[family].published_on)
     rows = project(family, ids, every, eff)
     firsts = first_tokens(family, ids, every)
     return {

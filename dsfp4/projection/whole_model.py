@@ -30,6 +30,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
+from dsfp4.layout.repack import cold_experts
 from dsfp4.projection.backbone_choice import choose_backbone, run_shape
 from dsfp4.projection.machines import MACHINES, USER_PROCESS, Machine
 from dsfp4.projection.planned import planned_manifest
@@ -46,20 +47,17 @@ from dsfp4.projection.simulate import (
 from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, with_narrow_slots
 from dsfp4.synthetic.bench_model import model_args
+from dsfp4.synthetic.releases import RELEASES
 
 PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
 MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = run_shape()  # the run the plan is made for: `dsfp4 run`'s defaults
 HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing and queues the loads
 
-FAMILIES = {  # the whole model: (decoder layers, dense layers, family of the bench model's writer)
-    "v3": (61, 3, "v3"),
-    "v4": (43, 0, "v4"),
-}
-
 
 def full_args(family: str) -> ModelArgs:
-    n_layers, n_dense, writer = FAMILIES[family]
-    return model_args(n_layers, n_dense, family=writer)[1]
+    """The whole released model's shape (synthetic/releases.py), as the bench model's writer gives it."""
+    release = RELEASES[family]
+    return model_args(release.whole_layers, release.whole_dense, family=family)[1]
 
 
 def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tuple[Manifest, Plan]:
@@ -67,7 +65,7 @@ def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tup
     there (backbone_choice.py), or `backbone` (a --backbone spec, convert/backbone.py); a ConfigError when
     even with the backbone in RAM it does not fit."""
     args = full_args(family)
-    expert_format = "mxfp4" if args.is_v4 else "nvfp4"
+    expert_format = args.family_spec.expert_format
     spec = backbone or choose_backbone(args, machine.budgets, expert_format, USER_PROCESS)[0]
     m = planned_manifest(args, spec, expert_format)
     try:
@@ -172,13 +170,13 @@ def warm_order(profile: np.ndarray, n_experts: int) -> list[tuple[int, int]]:
 
 
 def cold_records(warm: list[tuple[int, int]], n_experts: int, hot_share: float, nbytes: int) -> ColdRecords:
-    """The records a cold repack (layout/repack.py Cold) narrows when its profile ranks them as `warm` does (every
-    (layer, expert) hottest first): in each layer, those after its hottest ceil(hot_share x n_experts)."""
-    hot, keep, keys = {}, math.ceil(hot_share * n_experts), set()
+    """The records a cold repack narrows (layout/repack.py cold_experts) when its profile ranks them as `warm` does
+    (every (layer, expert) of the n_experts of each layer, hottest first)."""
+    order: dict[int, list[int]] = {}
     for layer, e in warm:
-        hot[layer] = hot.get(layer, 0) + 1
-        if hot[layer] > keep:
-            keys.add((layer, e))
+        order.setdefault(layer, []).append(e)
+    assert all(len(experts) == n_experts for experts in order.values()), "a profile ranks every expert of a layer"
+    keys = {(layer, e) for layer, experts in order.items() for e in cold_experts(experts, hot_share)}
     return ColdRecords(frozenset(keys), nbytes)
 
 

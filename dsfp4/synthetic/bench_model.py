@@ -48,11 +48,9 @@ from dsfp4.layout.safetensors_file import SafetensorsWriter, pwrite_all, tensor_
 from dsfp4.layout.writer import ExpertFileWriter, ModelWriter
 from dsfp4.synthetic.hf_v3 import word_corpus, write_tokenizer
 from dsfp4.synthetic.hf_v4 import F32_NAMES
-from dsfp4.synthetic.shapes import V3_FULL, v3_config, v4_flash_config
+from dsfp4.synthetic.releases import RELEASES
 
 BACKBONES = {"fp8_e4m3_b128": "fp8", "nvfp4": "fp4"}  # format of backbone matrices -> manifest option
-EXPERT_FORMATS = {"v3": "nvfp4", "v4": "mxfp4"}  # what each family's conversion stores experts in
-DENSE_LAYERS = {"v3": 1, "v4": 0}  # default --dense: every V4 layer is MoE
 N_BASE_RECORDS = 4  # expert records quantized for real; the others are derived from them
 SLAB_ELEMENTS = 1 << 23  # elements of one backbone slab (fp32 while quantized)
 POOL_BYTES = 32 << 20  # random bytes the sign masks are cut from
@@ -68,16 +66,9 @@ ONES, ZEROS = ("norm.weight", "_scale"), ("gate.bias", "_base", "attn_sink")
 def model_args(
     n_layers: int, n_dense: int, dims: dict | None = None, mtp: bool = False, family: str = "v3"
 ) -> tuple[dict, ModelArgs]:
-    """The HF-style config.json dict (V3's or V4-Flash's dims, overridden by `dims`) and ModelArgs built from it."""
-    if family == "v4":
-        if n_dense:
-            raise ValueError("DeepSeek-V4 has no dense layers: give --dense 0")
-        cfg = v4_flash_config(n_layers, dims, mtp)
-    else:
-        cfg = v3_config(
-            {**V3_FULL, **(dims or {}), "num_hidden_layers": n_layers, "first_k_dense_replace": n_dense}, "bf16"
-        )
-        cfg["num_nextn_predict_layers"] = int(mtp)
+    """The HF-style config.json dict (the release's dims, V3's or V4-Flash's, overridden by `dims`) and ModelArgs built
+    from it."""
+    cfg = RELEASES[family].full_config(n_layers, n_dense, dims, mtp)
     return cfg, from_hf_config(cfg, "bench model config")
 
 
@@ -149,7 +140,7 @@ def quantized_rows(fmt: str, rows: int, cols: int, std: float, gen: torch.Genera
 def stored_format(args: ModelArgs, ref: str, kind: str, backbone: str) -> str:
     """The format the converter gives a backbone tensor: matrices DeepSeek ships in FP8 (and V3's MTP eh_proj)
     the backbone format; V4's compressor and indexer matrices (AUX) BF16; the rest as the releases store them."""
-    if kind == LINEAR or (kind == AUX and not args.is_v4):
+    if kind == LINEAR or (kind == AUX and name_map(args).storage.aux is None):
         return backbone if backbone in FORMATS else backbone_format(ref, backbone)  # a format, or a --backbone spec
     if ref.endswith("tid2eid"):
         return "i64"
@@ -354,8 +345,8 @@ def write_bench_model(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new folder")
-    cfg, args = model_args(n_layers, DENSE_LAYERS[family] if n_dense is None else n_dense, dims, mtp, family)
-    expert_format = expert_format or EXPERT_FORMATS[family]
+    cfg, args = model_args(n_layers, RELEASES[family].bench_dense if n_dense is None else n_dense, dims, mtp, family)
+    expert_format = expert_format or args.family_spec.expert_format
     (out / "backbone").mkdir(parents=True, exist_ok=True)
     moe_layers = [b for b in range(args.n_blocks) if args.is_moe_layer(b)]
     record = RecordLayout.for_expert(expert_format, args.dim, args.moe_inter_dim) if moe_layers else None

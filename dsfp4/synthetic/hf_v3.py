@@ -24,8 +24,8 @@ from dsfp4.convert.source.hf_config import from_hf_config
 from dsfp4.layout.formats import FORMATS, component_shapes
 from dsfp4.layout.fp4 import nvfp4_quantize
 from dsfp4.layout.fp8 import fp8_block_quantize
-from dsfp4.layout.model_args import V4_FAMILY
 from dsfp4.layout.safetensors_file import SafetensorsWriter
+from dsfp4.runtime.models.families import model_family
 from dsfp4.synthetic.shapes import GENERATION_CONFIG, v3_config
 
 # The tensors DeepSeek's FP8 release quantizes: every attention and MLP projection, MTP block included.
@@ -128,8 +128,9 @@ def write_tokenizer(
     )
     tok.train_from_iterator(corpus, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    bos, v4 = SPECIAL_TOKENS[0], model_type == V4_FAMILY
-    if v4:  # V4-Flash's tokenizer.json: a plain byte-level post-processor
+    # a release that builds its prompts in code (V4-Flash's) writes the BOS there and ships no template
+    bos, in_code = SPECIAL_TOKENS[0], model_family(model_type).prompt_format is not None
+    if in_code:  # V4-Flash's tokenizer.json: a plain byte-level post-processor
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     else:  # as DeepSeek-V3's tokenizer.json, whose post-processor puts the BOS first
         tok.post_processor = processors.TemplateProcessing(
@@ -137,7 +138,7 @@ def write_tokenizer(
         )
     tok.save(str(out / "tokenizer.json"))
     config = {
-        "add_bos_token": not v4,
+        "add_bos_token": not in_code,
         "add_eos_token": False,
         "bos_token": SPECIAL_TOKENS[0],
         "eos_token": SPECIAL_TOKENS[1],
@@ -146,7 +147,7 @@ def write_tokenizer(
         "tokenizer_class": "LlamaTokenizerFast",
         "legacy": True,
         "clean_up_tokenization_spaces": False,
-        **({} if v4 else {"chat_template": CHAT_TEMPLATE}),  # V4-Flash's release ships no template
+        **({} if in_code else {"chat_template": CHAT_TEMPLATE}),  # V4-Flash's release ships no template
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 

@@ -13,25 +13,11 @@ from dsfp4.layout.verify import verify
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.generation import Generation
 from dsfp4.runtime.options import RunOptions
-from dsfp4.synthetic.hf_v3 import build_synthetic_checkpoint
-from dsfp4.synthetic.hf_v4 import build_synthetic_v4_checkpoint
+from dsfp4.synthetic.releases import RELEASES
 from dsfp4.units import format_bytes
 
 DEMO_PROMPT = "Why does dsfp4 stream experts from the SSD?"
 DEMO_CONTEXT = 512  # the tiny model's KV cache: the prompt and a short answer fit
-# family -> (what step 1 builds, what step 2 makes of it, the builder)
-FAMILIES = {
-    "v3": (
-        "DeepSeek-V3 checkpoint (official FP8 layout",
-        "NVFP4 experts, FP8 backbone",
-        lambda src: build_synthetic_checkpoint(src, variant="fp8"),
-    ),
-    "v4": (
-        "DeepSeek-V4 checkpoint (official layout: FP8 with E8M0 scales, MXFP4 experts",
-        "MXFP4 experts repacked, FP8 backbone",
-        build_synthetic_v4_checkpoint,
-    ),
-}
 
 
 def run_demo(
@@ -44,10 +30,10 @@ def run_demo(
     family: str = "v3",
 ) -> Generation:
     src, model = Path(workdir) / "hf", Path(workdir) / "model"
-    what, layout, build = FAMILIES[family]
-    echo(f"1/4 building a tiny {what}, random weights) in {src}")
-    build(src)
-    echo(f"2/4 converting it to dsfp4 layout v1 ({layout}) in {model}")
+    release = RELEASES[family]
+    echo(f"1/4 building a tiny {release.tiny_about}, random weights) in {src}")
+    release.tiny(src)
+    echo(f"2/4 converting it to dsfp4 layout v1 ({release.converted_about}) in {model}")
     result = convert(src, model, ConvertOptions(device=device, force=True), progress=False)
     for klass, err in result.quant_error.items():
         echo(f"    quantization error {klass}: {err:.4g} (relative RMS)")

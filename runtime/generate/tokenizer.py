@@ -1,12 +1,12 @@
 """Text in and out: tokenizer.json through `tokenizers`, and the checkpoint's prompt format: its own chat template
 (tokenizer_config.json, or chat_template.jinja) rendered with jinja2 in the environment transformers gives it
 (trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now), or, for a family whose release
-builds prompts in code (DeepSeek-V4: config.json's model_type), that code's format (NATIVE_FORMATS)."""
+builds prompts in code (DeepSeek-V4: config.json's model_type names it), that code's format (its entry's prompt_format:
+runtime/models/families.py)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,8 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dsfp4.errors import ConfigError, ManifestError
-from dsfp4.layout.model_args import V4_FAMILY
-from dsfp4.runtime.generate.prompt_v4 import encode_v4
+from dsfp4.runtime.models.families import model_family
 
 
 def _token_text(value: Any) -> str | None:
@@ -40,8 +39,6 @@ def _template_source(model_dir: Path, cfg: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
-# families whose release builds prompts in code, not with a chat template: (messages, thinking, add_generation_prompt)
-NATIVE_FORMATS: dict[str, Callable[..., str]] = {V4_FAMILY: encode_v4}
 THINKING = "thinking"  # the chat-template variable that switches thinking (DeepSeek-V3.1's)
 
 
@@ -98,7 +95,8 @@ class ChatTokenizer:
             switch = source is not None and THINKING in meta.find_undeclared_variables(env.parse(source))
         except TemplateError as e:
             raise ConfigError(f"{cfg_path}: the chat template does not compile ({e})") from e
-        self.native = NATIVE_FORMATS.get(_model_type(model_dir))  # the release's own format, over any template
+        # the release's own format, over any template: (messages, thinking, add_generation_prompt) -> the prompt
+        self.native = model_family(_model_type(model_dir)).prompt_format
         self.thinking_switch = self.native is not None or switch  # whether the format turns thinking on and off
 
     def encode(self, text: str, special: bool = True) -> list[int]:

@@ -15,10 +15,9 @@ from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.safetensors_file import file_sha256
+from dsfp4.runtime.models.families import model_family
 from dsfp4.runtime.models.host_memory import ALIGN, HostArena
 from dsfp4.runtime.models.protocol import Model
-from dsfp4.runtime.models.v3.model import Transformer
-from dsfp4.runtime.models.v4.model import TransformerV4
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.modes import MODE_BATCH
 from dsfp4.runtime.options import EngineOptions, RunOptions
@@ -78,7 +77,7 @@ def load_model(
         # the backbone's files are hashed while they load (--verify), as each record is on its first read
         files = manifest.backbone_files() if options.verify else []
         hashes = [(rel, hashing.submit(file_sha256, Path(model_dir) / rel)) for rel in files]
-        family = TransformerV4 if manifest.args.is_v4 else Transformer  # the manifest names the family
+        family = model_family(manifest.args).model  # the manifest names the family
         slots = cache_slots(plan.max_batch)
         model = family(manifest.args, w, experts, slots, max_len, with_mtp, options.prefetch)
         a = manifest.args
@@ -125,10 +124,10 @@ def plan_run(
 
 def _decodes_alone(a: ModelArgs, options: RunOptions, with_mtp: bool) -> str | None:
     """Why a run decodes one sequence at a time whatever --max-batch says (None: it may batch)."""
-    if a.is_v4:
+    if not model_family(a).batch:
         return (
-            f"--max-batch {options.max_batch}: DeepSeek-V4's caches hold a running state, not rows by position, so it "
-            "decodes one sequence at a time; give --max-batch 1"
+            f"--max-batch {options.max_batch}: {a.family_spec.title}'s caches hold a running state, not rows by "
+            "position, so it decodes one sequence at a time; give --max-batch 1"
         )
     flag = "--mtp" if with_mtp else "--record-trace" if options.record_trace is not None else None
     return None if flag is None else f"--max-batch with {flag}: {flag} follows one sequence; give --max-batch 1"

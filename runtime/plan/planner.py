@@ -20,7 +20,7 @@ from dsfp4.kernels.backend import hw_e4m3, use_kernels
 from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
 from dsfp4.layout.manifest import Manifest
-from dsfp4.layout.model_args import CSA, ModelArgs
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.plan.budget import Budgets, process_rss
 from dsfp4.runtime.plan.host_backbone import ROUTER_SUFFIXES, HostBackbone, place_on_host, tensor_bytes
 from dsfp4.runtime.plan.limits import BATCH_KV_SHARE, LOGIT_ROWS, MTP_BATCH, PLANNED_WAVES, SCORE_ELEMENTS
@@ -206,25 +206,15 @@ def token_bytes(manifest: Manifest) -> tuple[int, int]:
 
 def layer_cache_bytes(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int, int]:
     """(bytes that grow with the context, fixed bytes) of one layer's caches for one sequence of `max_context`
-    tokens, as the model allocates them. V3: the latent cache and its RoPE part. V4: the sliding window's
-    ring of window_size keys; on CSA and HCA layers max_context // m compressed entries and the compressor's
-    fp32 state (rings of the recent projections' values and gates: own series [m, W], CSA's first halves
-    [2m, W]); on CSA layers the indexer's entries and state too (an overlapping compressor at index_head_dim)."""
-    if not a.is_v4:
-        return max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt, 0
-    m, csa = a.compress_ratios[layer], a.layer_kinds[layer] == CSA
-    compressors = ([(a.head_dim, csa)] if m else []) + ([(a.index_head_dim, True)] if csa else [])
-    grows, fixed = 0, a.window_size * a.head_dim * elt
-    for width, overlap in compressors:
-        grows += max_context // m * width * elt
-        fixed += 2 * m * width * (3 if overlap else 1) * FP32  # values and gates: pending [m, c W], CSA prev [m, W]
-    return grows, fixed
+    tokens, as the model allocates them: the family's rule (layout/family.py; V3: the latent cache and its RoPE part,
+    V4: the sliding window, the compressed entries and the compressors' state)."""
+    return a.family_spec.layer_cache(a, layer, max_context, elt)
 
 
 def cache_bytes(a: ModelArgs, layers: range, max_context: int, elt: int, sequences: int = 1) -> int:
     """Every buffer the model allocates for `sequences` cache slots of `max_context`: the layers' caches and state,
     and the RoPE tables ([max_context, rope_dim / 2] complex64, once; V4 one per base, plain and compress)."""
-    rope = (2 if a.is_v4 else 1) * max_context * (a.qk_rope_head_dim // 2) * COMPLEX64
+    rope = a.family_spec.rope_tables * max_context * (a.qk_rope_head_dim // 2) * COMPLEX64
     return rope + sequences * sequence_cache_bytes(a, layers, max_context, elt)
 
 
@@ -269,28 +259,9 @@ def cache_slots(max_batch: int) -> int:
 
 
 def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
-    """Transient tensors of one forward of t tokens (upper estimates of what lives at once). V3: the residual
-    stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's scores. V4: the
-    mHC streams and their fp32 mixing, queries and outputs of every head, the compressors' fp32 projections and
-    window slots, the keys (window and every compressed entry) with their fp32 copy and masks, three copies of a
-    chunk's scores (masked, with the sink, softmax), the indexer's fp32 scores of every head and entry."""
-    if not a.is_v4:
-        acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
-        return acts + 2 * min(SCORE_ELEMENTS, t * a.n_heads * max_context) * FP32
-    ratios = [m for m in a.compress_ratios if m]
-    entries = max_context // min(ratios) if ratios else 0  # the most a layer attends besides its window
-    keys = a.window_size + t + entries
-    acts = t * a.hc_mult * a.dim * (4 * FP32 + 2 * elt)  # [T, N, D] streams
-    acts += t * a.n_heads * a.head_dim * (4 * elt + 2 * FP32)  # queries and outputs [T, H, W]
-    acts += t * a.index_n_heads * a.index_head_dim * (2 * elt + FP32) + t * a.dim * FP32  # indexer queries, fp32 x
-    acts += 8 * t * 2 * a.head_dim * FP32 + 6 * t * a.moe_inter_dim * elt  # compressor, expert hidden states
-    acts += keys * a.head_dim * (elt + 2 * FP32) + 3 * t * keys  # keys [S, W], masks [T, S]
-    acts += 3 * min(SCORE_ELEMENTS, t * a.n_heads * keys) * FP32
-    csa = [m for m, k in zip(a.compress_ratios, a.layer_kinds, strict=True) if k == CSA]
-    if csa:  # [T, H_i, E] relu'd scores and [T, E] index, masked
-        n = max_context // min(csa)
-        acts += 2 * t * a.index_n_heads * n * FP32 + 2 * t * n * FP32
-    return acts
+    """Transient tensors of one forward of t tokens (upper estimates of what lives at once), by the family's rule
+    (layout/family.py), attention scores held in chunks of SCORE_ELEMENTS."""
+    return a.family_spec.activations(a, t, max_context, elt, SCORE_ELEMENTS)
 
 
 def make_plan(

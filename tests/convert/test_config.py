@@ -150,7 +150,8 @@ V4_FLASH = {
 
 def test_official_v4_flash_config():
     a = from_hf_config(V4_FLASH)
-    assert a.is_v4 and (a.n_layers, a.n_blocks, a.head_dim, a.qk_rope_head_dim, a.qk_nope_head_dim) == (
+    assert a.family == "deepseek_v4"
+    assert (a.n_layers, a.n_blocks, a.head_dim, a.qk_rope_head_dim, a.qk_nope_head_dim) == (
         43,
         44,
         512,

@@ -20,7 +20,8 @@ from torch import nn
 from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.fp8.linear import GEMV_MAX_TOKENS
 from dsfp4.kernels.linear import QuantizedWeight, linear
-from dsfp4.layout.model_args import CSA, SLIDING, ModelArgs
+from dsfp4.layout.family import CSA, SLIDING
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.norm import RMSNorm, rms_normalize
 from dsfp4.runtime.models.position import DevicePosition, token_positions
 from dsfp4.runtime.models.rope import apply_rotary_tail

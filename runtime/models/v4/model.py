@@ -15,7 +15,8 @@ from torch import nn
 
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.layout.model_args import SLIDING, ModelArgs
+from dsfp4.layout.family import SLIDING
+from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.moe import HashGate, MoE
 from dsfp4.runtime.models.norm import RMSNorm
 from dsfp4.runtime.models.position import DevicePosition

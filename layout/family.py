@@ -1,0 +1,123 @@
+"""The model families, as data: config.json's model_type names one, and its entry here holds what the on-disk
+contract knows of it: its name in messages, the FP4 format its conversion stores routed experts in, the rules its
+config must keep beyond the router's (ModelArgs checks them), and the bytes its model holds beside the weights (its
+caches, RoPE tables and one forward's transient tensors, which the planner budgets: runtime/plan/planner.py).
+
+A family's name map and config reader are convert's (convert/family.py), its model class and what its runs may do
+the runtime's (runtime/models/families.py): a new family is an entry in each of the three tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsfp4.layout.model_args import ModelArgs
+
+V2_FAMILY, V3_FAMILY, V4_FAMILY = "deepseek_v2", "deepseek_v3", "deepseek_v4"
+# V4 attention kinds: a sliding window only, compressed sparse attention (CSA: overlapping windows and the
+# lightning indexer), heavily compressed attention (HCA: every compressed entry)
+SLIDING, CSA, HCA = "sliding", "csa", "hca"
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the contract knows of one family. layer_cache: (args, layer, context, element size) -> (bytes that grow
+    with the context, fixed bytes) of one layer's caches for one sequence; activations: (args, tokens, context,
+    element size, attention scores held at once) -> bytes of one forward's transient tensors (an upper estimate)."""
+
+    title: str
+    expert_format: str
+    problems: Callable[[ModelArgs], list[str]]
+    layer_cache: Callable[[ModelArgs, int, int, int], tuple[int, int]]
+    rope_tables: int  # [context, rope_dim / 2] complex64 tables its model builds, one per RoPE base
+    activations: Callable[[ModelArgs, int, int, int, int], int]
+
+
+def _no_problems(a: ModelArgs) -> list[str]:
+    return []
+
+
+def _v4_problems(a: ModelArgs) -> list[str]:
+    """V4's schedule of layer kinds, grouped output, hash layers and RoPE width."""
+    problems = []
+    if len(a.layer_kinds) != a.n_blocks or len(a.compress_ratios) != a.n_blocks:
+        problems.append(
+            f"compress_ratios / layer_types give {len(a.layer_kinds)} layer kinds; "
+            f"{a.n_layers} layers + {a.n_mtp_layers} MTP need {a.n_blocks}"
+        )
+    elif bad := [i for i, k in enumerate(a.layer_kinds) if (k == SLIDING) != (a.compress_ratios[i] == 0)]:
+        i = bad[0]
+        problems.append(f"layer {i}: kind {a.layer_kinds[i]} with compress ratio {a.compress_ratios[i]}")
+    if a.o_groups < 1 or a.n_heads % a.o_groups:
+        problems.append(f"num_attention_heads ({a.n_heads}) is not a multiple of o_groups ({a.o_groups})")
+    if a.n_hash_layers > a.n_layers:
+        problems.append(f"num_hash_layers ({a.n_hash_layers}) exceeds num_hidden_layers ({a.n_layers})")
+    rope = a.qk_rope_head_dim
+    if rope > min(a.head_dim, a.index_head_dim) or rope % 2:
+        problems.append(f"qk_rope_head_dim ({rope}) must be even and fit head_dim and index_head_dim")
+    return problems
+
+
+def _latent_cache(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int, int]:
+    """MLA: the latent cache and its RoPE part, a row per position."""
+    return max_context * (a.kv_lora_rank + a.qk_rope_head_dim) * elt, 0
+
+
+def _v4_cache(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int, int]:
+    """The sliding window's ring of window_size keys; on CSA and HCA layers max_context // m compressed entries and
+    the compressor's fp32 state (rings of the recent projections' values and gates: own series [m, W], CSA's first
+    halves [2m, W]); on CSA layers the indexer's entries and state too (an overlapping compressor at index_head_dim)."""
+    m, csa = a.compress_ratios[layer], a.layer_kinds[layer] == CSA
+    compressors = ([(a.head_dim, csa)] if m else []) + ([(a.index_head_dim, True)] if csa else [])
+    grows, fixed = 0, a.window_size * a.head_dim * elt
+    for width, overlap in compressors:
+        grows += max_context // m * width * elt
+        fixed += 2 * m * width * (3 if overlap else 1) * FP32  # values and gates: pending [m, c W], CSA prev [m, W]
+    return grows, fixed
+
+
+def _mla_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
+    """The residual stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's
+    scores."""
+    acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
+    return acts + 2 * min(scores, t * a.n_heads * max_context) * FP32
+
+
+def _v4_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
+    """The mHC streams and their fp32 mixing, queries and outputs of every head, the compressors' fp32 projections
+    and window slots, the keys (window and every compressed entry) with their fp32 copy and masks, three copies of a
+    chunk's scores (masked, with the sink, softmax), the indexer's fp32 scores of every head and entry."""
+    ratios = [m for m in a.compress_ratios if m]
+    entries = max_context // min(ratios) if ratios else 0  # the most a layer attends besides its window
+    keys = a.window_size + t + entries
+    acts = t * a.hc_mult * a.dim * (4 * FP32 + 2 * elt)  # [T, N, D] streams
+    acts += t * a.n_heads * a.head_dim * (4 * elt + 2 * FP32)  # queries and outputs [T, H, W]
+    acts += t * a.index_n_heads * a.index_head_dim * (2 * elt + FP32) + t * a.dim * FP32  # indexer queries, fp32 x
+    acts += 8 * t * 2 * a.head_dim * FP32 + 6 * t * a.moe_inter_dim * elt  # compressor, expert hidden states
+    acts += keys * a.head_dim * (elt + 2 * FP32) + 3 * t * keys  # keys [S, W], masks [T, S]
+    acts += 3 * min(scores, t * a.n_heads * keys) * FP32
+    csa = [m for m, k in zip(a.compress_ratios, a.layer_kinds, strict=True) if k == CSA]
+    if csa:  # [T, H_i, E] relu'd scores and [T, E] index, masked
+        n = max_context // min(csa)
+        acts += 2 * t * a.index_n_heads * n * FP32 + 2 * t * n * FP32
+    return acts
+
+
+# V2's caches and rules are V3's: MLA, and a router whose differences are config data
+_MLA = dict(problems=_no_problems, layer_cache=_latent_cache, rope_tables=1, activations=_mla_activations)
+FAMILIES: dict[str, Family] = {
+    V3_FAMILY: Family("DeepSeek-V3", "nvfp4", **_MLA),
+    V2_FAMILY: Family("DeepSeek-V2", "nvfp4", **_MLA),
+    # one RoPE table per base: the sliding layers' and the compressed layers' (YaRN)
+    V4_FAMILY: Family("DeepSeek-V4", "mxfp4", _v4_problems, _v4_cache, 2, _v4_activations),
+}
+
+
+def family_of(name: str) -> Family:
+    """The family config.json's model_type names; V3's for a name it does not know (the config reader refuses
+    those: convert/source/hf_config.py)."""
+    return FAMILIES.get(name, FAMILIES[V3_FAMILY])

@@ -264,6 +264,109 @@ def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
     return a.family_spec.activations(a, t, max_context, elt, SCORE_ELEMENTS)
 
 
+@dataclass(frozen=True)
+class _Needs:
+    """What a run holds whatever its budgets, in bytes: make_plan's first step, which its two tiers then place."""
+
+    record: int  # one expert record (0: no routed experts)
+    total_records: int
+    top_k: int  # expert slots one token needs (0 without records)
+    backbone: int
+    kv: int
+    workspace: int
+    host_base: int  # the process beside the caches; on the CPU, the mapped backbone file too
+    largest_file: int  # the backbone file mapped while it loads
+
+
+def forward_tokens(prefill_chunk: int, max_context: int, with_mtp: bool) -> int:
+    """Tokens of the largest forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries."""
+    return min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
+
+
+def workspace_bytes(
+    manifest: Manifest,
+    device: torch.device,
+    dtype: torch.dtype,
+    t: int,
+    max_context: int,
+    kernels: bool,
+    fp8_kernels: bool,
+) -> int:
+    """Transient device memory of a forward of t tokens: dense copies of backbone matrices, activations, logits, the
+    routed-expert kernels' workspaces, the staging buffer cold records are widened from (store/transfers.py) and the
+    CUDA allocator's slack."""
+    a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
+    workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + activation_bytes(a, t, max_context, elt)
+    workspace += a.vocab_size * FP32 * 2 * LOGIT_ROWS
+    if manifest.record:
+        workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
+    if manifest.cold_record:
+        workspace += manifest.cold_record.nbytes
+    return workspace + (ALLOCATOR_SLACK if device.type == "cuda" else 0)
+
+
+def _device_tier(
+    manifest: Manifest, device: torch.device, elt: int, budgets: Budgets, n: _Needs, max_context: int, max_batch: int
+) -> tuple[HostBackbone, int, int]:
+    """(the backbone kept in pinned RAM, its bytes, device expert slots) once the backbone, caches and workspace
+    are on the device; on CUDA what does not fit stays in pinned RAM, with room for PLANNED_WAVES of expert slots."""
+    on_host, moved = HostBackbone(), 0
+    if device.type == "cuda":
+        keep = min(PLANNED_WAVES * n.top_k, n.total_records)
+        short = n.backbone + n.kv + n.workspace + keep * n.record - budgets.gpu
+        on_host, moved = place_on_host(manifest, elt, range(manifest.args.n_layers), short)
+    backbone = n.backbone - moved
+    # on the CPU the 'device' tier is host memory too: the process and the mapping are counted there
+    fixed = backbone + n.kv + n.workspace + (n.host_base if device.type == "cpu" else 0)
+    min_gpu = fixed + n.top_k * n.record
+    if budgets.gpu < min_gpu:
+        raise ConfigError(
+            f"--gpu-mem {format_bytes(budgets.gpu)} is too small: this model needs at least "
+            f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}"
+            f"{f' with {format_bytes(moved)} of it in RAM' if moved else ''}, KV cache for "
+            f"--max-context {max_context} {format_bytes(n.kv)}, workspace {format_bytes(n.workspace)}, "
+            f"{n.top_k} expert slots {format_bytes(n.top_k * n.record)}); lower --max-context"
+            f"{', --max-batch' * (max_batch > 1)} or --prefill-chunk, "
+            f"or convert with --backbone fp4"
+        )
+    gpu_slots = min((budgets.gpu - fixed) // n.record, n.total_records) if n.record else 0
+    return on_host, moved, gpu_slots
+
+
+def _ram_tier(
+    manifest: Manifest,
+    device: torch.device,
+    budgets: Budgets,
+    n: _Needs,
+    used: tuple[int, ...],
+    moved: int,
+    gpu_slots: int,
+    io_threads: int,
+) -> tuple[int, int, int, int]:
+    """(staging slots, RAM slots, how many of them narrow, bytes of a cold record): the RAM budget past the process
+    and the backbone kept in RAM, which must map the largest backbone file (on CUDA) and read io_threads records at
+    once, split for cold records as narrow_slots says."""
+    record, total = n.record, n.total_records
+    staging = min(io_threads, total) if record else 0
+    host_cpu = 0 if device.type == "cpu" else n.host_base + moved
+    loading = 0 if device.type == "cpu" else n.largest_file
+    min_cpu = host_cpu + max(staging * record, loading)
+    if budgets.cpu < min_cpu:
+        held = f" and {format_bytes(moved)} of backbone" if moved else ""
+        raise ConfigError(
+            f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu - moved)}"
+            f"{held} and needs {format_bytes(max(staging * record, loading))} more to map its largest backbone file "
+            f"({format_bytes(loading)}) and to read {staging} records at once; give at least "
+            f"{format_bytes(min_cpu)} (or fewer --io-threads)"
+        )
+    cold, n_cold = cold_records(manifest, used)
+    room = budgets.cpu - host_cpu
+    ram_slots = max(min(room // record, total), staging) if record else 0
+    split = narrow_slots(room, record, cold, n_cold, total, max(staging, n.top_k), gpu_slots) if record else None
+    ram_slots, cold_slots = split or (ram_slots, 0)
+    return staging, ram_slots, cold_slots, cold
+
+
 def make_plan(
     manifest: Manifest,
     device: torch.device,
@@ -279,86 +382,46 @@ def make_plan(
     kernels: bool | None = None,
     max_batch: int = 1,
 ) -> Plan:
-    """`host_extra`: host memory the caller will hold besides the model (profile-hot's hidden states); `process`:
-    the process's own before the model loads (default: this process's RSS now; a projection gives a user's);
-    `fp8_kernels`: whether the device converts e4m3 in hardware, so that FP8 kernels run (default: asked of the
-    device here; True where this machine has no CUDA: a projection's user machine); `kernels`: whether the Triton
-    kernels run (default: use_kernels here; a projection's user machine has them); `max_batch`: sequences decoded
-    together, each with caches of its own (cache_slots)."""
+    """What the run needs (_Needs), placed on the device tier, then in RAM. `host_extra`: host memory the caller will
+    hold besides the model (profile-hot's hidden states); `process`: the process's own before the model loads
+    (default: this process's RSS now; a projection gives a user's); `fp8_kernels`: whether the device converts e4m3 in
+    hardware, so that FP8 kernels run (default: asked of the device here; True where this machine has no CUDA: a
+    projection's user machine); `kernels`: whether the Triton kernels run (default: use_kernels here; a projection's
+    user machine has them); `max_batch`: sequences decoded together, each with caches of its own (cache_slots)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
-    layers = _used_layers(manifest, with_mtp)
-    record = manifest.record.nbytes if manifest.record else 0
     used = expert_layers(manifest, with_mtp)
     total_records = len(used) * a.n_routed_experts
-    backbone = backbone_bytes(manifest, dtype, with_mtp)
-    kv = cache_bytes(a, layers, max_context, elt, cache_slots(max_batch))
-    # tokens per forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries
-    t = min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
     kernels = use_kernels(device) if kernels is None else kernels
     fp8_kernels = (hw_e4m3(device) if torch.cuda.is_available() else True) if fp8_kernels is None else fp8_kernels
-    acts = activation_bytes(a, t, max_context, elt)
-    workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + acts + a.vocab_size * FP32 * 2 * LOGIT_ROWS
-    if manifest.record:  # the routed-expert kernels' workspaces
-        workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
-    if manifest.cold_record:  # cold records are widened from one staging buffer (store/transfers.py)
-        workspace += manifest.cold_record.nbytes
-    workspace += ALLOCATOR_SLACK if device.type == "cuda" else 0
-    top_k = a.n_activated_experts if total_records else 0
+    t = forward_tokens(prefill_chunk, max_context, with_mtp)
     # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated
     # (load_model), so it shares the RAM budget with the process, not with the cache
     largest_file = max((manifest.files[rel].nbytes for rel in manifest.backbone_files()), default=0)
     process = process_rss() if process is None else process
     host_base = process + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
-    on_host, moved = HostBackbone(), 0
-    if device.type == "cuda":  # what does not fit stays in pinned RAM, with room for PLANNED_WAVES of expert slots
-        keep = min(PLANNED_WAVES * top_k, total_records)
-        short = backbone + kv + workspace + keep * record - budgets.gpu
-        on_host, moved = place_on_host(manifest, elt, range(a.n_layers), short)
-    backbone -= moved
-    fixed = backbone + kv + workspace
-    if device.type == "cpu":  # the 'device' tier is host memory too: count the process and the mapping there
-        host_base += largest_file
-        fixed += host_base
-    min_gpu = fixed + top_k * record
-    if budgets.gpu < min_gpu:
-        raise ConfigError(
-            f"--gpu-mem {format_bytes(budgets.gpu)} is too small: this model needs at least "
-            f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}"
-            f"{f' with {format_bytes(moved)} of it in RAM' if moved else ''}, KV cache for "
-            f"--max-context {max_context} {format_bytes(kv)}, workspace {format_bytes(workspace)}, "
-            f"{top_k} expert slots {format_bytes(top_k * record)}); lower --max-context"
-            f"{', --max-batch' * (max_batch > 1)} or --prefill-chunk, "
-            f"or convert with --backbone fp4"
-        )
-    gpu_slots = min((budgets.gpu - fixed) // record, total_records) if record else 0
-    staging = min(io_threads, total_records) if record else 0
-    host_cpu = 0 if device.type == "cpu" else host_base + moved
-    loading = 0 if device.type == "cpu" else largest_file
-    min_cpu = host_cpu + max(staging * record, loading)
-    if budgets.cpu < min_cpu:
-        held = f" and {format_bytes(moved)} of backbone" if moved else ""
-        raise ConfigError(
-            f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu - moved)}"
-            f"{held} and needs {format_bytes(max(staging * record, loading))} more to map its largest backbone file "
-            f"({format_bytes(loading)}) and to read {staging} records at once; give at least "
-            f"{format_bytes(min_cpu)} (or fewer --io-threads)"
-        )
-    cold, n_cold = cold_records(manifest, used)
-    room = budgets.cpu - host_cpu
-    ram_slots = max(min(room // record, total_records), staging) if record else 0
-    split = narrow_slots(room, record, cold, n_cold, total_records, max(staging, top_k), gpu_slots) if record else None
-    ram_slots, cold_slots = split or (ram_slots, 0)
+    n = _Needs(
+        manifest.record.nbytes if manifest.record else 0,
+        total_records,
+        a.n_activated_experts if total_records else 0,
+        backbone_bytes(manifest, dtype, with_mtp),
+        cache_bytes(a, _used_layers(manifest, with_mtp), max_context, elt, cache_slots(max_batch)),
+        workspace_bytes(manifest, device, dtype, t, max_context, kernels, fp8_kernels),
+        host_base + (largest_file if device.type == "cpu" else 0),
+        largest_file,
+    )
+    on_host, moved, gpu_slots = _device_tier(manifest, device, elt, budgets, n, max_context, max_batch)
+    staging, ram_slots, cold_slots, cold = _ram_tier(manifest, device, budgets, n, used, moved, gpu_slots, io_threads)
     return Plan(
         str(device),
         budgets,
-        backbone,
-        kv,
-        workspace,
-        record,
+        n.backbone - moved,
+        n.kv,
+        n.workspace,
+        n.record,
         gpu_slots,
         ram_slots,
         staging,
-        host_base,
+        n.host_base,
         total_records,
         used,
         moved,

@@ -46,12 +46,10 @@ class Rule:
 class SourceStorage:
     """How a family's checkpoint stores weights. matrices: format -> component -> (name suffix after the
     module path, safetensors dtype), the first listed with a matching weight dtype wins where several share a
-    scale suffix; plain: safetensors dtype -> plain format; aux: the plain format its release stores AUX matrices
-    in (None: FP8 blocks, as its LINEAR ones: V3's MTP eh_proj)."""
+    scale suffix; plain: safetensors dtype -> plain format."""
 
     matrices: dict[str, dict[str, tuple[str, str]]]
     plain: dict[str, str]
-    aux: str | None = None
 
     def matrix_format(self, hf: str, tensors: dict[str, TensorInfo]) -> str | None:
         """The format a matrix at module path `hf` is stored in (None: no scale tensor, a plain matrix)."""

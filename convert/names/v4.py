@@ -39,7 +39,6 @@ V4_STORAGE = SourceStorage(
         "fp8_e4m3_e8m0_b128": {"weight": ("weight", "F8_E4M3"), "scale": ("scale", "F8_E8M0")},
     },
     {"BF16": "bf16", "F32": "f32", "I64": "i64"},
-    aux="bf16",  # the compressors' and the indexer's
 )
 
 # the mHC head that collapses the streams before the final norm; the main model's and each MTP block's

@@ -137,10 +137,11 @@ def quantized_rows(fmt: str, rows: int, cols: int, std: float, gen: torch.Genera
     return out + [_u8(chunks[0][-1])][: FORMATS[fmt].global_scale]
 
 
-def stored_format(args: ModelArgs, ref: str, kind: str, backbone: str) -> str:
-    """The format the converter gives a backbone tensor: matrices DeepSeek ships in FP8 (and V3's MTP eh_proj)
-    the backbone format; V4's compressor and indexer matrices (AUX) BF16; the rest as the releases store them."""
-    if kind == LINEAR or (kind == AUX and name_map(args).storage.aux is None):
+def stored_format(ref: str, kind: str, backbone: str, aux_as_backbone: bool) -> str:
+    """The format the converter gives a backbone tensor: matrices DeepSeek ships in FP8 (and, `aux_as_backbone`, the
+    other matrices: V3's MTP eh_proj) the backbone format; V4's compressor and indexer matrices (AUX) BF16; the rest
+    as the releases store them."""
+    if kind == LINEAR or (kind == AUX and aux_as_backbone):
         return backbone if backbone in FORMATS else backbone_format(ref, backbone)  # a format, or a --backbone spec
     if ref.endswith("tid2eid"):
         return "i64"
@@ -148,23 +149,26 @@ def stored_format(args: ModelArgs, ref: str, kind: str, backbone: str) -> str:
 
 
 @functools.cache
-def backbone_tensors(args: ModelArgs, backbone: str) -> dict[int | None, tuple[tuple[str, str, tuple[int, ...]], ...]]:
+def backbone_tensors(
+    args: ModelArgs, backbone: str, aux_as_backbone: bool
+) -> dict[int | None, tuple[tuple[str, str, tuple[int, ...]], ...]]:
     """(ref, format, shape) of every backbone tensor, by block (None: the top file), in the converter's order:
-    the family's name map placed for this model, experts left out."""
+    the family's name map placed for this model, experts left out (stored_format)."""
     out: dict[int | None, list] = {}
     for rule, prefix, block, _, ctx in name_map(args).placed(args, True):
         if rule.kind != EXPERT:
             ref = rule.names(prefix, block)[1]
-            out.setdefault(block, []).append((ref, stored_format(args, ref, rule.kind, backbone), rule.shape(ctx)))
+            fmt = stored_format(ref, rule.kind, backbone, aux_as_backbone)
+            out.setdefault(block, []).append((ref, fmt, rule.shape(ctx)))
     return {block: tuple(tensors) for block, tensors in out.items()}
 
 
 class BackbonePart:
     """One backbone safetensors file of the converter's: its tensors by reference name and format."""
 
-    def __init__(self, args: ModelArgs, block: int | None, backbone: str):
+    def __init__(self, args: ModelArgs, block: int | None, backbone: str, aux_as_backbone: bool):
         self.name, self.block, self.args = part_name(block), block, args
-        self.tensors = backbone_tensors(args, backbone)[block]  # (ref, format, shape)
+        self.tensors = backbone_tensors(args, backbone, aux_as_backbone)[block]  # (ref, format, shape)
 
     @property
     def file(self) -> str:
@@ -345,7 +349,8 @@ def write_bench_model(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new folder")
-    cfg, args = model_args(n_layers, RELEASES[family].bench_dense if n_dense is None else n_dense, dims, mtp, family)
+    release = RELEASES[family]
+    cfg, args = model_args(n_layers, release.bench_dense if n_dense is None else n_dense, dims, mtp, family)
     expert_format = expert_format or args.family_spec.expert_format
     (out / "backbone").mkdir(parents=True, exist_ok=True)
     moe_layers = [b for b in range(args.n_blocks) if args.is_moe_layer(b)]
@@ -358,7 +363,7 @@ def write_bench_model(
     with ThreadPoolExecutor(1, thread_name_prefix="bench-bases") as background:  # quantized while the top is written
         records = background.submit(ExpertRecords, record, seed, signs) if record else None
         for block in [None, *range(args.n_blocks)]:
-            part = BackbonePart(args, block, backbone)
+            part = BackbonePart(args, block, backbone, release.aux_as_backbone)
             w.backbone(part.file, write_backbone(out, part, seed, signs), part.manifest_tensors())
             if block is not None and args.is_moe_layer(block):
                 rel = f"experts/{part.name}.bin"

@@ -18,14 +18,17 @@ from dsfp4.synthetic.shapes import V3_FULL, V4_FLASH_LAYERS, v3_config, v4_flash
 class Release:
     """tiny: writes the tiny checkpoint into a folder; tiny_about, converted_about: the demo's words for it and for
     what conversion makes of it; full_config: (layers, dense layers, dims, mtp) -> config.json at the release's
-    width (`dims`: keys over it); bench_dense: a bench model's dense layers when not given; whole_layers,
-    whole_dense: the released model's; published_on: machines whose published runs of it the projection adds."""
+    width (`dims`: keys over it); bench_dense: a bench model's dense layers when not given; aux_as_backbone: its bench
+    model stores AUX matrices in the backbone format, as the LINEAR ones (V3's MTP eh_proj; V4's compressors and
+    indexer stay BF16, as its release ships them); whole_layers, whole_dense: the released model's; published_on:
+    machines whose published runs of it the projection adds."""
 
     tiny: Callable[[Path], Path]
     tiny_about: str
     converted_about: str
     full_config: Callable[[int, int, dict | None, bool], dict]
     bench_dense: int
+    aux_as_backbone: bool
     whole_layers: int
     whole_dense: int
     published_on: tuple[str, ...] = ()
@@ -52,6 +55,7 @@ RELEASES: dict[str, Release] = {
         "NVFP4 experts, FP8 backbone",
         _v3_full,
         bench_dense=1,
+        aux_as_backbone=True,
         whole_layers=61,
         whole_dense=3,
     ),
@@ -61,6 +65,7 @@ RELEASES: dict[str, Release] = {
         "MXFP4 experts repacked, FP8 backbone",
         _v4_flash,
         bench_dense=0,  # every V4 layer is MoE
+        aux_as_backbone=False,
         whole_layers=V4_FLASH_LAYERS,
         whole_dense=0,
         published_on=("home-seek",),  # its README's V4-Flash decode rates

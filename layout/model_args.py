@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsfp4.errors import ConfigError
-from dsfp4.layout.family import V4_FAMILY, Family, family_of
+from dsfp4.layout.family import Family, family_of
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,6 @@ class ModelArgs:
     def family_spec(self) -> Family:
         """What the contract knows of the model's family (layout/family.py)."""
         return family_of(self.family)
-
-    @property
-    def is_v4(self) -> bool:
-        """Only runtime/engine.py's --mtp check still asks (its family's entry says: runtime/models/families.py)."""
-        return self.family == V4_FAMILY
 
     def is_hash_layer(self, layer: int) -> bool:
         """V4: the layer's experts come from tid2eid[token] (known before the layer runs)."""

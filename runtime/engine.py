@@ -39,6 +39,7 @@ from dsfp4.runtime.generate.speculative import Speculator
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.steps import text_deltas
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+from dsfp4.runtime.models.families import model_family
 from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
@@ -393,9 +394,10 @@ def _check_mtp(o: EngineOptions, manifest: Manifest, model_dir: Path) -> None:
     """--mtp needs the checkpoint's MTP layer, and a family whose MTP layer speculative decoding drives."""
     if o.mtp and not manifest.args.n_mtp_layers:
         raise ConfigError(f"--mtp: {model_dir} has no MTP layer (converted with --no-mtp?)")
-    if o.mtp and manifest.args.is_v4:
+    if o.mtp and not model_family(manifest.args).mtp:
         raise ConfigError(
-            f"--mtp: speculative decoding drives V3's MTP layer, not DeepSeek-V4's; run {model_dir} without --mtp"
+            f"--mtp: speculative decoding drives V3's MTP layer, not {manifest.args.family_spec.title}'s; run "
+            f"{model_dir} without --mtp"
         )
 
 

@@ -204,6 +204,19 @@ QUANTIZATION_CONFIGS = {
 }
 
 
+# the keys in which another release of the MLA family's config.json differs from V3's, by its model_type (dims win)
+MLA_RELEASE_KEYS = {
+    # V2-Lite: softmax router, no bias, no renormalization, no MTP
+    "deepseek_v2": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "num_nextn_predict_layers": 0,
+    },
+}
+
+
 def v3_config(dims: dict, variant: str) -> dict:
     """config.json in the official release's key set (scoring/topk fields, legacy rope_scaling): the tiny shape, `dims`
     (config.json keys) over it, and the variant's quantization_config."""
@@ -230,15 +243,7 @@ def v3_config(dims: dict, variant: str) -> dict:
         **dims,
     }
     d["num_key_value_heads"] = d["num_attention_heads"]
-    if d["model_type"] == "deepseek_v2":  # V2-Lite: softmax router, no bias, no renormalization, no MTP
-        d.update(
-            architectures=["DeepseekV2ForCausalLM"],
-            scoring_func="softmax",
-            topk_method="greedy",
-            norm_topk_prob=False,
-            num_nextn_predict_layers=0,
-            **dims,
-        )
+    d.update(MLA_RELEASE_KEYS.get(d["model_type"], {}), **dims)
     if variant in QUANTIZATION_CONFIGS:
         d["quantization_config"] = QUANTIZATION_CONFIGS[variant]
     return d

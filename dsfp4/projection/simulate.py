@@ -290,13 +290,7 @@ def simulate(
             chosen = list(dict.fromkeys((layer, int(e)) for e in ids))
             protected = set(chosen)
             ready = routed
-            cold = {k for k in chosen if k not in tiers.gpu and k not in tiers.ram}
-            leave, _ = leave_out(chosen, light, cold)
-            if hide_ratio is not None:  # adaptive: only what the RAM hits' copies cannot hide, the least weighed
-                crossing = sum(1 for k in chosen if k in tiers.ram and k not in tiers.gpu)
-                least_first = [k for k in reversed(chosen) if k in leave]  # a trace lists a token's choices best first
-                leave = set(unhidden(least_first, len(cold), crossing, hide_ratio))
-            kept = [k for k in chosen if k not in leave]
+            kept = _kept(chosen, light, tiers, hide_ratio)
             out.skipped += (len(chosen) - len(kept)) * counting
             on_host = tiers.host_candidates(kept, routed, host_share) if host_share and links.cpu else []
             for key in on_host:
@@ -334,6 +328,18 @@ def simulate(
     for field in PER_TOKEN:
         setattr(out, field, getattr(out, field) / n)
     return out
+
+
+def _kept(chosen: list[Key], light: list[bool], tiers: Tiers, hide_ratio: float | None) -> list[Key]:
+    """A token's chosen records at one layer (best first, as a trace lists them) -> those it keeps under the expert
+    threshold, by the store's rules: `light` choices of cold records are left out (leave_out), and with `hide_ratio`
+    (adaptive) only those the RAM hits' copies cannot hide, the least weighed (unhidden)."""
+    cold = {k for k in chosen if k not in tiers.gpu and k not in tiers.ram}
+    leave, _ = leave_out(chosen, light, cold)
+    if hide_ratio is not None:
+        crossing = sum(1 for k in chosen if k in tiers.ram and k not in tiers.gpu)
+        leave = set(unhidden([k for k in reversed(chosen) if k in leave], len(cold), crossing, hide_ratio))
+    return [k for k in chosen if k not in leave]
 
 
 def _swapped(

@@ -10,32 +10,44 @@ from dataclasses import dataclass
 from dsfp4.layout.family import V2_FAMILY, V3_FAMILY, V4_FAMILY
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.generate.prompt_v4 import encode_v4
-from dsfp4.runtime.models.v3.model import Transformer
-from dsfp4.runtime.models.v4.model import TransformerV4
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """model: (args, weights, experts, cache slots, max_len, with_mtp, prefetch) -> the Model (models/protocol.py).
+    """model() -> the model class, imported when a model is built (the prompt rules read this table in the server's
+    HTTP process, which imports no torch): (args, weights, experts, cache slots, max_len, with_mtp, prefetch) -> the
+    Model (models/protocol.py).
     batch: several sequences decode together, each in a cache slot of its own (its caches hold rows by position);
     mtp: speculative decoding drives its MTP layer; prompt_cache: its caches are saved and restored by position
     (Model.positional_caches); prompt_format: (messages, thinking, add_generation_prompt) -> the prompt, where the
     release builds its prompts in code, not with a chat template (its format has a thinking switch); None: the
     checkpoint's chat template."""
 
-    model: type
+    model: Callable[[], type]
     batch: bool
     mtp: bool
     prompt_cache: bool
     prompt_format: Callable[..., str] | None = None
 
 
-_V3 = ModelFamily(Transformer, batch=True, mtp=True, prompt_cache=True)
+def _v3() -> type:
+    from dsfp4.runtime.models.v3.model import Transformer
+
+    return Transformer
+
+
+def _v4() -> type:
+    from dsfp4.runtime.models.v4.model import TransformerV4
+
+    return TransformerV4
+
+
+_V3 = ModelFamily(_v3, batch=True, mtp=True, prompt_cache=True)
 MODEL_FAMILIES: dict[str, ModelFamily] = {
     V3_FAMILY: _V3,
     V2_FAMILY: _V3,
     # the compressed caches and the window ring hold a running state, not rows by position
-    V4_FAMILY: ModelFamily(TransformerV4, batch=False, mtp=False, prompt_cache=False, prompt_format=encode_v4),
+    V4_FAMILY: ModelFamily(_v4, batch=False, mtp=False, prompt_cache=False, prompt_format=encode_v4),
 }
 
 

@@ -77,7 +77,7 @@ def load_model(
         # the backbone's files are hashed while they load (--verify), as each record is on its first read
         files = manifest.backbone_files() if options.verify else []
         hashes = [(rel, hashing.submit(file_sha256, Path(model_dir) / rel)) for rel in files]
-        family = model_family(manifest.args).model  # the manifest names the family
+        family = model_family(manifest.args).model()  # the manifest names the family
         slots = cache_slots(plan.max_batch)
         model = family(manifest.args, w, experts, slots, max_len, with_mtp, options.prefetch)
         a = manifest.args

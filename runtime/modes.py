@@ -2,7 +2,7 @@
 measurement (docs/BENCHMARKS.md: KL against exact NVFP4 on the trained small DeepSeek, and the whole model's projected
 tok/s). A lever the run sets itself wins over its mode's. Prefetch (RAM-only) and CUDA graphs are on in every mode:
 they cost no quality and were faster in every regime measured. Cache-aware routing is in none: on the trained model
-it cost about twice the KL of the threshold for each byte it saved.
+it cost more KL than the threshold for each byte it saved.
 
   exact       the router's choice, every expert read (the default)
   latency     lossy at less KL than NVFP4's own rounding costs against the FP8 release

@@ -104,7 +104,7 @@ class StoreOptions:
     policy: str = "hot"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on calibrated traces)
     prefetch: bool = True  # predict the next MoE layer's experts with its router
     # a guess may read its record from the SSD; False: only guesses already in RAM are copied up (a wrong guess then
-    # costs PCIe time, not the SSD's: the faster store at recall 0.9 when the SSD binds, docs/BENCHMARKS.md)
+    # costs PCIe time, not the SSD's: the faster store when the SSD binds, docs/BENCHMARKS.md)
     prefetch_reads: bool = False
     mode: str = "exact"  # the lossy levers' setting (runtime/modes.py MODES); a lever set below wins over it
     # a routed expert in neither the device nor RAM whose normalized weight is below this for every token that chose

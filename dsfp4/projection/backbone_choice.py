@@ -3,10 +3,10 @@
 The ways, most exact first (docs/BENCHMARKS.md, issue 33's entry: measured on the trained small DeepSeek, projected
 for the whole V3):
   fp8                 exact to the release where it ships FP8; on a 16 GB card DeepSeek-V3's does not fit, and the
-                      part that does not stays in RAM, read over PCIe every token (1.72 tok/s projected, not 2.07)
+                      part that does not stays in RAM, read over PCIe every token (a slower projected decode)
   fp4:wo,wq_b,shared  the attention's output and query up-projections and the shared experts in NVFP4: on 16 GB the
-                      best projected decode (2.07 tok/s, all-FP4's 2.08) at a KL no worse than the NVFP4 experts'
-                      own (backbone +0.009 against the experts' 0.011); all-FP4 costs +0.030
+                      best projected decode (about all-FP4's) at a KL no worse than the NVFP4 experts' own, where
+                      all-FP4 costs more
 `auto` takes the first way whose plan keeps the whole backbone on the device under the machine's budgets, else the
 last (the least of it in RAM). The device budget alone decides: the choice never turns on the RAM budget (the plan
 is made with all the RAM it asks for). With no GPU to size for and no --preset, fp8.

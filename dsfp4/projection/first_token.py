@@ -26,8 +26,8 @@ from dsfp4.projection.whole_model import (
 )
 from dsfp4.runtime.options import RunOptions
 
-# our prefill MoE's 310.5 TFLOP/s at 4,096 tokens on the H100 (docs/BENCHMARKS.md, 2026-11-23) over the H100 SXM's
-# 989.4 dense BF16 TFLOP/s: the share of a GPU's peak the projected prefill runs at
+# the share of a GPU's peak the projected prefill runs at: our prefill MoE's TFLOP/s at 4,096 tokens on the H100
+# over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
 PREFILL_SHARE = 310.5 / 989.4
 PROMPTS = (64, 512, 2048)  # prompt tokens the time to first token is projected for
 

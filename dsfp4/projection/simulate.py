@@ -58,8 +58,8 @@ class Links:
     cpu: float = 0.0
 
 
-# a kernel reading pinned RAM in place moves bytes at this share of a pinned copy's rate: a GEMV on FP8 blocks read
-# 49.7 GB/s where copies ran at 54.5 on the H200 (docs/BENCHMARKS.md, the host backbone's entry)
+# a kernel reading pinned RAM in place moves bytes at this share of a pinned copy's rate: an FP8 GEMV's over the
+# copies' on the H200 (docs/BENCHMARKS.md, the host backbone's entry)
 IN_PLACE_SHARE = 49.7 / 54.5
 PREFILL_TILE_ROWS = 128  # a prefill GEMM reads its weights once per tile of this many tokens (kernels/fp8/linear.py)
 

@@ -256,7 +256,7 @@ class MachineRun:
         half of its own, a step's b rows brought in as one chunk (simulate_prefill: their union of experts per layer,
         in waves when the device slots run short; no prefetch) -> totals (`tokens`, `seconds`, bytes). A step costs
         one token's compute: decode kernels are bound by the bytes they read, which the batch's tokens share (an
-        upper bound; run 37 measured a step of 16 at 4.4x one on a model whose host, not its bytes, bound it)."""
+        upper bound; a step of 16 cost more on a host-bound model: docs/BENCHMARKS.md, run 37)."""
         n, layers, k = self.run.shape
         stretch = n // b
         rows = self.run[: stretch * b].reshape(b, stretch, layers, k).swapaxes(0, 1).reshape(-1, layers, k)

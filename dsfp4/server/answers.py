@@ -74,7 +74,7 @@ class Answer:
     def event(self, reasoning: str, text: str) -> str:
         """The SSE event of a streamed piece, as sse(self.chunk(reasoning, text)) gives it. A piece with one kind of
         text is the chunk's fixed JSON around that text's: a token's event then encodes only its text (whole
-        chunks' encoding took 15% of the server's time at 16 streams)."""
+        chunks' encoding weighed on the server at 16 streams: docs/BENCHMARKS.md)."""
         if bool(reasoning) == bool(text) or bool(reasoning) not in self._around:
             return sse(self.chunk(reasoning, text))
         before, after = self._around[bool(reasoning)]

@@ -54,8 +54,8 @@ async def _serve(conn: Connection, sock: socket.socket) -> None:
     scheduler = RemoteScheduler(conn, served.max_queue, slots, metrics.done, lost)
     scheduler.attach(loop)
     app = build_app(PromptRules(spec), scheduler, served, metrics)
-    # the loop is asyncio's, not uvloop's: its socket writes let go of the GIL (run 71); here the engine's steps
-    # no longer share it, but the link's reads do
+    # asyncio's loop, not uvloop's: its socket writes let go of the GIL (docs/BENCHMARKS.md), which here the link's
+    # reads share, no longer the engine's steps
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
     server = _Server(config, scheduler, loop)
     gc.freeze()  # what lives as long as the server: the collector need not walk it again

@@ -1,11 +1,11 @@
 """The link between the server's two processes, over a socket pair: the engine's (Engine, Scheduler) and the HTTP one
 (front.py: parsing, tokenizing, streaming). Each then has a core and a GIL of its own: in one process the event
-loop's writes of 16 streams and the engine's steps took turns (16 streams: 0.9 ms a step against 0.4 in process).
+loop's writes of 16 streams and the engine's steps took turns (docs/BENCHMARKS.md: the server in two processes).
 
 Messages are pickled tuples. From the HTTP process:
     ("submit", id, prompt_ids, options)   ("cancel", id)   ("report", rid)
 From the engine's:
-    ("items", [(id, token_id, text), ...])      a step's deltas for every job (tuples: a Delta pickles 10x slower)
+    ("items", [(id, token_id, text), ...])      a step's deltas for every job (tuples: a Delta pickles slower)
     ("end", id, outcome, result, wait_s)         a job's last item (Generation, None when cancelled, or ApiError), its
                                                  Generation where it has one, and its time in the queue
     ("report", rid, Report)
@@ -44,8 +44,8 @@ class EngineLink:
 
     serve() never waits on the HTTP process, which may itself be waiting for serve() to read (two full socket buffers
     would stall both processes): what its thread sends (reports, the ends of jobs cancelled while waiting) leaves
-    through a writer thread. The engine's thread sends its steps itself: through the writer, 16 streams lost about a
-    fifth of their tokens (run 76)."""
+    through a writer thread. The engine's thread sends its steps itself: through the writer, 16 streams ran slower
+    (docs/BENCHMARKS.md, run 76)."""
 
     def __init__(self, conn: Connection):
         self.conn = conn

@@ -76,8 +76,8 @@ def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
         if threading.current_thread() is threading.main_thread():
             handlers = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
         scheduler = Scheduler(engine, served.max_queue, link.done)
-        # the engine's objects (190k on the small model) live as long as the server: a full collection walked them all,
-        # 94 ms on the dev box, while every stream's step waited
+        # the engine's objects live as long as the server: a full collection walked them all while every stream's step
+        # waited (docs/BENCHMARKS.md: the server in two processes)
         gc.freeze()
         link.send((engine.rules.spec, served, scheduler.slots))
         link.serve(scheduler)  # until the HTTP process closes the link: it is ending, or it broke the link

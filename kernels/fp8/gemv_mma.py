@@ -1,8 +1,8 @@
 """The decode GEMV on tensor cores (fp8_linear.fp8_gemv for bf16/fp16 x of GEMV_MMA_TOKENS tokens and more):
 y[t] = x[t] @ W^T for W in e4m3 with one fp32 scale per 128x128 block.
 
-The piece kernel (gemv.py) spends CUDA-core instructions per token: at 16 tokens it took 4x its one-token time on the
-trained small model (docs/BENCHMARKS.md, run 62). Here a program's step is one product on the tensor cores: x's
+The piece kernel (gemv.py) spends CUDA-core instructions per token, so its time grows with the tokens
+(docs/BENCHMARKS.md, run 62). Here a program's step is one product on the tensor cores: x's
 [BLOCK_T, SCALE_BLOCK] tile (tokens padded to 16 with zeros) and a [BLOCK_N, SCALE_BLOCK] tile of W widened to x's
 dtype, exactly (every e4m3 value is a bf16 and an fp16 value), whose products are exact in the fp32 accumulator;
 then the step's block scale. So its error is fp32 summation only, below the piece kernel's fp16 piece sums. Under

@@ -36,8 +36,9 @@ from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
 GEMV_MAX_TOKENS = DECODE_TOKENS  # decode and speculative verify batches; above it tensor cores pay
 GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
 GEMV_MMA_TOKENS = 8  # bf16/fp16 x of this many tokens and more: the tensor-core GEMV ("mma", gemv_mma.py) ...
-GEMV_MMA_LONG_K = 2048  # ... but above this K only at GEMV_MAX_TOKENS: its long K loop lost to the piece kernel at 8
-# tokens on V3's o, q_a, kv_a, shared w13 (run 67: o 109 against 88 us) and won on q_b and shared w2
+# ... but above this K only at GEMV_MAX_TOKENS: its long K loop lost to the piece kernel at 8 tokens on V3's o, q_a,
+# kv_a, shared w13 and won on q_b and shared w2 (docs/BENCHMARKS.md, run 67)
+GEMV_MMA_LONG_K = 2048
 GEMV_MMA_TOKEN_ROWS = 16  # its token tile: the smallest tensor-core product's rows
 GEMV_MMA_ROWS = (64, 16)  # its rows per program, halved from the first to the second while the SMs lack programs
 GEMV_ROWS = ((8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32

@@ -72,8 +72,8 @@ if triton is not None:
     ):
         """Head pid 0, columns pid 1 * SB .., token pid 2: out[m, h, c] = sum_n q[m, h, n] W[h HD + n, c], RN rows at
         a time (rows of SB contiguous bytes, one scale block wide). A program per token: the batch's tokens read the
-        tiles from L2 in parallel, where one program looping over them ran them one after another (a batch step of 16
-        sequences spent 18% of its time here on the trained small model: docs/BENCHMARKS.md)."""
+        tiles from L2 in parallel, where one program looping over them ran them one after another (a large share of a
+        batch step of 16 sequences: docs/BENCHMARKS.md, run 62)."""
         h, m = tl.program_id(0), tl.program_id(2)
         c = tl.program_id(1) * SB + tl.arange(0, SB)
         acc = tl.zeros((SB,), dtype=tl.float32)
@@ -81,8 +81,8 @@ if triton is not None:
             n = n0 + tl.arange(0, RN)
             ok = (n < N)[:, None] & (c < C)[None, :]
             w = _fp8_tile(w_ptr, h * HD + n, c, ok, stride_w, HW_E4M3)  # [RN, SB]
-            # a scale per weight: measured faster here than folding a per-row one into q (72 against 61 us per
-            # V3 step), unlike the values' tile below
+            # a scale per weight: faster here than folding a per-row one into q (docs/BENCHMARKS.md), unlike the
+            # values' tile below
             w *= tl.load(s_ptr + ((h * HD + n) // SB)[:, None] * stride_s + (c // SB)[None, :], mask=ok, other=0.0)
             qv = tl.load(q_ptr + m * stride_qm + h * stride_qh + n, mask=n < N, other=0.0).to(tl.float32)
             acc += tl.sum(w * qv[:, None], axis=0)

@@ -40,7 +40,8 @@ class MLADecodeConfig:
     block_s: int = 64
     warps: int = 4
     stages: int = 2
-    waves: int = 2  # the H100 probe: at a 4096 span, 1.1-1.4x faster (4 tokens: 48.8 against 68.2 us); the same at 1024
+    # faster than one wave at a 4096 span in the H100 probe, the same at 1024 (docs/BENCHMARKS.md)
+    waves: int = 2
     min_tiles: int = 1
     splits: int = 0
     skip_masked: bool = True

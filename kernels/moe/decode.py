@@ -56,13 +56,13 @@ class DecodeConfig:
     bk2: int = 2048
     num_warps: int = 4
     num_warps2: int = 4
-    words1: bool = True  # 6.7 SASS instructions per code byte on a straight loop, against fp32's 14.6
+    # under half fp32's SASS instructions per code byte on a straight loop (docs/BENCHMARKS.md)
+    words1: bool = True
     words2: bool = True
     # combine at one token: V3's 7168 columns in 56 programs of one warp, one 16-byte load per thread and pair
     bn3: int = 128
-    # from wide_from tokens on, gate+up reads 32 rows x 512 B per step (each tile serves more tokens): 84% of the
-    # H100's ceiling at 3 and 4 tokens against 79-80% and 79% on the narrow tile; at 2 tokens, since the plan,
-    # gate+up takes 99 us against the narrow tile's 107. 1 token keeps the narrow one (78% against 74%)
+    # from wide_from tokens on, gate+up reads 32 rows x 512 B per step (each tile serves more tokens): nearer the
+    # H100's ceiling from 2 tokens on; 1 token keeps the narrow one (docs/BENCHMARKS.md, 2026-11-23)
     wide_from: int = 2
     bn1_wide: int = 16
     bk1_wide: int = 1024

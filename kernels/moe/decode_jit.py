@@ -159,7 +159,7 @@ if triton is not None:
         """Pair p's part of every pair's run, found once for both launches: row p of plan [P, 1 + RUN_PAD] holds how
         many pairs chose p's expert if p is the first of them (its leader), else 0, then (leader rows) those pairs in
         order; p writes its count and its place in its leader's row. A program a pair: one program scanning every
-        pair against every other took 38 us of a 16-token step on the trained small model (run 62)."""
+        pair against every other was slow at 16 tokens (docs/BENCHMARKS.md, run 62)."""
         q = tl.arange(0, P_PAD)
         live = q < n_pairs
         e = tl.load(ids_ptr + q, mask=live, other=-1)
@@ -197,7 +197,7 @@ if triton is not None:
         RUN_PAD: tl.constexpr,
     ):
         """Launch 0: programs below n_rows prepare row t of x (_scaled_quads); the programs after them, when
-        launched, one per pair, write the plan (_plan): in this launch, as a launch of its own it cost 2.5 us more."""
+        launched, one per pair, write the plan (_plan): in this launch, which costs less than a launch of its own."""
         t = tl.program_id(0)
         if t < n_rows:
             _scaled_quads(x_ptr + t * stride_xt, xq_ptr + t * D, inv_ptr + t, D, BD)
@@ -218,7 +218,8 @@ if triton is not None:
         lanes = tl.arange(0, RUN_PAD)
         if RUN_PAD == 1:  # one token: every pair is its own run and leads it, no plan
             leader, qs, n_run = tl.full((), 1, tl.int1), lanes + p, tl.full((), 1, tl.int32)  # constants fold
-        else:  # from _plan: thousands of programs each scanning every pair cost 5% of the time at 8 tokens, 12% at 16
+        else:
+            # from _plan: thousands of programs each scanning every pair cost time (docs/BENCHMARKS.md, 2026-11-23)
             row = plan_ptr + p * (1 + RUN_PAD)
             n_run = tl.load(row)
             qs = tl.load(row + 1 + lanes)

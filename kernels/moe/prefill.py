@@ -44,7 +44,7 @@ NUM_WARPS = 4  # one warpgroup: its MMA takes 64 decoded weight rows (2 BN of ga
 # (docs/BENCHMARKS.md). A program re-reads its block's activations from L2 for every BN columns, which bounds big
 # blocks: 64 gate+up columns (two MMAs of 64 rows) and 128 down columns per program from 64 rows on. Smaller
 # blocks keep narrow tiles, which give more programs to fill the SMs. Stages as swept per block size: NVFP4 takes 3
-# up to 64 main rows (4 measured 20-25% slower at 32 and 64) and 2 for gate+up at 128, where 3 left one program an SM
+# up to 64 main rows (4 was slower at 32 and 64) and 2 for gate+up at 128, where 3 left one program an SM
 _NARROW_NV, _WIDE = (32, 128, 64, 128, 3, 3), (64, 64, 128, 64, 3, 3)
 _NARROW_MX = (32, 64, 64, 64, 4, 4)
 TILES = {

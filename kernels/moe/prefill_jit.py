@@ -243,7 +243,7 @@ if triton is not None:
         wbase = rec_ptr + tl.multiple_of(off, 16)
         ap = act_ptr + rows.to(tl.int64)[:, None] * INTER + tl.arange(0, BK)[None, :]
         ap_t = act_ptr + rows_t.to(tl.int64)[:, None] * INTER + tl.arange(0, BK)[None, :]
-        # gate_up wrote every row of the block (padding: zeros), so all load unmasked: masks cost 12% (run 48)
+        # gate_up wrote every row of the block (padding: zeros), so all load unmasked: faster (docs/BENCHMARKS.md)
         every, every_t = tl.full((BM,), True, tl.int1), tl.full((BT,), True, tl.int1)
         w, s = wbase + W2, wbase + S2
         acc, acc_t = _block_mma(

@@ -43,8 +43,8 @@ from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.counters import counters_since
 
-# where every record is on the device a prompt this short joins through the batch's steps (Engine.batch): on the trained
-# small model a prefill cost ~10 ms of launches, during which the batch waited, against ~0.4 ms a step of 16 sequences
+# where every record is on the device a prompt this short joins through the batch's steps (Engine.batch): a prefill of
+# its own cost many steps' time in launches, while the batch waited (docs/BENCHMARKS.md, resident batches)
 STEPPED_PROMPT_TOKENS = 32
 
 # prefill a prompt alone in slot 0, filling its stats' prompt counts -> its logits after the last token [V]

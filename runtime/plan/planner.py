@@ -29,9 +29,8 @@ from dsfp4.units import format_bytes
 FP32 = 4
 COMPLEX64 = 8  # an entry of the RoPE tables
 ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
-# host memory the CUDA context, its libraries and Triton take after the plan: 2.9 GiB measured on the H200 machine
-# (scripts/bench_host_memory.py, docs/BENCHMARKS.md; 2.4 GB of it shared mappings, counted in RSS), and a margin
-# for kernels a longer run compiles
+# host memory the CUDA context, its libraries and Triton take after the plan, measured on the H200 machine
+# (scripts/bench_host_memory.py, docs/BENCHMARKS.md), and a margin for kernels a longer run compiles
 CUDA_HOST_RESERVE = 13 << 28  # 3.25 GiB
 # matrices the device path multiplies as a dense copy (V3's absorbed attention at prefill, V4's grouped output
 # projection); every other quantized matrix is read as stored by the kernels (kernels/linear.py)
@@ -117,8 +116,8 @@ def narrow_slots(
     cold records as it would wide. None (record-sized slots alone, shared by both kinds) when they hold every record
     beside the `beside` device slots (a mapped run reads them in place, widened), or when the room cannot hold every
     record of the model's format beside `least` narrow slots (the reads in flight, and one token's experts of a
-    layer): the hot set would lose slots to narrow ones that cold records could share (measured in projections:
-    V3's 16g share at profile-hot's default hot share, 2.36 against 2.51 tok/s with 3-bit records)."""
+    layer): the hot set would lose slots to narrow ones that cold records could share (docs/BENCHMARKS.md: RAM holds
+    cold records in slots of their size)."""
     wide = max(total - n_cold, least)
     if not (cold and n_cold) or beside + room // record >= total or room < wide * record + least * cold:
         return None
@@ -234,15 +233,14 @@ def auto_batch(a: ModelArgs, gpu_budget: int, max_context: int, elt: int, want: 
 
 def expected_union(n: int, k: int, b: int) -> float:
     """Distinct experts b tokens choose in one MoE layer when each picks k of n independently and uniformly: an upper
-    estimate (real routing is skewed; the V3 mid trace's 8 and 16 sequences need 54 and 93 against 57 and 102)."""
+    estimate (real routing is skewed: docs/BENCHMARKS.md, batched decode)."""
     return n * (1 - (1 - k / n) ** b)
 
 
 def union_batch(a: ModelArgs, plan: Plan, want: int) -> int:
     """The largest batch up to `want` whose expected union of experts per MoE layer fits that layer's share of the
-    device and RAM slots; beyond it a step's experts evict each other from RAM (measured at V3's 16g share: 16
-    sequences needed 93 experts a layer against 61 slots, and the RAM hit rate fell from 35% to 10%). When the tiers
-    hold every record: want."""
+    device and RAM slots; beyond it a step's experts evict each other from RAM (docs/BENCHMARKS.md, batched decode:
+    16 sequences at V3's 16g share). When the tiers hold every record: want."""
     layers, held = len(plan.expert_layers), plan.gpu_slots + plan.ram_slots
     if not layers or held >= plan.total_records:
         return want

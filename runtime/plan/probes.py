@@ -15,8 +15,8 @@ from dsfp4.errors import ConfigError
 from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.layout.record import RecordLayout
 
-# records the probes move: more than a CPU's caches hold, so the kernel reads memory as the lane does (a probe that
-# ran one record again and again measured twice the lane's rate on the H200 machine's 16 cores, from its cache)
+# records the probes move: more than a CPU's caches hold, so the kernel reads memory as the lane does (one record
+# read again and again came from the cache: docs/BENCHMARKS.md, the CPU lane)
 PROBE_BYTES = 256 << 20
 UNIT_SCALE = {"nvfp4": 0x38, "mxfp4": 127}  # the scale byte of 1.0: e4m3, e8m0 (no subnormal slows the probe)
 

@@ -40,7 +40,8 @@ from dsfp4.runtime.store.transfers import Transfers
 from dsfp4.runtime.store.use_counts import DeviceUseCounts
 
 Key = tuple[int, int]  # (layer, expert)
-RUN_RECORDS = 4  # records per read ahead: streams, yet runs in parallel (fastest of 1, 4, 16: BENCHMARKS.md)
+# records per read ahead: streams, yet runs in parallel (the fastest of the sizes tried: docs/BENCHMARKS.md)
+RUN_RECORDS = 4
 
 
 class ExpertStore:

@@ -26,19 +26,30 @@ ConfigReader = Callable[[dict[str, Any], Callable[..., Any], dict[str, Any], dic
 class SourceFamily:
     """config_defaults: keys the family's config.json may leave out (transformers' DeepseekV3Config, for one, never
     writes scoring_func or topk_method: V3 always uses both); rope_sets: config.json's RoPE dict -> (the YaRN set, the
-    plain set or None); no_export: why export writes none of it (None: it writes its name map backwards)."""
+    plain set or None); no_export: why export writes none of it (None: it writes its name map backwards);
+    transformers: the prefix of transformers' classes for it (DeepseekV3 -> DeepseekV3Config, DeepseekV3ForCausalLM),
+    which the tests' numerical reference builds (None: none is used)."""
 
     names: NameMap
     config_defaults: dict[str, Any]
     rope_sets: Callable[[dict], tuple[dict, dict | None]]
     read_config: ConfigReader
     no_export: str | None = None
+    transformers: str | None = None
 
 
 # in the order errors list the supported model types
 SOURCE_FAMILIES: dict[str, SourceFamily] = {
-    V3_FAMILY: SourceFamily(V3_NAMES, {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, one_rope_set, v3_args),
-    V2_FAMILY: SourceFamily(V3_NAMES, {"scoring_func": "softmax", "topk_method": "greedy"}, one_rope_set, v3_args),
+    V3_FAMILY: SourceFamily(
+        V3_NAMES,
+        {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+        one_rope_set,
+        v3_args,
+        transformers="DeepseekV3",
+    ),
+    V2_FAMILY: SourceFamily(
+        V3_NAMES, {"scoring_func": "softmax", "topk_method": "greedy"}, one_rope_set, v3_args, transformers="DeepseekV2"
+    ),
     V4_FAMILY: SourceFamily(
         V4_NAMES,
         # topk_method is a legacy label in V4's config (neither the reference nor transformers reads it); V4 always

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dsfp4.convert.family import source_family
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.synthetic.hf_state import TRANSFORMERS_FAMILIES, read_release, transformers_keys, transformers_state
+from dsfp4.synthetic.hf_state import read_release, transformers_keys, transformers_state
 from dsfp4.tools import logprobs_file
 from dsfp4.tools.evaluate import DEFAULT_CONTEXT, DEFAULT_TOP_K, evaluate, header, windows
 
@@ -26,7 +27,7 @@ def original_model(src: Path, device: torch.device):
     import transformers
 
     cfg = json.loads((src / "config.json").read_text())
-    family = TRANSFORMERS_FAMILIES[cfg["model_type"]]
+    family = source_family(cfg["model_type"]).transformers
     model = getattr(transformers, family + "ForCausalLM")(
         getattr(transformers, family + "Config")(**transformers_keys(cfg))
     )

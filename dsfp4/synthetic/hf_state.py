@@ -99,9 +99,6 @@ def read_release(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-TRANSFORMERS_FAMILIES = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}  # model_type -> class prefix
-
-
 def transformers_keys(cfg: dict) -> dict:
     """A release's config.json as transformers' DeepseekV3/V2Config takes it: without the quantization, the
     architecture list and the storage dtype (the models built from it hold dequantized weights)."""

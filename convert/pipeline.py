@@ -50,7 +50,8 @@ class ConvertResult:
     converted_bytes: int = 0
     resumed_parts: int = 0
     quant_error: dict[str, float] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()  # dry run: what a real run would find at OUT
+    # dry run: what a real run would find at OUT
+    notes: tuple[str, ...] = ()
 
 
 def _run_jobs(jobs: Iterable[Callable[[], T]], workers: int, on_done: Callable[[T], None]) -> None:
@@ -177,7 +178,8 @@ def _run_parts(
             bar.update(result.in_bytes)
             if run.done(result):
                 if pending:
-                    pending.pop().result()  # surface a failed finalize before going on
+                    # surface a failed finalize before going on
+                    pending.pop().result()
                 pending.append(finalizer.submit(finish, run))
 
         try:
@@ -185,7 +187,8 @@ def _run_parts(
             if pending:
                 pending.pop().result()
         except BaseException:
-            for f in pending:  # let a finalize in flight end before closing files under it
+            # let a finalize in flight end before closing files under it
+            for f in pending:
                 f.exception()
             for run in runs:
                 if run.part.name not in markers:
@@ -276,7 +279,8 @@ def convert(
                 file=sys.stderr,
                 dynamic_ncols=True,
             ) as bar:
-                if hub is not None:  # its owner closes it (it is a context manager)
+                # its owner closes it (it is a context manager)
+                if hub is not None:
                     hub.start([part_shards(src, p) for p in todo])
                 _run_parts(src, plan, todo, out, device, state, markers, bar, hub)
             manifest = _write_manifest(plan, markers, src_path, out)

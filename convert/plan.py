@@ -25,12 +25,17 @@ from dsfp4.layout.record import RecordLayout
 from dsfp4.units import format_bytes
 from dsfp4.version import __version__
 
-PARTNER = {x: y for a, b in FUSED_PAIRS for x, y in ((a, b), (b, a))}  # each fused matrix's other half
-HEADS = {"bf16": None, "fp8": "fp8_e4m3_b128"}  # --head -> the format a BF16 head is stored in (None: as stored)
-HEADER_BYTES_PER_TENSOR = 128  # safetensors JSON header estimate, for the size plan only
+# each fused matrix's other half
+PARTNER = {x: y for a, b in FUSED_PAIRS for x, y in ((a, b), (b, a))}
+# --head -> the format a BF16 head is stored in (None: as stored)
+HEADS = {"bf16": None, "fp8": "fp8_e4m3_b128"}
+# safetensors JSON header estimate, for the size plan only
+HEADER_BYTES_PER_TENSOR = 128
 AUTO_FORMAT = "auto"
-DEFAULT_EXPERT_FORMAT = "nvfp4"  # for experts the source stores in FP8 or BF16
-BackboneChooser = Callable[[ModelArgs, str], str]  # (model shape, expert format) -> a --backbone spec
+# for experts the source stores in FP8 or BF16
+DEFAULT_EXPERT_FORMAT = "nvfp4"
+# (model shape, expert format) -> a --backbone spec
+BackboneChooser = Callable[[ModelArgs, str], str]
 
 
 def expert_format(requested: str, tmap: TensorMap) -> str:
@@ -46,9 +51,12 @@ def expert_format(requested: str, tmap: TensorMap) -> str:
 class ConvertOptions:
     """Knobs of `dsfp4 convert`; each field is the flag of the same name."""
 
-    format: str = AUTO_FORMAT  # the source's own FP4 format, else nvfp4 (expert_format)
-    backbone: str = "fp8"  # a --backbone spec (convert/backbone.py), or auto: the caller's chooser decides (make_plan)
-    head: str = "bf16"  # the output head: bf16 as the releases store it, or fp8 (128x128 blocks)
+    # the source's own FP4 format, else nvfp4 (expert_format)
+    format: str = AUTO_FORMAT
+    # a --backbone spec (convert/backbone.py), or auto: the caller's chooser decides (make_plan)
+    backbone: str = "fp8"
+    # the output head: bf16 as the releases store it, or fp8 (128x128 blocks)
+    head: str = "bf16"
     no_mtp: bool = False
     workers: int = 2
     device: str = "auto"
@@ -59,7 +67,8 @@ class ConvertOptions:
         if self.format not in (AUTO_FORMAT, *FP4_FORMATS):
             raise ConfigError(f"--format {self.format}: choose one of {', '.join((AUTO_FORMAT, *FP4_FORMATS))}")
         if self.backbone != AUTO_FORMAT:
-            fp4_kinds(self.backbone)  # a one-line error for a bad spec
+            # a one-line error for a bad spec
+            fp4_kinds(self.backbone)
         if self.head not in HEADS:
             raise ConfigError(f"--head {self.head}: choose one of {', '.join(HEADS)}")
         if self.workers < 1:
@@ -73,7 +82,8 @@ class OutTensor:
     item: MappedTensor
     format: str
     names: dict[str, str]
-    amax_partner: MappedTensor | None = None  # up for gate and gate for up: one NVFP4 global scale
+    # up for gate and gate for up: one NVFP4 global scale
+    amax_partner: MappedTensor | None = None
 
     @property
     def is_copy(self) -> bool:
@@ -91,7 +101,8 @@ class Part:
     name: str
     block: int | None
     backbone: tuple[OutTensor, ...]
-    experts: tuple[tuple[MappedTensor, MappedTensor, MappedTensor], ...]  # (w1, w3, w2) by expert id
+    # (w1, w3, w2) by expert id
+    experts: tuple[tuple[MappedTensor, MappedTensor, MappedTensor], ...]
     in_bytes: int
     out_bytes: int
 
@@ -214,7 +225,8 @@ def make_plan(
         "no_mtp": options.no_mtp,
         "layout": MANIFEST_VERSION,
         "dsfp4": __version__,
-        **({"head": options.head} if options.head != "bf16" else {}),  # the default keeps earlier keys
+        # the default keeps earlier keys
+        **({"head": options.head} if options.head != "bf16" else {}),
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return Plan(args, options, tuple(parts), record, tmap.skipped, source_info, fingerprint)

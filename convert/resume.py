@@ -78,7 +78,8 @@ class ResumeState:
         self.out.mkdir(parents=True, exist_ok=True)
         busy = f"another dsfp4 process (convert or repack) is writing {self.out}; wait for it or choose another OUT"
         self._lock_fd = lock_folder(self.out, busy)
-        if self.mode == "overwrite":  # only what a conversion writes: other files in OUT stay
+        # only what a conversion writes: other files in OUT stay
+        if self.mode == "overwrite":
             for path in self._owned():
                 if path.is_dir():
                     shutil.rmtree(path)
@@ -95,7 +96,8 @@ class ResumeState:
     def finish(self) -> None:
         """After manifest.json is written: drop the state and the lock."""
         shutil.rmtree(self.dir)
-        self.release()  # the lock file stays: unlinking it would let two later writers lock different files
+        # the lock file stays: unlinking it would let two later writers lock different files
+        self.release()
 
     def release(self) -> None:
         if self._lock_fd is not None:

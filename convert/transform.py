@@ -45,7 +45,8 @@ class ErrorStats:
         sums = torch.stack(
             [(ref - approx.float()).square().sum(dtype=torch.float64), ref.square().sum(dtype=torch.float64)]
         )
-        sse, ssr = sums.tolist()  # one device sync for both
+        # one device sync for both
+        sse, ssr = sums.tolist()
         self.sse += sse
         self.ssr += ssr
 
@@ -77,7 +78,8 @@ class DenseSource:
         cols = item.shape[1] if len(item.shape) > 1 else 1
         slab = SLAB_ELEMENTS.get(device.type, SLAB_ELEMENTS["cuda"]) // cols
         self.slab = max(FP8_BLOCK, slab // FP8_BLOCK * FP8_BLOCK)
-        self._last: tuple[int, int, torch.Tensor] | None = None  # the amax pass keeps a lone slab
+        # the amax pass keeps a lone slab
+        self._last: tuple[int, int, torch.Tensor] | None = None
 
     def slabs(self) -> list[tuple[int, int]]:
         return [(r, min(r + self.slab, self.n_rows)) for r in range(0, self.n_rows, self.slab)]
@@ -86,17 +88,20 @@ class DenseSource:
         """Decoded rows [r0, r1); r0 is a multiple of 128."""
         if self._last is not None and self._last[:2] == (r0, r1):
             return self._last[2]
-        if self.spec.element == "e4m3":  # 128-row blocks share a scale row
+        # 128-row blocks share a scale row
+        if self.spec.element == "e4m3":
             w, s = self.parts
             parts = [w[r0:r1], s[r0 // FP8_BLOCK : ceil_div(r1, FP8_BLOCK)]]
-        else:  # row-wise components, then a global scale (nvfp4)
+        else:
+            # row-wise components, then a global scale (nvfp4)
             n_rowwise = len(self.parts) - self.spec.global_scale
             parts = [p[r0:r1] for p in self.parts[:n_rowwise]] + self.parts[n_rowwise:]
         return dequantize(self.item.storage, parts, self.item.ref, dtype=self.dtype)
 
     def amax(self) -> torch.Tensor:
         slabs = self.slabs()
-        if len(slabs) == 1:  # decode once: encode() asks for the same rows next
+        # decode once: encode() asks for the same rows next
+        if len(slabs) == 1:
             self._last = (*slabs[0], self.rows(*slabs[0]))
         return torch.stack([self.rows(*s).abs().max().float() for s in slabs]).max()
 

@@ -97,7 +97,8 @@ def annotation_spec(annotation: str) -> Any:
         return Nullable(annotation_spec(annotation.removesuffix(" | None")))
     if annotation.startswith("tuple["):
         return ListOf(ANNOTATIONS[annotation.removeprefix("tuple[").split(",")[0]])
-    if " | " in annotation:  # any of the types: 'float | str'
+    # any of the types: 'float | str'
+    if " | " in annotation:
         types = [ANNOTATIONS[part] for part in annotation.split(" | ")]
         return tuple(t for spec in types for t in (spec if isinstance(spec, tuple) else (spec,)))
     return ANNOTATIONS[annotation]

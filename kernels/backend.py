@@ -16,10 +16,12 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the CPU build of torch comes without Triton: the torch references serve
+except ImportError:
+    # the CPU build of torch comes without Triton: the torch references serve
     triton = tl = None
 
-WARP = 32  # threads per warp, for tile rules that count threads
+# threads per warp, for tile rules that count threads
+WARP = 32
 # tokens per call that the decode kernels (GEMVs on CUDA cores) take: decode steps and MTP verify batches; above
 # it the prefill paths on tensor cores win. One bound for all of them, so a call never mixes the two
 DECODE_TOKENS = 16
@@ -37,7 +39,8 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-HW_E4M3_CAPABILITY = (8, 9)  # Ada and Hopper convert e4m3 in hardware; Triton has no fp8 type below
+# Ada and Hopper convert e4m3 in hardware; Triton has no fp8 type below
+HW_E4M3_CAPABILITY = (8, 9)
 
 
 @functools.lru_cache
@@ -46,7 +49,8 @@ def cuda_props(index: int):
     return torch.cuda.get_device_properties(index)
 
 
-REFERENCE_SMS = 132  # off CUDA (the interpreter) the kernels' plans assume an H100
+# off CUDA (the interpreter) the kernels' plans assume an H100
+REFERENCE_SMS = 132
 
 
 def n_sms(device: torch.device) -> int:

@@ -53,7 +53,8 @@ def _fp4(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x: [T, K] -> [T, N] in x's dtype."""
     packed, scale = w.parts[0], w.parts[1].view(torch.uint8)
     g = w.parts[2].float().reshape(1) if w.format == "nvfp4" else None
-    return fp4_matmul(x, packed, scale, g, packed.shape[0], w.format).to(x.dtype)  # split = N: every row g[0]
+    # split = N: every row g[0]
+    return fp4_matmul(x, packed, scale, g, packed.shape[0], w.format).to(x.dtype)
 
 
 def _fp8(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -73,7 +74,8 @@ def linear_triton(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-FP8_BLOCKS = ("fp8_e4m3_b128", "fp8_e4m3_e8m0_b128")  # e4m3 with a multiplier per 128 x 128 block: fp32 or e8m0
+# e4m3 with a multiplier per 128 x 128 block: fp32 or e8m0
+FP8_BLOCKS = ("fp8_e4m3_b128", "fp8_e4m3_e8m0_b128")
 
 
 def linear_host(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -89,7 +91,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype."""
     if use_kernels(x):
         return linear_triton(x, w)
-    tokens = x.numel() // x.shape[-1]  # above the decode kernels' count a BLAS matmul on the dequantized weight wins
+    # above the decode kernels' count a BLAS matmul on the dequantized weight wins
+    tokens = x.numel() // x.shape[-1]
     if w.format in FP8_BLOCKS and x.device.type == "cpu" and tokens <= DECODE_TOKENS and FP8_LINEAR.available():
         return linear_host(x, w)
     return linear_ref(x, w)

@@ -26,7 +26,8 @@ def mhc_weights_ref(
     pre = torch.sigmoid(pre * scale[0] + base_pre) + eps
     post = 2 * torch.sigmoid(post * scale[1] + base_post)
     comb = torch.softmax((comb * scale[2] + base_comb).unflatten(-1, (n, n)), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # columns first, then rows and columns
+    # columns first, then rows and columns
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
@@ -64,8 +65,10 @@ if triton is not None:
         inside = ok[:, None] & ok[None, :]
         c = tl.load(row + 2 * N + cell, mask=inside, other=0.0) * s2
         c = tl.where(inside, c + tl.load(base_ptr + 2 * N + cell, mask=inside, other=0.0), float("-inf"))
-        e = tl.exp(c - tl.where(ok, tl.max(c, axis=1), 0.0)[:, None])  # padding rows: exp(-inf) = 0
-        c = tl.where(inside, e / tl.where(ok, tl.sum(e, axis=1), 1.0)[:, None] + eps, 0.0)  # row softmax, + eps
+        # padding rows: exp(-inf) = 0
+        e = tl.exp(c - tl.where(ok, tl.max(c, axis=1), 0.0)[:, None])
+        # row softmax, + eps
+        c = tl.where(inside, e / tl.where(ok, tl.sum(e, axis=1), 1.0)[:, None] + eps, 0.0)
         c = c / (tl.sum(c, axis=0)[None, :] + eps)
         for _ in range(ITERS - 1):
             c = c / (tl.sum(c, axis=1)[:, None] + eps)

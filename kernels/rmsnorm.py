@@ -37,9 +37,11 @@ if triton is not None:
     def rms_row(x, w_ptr, cols, ok, eps, dtype: tl.constexpr, D: tl.constexpr, W_FP32: tl.constexpr):
         """x: [BLOCK] fp32 (zero past D) -> rmsnorm_ref's row in `dtype`: the sum of squares in fp32, then its
         roundings."""
-        normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))  # IEEE sqrt and divide, as torch's rsqrt
+        # IEEE sqrt and divide, as torch's rsqrt
+        normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        y = w * normed if W_FP32 else w * normed.to(dtype).to(tl.float32)  # the product rounded once, as torch's
+        # the product rounded once, as torch's
+        y = w * normed if W_FP32 else w * normed.to(dtype).to(tl.float32)
         return y.to(dtype)
 
     @triton.jit

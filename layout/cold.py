@@ -31,8 +31,10 @@ COLD_MAGNITUDES = {2: (1.0, 3.0), 3: (0.5, 1.5, 3.0, 4.0)}
 # Per block, the share of its absolute maximum put on the top level: each is tried, the least squared error wins
 # (a block's outlier may cost more clipped than its other values lose to a coarse step).
 TOP_SHARES = (1.0, 0.875, 0.75, 0.625)
-ROWS_AT_ONCE = 256  # rows narrowed together: bounds the working memory of a wide matrix
-GROUP = {2: (4, 1), 3: (8, 3)}  # bits -> (codes, bytes) of one packing group
+# rows narrowed together: bounds the working memory of a wide matrix
+ROWS_AT_ONCE = 256
+# bits -> (codes, bytes) of one packing group
+GROUP = {2: (4, 1), 3: (8, 3)}
 BLOCKS = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}
 
 
@@ -100,11 +102,13 @@ def _scale_candidates(fmt: str, amax: torch.Tensor, top: float, g: torch.Tensor 
         target = amax * share / top  # [rows, B]
         if fmt == "nvfp4":
             s = (target / g).to(torch.float8_e4m3fn).float()
-            s = torch.where(s == 0, torch.full_like(s, E4M3_MIN_SUBNORMAL), s)  # zero blocks too: their codes are +-m0
+            # zero blocks too: their codes are +-m0
+            s = torch.where(s == 0, torch.full_like(s, E4M3_MIN_SUBNORMAL), s)
             out.append(s)
         else:
             mant, exp = torch.frexp(target)
-            exp = exp - (mant == 0.5).to(exp.dtype)  # the smallest power of two >= target
+            # the smallest power of two >= target
+            exp = exp - (mant == 0.5).to(exp.dtype)
             biased = torch.where(target > 0, exp + E8M0_BIAS, torch.zeros_like(exp)).clamp(0, E8M0_NAN - 1)
             out.append(biased.to(torch.float32))
     return out

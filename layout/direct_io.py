@@ -68,11 +68,13 @@ class RecordFile:
                     f"the file is truncated (run `dsfp4 verify`)"
                 )
             done += n
-            while views and n >= len(views[0]):  # a read may stop short (2 GiB at most per call)
+            # a read may stop short (2 GiB at most per call)
+            while views and n >= len(views[0]):
                 n -= len(views.pop(0))
             if n:
                 views[0] = views[0][n:]
-        if not self.direct:  # keep the page cache out of the RAM budget
+        # keep the page cache out of the RAM budget
+        if not self.direct:
             os.posix_fadvise(self.fd, offset, total, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:

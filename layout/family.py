@@ -33,7 +33,8 @@ class Family:
     expert_format: str
     problems: Callable[[ModelArgs], list[str]]
     layer_cache: Callable[[ModelArgs, int, int, int], tuple[int, int]]
-    rope_tables: int  # [context, rope_dim / 2] complex64 tables its model builds, one per RoPE base
+    # [context, rope_dim / 2] complex64 tables its model builds, one per RoPE base
+    rope_tables: int
     activations: Callable[[ModelArgs, int, int, int, int], int]
 
 
@@ -76,7 +77,8 @@ def _v4_cache(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int
     grows, fixed = 0, a.window_size * a.head_dim * elt
     for width, overlap in compressors:
         grows += max_context // m * width * elt
-        fixed += 2 * m * width * (3 if overlap else 1) * FP32  # values and gates: pending [m, c W], CSA prev [m, W]
+        # values and gates: pending [m, c W], CSA prev [m, W]
+        fixed += 2 * m * width * (3 if overlap else 1) * FP32
     return grows, fixed
 
 
@@ -92,13 +94,18 @@ def _v4_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: in
     and window slots, the keys (window and every compressed entry) with their fp32 copy and masks, three copies of a
     chunk's scores (masked, with the sink, softmax), the indexer's fp32 scores of every head and entry."""
     ratios = [m for m in a.compress_ratios if m]
-    entries = max_context // min(ratios) if ratios else 0  # the most a layer attends besides its window
+    # the most a layer attends besides its window
+    entries = max_context // min(ratios) if ratios else 0
     keys = a.window_size + t + entries
     acts = t * a.hc_mult * a.dim * (4 * FP32 + 2 * elt)  # [T, N, D] streams
-    acts += t * a.n_heads * a.head_dim * (4 * elt + 2 * FP32)  # queries and outputs [T, H, W]
-    acts += t * a.index_n_heads * a.index_head_dim * (2 * elt + FP32) + t * a.dim * FP32  # indexer queries, fp32 x
-    acts += 8 * t * 2 * a.head_dim * FP32 + 6 * t * a.moe_inter_dim * elt  # compressor, expert hidden states
-    acts += keys * a.head_dim * (elt + 2 * FP32) + 3 * t * keys  # keys [S, W], masks [T, S]
+    # queries and outputs [T, H, W]
+    acts += t * a.n_heads * a.head_dim * (4 * elt + 2 * FP32)
+    # indexer queries, fp32 x
+    acts += t * a.index_n_heads * a.index_head_dim * (2 * elt + FP32) + t * a.dim * FP32
+    # compressor, expert hidden states
+    acts += 8 * t * 2 * a.head_dim * FP32 + 6 * t * a.moe_inter_dim * elt
+    # keys [S, W], masks [T, S]
+    acts += keys * a.head_dim * (elt + 2 * FP32) + 3 * t * keys
     acts += 3 * min(scores, t * a.n_heads * keys) * FP32
     csa = [m for m, k in zip(a.compress_ratios, a.layer_kinds, strict=True) if k == CSA]
     if csa:  # [T, H_i, E] relu'd scores and [T, E] index, masked

@@ -47,7 +47,8 @@ FORMATS: dict[str, FormatSpec] = {
     "bf16": FormatSpec("bf16", "bf16", 16, (1, 1), None, False, (("weight", "BF16"),)),
     "f16": FormatSpec("f16", "f16", 16, (1, 1), None, False, (("weight", "F16"),)),
     "f32": FormatSpec("f32", "f32", 32, (1, 1), None, False, (("weight", "F32"),)),
-    "i64": FormatSpec("i64", "i64", 64, (1, 1), None, False, (("weight", "I64"),)),  # V4's tid2eid table
+    # V4's tid2eid table
+    "i64": FormatSpec("i64", "i64", 64, (1, 1), None, False, (("weight", "I64"),)),
 }
 
 FP4_FORMATS = ("nvfp4", "mxfp4")

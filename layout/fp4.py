@@ -60,7 +60,8 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     up in a table made on the host, so a dequantization can run inside a CUDA graph's capture."""
     c = codes.to(torch.int32)
     e, m = (c >> 1) & 3, (c & 1).float()
-    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + 0.5 * m))  # E2M1_MAGNITUDES[c & 7]
+    # E2M1_MAGNITUDES[c & 7]
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + 0.5 * m))
     return torch.where(c >= 8, -mag, mag)
 
 
@@ -130,8 +131,10 @@ def mxfp4_quantize(w: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor,
     """
     blocks = _blocks(w, MXFP4_BLOCK, name)
     target = exact_div(blocks.abs().amax(dim=-1), E2M1_MAX)  # [N, B]
-    mant, exp = torch.frexp(target)  # target = mant * 2^exp, mant in [0.5, 1)
-    exp = exp - (mant == 0.5).to(exp.dtype)  # exact powers of two need no rounding up
+    # target = mant * 2^exp, mant in [0.5, 1)
+    mant, exp = torch.frexp(target)
+    # exact powers of two need no rounding up
+    exp = exp - (mant == 0.5).to(exp.dtype)
     biased = torch.where(target > 0, exp + E8M0_BIAS, torch.full_like(exp, E8M0_BIAS))
     biased = biased.clamp(0, E8M0_NAN - 1)
     codes = e2m1_encode(blocks / e8m0_to_float(biased)[..., None])

@@ -68,7 +68,8 @@ def fp8_block_quantize(w: torch.Tensor, name: str = "tensor", pow2: bool = False
     amax = blocks.abs().amax(dim=(1, 3))  # [Nb, Kb]
     scale = torch.where(amax > 0, exact_div(amax, E4M3_MAX), torch.ones_like(amax))
     if pow2:
-        mant, exp = torch.frexp(scale)  # scale = mant * 2^exp, mant in [0.5, 1): 2^exp is above it
+        # scale = mant * 2^exp, mant in [0.5, 1): 2^exp is above it
+        mant, exp = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), exp - (mant == 0.5).to(exp.dtype))
     q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(blocks.shape[0] * FP8_BLOCK, -1)[:n, :k].contiguous(), scale

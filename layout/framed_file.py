@@ -56,7 +56,8 @@ def unpack_body(data: bytes, at: int, max_body: int) -> bytes:
         body = zstandard.ZstdDecompressor().decompress(data[at:], max_output_size=max_body)
     except zstandard.ZstdError as e:
         raise ValueError(f"damaged data ({e})") from e
-    if len(body) > max_body:  # a frame that states its size is decompressed whole: the bound is checked here
+    # a frame that states its size is decompressed whole: the bound is checked here
+    if len(body) > max_body:
         raise ValueError(f"damaged data ({len(body)} bytes where at most {max_body} fit the header)")
     return body
 
@@ -66,7 +67,8 @@ def read_header(path: Path, magic: bytes, version: int, what: str, limit: int) -
     with open(path, "rb") as f:
         head = f.read(len(magic) + LENGTH.size)
         if not head.startswith(magic) or len(head) < len(magic) + LENGTH.size:
-            return unpack_header(magic, version, head, what)[0]  # raises what is wrong
+            # raises what is wrong
+            return unpack_header(magic, version, head, what)[0]
         (n,) = LENGTH.unpack(head[len(magic) :])
         if n > limit:
             raise ValueError(f"header of {n} bytes, more than the {limit} read")

@@ -29,10 +29,13 @@ HOT_FORMAT = "dsfp4-hot-1"
 
 @dataclass(frozen=True)
 class HotProfile:
-    conversion: str  # Manifest.exact_sha256(): the conversion, its cold records counted as the ones they came from
+    # Manifest.exact_sha256(): the conversion, its cold records counted as the ones they came from
+    conversion: str
     tokens: int
-    counts: dict[int, tuple[int, ...]]  # MoE layer -> times each expert was chosen
-    weights: dict[int, tuple[float, ...]] = field(default_factory=dict)  # MoE layer -> summed routing weights
+    # MoE layer -> times each expert was chosen
+    counts: dict[int, tuple[int, ...]]
+    # MoE layer -> summed routing weights
+    weights: dict[int, tuple[float, ...]] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
 
     def order(self, layer: int) -> list[int]:
@@ -72,7 +75,8 @@ class HotProfile:
         shape = {layer: len(c) for layer, c in self.counts.items()}
         if {layer: len(c) for layer, c in other.counts.items()} != shape:
             raise ManifestError(f"{path}: its layers or experts differ from the profile it is merged into")
-        both = set(self.weights) & set(other.weights)  # weights are summed where both profiles have them
+        # weights are summed where both profiles have them
+        both = set(self.weights) & set(other.weights)
         return HotProfile(
             self.conversion,
             self.tokens + other.tokens,

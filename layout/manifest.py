@@ -24,7 +24,8 @@ from dsfp4.value_types import kind
 from dsfp4.version import __version__
 
 MANIFEST_NAME = "manifest.json"
-BACKBONE_DIR = "backbone"  # the weight files besides the experts' (the tokenizer's and config's sit at the top)
+# the weight files besides the experts' (the tokenizer's and config's sit at the top)
+BACKBONE_DIR = "backbone"
 MANIFEST_VERSION = 1
 CHECKSUM = "sha256"
 
@@ -90,7 +91,8 @@ class Manifest:
     quant_error: dict[str, float] = field(default_factory=dict)
     version: int = MANIFEST_VERSION
     created_by: str = f"dsfp4 {__version__}"
-    cold_record: RecordLayout | None = None  # the layout of every layer's cold records
+    # the layout of every layer's cold records
+    cold_record: RecordLayout | None = None
 
     def file_position(self, key: tuple[int, int]) -> tuple[int, int]:
         """(layer, offset in its expert file) of the record of key (layer, expert): sorting records by it gives
@@ -169,7 +171,8 @@ class Manifest:
             if not path.is_file():
                 raise ChecksumError(f"{path}{what} is listed in the manifest but missing; convert again")
             have = path.stat().st_size
-            expert_file = bool(what)  # expert files may carry padding past their last record
+            # expert files may carry padding past their last record
+            expert_file = bool(what)
             if have < want or (have != want and not expert_file):
                 raise ChecksumError(
                     f"{path}{what}: {have} bytes, the manifest says {want}; the file is damaged or truncated, "

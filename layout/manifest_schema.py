@@ -19,7 +19,8 @@ RECORD = {
 }
 SCHEMA = {
     "format_version": int,
-    "model": {},  # an object: ModelArgs' fields are checked by their annotations
+    # an object: ModelArgs' fields are checked by their annotations
+    "model": {},
     "source": dict,
     "options": dict,
     "tensors": MapOf({"file": str, "format": str, "shape": ListOf(int), "tensors": MapOf(str)}),
@@ -37,7 +38,8 @@ def check_manifest(d: Any) -> str | None:
     present = {k: spec for k, spec in OPTIONAL.items() if isinstance(d, dict) and k in d}
     if (err := check(d, {**SCHEMA, **present}, "manifest")) is not None:
         return err.removeprefix("manifest.")
-    fields = [f for f in dataclasses.fields(ModelArgs) if f.name in d["model"]]  # from_dict: missing, unknown
+    # from_dict: missing, unknown
+    fields = [f for f in dataclasses.fields(ModelArgs) if f.name in d["model"]]
     for f in fields:
         if (err := check(d["model"][f.name], annotation_spec(str(f.type)), f"model.{f.name}")) is not None:
             return err

@@ -63,21 +63,31 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     # DeepSeek-V4 (family deepseek_v4) only; the defaults describe V3/V2, whose manifests predate them
-    head_dim: int = 0  # per-head width, also the width of the one shared K=V vector per token
-    window_size: int = 0  # sliding window, counting the current token
-    o_groups: int = 0  # grouped output projection: head groups, and each group's output width
+    # per-head width, also the width of the one shared K=V vector per token
+    head_dim: int = 0
+    # sliding window, counting the current token
+    window_size: int = 0
+    # grouped output projection: head groups, and each group's output width
+    o_groups: int = 0
     o_lora_rank: int = 0
-    layer_kinds: tuple[str, ...] = ()  # per block (main layers, then MTP): SLIDING, CSA or HCA (layout/family.py)
-    compress_ratios: tuple[int, ...] = ()  # per block: tokens per compressed entry (0 for sliding)
-    compress_rope_theta: float = 0.0  # RoPE base of layers with a compressor (the YaRN fields apply there only)
-    index_n_heads: int = 0  # lightning indexer of CSA layers: heads, head width, entries kept per query
+    # per block (main layers, then MTP): SLIDING, CSA or HCA (layout/family.py)
+    layer_kinds: tuple[str, ...] = ()
+    # per block: tokens per compressed entry (0 for sliding)
+    compress_ratios: tuple[int, ...] = ()
+    # RoPE base of layers with a compressor (the YaRN fields apply there only)
+    compress_rope_theta: float = 0.0
+    # lightning indexer of CSA layers: heads, head width, entries kept per query
+    index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
-    hc_mult: int = 0  # mHC residual streams, Sinkhorn iterations and epsilon
+    # mHC residual streams, Sinkhorn iterations and epsilon
+    hc_mult: int = 0
     hc_sinkhorn_iters: int = 0
     hc_eps: float = 0.0
-    n_hash_layers: int = 0  # leading MoE layers routed by the token-id table tid2eid
-    swiglu_limit: float = 0.0  # SwiGLU clamp (0: none)
+    # leading MoE layers routed by the token-id table tid2eid
+    n_hash_layers: int = 0
+    # SwiGLU clamp (0: none)
+    swiglu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         """Reject shapes the router cannot route, with the config key to fix."""

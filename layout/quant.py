@@ -14,7 +14,8 @@ from dsfp4.layout import fp4, fp8
 from dsfp4.layout.formats import get_format
 
 PLAIN_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i64": torch.int64}
-SOURCE_ONLY = ("fp8_e4m3_e8m0_b128",)  # read from checkpoints, never written
+# read from checkpoints, never written
+SOURCE_ONLY = ("fp8_e4m3_e8m0_b128",)
 
 
 def quantize(

@@ -62,7 +62,8 @@ class RecordLayout:
         spec = get_format(fmt)
         w13 = component_shapes(spec, (2 * inter_dim, dim), "experts.w1/w3")
         w2 = component_shapes(spec, (dim, inter_dim), "experts.w2")
-        for shapes, k in ((w13, dim), (w2, inter_dim)):  # codes of code_bits each along K
+        # codes of code_bits each along K
+        for shapes, k in ((w13, dim), (w2, inter_dim)):
             shapes[0] = (shapes[0][0], k * code_bits // 8)
         (_, packed_dt), (_, scale_dt) = spec.components[:2]
         specs = [

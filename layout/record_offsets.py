@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-ABSENT = -1  # offsets are multiples of the slot alignment, so -1 never names a record
+# offsets are multiples of the slot alignment, so -1 never names a record
+ABSENT = -1
 
 
 def record_offsets(

@@ -37,17 +37,23 @@ from dsfp4.layout.safetensors_file import pwrite_all
 from dsfp4.units import format_bytes
 
 EXPERTS_DIR = "experts"
-COPY_RECORDS = 8  # records per write while copying a layer
-COPY_DEPTH = 4  # chunks read ahead of the writer (RAM: COPY_DEPTH x COPY_RECORDS records)
+# records per write while copying a layer
+COPY_RECORDS = 8
+# chunks read ahead of the writer (RAM: COPY_DEPTH x COPY_RECORDS records)
+COPY_DEPTH = 4
 
 
 @dataclass(frozen=True)
 class RepackReport:
-    rewritten: int  # layer files written in the new order
-    unchanged: int  # already in that order
-    nbytes: int  # bytes written
+    # layer files written in the new order
+    rewritten: int
+    # already in that order
+    unchanged: int
+    # bytes written
+    nbytes: int
     seconds: float
-    narrowed: int = 0  # records narrowed to cold codes
+    # records narrowed to cold codes
+    narrowed: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,8 @@ class Target:
     order: list[int]
     cold: tuple[int, ...]
     offsets: tuple[int, ...]
-    layouts: tuple[RecordLayout, RecordLayout | None]  # exact, cold
+    # exact, cold
+    layouts: tuple[RecordLayout, RecordLayout | None]
 
     @classmethod
     def of(cls, manifest: Manifest, layer: int, order: list[int], cold: Cold | None) -> Target:
@@ -156,7 +163,8 @@ def _copy_layer(
             pending = {k: pool.submit(read, k) for k in range(len(bufs))}
             for k in range(len(chunks)):
                 pwrite_all(fd, pending.pop(k).result(), target.offsets[chunks[k][0]])
-                if k + len(bufs) < len(chunks):  # its buffer is free again
+                # its buffer is free again
+                if k + len(bufs) < len(chunks):
                     pending[k + len(bufs)] = pool.submit(read, k + len(bufs))
         os.fsync(fd)
         if not direct:
@@ -193,8 +201,10 @@ def repack(
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     busy = f"another dsfp4 process (convert or repack) is writing {model_dir}; wait for it"
-    fd = lock_folder(model_dir, busy)  # before reading the manifest: another repack may just have changed it
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # narrowing is quicker there
+    # before reading the manifest: another repack may just have changed it
+    fd = lock_folder(model_dir, busy)
+    # narrowing is quicker there
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         manifest = Manifest.open(model_dir)
         profile.check(manifest, "the hot profile")
@@ -220,7 +230,8 @@ def repack(
         written = narrowed = 0
         for done, (layer, target) in enumerate(todo, 1):
             ef = manifest.experts[layer]
-            assert sorted(target.order) == list(range(len(ef.offsets))), (layer, len(target.order))  # check() did
+            # check() did
+            assert sorted(target.order) == list(range(len(ef.offsets))), (layer, len(target.order))
             name = hot_file_name(ef, target.order + ([-1, *target.cold] if target.cold else []))
             tmp = model_dir / (name + ".tmp")
             try:
@@ -229,16 +240,19 @@ def repack(
                 tmp.unlink(missing_ok=True)
                 raise
             tmp.replace(model_dir / name)
-            fsync_dir(tmp.parent)  # the new name is durable before the manifest points at it
+            # the new name is durable before the manifest points at it
+            fsync_dir(tmp.parent)
             experts = {**manifest.experts, layer: _placed(ef, name, target, new)}
             cold_record = target.layouts[1] if target.cold else manifest.cold_record
             manifest = dataclasses.replace(manifest, experts=experts, cold_record=cold_record)
-            manifest.write(model_dir)  # atomic: from here the new file is the layer's
+            # atomic: from here the new file is the layer's
+            manifest.write(model_dir)
             if ef.file != name:
                 (model_dir / ef.file).unlink(missing_ok=True)
             written += sum(target.layout(e).nbytes for e in target.order)
             narrowed += len(new)
             on_layer(done, len(todo))
     finally:
-        os.close(fd)  # the lock file stays: unlinking it would let two later writers lock different files
+        # the lock file stays: unlinking it would let two later writers lock different files
+        os.close(fd)
     return RepackReport(len(todo), len(targets) - len(todo), written, time.perf_counter() - t0, narrowed)

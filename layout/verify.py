@@ -50,9 +50,11 @@ def verify(
     quick checks come first (the manifest, each file's size, hot.json); then `on_start` gets the bytes the hashing
     will read and `on_bytes` each part read."""
     model_dir = Path(model_dir)
-    m = Manifest.open(model_dir)  # every file there at its size
+    # every file there at its size
+    m = Manifest.open(model_dir)
     hot = model_dir / HOT_NAME
-    if hot.is_file():  # run refuses a damaged or foreign profile: verify says so
+    # run refuses a damaged or foreign profile: verify says so
+    if hot.is_file():
         HotProfile.read(hot).check(m, hot)
     on_start(checked_bytes(m))
     for rel, f in m.files.items():

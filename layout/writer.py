@@ -18,7 +18,8 @@ from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.record import RecordLayout, record_sha256
 from dsfp4.layout.safetensors_file import file_sha256, pwrite_all
 
-PARTIAL = ".partial"  # the suffix of a file being written
+# the suffix of a file being written
+PARTIAL = ".partial"
 
 
 class ExpertFileWriter:

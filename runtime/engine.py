@@ -84,9 +84,12 @@ class Engine:
         plan, elt = self.model.experts.plan, torch.empty((), dtype=dtype).element_size()
         self.host_backbone_step = step_bytes_on_host(manifest, plan.on_host, elt)
         self.notes: list[str] = list(self.model.experts.notes)
-        self.stats: GenerationStats | None = None  # of the last generation
-        self._stream: Stream | None = None  # the generation in progress
-        self._busy = threading.Lock()  # one call at a time: two threads would corrupt the cache
+        # of the last generation
+        self.stats: GenerationStats | None = None
+        # the generation in progress
+        self._stream: Stream | None = None
+        # one call at a time: two threads would corrupt the cache
+        self._busy = threading.Lock()
         self.recorder = RoutingRecorder(self.model, trace=True) if o.record_trace else None
         self.routing = _trace_routing(self.model, a, o, device, self.max_context) if o.routing is not None else None
         self.decoder = Decoder(self.model, None, self.recorder, o.prefill_chunk, self.max_context, self.routing)
@@ -155,7 +158,8 @@ class Engine:
         with self._claim():
             self._end_stream()
         if self.prompt_cache is not None:
-            self.prompt_cache.wait()  # an entry being written is finished, not left behind as a temporary file
+            # an entry being written is finished, not left behind as a temporary file
+            self.prompt_cache.wait()
         try:
             if self.recorder is not None and self.recorder.tokens:
                 write_trace(self.options.record_trace, self.recorder.routing_trace())
@@ -163,8 +167,10 @@ class Engine:
             if self.recorder is not None:
                 self.recorder.detach()
             self.model.experts.close()
-            self.model = self.decoder.model = self.decoder.graphs = None  # the graphs' memory pool goes with them
-            gc.collect()  # the modules hold each other (MoE layers and the store): free them now
+            # the graphs' memory pool goes with them
+            self.model = self.decoder.model = self.decoder.graphs = None
+            # the modules hold each other (MoE layers and the store): free them now
+            gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -188,7 +194,8 @@ class Engine:
 
     def check_prompt(self, prompt_ids: list[int], room: int = 1) -> None:
         """A prompt must leave `room` positions of the context free and name tokens of the vocabulary."""
-        self._model()  # a closed engine says so first
+        # a closed engine says so first
+        self._model()
         self.rules.check(prompt_ids, room)
 
     def room(self, prompt_tokens: int) -> int:
@@ -294,8 +301,10 @@ class Engine:
             head, rows = self._model().head, []
             self.reuse.truncate(0)
             done = 0
-            for _, h in self.decoder.feed(ids):  # h: [t, D]
-                if self.speculator is not None:  # its entries follow, so a generation after this reuses it
+            # h: [t, D]
+            for _, h in self.decoder.feed(ids):
+                # its entries follow, so a generation after this reuses it
+                if self.speculator is not None:
                     self.speculator.entries(h, ids, 0, done)
                 # the head runs on LOGIT_ROWS positions at a time, as the planner's workspace allows
                 rows += [linear(h[j : j + LOGIT_ROWS], head).float().cpu() for j in range(0, len(h), LOGIT_ROWS)]
@@ -319,7 +328,8 @@ class Engine:
             return 0
         with self._claim():
             self._end_stream()
-            self.reuse.truncate(0)  # the caches will hold no one prompt
+            # the caches will hold no one prompt
+            self.reuse.truncate(0)
             return prefill_together(self._model(), self.prompt_cache, worth, self.options.prefill_chunk)
 
     # -- internals ------------------------------------------------------------------------------------
@@ -345,7 +355,8 @@ class Engine:
         if self._stream is not None:
             if self._stream.generation is None:
                 self._stream.superseded = True
-            self._stream.close()  # a generation left unfinished ends here, with the cache consistent
+            # a generation left unfinished ends here, with the cache consistent
+            self._stream.close()
             self._stream = None
 
     @torch.inference_mode()
@@ -404,7 +415,8 @@ def _check_mtp(o: EngineOptions, manifest: Manifest, model_dir: Path) -> None:
 def _trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.device, max_context: int) -> TraceRouting:
     """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
     layers = [b.ffn.layer for b in model.layers if b.moe]
-    chunk = max(min(o.prefill_chunk, max_context), 2)  # a pass: a prefill chunk, or an MTP verify step
+    # a pass: a prefill chunk, or an MTP verify step
+    chunk = max(min(o.prefill_chunk, max_context), 2)
     routing = TraceRouting(
         o.routing, layers, a.n_routed_experts, a.n_activated_experts, a.route_scale, device, chunk, o.routing_recall
     )

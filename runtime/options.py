@@ -27,7 +27,8 @@ from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")  # the fields a single call may set
+# the fields a single call may set
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 # one message for both, as the flags have always been checked (the two fields are of different kinds)
 AT_LEAST_ONE = "--io-threads and --prefill-chunk must be at least 1"
 
@@ -53,14 +54,19 @@ class EngineOptions:
     """Where the model runs and under which budgets; its context, prefill chunks and decode machinery."""
 
     device: str = "auto"
-    dtype: str = "auto"  # bf16 on CUDA, fp32 on the CPU
+    # bf16 on CUDA, fp32 on the CPU
+    dtype: str = "auto"
     max_context: int = 4096
-    gpu_mem: str | None = None  # budgets: sizes such as 14G; None: the preset, else free memory
+    # budgets: sizes such as 14G; None: the preset, else free memory
+    gpu_mem: str | None = None
     cpu_mem: str | None = None
     preset: str | None = None
-    prefill_chunk: int = 512  # prompt tokens per forward pass (bounds the workspace)
-    mtp: bool = False  # speculative decoding with the checkpoint's MTP module (runtime/generate/speculative.py)
-    cuda_graph: bool = True  # replay decode steps as CUDA graphs where they can be captured (generate/decode_graph.py)
+    # prompt tokens per forward pass (bounds the workspace)
+    prefill_chunk: int = 512
+    # speculative decoding with the checkpoint's MTP module (runtime/generate/speculative.py)
+    mtp: bool = False
+    # replay decode steps as CUDA graphs where they can be captured (generate/decode_graph.py)
+    cuda_graph: bool = True
     # a folder of saved prompt KV caches: a prompt sharing a prefix with a saved one restores it instead of
     # prefilling it (runtime/generate/prompt_cache.py), held to prompt_cache_size by evicting the least recently used
     prompt_cache: Path | None = None
@@ -101,12 +107,15 @@ class EngineOptions:
 class StoreOptions:
     """How the routed experts are held in the tiers, read from the SSD, traded by the lossy levers and routed."""
 
-    policy: str = "hot"  # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on calibrated traces)
-    prefetch: bool = True  # predict the next MoE layer's experts with its router
+    # eviction of the tiers (runtime/store/policy.py TIER_POLICIES; chosen on calibrated traces)
+    policy: str = "hot"
+    # predict the next MoE layer's experts with its router
+    prefetch: bool = True
     # a guess may read its record from the SSD; False: only guesses already in RAM are copied up (a wrong guess then
     # costs PCIe time, not the SSD's: the faster store when the SSD binds, docs/BENCHMARKS.md)
     prefetch_reads: bool = False
-    mode: str = "exact"  # the lossy levers' setting (runtime/modes.py MODES); a lever set below wins over it
+    # the lossy levers' setting (runtime/modes.py MODES); a lever set below wins over it
+    mode: str = "exact"
     # a routed expert in neither the device nor RAM whose normalized weight is below this for every token that chose
     # it is left out of the step, the token's other weights rescaled to the same sum (0: exact; None: the mode's;
     # "auto": only what the step's copies cannot hide, up to `throughput`'s threshold: runtime/modes.py AUTO)
@@ -118,12 +127,18 @@ class StoreOptions:
     # auto (the share that balances the CPU kernel against PCIe, measured at load; CUDA runs), or a share from 0 to 1.
     # Off by default: it gained where PCIe binds (every record in RAM, copied) and nothing where the SSD binds
     cpu_experts: str = "off"
-    io_threads: int = 4  # SSD reads in flight
-    verify: bool = True  # sha256 of the backbone files as they load, and of each record on its first read from the SSD
-    zero_copy: bool = True  # when the device and RAM hold every record, kernels read RAM's in place (map_all)
-    routing: Path | None = None  # route by this trace instead of the routers (runtime/models/trace_routing.py)
-    routing_recall: float = 0.9  # under a trace, the share of the next layer's experts its prefetch guesses right
-    record_trace: Path | None = None  # where the engine writes its routing trace when it closes
+    # SSD reads in flight
+    io_threads: int = 4
+    # sha256 of the backbone files as they load, and of each record on its first read from the SSD
+    verify: bool = True
+    # when the device and RAM hold every record, kernels read RAM's in place (map_all)
+    zero_copy: bool = True
+    # route by this trace instead of the routers (runtime/models/trace_routing.py)
+    routing: Path | None = None
+    # under a trace, the share of the next layer's experts its prefetch guesses right
+    routing_recall: float = 0.9
+    # where the engine writes its routing trace when it closes
+    record_trace: Path | None = None
 
     def __post_init__(self) -> None:
         _typed(self)
@@ -172,7 +187,8 @@ class SamplingOptions:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    thinking: bool | None = None  # the prompt format's thinking switch (V4's mode, V3.1's template); None: its default
+    # the prompt format's thinking switch (V4's mode, V3.1's template); None: its default
+    thinking: bool | None = None
 
     def __post_init__(self) -> None:
         _typed(self)

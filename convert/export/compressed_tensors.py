@@ -33,13 +33,16 @@ from dsfp4.layout.manifest import Manifest
 
 PACKED = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 GROUP = {"nvfp4": 16, "mxfp4": 32}
-Read = Callable[[], torch.Tensor]  # the tensor's bytes, read when its shard is written
+# the tensor's bytes, read when its shard is written
+Read = Callable[[], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class OutTensor:
-    name: str  # in the exported checkpoint
-    dtype: str  # safetensors dtype
+    # in the exported checkpoint
+    name: str
+    # safetensors dtype
+    dtype: str
     shape: tuple[int, ...]
     read: Read
 
@@ -139,7 +142,8 @@ def check_fused(manifest: Manifest, read: Callable[[str, str], torch.Tensor]) ->
         eb = manifest.tensors.get(f"{base}.{second}") if second else None
         if eb is None:
             continue
-        kind = base.split(".", 2)[2] if base.startswith("layers.") else base  # layers.1.attn -> attn
+        # layers.1.attn -> attn
+        kind = base.split(".", 2)[2] if base.startswith("layers.") else base
         where = f"{name} and {kind}.{second}"
         if ea.format != eb.format:
             raise FormatError(
@@ -170,7 +174,8 @@ def backbone_tensors(
             continue
         hf, ref = rule.names(prefix, block)
         entry = manifest.tensors.get(ref)
-        if entry is None:  # an MTP layer converted without (--no-mtp), or a tensor the conversion skipped
+        # an MTP layer converted without (--no-mtp), or a tensor the conversion skipped
+        if entry is None:
             continue
         parts = {c: (lambda f=entry.file, n=n: read(f, n)) for c, n in entry.tensors.items()}
         spec = get_format(entry.format)

@@ -47,9 +47,11 @@ from dsfp4.version import __version__
 ARCH = "deepseek2"
 FILE = "model.gguf"
 PROGRESS = ".dsfp4-gguf.json"
-ALIGN = 32  # GGUF's default data alignment
+# GGUF's default data alignment
+ALIGN = 32
 TOP = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "head.weight": "output.weight"}
-LAYER = {  # a layer's dsfp4 tensor -> its GGUF name (blk.N. before it); wkv_b splits in two
+# a layer's dsfp4 tensor -> its GGUF name (blk.N. before it); wkv_b splits in two
+LAYER = {
     "attn_norm.weight": "attn_norm.weight",
     "attn.wq_a": "attn_q_a.weight",
     "attn.q_norm.weight": "attn_q_a_norm.weight",
@@ -71,7 +73,8 @@ LAYER = {  # a layer's dsfp4 tensor -> its GGUF name (blk.N. before it); wkv_b s
 }
 GATING = {"softmax": ExpertGatingFuncType.SOFTMAX, "sigmoid": ExpertGatingFuncType.SIGMOID}
 EXPERTS = (("w1", "ffn_gate_exps.weight"), ("w3", "ffn_up_exps.weight"), ("w2", "ffn_down_exps.weight"))
-VECTORS = ("norm.weight", "gate.weight", "gate.bias")  # kept in F32
+# kept in F32
+VECTORS = ("norm.weight", "gate.weight", "gate.bias")
 # byte-level BPE pre-tokenizers llama.cpp names, told apart by the regexes of tokenizer.json's pre_tokenizer
 PRE_TOKENIZERS = (("deepseek-v3", ("\\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+")), ("gpt-2", ()))
 
@@ -85,7 +88,8 @@ class GTensor:
     shape: tuple[int, ...]
     qtype: Q
     pieces: Callable[[], Iterator[np.ndarray]]
-    error_class: str | None = None  # what a requantized tensor is counted as in the error report
+    # what a requantized tensor is counted as in the error report
+    error_class: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +147,8 @@ class Source:
     def stored(self, layer: int, e: int, which: str) -> tuple[torch.Tensor, ...]:
         """One matrix of expert e's record as stored, its bytes alone read (GGUF puts each expert's gate, up and down
         in three tensors: the record is read once over the three)."""
-        entry, layout = self.m.experts[layer], self.m.layout_of((layer, e))  # a cold record's codes come widened
+        # a cold record's codes come widened
+        entry, layout = self.m.experts[layer], self.m.layout_of((layer, e))
         path = self.dir / entry.file
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -158,7 +163,8 @@ class Source:
         if layout.format == "mxfp4":
             packed, scale = parts
             return packed.view(torch.uint8).numpy(), scale.view(torch.uint8).numpy()
-        w = dequantize(layout.format, parts, which)  # fp32
+        # fp32
+        w = dequantize(layout.format, parts, which)
         packed, scale = mxfp4_quantize(w, which)
         stats.add(f"{layout.format} -> mxfp4 (experts)", w.numpy(), mxfp4_dequantize(packed, scale).numpy())
         return packed.numpy(), scale.numpy()
@@ -276,7 +282,8 @@ def add_metadata(w: GGUFWriter, a: ModelArgs, model_dir: Path) -> None:
     w.add_embedding_length(a.dim)
     w.add_feed_forward_length(a.inter_dim)
     w.add_head_count(a.n_heads)
-    w.add_head_count_kv(1)  # MLA runs as one shared latent key and value
+    # MLA runs as one shared latent key and value
+    w.add_head_count_kv(1)
     w.add_rope_freq_base(a.rope_theta)
     w.add_layer_norm_rms_eps(a.norm_eps)
     w.add_expert_used_count(a.n_activated_experts)
@@ -302,7 +309,8 @@ def add_metadata(w: GGUFWriter, a: ModelArgs, model_dir: Path) -> None:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(a.rope_factor)
         w.add_rope_scaling_orig_ctx_len(a.original_seq_len)
-        w.add_rope_scaling_yarn_log_mul(0.1 * a.mscale_all_dim)  # llama.cpp's deepseek2 convention
+        # llama.cpp's deepseek2 convention
+        w.add_rope_scaling_yarn_log_mul(0.1 * a.mscale_all_dim)
         w.add_rope_scaling_yarn_beta_fast(a.beta_fast)
         w.add_rope_scaling_yarn_beta_slow(a.beta_slow)
     add_tokenizer(w, a, model_dir)
@@ -404,7 +412,8 @@ def write(out: Path, manifest: Manifest, p: GgufPlan, bar) -> Path:
         return path
     offsets = np.cumsum([_padded(len(head))] + [_padded(t.nbytes) for t in tensors]).tolist()
     start = done.get("tensors", 0) if same and part.is_file() else 0
-    if start and part.stat().st_size < offsets[start]:  # the record ran ahead of the file: begin again
+    # the record ran ahead of the file: begin again
+    if start and part.stat().st_size < offsets[start]:
         start = 0
     stats.restore(done.get("errors", {}) if start else {})
     with open(part, "r+b" if start else "wb") as f:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-BLOCK = 32  # elements per MXFP4 block
-GGUF_BLOCK_BYTES = 1 + BLOCK // 2  # a block's scale byte and its 16 bytes of codes
+# elements per MXFP4 block
+BLOCK = 32
+# a block's scale byte and its 16 bytes of codes
+GGUF_BLOCK_BYTES = 1 + BLOCK // 2
 
 
 def _codes(packed: np.ndarray) -> np.ndarray:

@@ -46,7 +46,8 @@ class Shard:
         return sum(t.nbytes for t in self.tensors)
 
 
-MATRIX = {"compressed-tensors": ct._matrix, "modelopt": modelopt.matrix}  # the safetensors formats' matrix writers
+# the safetensors formats' matrix writers
+MATRIX = {"compressed-tensors": ct._matrix, "modelopt": modelopt.matrix}
 
 
 def plan_shards(model_dir: Path, manifest: Manifest, fmt: str = "compressed-tensors") -> list[Shard]:
@@ -83,7 +84,8 @@ def _records(model_dir: Path, manifest: Manifest, layer: int) -> Callable[[int],
             raw = pread_exact(fd, layout.nbytes, entry.offsets[e], model_dir / entry.file)
         finally:
             os.close(fd)
-        return manifest.record.unpack(layout.widen(raw) if layout.cold else raw)  # a cold record exported widened
+        # a cold record exported widened
+        return manifest.record.unpack(layout.widen(raw) if layout.cold else raw)
 
     return record
 
@@ -126,7 +128,8 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
         raise ConfigError(f"--format {fmt}: export() writes {', '.join(MATRIX)}; GGUF is export_gguf's")
     manifest = open_model(model_dir)
     ct.check_plain(manifest, model_dir)
-    cfg, extra = config(model_dir, manifest, fmt)  # before planning: a format that cannot hold the model says so
+    # before planning: a format that cannot hold the model says so
+    cfg, extra = config(model_dir, manifest, fmt)
     shards = plan_shards(model_dir, manifest, fmt)
     if dry_run:
         return shards
@@ -191,7 +194,8 @@ def _write(
                 tmp.unlink(missing_ok=True)
                 raise
             os.replace(tmp, path)
-            done[shard.name] = {"nbytes": path.stat().st_size}  # renamed into place whole: its size says so
+            # renamed into place whole: its size says so
+            done[shard.name] = {"nbytes": path.stat().st_size}
             atomic_write_bytes(done_path, json.dumps(done, indent=1).encode())
     for name in COPIED:
         if (model_dir / name).is_file():

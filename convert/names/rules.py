@@ -14,12 +14,17 @@ from dsfp4.layout.formats import FORMATS, component_shapes, shape_numel
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.safetensors_file import TensorInfo
 
-LINEAR = "linear"  # matrix DeepSeek's release stores in FP8: goes to the backbone format
-AUX = "aux"  # matrix kept in the form the source stores it (MTP eh_proj)
-PLAIN = "plain"  # norms, router, bias, embedding, head: kept as stored
-EXPERT = "expert"  # routed expert projection: goes into the layer's expert records
+# matrix DeepSeek's release stores in FP8: goes to the backbone format
+LINEAR = "linear"
+# matrix kept in the form the source stores it (MTP eh_proj)
+AUX = "aux"
+# norms, router, bias, embedding, head: kept as stored
+PLAIN = "plain"
+# routed expert projection: goes into the layer's expert records
+EXPERT = "expert"
 
-Shape = Callable[[Any], tuple[int, ...]]  # of the ModelArgs, or of a placed rule's shape context
+# of the ModelArgs, or of a placed rule's shape context
+Shape = Callable[[Any], tuple[int, ...]]
 
 
 def _always(a: ModelArgs) -> bool:
@@ -60,7 +65,8 @@ class SourceStorage:
 
 
 PLAIN_STORAGE = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
-Placed = tuple[Rule, str, "int | None", "int | None", object]  # rule, source prefix, block, expert, shape context
+# rule, source prefix, block, expert, shape context
+Placed = tuple[Rule, str, "int | None", "int | None", object]
 
 
 @dataclass(frozen=True)
@@ -173,5 +179,6 @@ class NameMap:
 
     placed: Callable[[ModelArgs, bool], Iterator[Placed]]
     storage: SourceStorage
-    mtp_prefixes: Callable[[int, int], tuple[str, ...]]  # (n_layers, n_mtp_layers) -> source name prefixes
+    # (n_layers, n_mtp_layers) -> source name prefixes
+    mtp_prefixes: Callable[[int, int], tuple[str, ...]]
     skips: tuple[tuple[re.Pattern, str], ...] = ()

@@ -114,7 +114,8 @@ class SourceCheckpoint:
         listed = sorted(set(weight_map.values()))
         a = self.args
         mtp = mtp_only_shards(weight_map, a.family, a.n_layers, a.n_mtp_layers) if no_mtp else []
-        self.absent = [s for s in mtp if not (self.path / s).is_file()]  # left out on purpose (--no-mtp)
+        # left out on purpose (--no-mtp)
+        self.absent = [s for s in mtp if not (self.path / s).is_file()]
         weight_map = {n: s for n, s in weight_map.items() if s not in self.absent}
         self.shards = [s for s in listed if s not in self.absent]
         try:
@@ -185,7 +186,8 @@ class SourceCheckpoint:
         return h.hexdigest()
 
     def _fd(self, shard: str) -> int:
-        with self._lock:  # reader threads
+        # reader threads
+        with self._lock:
             if shard not in self._fds:
                 self._fds[shard] = os.open(self.path / shard, os.O_RDONLY)
             return self._fds[shard]

@@ -63,7 +63,8 @@ def v4_args(
     else:
         rope_dim = f("qk_rope_head_dim", minimum=2)
     layer_types = f("mlp_layer_types", list, None)
-    if layer_types is not None:  # transformers: hash_moe first, then moe
+    # transformers: hash_moe first, then moe
+    if layer_types is not None:
         n_hash = layer_types.count("hash_moe")
         if layer_types[:n_hash] != ["hash_moe"] * n_hash:
             raise ConfigError(f"{source}: mlp_layer_types must list every hash_moe layer first")
@@ -74,7 +75,8 @@ def v4_args(
     compress_theta = config_value(rope, "rope_theta", float, source) if nested else f("compress_rope_theta", float)
     return ModelArgs(
         **common,
-        inter_dim=common["moe_inter_dim"],  # no dense MLP; the shared expert has the routed width
+        # no dense MLP; the shared expert has the routed width
+        inter_dim=common["moe_inter_dim"],
         n_dense_layers=0,
         moe_layer_freq=1,
         n_expert_groups=1,
@@ -84,7 +86,8 @@ def v4_args(
         qk_rope_head_dim=rope_dim,
         v_head_dim=head_dim,
         rope_theta=config_value(main_rope, "rope_theta", float, source) if nested else f("rope_theta", float),
-        mscale=0.0,  # V4 scales neither cos/sin nor the softmax under YaRN
+        # V4 scales neither cos/sin nor the softmax under YaRN
+        mscale=0.0,
         mscale_all_dim=0.0,
         head_dim=head_dim,
         window_size=f("sliding_window", minimum=1),

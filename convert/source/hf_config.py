@@ -36,7 +36,8 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
         return config_value(rope, key, float, f"{source} (rope)", default)
 
     factor = r("factor", 0.0)
-    if not factor:  # transformers' default when YaRN gives no factor: the context extension ratio
+    # transformers' default when YaRN gives no factor: the context extension ratio
+    if not factor:
         factor = (
             f("max_position_embeddings", minimum=1) / r("original_max_position_embeddings", 1.0)
             if rope_type == "yarn"

@@ -71,16 +71,21 @@ class HubSource:
         self.files = {f.name: f for f in shards}
         with hub_errors(repo, revision):
             self.remote = {f.name: (f.size, remote_header(self.plan, f, token)) for f in shards}
-        self.uses: dict[str, int] = {}  # shard -> parts still to read it
-        self.ready: set[str] = set()  # on disk and not released
-        self.asked: set[str] = set()  # shards some started part reads; the window counts the others
-        self.on_disk = 0  # bytes of shards on disk now, and the most there ever were
+        # shard -> parts still to read it
+        self.uses: dict[str, int] = {}
+        # on disk and not released
+        self.ready: set[str] = set()
+        # shards some started part reads; the window counts the others
+        self.asked: set[str] = set()
+        # bytes of shards on disk now, and the most there ever were
+        self.on_disk = 0
         self.peak = 0
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self._lock = contextlib.ExitStack()
-        self._lock.enter_context(locked(self.plan))  # held until close(): no other run writes these files
+        # held until close(): no other run writes these files
+        self._lock.enter_context(locked(self.plan))
 
     def _present(self, shard: str) -> bool:
         return self.plan.place(self.files[shard])[0].is_file()
@@ -100,7 +105,8 @@ class HubSource:
         peak = 0
         for k, shards in enumerate(parts):
             live = shards | (parts[k - 1] if k else set()) | (parts[k + 1] if k + 1 < len(parts) else set())
-            live |= {s for s in order if first[s] < k < last[s]}  # held for a later part
+            # held for a later part
+            live |= {s for s in order if first[s] < k < last[s]}
             live |= set([s for s in order if first[s] > k + 1][: self.ahead])
             peak = max(peak, sum(size[s] for s in live & missing))
         return peak
@@ -116,7 +122,8 @@ class HubSource:
     def _fetch_all(self, order: list[str]) -> None:
         try:
             for shard in order:
-                with self.cond:  # at most `ahead` shards fetched beyond those the started parts read
+                # at most `ahead` shards fetched beyond those the started parts read
+                with self.cond:
                     self.cond.wait_for(
                         lambda s=shard: (
                             len(self.ready - self.asked) < self.ahead or s in self.asked or self.error is not None
@@ -124,7 +131,8 @@ class HubSource:
                     )
                     if self.error is not None:
                         return
-                if shard not in self.plan.done:  # a shard an earlier run fetched and checked is not hashed again
+                # a shard an earlier run fetched and checked is not hashed again
+                if shard not in self.plan.done:
                     with hub_errors(self.plan.repo, self.plan.revision):
                         fetch_recorded(self.plan, self.files[shard], self.token)
                 with self.cond:
@@ -132,7 +140,8 @@ class HubSource:
                     self.on_disk += self.files[shard].size
                     self.peak = max(self.peak, self.on_disk)
                     self.cond.notify_all()
-        except BaseException as e:  # handed to the converter, which raises it
+        except BaseException as e:
+            # handed to the converter, which raises it
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
@@ -190,4 +199,5 @@ class HubSource:
             p.unlink(missing_ok=True)
         for folder in (self.plan.target / PARTIAL_DIR, self.plan.target):
             with contextlib.suppress(OSError):
-                folder.rmdir()  # only if empty
+                # only if empty
+                folder.rmdir()

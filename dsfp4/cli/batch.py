@@ -28,7 +28,8 @@ def run_batch(
 ) -> None:
     """Answer the items whose lines are not `done` (batch_file.answered) into `output`."""
     todo = []
-    for item in (i for i in items if i.line not in done):  # every prompt checked before the first answer
+    # every prompt checked before the first answer
+    for item in (i for i in items if i.line not in done):
         try:
             ids = engine.encode(item.prompt, system, item.raw)
             engine.check_prompt(ids, room=1)

@@ -21,7 +21,8 @@ def _command(ctx: click.Context) -> str:
             parts.insert(2, str(value))
         elif name == "presets":
             parts += [f"--preset {p}" for p in value]
-        elif isinstance(value, bool):  # the flags default to on: only --no-X shows
+        elif isinstance(value, bool):
+            # the flags default to on: only --no-X shows
             parts += [] if value else [f"--no-{name.replace('_', '-')}"]
         elif value is not None:
             parts.append(f"--{name.replace('_', '-')} {value}")
@@ -102,7 +103,8 @@ def bench(
         _project(model, project, list(presets) or ["16g", "24g"], c, options, texts[:1], out)
         return
     custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
-    runs = []  # every budget checked and planned before the first runs: a bad one fails now, not after the others
+    # every budget checked and planned before the first runs: a bad one fails now, not after the others
+    runs = []
     for budget in [{"preset": p} for p in presets] + custom or [{}]:
         knobs = dict(device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph, **store)
         options = RunOptions(**knobs, routing=routing, routing_recall=routing_recall, **budget)
@@ -128,7 +130,8 @@ def bench(
             f"TTFT {r['ttft_s']:.2f} s, device hits {r['gpu_hit_rate']:.0%}{eff} ({r['decode_mode']})"
         )
         results.append(r)
-        paths = write_reports(out, meta, results)  # after each run: a later failure keeps what was measured
+        # after each run: a later failure keeps what was measured
+        paths = write_reports(out, meta, results)
     for p in paths:
         click.echo(f"wrote {p}", err=True)
 

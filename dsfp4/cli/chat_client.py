@@ -13,7 +13,8 @@ import httpx
 from dsfp4.errors import DsfpError
 from dsfp4.runtime.generate.stats import GenerationStats
 
-CONNECT_S = 10.0  # a server that does not accept within this is not there; reads wait as long as generation takes
+# a server that does not accept within this is not there; reads wait as long as generation takes
+CONNECT_S = 10.0
 
 
 class RemoteError(DsfpError):
@@ -34,7 +35,8 @@ class RemoteChat:
         self.base = base if base.endswith("/v1") else base + "/v1"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(None, connect=CONNECT_S))
-        self.thinking: bool | None = sampling.pop("thinking", None)  # sent as chat_template_kwargs, not sampling
+        # sent as chat_template_kwargs, not sampling
+        self.thinking: bool | None = sampling.pop("thinking", None)
         self.sampling = sampling
         self.last: GenerationStats | None = None
         card = self._served_card(model)
@@ -62,7 +64,8 @@ class RemoteChat:
         body = {"model": self.model, "messages": messages, "stream": True, **self.sampling}
         if self.thinking is not None:
             body["chat_template_kwargs"] = {"thinking": self.thinking}
-        self.last = None  # a server that sends no stats leaves none
+        # a server that sends no stats leaves none
+        self.last = None
         try:
             with self.client.stream("POST", self.base + "/chat/completions", json=body) as response:
                 if response.status_code != 200:

@@ -204,7 +204,8 @@ def verify(model: Path, quiet: bool) -> None:
     """Re-hash every file and expert record of MODEL; exit 1 naming the first damaged one."""
     from dsfp4.layout.verify import verify as run_verify
 
-    bars: list[tqdm] = []  # started once the quick checks pass: a failure there is one line, with no bar before it
+    # started once the quick checks pass: a failure there is one line, with no bar before it
+    bars: list[tqdm] = []
 
     def start(total: int) -> None:
         bars.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, file=sys.stderr))

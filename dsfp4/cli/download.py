@@ -54,7 +54,8 @@ def download(
     click.echo(plan.table(), err=True)
     with tqdm(
         total=plan.need + plan.partial,
-        initial=plan.partial,  # what earlier runs fetched
+        # what earlier runs fetched
+        initial=plan.partial,
         unit="B",
         unit_scale=True,
         unit_divisor=1024,

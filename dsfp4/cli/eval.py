@@ -110,7 +110,8 @@ def eval_command(
         raise ConfigError(
             f"--context {context}: {model} holds at most {args.max_seq_len} positions; give a smaller one"
         )
-    tok = ChatTokenizer(model, args.eos_token_ids)  # the text is checked before the model loads
+    # the text is checked before the model loads
+    tok = ChatTokenizer(model, args.eos_token_ids)
     bos = tok.add_bos and tok.bos_id is not None
     ids = tok.encode(_text(text_file), special=False)
     wins = windows(len(ids), context, stride, bos)
@@ -143,8 +144,10 @@ def eval_command(
         logprobs_file.write(save_logits, ours, result.logprobs)
     uses = moved["expert_uses"]
     r = result.to_dict() | {
-        "ssd_bytes_per_token": moved["ssd_bytes"] / result.tokens,  # prefill's: every window from position 0
-        "skipped_share": moved["skipped"] / max(uses + moved["skipped"], 1),  # of the experts chosen, per layer step
+        # prefill's: every window from position 0
+        "ssd_bytes_per_token": moved["ssd_bytes"] / result.tokens,
+        # of the experts chosen, per layer step
+        "skipped_share": moved["skipped"] / max(uses + moved["skipped"], 1),
     }
     if as_json:
         click.echo(json.dumps(r))

@@ -31,9 +31,12 @@ def _os_error_line(e: OSError) -> str:
     return f"{e.strerror or e}{where}{hint}"
 
 
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
-PIPE_CLOSED = 141  # 128 + SIGPIPE, as a command whose reader went away (`dsfp4 run ... | head`)
-RESUMES = {  # what an interrupted command leaves, and how to go on
+# 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+INTERRUPTED = 130
+# 128 + SIGPIPE, as a command whose reader went away (`dsfp4 run ... | head`)
+PIPE_CLOSED = 141
+# what an interrupted command leaves, and how to go on
+RESUMES = {
     "convert": "run the same command again to resume",
     "download": "run the same command again to resume",
     "profile-hot": "a --repack stops between layers; run the same command again to finish it",
@@ -46,7 +49,8 @@ class DsfpGroup(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         end = args.index("--") if "--" in args else len(args)
-        if "--debug" in args[:end]:  # `dsfp4 run model --debug ...` as well as `dsfp4 --debug run ...`
+        # `dsfp4 run model --debug ...` as well as `dsfp4 --debug run ...`
+        if "--debug" in args[:end]:
             args = ["--debug", *(a for i, a in enumerate(args) if not (a == "--debug" and i < end))]
         return super().parse_args(ctx, args)
 
@@ -74,7 +78,8 @@ class DsfpGroup(click.Group):
 @click.group(cls=DsfpGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, envvar="DSFP4_DEBUG", help="Show tracebacks on errors.")
 @click.version_option(__version__, prog_name="dsfp4")
-def cli(debug: bool) -> None:  # --debug is DsfpGroup's to act on
+# --debug is DsfpGroup's to act on
+def cli(debug: bool) -> None:
     """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
 
 
@@ -83,7 +88,8 @@ for command in (convert, inspect, verify, run, chat, eval_command, profile_hot, 
 
 
 def main() -> None:
-    use_expandable_segments()  # before any tensor: the device budget relies on it (dsfp4/device.py)
+    # before any tensor: the device budget relies on it (dsfp4/device.py)
+    use_expandable_segments()
     cli(prog_name="dsfp4")
 
 

@@ -124,7 +124,8 @@ class ThresholdType(click.ParamType):
 
     name = "auto|WEIGHT"
 
-    def get_metavar(self, *args, **kwargs) -> str:  # click passes (param) or (param, ctx) by version
+    # click passes (param) or (param, ctx) by version
+    def get_metavar(self, *args, **kwargs) -> str:
         return self.name
 
     def convert(self, value, param, ctx):  # noqa: ANN001 (click's signature)
@@ -139,7 +140,8 @@ class ThresholdType(click.ParamType):
         return weight
 
 
-store_options = _stack(  # how the expert store runs: `run`, `eval`, `bench`
+# how the expert store runs: `run`, `eval`, `bench`
+store_options = _stack(
     click.option(
         "--policy",
         type=click.Choice(list(TIER_POLICIES)),

@@ -32,8 +32,10 @@ if TYPE_CHECKING:
     from dsfp4.layout.repack import Cold
     from dsfp4.runtime.plan.planner import Plan
 
-PROFILE_TOKENS = 16384  # calibration tokens: ~500 selections per expert of a 256-expert top-8 layer
-PROFILE_SEQUENCE = 2048  # tokens per calibration sequence, prefilled in one pass by default
+# calibration tokens: ~500 selections per expert of a 256-expert top-8 layer
+PROFILE_TOKENS = 16384
+# tokens per calibration sequence, prefilled in one pass by default
+PROFILE_SEQUENCE = 2048
 MEASURE_FLAGS = ("prompts", "chat_format", "tokens", "trace", "max_context", "prefill_chunk")
 
 
@@ -173,7 +175,8 @@ def profile_hot(
     inputs = list(merge) if merge or not no_measure else [own]
     if no_measure and not own.is_file() and not merge:
         raise ConfigError(f"{own} not found: run `dsfp4 profile-hot {model}` first, or give --merge FILE")
-    profiles = [(p, HotProfile.read(p).check(manifest, p)) for p in inputs]  # refuse before running anything
+    # refuse before running anything
+    profiles = [(p, HotProfile.read(p).check(manifest, p)) for p in inputs]
     result = _measure(model, options, prompts, chat_format, tokens, trace, quiet) if not no_measure else None
     for path, p in profiles:
         result = p if result is None else result.merge(p, path)

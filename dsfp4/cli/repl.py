@@ -23,9 +23,12 @@ HELP = """/stats   numbers of the last answer (tokens, TTFT, tok/s, expert tiers
 
 
 class ChatBackend(Protocol):
-    last: GenerationStats | None  # of the last finished reply
-    thinking_switch: bool  # the model's prompt format turns thinking on and off
-    thinking: bool | None  # the switch, for the next replies (None: the format's default)
+    # of the last finished reply
+    last: GenerationStats | None
+    # the model's prompt format turns thinking on and off
+    thinking_switch: bool
+    # the switch, for the next replies (None: the format's default)
+    thinking: bool | None
 
     def reply(self, messages: list[dict[str, str]]) -> Iterator[tuple[str, str]]:
         """(thinking, answer) pieces of the next assistant turn, as they are produced."""
@@ -56,7 +59,8 @@ class LocalChat:
 
 def _answer(backend: ChatBackend, messages: list[dict[str, str]], show: bool, write: Callable[[str], None]) -> str:
     """Stream one reply to the terminal; returns the answer without the thinking."""
-    answer, thought = [], None  # None: no thinking yet; False: inside it; True: closed
+    # None: no thinking yet; False: inside it; True: closed
+    answer, thought = [], None
     for thinking, text in backend.reply(messages):
         if thinking and thought is None:
             thought = False
@@ -89,7 +93,8 @@ def chat_repl(
         import readline  # noqa: F401  (gives input() line editing and an up-arrow history)
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
-    last: GenerationStats | None = None  # of this conversation's last answer
+    # of this conversation's last answer
+    last: GenerationStats | None = None
     show_thinking = True
     write("dsfp4 chat: /help lists the commands\n")
     while True:
@@ -115,11 +120,13 @@ def chat_repl(
                 write("(conversation cleared)\n")
             elif cmd == "/stats":
                 write((last.table() if last else "(nothing generated yet)") + "\n")
-            elif cmd == "/think" and backend.thinking_switch:  # the format's switch: the model thinks or not
+            elif cmd == "/think" and backend.thinking_switch:
+                # the format's switch: the model thinks or not
                 backend.thinking = not backend.thinking
                 show_thinking = True
                 write(f"(thinking {'on: the model thinks before it answers' if backend.thinking else 'off'})\n")
-            elif cmd == "/think":  # no switch: the model thinks as its format says; only the display changes
+            elif cmd == "/think":
+                # no switch: the model thinks as its format says; only the display changes
                 show_thinking = not show_thinking
                 write(f"(this model has no thinking switch; its thinking {'shown' if show_thinking else 'hidden'})\n")
             else:
@@ -134,6 +141,7 @@ def chat_repl(
         except KeyboardInterrupt:
             write("\n(interrupted)\n")
             messages.pop()
-        except (DsfpError, ValueError, RuntimeError) as e:  # one bad turn must not end the conversation
+        except (DsfpError, ValueError, RuntimeError) as e:
+            # one bad turn must not end the conversation
             write(f"error: {e}\n")
             messages.pop()

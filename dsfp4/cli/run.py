@@ -38,8 +38,10 @@ if TYPE_CHECKING:
     from dsfp4.runtime.generate.generation import Generation
 
 SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
-BATCH_FLAGS = ("max_batch",)  # --serve or --batch
-PROMPT_FLAGS = ("raw", "show_stats")  # --chat has /stats; a server answers with stats
+# --serve or --batch
+BATCH_FLAGS = ("max_batch",)
+# --chat has /stats; a server answers with stats
+PROMPT_FLAGS = ("raw", "show_stats")
 
 
 def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, quiet: bool) -> Generation:
@@ -175,20 +177,23 @@ def run(
     from dsfp4.tools.batch_file import answered, read_batch
 
     ctx = click.get_current_context()
-    if knobs["max_batch"] is None:  # serving and batch files batch by default; one answer decodes alone
+    # serving and batch files batch by default; one answer decodes alone
+    if knobs["max_batch"] is None:
         knobs["max_batch"] = 0 if serve or batch is not None else 1
     options = RunOptions(**knobs)
     if show_plan:
         _print_plan(model, options, as_json)
         return
     _check_one_command(prompt, chat, serve, batch, output)
-    items = None if batch is None else read_batch(batch, options)  # every line checked before the model loads
+    # every line checked before the model loads
+    items = None if batch is None else read_batch(batch, options)
     done = None if output is None else answered(require_folder(output, "--output"), items)
     _check_flags(ctx, options, prompt, serve, batch, as_json, raw, system)
     sock = _listen(host, port) if serve else None
     with Engine(model, options) as engine:
         _note_context(ctx, engine, options)
-        ids = _prompt_ids(engine, prompt, system, raw)  # before the plan, so bad input stays a one-line error
+        # before the plan, so bad input stays a one-line error
+        ids = _prompt_ids(engine, prompt, system, raw)
         _show_load(engine, as_json, quiet)
         if chat:
             chat_repl(LocalChat(engine), system)
@@ -336,8 +341,10 @@ def chat(url: str, api_key: str | None, model: str | None, system: str | None, *
     from dsfp4.cli.chat_client import RemoteChat
     from dsfp4.cli.repl import chat_repl
 
-    SamplingOptions(**sampling)  # checked as `run` checks them
-    given = given_params(click.get_current_context(), tuple(sampling))  # the server's defaults hold otherwise
+    # checked as `run` checks them
+    SamplingOptions(**sampling)
+    # the server's defaults hold otherwise
+    given = given_params(click.get_current_context(), tuple(sampling))
     request = {name: sampling[name] for name in given}
     if "stop" in request:
         request["stop"] = list(request["stop"])

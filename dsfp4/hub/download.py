@@ -24,7 +24,8 @@ from dsfp4.layout.atomic import atomic_write_bytes, atomic_write_json, lock_fold
 from dsfp4.units import format_bytes, free_bytes
 
 RECORD_NAME = ".dsfp4-download.json"
-PARTIAL_DIR = ".dsfp4-partial"  # in a --local-dir: partial files, named by blob
+# in a --local-dir: partial files, named by blob
+PARTIAL_DIR = ".dsfp4-partial"
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,20 @@ class DownloadPlan:
     repo: str
     revision: str
     commit: str
-    target: Path  # the folder the files end up in (a snapshot folder in the cache)
+    # the folder the files end up in (a snapshot folder in the cache)
+    target: Path
     files: list[RemoteFile]
-    local_dir: Path | None = None  # None: the standard cache
+    # None: the standard cache
+    local_dir: Path | None = None
     selection: Selection = Selection(("*",))
-    endpoint: str | None = None  # None: HF_ENDPOINT, else huggingface.co
-    skipped: list[str] = field(default_factory=list)  # left out by the selection's rule (--no-mtp)
-    done: set[str] = field(default_factory=set)  # already here and verified by an earlier run
-    free: int = 0  # bytes free where the files go
+    # None: HF_ENDPOINT, else huggingface.co
+    endpoint: str | None = None
+    # left out by the selection's rule (--no-mtp)
+    skipped: list[str] = field(default_factory=list)
+    # already here and verified by an earlier run
+    done: set[str] = field(default_factory=set)
+    # bytes free where the files go
+    free: int = 0
 
     @property
     def cached(self) -> bool:
@@ -130,7 +137,8 @@ def hub_errors(repo: str, revision: str) -> Iterator[None]:
 
 
 def _selected(name: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
-    def hit(p: str) -> bool:  # a pattern without "/" names top-level files only
+    # a pattern without "/" names top-level files only
+    def hit(p: str) -> bool:
         return fnmatch.fnmatch(name, p) and ("/" in p or "/" not in name)
 
     return any(map(hit, include)) and not any(map(hit, exclude))
@@ -166,7 +174,8 @@ def fetch_file(
     dest, part, path = plan.place(f)
     url = hf_hub_url(plan.repo, f.name, revision=plan.commit, endpoint=plan.endpoint)
     fetch(url, f, dest, part, build_hf_headers(token=token), on_bytes)
-    if path != dest:  # the cache's snapshot entry is a relative link to the blob
+    # the cache's snapshot entry is a relative link to the blob
+    if path != dest:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         path.symlink_to(os.path.relpath(dest, path.parent))
@@ -204,7 +213,8 @@ def plan_download(
                 read = {n: json.loads(fetch_file(plan, small[n], token).read_text()) for n in selection.reads}
             plan.skipped = selection.leave_out(read)
             plan.files = [f for f in files if f.name not in plan.skipped]
-    plan.files.sort(key=lambda f: (f.size, f.name))  # the small files first: a failure shows early
+    # the small files first: a failure shows early
+    plan.files.sort(key=lambda f: (f.size, f.name))
     plan.done = _verified(plan)
     plan.free = free_bytes(plan.target)[1]
     return plan
@@ -260,7 +270,8 @@ def download(
                 continue
             on_file(f.name)
             fetch_recorded(plan, f, token, on_bytes)
-        if plan.cached and plan.revision != plan.commit:  # the cache's name for the revision
+        # the cache's name for the revision
+        if plan.cached and plan.revision != plan.commit:
             ref = plan.repo_dir / "refs" / plan.revision
             ref.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(ref, plan.commit.encode())

@@ -18,9 +18,12 @@ from pathlib import Path
 
 from dsfp4.errors import ChecksumError, DsfpError
 
-RETRY_PAUSES = (1.0, 2.0, 4.0, 8.0, 16.0)  # seconds before each retry of one file; then the run stops
-RETRY_STATUS = (408, 429, 500, 502, 503, 504)  # answers worth asking again (as huggingface_hub does)
-NET_CHUNK = 1 << 20  # bytes per write of a response: a cut loses at most this much
+# seconds before each retry of one file; then the run stops
+RETRY_PAUSES = (1.0, 2.0, 4.0, 8.0, 16.0)
+# answers worth asking again (as huggingface_hub does)
+RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+# bytes per write of a response: a cut loses at most this much
+NET_CHUNK = 1 << 20
 HASH_CHUNK = 8 << 20
 
 
@@ -38,8 +41,10 @@ class _Retry(Exception):
 class RemoteFile:
     name: str
     size: int
-    sha256: str | None  # the hub lists it for LFS files (the shards)
-    blob: str  # the blob's name in the standard cache: the sha256, else the git blob id
+    # the hub lists it for LFS files (the shards)
+    sha256: str | None
+    # the blob's name in the standard cache: the sha256, else the git blob id
+    blob: str
 
     def __post_init__(self) -> None:
         if not self.blob:
@@ -77,23 +82,27 @@ def _request(url: str, part: Path, size: int, headers: dict[str, str], on_bytes:
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
     have = part.stat().st_size
-    if have > size:  # not a prefix of this file
+    # not a prefix of this file
+    if have > size:
         _truncate(part)
         have = 0
     if have == size:
         return
     headers = headers | ({"Range": f"bytes={have}-"} if have else {})
-    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT  # a stalled connection becomes a timeout, and a retry
+    # a stalled connection becomes a timeout, and a retry
+    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
     with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=timeout) as r:
         start = r.headers.get("Content-Range", "bytes 0-").split()[-1].split("-")[0]
         if r.status_code == 416 or (r.status_code == 206 and start != str(have)):
-            _truncate(part)  # the server will not continue this partial file: start it again
+            # the server will not continue this partial file: start it again
+            _truncate(part)
             raise _Retry(0.0)
         if r.status_code in RETRY_STATUS:
             after = r.headers.get("Retry-After", "")
             raise _Retry(float(after) if after.isdigit() else None)
         hf_raise_for_status(r)
-        with open(part, "ab" if have and r.status_code == 206 else "wb") as out:  # 200: the whole file again
+        # 200: the whole file again
+        with open(part, "ab" if have and r.status_code == 206 else "wb") as out:
             for chunk in r.iter_bytes(NET_CHUNK):
                 out.write(chunk)
                 on_bytes(len(chunk))

@@ -25,8 +25,10 @@ from dsfp4.runtime.plan.planner import make_plan
 
 AUTO = "auto"
 WAYS = ("fp8", "fp4:wo,wq_b,shared")
-RUN_DEFAULTS = RunOptions()  # the run a plan is sized for: `dsfp4 run`'s defaults
-UNBOUNDED_RAM = 1 << 50  # the choice is the device's: RAM never decides it
+# the run a plan is sized for: `dsfp4 run`'s defaults
+RUN_DEFAULTS = RunOptions()
+# the choice is the device's: RAM never decides it
+UNBOUNDED_RAM = 1 << 50
 
 
 def run_shape() -> tuple[int, int, int]:
@@ -46,7 +48,8 @@ def choose_backbone(
             plan = make_plan(
                 m, device, torch.bfloat16, room, *run_shape(), process=process, fp8_kernels=True, kernels=True
             )
-        except ConfigError:  # the device cannot hold even what must stay on it
+        except ConfigError:
+            # the device cannot hold even what must stay on it
             continue
         if plan.host_backbone == 0:
             return spec, f"the whole backbone fits {budgets.source} in {spec}"

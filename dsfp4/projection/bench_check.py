@@ -74,9 +74,11 @@ def validate(
     trace = spread(ids, n_moe_layers(manifest))[: prompt_tokens + decode_tokens]
     hot = model_dir / HOT_NAME
     layers = sorted(manifest.experts)[: trace.shape[1]]
-    row = {layer: j for j, layer in enumerate(layers)}  # the simulation numbers the MoE layers 0..
+    # the simulation numbers the MoE layers 0..
+    row = {layer: j for j, layer in enumerate(layers)}
     warm = [(row[k[0]], k[1]) for k in HotProfile.read(hot).ranked() if k[0] in row] if hot.is_file() else []
-    prompt = list(range(10, 10 + prompt_tokens))  # token ids: the routing comes from the trace
+    # token ids: the routing comes from the trace
+    prompt = list(range(10, 10 + prompt_tokens))
     with Engine(model_dir, options, plan=plan) as engine:
         g = engine.generate(prompt, max_tokens=decode_tokens, temperature=0)
         mode = engine.decode_mode

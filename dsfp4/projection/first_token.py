@@ -29,7 +29,8 @@ from dsfp4.runtime.options import RunOptions
 # the share of a GPU's peak the projected prefill runs at: our prefill MoE's TFLOP/s at 4,096 tokens on the H100
 # over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
 PREFILL_SHARE = 310.5 / 989.4
-PROMPTS = (64, 512, 2048)  # prompt tokens the time to first token is projected for
+# prompt tokens the time to first token is projected for
+PROMPTS = (64, 512, 2048)
 
 
 def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
@@ -42,8 +43,10 @@ def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
 @dataclass(frozen=True)
 class FirstToken:
     machine: str
-    prompt: int  # tokens
-    projection: Projection  # the prompt's totals; seconds: the time to its first token
+    # tokens
+    prompt: int
+    # the prompt's totals; seconds: the time to its first token
+    projection: Projection
 
     def to_dict(self) -> dict:
         return {"machine": self.machine, "prompt": self.prompt, **self.projection.to_dict()}

@@ -11,7 +11,8 @@ from dsfp4.runtime.plan.budget import PRESETS, Budgets
 from dsfp4.runtime.plan.planner import make_plan
 from dsfp4.synthetic.bench_model import model_args
 
-PLAN_DEVICE = torch.device("cuda")  # the presets describe GPU machines: plan as on one, wherever this runs
+# the presets describe GPU machines: plan as on one, wherever this runs
+PLAN_DEVICE = torch.device("cuda")
 
 
 def preset_shares() -> dict[str, tuple[float, float, str]]:

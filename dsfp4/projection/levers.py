@@ -28,7 +28,8 @@ def low_share(weights: np.ndarray, threshold: float) -> float:
     """weights: [N, L, K] routing weights of a recorded trace -> the share of non-best choices that weigh below
     `threshold` of their token's routed weight."""
     w = weights / weights.sum(-1, keepdims=True)
-    w = -np.sort(-w, axis=-1)  # best first
+    # best first
+    w = -np.sort(-w, axis=-1)
     return float((w[..., 1:] < threshold).mean())
 
 
@@ -69,7 +70,8 @@ class LeverRow:
     close: float
     projection: Projection
     cold_bits: int | None = None
-    hot_share: float | None = None  # with cold_bits: given, or None for the plan's held share
+    # with cold_bits: given, or None for the plan's held share
+    hot_share: float | None = None
 
     def to_dict(self) -> dict:
         p = self.projection

@@ -8,16 +8,19 @@ from dataclasses import dataclass
 from dsfp4.projection.simulate import Links
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 
-USER_PROCESS = int(0.56 * GiB)  # RSS of a `dsfp4 run` as it plans, on the H200 machine (docs/BENCHMARKS.md)
+# RSS of a `dsfp4 run` as it plans, on the H200 machine (docs/BENCHMARKS.md)
+USER_PROCESS = int(0.56 * GiB)
 
 
 @dataclass(frozen=True)
 class Machine:
     about: str
     budgets: Budgets
-    hbm: float  # the GPU's memory bandwidth, bytes/s
+    # the GPU's memory bandwidth, bytes/s
+    hbm: float
     links: Links
-    flops: float  # the GPU's dense BF16 tensor peak (FP32 accumulate), FLOP/s: NVIDIA's specifications
+    # the GPU's dense BF16 tensor peak (FP32 accumulate), FLOP/s: NVIDIA's specifications
+    flops: float
 
 
 MACHINES = {

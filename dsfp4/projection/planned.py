@@ -19,7 +19,8 @@ from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.record import RecordLayout
 from dsfp4.synthetic.hf_v4 import F32_NAMES
 
-SPECS = {FP8: "fp8", FP4: "fp4"}  # a backbone given as one format -> the --backbone spec that stores every matrix so
+# a backbone given as one format -> the --backbone spec that stores every matrix so
+SPECS = {FP8: "fp8", FP4: "fp4"}
 
 
 def release_storage(ref: str, kind: str) -> str:
@@ -53,7 +54,8 @@ def planned_tensors(args: ModelArgs, backbone: str) -> dict[str, TensorEntry]:
 def planned_manifest(args: ModelArgs, backbone: str = FP8, expert_format: str = "nvfp4") -> Manifest:
     """The manifest a conversion of this shape would write (planned_tensors), with no file behind it. No checksums;
     a file's size is its tensors' stored bytes (the planner counts the largest, mapped while it loads)."""
-    tensors = dict(planned_tensors(args, backbone))  # the cached table stays as it is
+    # the cached table stays as it is
+    tensors = dict(planned_tensors(args, backbone))
     sizes: dict[str, int] = {}
     for t in tensors.values():
         sizes[t.file] = sizes.get(t.file, 0) + stored_nbytes(FORMATS[t.format], t.shape)

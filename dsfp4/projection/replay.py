@@ -30,7 +30,8 @@ class TierHits:
 
     accesses: int = 0
     gpu_hits: int = 0
-    ram_hits: int = 0  # not on the GPU, found in RAM
+    # not on the GPU, found in RAM
+    ram_hits: int = 0
     ssd_reads: int = 0
 
     def _rate(self, n: int) -> float:
@@ -130,8 +131,10 @@ def _belady_hits(keys: np.ndarray, capacity: int) -> int:
     valid = flat >= 0
     key = flat[valid]  # [accesses]
     step = np.repeat(np.arange(n_steps), width)[valid]  # [accesses]
-    order = np.lexsort((step, key))  # by key, then step
-    nxt_sorted = np.full(len(order), n_steps + 1, dtype=np.int64)  # never used again: beyond the end
+    # by key, then step
+    order = np.lexsort((step, key))
+    # never used again: beyond the end
+    nxt_sorted = np.full(len(order), n_steps + 1, dtype=np.int64)
     same = key[order][1:] == key[order][:-1]
     nxt_sorted[:-1][same] = step[order][1:][same]
     nxt = np.empty_like(nxt_sorted)
@@ -139,8 +142,10 @@ def _belady_hits(keys: np.ndarray, capacity: int) -> int:
     bounds = np.concatenate([[0], np.cumsum(valid.reshape(n_steps, width).sum(1))]).tolist()
     key_l, nxt_l = key.tolist(), nxt.tolist()
 
-    cache: dict[int, int] = {}  # key -> next use
-    heap: list[tuple[int, int]] = []  # (-next use, key), lazily deleted
+    # key -> next use
+    cache: dict[int, int] = {}
+    # (-next use, key), lazily deleted
+    heap: list[tuple[int, int]] = []
     hits = 0
     for s in range(n_steps):
         a, b = bounds[s], bounds[s + 1]
@@ -184,7 +189,8 @@ def belady(trace: np.ndarray, gpu_slots: int, ram_slots: int, per_layer: bool = 
     g_cap = _capacity(gpu_slots, trace, per_layer, "GPU")
     r_cap = max(_capacity(ram_slots, trace, per_layer, "RAM"), g_cap)
     if per_layer:
-        streams = [_dedup_rows(trace[:, layer, :].copy()) for layer in range(n_layers)]  # each [tokens, k]
+        # each [tokens, k]
+        streams = [_dedup_rows(trace[:, layer, :].copy()) for layer in range(n_layers)]
     else:
         offset = (np.arange(n_layers, dtype=np.int64) * (int(trace.max()) + 1))[None, :, None]
         streams = [_dedup_rows((trace + offset).reshape(n_tokens * n_layers, top_k))]  # [steps, k]
@@ -199,10 +205,12 @@ class Row:
     """One line of the comparison: a policy (or "belady") in a mode, with the optimum beside it."""
 
     policy: str
-    mode: str  # "global" or "per-layer"
+    # "global" or "per-layer"
+    mode: str
     hits: TierHits | None
     optimum: TierHits | None
-    note: str = ""  # why the mode could not run (hits and optimum are then None)
+    # why the mode could not run (hits and optimum are then None)
+    note: str = ""
 
 
 def compare(
@@ -245,7 +253,8 @@ def table(rows: Sequence[Row]) -> str:
     widths = [max(len(line[i]) for line in lines if len(line) == len(head)) for i in range(len(head))]
 
     def fmt(line: tuple[str, ...]) -> str:
-        if len(line) < len(head):  # a note runs past the columns
+        # a note runs past the columns
+        if len(line) < len(head):
             return f"{line[0].ljust(widths[0])}  {line[1].ljust(widths[1])}  {line[2]}"
         cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         return "  ".join(cells).rstrip()

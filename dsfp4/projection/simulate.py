@@ -30,7 +30,8 @@ from dsfp4.runtime.store.placement import hold_hottest
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.runtime.store.slots import SlotPool
 
-Key = tuple[int, int]  # (layer, expert)
+# (layer, expert)
+Key = tuple[int, int]
 PER_TOKEN = (
     "seconds",
     "compute_s",
@@ -45,7 +46,8 @@ PER_TOKEN = (
     "skipped",
     "swapped",
     "host_computed",
-)  # summed over the tokens counted, then averaged
+    # summed over the tokens counted, then averaged
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class Links:
 # a kernel reading pinned RAM in place moves bytes at this share of a pinned copy's rate: an FP8 GEMV's over the
 # copies' on the H200 (docs/BENCHMARKS.md, the host backbone's entry)
 IN_PLACE_SHARE = 49.7 / 54.5
-PREFILL_TILE_ROWS = 128  # a prefill GEMM reads its weights once per tile of this many tokens (kernels/fp8/linear.py)
+# a prefill GEMM reads its weights once per tile of this many tokens (kernels/fp8/linear.py)
+PREFILL_TILE_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -96,17 +99,22 @@ class Projection:
     tokens: int = 0
     seconds: float = 0.0
     compute_s: float = 0.0
-    stall_s: float = 0.0  # waiting for records
+    # waiting for records
+    stall_s: float = 0.0
     ssd_bytes: float = 0.0
     pcie_bytes: float = 0.0
-    uses: float = 0.0  # chosen (layer, expert) records
+    # chosen (layer, expert) records
+    uses: float = 0.0
     device_hits: float = 0.0
     ram_hits: float = 0.0
     ssd_misses: float = 0.0
     prefetch_loads: float = 0.0
-    skipped: float = 0.0  # choices left out by an expert threshold (cold, and weighed below it)
-    swapped: float = 0.0  # cold choices cache-aware routing traded for a warm expert of the same group
-    host_computed: float = 0.0  # RAM hits the CPU lane computed (among ram_hits)
+    # choices left out by an expert threshold (cold, and weighed below it)
+    skipped: float = 0.0
+    # cold choices cache-aware routing traded for a warm expert of the same group
+    swapped: float = 0.0
+    # RAM hits the CPU lane computed (among ram_hits)
+    host_computed: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -161,8 +169,10 @@ class Tiers:
         self.ram = SlotPool(ram_slots, ram_policy, self.cold.slots, self.cold.keys.__contains__)
         self.record, self.out, self.counting = record_bytes, Projection(), True
         self.in_place = links.pcie * IN_PLACE_SHARE
-        self.on_device: dict[Key, float] = {}  # when a record's copy to its device slot completes
-        self.in_ram: dict[Key, float] = {}  # when a record's read into its RAM slot completes
+        # when a record's copy to its device slot completes
+        self.on_device: dict[Key, float] = {}
+        # when a record's read into its RAM slot completes
+        self.in_ram: dict[Key, float] = {}
         self.ssd_free = self.pcie_free = self.cpu_free = 0.0
         self.place(list(warm), keep_free)
 
@@ -172,7 +182,8 @@ class Tiers:
         then holds them, leaving `keep_free` slots to move through."""
         g, r = len(self.gpu.key_of), len(self.ram.key_of)
         for pool, keys in ((self.gpu, warm[:g]), (self.ram, self.ram.fitting(warm if g <= r else warm[g:]))):
-            for key in reversed(keys):  # the hottest touched last, counted most
+            # the hottest touched last, counted most
+            for key in reversed(keys):
                 pool.allocate(key, ())
         hold_hottest(self.ram, warm, keep_free)
 
@@ -180,7 +191,8 @@ class Tiers:
         """A device hit -> when its record is there (a prefetch may still be copying it), or None."""
         if self.gpu.lookup(key) is None:
             return None
-        self.ram.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
+        # inclusive tiers: the RAM copy stays as warm as the device one
+        self.ram.lookup(key)
         return self.on_device.get(key, 0.0)
 
     def stream(self, at: float, nbytes: float, compute_s: float) -> float:
@@ -274,7 +286,8 @@ def simulate(
     tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k, cold)
     out = tiers.out
     swap_rng = None if swap is None else np.random.default_rng([swap.seed, 29])
-    streams = gpu_slots < n_layers * n_experts  # every record resident: nothing moves, the host is not asked
+    # every record resident: nothing moves, the host is not asked
+    streams = gpu_slots < n_layers * n_experts
     now = 0.0
     for token in range(n_tokens):
         tiers.counting = counting = token >= warmup
@@ -284,7 +297,8 @@ def simulate(
             routed = tiers.stream(now, host.attn_bytes * streamed, costs.attn_s) + (costs.host_s if streams else 0.0)
             ids = trace[token, layer]
             light = [False] * top_k if skippable is None else skippable[token, layer].tolist()
-            if swap is not None:  # before the threshold, as in the store: a swapped-in expert is warm
+            # before the threshold, as in the store: a swapped-in expert is warm
+            if swap is not None:
                 ids, swaps = _swapped(ids, layer, tiers, n_experts // swap.groups, swap.close, swap_rng)
                 out.swapped += swaps * counting
             chosen = list(dict.fromkeys((layer, int(e)) for e in ids))
@@ -310,7 +324,8 @@ def simulate(
                 ready = max(ready, arrival)
             if guessed is not None and layer + 1 < n_layers:
                 wanted = [(layer + 1, e) for e in dict.fromkeys(int(g) for g in guessed[token, layer])]
-                keep = protected | set(wanted)  # a guess never evicts another guess, nor this layer's experts
+                # a guess never evicts another guess, nor this layer's experts
+                keep = protected | set(wanted)
                 for key in wanted:
                     if key in tiers.gpu or not (prefetch_reads or key in tiers.ram):
                         continue
@@ -394,7 +409,8 @@ def simulate_prefill(
                 return 0 if key in tiers.gpu else 1 if key in tiers.ram else 2
 
             order = sorted(keys, key=tier)
-            start, free = routed, routed  # the wave's reads start; its slots are free
+            # the wave's reads start; its slots are free
+            start, free = routed, routed
             for at in range(0, len(order), gpu_slots):
                 wave = order[at : at + gpu_slots]
                 protected, ready = set(wave), start
@@ -408,9 +424,12 @@ def simulate_prefill(
                         raise ValueError(f"{gpu_slots} device slots cannot hold a wave of {len(wave)} experts")
                     ready = max(ready, arrival)
                 out.stall_s += ready - max(start, free)
-                share = sum(int(uses[e]) for _, e in wave) / (n * top_k)  # of the chunk's routed compute
-                free = ready + share * n * costs.experts_s  # the wave's compute frees its slots
-                start = ready  # the store is asked for the next wave once this one is queued
+                # of the chunk's routed compute
+                share = sum(int(uses[e]) for _, e in wave) / (n * top_k)
+                # the wave's compute frees its slots
+                free = ready + share * n * costs.experts_s
+                # the store is asked for the next wave once this one is queued
+                start = ready
             now = tiers.stream(free, reads * host.experts_bytes * streamed, 0.0)
         now = tiers.stream(now, reads * host.other_bytes, n * costs.other_s)
     out.seconds = now

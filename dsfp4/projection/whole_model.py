@@ -49,9 +49,12 @@ from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_la
 from dsfp4.synthetic.bench_model import model_args
 from dsfp4.synthetic.releases import RELEASES
 
-PLAN_DEVICE = torch.device("cuda")  # the machines are GPU machines: plan as on one, wherever this runs
-MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = run_shape()  # the run the plan is made for: `dsfp4 run`'s defaults
-HOST_S = 40e-6  # per MoE layer whose experts stream: the host reads the routing and queues the loads
+# the machines are GPU machines: plan as on one, wherever this runs
+PLAN_DEVICE = torch.device("cuda")
+# the run the plan is made for: `dsfp4 run`'s defaults
+MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS = run_shape()
+# per MoE layer whose experts stream: the host reads the routing and queues the loads
+HOST_S = 40e-6
 
 
 def full_args(family: str) -> ModelArgs:
@@ -121,7 +124,8 @@ def host_stream(m: Manifest, plan: Plan, elt: int = 2) -> HostStream:
         n = tensor_bytes(name, t, elt)
         return n / t.shape[0] if name == EMBED else n
 
-    attn, experts, other = _per_token(m, size, 0.0)  # per MoE layer: averaged over all of them
+    # per MoE layer: averaged over all of them
+    attn, experts, other = _per_token(m, size, 0.0)
     moe = [b for b in range(m.args.n_layers) if b in m.experts]
     streamed = frozenset(j for j, b in enumerate(moe) if b in plan.on_host.layers)
     per_streamed = len(moe) / max(len(streamed), 1)
@@ -197,7 +201,8 @@ class MachineRun:
     costs: StepCosts
     warm: list[tuple[int, int]]
     run: np.ndarray
-    host: HostStream  # the plan's backbone read from RAM each step
+    # the plan's backbone read from RAM each step
+    host: HostStream
 
     def decode(
         self,
@@ -261,7 +266,8 @@ class MachineRun:
         stretch = n // b
         rows = self.run[: stretch * b].reshape(b, stretch, layers, k).swapaxes(0, 1).reshape(-1, layers, k)
         c = self.costs
-        per_step = StepCosts(c.attn_s / b, c.experts_s / b, c.other_s / b, c.host_s)  # simulate_prefill multiplies
+        # simulate_prefill multiplies
+        per_step = StepCosts(c.attn_s / b, c.experts_s / b, c.other_s / b, c.host_s)
         return simulate_prefill(
             rows,
             self.plan.gpu_slots,
@@ -310,7 +316,8 @@ class Row:
         }
 
 
-VARIANTS = (  # (policy, prefetch recall or None, prefetch may read from the SSD)
+# (policy, prefetch recall or None, prefetch may read from the SSD)
+VARIANTS = (
     ("mix", None, True),
     ("mix", 0.9, True),
     ("hot", None, True),
@@ -333,7 +340,8 @@ def project(
     for name in machines:
         r = machine_run(family, name, ids, eff, backbone)
         plan, n = r.plan, r.plan.total_records
-        opt = 1.0 - belady(r.run, plan.gpu_slots, plan.ram_slots).ssd_rate  # the same for every variant
+        # the same for every variant
+        opt = 1.0 - belady(r.run, plan.gpu_slots, plan.ram_slots).ssd_rate
         for policy, recall, reads in variants:
             p = r.decode(policy, recall, reads)
             rows.append(
@@ -362,7 +370,8 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         p = r.projection
         pre = "none" if r.recall is None else f"{r.recall:.2f}" + ("" if r.prefetch_reads else " RAM")
-        ssd = p.ssd_bytes / r.record_bytes / p.uses if p.uses else 0.0  # reads per use, wasted guesses included
+        # reads per use, wasted guesses included
+        ssd = p.ssd_bytes / r.record_bytes / p.uses if p.uses else 0.0
         lines.append(
             (
                 r.machine,

@@ -37,7 +37,8 @@ class Answer:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
-    _around: dict = field(init=False, repr=False, compare=False)  # event()'s: reasoning? -> (before, after)
+    # event()'s: reasoning? -> (before, after)
+    _around: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.id:

@@ -32,7 +32,8 @@ from dsfp4.server.requests import ApiError, GenRequest, parse_request
 if TYPE_CHECKING:
     from dsfp4.runtime.engine import Engine
 
-POLL_S = 0.25  # how often a request checks whether its client is still there
+# how often a request checks whether its client is still there
+POLL_S = 0.25
 CANCELLED = "the generation was cancelled: the server is shutting down"
 
 
@@ -43,7 +44,8 @@ class Served:
     model_id: str
     api_key: str | None = None
     max_queue: int = 16
-    max_tokens: int | None = None  # default of requests without one; None: the room left in the context
+    # default of requests without one; None: the room left in the context
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -53,7 +55,8 @@ class Call:
     req: GenRequest
     job: Job
     answer: Answer
-    thinking: bool  # the prompt leaves the model inside a <think> block
+    # the prompt leaves the model inside a <think> block
+    thinking: bool
     watcher: asyncio.Task | None = None
 
 
@@ -82,7 +85,8 @@ Endpoint = Callable[[Context, Request], Awaitable[Response]]
 
 def create_app(engine: Engine, served: Served) -> FastAPI:
     """The app over an engine of this process."""
-    from dsfp4.server.scheduler import Scheduler  # here: the HTTP process imports this file without torch
+    # here: the HTTP process imports this file without torch
+    from dsfp4.server.scheduler import Scheduler
 
     metrics = Metrics()
     return build_app(engine.rules, Scheduler(engine, served.max_queue, metrics.done), served, metrics)
@@ -173,7 +177,8 @@ async def complete(ctx: Context, request: Request, chat: bool) -> Response:
         return StreamingResponse(events(call), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     while isinstance(item := await call.job.out.get(), Delta):
         pass
-    if item is None:  # cancelled: the client is gone, nobody reads this answer
+    # cancelled: the client is gone, nobody reads this answer
+    if item is None:
         ctx.metrics.answered(endpoint, 499)
         return Response(status_code=499)
     if not isinstance(item, Generation):
@@ -209,12 +214,14 @@ def accept(ctx: Context, req: GenRequest) -> Call:
         # a completion's text is raw: it skips the prompt format
         ids = rules.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)
         rules.check(ids)
-    except ContextLengthError as e:  # the engine's message names the CLI flag; a client gets the server's
+    except ContextLengthError as e:
+        # the engine's message names the CLI flag; a client gets the server's
         message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
         raise ApiError(
             400, message + "(start it with a larger --max-context)", where, "context_length_exceeded"
         ) from None
-    except ConfigError as e:  # the chat template refused the conversation, or a token id is out of range
+    except ConfigError as e:
+        # the chat template refused the conversation, or a token id is out of range
         raise ApiError(400, str(e), where) from None
     room = rules.room(len(ids))
     if req.max_tokens is not None and req.max_tokens > room:
@@ -268,6 +275,7 @@ async def events(call: Call) -> AsyncIterator[str]:
         if call.req.include_usage:
             yield sse(a.usage_chunk(item))
         yield sse("[DONE]")
-    else:  # an error, or None: cancelled because the client left (unread) or the server is shutting down
+    else:
+        # an error, or None: cancelled because the client left (unread) or the server is shutting down
         e = ApiError.of(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
         yield sse(e.body())

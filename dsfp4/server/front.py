@@ -21,7 +21,8 @@ from dsfp4.server.app import Served, build_app
 from dsfp4.server.link import RemoteScheduler
 from dsfp4.server.metrics import Metrics
 
-GRACE_S = 10  # at shutdown, how long open connections may take to end once their generations are cancelled
+# at shutdown, how long open connections may take to end once their generations are cancelled
+GRACE_S = 10
 
 
 class _Server(uvicorn.Server):
@@ -33,10 +34,12 @@ class _Server(uvicorn.Server):
         self.scheduler, self.loop = scheduler, loop
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        if not self.should_exit:  # open streams end at their next token, so shutdown need not wait for them; on the
+        # open streams end at their next token, so shutdown need not wait for them; on the
+        if not self.should_exit:
             # loop, not in the handler, which may run in the middle of a message to the engine's process
             self.loop.call_soon_threadsafe(self.scheduler.cancel_all)
-        self.should_exit = True  # and the signal is not raised again once the server has stopped
+        # and the signal is not raised again once the server has stopped
+        self.should_exit = True
 
 
 async def _serve(conn: Connection, sock: socket.socket) -> None:
@@ -58,13 +61,15 @@ async def _serve(conn: Connection, sock: socket.socket) -> None:
     # reads share, no longer the engine's steps
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
     server = _Server(config, scheduler, loop)
-    gc.freeze()  # what lives as long as the server: the collector need not walk it again
+    # what lives as long as the server: the collector need not walk it again
+    gc.freeze()
     await server.serve(sockets=[sock])
 
 
 def main() -> None:
     link_fd, sock_fd = (int(a) for a in sys.argv[1:3])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn takes the signals: the engine's process forwards
+    # until uvicorn takes the signals: the engine's process forwards
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with Connection(link_fd) as conn, socket.socket(fileno=sock_fd) as sock:
         asyncio.run(_serve(conn, sock))
 

@@ -21,11 +21,16 @@ class QueueFull(Exception):
 class Report:
     """The engine's side of /health and /metrics."""
 
-    alive: bool  # the engine's worker thread runs
-    waiting: int  # requests in the queue
-    running: int  # generations running
-    slots: int  # generations at once (--max-batch)
-    counters: dict[str, float]  # the expert store's, since the engine opened
+    # the engine's worker thread runs
+    alive: bool
+    # requests in the queue
+    waiting: int
+    # generations running
+    running: int
+    # generations at once (--max-batch)
+    slots: int
+    # the expert store's, since the engine opened
+    counters: dict[str, float]
 
 
 class Sink(Protocol):
@@ -39,14 +44,19 @@ class Job:
     Generation, or None when it was cancelled, or the exception that ended it."""
 
     prompt_ids: list[int]
-    options: dict[str, Any]  # Engine.stream keywords
-    sink: Sink | None  # where post() sends its items from the engine's thread; None where the link brings them
-    id: int = 0  # the link's name for it, between the processes
+    # Engine.stream keywords
+    options: dict[str, Any]
+    # where post() sends its items from the engine's thread; None where the link brings them
+    sink: Sink | None
+    # the link's name for it, between the processes
+    id: int = 0
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)  # its last item is on the way
+    # its last item is on the way
+    done: threading.Event = field(default_factory=threading.Event)
     queued: float = field(default_factory=time.perf_counter)
-    wait_s: float = 0.0  # in the queue before the engine took it
+    # in the queue before the engine took it
+    wait_s: float = 0.0
 
     def send(self, item: object) -> None:
         post([(self, item)])
@@ -64,7 +74,8 @@ class LoopSink:
     loop: asyncio.AbstractEventLoop
 
     def deliver(self, items: list[tuple[Job, object]]) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed event loop (the server shut down): nobody reads it
+        # a closed event loop (the server shut down): nobody reads it
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(_put_all, items)
 
 

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
 
 STOPPING = "the server is shutting down; retry later"
 LOST = "the engine's process has stopped; the server is shutting down"
-REPORT_S = 5.0  # how long /health and /metrics wait for the engine's process before they call it stuck
-BROKEN = (EOFError, OSError, pickle.UnpicklingError)  # the other end has gone, or what came is not a message
+# how long /health and /metrics wait for the engine's process before they call it stuck
+REPORT_S = 5.0
+# the other end has gone, or what came is not a message
+BROKEN = (EOFError, OSError, pickle.UnpicklingError)
 
 
 class EngineLink:
@@ -49,10 +51,14 @@ class EngineLink:
 
     def __init__(self, conn: Connection):
         self.conn = conn
-        self.jobs: dict[int, Job] = {}  # running or waiting, by the HTTP process's id
-        self._outcomes: dict[int, object] = {}  # a job's last item, held until its end goes with it
-        self._lock = threading.Lock()  # one message at a time on the socket
-        self._reader: threading.Thread | None = None  # serve()'s
+        # running or waiting, by the HTTP process's id
+        self.jobs: dict[int, Job] = {}
+        # a job's last item, held until its end goes with it
+        self._outcomes: dict[int, object] = {}
+        # one message at a time on the socket
+        self._lock = threading.Lock()
+        # serve()'s
+        self._reader: threading.Thread | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="dsfp4-link", daemon=True)
         self._writer.start()
@@ -64,7 +70,8 @@ class EngineLink:
             self._send(message)
 
     def _send(self, message: tuple) -> None:
-        with self._lock, contextlib.suppress(OSError):  # the HTTP process is gone: nobody reads
+        # the HTTP process is gone: nobody reads
+        with self._lock, contextlib.suppress(OSError):
             self.conn.send(message)
 
     def _write(self) -> None:
@@ -82,7 +89,8 @@ class EngineLink:
         for job, item in items:
             if isinstance(item, Delta):
                 deltas.append((job.id, item.token_id, item.text))
-            else:  # the outcome: it leaves with the job's end (done), which brings its wait and result
+            else:
+                # the outcome: it leaves with the job's end (done), which brings its wait and result
                 self._outcomes[job.id] = ApiError.of(item) if isinstance(item, BaseException) else item
         if deltas:
             self.send(("items", deltas))
@@ -105,7 +113,8 @@ class EngineLink:
                 job = self.jobs[jid] = Job(prompt_ids, options, self, jid)
                 try:
                     scheduler.submit(job)
-                except QueueFull:  # only while stopping: the HTTP process counts the queue as the scheduler does
+                except QueueFull:
+                    # only while stopping: the HTTP process counts the queue as the scheduler does
                     self.deliver([(job, ApiError(503, STOPPING, code="queue_full"))])
                     self.done(job, None)
             elif message[0] == "cancel":
@@ -128,7 +137,8 @@ class RemoteScheduler:
         on_lost: Callable[[], None],
     ):
         self.conn, self.max_queue, self.slots, self.on_done, self.on_lost = conn, max_queue, slots, on_done, on_lost
-        self.jobs: dict[int, Job] = {}  # submitted, not ended
+        # submitted, not ended
+        self.jobs: dict[int, Job] = {}
         self._ids = itertools.count(1)
         self._reports: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,7 +198,8 @@ class RemoteScheduler:
 
     def _read(self) -> None:
         try:
-            while self.conn.poll():  # every message that has come, in one wake
+            # every message that has come, in one wake
+            while self.conn.poll():
                 self._handle(self.conn.recv())
         except BROKEN:
             self._lose()
@@ -201,7 +212,8 @@ class RemoteScheduler:
         elif message[0] == "end":
             _, jid, outcome, result, wait_s = message
             if (job := self.jobs.pop(jid, None)) is not None:
-                job.wait_s = wait_s  # before the request reads its outcome, as the scheduler sets it
+                # before the request reads its outcome, as the scheduler sets it
+                job.wait_s = wait_s
                 job.done.set()
                 self.on_done(job, result)
                 job.out.put_nowait(outcome)

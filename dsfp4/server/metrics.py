@@ -17,8 +17,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> requests answered
-        self.finished: Counter[str] = Counter()  # finish reason ("stop", "length", "cancelled", "error")
+        # (endpoint, status) -> requests answered
+        self.requests: Counter[tuple[str, int]] = Counter()
+        # finish reason ("stop", "length", "cancelled", "error")
+        self.finished: Counter[str] = Counter()
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = self.decode_tokens = 0
         self.prefill_s = self.decode_s = 0.0
 
@@ -34,7 +36,8 @@ class Metrics:
             self.prompt_tokens += stats.prompt_tokens
             self.cached_tokens += stats.cached_tokens
             self.generated_tokens += stats.generated_tokens
-            self.decode_tokens += max(stats.generated_tokens - 1, 0)  # the first comes out of the prefill
+            # the first comes out of the prefill
+            self.decode_tokens += max(stats.generated_tokens - 1, 0)
             self.prefill_s += stats.prefill_s
             self.decode_s += stats.decode_s
 

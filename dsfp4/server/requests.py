@@ -14,7 +14,8 @@ from typing import Any
 
 from dsfp4.runtime.generate.prompt import ROLES
 
-MAX_STOPS = 16  # each stop string is checked against the text's end at every token
+# each stop string is checked against the text's end at every token
+MAX_STOPS = 16
 SEED_LIMIT = 1 << 63
 COMMON = {
     "model",
@@ -29,7 +30,8 @@ COMMON = {
     "stream_options",
     "user",
 }
-NEUTRAL: dict[str, tuple] = {  # defined by the API, served only at these values
+# defined by the API, served only at these values
+NEUTRAL: dict[str, tuple] = {
     "n": (1,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
@@ -78,7 +80,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def __reduce__(self) -> tuple:  # pickled whole: an error crosses from the engine's process to the HTTP one
+    # pickled whole: an error crosses from the engine's process to the HTTP one
+    def __reduce__(self) -> tuple:
         return ApiError, (self.status, self.message, self.param, self.code)
 
     @classmethod
@@ -106,8 +109,10 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # Engine.stream keywords that were given
-    thinking: bool | None = None  # chat_template_kwargs' thinking switch (None: the server's --thinking)
+    # Engine.stream keywords that were given
+    sampling: dict[str, Any] = field(default_factory=dict)
+    # chat_template_kwargs' thinking switch (None: the server's --thinking)
+    thinking: bool | None = None
 
 
 def _is_int(v: object) -> bool:
@@ -180,7 +185,8 @@ def _prompt(value: object) -> str | list[int]:
     raise _bad("prompt", "must be a non-empty string or a non-empty list of token ids (one prompt per request)")
 
 
-THINKING_KEYS = ("thinking", "enable_thinking")  # vLLM's and SGLang's names for the prompt format's switch
+# vLLM's and SGLang's names for the prompt format's switch
+THINKING_KEYS = ("thinking", "enable_thinking")
 
 
 def _thinking(value: object) -> bool | None:

@@ -26,10 +26,12 @@ from dsfp4.server.jobs import Job, LoopSink, QueueFull, Report, post
 class Scheduler:
     def __init__(self, engine: Engine, max_queue: int, on_done: Callable[[Job, Generation | None], None]):
         self.engine, self.max_queue, self.on_done = engine, max_queue, on_done
-        self.slots = engine.plan.max_batch  # generations at once
+        # generations at once
+        self.slots = engine.plan.max_batch
         self.waiting: deque[Job] = deque()
         self.running: set[Job] = set()
-        self._wake = threading.Condition(threading.RLock())  # re-entrant: a signal handler may cancel_all
+        # re-entrant: a signal handler may cancel_all
+        self._wake = threading.Condition(threading.RLock())
         self._stopping = False
         work = self._work_batched if self.slots > 1 else self._work
         self._thread = threading.Thread(target=work, name="dsfp4-engine", daemon=True)
@@ -120,21 +122,24 @@ class Scheduler:
                     job.send(delta)
                 result = stream.generation
                 outcome = None if result.finish_reason == "cancelled" else result
-            except Exception as e:  # the request gets the error; the server goes on
+            except Exception as e:
+                # the request gets the error; the server goes on
                 outcome = e
             self._finish(job, outcome, result)
 
     def _work_batched(self) -> None:
         """Continuous batching: between steps, waiting jobs take the free slots (each prefilled then); a step decodes
         a token of every running job; each job's deltas go out after the step that made them."""
-        batch, live = None, {}  # BatchSequence -> Job
+        # BatchSequence -> Job
+        batch, live = None, {}
         try:
             batch = self.engine.batch()
             while (jobs := self._take(batch.free, idle=not live)) is not None:
                 self._admit(batch, jobs, live)
                 try:
                     batch.step()
-                except Exception as e:  # every running request gets the error; the server goes on
+                except Exception as e:
+                    # every running request gets the error; the server goes on
                     for job in live.values():
                         self._finish(job, e, None)
                     live.clear()
@@ -151,13 +156,15 @@ class Scheduler:
         for job in list(jobs):
             try:
                 asks.append((job.prompt_ids, self.engine.options_for(**job.options), job.cancelled))
-            except Exception as e:  # the request gets the error; the others go on
+            except Exception as e:
+                # the request gets the error; the others go on
                 jobs.remove(job)
                 self._finish(job, e, None)
         if len(jobs) > 1 and batch.joint:
             try:
                 live.update(zip(batch.add_many(asks), jobs, strict=True))
-            except Exception as e:  # every request of the pass gets the error (none joined); the server goes on
+            except Exception as e:
+                # every request of the pass gets the error (none joined); the server goes on
                 for job in jobs:
                     self._finish(job, e, None)
             return
@@ -166,7 +173,8 @@ class Scheduler:
                 live[batch.add(*ask)] = job
             except Cancelled:
                 self._finish(job, None, None)
-            except Exception as e:  # the request gets the error; the server goes on
+            except Exception as e:
+                # the request gets the error; the server goes on
                 self._finish(job, e, None)
 
     def _send(self, live: dict[BatchSequence, Job]) -> None:

@@ -21,8 +21,10 @@ from dsfp4.server.front import GRACE_S
 from dsfp4.server.link import EngineLink
 from dsfp4.server.scheduler import Scheduler
 
-STOP_S = GRACE_S + 5  # how long the HTTP process may take to end: its open connections get GRACE_S
-HOME = str(Path(__file__).resolve().parents[2])  # where this dsfp4 is imported from
+# how long the HTTP process may take to end: its open connections get GRACE_S
+STOP_S = GRACE_S + 5
+# where this dsfp4 is imported from
+HOME = str(Path(__file__).resolve().parents[2])
 
 
 def front_command(*args: str) -> list[str]:
@@ -36,7 +38,8 @@ def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound now: a port in use fails in one line before the model loads, not after."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
+    # as uvicorn: a restart need not wait for TIME_WAIT
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -62,7 +65,8 @@ def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
         raise
     finally:
         theirs.close()
-        sock.close()  # the HTTP process has its copy: once it has gone, connections are refused, not left waiting
+        # the HTTP process has its copy: once it has gone, connections are refused, not left waiting
+        sock.close()
     link = EngineLink(Connection(mine.detach()))
     signals: list[int] = []
 
@@ -80,7 +84,8 @@ def serve(engine: Engine, served: Served, sock: socket.socket) -> None:
         # waited (docs/BENCHMARKS.md: the server in two processes)
         gc.freeze()
         link.send((engine.rules.spec, served, scheduler.slots))
-        link.serve(scheduler)  # until the HTTP process closes the link: it is ending, or it broke the link
+        # until the HTTP process closes the link: it is ending, or it broke the link
+        link.serve(scheduler)
         closed = True
     finally:
         asked = _end(front, patient=closed)

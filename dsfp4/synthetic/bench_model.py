@@ -50,11 +50,16 @@ from dsfp4.synthetic.hf_v3 import word_corpus, write_tokenizer
 from dsfp4.synthetic.hf_v4 import F32_NAMES
 from dsfp4.synthetic.releases import RELEASES
 
-BACKBONES = {"fp8_e4m3_b128": "fp8", "nvfp4": "fp4"}  # format of backbone matrices -> manifest option
-N_BASE_RECORDS = 4  # expert records quantized for real; the others are derived from them
-SLAB_ELEMENTS = 1 << 23  # elements of one backbone slab (fp32 while quantized)
-POOL_BYTES = 32 << 20  # random bytes the sign masks are cut from
-TRUNCATE = 6.0  # Gaussians are cut at 6 sigma, so NVFP4 global scales are known up front
+# format of backbone matrices -> manifest option
+BACKBONES = {"fp8_e4m3_b128": "fp8", "nvfp4": "fp4"}
+# expert records quantized for real; the others are derived from them
+N_BASE_RECORDS = 4
+# elements of one backbone slab (fp32 while quantized)
+SLAB_ELEMENTS = 1 << 23
+# random bytes the sign masks are cut from
+POOL_BYTES = 32 << 20
+# Gaussians are cut at 6 sigma, so NVFP4 global scales are known up front
+TRUNCATE = 6.0
 # Sign bits per stored byte pattern: e2m1 pairs (two nibbles), one-byte floats, little-endian bf16.
 SIGN_PATTERNS = {"U8": b"\x88", "F8_E4M3": b"\x80", "BF16": b"\x00\x80", "F32": b"\x00\x00\x00\x80"}
 PLAIN_TORCH = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -142,7 +147,8 @@ def stored_format(ref: str, kind: str, backbone: str, aux_as_backbone: bool) -> 
     other matrices: V3's MTP eh_proj) the backbone format; V4's compressor and indexer matrices (AUX) BF16; the rest
     as the releases store them."""
     if kind == LINEAR or (kind == AUX and aux_as_backbone):
-        return backbone if backbone in FORMATS else backbone_format(ref, backbone)  # a format, or a --backbone spec
+        # a format, or a --backbone spec
+        return backbone if backbone in FORMATS else backbone_format(ref, backbone)
     if ref.endswith("tid2eid"):
         return "i64"
     return "f32" if F32_NAMES.fullmatch(ref) else "bf16"
@@ -168,7 +174,8 @@ class BackbonePart:
 
     def __init__(self, args: ModelArgs, block: int | None, backbone: str, aux_as_backbone: bool):
         self.name, self.block, self.args = part_name(block), block, args
-        self.tensors = backbone_tensors(args, backbone, aux_as_backbone)[block]  # (ref, format, shape)
+        # (ref, format, shape)
+        self.tensors = backbone_tensors(args, backbone, aux_as_backbone)[block]
 
     @property
     def file(self) -> str:
@@ -218,7 +225,8 @@ class RandomMatrix:
                 if dtype in SIGN_PATTERNS:
                     self.signs.flip(weight, dtype, rng)
                 yield weight
-        elif component == "scale":  # fp8: one scale row per 128 rows; fp4 formats: one per row
+        elif component == "scale":
+            # fp8: one scale row per 128 rows; fp4 formats: one per row
             per = self.spec.block[0]
             for r0 in range(0, rows, self.slab):
                 yield self.base[1][: -(-min(self.slab, rows - r0) // per)]
@@ -236,11 +244,14 @@ def write_backbone(out: Path, part: BackbonePart, seed: int, signs: SignMasks) -
             value = torch.ones if ref.endswith(ONES) else torch.zeros
             data = _u8(value(shape, dtype=PLAIN_TORCH[fmt]))
             sources[ref] = lambda data=data: iter([data])
-        elif ref.endswith("tid2eid"):  # V4's hash layers: valid, distinct experts per token
+        elif ref.endswith("tid2eid"):
+            # V4's hash layers: valid, distinct experts per token
             rng = _rng(seed, ref)
             sources[ref] = lambda shape=shape, rng=rng: tid2eid_rows(shape, part.args.n_routed_experts, rng)
-        else:  # embedding at unit scale (a residual stream of rms ~1), projections (mHC's too) at 1/sqrt(fan_in)
-            std = 1.0 if ref.endswith("embed.weight") else 1.0 / math.sqrt(shape[1])  # the MTP layer's too
+        else:
+            # embedding at unit scale (a residual stream of rms ~1), projections (mHC's too) at 1/sqrt(fan_in)
+            # the MTP layer's too
+            std = 1.0 if ref.endswith("embed.weight") else 1.0 / math.sqrt(shape[1])
             m = RandomMatrix(ref, fmt, shape, std, seed, signs)
             for c, name in part.names(ref, fmt).items():
                 sources[name] = lambda m=m, c=c: m.chunks(c)
@@ -297,7 +308,8 @@ class ExpertRecords:
     def record(self, layer: int, expert: int) -> np.ndarray:
         """The bytes of one record, in a per-thread buffer (valid until this thread's next call)."""
         if getattr(self.local, "buf", None) is None:
-            self.local.buf = np.zeros(self.layout.nbytes, dtype=np.uint8)  # padding stays zero
+            # padding stays zero
+            self.local.buf = np.zeros(self.layout.nbytes, dtype=np.uint8)
         buf = self.local.buf
         rng = _rng(self.seed, "expert", layer, expert)
         base = self.bases[int(rng.integers(len(self.bases)))]
@@ -360,7 +372,8 @@ def write_bench_model(
     signs = SignMasks(seed)
     workers = max(1, min(8, os.cpu_count() or 1))
     w = ModelWriter(out)
-    with ThreadPoolExecutor(1, thread_name_prefix="bench-bases") as background:  # quantized while the top is written
+    # quantized while the top is written
+    with ThreadPoolExecutor(1, thread_name_prefix="bench-bases") as background:
         records = background.submit(ExpertRecords, record, seed, signs) if record else None
         for block in [None, *range(args.n_blocks)]:
             part = BackbonePart(args, block, backbone, release.aux_as_backbone)
@@ -405,7 +418,8 @@ def written_bytes(m: Manifest) -> int:
     return sum(f.nbytes for f in m.files.values()) + records
 
 
-TABLE_ROWS = 8192  # tokens of a tid2eid table drawn at once (a [rows, n_experts] fp32 draw)
+# tokens of a tid2eid table drawn at once (a [rows, n_experts] fp32 draw)
+TABLE_ROWS = 8192
 
 
 def tid2eid_rows(shape: tuple[int, ...], n_experts: int, rng: np.random.Generator) -> Iterator[np.ndarray]:

@@ -81,7 +81,8 @@ def _encode(name: str, w: torch.Tensor, fmt: str | None, dtype: str, amax: torch
         return list(fp8_block_quantize(w, name))
     if fmt == "nvfp4":
         packed, scale, g = nvfp4_quantize(w, name, amax)
-        return [packed, scale, g, torch.tensor(0.05)]  # input_scale: a stand-in calibration value
+        # input_scale: a stand-in calibration value
+        return [packed, scale, g, torch.tensor(0.05)]
     return [w.to(torch.float32 if dtype == "F32" else torch.bfloat16)]
 
 
@@ -130,9 +131,11 @@ def write_tokenizer(
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     # a release that builds its prompts in code (V4-Flash's) writes the BOS there and ships no template
     bos, in_code = SPECIAL_TOKENS[0], model_family(model_type).prompt_format is not None
-    if in_code:  # V4-Flash's tokenizer.json: a plain byte-level post-processor
+    # V4-Flash's tokenizer.json: a plain byte-level post-processor
+    if in_code:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    else:  # as DeepSeek-V3's tokenizer.json, whose post-processor puts the BOS first
+    else:
+        # as DeepSeek-V3's tokenizer.json, whose post-processor puts the BOS first
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
         )
@@ -147,7 +150,8 @@ def write_tokenizer(
         "tokenizer_class": "LlamaTokenizerFast",
         "legacy": True,
         "clean_up_tokenization_spaces": False,
-        **({} if in_code else {"chat_template": CHAT_TEMPLATE}),  # V4-Flash's release ships no template
+        # V4-Flash's release ships no template
+        **({} if in_code else {"chat_template": CHAT_TEMPLATE}),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 

@@ -30,7 +30,8 @@ NORMS = re.compile(r".*norm\.weight")
 
 def _e8m0(scale: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales -> their E8M0 bytes as float8_e8m0fnu."""
-    exp = torch.frexp(scale)[1] - 1  # scale = 0.5 * 2^exp exactly
+    # scale = 0.5 * 2^exp exactly
+    exp = torch.frexp(scale)[1] - 1
     return (exp + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 

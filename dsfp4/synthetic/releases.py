@@ -64,10 +64,12 @@ RELEASES: dict[str, Release] = {
         "DeepSeek-V4 checkpoint (official layout: FP8 with E8M0 scales, MXFP4 experts",
         "MXFP4 experts repacked, FP8 backbone",
         _v4_flash,
-        bench_dense=0,  # every V4 layer is MoE
+        # every V4 layer is MoE
+        bench_dense=0,
         aux_as_backbone=False,
         whole_layers=V4_FLASH_LAYERS,
         whole_dense=0,
-        published_on=("home-seek",),  # its README's V4-Flash decode rates
+        # its README's V4-Flash decode rates
+        published_on=("home-seek",),
     ),
 }

@@ -28,11 +28,16 @@ import torch
 
 FIGURES = "routing-figures.json"
 V3_COUNTS = "deepseek-v3-routing-frequencies.json"
-FIT_ROUNDS = 4  # refits of w to the target shares
-FIT_ALTERNATIONS = 2  # rounds of fitting w, then rho
-BISECT_STEPS = 14  # of rho
-SAMPLE_TOKENS = 1500  # tokens of the fitting runs
-CHUNK = 256  # tokens routed at once
+# refits of w to the target shares
+FIT_ROUNDS = 4
+# rounds of fitting w, then rho
+FIT_ALTERNATIONS = 2
+# of rho
+BISECT_STEPS = 14
+# tokens of the fitting runs
+SAMPLE_TOKENS = 1500
+# tokens routed at once
+CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,8 @@ def fit_generator(
 ) -> tuple[np.ndarray, float]:
     """The generator's parameters -> (log w [layers, experts], rho) for the shares and the reuse."""
     rho = 0.0
-    for _ in range(FIT_ALTERNATIONS):  # the weights move the reuse a little, rho the shares: fit each in turn
+    # the weights move the reuse a little, rho the shares: fit each in turn
+    for _ in range(FIT_ALTERNATIONS):
         logws = _fit_weights(shares, rho, shape, seed)
         rho = _fit_rho(logws, target_reuse, shape, seed)
     return _fit_weights(shares, rho, shape, seed), rho
@@ -203,7 +209,8 @@ def hit_in_previous(trace: np.ndarray, window: int) -> float:
     """Share of a token's experts that one of the `window` tokens before it chose at the same layer."""
     tokens = trace.shape[0]
     if tokens <= window:
-        return float("nan")  # no token has that many before it
+        # no token has that many before it
+        return float("nan")
     hits = np.zeros(trace[window:].shape, dtype=bool)  # [tokens - W, layers, k]
     for back in range(1, window + 1):
         prev = trace[window - back : tokens - back]

@@ -58,7 +58,8 @@ V3_FULL: dict = dict(
     v_head_dim=128,
     max_position_embeddings=163840,
     rope_theta=10000,
-    rope_scaling={**V3_TINY_ROPE, "factor": 40, "original_max_position_embeddings": 4096},  # yarn, mscale 1.0
+    # yarn, mscale 1.0
+    rope_scaling={**V3_TINY_ROPE, "factor": 40, "original_max_position_embeddings": 4096},
     rms_norm_eps=1e-6,
     routed_scaling_factor=2.5,
     scoring_func="sigmoid",
@@ -98,7 +99,8 @@ V4_TINY = {
         "beta_fast": 32,
         "beta_slow": 1,
     },
-    "max_position_embeddings": 256,  # the YaRN factor times its original length
+    # the YaRN factor times its original length
+    "max_position_embeddings": 256,
     "index_n_heads": 8,
     "index_head_dim": 16,
     "index_topk": 3,
@@ -133,7 +135,8 @@ V4_TINY = {
 # The official compress_ratios: one entry per main layer (0, 0, then CSA 4 / HCA 128 alternating, the last
 # layer CSA), then the MTP block's (sliding) entry; a bench model of N layers takes the first N and the MTP's.
 V4_FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4, 0)
-V4_FLASH_LAYERS = len(V4_FLASH_RATIOS) - 1  # 43
+# 43
+V4_FLASH_LAYERS = len(V4_FLASH_RATIOS) - 1
 V4_HASH_LAYERS = 3
 # deepseek-ai/DeepSeek-V4-Flash's config.json (v4-flash-spec a.1); num_hidden_layers, compress_ratios,
 # num_hash_layers and num_nextn_predict_layers come from the arguments.

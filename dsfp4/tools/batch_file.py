@@ -29,11 +29,15 @@ KEYS = ("prompt", "messages", "raw", *SAMPLING)
 
 @dataclass(frozen=True)
 class BatchItem:
-    line: int  # 1-based, in the input file
-    prompt: Prompt  # text or chat messages
+    # 1-based, in the input file
+    line: int
+    # text or chat messages
+    prompt: Prompt
     raw: bool
-    sampling: dict[str, Any]  # the line's own sampling knobs (RunOptions fields)
-    digest: str  # sha256 of the line's text: which input an output line answers
+    # the line's own sampling knobs (RunOptions fields)
+    sampling: dict[str, Any]
+    # sha256 of the line's text: which input an output line answers
+    digest: str
 
 
 def parse_line(text: str, where: str, base: RunOptions) -> tuple[Prompt, bool, dict[str, Any]]:
@@ -108,7 +112,8 @@ def answered(output: Path, items: list[BatchItem]) -> set[int]:
             obj = json.loads(raw)
             line, digest = int(obj["line"]), obj["input_sha256"]
         except (ValueError, KeyError, TypeError):
-            if i == len(lines) - 1:  # the last write was interrupted: answer that line again
+            # the last write was interrupted: answer that line again
+            if i == len(lines) - 1:
                 break
             raise ConfigError(f"--output {path}: line {i + 1} is not a result of `dsfp4 run --batch`") from None
         if digests.get(line) != digest:

@@ -23,7 +23,8 @@ from dsfp4.runtime.plan.planner import token_bytes
 from dsfp4.runtime.profile.calibration import BUILTIN_FILES, Entry, parse_jsonl
 from dsfp4.tools.doctor import Ceilings
 
-PROMPT_CHARS = 1200  # about 250 tokens of prompt each
+# about 250 tokens of prompt each
+PROMPT_CHARS = 1200
 
 
 def prompt_set(n: int) -> list[str]:
@@ -54,13 +55,16 @@ def run_preset(
         plan, store = engine.plan, engine.model.experts
         backbone, record = token_bytes(store.manifest)
         prefills, decodes, layer_uses = [], [], {}
-        for p in prompts:  # each prompt its own conversation: the prefill, then the answer after the cached prompt
+        # each prompt its own conversation: the prefill, then the answer after the cached prompt
+        for p in prompts:
             engine.reset()
             prefills.append(engine.generate(p, max_tokens=1, temperature=0).stats)
             ids = engine.encode(p)
-            if engine.model.reusable(len(ids) - 1) < len(ids) - 1:  # V4: its caches continue only where they stop
+            # V4: its caches continue only where they stop
+            if engine.model.reusable(len(ids) - 1) < len(ids) - 1:
                 engine.reset()
-                engine.generate(ids[:-1], max_tokens=1, temperature=0)  # so they stop before the last token
+                # so they stop before the last token
+                engine.generate(ids[:-1], max_tokens=1, temperature=0)
             before = store.counters.layers()
             decodes.append(engine.generate(ids, max_tokens=max_tokens, temperature=0).stats)
             for layer, now in store.counters.layers().items():
@@ -69,13 +73,15 @@ def run_preset(
                     a + n - w for a, n, w in zip(layer_uses.get(layer, (0, 0, 0)), now, was, strict=True)
                 ]
         decode_mode = engine.decode_mode
-    tokens = sum(x.generated_tokens - 1 for x in decodes)  # each answer's first token comes with its prefill
+    # each answer's first token comes with its prefill
+    tokens = sum(x.generated_tokens - 1 for x in decodes)
     # passes: the re-fed last prompt token, then a pass per further token; one token's work each
     passes = max(sum(x.generated_tokens for x in decodes), 1)
     decode_s = sum(x.decode_s for x in decodes)
     moved = {k: sum(x.store.get(k, 0) for x in decodes) for k in decodes[0].store}
     uses = moved.get("expert_uses", 0) or 1
-    per_token = {  # bytes a one-token pass moved from the SSD, over PCIe, and read on the device
+    # bytes a one-token pass moved from the SSD, over PCIe, and read on the device
+    per_token = {
         "ssd": moved.get("ssd_bytes", 0) / passes,
         "h2d": moved.get("h2d_bytes", 0) / passes,
         "device": backbone + moved.get("expert_uses", 0) * record / passes,
@@ -90,7 +96,8 @@ def run_preset(
         "cpu_budget": plan.budgets.cpu,
         "gpu_slots": plan.gpu_slots,
         "ram_slots": plan.ram_slots,
-        "cold_slots": plan.cold_slots,  # of ram_slots, those sized for cold records
+        # of ram_slots, those sized for cold records
+        "cold_slots": plan.cold_slots,
         "total_records": plan.total_records,
         "load_s": load_s,
         "decode_mode": decode_mode,

@@ -58,7 +58,8 @@ def _read_jobs(jobs: Iterator[tuple[Path, int]], chunk: int, threads: int) -> fl
                 return
             fd = fds[job[0]]
             done[i] += os.preadv(fd, [buf], job[1])
-            os.posix_fadvise(fd, job[1], chunk, os.POSIX_FADV_DONTNEED)  # a buffered read must not be re-served
+            # a buffered read must not be re-served
+            os.posix_fadvise(fd, job[1], chunk, os.POSIX_FADV_DONTNEED)
 
     t = time.perf_counter()
     workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
@@ -78,7 +79,8 @@ def sequential_read_gbps(paths: list[Path], threads: int = 8, chunk: int = 32 <<
     def jobs() -> Iterator[tuple[Path, int]]:
         left = limit
         for p in paths:
-            for pos in range(0, p.stat().st_size, chunk):  # the last read may come back short
+            # the last read may come back short
+            for pos in range(0, p.stat().st_size, chunk):
                 if left <= 0:
                     return
                 left -= chunk
@@ -99,7 +101,8 @@ def random_read_gbps(paths: list[Path], record: int, count: int = 48, threads: i
 # the store's reads (runtime/store/expert_store.py): single records or runs of RUN_RECORDS adjacent ones, with
 # io_threads (default 4) reads in flight; the sweep takes the best of these and of deeper queues
 STORE_RUNS, STORE_DEPTHS = (1, 4), (4, 8, 16)
-STORE_SWEEP_BYTES = 512 << 20  # read per configuration
+# read per configuration
+STORE_SWEEP_BYTES = 512 << 20
 
 
 def store_read_gbps(paths: list[Path], record: int, seed: int = 0) -> float:

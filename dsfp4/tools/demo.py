@@ -17,7 +17,8 @@ from dsfp4.synthetic.releases import RELEASES
 from dsfp4.units import format_bytes
 
 DEMO_PROMPT = "Why does dsfp4 stream experts from the SSD?"
-DEMO_CONTEXT = 512  # the tiny model's KV cache: the prompt and a short answer fit
+# the tiny model's KV cache: the prompt and a short answer fit
+DEMO_CONTEXT = 512
 
 
 def run_demo(

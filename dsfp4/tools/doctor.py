@@ -28,10 +28,13 @@ from dsfp4.runtime.plan.probes import host_moe_gbps
 from dsfp4.tools import ceilings
 from dsfp4.units import format_bytes
 
-V3_LAYOUT = RecordLayout.for_expert("nvfp4", 7168, 2048)  # a DeepSeek-V3 NVFP4 expert record, when no model is given
-RECORD_BYTES = V3_LAYOUT.nbytes  # the copy size when no model is given
+# a DeepSeek-V3 NVFP4 expert record, when no model is given
+V3_LAYOUT = RecordLayout.for_expert("nvfp4", 7168, 2048)
+# the copy size when no model is given
+RECORD_BYTES = V3_LAYOUT.nbytes
 SCRATCH = ".dsfp4-doctor.tmp"
-BF16 = 2  # bytes of a plain weight on a GPU run, where backbone in RAM is read
+# bytes of a plain weight on a GPU run, where backbone in RAM is read
+BF16 = 2
 
 
 def default_path() -> Path:
@@ -47,16 +50,20 @@ class Ceilings:
     hbm_read_gbps: float = 0.0
     pinned_h2d_gbps: float = 0.0
     pageable_h2d_gbps: float = 0.0
-    disk: str = ""  # the folder measured
-    disk_direct: bool = True  # False: the filesystem refused O_DIRECT (reads went through the page cache)
+    # the folder measured
+    disk: str = ""
+    # False: the filesystem refused O_DIRECT (reads went through the page cache)
+    disk_direct: bool = True
     seq_read_gbps: float = 0.0
     random_read_gbps: float = 0.0
-    store_read_gbps: float = 0.0  # the best of the store's read sizes (1 or RUN_RECORDS records) and depths
+    # the best of the store's read sizes (1 or RUN_RECORDS records) and depths
+    store_read_gbps: float = 0.0
     record_bytes: int = RECORD_BYTES
     ram_available: int = 0
     cpu_cores: int = 0
     cpu_isa: list[str] = field(default_factory=list)
-    cpu_moe_gbps: float = 0.0  # the CPU lane's kernel on one record for one token, alone (0: no C compiler)
+    # the CPU lane's kernel on one record for one token, alone (0: no C compiler)
+    cpu_moe_gbps: float = 0.0
     measured_at: str = ""
     seconds: float = 0.0
 
@@ -162,7 +169,8 @@ def model_expert_bytes(model: Manifest | None) -> int | None:
     return len(expert_layers(model)) * model.args.n_activated_experts * model.record.nbytes
 
 
-V3_EXPERTS_PER_TOKEN = 58 * 8  # DeepSeek-V3: 58 MoE layers x top-8, for the verdict without a model
+# DeepSeek-V3: 58 MoE layers x top-8, for the verdict without a model
+V3_EXPERTS_PER_TOKEN = 58 * 8
 
 
 def verdict(c: Ceilings, expert_bytes_per_token: int | None = None) -> list[str]:

@@ -26,16 +26,22 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.tools.logprobs_file import LogProbs
 
-DEFAULT_CONTEXT = 512  # tokens per window, as llama-perplexity's default
-DEFAULT_TOP_K = 32  # log-probabilities kept per position by --save-logits
-REST_FLOOR = 1e-6  # probability mass below this outside the kept tokens is rounding (fp32 sums), taken as none
+# tokens per window, as llama-perplexity's default
+DEFAULT_CONTEXT = 512
+# log-probabilities kept per position by --save-logits
+DEFAULT_TOP_K = 32
+# probability mass below this outside the kept tokens is rounding (fp32 sums), taken as none
+REST_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
 class Window:
-    start: int  # its first text token
-    first: int  # the first text token it scores (later than start where an earlier window scored those)
-    end: int  # one past its last text token
+    # its first text token
+    start: int
+    # the first text token it scores (later than start where an earlier window scored those)
+    first: int
+    # one past its last text token
+    end: int
 
 
 def windows(n_text: int, context: int, stride: int | None, bos: bool) -> list[Window]:
@@ -64,7 +70,8 @@ def scored_targets(ids: list[int], wins: list[Window]) -> np.ndarray:
 class Evaluation:
     """What `dsfp4 eval` prints (`to_dict`), and the log-probabilities it may save."""
 
-    tokens: int  # positions scored
+    # positions scored
+    tokens: int
     windows: int
     context: int
     stride: int
@@ -135,7 +142,8 @@ def _bucket_kl(ref_ids: torch.Tensor, ref_lp: torch.Tensor, logp: torch.Tensor) 
     top = (p_lp.exp() * (p_lp - q_lp)).sum(1)
     p_rest = 1 - p_lp.exp().sum(1)
     q_rest = (1 - q_lp.exp().sum(1)).clamp(min=REST_FLOOR)
-    has_rest = p_rest > REST_FLOOR  # below it, the rest is fp32 rounding of a sum of probabilities, not mass
+    # below it, the rest is fp32 rounding of a sum of probabilities, not mass
+    has_rest = p_rest > REST_FLOOR
     rest = torch.where(has_rest, p_rest * (p_rest.clamp(min=REST_FLOOR).log() - q_rest.log()), 0.0)
     return top + rest
 
@@ -161,7 +169,8 @@ def evaluate(
         head = [bos_id] if bos_id is not None else []
         tokens = head + ids[w.start : w.end]
         logits = logits_of(tokens)  # [T, V]
-        rows = torch.arange(w.first - w.start, w.end - w.start) + len(head) - 1  # the rows predicting scored tokens
+        # the rows predicting scored tokens
+        rows = torch.arange(w.first - w.start, w.end - w.start) + len(head) - 1
         logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [n, V]
         target = torch.tensor(ids[w.first : w.end], dtype=torch.long)
         got = logp.gather(1, target[:, None])[:, 0]  # [n]

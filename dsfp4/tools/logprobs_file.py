@@ -20,7 +20,8 @@ from dsfp4.layout.atomic import atomic_write_bytes
 
 MAGIC = b"DSFP4LP\n"
 FORMAT_VERSION = 1
-ZSTD_LEVEL = 9  # log-probabilities compress poorly; a middle level costs little time for the few percent it gains
+# log-probabilities compress poorly; a middle level costs little time for the few percent it gains
+ZSTD_LEVEL = 9
 ARRAYS = (
     ("targets", np.int32, 1),
     ("target_logprob", np.float32, 1),

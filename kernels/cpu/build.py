@@ -56,7 +56,8 @@ def load(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
         target = cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
         if not target.is_file():
             _build(path, flags, source, target)
-    except OSError as e:  # the compiler will not start, or the cache folder cannot be written
+    except OSError as e:
+        # the compiler will not start, or the cache folder cannot be written
         raise KernelUnavailable(f"cannot build {source.name} into {cache_root() / 'kernels'}: {e}") from None
     try:
         return ctypes.CDLL(str(target))
@@ -66,7 +67,8 @@ def load(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: never half a file
+    # built aside, then renamed: never half a file
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         try:
             run = subprocess.run(

@@ -18,7 +18,8 @@ from dsfp4.layout.fp4 import e2m1_decode, e8m0_to_float
 from dsfp4.layout.record import RecordLayout
 
 SOURCE = Path(__file__).with_name("moe.c")
-PARTS = ("w13", "w13_scale", "w2", "w2_scale", "scale_2")  # the byte offsets expert_ffn takes, in its order
+# the byte offsets expert_ffn takes, in its order
+PARTS = ("w13", "w13_scale", "w2", "w2_scale", "scale_2")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 EXPERT_FFN = CFunction(SOURCE, "expert_ffn", [_P, _P, _I, _I, _I, _P, _P, _F, _P, _I, _P, _P, _P, _P, _I])

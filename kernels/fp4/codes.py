@@ -15,15 +15,18 @@ from __future__ import annotations
 
 from dsfp4.kernels.backend import tl, triton
 
-E2M1_UNBIAS = 16384.0  # 2^14: the fp16 placement's scale, folded into the epilogue
+# 2^14: the fp16 placement's scale, folded into the epilogue
+E2M1_UNBIAS = 16384.0
 # e2m1_bf16 places codes as bf16 code * 2^-126 (0.5 the subnormal 2^-127). One bf16 product with an e4m3 scale
 # lifted by 2^119 (at most 448 * 2^119 < 2^128) is code * scale * 2^-7 exactly: at most 6 significant bits, and
 # from 0.5 * 2^-9 * 2^-7 up, all normal. e8m0 scales span 2^-127..2^127, so MXFP4 takes two products: 2^126, then
 # the scale
 E4M3_LIFT = 2.0**119
-E4M3_LIFT_UNBIAS = 128.0  # 2^7, folded into the epilogue
+# 2^7, folded into the epilogue
+E4M3_LIFT_UNBIAS = 128.0
 E8M0_LIFT = 2.0**126
-X16_TOP_EXP = 15  # words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
+# words_sums' x: each token scaled by a power of two to a largest |x| in [2^14, 2^15)
+X16_TOP_EXP = 15
 
 
 def _words_ptx() -> str:
@@ -47,7 +50,8 @@ def _fp16_placement_ptx() -> str:
     $0, $1: low nibbles of b0 b1, b2 b3; $2, $3: their high nibbles."""
     lines = ["{", ".reg .b32 t01, t23, a, b;", "prmt.b32 t01, $4, 0, 0x4140;", "prmt.b32 t23, $4, 0, 0x4342;"]
     out = 0
-    for sign, mag in ((12, 9), (8, 5)):  # the low nibble's bits, then the high nibble's (4 bits further up)
+    # the low nibble's bits, then the high nibble's (4 bits further up)
+    for sign, mag in ((12, 9), (8, 5)):
         for t in ("t01", "t23"):
             lines += [f"shl.b32 a, {t}, {sign};", "and.b32 a, a, 0x80008000;", f"shl.b32 b, {t}, {mag};"]
             lines += ["and.b32 b, b, 0x0e000e00;", f"or.b32 ${out}, b, a;"]
@@ -69,8 +73,10 @@ def _bf16_placement_ptx() -> str:
 
 
 if triton is not None:
-    _FP16_PTX = tl.constexpr(_fp16_placement_ptx())  # magnitude to bits 9-11: code * 2^-14 in fp16
-    _BF16_PTX = tl.constexpr(_bf16_placement_ptx())  # magnitude to bits 6-8: code * 2^-126 in bf16
+    # magnitude to bits 9-11: code * 2^-14 in fp16
+    _FP16_PTX = tl.constexpr(_fp16_placement_ptx())
+    # magnitude to bits 6-8: code * 2^-126 in bf16
+    _BF16_PTX = tl.constexpr(_bf16_placement_ptx())
 
     @triton.jit
     def _placed(packed, PTX: tl.constexpr):
@@ -99,7 +105,8 @@ if triton is not None:
     def e2m1_bf16(packed, USE_ASM: tl.constexpr):
         """packed: uint8 [...] -> (low nibbles, high nibbles), each e2m1 * 2^-126: bf16 on the GPU, fp32 under the
         interpreter (which flushes bf16 subnormals; the same placement in fp32's fields)."""
-        if USE_ASM:  # one return below: Triton wants every return of a function to have the same type
+        # one return below: Triton wants every return of a function to have the same type
+        if USE_ASM:
             lo, hi = _placed(packed, _BF16_PTX)
             lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
         else:
@@ -126,14 +133,16 @@ if triton is not None:
             y = tl.inline_asm_elementwise(
                 _WORDS_PTX, "=r,=r,r,r,l,l,l,l", [words, xa, xb], dtype=tl.float32, is_pure=True, pack=2
             )
-            return tl.max(tl.reshape(y, (R, NP, 2)), 2)  # a piece's two outputs are equal
+            # a piece's two outputs are equal
+            return tl.max(tl.reshape(y, (R, NP, 2)), 2)
         w = words.to(tl.uint32, bitcast=True)
         xa, xb = xa.to(tl.uint64, bitcast=True), xb.to(tl.uint64, bitcast=True)
         acc = tl.zeros(words.shape, tl.float16)
         for k in tl.static_range(4):
             t = w << (4 * k)
             o = (t & 0x80008000) | ((t & 0x70007000) >> 3)
-            x = (xb if k < 2 else xa) >> (32 * ((k + 1) % 2))  # x[3 - k], x[7 - k]
+            # x[3 - k], x[7 - k]
+            x = (xb if k < 2 else xa) >> (32 * ((k + 1) % 2))
             acc += fp16_low(o) * fp16_low(x) + fp16_low(o >> 16) * fp16_low(x >> 16)
         return tl.sum(tl.reshape(acc, (R, NP, 2)), 2).to(tl.float32)
 
@@ -149,7 +158,8 @@ if triton is not None:
         ex = (b >> 3) & 15
         man = b & 7
         normal = (((b >> 7) << 31) | ((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-        sub = man.to(tl.float32) * (1.0 / 512.0)  # e4m3 subnormals: m * 2^-9
+        # e4m3 subnormals: m * 2^-9
+        sub = man.to(tl.float32) * (1.0 / 512.0)
         return tl.where(ex == 0, tl.where((b >> 7) != 0, -sub, sub), normal)
 
     @triton.jit

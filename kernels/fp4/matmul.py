@@ -23,10 +23,14 @@ from dsfp4.kernels.fp4.codes import E2M1_UNBIAS, block_scale, e2m1_halves
 from dsfp4.layout.formats import get_format, next_pow2
 from dsfp4.layout.fp4 import mxfp4_dequantize, nvfp4_dequantize
 
-GEMV_MAX_TOKENS = DECODE_TOKENS  # beyond it tensor cores beat per-token FMA (kernels-limits 4.1)
-GEMV_BLOCK_N = 16  # rows per GEMV program: many small programs keep the memory system busy
-GEMV_MAX_BLOCK_K = 256  # elements per GEMV step (128 bytes of each row)
-GEMM_LARGE_T = 1024  # from here 128-token tiles amortize each decoded weight tile over more tokens
+# beyond it tensor cores beat per-token FMA (kernels-limits 4.1)
+GEMV_MAX_TOKENS = DECODE_TOKENS
+# rows per GEMV program: many small programs keep the memory system busy
+GEMV_BLOCK_N = 16
+# elements per GEMV step (128 bytes of each row)
+GEMV_MAX_BLOCK_K = 256
+# from here 128-token tiles amortize each decoded weight tile over more tokens
+GEMM_LARGE_T = 1024
 GEMM_BLOCK_N = 64
 GEMM_BLOCK_K = 128
 
@@ -77,10 +81,12 @@ if triton is not None:
     def _store(acc, y_ptr, g_ptr, offs_t, offs_n, T, N, split, stride_yt, HAS_GLOBAL: tl.constexpr):
         """acc [BT, BN] of products with codes * 2^-14 -> y, with 2^14 and each row's global scale applied."""
         acc = acc * UNBIAS
-        if HAS_GLOBAL:  # NVFP4: one fp32 scale per row, g[0] below `split`, g[1] from it on
+        # NVFP4: one fp32 scale per row, g[0] below `split`, g[1] from it on
+        if HAS_GLOBAL:
             acc = acc * tl.load(g_ptr + (offs_n >= split).to(tl.int32), mask=offs_n < N, other=0.0)[None, :]
         mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
-        y_rows = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt  # int64: T * N may pass 2^31
+        # int64: T * N may pass 2^31
+        y_rows = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt
         tl.store(y_rows + offs_n[None, :], acc, mask=mask)
 
     @triton.jit
@@ -107,15 +113,18 @@ if triton is not None:
         USE_ASM: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = offs_n % N  # rows past N read row r % N, dropped at the store
+        # rows past N read row r % N, dropped at the store
+        rows = offs_n % N
         lanes = tl.arange(0, BLOCK_T)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             lo, hi, scale = _decode_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, BLOCK_K, GROUP, E8M0, USE_ASM)
             cols = k0 + tl.arange(0, BLOCK_K)
-            for t in range(T):  # the decoded weights stay in registers for every token
+            # the decoded weights stay in registers for every token
+            for t in range(T):
                 xv = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
-                xe, xo = tl.split(tl.reshape(xv, (BLOCK_K // 2, 2)))  # x[2j] meets the low nibble of byte j
+                # x[2j] meets the low nibble of byte j
+                xe, xo = tl.split(tl.reshape(xv, (BLOCK_K // 2, 2)))
                 part = tl.sum(
                     tl.reshape(lo * xe[None, :] + hi * xo[None, :], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), 2
                 )
@@ -151,8 +160,10 @@ if triton is not None:
         operands wrongly: there the operands are rounded to DOT_DTYPE first, as on the GPU)."""
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = offs_n % N  # wrapped rows and tokens are dropped at the store
-        x_rows = x_ptr + (offs_t % T).to(tl.int64)[:, None] * stride_xt  # int64: T * K may pass 2^31
+        # wrapped rows and tokens are dropped at the store
+        rows = offs_n % N
+        # int64: T * K may pass 2^31
+        x_rows = x_ptr + (offs_t % T).to(tl.int64)[:, None] * stride_xt
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             lo, hi, scale = _decode_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, BLOCK_K, GROUP, E8M0, USE_ASM)
@@ -200,7 +211,8 @@ def fp4_matmul(
     y = torch.empty(t, n, dtype=torch.float32, device=x.device)
     if t == 0:
         return y
-    args = (x, packed, scale, y if g is None else g, y, t, n, k, split)  # any pointer serves when there is no g
+    # any pointer serves when there is no g
+    args = (x, packed, scale, y if g is None else g, y, t, n, k, split)
     args += (x.stride(0), packed.stride(0), scale.stride(0), y.stride(0))
     common = dict(GROUP=group, E8M0=fmt == "mxfp4", HAS_GLOBAL=g is not None, USE_ASM=not interpreted())
     if t <= GEMV_MAX_TOKENS:

@@ -13,14 +13,16 @@ import torch
 from dsfp4.kernels.backend import tl, triton, use_kernels
 from dsfp4.layout.record import RecordLayout
 
-WIDEN_BLOCK = 1024  # output bytes per program
+# output bytes per program
+WIDEN_BLOCK = 1024
 
 
 if triton is not None:
 
     @triton.jit
     def _widen_kernel(src, dst, lut, n_out, BITS: tl.constexpr, BLOCK: tl.constexpr):
-        j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # output bytes of this program
+        # output bytes of this program
+        j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = j < n_out
         if BITS == 2:
             pair = (tl.load(src + j // 2, mask=mask, other=0).to(tl.int32) >> (4 * (j % 2))) & 0xF
@@ -54,5 +56,6 @@ def widen_record(src: torch.Tensor, dst: torch.Tensor, cold: RecordLayout, lut: 
         into, at = wide.part(part.name), src[part.offset : part.offset + part.nbytes]
         if part.name in ("w13", "w2"):
             widen_codes(at, dst[into.offset : into.offset + into.nbytes], lut, cold.code_bits)
-        else:  # the scales, as they are
+        else:
+            # the scales, as they are
             dst[into.offset : into.offset + into.nbytes].copy_(at)

@@ -12,7 +12,8 @@ from dsfp4.kernels.backend import hw_e4m3, tl, triton
 from dsfp4.kernels.fp4.codes import block_scale
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
-BLOCK_N, BLOCK_K = 32, 128  # a program writes 32 rows of one 128-column block (one scale per program)
+# a program writes 32 rows of one 128-column block (one scale per program)
+BLOCK_N, BLOCK_K = 32, 128
 
 fp8_dequantize_ref = fp8_block_dequantize
 
@@ -38,7 +39,8 @@ if triton is not None:
         ok = (rows[:, None] < N) & (cols[None, :] < K)
         b = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :], mask=ok, other=0)  # [BN, BK] e4m3 bytes
         s = tl.load(s_ptr + (tl.program_id(0) * BN // SCALE_BLOCK) * stride_s + tl.program_id(1))
-        w = block_scale(b, E8M0=False, HW_E4M3=HW_E4M3) * s  # exact e4m3 -> fp32, times the block's fp32 scale
+        # exact e4m3 -> fp32, times the block's fp32 scale
+        w = block_scale(b, E8M0=False, HW_E4M3=HW_E4M3) * s
         tl.store(w_ptr + rows[:, None] * stride_w + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
 
 

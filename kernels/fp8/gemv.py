@@ -28,15 +28,21 @@ from __future__ import annotations
 from dsfp4.kernels.backend import tl, triton
 from dsfp4.layout.fp4 import E4M3_MAX
 
-PIECE = 8  # bytes (columns) of a row per thread and step: two 32-bit words
-WORD = 4  # e4m3 bytes per 32-bit word
-X16_TOP = 4  # x * 2^s < 2^X16_TOP per piece: PIECE products of |e4m3| <= 448 then sum below fp16's largest
+# bytes (columns) of a row per thread and step: two 32-bit words
+PIECE = 8
+# e4m3 bytes per 32-bit word
+WORD = 4
+# x * 2^s < 2^X16_TOP per piece: PIECE products of |e4m3| <= 448 then sum below fp16's largest
+X16_TOP = 4
 F16_MAX = 65504.0
 F32_EXP_BIAS = 127
 F32_MANTISSA_BITS = 23
-UP_BIAS = X16_TOP + 2 * F32_EXP_BIAS - 1  # biased exponent of 2^s = this minus that of the piece's largest |x|
-EXP_SUM = 2 * F32_EXP_BIAS  # biased exponents of 2^s and 2^-s add up to this
-EXP_MAX = 2 * F32_EXP_BIAS - 1  # 2^s, 2^-s stay normal fp32: biased exponents 1..253
+# biased exponent of 2^s = this minus that of the piece's largest |x|
+UP_BIAS = X16_TOP + 2 * F32_EXP_BIAS - 1
+# biased exponents of 2^s and 2^-s add up to this
+EXP_SUM = 2 * F32_EXP_BIAS
+# 2^s, 2^-s stay normal fp32: biased exponents 1..253
+EXP_MAX = 2 * F32_EXP_BIAS - 1
 assert PIECE * E4M3_MAX * 2**X16_TOP <= F16_MAX, "a piece's fp16 sum could overflow"
 
 
@@ -62,7 +68,8 @@ def x16_ptx() -> str:
     lines += [f"min.s32 u, u, {EXP_MAX};", f"shl.b32 e, u, {mant};", "mov.b32 up, e;", f"sub.s32 u, {EXP_SUM}, u;"]
     lines += [f"shl.b32 $2, u, {mant};"]
     lines += [f"mul.f32 a{i}, ${3 + i}, up;" for i in range(PIECE)]
-    lines += [f"cvt.rn.f16x2.f32 p{i}, a{2 * i + 1}, a{2 * i};" for i in range(PIECE // 2)]  # a{2i} low
+    # a{2i} low
+    lines += [f"cvt.rn.f16x2.f32 p{i}, a{2 * i + 1}, a{2 * i};" for i in range(PIECE // 2)]
     return "\n".join(lines + ["mov.b64 $0, {p0, p1};", "mov.b64 $1, {p2, p3};", "}"])
 
 
@@ -97,14 +104,16 @@ if triton is not None:
                 _PAIRS_PTX, "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1
             )
         b = _bytes16(w).to(tl.uint16, bitcast=True).to(tl.uint32)  # [P, BN, 2, 4]
-        first, second = tl.split(tl.reshape(b, (w.shape[0], w.shape[1], 2, 2, 2)))  # of each pair
+        # of each pair
+        first, second = tl.split(tl.reshape(b, (w.shape[0], w.shape[1], 2, 2, 2)))
         return tl.split(first | (second << 16))
 
     @triton.jit
     def _piece_sums(lo, hi, xa, xb, USE_ASM: tl.constexpr):
         """Piece sums in fp16 products, widened: [P, BN] fp32 (lo, hi: _pairs; xa, xb: u64 [P, 1], the piece's x
         as fp16 quads)."""
-        lo0, lo1 = tl.split(lo)  # words 0, 1 of the piece: [P, BN]
+        # words 0, 1 of the piece: [P, BN]
+        lo0, lo1 = tl.split(lo)
         hi0, hi1 = tl.split(hi)
         if USE_ASM:
             a = lo0.to(tl.uint64) | (hi0.to(tl.uint64) << 32)
@@ -116,8 +125,10 @@ if triton is not None:
         w = tl.join(fp16_low(pairs), fp16_low(pairs >> 16))  # [P, BN, word, pair, lane]
         quads = tl.join(xa, xb)  # [P, 1, word]
         x = fp16_low(quads[:, :, :, None] >> (16 * tl.arange(0, _WORD)))  # [P, 1, word, 4]
-        prod = w * tl.reshape(x, (xa.shape[0], 1, 2, 2, 2))  # rounded to fp16
-        lanes = tl.sum(tl.reshape(prod, (lo0.shape[0], lo0.shape[1], _PIECE // 2, 2)), 2)  # even, odd columns
+        # rounded to fp16
+        prod = w * tl.reshape(x, (xa.shape[0], 1, 2, 2, 2))
+        # even, odd columns
+        lanes = tl.sum(tl.reshape(prod, (lo0.shape[0], lo0.shape[1], _PIECE // 2, 2)), 2)
         even, odd = tl.split(lanes)
         return (even + odd).to(tl.float32)
 
@@ -142,8 +153,10 @@ if triton is not None:
         """x: fp32 [P, 1, 8] -> (x * 2^s as fp16, 2^-s [P, 1]): per piece, largest |x| * 2^s in [2^(X16_TOP-1),
         2^X16_TOP); zero and subnormal pieces take the largest 2^s (their products vanish anyway)."""
         m = tl.max(tl.abs(x), 2, keep_dims=True)  # [P, 1, 1]
-        e = (m.to(tl.int32, bitcast=True) >> _MANT) & 0xFF  # biased exponent of the largest |x|
-        up = tl.minimum(tl.maximum(-e + _UP_BIAS, 1), _EXP_MAX)  # tensors first: the interpreter
+        # biased exponent of the largest |x|
+        e = (m.to(tl.int32, bitcast=True) >> _MANT) & 0xFF
+        # tensors first: the interpreter
+        up = tl.minimum(tl.maximum(-e + _UP_BIAS, 1), _EXP_MAX)
         down = ((-up + _EXP_SUM) << _MANT).to(tl.float32, bitcast=True)
         return (x * (up << _MANT).to(tl.float32, bitcast=True)).to(tl.float16), tl.reshape(down, (x.shape[0], 1))
 
@@ -203,12 +216,14 @@ if triton is not None:
         s_row = s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn
         k_start = pid_s * k_split
         k_end = tl.minimum(k_start + k_split, K)
-        accs = (tl.zeros((P, BLOCK_N), dtype=tl.float32),) * T  # per token, per piece slot and row
+        # per token, per piece slot and row
+        accs = (tl.zeros((P, BLOCK_N), dtype=tl.float32),) * T
         w = tl.load(w_rows + k_start // _WORD + words, mask=k_start + piece < k_end, other=0)  # [P, BN, 2]
         for k0 in range(k_start, k_end, BLOCK_K):
             live = k0 + piece < k_end  # [P, 1, 1]
             sb = tl.reshape(tl.load(s_row + (k0 + piece) // SCALE_BLOCK, mask=live, other=0.0), (P, 1))
-            lo, hi = _pairs(w.to(tl.uint32, bitcast=True), USE_ASM)  # converted once for every token
+            # converted once for every token
+            lo, hi = _pairs(w.to(tl.uint32, bitcast=True), USE_ASM)
             if not F16X2:
                 wf = _bytes_f32(lo, hi)  # [P, BN, 8]
             new = ()

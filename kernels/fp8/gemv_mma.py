@@ -53,7 +53,8 @@ if triton is not None:
             x = tl.load(x_rows + k0 + cols[None, :], mask=(toks[:, None] < T) & live[None, :], other=0.0)  # [BT, BK]
             w = tl.load(w_rows + k0 + cols[None, :], mask=live[None, :], other=0.0)  # [BN, BK] e4m3
             sb = tl.load(s_row + k0 // SCALE_BLOCK)
-            if WIDE:  # the same exact products in fp32 operands (Triton's interpreter cannot multiply bf16 tiles)
+            # the same exact products in fp32 operands (Triton's interpreter cannot multiply bf16 tiles)
+            if WIDE:
                 part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 part = tl.dot(x, tl.trans(w.to(x.dtype)))

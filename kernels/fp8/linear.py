@@ -33,28 +33,44 @@ from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
 
-GEMV_MAX_TOKENS = DECODE_TOKENS  # decode and speculative verify batches; above it tensor cores pay
-GEMV_MATH = "f16x2"  # bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
-GEMV_MMA_TOKENS = 8  # bf16/fp16 x of this many tokens and more: the tensor-core GEMV ("mma", gemv_mma.py) ...
+# decode and speculative verify batches; above it tensor cores pay
+GEMV_MAX_TOKENS = DECODE_TOKENS
+# bf16/fp16 x: "f16x2" or "f32" (the piece kernel's maths), "legacy" (fp8_gemv_kernel)
+GEMV_MATH = "f16x2"
+# bf16/fp16 x of this many tokens and more: the tensor-core GEMV ("mma", gemv_mma.py) ...
+GEMV_MMA_TOKENS = 8
 # ... but above this K only at GEMV_MAX_TOKENS: its long K loop lost to the piece kernel at 8 tokens on V3's o, q_a,
 # kv_a, shared w13 and won on q_b and shared w2 (docs/BENCHMARKS.md, run 67)
 GEMV_MMA_LONG_K = 2048
-GEMV_MMA_TOKEN_ROWS = 16  # its token tile: the smallest tensor-core product's rows
-GEMV_MMA_ROWS = (64, 16)  # its rows per program, halved from the first to the second while the SMs lack programs
-GEMV_ROWS = ((8, 8), (16, 4))  # piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32
+# its token tile: the smallest tensor-core product's rows
+GEMV_MMA_TOKEN_ROWS = 16
+# its rows per program, halved from the first to the second while the SMs lack programs
+GEMV_MMA_ROWS = (64, 16)
+# piece kernel: (up to T tokens, rows per program); a thread keeps T x rows fp32
+GEMV_ROWS = ((8, 8), (16, 4))
 # accumulators and 8 bytes of every row per step in registers (16 rows: slower at T = 1, spills at T = 4 on sm_90)
-GEMV_MIN_ROWS = 4  # the piece kernel halves its rows down to this while fewer than PROGRAMS_PER_SM row blocks per SM
+# the piece kernel halves its rows down to this while fewer than PROGRAMS_PER_SM row blocks per SM
+GEMV_MIN_ROWS = 4
 GEMV_WARPS = 4
-GEMV_PIECES = 1  # pieces per thread and row in one step: BLOCK_K = PIECE * 32 lanes * warps * pieces
-GEMV_BLOCK_N = 16  # fp8_gemv_kernel's rows per program: small tiles keep many programs reading (kernels-limits 4.1)
-GEMV_MAX_BLOCK_K = 512  # fp8_gemv_kernel's columns per step: 8 KiB of weights in flight per program
-PROGRAMS_PER_SM = 2  # the GEMV splits K until its grid reaches this many programs per SM
-SUM_BLOCK = 1024  # outputs per program of the split-sum kernel
+# pieces per thread and row in one step: BLOCK_K = PIECE * 32 lanes * warps * pieces
+GEMV_PIECES = 1
+# fp8_gemv_kernel's rows per program: small tiles keep many programs reading (kernels-limits 4.1)
+GEMV_BLOCK_N = 16
+# fp8_gemv_kernel's columns per step: 8 KiB of weights in flight per program
+GEMV_MAX_BLOCK_K = 512
+# the GEMV splits K until its grid reaches this many programs per SM
+PROGRAMS_PER_SM = 2
+# outputs per program of the split-sum kernel
+SUM_BLOCK = 1024
 GEMM_BLOCK_N = 128
-GEMM_BLOCK_M = (64, 128)  # token rows per GEMM tile: the large one once the tiles fill every SM
-GEMM_STAGES = 3  # K steps in flight: 3 x 32 KiB of shared memory at 128x128
-GEMM_GROUP_M = 8  # row tiles that take turns on one weight column tile while it sits in L2
-ACT_GROUPS = 8  # 128-wide groups per act_quant program
+# token rows per GEMM tile: the large one once the tiles fill every SM
+GEMM_BLOCK_M = (64, 128)
+# K steps in flight: 3 x 32 KiB of shared memory at 128x128
+GEMM_STAGES = 3
+# row tiles that take turns on one weight column tile while it sits in L2
+GEMM_GROUP_M = 8
+# 128-wide groups per act_quant program
+ACT_GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -116,7 +132,8 @@ def gemv_plan(
         block_k = min(GEMV_MAX_BLOCK_K, max(FP8_BLOCK, next_pow2(k)))
         return GemvPlan(next_pow2(t), GEMV_BLOCK_N, block_k, *_split(n, k, GEMV_BLOCK_N, block_k, n_sms))
     assert math in ("f16x2", "f32"), f"unknown GEMV math {math!r}"
-    block_k = block_k or min(PIECE * WARP * warps * GEMV_PIECES, max(PIECE * WARP, next_pow2(k)))  # small K: fewer idle
+    # small K: fewer idle
+    block_k = block_k or min(PIECE * WARP * warps * GEMV_PIECES, max(PIECE * WARP, next_pow2(k)))
     if rows is None:
         rows = next(r for most, r in GEMV_ROWS if t <= most)
         while rows > GEMV_MIN_ROWS and ceil_div(n, rows) < PROGRAMS_PER_SM * n_sms:
@@ -146,7 +163,8 @@ def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch
     assert x.dim() == 2 and q.dim() == 2 and x.shape[1] == q.shape[1], "x: [T, K] against q: [N, K]"
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "q: e4m3, scale: fp32"
     assert tuple(scale.shape) == scale_grid(tuple(q.shape)), "scale grid does not fit q"
-    x = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided, elements must not
+    # rows may be strided, elements must not
+    x = x if x.stride(1) == 1 else x.contiguous()
     return x, q.contiguous(), scale.contiguous()
 
 
@@ -184,8 +202,10 @@ if triton is not None:
     from dsfp4.kernels.fp8.gemv_mma import fp8_gemv_mma_kernel
 
     E4M3_MANTISSA_BITS = tl.constexpr(3)
-    E4M3_MIN_EXP = tl.constexpr(-6)  # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
-    RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds |u| < 2^22 to an integer
+    # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
+    E4M3_MIN_EXP = tl.constexpr(-6)
+    # 1.5 * 2^23: adding and subtracting it rounds |u| < 2^22 to an integer
+    RINT = tl.constexpr(12582912.0)
 
     @triton.jit
     def fp8_gemv_kernel(
@@ -211,7 +231,8 @@ if triton is not None:
         GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        lanes = tl.arange(0, BLOCK_T)  # token lanes of the accumulator
+        # token lanes of the accumulator
+        lanes = tl.arange(0, BLOCK_T)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         k_start = pid_s * k_split
         for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
@@ -225,7 +246,8 @@ if triton is not None:
                 mask=(kb * SCALE_BLOCK < K)[None, :],
                 other=0.0,
             )  # [BN, GROUPS]
-            for t in range(T):  # the weights stay in registers for every token
+            # the weights stay in registers for every token
+            for t in range(T):
                 xv = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)  # [BK]
                 part = tl.sum(tl.reshape(w * xv[None, :], (BLOCK_N, GROUPS, SCALE_BLOCK)), 2)  # [BN, GROUPS]
                 acc += tl.where(lanes[:, None] == t, tl.sum(part * s, 1)[None, :], 0.0)
@@ -251,8 +273,10 @@ if triton is not None:
         ulp_exp = e - E4M3_MANTISSA_BITS
         inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
         ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
-        r = ((tl.abs(v) * inv_ulp + RINT) - RINT) * ulp  # ties to even, as IEEE addition rounds
-        return tl.where(bits < 0, -r, r)  # by the sign bit: -0.0 and values rounding to zero keep theirs
+        # ties to even, as IEEE addition rounds
+        r = ((tl.abs(v) * inv_ulp + RINT) - RINT) * ulp
+        # by the sign bit: -0.0 and values rounding to zero keep theirs
+        return tl.where(bits < 0, -r, r)
 
     @triton.jit
     def act_quant_kernel(
@@ -268,13 +292,15 @@ if triton is not None:
         QMAX: tl.constexpr,
     ):
         """One token's GROUPS 128-wide groups: q = round(x / s), s = amax / 448 (1 when amax is 0)."""
-        t = tl.program_id(0).to(tl.int64)  # int64: T * K may pass 2^31
+        # int64: T * K may pass 2^31
+        t = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G] group indices
         cols = g[:, None] * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)[None, :]  # [G, 128]
         x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), 1)
         s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)  # [G]
-        v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))  # IEEE division, as the reference's
+        # IEEE division, as the reference's
+        v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
         q = _round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
         tl.store(q_ptr + t * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
         tl.store(s_ptr + t * stride_st + g, s, mask=g * SCALE_BLOCK < K)
@@ -308,10 +334,12 @@ if triton is not None:
         pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
         pid_n = (pid % (GROUP_M * n_n)) // size_m
         # wrapped rows and columns read valid memory; their results are dropped at the store
-        rows = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % T).to(tl.int64)  # int64: T * K may pass 2^31
+        # int64: T * K may pass 2^31
+        rows = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % T).to(tl.int64)
         cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, SCALE_BLOCK)):  # one K step = one scale block
+        # one K step = one scale block
+        for kb in range(0, tl.cdiv(K, SCALE_BLOCK)):
             ks = kb * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
             a = tl.load(a_ptr + rows[:, None] * stride_at + ks[None, :], mask=(ks < K)[None, :], other=0.0)
             b = tl.load(b_ptr + cols[:, None] * stride_bn + ks[None, :], mask=(ks < K)[None, :], other=0.0)

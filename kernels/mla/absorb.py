@@ -18,8 +18,10 @@ from dsfp4.kernels.fp4.codes import block_scale
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 
-MAX_TOKENS = DECODE_TOKENS  # beyond this, dequantize once and multiply on tensor cores
-KEY_ROWS, VALUE_ROWS = 32, 16  # a program's tiles: [32, FP8_BLOCK] of W_UK per step, [16, C] of W_UV
+# beyond this, dequantize once and multiply on tensor cores
+MAX_TOKENS = DECODE_TOKENS
+# a program's tiles: [32, FP8_BLOCK] of W_UK per step, [16, C] of W_UV
+KEY_ROWS, VALUE_ROWS = 32, 16
 # tokens a values program takes with its tile: a batch's tokens spread over programs, each tile read from L2 by a
 # quarter as many programs as tokens
 VALUE_TOKENS = 4
@@ -120,7 +122,8 @@ if triton is not None:
         ok = (v < V)[:, None] & (c < C)[None, :]
         rows = h * HD + N + v
         w = _fp8_tile(w_ptr, rows, c, ok, stride_w, HW_E4M3)  # [BV, CP]
-        if ONE_ROW_BLOCK:  # one scale per column block: it multiplies o's elements, not every weight
+        # one scale per column block: it multiplies o's elements, not every weight
+        if ONE_ROW_BLOCK:
             s = tl.load(s_ptr + (tl.min(rows, 0) // SB) * stride_s + c // SB, mask=c < C, other=0.0)  # [CP]
         else:
             w *= tl.load(s_ptr + (rows // SB)[:, None] * stride_s + (c // SB)[None, :], mask=ok, other=0.0)
@@ -185,7 +188,8 @@ def absorb_values(o: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, nope: 
         BV=VALUE_ROWS,
         SB=FP8_BLOCK,
         HW_E4M3=hw_e4m3(o.device),
-        ONE_ROW_BLOCK=hd % VALUE_ROWS == 0 and nope % VALUE_ROWS == 0,  # tiles then start on multiples of BV
+        # tiles then start on multiples of BV
+        ONE_ROW_BLOCK=hd % VALUE_ROWS == 0 and nope % VALUE_ROWS == 0,
         MT=VALUE_TOKENS,
     )
     return out

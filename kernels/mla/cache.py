@@ -93,7 +93,8 @@ if triton is not None:
         """One token (b, t) per program: its H query heads, its latent row and its key row. Every load comes
         before the first store: the compiler cannot tell that the stores miss what is loaded after them, so
         interleaving them would chain one memory latency after another."""
-        b, t = (tl.program_id(0) // T).to(tl.int64), tl.program_id(0) % T  # b * a cache's batch stride: past 2^31
+        # b * a cache's batch stride: past 2^31
+        b, t = (tl.program_id(0) // T).to(tl.int64), tl.program_id(0) % T
         dims = tl.arange(0, RP)[None, :]  # [1, RP]: the rope dims as a row, for _pairs
         in_r = dims < R
         # freqs_cis as (real, imaginary) fp32 pairs: the token's own row, or its sequence's (stride_fb 0: shared)
@@ -140,7 +141,8 @@ def mla_cache(
     assert kv_cache.stride(-1) == pe_cache.stride(-1) == 1, "caches of unit stride in their last dim"
     f = torch.view_as_real(freqs_cis)  # [(B,) T, R/2, 2] fp32
     assert f.stride(-2) == 2 and rows.stride(-1) == 1, "freqs_cis: rows of contiguous pairs; rows: contiguous"
-    stride_fb = f.stride(0) if f.dim() == 4 else 0  # 0: every sequence at the same positions
+    # 0: every sequence at the same positions
+    stride_fb = f.stride(0) if f.dim() == 4 else 0
     stride_rb = rows.stride(0) if rows.dim() == 2 else 0
     _mla_cache_kernel[(b * t,)](
         q,

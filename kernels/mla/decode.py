@@ -22,10 +22,14 @@ import torch
 from dsfp4.kernels.backend import DECODE_TOKENS, cuda_props, interpreted, n_sms, tl, triton
 from dsfp4.layout.formats import next_pow2
 
-MAX_TOKENS = DECODE_TOKENS  # B * T at most: beyond it (prefill) the torch formula's gemms are the right tool
-MIN_BLOCK_S = 16  # tl.dot's smallest tile side
-COMBINE_TILE = 4096  # [splits, columns] elements a merge program holds at most (32 fp32 registers a thread at 4 warps)
-LOG2E = math.log2(math.e)  # scores are kept in base-2 units: exp2 is the hardware's exponential
+# B * T at most: beyond it (prefill) the torch formula's gemms are the right tool
+MAX_TOKENS = DECODE_TOKENS
+# tl.dot's smallest tile side
+MIN_BLOCK_S = 16
+# [splits, columns] elements a merge program holds at most (32 fp32 registers a thread at 4 warps)
+COMBINE_TILE = 4096
+# scores are kept in base-2 units: exp2 is the hardware's exponential
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,8 @@ def mla_decode_ref(
     if mask is not None:
         scores = scores + mask.unsqueeze(-2)  # [(B,) T, S] -> [(B,) T, 1, S]
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(qn.dtype, torch.float32)).to(qn.dtype)
-    return torch.einsum("bths,bsc->bthc", probs, kv)  # lat: [B, T, H, C]
+    # lat: [B, T, H, C]
+    return torch.einsum("bths,bsc->bthc", probs, kv)
 
 
 def fitted(cfg: MLADecodeConfig, device: torch.device, c: int, r: int, elt: int) -> MLADecodeConfig:
@@ -85,7 +90,8 @@ def split_plan(s: int, row_blocks: int, n_sms: int, cfg: MLADecodeConfig = DEFAU
     tiles = triton.cdiv(max(s, 1), cfg.block_s)
     want = cfg.splits or triton.cdiv(n_sms * cfg.waves, row_blocks)
     splits = max(1, min(want, tiles // cfg.min_tiles))
-    per = triton.cdiv(tiles, splits)  # tiles per split
+    # tiles per split
+    per = triton.cdiv(tiles, splits)
     return triton.cdiv(tiles, per), per * cfg.block_s
 
 
@@ -185,7 +191,8 @@ if triton is not None:
         out_ok = row_ok[:, None] & (c < C)[None, :]
         seq_row = b * T * H + rows  # [HB]: the row's index among all B T H rows
         if DIRECT:
-            lat = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
+            # padding rows have l = 0
+            lat = acc / tl.where(row_ok, l_i, 1.0)[:, None]
             tl.store(lat_ptr + seq_row[:, None] * C + c[None, :], lat.to(lat_ptr.dtype.element_ty), mask=out_ok)
         else:
             part = seq_row * splits + sp  # [HB]
@@ -239,15 +246,18 @@ if triton is not None:
         rows [HB, C] with its running max and sum (base 2) into the split's partials, or lat when DIRECT."""
         b = tl.program_id(2).to(tl.int64)
         sp = tl.program_id(1)
-        mask_ptr += b * stride_mb  # this sequence's [T, S] (stride 0: one mask for all)
+        # this sequence's [T, S] (stride 0: one mask for all)
+        mask_ptr += b * stride_mb
         rows = tl.program_id(0) * HB + tl.arange(0, HB)  # [HB]: row = t H + h
         row_ok = rows < T * H
         t, h = rows // H, rows % H
         c, r = tl.arange(0, CP), tl.arange(0, RP)
         qn = _query_rows(qn_ptr, b, t, h, row_ok, c, stride_qnb, stride_qnt, stride_qnh, C, DOT)  # [HB, CP]
         qp = _query_rows(qp_ptr, b, t, h, row_ok, r, stride_qpb, stride_qpt, stride_qph, R, DOT)  # [HB, RP]
-        m_i = tl.full((HB,), float("-inf"), dtype=tl.float32)  # running max of the base-2 scores
-        l_i = tl.zeros((HB,), dtype=tl.float32)  # running sum of exp2(score - m_i)
+        # running max of the base-2 scores
+        m_i = tl.full((HB,), float("-inf"), dtype=tl.float32)
+        # running sum of exp2(score - m_i)
+        l_i = tl.zeros((HB,), dtype=tl.float32)
         acc = tl.zeros((HB, CP), dtype=tl.float32)
         start = sp * chunk
         stop = tl.minimum(start + chunk, S)
@@ -273,7 +283,8 @@ if triton is not None:
         m = tl.load(ml_ptr + (row * splits + j) * 2, mask=j_ok, other=float("-inf"))  # [SP]
         l_j = tl.load(ml_ptr + (row * splits + j) * 2 + 1, mask=j_ok, other=0.0)
         m_all = tl.max(m, axis=0)
-        w = tl.math.exp2(m - m_all)  # splits with every position masked (m = -inf) weigh 0
+        # splits with every position masked (m = -inf) weigh 0
+        w = tl.math.exp2(m - m_all)
         part = tl.load(
             part_ptr + (row * splits + j)[:, None] * C + c[None, :], mask=j_ok[:, None] & (c < C)[None, :], other=0.0
         )
@@ -296,7 +307,8 @@ def mla_decode(
     be captured in a CUDA graph (the splits depend on the shapes only)."""
     b, t, h, c = qn.shape
     s, r = kv.shape[1], pe.shape[2]
-    cfg, sms = fitted(cfg, qn.device, c, r, kv.element_size()), n_sms(qn.device)  # off CUDA: an H100's SMs
+    # off CUDA: an H100's SMs
+    cfg, sms = fitted(cfg, qn.device, c, r, kv.element_size()), n_sms(qn.device)
     assert b * t <= MAX_TOKENS, f"mla_decode takes up to {MAX_TOKENS} tokens (B T = {b * t})"
     assert qp.shape == (b, t, h, r) and kv.shape == (b, s, c) and pe.shape == (b, s, r), "mla_decode: shapes"
     assert all(x.stride(-1) == 1 for x in (qn, qp, kv, pe)), "mla_decode reads rows of unit stride"
@@ -310,7 +322,8 @@ def mla_decode(
     # the split partials: unnormalized sums [B T H, splits, C] and (max, sum) pairs, fp32
     part = qn.new_empty(1 if direct else b * t * h * splits * c, dtype=torch.float32)
     ml = qn.new_empty(1 if direct else b * t * h * splits * 2, dtype=torch.float32)
-    m_arg = mask if mask is not None else kv  # any pointer: HAS_MASK=False never reads it
+    # any pointer: HAS_MASK=False never reads it
+    m_arg = mask if mask is not None else kv
     m_strides = (0, 0, 0) if mask is None else mask.stride() if mask.dim() == 3 else (0, *mask.stride())
     _split_kernel[(row_blocks, splits, b)](
         qn,
@@ -351,7 +364,8 @@ def mla_decode(
     if not direct:
         # the most splits any span gets at this shape, so that one variant serves a growing span (no recompile)
         sp = next_pow2(split_plan(1 << 30, b * row_blocks, sms, cfg)[0])
-        cb = min(cfg.combine_block, next_pow2(c), max(1, COMBINE_TILE // sp))  # many splits: fewer columns
+        # many splits: fewer columns
+        cb = min(cfg.combine_block, next_pow2(c), max(1, COMBINE_TILE // sp))
         _combine_kernel[(b * t * h, triton.cdiv(c, cb))](
             part, ml, lat, splits, C=c, SP=sp, CB=cb, num_warps=cfg.combine_warps
         )

@@ -35,9 +35,12 @@ from dsfp4.kernels.moe import decode_jit as jit
 from dsfp4.layout.formats import get_format, next_pow2
 from dsfp4.layout.record import RecordLayout
 
-WORD_PAIR = 2  # code words per words_sums PTX call
-LOAD_FP32 = 4  # fp32 elements per 16-byte load: combine gives each thread one such load per pair
-MAX_TOKENS = DECODE_TOKENS  # tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
+# code words per words_sums PTX call
+WORD_PAIR = 2
+# fp32 elements per 16-byte load: combine gives each thread one such load per pair
+LOAD_FP32 = 4
+# tokens per call: beyond this, tokens grouped by expert on tensor cores (moe_prefill) win
+MAX_TOKENS = DECODE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ def combine_ref(out: torch.Tensor, t: int, k: int, dtype: torch.dtype, add: torc
     dtype, plus add [T, D] (in dtype, added in fp32 and rounded: torch's own bf16 and fp16 addition)."""
     rows = out[: t * k].view(t, k, -1)  # [T, K, D]
     acc = rows[:, 0]
-    for j in range(1, k):  # one add at a time: the kernel's order, not torch.sum's
+    # one add at a time: the kernel's order, not torch.sum's
+    for j in range(1, k):
         acc = acc + rows[:, j]
     y = acc.to(dtype)  # [T, D]
     return y if add is None else y + add
@@ -129,25 +133,30 @@ class DecodeMoE:
         self.config = c = (config or DecodeConfig()).fit(layout)
         assert min(c.bk1, c.bk1_wide, c.bk2) >= group, f"K steps must hold whole {group}-element scale blocks"
         pairs, d, i = MAX_TOKENS * top_k, layout.dim, layout.inter_dim
-        self.words = d % 8 == 0 and i % 8 == 0  # x as quads that meet whole code words (bf16 and fp16 runs)
+        # x as quads that meet whole code words (bf16 and fp16 runs)
+        self.words = d % 8 == 0 and i % 8 == 0
 
         # words_sums' PTX takes two adjacent words per thread (pack=2): a chunk must give every thread two, else
         # the GPU pairs words of different threads (a small model's tiles): fp32 products there
-        def fits(rows: int, k: int, warps: int) -> bool:  # rows x k codes a chunk, 8 to a word
+        # rows x k codes a chunk, 8 to a word
+        def fits(rows: int, k: int, warps: int) -> bool:
             return self.words and rows * k // 8 >= WORD_PAIR * WARP * warps
 
-        tiles = (c.gate_up(1), c.gate_up(MAX_TOKENS))  # gate+up's narrow and wide tiles (gate and up: 2 x BN1 rows)
+        # gate+up's narrow and wide tiles (gate and up: 2 x BN1 rows)
+        tiles = (c.gate_up(1), c.gate_up(MAX_TOKENS))
         self.words1 = {tile: c.words1 and fits(2 * tile[0], tile[1], c.num_warps) for tile in tiles}
         self.words2 = c.words2 and fits(c.bn2, c.bk2, c.num_warps2)
         self.xq = torch.empty(MAX_TOKENS, d, dtype=torch.float16, device=device)
         self.inv = torch.empty(MAX_TOKENS, dtype=torch.float32, device=device)
         self.quads = self.xq.view(torch.int64)  # [MAX_TOKENS, D / 4]: what gate+up reads of xq
         self.act = torch.empty(pairs, i, dtype=torch.float32, device=device)
-        self.act_q = torch.empty(pairs, i, dtype=torch.float16, device=device)  # act as the down words read it
+        # act as the down words read it
+        self.act_q = torch.empty(pairs, i, dtype=torch.float16, device=device)
         self.act_inv = torch.empty(pairs, dtype=torch.float32, device=device)
         self.act_quads = self.act_q.view(torch.int64)
         self.out = torch.empty(pairs, d, dtype=torch.float32, device=device)
-        self.plan = torch.empty(pairs, 1 + MAX_TOKENS, dtype=torch.int32, device=device)  # _plan's runs
+        # _plan's runs
+        self.plan = torch.empty(pairs, 1 + MAX_TOKENS, dtype=torch.int32, device=device)
         p = {part.name: part.offset for part in layout.parts}
         common = dict(
             K=top_k,
@@ -180,10 +189,12 @@ class DecodeMoE:
         ids, weights, offsets = ids.contiguous(), weights.float().contiguous(), offsets.contiguous()
         run = dict(RUN_PAD=next_pow2(t))
         c, d, i = self.config, self.layout.dim, self.layout.inter_dim
-        exact = x.dtype == torch.float32  # fp32 runs (the exact ones) keep fp32 products
+        # fp32 runs (the exact ones) keep fp32 products
+        exact = x.dtype == torch.float32
         bn1, bk1 = c.gate_up(t)
         words1, words2 = self.words1[bn1, bk1] and not exact, self.words2 and not exact
-        rows, plan = t if words1 else 0, t > 1  # one token needs no plan: every pair leads its own run
+        # one token needs no plan: every pair leads its own run
+        rows, plan = t if words1 else 0, t > 1
         if rows or plan:
             jit.prep_kernel[(rows + plan * t * k,)](
                 x,
@@ -217,7 +228,8 @@ class DecodeMoE:
             WORDS=words1,
             HALVES=not words2,
         )
-        if words2:  # absent experts' pairs prepare whatever their rows hold: down never reads them
+        # absent experts' pairs prepare whatever their rows hold: down never reads them
+        if words2:
             jit.act_prep_kernel[(t * k,)](self.act, self.act_q, self.act_inv, INTER=i, BI=next_pow2(i))
         jit.down_kernel[(t * k * (d // c.bn2),)](
             ids,

@@ -14,7 +14,8 @@ from dsfp4.layout.record_offsets import ABSENT
 if triton is not None:
     from dsfp4.kernels.swiglu import swiglu_tl
 
-    _ABSENT = tl.constexpr(ABSENT)  # kernels read globals only as constexpr
+    # kernels read globals only as constexpr
+    _ABSENT = tl.constexpr(ABSENT)
     _UNBIAS = tl.constexpr(E2M1_UNBIAS)
     _X16_TOP_EXP = tl.constexpr(X16_TOP_EXP)
 
@@ -28,10 +29,12 @@ if triton is not None:
         """Code bytes [R, BK/2] (WORDS: i32 code words [R, BK/8]) and scale bytes [R, BK/G] of the chunk starting
         at byte kb of FP4 rows (zeros where MASK is false). Counting in bytes keeps the loads' 16-byte alignment
         visible to Triton."""
-        E: tl.constexpr = 4 if WORDS else 1  # bytes per element loaded
+        # bytes per element loaded
+        E: tl.constexpr = 4 if WORDS else 1
         cols = tl.arange(0, BK // (2 * E))[None, :]
         groups = tl.arange(0, BK // GROUP)[None, :]
-        live = tl.where(MASK, BK, 0)  # masks built by comparison: the interpreter rejects a broadcast scalar one
+        # masks built by comparison: the interpreter rejects a broadcast scalar one
+        live = tl.where(MASK, BK, 0)
         rows = wrow.to(tl.pointer_type(tl.int32)) if WORDS else wrow
         packed = tl.load(rows + kb // E + cols, mask=cols < live, other=0)
         sb = tl.load(srow + kb // (GROUP // 2) + groups, mask=groups < live, other=0)
@@ -69,7 +72,8 @@ if triton is not None:
         global scale and 2^14. Bytes: fp32 products, byte j's low nibble meeting xrow[j * XS], its high one
         ODD further. WORDS: fp16 products on the x quads of xrow (i64, from _scaled_quads: still times 2^s)."""
         R: tl.constexpr = packed.shape[0]
-        if WORDS:  # if/else, not an early return: the compiler would still build the code after it
+        # if/else, not an early return: the compiler would still build the code after it
+        if WORDS:
             xa, xb = _x_quads(xrow, kb, BK)
             pieces = words_sums(packed, xa, xb, USE_ASM)  # [R, BK / 16]
             sums = tl.sum(tl.reshape(pieces, (R, BK // GROUP, GROUP // 16)), 2)
@@ -99,7 +103,8 @@ if triton is not None:
         activation row (xrow, read as _block_sums does), before the global scale and 2^14: [R]. The next chunk
         is loaded before this one is computed."""
         R: tl.constexpr = wrow.shape[0]
-        acc = tl.zeros((R, BK // GROUP), dtype=tl.float32)  # reduced once at the end, not per chunk
+        # reduced once at the end, not per chunk
+        acc = tl.zeros((R, BK // GROUP), dtype=tl.float32)
         packed, sb = _chunk(wrow, srow, 0, GROUP, BK, MASK=True, WORDS=WORDS)
         for kb in range(0, KDIM // 2, BK // 2):
             nxt, nsb = _chunk(wrow, srow, kb + BK // 2, GROUP, BK, MASK=kb + BK // 2 < KDIM // 2, WORDS=WORDS)
@@ -133,7 +138,8 @@ if triton is not None:
         bytes' fp32 run spends its registers: 128 a thread at 32 rows x 128 B, 167 with the chunk ahead)."""
         R: tl.constexpr = wrow.shape[0]
         acc = tl.zeros((RUN_PAD, R), dtype=tl.float32)
-        AHEAD: tl.constexpr = BK // 2 if WORDS else 0  # bytes per row loaded ahead
+        # bytes per row loaded ahead
+        AHEAD: tl.constexpr = BK // 2 if WORDS else 0
         packed, sb = _chunk(wrow, srow, 0, GROUP, BK, MASK=True, WORDS=WORDS)
         for kb in range(0, KDIM // 2, BK // 2):
             nxt, nsb = _chunk(wrow, srow, kb + AHEAD, GROUP, BK, MASK=kb + AHEAD < KDIM // 2, WORDS=WORDS)
@@ -164,11 +170,14 @@ if triton is not None:
         live = q < n_pairs
         e = tl.load(ids_ptr + q, mask=live, other=-1)
         match = (e == tl.load(ids_ptr + p)) & live  # [P_PAD]: the pairs of p's expert
-        rank = tl.sum((match & (q < p)).to(tl.int32), 0)  # p's position in its run
-        lead = tl.min(tl.where(match, q, P_PAD), 0)  # its run's first pair
+        # p's position in its run
+        rank = tl.sum((match & (q < p)).to(tl.int32), 0)
+        # its run's first pair
+        lead = tl.min(tl.where(match, q, P_PAD), 0)
         n_run = tl.sum(match.to(tl.int32), 0)
         tl.store(plan_ptr + p * (1 + RUN_PAD), tl.where(rank == 0, n_run, 0))
-        tl.store(plan_ptr + lead * (1 + RUN_PAD) + 1 + rank, p, mask=rank < RUN_PAD)  # in its row, always
+        # in its row, always
+        tl.store(plan_ptr + lead * (1 + RUN_PAD) + 1 + rank, p, mask=rank < RUN_PAD)
 
     @triton.jit
     def _scaled_quads(src, dst, inv_ptr, D: tl.constexpr, BD: tl.constexpr):
@@ -216,8 +225,10 @@ if triton is not None:
         qs [RUN_PAD]) and how many (a token picks an expert once, so at most one pair per token)."""
         e = tl.load(ids_ptr + p).to(tl.int32)
         lanes = tl.arange(0, RUN_PAD)
-        if RUN_PAD == 1:  # one token: every pair is its own run and leads it, no plan
-            leader, qs, n_run = tl.full((), 1, tl.int1), lanes + p, tl.full((), 1, tl.int32)  # constants fold
+        # one token: every pair is its own run and leads it, no plan
+        if RUN_PAD == 1:
+            # constants fold
+            leader, qs, n_run = tl.full((), 1, tl.int1), lanes + p, tl.full((), 1, tl.int32)
         else:
             # from _plan: thousands of programs each scanning every pair cost time (docs/BENCHMARKS.md, 2026-11-23)
             row = plan_ptr + p * (1 + RUN_PAD)
@@ -269,21 +280,26 @@ if triton is not None:
         e, leader, qs, lanes, n_run = _run(ids_ptr, plan_ptr, tl.program_id(0) // nb, RUN_PAD)
         off = tl.load(off_ptr + e)
         if leader & (off != _ABSENT):
-            wbase = rec_ptr + tl.multiple_of(off, 16)  # offsets are multiples of 16 (record_offsets asserts it)
-            r = tl.arange(0, 2 * BN)  # gate rows then the matching up rows
+            # offsets are multiples of 16 (record_offsets asserts it)
+            wbase = rec_ptr + tl.multiple_of(off, 16)
+            # gate rows then the matching up rows
+            r = tl.arange(0, 2 * BN)
             n = (tl.program_id(0) % nb) * BN + r % BN
             rows = tl.where(r < BN, n, n + INTER)
             wrow = wbase + W13 + rows[:, None] * (D // 2)
             srow = wbase + S13 + rows[:, None] * (D // GROUP)
             g_gate, g_up = _UNBIAS, _UNBIAS
-            if G >= 0:  # NVFP4 global scales of w1, w3
+            # NVFP4 global scales of w1, w3
+            if G >= 0:
                 gp = (wbase + G).to(tl.pointer_type(tl.float32))
                 g_gate, g_up = tl.load(gp) * _UNBIAS, tl.load(gp + 1) * _UNBIAS
             n = (tl.program_id(0) % nb) * BN + tl.arange(0, BN)
             dest = (n % 2) * (INTER // 2) + n // 2 if HALVES else n
-            src = xq_ptr if WORDS else x_ptr  # token t's x (WORDS: its quads) at src + t * stride
+            # token t's x (WORDS: its quads) at src + t * stride
+            src = xq_ptr if WORDS else x_ptr
             stride = D // 4 if WORDS else stride_xt
-            if n_run == 1:  # most runs at decode (all at one token): one token, a 2-D accumulator
+            # most runs at decode (all at one token): one token, a 2-D accumulator
+            if n_run == 1:
                 q = _pick(qs, lanes, 0)
                 x_row = src + (q // K) * stride
                 dot = _rows_dot(
@@ -366,9 +382,11 @@ if triton is not None:
             wrow = wbase + W2 + rows[:, None] * (INTER // 2)
             srow = wbase + S2 + rows[:, None] * (INTER // GROUP)
             g = _UNBIAS
-            if G >= 0:  # NVFP4 global scale of w2
+            # NVFP4 global scale of w2
+            if G >= 0:
                 g = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * _UNBIAS
-            stride = INTER // 4 if WORDS else INTER  # pair q's activation row at act + q * stride
+            # pair q's activation row at act + q * stride
+            stride = INTER // 4 if WORDS else INTER
             if n_run == 1:
                 act_row = act_ptr + p * stride
                 dot = _rows_dot(
@@ -429,9 +447,11 @@ if triton is not None:
         EMULATE_RNE: the interpreter's bf16 rounding made the GPU's (fp4/codes.rounded)."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
-        rows = out_ptr + t * K * D + cols  # pair t * K + j's row at rows + j * D
+        # pair t * K + j's row at rows + j * D
+        rows = out_ptr + t * K * D + cols
         acc = tl.load(rows)
-        for j in tl.static_range(1, K):  # unrolled: every pair's load in flight at once
+        # unrolled: every pair's load in flight at once
+        for j in tl.static_range(1, K):
             acc += tl.load(rows + j * D)
         y = rounded(acc, y_ptr.dtype.element_ty, EMULATE_RNE)
         if ADD:

@@ -42,7 +42,8 @@ class MoEKernel:
     ) -> torch.Tensor:
         """x: [T, D], ids: [T, K], weights: [T, K], records: [S, nbytes], offsets: [E], add: None or [T, D] in
         x's dtype (the shared experts' output) -> y [T, D]: the routed experts' sum in x's dtype, plus add."""
-        if self.triton and x.shape[0] <= MAX_TOKENS:  # the decode kernel adds it in its final launch
+        # the decode kernel adds it in its final launch
+        if self.triton and x.shape[0] <= MAX_TOKENS:
             return self.decode(x, ids, weights, records, offsets, add)
         if self.host:
             y = host_moe.moe_host(x, ids, weights, records, offsets, self.layout, self.limit)
@@ -50,7 +51,8 @@ class MoEKernel:
             y = moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
         else:
             y = moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)
-        return y if add is None else y + add  # y: [T, D]
+        # y: [T, D]
+        return y if add is None else y + add
 
     def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
         """Compile every kernel variant a call of up to max_tokens tokens can take (each decode token count,
@@ -59,15 +61,18 @@ class MoEKernel:
         if not self.triton:
             return
         offsets = torch.full((n_experts,), ABSENT, dtype=torch.long, device=records.device)
-        sizes: dict = {}  # one token count per compiled variant: the kernels' constexprs, and Triton's
-        for t in range(1, max_tokens + 1):  # specialization of int arguments divisible by 16
+        # one token count per compiled variant: the kernels' constexprs, and Triton's
+        sizes: dict = {}
+        # specialization of int arguments divisible by 16
+        for t in range(1, max_tokens + 1):
             pairs = t * self.top_k
             shape = (t,) if t <= MAX_TOKENS else prefill_blocks(pairs, n_experts, self.layout)
             sizes.setdefault((shape, t % 16 == 0, pairs % 16 == 0), t)
         for t in sizes.values():
             x = torch.zeros(t, self.layout.dim, dtype=dtype, device=records.device)
             ids = torch.arange(t * self.top_k, device=records.device).view(t, self.top_k) % n_experts
-            adds = (None, x) if t <= MAX_TOKENS else (None,)  # decode's last launch takes the shared experts' too
+            # decode's last launch takes the shared experts' too
+            adds = (None, x) if t <= MAX_TOKENS else (None,)
             for add in adds:
                 self(x, ids, torch.zeros(t, self.top_k, device=records.device), records, offsets, add)
 

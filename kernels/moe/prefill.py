@@ -36,10 +36,14 @@ from dsfp4.layout.formats import get_format
 from dsfp4.layout.record import RecordLayout
 from dsfp4.layout.record_offsets import ABSENT
 
-BLOCK_M_RANGE = (16, 128)  # tl.dot needs 16 rows; a [2 BN, 128] fp32 accumulator per program
-BLOCK_M_HEADROOM = 1.25  # a block holds 1.25x the mean rows per expert, so most experts fit in one
-TAIL_SHARE = 4  # a block's tail holds block_m / 4 rows (at least 16): the rows past a power of two
-NUM_WARPS = 4  # one warpgroup: its MMA takes 64 decoded weight rows (2 BN of gate+up, BN of down) from registers
+# tl.dot needs 16 rows; a [2 BN, 128] fp32 accumulator per program
+BLOCK_M_RANGE = (16, 128)
+# a block holds 1.25x the mean rows per expert, so most experts fit in one
+BLOCK_M_HEADROOM = 1.25
+# a block's tail holds block_m / 4 rows (at least 16): the rows past a power of two
+TAIL_SHARE = 4
+# one warpgroup: its MMA takes 64 decoded weight rows (2 BN of gate+up, BN of down) from registers
+NUM_WARPS = 4
 # (bn_up, bk_up, bn_down, bk_down, stages_up, stages_down) by format and block_m, chosen by H100 sweeps
 # (docs/BENCHMARKS.md). A program re-reads its block's activations from L2 for every BN columns, which bounds big
 # blocks: 64 gate+up columns (two MMAs of 64 rows) and 128 down columns per program from 64 rows on. Smaller
@@ -80,11 +84,13 @@ def align_by_expert(
     ends = padded.cumsum(0)  # [E] end of each expert's padded run
     order = torch.sort(flat, stable=True).indices  # [P] pairs by expert
     expert = flat[order]
-    rank = torch.arange(n_pairs, device=dev) - (counts.cumsum(0) - counts)[expert]  # position in its run
+    # position in its run
+    rank = torch.arange(n_pairs, device=dev) - (counts.cumsum(0) - counts)[expert]
     sorted_pairs = torch.full((n_blocks * block_rows,), n_pairs, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, ends[expert] - padded[expert] + rank, order.int())
     starts = torch.arange(n_blocks, device=dev) * block_rows  # [B] first row of each block
-    block_experts = torch.searchsorted(ends, starts, right=True)  # the expert whose run covers the row
+    # the expert whose run covers the row
+    block_experts = torch.searchsorted(ends, starts, right=True)
     block_experts = torch.where(starts < ends[-1], block_experts, -1).int()
     return sorted_pairs, block_experts, ends[-1:].int()
 
@@ -113,7 +119,8 @@ def tail_rows(block_m: int) -> int:
     return max(BLOCK_M_RANGE[0], block_m // TAIL_SHARE)
 
 
-@functools.lru_cache  # asked per MoE layer and chunk, with the same few arguments
+# asked per MoE layer and chunk, with the same few arguments
+@functools.lru_cache
 def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> PrefillBlocks:
     """block_m: the smallest power of two whose block (with its tail) holds BLOCK_M_HEADROOM x the mean rows
     per expert, within BLOCK_M_RANGE (DeepSeek-V3, 256 experts, top-8: 16 + 16 rows at 512 tokens, 64 + 16 at
@@ -126,7 +133,8 @@ def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> Prefil
     while block_m < hi and block_m + tail_rows(block_m) < want:
         block_m *= 2
 
-    def fit(want: int, n: int, least: int) -> int:  # the largest power of two <= want that divides n
+    # the largest power of two <= want that divides n
+    def fit(want: int, n: int, least: int) -> int:
         b = want
         while n % b and b > least:
             b //= 2
@@ -323,4 +331,5 @@ def moe_prefill(
     where = (pairs, block_experts, records, offsets.contiguous(), layout, blocks)
     act = gate_up(x.contiguous(), weights.contiguous(), *where, limit)
     out = down(act, t * k, *where)
-    return out.view(t, k, d).sum(1)  # each token's pairs in slot order: the same bits on every run
+    # each token's pairs in slot order: the same bits on every run
+    return out.view(t, k, d).sum(1)

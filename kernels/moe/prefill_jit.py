@@ -39,7 +39,8 @@ if triton is not None:
         packed = tl.load(w_ptr + r * (K // 2) + (kb // 2 + tl.arange(0, BK // 2))[None, :])  # [R, BK/2]
         sb = tl.load(s_ptr + r * (K // GROUP) + (kb // GROUP + tl.arange(0, BK // GROUP))[None, :])  # [R, BK/G]
         scale = block_scale(sb, E8M0, HW_E4M3)
-        lo, hi = e2m1_bf16(packed, USE_ASM)  # byte j: columns 2j (low nibble) and 2j + 1
+        # byte j: columns 2j (low nibble) and 2j + 1
+        lo, hi = e2m1_bf16(packed, USE_ASM)
         w = tl.reshape(tl.join(lo, hi), (R, BK))
         if E8M0:
             w = w * _E8M0_LIFT
@@ -117,7 +118,8 @@ if triton is not None:
         R: tl.constexpr = acc.shape[1]
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BN // 8, 2, 8, R)), (0, 2, 3, 1)))  # [BN/8, 8, R] each
         gate, up = tl.reshape(gate, (BN, R)) * g_gate, tl.reshape(up, (BN, R)) * g_up
-        rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)  # padding rows come out 0
+        # padding rows come out 0
+        rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
         h = swiglu_tl(gate, up, LIMIT) * rw[None, :]  # [BN, R]
         dest = rows.to(tl.int64)[None, :] * INTER + (col0 + tl.arange(0, BN))[:, None]
         tl.store(act_ptr + dest, rounded(h, act_ptr.dtype.element_ty, EMULATE_RNE))
@@ -157,10 +159,12 @@ if triton is not None:
         run only when the tail holds a pair."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         e = tl.load(experts_ptr + pid_m)
-        if e < 0:  # past the used rows
+        # past the used rows
+        if e < 0:
             return
         off = tl.load(off_ptr + e)
-        if off == _ABSENT:  # the down kernel writes these pairs' zeros
+        # the down kernel writes these pairs' zeros
+        if off == _ABSENT:
             return
         wbase = rec_ptr + tl.multiple_of(off, 16)
         rows, rows_t, pairs, pairs_t, valid, valid_t, has_tail = _block_rows(pairs_ptr, pid_m, n_pairs, BM, BT)
@@ -189,7 +193,8 @@ if triton is not None:
             PRECISION=PRECISION,
         )
         g_gate, g_up = UNBIAS, UNBIAS
-        if G >= 0:  # NVFP4 global scales of w1 and w3
+        # NVFP4 global scales of w1 and w3
+        if G >= 0:
             gp = (wbase + G).to(tl.pointer_type(tl.float32))
             g_gate, g_up = tl.load(gp) * UNBIAS, tl.load(gp + 1) * UNBIAS
         _gate_up_store(acc, rows, pairs, valid, rw_ptr, act_ptr, g_gate, g_up, pid_n * BN, INTER, LIMIT, EMULATE_RNE)
@@ -265,7 +270,8 @@ if triton is not None:
             PRECISION=PRECISION,
         )
         scale = UNBIAS
-        if G >= 0:  # NVFP4 global scale of w2
+        # NVFP4 global scale of w2
+        if G >= 0:
             scale = tl.load((wbase + G).to(tl.pointer_type(tl.float32)) + 2) * UNBIAS
         tl.store(out, rounded(acc * scale, DTYPE, EMULATE_RNE), mask=valid[None, :])
         tl.store(out_t, rounded(acc_t * scale, DTYPE, EMULATE_RNE), mask=valid_t[None, :])

@@ -26,19 +26,26 @@ import torch.nn.functional as F
 from dsfp4.kernels.backend import DECODE_TOKENS, tl, triton
 from dsfp4.layout.formats import next_pow2
 
-KERNEL_SCORES = ("sigmoid", "sqrtsoftplus")  # softmax needs the whole row of E: it stays with the reference
-MAX_TOKENS = DECODE_TOKENS  # decode token counts (MTP included); prefill's T goes to cuBLAS, which wins there
-SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: above it softplus(z) returns z
-INDEX_LIMIT = 2**31  # the kernel's offsets are int32
+# softmax needs the whole row of E: it stays with the reference
+KERNEL_SCORES = ("sigmoid", "sqrtsoftplus")
+# decode token counts (MTP included); prefill's T goes to cuBLAS, which wins there
+MAX_TOKENS = DECODE_TOKENS
+# torch's F.softplus default: above it softplus(z) returns z
+SOFTPLUS_THRESHOLD = 20.0
+# the kernel's offsets are int32
+INDEX_LIMIT = 2**31
 
 
 @dataclass(frozen=True)
 class GateTiles:
     """Rows per program, columns per step (a power of two; shrunk to next_pow2(D) for narrow models), warps."""
 
-    block_e: int = 1  # 256 programs at E = 256
-    block_d: int = 1024  # 4 fp32 (one 16-byte load) per thread and step with 8 warps
-    num_warps: int = 8  # 8 rather than 4: at T = 16 the 16 accumulators and the row fit in registers
+    # 256 programs at E = 256
+    block_e: int = 1
+    # 4 fp32 (one 16-byte load) per thread and step with 8 warps
+    block_d: int = 1024
+    # 8 rather than 4: at T = 16 the 16 accumulators and the row fit in registers
+    num_warps: int = 8
 
 
 def gate_scores_ref(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -82,10 +89,12 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_D)  # [BD]
         w_rows = w_ptr + rows[:, None] * stride_we  # [BE, 1]
         ws = ()
-        for c in tl.static_range(CHUNKS):  # the whole row first: every load issued before any product waits
+        # the whole row first: every load issued before any product waits
+        for c in tl.static_range(CHUNKS):
             ok = (rows[:, None] < E) & (c * BLOCK_D + cols[None, :] < D)  # [BE, BD]
             ws = ws + (tl.load(w_rows + c * BLOCK_D + cols[None, :], mask=ok, other=0.0),)
-        accs = (tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32),) * T  # per token: lane-wise partial sums
+        # per token: lane-wise partial sums
+        accs = (tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32),) * T
         for c in tl.static_range(CHUNKS):
             k = c * BLOCK_D + cols  # [BD]
             new = ()
@@ -95,10 +104,12 @@ if triton is not None:
             accs = new
         for t in tl.static_range(T):
             z = tl.sum(accs[t], axis=1)  # [BE] logits
-            if SOFTPLUS:  # torch's softplus: z itself above the threshold (exp would overflow past ~88)
+            # torch's softplus: z itself above the threshold (exp would overflow past ~88)
+            if SOFTPLUS:
                 soft = tl.where(z > _THRESHOLD, z, _log1p(tl.exp(tl.minimum(z, _THRESHOLD))))
                 s = tl.sqrt_rn(soft)
-            else:  # exp of -|z| only: no overflow to inf for very negative logits
+            else:
+                # exp of -|z| only: no overflow to inf for very negative logits
                 e = tl.exp(-tl.abs(z))
                 s = tl.where(z >= 0, 1.0, e) / (1.0 + e)
             tl.store(out_ptr + t * E + rows, s, mask=rows < E)

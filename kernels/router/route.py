@@ -66,7 +66,8 @@ if triton is not None:
             grouped = tl.reshape(c, (G, E // G))
             inner = tl.arange(0, E // G)[None, :]
             top = tl.max(grouped, axis=1)  # [G]
-            if HAS_BIAS:  # the sum of the group's top 2 (a tie counts twice, as torch.topk does)
+            # the sum of the group's top 2 (a tie counts twice, as torch.topk does)
+            if HAS_BIAS:
                 first = tl.argmax(grouped, axis=1)
                 top += tl.max(tl.where(inner == first[:, None], float("-inf"), grouped), axis=1)
             gs = tl.arange(0, G)
@@ -78,7 +79,8 @@ if triton is not None:
         ks = tl.arange(0, KP)
         ids = tl.zeros((KP,), dtype=tl.int64)
         w = tl.zeros((KP,), dtype=tl.float32)
-        for k in tl.static_range(K):  # largest first, as torch.topk
+        # largest first, as torch.topk
+        for k in tl.static_range(K):
             j = tl.argmax(c, axis=0)
             ids = tl.where(ks == k, j, ids)
             w = tl.where(ks == k, tl.sum(tl.where(cols == j, s, 0.0), axis=0), w)

@@ -55,10 +55,14 @@ Prefill = Callable[[list[int], threading.Event | None, GenerationStats], torch.T
 class Hooks:
     """What a batch asks of its engine."""
 
-    claim: Callable[[], AbstractContextManager]  # hold the engine while the batch uses it
-    prefill: Prefill  # one prompt into slot 0, as a generation's (prompt reuse, prompt cache)
-    forget: Callable[[], None]  # slot 0 no longer holds what the engine thinks it does
-    finished: Callable[[GenerationStats], None]  # the engine's part of an ended sequence's stats
+    # hold the engine while the batch uses it
+    claim: Callable[[], AbstractContextManager]
+    # one prompt into slot 0, as a generation's (prompt reuse, prompt cache)
+    prefill: Prefill
+    # slot 0 no longer holds what the engine thinks it does
+    forget: Callable[[], None]
+    # the engine's part of an ended sequence's stats
+    finished: Callable[[GenerationStats], None]
 
 
 @dataclass(eq=False)
@@ -71,15 +75,21 @@ class BatchSequence:
     gen: torch.Generator | None
     steps: TextSteps
     cancel: threading.Event | None
-    store_before: dict[str, float]  # the expert store's counters when it joined (a batch's shared counters)
-    pos: int = 0  # tokens its cache slot holds
-    token: int = 0  # the token it feeds at the next step
-    trace_at: int = 0  # under a routing trace: the first row of its stretch (TraceRouting.reserve)
-    steps_taken: int = 0  # decode steps it was in, and the sequences in them, summed (for the mean batch size)
+    # the expert store's counters when it joined (a batch's shared counters)
+    store_before: dict[str, float]
+    # tokens its cache slot holds
+    pos: int = 0
+    # the token it feeds at the next step
+    token: int = 0
+    # under a routing trace: the first row of its stretch (TraceRouting.reserve)
+    trace_at: int = 0
+    # decode steps it was in, and the sequences in them, summed (for the mean batch size)
+    steps_taken: int = 0
     batch_sum: int = 0
     deltas: list[Delta] = field(default_factory=list)
     generation: Generation | None = None
-    feed: deque[int] = field(default_factory=deque)  # prompt tokens still to feed after `token` (stepped prompts)
+    # prompt tokens still to feed after `token` (stepped prompts)
+    feed: deque[int] = field(default_factory=deque)
 
     @property
     def stats(self) -> GenerationStats:
@@ -110,15 +120,21 @@ class BatchRun:
     ):
         self.model, self.max_batch, self.max_context, self.chunk = model, max_batch, max_context, prefill_chunk
         self.tokenizer, self.hooks, self.routing = tokenizer, hooks, routing
-        self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]  # each name -> [max_len, ...]
-        self.rows: list[BatchSequence] = []  # row i decodes in slot BATCH_SLOT + i
-        self.graphs, self.why_eager = graphs, None  # why the last step ran eagerly (None: it replayed a graph)
+        # each name -> [max_len, ...]
+        self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]
+        # row i decodes in slot BATCH_SLOT + i
+        self.rows: list[BatchSequence] = []
+        # why the last step ran eagerly (None: it replayed a graph)
+        self.graphs, self.why_eager = graphs, None
         self.joint, self.stepped = joint, stepped
-        self.joining: list[BatchSequence] = []  # stepped prompts that join at the next step boundary
+        # stepped prompts that join at the next step boundary
+        self.joining: list[BatchSequence] = []
         # ahead: (the rows it runs, their tokens on the device [B]); used only if the rows are still those
         self.ahead: tuple[list[BatchSequence], torch.Tensor] | None = None
-        self.discarded = 0  # steps launched ahead and not used: the rows changed, or the batch was cancelled
-        if graphs is not None and graphs.ready and routing is None:  # trace rows are begun by the host: no step ahead
+        # steps launched ahead and not used: the rows changed, or the batch was cancelled
+        self.discarded = 0
+        # trace rows are begun by the host: no step ahead
+        if graphs is not None and graphs.ready and routing is None:
             self.chosen = torch.empty(max_batch, dtype=torch.long, pin_memory=True)
             self.copied = torch.cuda.Event()
 
@@ -133,7 +149,8 @@ class BatchRun:
 
     def _sequence(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None) -> BatchSequence:
         n, sampling = len(prompt_ids), options.sampling()
-        budget = min(options.max_tokens, self.max_context - n + 1)  # the last token is never fed back
+        # the last token is never fed back
+        budget = min(options.max_tokens, self.max_context - n + 1)
         steps = TextSteps(self.tokenizer, options.stop, budget, GenerationStats(prompt_tokens=n), time.perf_counter())
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         return BatchSequence(list(prompt_ids), sampling, gen, steps, cancel, self.model.experts.counters.snapshot())
@@ -147,7 +164,8 @@ class BatchRun:
         assert self.free > 0, "BatchRun.add: every slot is taken"
         seq = self._sequence(prompt_ids, options, cancel)
         n = len(prompt_ids)
-        if n <= self.stepped:  # its prompt goes through the next steps, a token each, beside the others' tokens
+        # its prompt goes through the next steps, a token each, beside the others' tokens
+        if n <= self.stepped:
             seq.token, seq.feed = prompt_ids[0], deque(prompt_ids[1:])
             self.joining.append(seq)
             return seq
@@ -173,7 +191,8 @@ class BatchRun:
             return [self.add(*r) for r in requests]
         seqs = {i: self._sequence(*r) for i, r in together.items()}
         with self.hooks.claim():
-            self.hooks.forget()  # the pass leaves slot 0 holding no one prompt
+            # the pass leaves slot 0 holding no one prompt
+            self.hooks.forget()
             first = BATCH_SLOT + len(self.rows)
             prompts = [seq.prompt_ids[:-1] for seq in seqs.values()]
             # under a trace each prompt routes through a stretch of rows of its own, as its decode will
@@ -187,7 +206,8 @@ class BatchRun:
         return [seqs[i] if i in seqs else self.add(*r) for i, r in enumerate(requests)]
 
     def _reserve(self, seq: BatchSequence) -> None:
-        if self.routing is not None:  # its decode routes through a stretch of the trace of its own
+        # its decode routes through a stretch of the trace of its own
+        if self.routing is not None:
             seq.trace_at = self.routing.reserve(seq.steps.budget)
 
     @torch.inference_mode()
@@ -199,7 +219,8 @@ class BatchRun:
 
     def _step(self) -> None:
         ahead, self.ahead = self.ahead, None
-        launched = ahead is not None and ahead[0] == self.rows  # this step already runs on the device
+        # this step already runs on the device
+        launched = ahead is not None and ahead[0] == self.rows
         if not launched:
             self._join()
         b, device, positions = len(self.rows), self.model.device, [s.pos for s in self.rows]
@@ -208,7 +229,8 @@ class BatchRun:
         if launched:
             best = self._ahead(ahead[1], positions)
         else:
-            if self.routing is not None:  # each sequence's token takes the next row of its stretch
+            # each sequence's token takes the next row of its stretch
+            if self.routing is not None:
                 self.routing.begin_rows([s.trace_at + s.steps_taken for s in self.rows])
             tokens = [s.token for s in self.rows]
             if self.why_eager is None:
@@ -220,10 +242,12 @@ class BatchRun:
             if all(greedy) and self.why_eager is None and self.routing is None:
                 best = self._ahead(logits.argmax(-1), positions)
             else:
-                best = logits.argmax(-1).tolist() if any(greedy) else []  # one host sync for every greedy sequence
+                # one host sync for every greedy sequence
+                best = logits.argmax(-1).tolist() if any(greedy) else []
         for i, seq in enumerate(self.rows):
             seq.pos += 1
-            if seq.feed:  # a stepped prompt: the step only filled its cache row
+            # a stepped prompt: the step only filled its cache row
+            if seq.feed:
                 seq.token = seq.feed.popleft()
                 if seq.cancelled:
                     seq.steps.finish = "cancelled"
@@ -232,7 +256,8 @@ class BatchRun:
             seq.batch_sum += b
             self._take(seq, best[i] if greedy[i] else sample(logits[i], seq.sampling, seq.gen))
         self._drop_finished()
-        self._join()  # those in the step launched ahead, if one was
+        # those in the step launched ahead, if one was
+        self._join()
 
     def _discard(self) -> None:
         """The rows change: a step launched ahead for the old ones is of no use (it ran all the same)."""
@@ -254,7 +279,8 @@ class BatchRun:
             logits = self.graphs.batch_ahead(chosen, fed, at)
             if logits is not None:
                 self.ahead = (rows, logits.argmax(-1))
-        self.copied.synchronize()  # this step's tokens, not the step launched after them
+        # this step's tokens, not the step launched after them
+        self.copied.synchronize()
         return self.chosen[:b].tolist()
 
     def _following(self) -> tuple[list[BatchSequence], list[int], list[int]] | None:
@@ -309,7 +335,8 @@ class BatchRun:
         mean = seq.batch_sum / seq.steps_taken if seq.steps_taken else 1.0
         how = "CUDA graphs" if self.why_eager is None else f"eager: {self.why_eager}"
         stats.decode_mode = f"batch of {mean:.1f} sequences a step on average, {how}"
-        stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)  # the batch's, shared
+        # the batch's, shared
+        stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)
         self.hooks.finished(stats)
         seq.generation = Generation(seq.prompt_ids, steps.tokens, steps.text, steps.finish, stats)
 

@@ -34,8 +34,10 @@ from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.store.host_lane import abandoned_on_error
 from dsfp4.runtime.store.layer_step import LayerAsk
 
-MIN_SPAN = 256  # the shortest attention span captured: short contexts share one graph
-BATCH_SLOT = 1  # a batch's first cache slot (runtime/generate/batch.py); the single sequence's is 0
+# the shortest attention span captured: short contexts share one graph
+MIN_SPAN = 256
+# a batch's first cache slot (runtime/generate/batch.py); the single sequence's is 0
+BATCH_SLOT = 1
 
 
 @functools.lru_cache
@@ -66,17 +68,23 @@ class DecodeGraphs:
     ):
         """routing: a routing trace the MoE layers take their experts from; each replay begins its next row."""
         self.model, self.max_context, self.device, self.routing = model, max_context, device, routing
-        self.graphs: dict[tuple[int, int, int], CapturedStep] = {}  # (B, first slot, span) -> the step
+        # (B, first slot, span) -> the step
+        self.graphs: dict[tuple[int, int, int], CapturedStep] = {}
         store = model.experts
-        self.streamed = store.layout is not None and not store.visible  # loads between pieces
+        # loads between pieces
+        self.streamed = store.layout is not None and not store.visible
         self.why_eager = self._why_not(recording)
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (B, slot) -> [2, B]: tokens and positions
-        self.staging: dict[int, torch.Tensor] = {}  # B -> pinned [2, B]: a batch step's tokens and positions
+        # (B, slot) -> [2, B]: tokens and positions
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        # B -> pinned [2, B]: a batch step's tokens and positions
+        self.staging: dict[int, torch.Tensor] = {}
         if self.why_eager is None:
             self.token, self.pos = self._inputs(1, 0)
             self.pool = torch.cuda.graph_pool_handle()
-            self.staged = torch.cuda.Event()  # after the last copy from the pinned staging rows
-        self.moe = [b.ffn for b in model.layers if b.moe]  # V4: every layer, hash-routed ones too
+            # after the last copy from the pinned staging rows
+            self.staged = torch.cuda.Event()
+        # V4: every layer, hash-routed ones too
+        self.moe = [b.ffn for b in model.layers if b.moe]
         self.moe_layers = [m.layer for m in self.moe]
 
     def _why_not(self, recording: bool) -> str | None:
@@ -130,8 +138,10 @@ class DecodeGraphs:
         if key not in self.graphs:
             return None
         n = len(chosen)
-        if n == len(fed) and max(fed) < 0:  # the same rows, each taking its chosen token, one position further
-            both = self.inputs[n, BATCH_SLOT]  # as the last step of this size left them: these rows' tokens
+        # the same rows, each taking its chosen token, one position further
+        if n == len(fed) and max(fed) < 0:
+            # as the last step of this size left them: these rows' tokens
+            both = self.inputs[n, BATCH_SLOT]
             both[0].copy_(chosen)
             both[1].add_(1)
         else:
@@ -146,11 +156,13 @@ class DecodeGraphs:
         both = self.inputs[b, BATCH_SLOT]
         if b not in self.staging:
             self.staging[b] = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
-        self.staged.synchronize()  # the pinned rows' last copy has run (a step launched ahead may still be queued)
+        # the pinned rows' last copy has run (a step launched ahead may still be queued)
+        self.staged.synchronize()
         host = self.staging[b]
         host.numpy()[:] = (tokens, positions)
         both.copy_(host, non_blocking=True)
-        self.staged.record()  # on the calling thread's stream, as the copy
+        # on the calling thread's stream, as the copy
+        self.staged.record()
         return both
 
     def span(self, pos: int) -> int:
@@ -161,7 +173,8 @@ class DecodeGraphs:
         """The model's forward of one token at `pos` by graph replay -> (logits [1, 1, V], hidden [1, 1, D])."""
         self.token.fill_(token)
         logits, hidden = self._replay(pos)
-        return logits.clone(), hidden.clone()  # the next replay overwrites the graph's own outputs
+        # the next replay overwrites the graph's own outputs
+        return logits.clone(), hidden.clone()
 
     def tokens(
         self,
@@ -184,10 +197,12 @@ class DecodeGraphs:
             for n in itertools.count(1):
                 host.copy_(token.view(1), non_blocking=True)
                 chosen.record()
-                if n < budget:  # the caller stops at the budget's last token: no step for it
+                # the caller stops at the budget's last token: no step for it
+                if n < budget:
                     self.token.copy_(token.view(1, 1))
                     logits = self._replay(pos + n - 1)[0][0, -1]
-                chosen.synchronize()  # the token, not the step launched after it
+                # the token, not the step launched after it
+                chosen.synchronize()
                 token_id = int(host[0])
                 yield token_id
                 keep(token_id)
@@ -198,12 +213,14 @@ class DecodeGraphs:
     def _replay(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the step of the token in self.token at pos -> the graph's own outputs (logits [1, 1, V],
         hidden [1, 1, D]), valid until the next replay. Streamed experts load between the pieces."""
-        step = self.graphs[1, 0, self.span(pos)]  # all captured by capture_all
+        # all captured by capture_all
+        step = self.graphs[1, 0, self.span(pos)]
         self.pos.fill_(pos)
         if self.routing is not None:
             self.routing.begin(1)
         logits, hidden = self._run(step, 1)
-        self.model.replayed(pos)  # V4's caches now end after pos (a step the caller discards: reusable knows)
+        # V4's caches now end after pos (a step the caller discards: reusable knows)
+        self.model.replayed(pos)
         return logits, hidden
 
     def _run(self, step: CapturedStep, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,9 +229,11 @@ class DecodeGraphs:
         for graph, load in step.pieces:
             graph.replay()
             if waves is not None:
-                next(waves, None)  # the wave's slots may be refilled after the piece that computed with them
+                # the wave's slots may be refilled after the piece that computed with them
+                next(waves, None)
             waves = None if load is None else self._bring(load)
-        if not self.streamed:  # the loads count what streams; here Python skipped the counting
+        # the loads count what streams; here Python skipped the counting
+        if not self.streamed:
             self.model.experts.count_resident(self.moe_layers, b * self.model.args.n_activated_experts)
         return step.logits, step.hidden
 
@@ -222,15 +241,18 @@ class DecodeGraphs:
         """Run a layer's loads between two pieces (the host waits for the first piece's routing) -> the
         store's waves, left open so that the slots are released after the next piece."""
         store = self.model.experts
-        got = store.step(load)  # experts left out have no slot: the next piece reads offset -1
+        # experts left out have no slot: the next piece reads offset -1
+        got = store.step(load)
         with abandoned_on_error(got.job):
             wave = next(got.waves, [])
             on_host = len(got.job.experts) if got.job is not None else 0
             fits = len(wave) + on_host == len(got.chosen)
             assert fits, "a decode step's experts fit the device slots (_why_not says)"
-            store.offsets(load.layer)  # the new slots into the table the next piece reads, queued before it
+            # the new slots into the table the next piece reads, queued before it
+            store.offsets(load.layer)
         if load.lane is not None:
-            load.lane.fill(got.job)  # the host's sum, queued before the next piece too
+            # the host's sum, queued before the next piece too
+            load.lane.fill(got.job)
         return got.waves
 
     def capture_all(self, max_batch: int = 1) -> None:
@@ -247,7 +269,8 @@ class DecodeGraphs:
         self.token.fill_(0)
         self.pos.fill_(0)
         pos = 0
-        while pos < self.max_context:  # each span covers the positions below it
+        # each span covers the positions below it
+        while pos < self.max_context:
             span = self.span(pos)
             if (1, 0, span) not in self.graphs:
                 self.graphs[1, 0, span] = self._capture((1, 0, span))
@@ -276,7 +299,8 @@ class DecodeGraphs:
             graph = begin()
             return store.offsets(load.layer)
 
-        with store.uncounted():  # neither run is a token of a generation
+        # neither run is a token of a generation
+        with store.uncounted():
             if self.routing is not None and begin:
                 self.routing.begin(1)
             self.model(token, where, last_only=True)

@@ -75,7 +75,8 @@ class Decoder:
                 logits, h = self.model(tokens, len(self.cached), last_only=not every)
         except BaseException:
             if self.recorder is not None:
-                self.recorder.discard()  # an interrupted pass leaves nothing half-recorded
+                # an interrupted pass leaves nothing half-recorded
+                self.recorder.discard()
             raise
         if self.recorder is not None:
             self.recorder.commit(piece)

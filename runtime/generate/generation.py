@@ -17,7 +17,8 @@ class Generation:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled" (the caller's cancel event)
+    # "stop" (EOS or a stop string), "length" or "cancelled" (the caller's cancel event)
+    finish_reason: str
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     def to_dict(self) -> dict:
@@ -35,8 +36,10 @@ class Generation:
 class Delta:
     """One step of a stream: the token just generated and the text it completes."""
 
-    token_id: int | None  # None for the last flush of text held back (stop-string prefixes, unfinished UTF-8)
-    text: str  # may be empty while text is held back; the deltas' texts add up to Generation.text
+    # None for the last flush of text held back (stop-string prefixes, unfinished UTF-8)
+    token_id: int | None
+    # may be empty while text is held back; the deltas' texts add up to Generation.text
+    text: str
 
 
 class Stream(Iterator[Delta]):
@@ -46,7 +49,8 @@ class Stream(Iterator[Delta]):
     def __init__(self, steps: Generator[Delta, None, Generation], claim: Callable[[], AbstractContextManager]):
         self._steps, self._claim = steps, claim
         self.generation: Generation | None = None
-        self.superseded = False  # a later call on the engine ended it before it finished
+        # a later call on the engine ended it before it finished
+        self.superseded = False
 
     def __next__(self) -> Delta:
         if self.superseded:

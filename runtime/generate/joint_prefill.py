@@ -45,7 +45,8 @@ def layer_of(name: str) -> int | None:
     return int(parts[1]) if parts[0] == "layers" else None
 
 
-Rows = dict[str, torch.Tensor]  # a prompt's rows of the positional caches, by name: each [>= its length, ...]
+# a prompt's rows of the positional caches, by name: each [>= its length, ...]
+Rows = dict[str, torch.Tensor]
 
 
 def _passes(
@@ -60,8 +61,10 @@ def _passes(
     pass, (the group, its rows). `trace`: (the routing trace, each prompt's first row): prompt k's token i routes by
     row first[k] + i, begun before each chunk enters a block. The single sequence's slot 0 holds no one prompt
     afterwards."""
-    caches = model.positional_caches()  # name -> [max_len, ...] on the device
-    by_layer: dict[int, list[str]] = {}  # the main model's caches by block (the MTP layer's left out)
+    # name -> [max_len, ...] on the device
+    caches = model.positional_caches()
+    # the main model's caches by block (the MTP layer's left out)
+    by_layer: dict[int, list[str]] = {}
     for name in caches:
         if (layer := layer_of(name)) is not None:
             by_layer.setdefault(layer, []).append(name)

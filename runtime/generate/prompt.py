@@ -13,10 +13,12 @@ from dsfp4.errors import ConfigError, ContextLengthError
 from dsfp4.runtime.generate.reasoning import opens_thinking
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 
-Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages or token ids
+# text, chat messages or token ids
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 # the roles a chat message may have, and the role the chat template sees (OpenAI's developer is a system message)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-THINK_TAIL = 8  # prompt tokens decoded to see whether the prompt opens a <think> block
+# prompt tokens decoded to see whether the prompt opens a <think> block
+THINK_TAIL = 8
 
 
 def as_token_ids(items: list) -> list[int] | None:
@@ -75,9 +77,11 @@ class PromptSpec:
     model_dir: str
     eos_token_ids: tuple[int, ...]
     max_context: int
-    max_seq_len: int  # the model's: what --max-context may be raised to
+    # the model's: what --max-context may be raised to
+    max_seq_len: int
     vocab_size: int
-    thinking: bool | None  # the engine's --thinking: the default of prompts through the format
+    # the engine's --thinking: the default of prompts through the format
+    thinking: bool | None
 
 
 class PromptRules:

@@ -32,9 +32,12 @@ MAGIC = b"DSFP4KV\n"
 FORMAT_VERSION = 1
 SUFFIX = ".dsfp4kv"
 WHAT = "a dsfp4 prompt cache entry"
-ZSTD_LEVEL = 3  # KV rows are mostly noise in their low bytes: higher levels cost seconds for a few percent
-HEADER_LIMIT = 1 << 22  # the largest header read while looking for a prefix (its token ids: 4 MiB is ~500k tokens)
-MIN_NEW_TOKENS = 32  # a prompt that prefilled fewer new tokens is not saved: its prefill costs less than the file
+# KV rows are mostly noise in their low bytes: higher levels cost seconds for a few percent
+ZSTD_LEVEL = 3
+# the largest header read while looking for a prefix (its token ids: 4 MiB is ~500k tokens)
+HEADER_LIMIT = 1 << 22
+# a prompt that prefilled fewer new tokens is not saved: its prefill costs less than the file
+MIN_NEW_TOKENS = 32
 
 
 def encode_entry(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
@@ -77,8 +80,10 @@ def _unplanes(data: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarra
 @dataclass(frozen=True)
 class Hit:
     path: Path
-    common: int  # positions it serves for the prompt looked up
-    mtp_upto: int  # the MTP layer's entries it holds (positions 0 .. mtp_upto - 1)
+    # positions it serves for the prompt looked up
+    common: int
+    # the MTP layer's entries it holds (positions 0 .. mtp_upto - 1)
+    mtp_upto: int
 
 
 class PromptCache:
@@ -87,14 +92,18 @@ class PromptCache:
         be used (the conversion, the caches' dtype and row shapes)."""
         self.folder, self.max_bytes, self.identity = Path(folder), max_bytes, identity
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.notes: list[str] = []  # entries skipped since the last look (damaged, foreign)
+        # entries skipped since the last look (damaged, foreign)
+        self.notes: list[str] = []
         self._writer: threading.Thread | None = None
-        self._pending: list[int] = []  # the tokens of the entry being written
-        self._written: dict[Path, dict] = {}  # the last entry written (a find may not have read its header yet)
+        # the tokens of the entry being written
+        self._pending: list[int] = []
+        # the last entry written (a find may not have read its header yet)
+        self._written: dict[Path, dict] = {}
         # the headers read so far, by file (inode and size: an entry is never changed in place, only replaced), so
         # a request reads only the entries new since the last; None for an entry that cannot be read (noted once)
         self._headers: dict[Path, tuple[tuple[int, int], dict | None]] = {}
-        self.compressed_bytes = self.raw_bytes = 0  # of the last entry written
+        # of the last entry written
+        self.compressed_bytes = self.raw_bytes = 0
 
     def find(self, prompt: list[int], longer_than: int) -> Hit | None:
         """The entry sharing the longest prefix with `prompt` (short of its last token, which must be fed), if that
@@ -106,11 +115,13 @@ class PromptCache:
         best = None
         paths = sorted(self.folder.glob(f"*{SUFFIX}"))
         present = set(paths)
-        self._headers = {p: v for p, v in self._headers.items() if p in present}  # evicted ones forgotten
+        # evicted ones forgotten
+        self._headers = {p: v for p, v in self._headers.items() if p in present}
         for path in paths:
             header = self._header(path)
             if header is None or any(header.get(k) != v for k, v in self.identity.items()):
-                continue  # another conversion, dtype or cache shape: not this run's
+                # another conversion, dtype or cache shape: not this run's
+                continue
             tokens = header.get("tokens", [])
             common = min(common_prefix(tokens, prompt), len(prompt) - 1)
             if common > longer_than and (best is None or common > best.common):
@@ -122,7 +133,8 @@ class PromptCache:
         try:
             st = path.stat()
         except OSError:
-            return None  # evicted meanwhile
+            # evicted meanwhile
+            return None
         key = (st.st_ino, st.st_size)
         known = self._headers.get(path)
         if known is not None and known[0] == key:
@@ -142,8 +154,10 @@ class PromptCache:
         except (OSError, ValueError) as e:
             self.notes.append(f"prompt cache: {hit.path.name} skipped ({e})")
             return None
-        now = time.time_ns()  # the fine clock: a file's own times come from a coarser one, which could tie
-        os.utime(hit.path, ns=(now, now))  # used: the last to be evicted
+        # the fine clock: a file's own times come from a coarser one, which could tie
+        now = time.time_ns()
+        # used: the last to be evicted
+        os.utime(hit.path, ns=(now, now))
         return arrays
 
     def restore(self, hit: Hit, caches: dict[str, torch.Tensor]) -> bool:
@@ -198,7 +212,8 @@ class PromptCache:
             for old in covered:
                 old.unlink(missing_ok=True)
             self.evict()
-        except (OSError, DsfpError) as e:  # a full disk loses an entry, not the answer
+        except (OSError, DsfpError) as e:
+            # a full disk loses an entry, not the answer
             self.notes.append(f"prompt cache: {path.name} not written ({e})")
 
     def evict(self) -> None:
@@ -208,7 +223,8 @@ class PromptCache:
             try:
                 st = path.stat()
             except OSError:
-                continue  # removed by another process meanwhile
+                # removed by another process meanwhile
+                continue
             entries.append((st.st_mtime_ns, st.st_size, path))
         total = sum(size for _, size, _ in entries)
         for _, size, path in sorted(entries):

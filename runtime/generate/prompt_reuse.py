@@ -100,7 +100,9 @@ class PromptReuse:
         if self.cache is None:
             return
         stats.prompt_cache_note = self.cache.take_notes()
-        filled = common_prefix(self.decoder.cached, prompt_ids)  # short of the prompt when it was cancelled
-        if filled - stats.cached_tokens >= MIN_NEW_TOKENS:  # a prefill this long costs more than restoring it
+        # short of the prompt when it was cancelled
+        filled = common_prefix(self.decoder.cached, prompt_ids)
+        # a prefill this long costs more than restoring it
+        if filled - stats.cached_tokens >= MIN_NEW_TOKENS:
             upto = self.speculator.upto if self.speculator is not None else 0
             self.cache.save(prompt_ids[:filled], self.model().positional_caches(), upto)

@@ -52,7 +52,8 @@ def encode_v4(messages: Sequence[Mapping[str, str]], thinking: bool, add_generat
         elif m["role"] == "user":
             parts.append(USER + m["content"])
         else:
-            kept = thinking and i > last_user  # reasoning survives only after the last user turn
+            # reasoning survives only after the last user turn
+            kept = thinking and i > last_user
             reasoning = m.get("reasoning_content") or ""
             parts.append((reasoning + THINK_END if kept else "") + m["content"] + EOS)
         following = turns[i + 1]["role"] if i + 1 < len(turns) else None

@@ -26,13 +26,15 @@ class ReasoningSplitter:
     may still be a tag waits. Whitespace right after a tag is dropped, as R1's output puts a newline there."""
 
     def __init__(self, thinking: bool):
-        self.state = "think_start" if thinking else "start"  # start, think_start, think, answer_start, answer
+        # start, think_start, think, answer_start, answer
+        self.state = "think_start" if thinking else "start"
         self.buf = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text
         reasoning = ""
-        if self.state == "start":  # does the output open a thinking block itself?
+        # does the output open a thinking block itself?
+        if self.state == "start":
             head = self.buf.lstrip()
             if len(head) < len(THINK_START) and THINK_START.startswith(head):
                 return "", ""

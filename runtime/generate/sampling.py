@@ -12,7 +12,8 @@ import torch
 class SamplingParams:
     temperature: float = 0.6
     top_p: float = 0.95
-    top_k: int = 0  # 0: off
+    # 0: off
+    top_k: int = 0
     seed: int | None = None
 
     @property
@@ -30,9 +31,11 @@ def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+        # keep the smallest set reaching top_p
+        outside = sorted_probs.cumsum(0) - sorted_probs > p.top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
-        probs = probs / probs.sum()  # a distribution again: the draft check compares p and q as such
+        # a distribution again: the draft check compares p and q as such
+        probs = probs / probs.sum()
     return probs
 
 

@@ -30,8 +30,10 @@ from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.models.v3.model import Transformer
 from dsfp4.runtime.plan.limits import MTP_BATCH
 
-PROBE_PLAIN = 2  # plain decode steps timed before drafting starts
-JUDGE_AFTER = 8  # verify steps measured before drafting may be judged not to pay
+# plain decode steps timed before drafting starts
+PROBE_PLAIN = 2
+# verify steps measured before drafting may be judged not to pay
+JUDGE_AFTER = 8
 
 
 class Speculator:
@@ -40,11 +42,16 @@ class Speculator:
 
     def __init__(self, decoder: Decoder, model: Transformer):
         self.decoder, self.model, self.mtp = decoder, model, model.mtp[0]
-        self.upto = 0  # MTP cache entries filled: positions 0 .. upto-1
-        self.adaptive = True  # tests turn it off to keep drafting whatever it costs
-        self.probe_plain = PROBE_PLAIN  # tests set 0 to draft from the first decode step
-        self.override: Callable[[int, int], int] | None = None  # test hook, greedy: (position, draft) -> token
-        self.clock: Callable[[], float] = time.perf_counter  # times the steps (tests give a clock of their own)
+        # MTP cache entries filled: positions 0 .. upto-1
+        self.upto = 0
+        # tests turn it off to keep drafting whatever it costs
+        self.adaptive = True
+        # tests set 0 to draft from the first decode step
+        self.probe_plain = PROBE_PLAIN
+        # test hook, greedy: (position, draft) -> token
+        self.override: Callable[[int, int], int] | None = None
+        # times the steps (tests give a clock of their own)
+        self.clock: Callable[[], float] = time.perf_counter
 
     def truncate(self, n: int) -> None:
         """The main cache keeps its first n positions: entries past them are stale."""
@@ -86,7 +93,8 @@ class Speculator:
             q = distribution(logits, sampling)
             return draw(q, gen), q
         d = int(logits.argmax())
-        return (d if self.override is None else self.override(self.upto + 1, d)), None  # position of the draft
+        # position of the draft
+        return (d if self.override is None else self.override(self.upto + 1, d)), None
 
     def tokens(
         self,
@@ -101,7 +109,8 @@ class Speculator:
         the model only when the next one is asked for, as the engine's plain decoding does."""
         d = self.decoder
         base, offset = len(d.cached), 0
-        for chunk_logits, h in d.feed(ids, cancel):  # h: [t, D]
+        # h: [t, D]
+        for chunk_logits, h in d.feed(ids, cancel):
             self.entries(h, ids, base, offset)
             offset, last_h, logits = offset + len(h), h[-1:], chunk_logits
         token = sample(logits, sampling, gen)
@@ -118,25 +127,30 @@ class Speculator:
                     draft_logits, drafting = self._flush(pending, head=True), True
                 t0 = self.clock()
                 if not drafting or room < 2:
-                    logits, h = d.forward([token], cancel)  # h: [1, D]
+                    # h: [1, D]
+                    logits, h = d.forward([token], cancel)
                     token = sample(logits, sampling, gen)
                     stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + self.clock() - t0
                     pending.h.append(h)
                     pending.next.append(token)
                     if fallback and len(pending.h) >= MTP_BATCH:
-                        self._flush(pending, head=False)  # keep the entries current for the next call
+                        # keep the entries current for the next call
+                        self._flush(pending, head=False)
                     produced += 1
                     yield token
                     continue
                 draft, q = self._draft(draft_logits, sampling, gen)
-                at = len(d.cached)  # the position of `token`
+                # the position of `token`
+                at = len(d.cached)
                 logits, h = d.forward([token, draft], cancel, every=True)  # [2, V], [2, D]
                 checked, ok = check_draft(logits[0], q, draft, sampling, gen)
-                if ok:  # the draft stands, and the main model's logits after it give one more token for free
+                # the draft stands, and the main model's logits after it give one more token for free
+                if ok:
                     out = [draft, sample(logits[1], sampling, gen)]
                     draft_logits = self._extend(h, out, at)
                 else:
-                    d.drop_last()  # the draft's KV at at+1 is stale: the next step overwrites it
+                    # the draft's KV at at+1 is stale: the next step overwrites it
+                    d.drop_last()
                     out = [checked]
                     draft_logits = self._extend(h[:1], out, at)
                 stats.drafted, stats.accepted = stats.drafted + 1, stats.accepted + ok
@@ -148,7 +162,8 @@ class Speculator:
                 produced += len(out)
                 yield from out
                 token = out[-1]
-        except GeneratorExit:  # the caller has its tokens: bring the entries up to date for the next call
+        except GeneratorExit:
+            # the caller has its tokens: bring the entries up to date for the next call
             self._flush(pending, head=False)
             raise
 

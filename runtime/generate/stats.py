@@ -16,9 +16,12 @@ def ratio(a: float, b: float) -> float:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose latent KV was already cached (earlier chat turns, the prompt cache)
-    restored_tokens: int = 0  # ... of them, those restored from the prompt cache (--prompt-cache)
-    prompt_cache_note: str = ""  # entries the prompt cache skipped (damaged, unreadable) or could not write
+    # prompt tokens whose latent KV was already cached (earlier chat turns, the prompt cache)
+    cached_tokens: int = 0
+    # ... of them, those restored from the prompt cache (--prompt-cache)
+    restored_tokens: int = 0
+    # entries the prompt cache skipped (damaged, unreadable) or could not write
+    prompt_cache_note: str = ""
     generated_tokens: int = 0
     ttft_s: float = 0.0
     # inter-token time: from one generated token to the next as the caller gets them, median and 99th percentile
@@ -26,23 +29,31 @@ class GenerationStats:
     itl_p99_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    store: dict[str, float] = field(default_factory=dict)  # expert store counters over this generation
-    peak_gpu: int = 0  # torch's max reserved device bytes since the engine was created
-    peak_rss: int = 0  # the process's peak RSS so far (VmHWM), which cannot be reset per generation
+    # expert store counters over this generation
+    store: dict[str, float] = field(default_factory=dict)
+    # torch's max reserved device bytes since the engine was created
+    peak_gpu: int = 0
+    # the process's peak RSS so far (VmHWM), which cannot be reset per generation
+    peak_rss: int = 0
     # MTP speculative decoding (--mtp): drafts checked and kept, and the two kinds of decode step, timed
     drafted: int = 0
     accepted: int = 0
     verify_s: float = 0.0
     plain_steps: int = 0
     plain_s: float = 0.0
-    mtp_note: str = ""  # why drafting stopped, when it did
-    decode_mode: str = ""  # "CUDA graph", or "eager" and why (runtime/generate/decode_graph.py)
-    routing: str = ""  # the routing trace the MoE layers took their experts from, and its prefetcher (--routing)
-    cpu_lane: str = ""  # the CPU lane's split and what decided it (--cpu-experts), when it runs
+    # why drafting stopped, when it did
+    mtp_note: str = ""
+    # "CUDA graph", or "eager" and why (runtime/generate/decode_graph.py)
+    decode_mode: str = ""
+    # the routing trace the MoE layers took their experts from, and its prefetcher (--routing)
+    routing: str = ""
+    # the CPU lane's split and what decided it (--cpu-experts), when it runs
+    cpu_lane: str = ""
     # the engine's warm start from hot.json, before its first generation (the same in each generation's stats)
     warm_records: int = 0
     warm_s: float = 0.0
-    host_backbone_step: int = 0  # bytes of backbone in host memory a decode step reads over PCIe (the plan's)
+    # bytes of backbone in host memory a decode step reads over PCIe (the plan's)
+    host_backbone_step: int = 0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -50,7 +61,8 @@ class GenerationStats:
 
     @property
     def decode_tok_s(self) -> float:
-        n = self.generated_tokens - 1  # the first token comes out of the prefill
+        # the first token comes out of the prefill
+        n = self.generated_tokens - 1
         return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
 
     def derived(self) -> dict[str, float]:
@@ -65,15 +77,20 @@ class GenerationStats:
             "h2d_bytes_per_token": ratio(s.get("h2d_bytes", 0), tokens),
             "prefetch_precision": ratio(s.get("predicted_used", 0), s.get("predicted", 0)),
             "prefetch_recall": ratio(s.get("predicted_used", 0), s.get("actual", 0)),
-            "skipped_share": ratio(s.get("skipped", 0), uses + s.get("skipped", 0)),  # of the experts chosen
+            # of the experts chosen
+            "skipped_share": ratio(s.get("skipped", 0), uses + s.get("skipped", 0)),
             "skipped_bytes_per_token": ratio(s.get("skipped_bytes", 0), tokens),
-            "swapped_share": ratio(s.get("swapped", 0), uses + s.get("skipped", 0)),  # of the experts chosen
-            "host_share": ratio(s.get("host_computed", 0), uses),  # computed on the host from RAM (the CPU lane)
+            # of the experts chosen
+            "swapped_share": ratio(s.get("swapped", 0), uses + s.get("skipped", 0)),
+            # computed on the host from RAM (the CPU lane)
+            "host_share": ratio(s.get("host_computed", 0), uses),
             "ssd_read_gb_s": ratio(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0)) / 1e9,
             "acceptance_rate": ratio(self.accepted, self.drafted),
             "tokens_per_verify": ratio(self.drafted + self.accepted, self.drafted),
-            "mtp_tok_s": ratio(self.drafted + self.accepted, self.verify_s),  # decode speed while drafting
-            "plain_tok_s": ratio(self.plain_steps, self.plain_s),  # ... and while not (probe or fallback)
+            # decode speed while drafting
+            "mtp_tok_s": ratio(self.drafted + self.accepted, self.verify_s),
+            # ... and while not (probe or fallback)
+            "plain_tok_s": ratio(self.plain_steps, self.plain_s),
         }
 
     @classmethod

@@ -35,9 +35,11 @@ def held_back(text: str, stop: tuple[str, ...]) -> int:
     partial = len(text) - len(text.rstrip("\ufffd"))
     if not stop:
         return partial
-    text = text[-(max(map(len, stop)) + partial) :]  # only its end can matter: a batch step does this for every row
+    # only its end can matter: a batch step does this for every row
+    text = text[-(max(map(len, stop)) + partial) :]
     prefix = max(partial_suffix(text, s) for s in stop)
-    body = text[: len(text) - partial]  # a stop string may also end just before the unfinished character
+    # a stop string may also end just before the unfinished character
+    body = text[: len(text) - partial]
     before = max(partial_suffix(body, s, whole=True) for s in stop)
     return max(prefix, partial + before)
 
@@ -52,7 +54,8 @@ class TextSteps:
         self, tokenizer: ChatTokenizer, stop: tuple[str, ...], budget: int, stats: GenerationStats, start: float
     ):
         self.tokenizer, self.stop, self.budget, self.stats, self.start = tokenizer, stop, budget, stats, start
-        self.tokens: list[int] = []  # kept (EOS is not)
+        # kept (EOS is not)
+        self.tokens: list[int] = []
         self.text, self.emitted, self.finish = "", 0, None
         self.detok = TextStream(tokenizer)
         self.arrivals: list[float] = []
@@ -113,7 +116,8 @@ def text_deltas(
     try:
         for token in source:
             if (delta := steps.add(token)) is not None:
-                yield delta  # the cache is consistent here, should the caller stop
+                # the cache is consistent here, should the caller stop
+                yield delta
             if steps.finish is not None:
                 break
     except Cancelled:

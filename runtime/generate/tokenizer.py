@@ -39,7 +39,8 @@ def _template_source(model_dir: Path, cfg: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
-THINKING = "thinking"  # the chat-template variable that switches thinking (DeepSeek-V3.1's)
+# the chat-template variable that switches thinking (DeepSeek-V3.1's)
+THINKING = "thinking"
 
 
 def _model_type(model_dir: Path) -> str | None:
@@ -65,9 +66,11 @@ class ChatTokenizer:
             raise ManifestError(f"{path} not found: copy the source checkpoint's tokenizer.json next to manifest.json")
         try:
             self.tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises plain Exception for a malformed file
+        except Exception as e:
+            # tokenizers raises plain Exception for a malformed file
             raise ManifestError(f"{path}: not a valid tokenizer.json ({e}); copy it again from the source") from e
-        self.alone: dict[int, str] = {}  # token -> its text decoded alone (decode_alone)
+        # token -> its text decoded alone (decode_alone)
+        self.alone: dict[int, str] = {}
         cfg_path = model_dir / "tokenizer_config.json"
         try:
             cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -81,7 +84,8 @@ class ChatTokenizer:
         self.eos_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         switches = {key: cfg.get(f"add_{key}_token") for key in ("bos", "eos")}
         self.switched = any(isinstance(v, bool) for v in switches.values())
-        post = self.tok.encode("", add_special_tokens=True).ids  # what the post-processor puts around text
+        # what the post-processor puts around text
+        post = self.tok.encode("", add_special_tokens=True).ids
         self.add_bos = switches["bos"] if isinstance(switches["bos"], bool) else post[:1] == [self.bos_id]
         default_eos = post[-1:] == [self.eos_id] and post != [self.bos_id]
         self.add_eos = switches["eos"] if isinstance(switches["eos"], bool) else default_eos
@@ -97,7 +101,8 @@ class ChatTokenizer:
             raise ConfigError(f"{cfg_path}: the chat template does not compile ({e})") from e
         # the release's own format, over any template: (messages, thinking, add_generation_prompt) -> the prompt
         self.native = model_family(_model_type(model_dir)).prompt_format
-        self.thinking_switch = self.native is not None or switch  # whether the format turns thinking on and off
+        # whether the format turns thinking on and off
+        self.thinking_switch = self.native is not None or switch
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids; `special` adds the BOS and EOS that tokenizer_config.json's add_bos_token and add_eos_token ask
@@ -175,14 +180,17 @@ class TextStream:
     def add(self, token: int) -> str:
         """Append a token -> the whole text so far (with a trailing U+FFFD while a character is unfinished)."""
         self.ids.append(token)
-        window = self.ids[self.prefix : self.read]  # mostly one token: the last one folded
+        # mostly one token: the last one folded
+        window = self.ids[self.prefix : self.read]
         head = self.tok.decode_alone(window[0]) if len(window) == 1 else self.tok.decode(window)
         full = self.tok.decode(self.ids[self.prefix :])
-        if not full.startswith(head):  # a decoder that rewrites across the window's edge: widen it to all
+        # a decoder that rewrites across the window's edge: widen it to all
+        if not full.startswith(head):
             self.text, self.prefix, self.read = "", 0, 0
             head, full = "", self.tok.decode(self.ids)
         new = full[len(head) :]
-        if new.endswith("\ufffd"):  # the last character is not complete yet: fold nothing
+        # the last character is not complete yet: fold nothing
+        if new.endswith("\ufffd"):
             return self.text + new
         self.text += new
         self.prefix, self.read = self.read, len(self.ids)

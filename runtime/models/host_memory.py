@@ -17,9 +17,12 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.layout.direct_io import aligned_buffer
 
-ALIGN = 256  # every tensor starts on a boundary any dtype's loads accept
-REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped: every device, device-addressable
-SPARE = 64 << 20  # the least a chunk beyond the plan's holds
+# every tensor starts on a boundary any dtype's loads accept
+ALIGN = 256
+# cudaHostRegisterPortable | cudaHostRegisterMapped: every device, device-addressable
+REGISTER_FLAGS = 0x01 | 0x02
+# the least a chunk beyond the plan's holds
+SPARE = 64 << 20
 
 
 def _unregister(host: torch.Tensor) -> None:
@@ -38,7 +41,8 @@ class Chunk:
                 raise ConfigError(
                     f"cannot pin {nbytes} bytes of RAM for the backbone (CUDA error {int(err)}); lower --cpu-mem"
                 )
-            weakref.finalize(self, _unregister, self.host)  # before the pages can be unmapped and reused
+            # before the pages can be unmapped and reused
+            weakref.finalize(self, _unregister, self.host)
 
 
 class _DeviceAddress:

@@ -55,7 +55,8 @@ def load_model(
     `plan` when given (tests and benchmarks set slot counts directly)."""
     manifest = manifest or Manifest.open(model_dir)
     options = options or RunOptions()
-    plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)  # fails fast on a small budget
+    # fails fast on a small budget
+    plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)
     arena = HostArena(host_arena_bytes(manifest, plan.on_host, dtype), device) if plan.host_backbone else None
     w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena)
     # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
@@ -77,7 +78,8 @@ def load_model(
         # the backbone's files are hashed while they load (--verify), as each record is on its first read
         files = manifest.backbone_files() if options.verify else []
         hashes = [(rel, hashing.submit(file_sha256, Path(model_dir) / rel)) for rel in files]
-        family = model_family(manifest.args).model()  # the manifest names the family
+        # the manifest names the family
+        family = model_family(manifest.args).model()
         slots = cache_slots(plan.max_batch)
         model = family(manifest.args, w, experts, slots, max_len, with_mtp, options.prefetch)
         a = manifest.args
@@ -108,7 +110,8 @@ def plan_run(
     with_mtp: bool,
     host_extra: int = 0,
 ) -> Plan:
-    budgets = options.budgets.resolve(device)  # the flags' sizes, parsed by RunOptions
+    # the flags' sizes, parsed by RunOptions
+    budgets = options.budgets.resolve(device)
     chunk, threads, a = options.prefill_chunk, options.io_threads, manifest.args
     batch, alone = options.max_batch, _decodes_alone(a, options, with_mtp)
     if batch > 1 and alone:
@@ -117,7 +120,8 @@ def plan_run(
         elt = torch.empty((), dtype=dtype).element_size()
         batch = 1 if alone else auto_batch(a, budgets.gpu, max_len, elt, MODE_BATCH[options.mode])
     plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=batch)
-    if options.max_batch == 0 and (fit := union_batch(a, plan, batch)) < batch:  # the batch's experts fit the tiers
+    # the batch's experts fit the tiers
+    if options.max_batch == 0 and (fit := union_batch(a, plan, batch)) < batch:
         plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=fit)
     return plan
 

@@ -43,7 +43,8 @@ class MLP(nn.Module):
         return linear(swiglu(linear(x, self.w1), linear(x, self.w3), self.limit), self.w2)
 
 
-GROUPED_METHODS = ("noaux_tc", "group_limited_greedy")  # "greedy" ignores expert groups (V2-Lite)
+# "greedy" ignores expert groups (V2-Lite)
+GROUPED_METHODS = ("noaux_tc", "group_limited_greedy")
 
 
 class Gate(nn.Module):
@@ -55,10 +56,12 @@ class Gate(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights):
         super().__init__()
         p, self.args = f"layers.{layer}.ffn.gate.", args
-        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim), torch.float32)  # as transformers
+        # as transformers
+        self.weight = w.plain(p + "weight", (args.n_routed_experts, args.dim), torch.float32)
         has_bias = args.layer_has_gate_bias(layer)
         bias = w.plain(p + "bias", (args.n_routed_experts,), torch.float32) if has_bias else None
-        self.bias = bias  # kept in fp32 from the file: a bf16 round could flip near-tied selections
+        # kept in fp32 from the file: a bf16 round could flip near-tied selections
+        self.bias = bias
         grouped = args.n_expert_groups > 1 and args.topk_method in GROUPED_METHODS
         self.groups = args.n_expert_groups if grouped else 1
         self.kernel = use_kernels(self.weight) and can_route(args.n_routed_experts, self.groups)
@@ -73,7 +76,8 @@ class Gate(nn.Module):
         """forward, and every expert's score [T, E] (without the bias) that cache-aware routing weighs."""
         a = self.args
         scores = expert_scores(x, self.weight, a.score_func)  # [T, E]
-        select = route if self.kernel else route_ref  # one launch on CUDA (kernels/router/route.py)
+        # one launch on CUDA (kernels/router/route.py)
+        select = route if self.kernel else route_ref
         weights, ids = select(
             scores, self.bias, self.groups, a.n_limited_groups, a.n_activated_experts, a.norm_topk_prob, a.route_scale
         )
@@ -121,8 +125,10 @@ class MoE(nn.Module):
         self.shared_experts = MLP(p, args.dim, inter, w, args.swiglu_limit) if inter else None
         # set by the model: the next MoE layer and its predicted experts from (this layer's residual, tokens)
         self.next_router: tuple[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] | None = None
-        self.observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # a RoutingRecorder
-        self.trace: TraceRouting | None = None  # routes by a routing trace instead (models/trace_routing.py)
+        # a RoutingRecorder
+        self.observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        # routes by a routing trace instead (models/trace_routing.py)
+        self.trace: TraceRouting | None = None
         # set while a decode step is captured in pieces (runtime/generate/decode_graph.py): ends the piece before this
         # layer's loads and gives the offsets the next piece's kernel reads once they are done
         self.cut: Callable[[LayerAsk], torch.Tensor] | None = None
@@ -138,18 +144,21 @@ class MoE(nn.Module):
         # cache-aware routing swaps choices by the router's scores: not a trace's choice, nor a hash layer's table
         margin = store.rules.levers.cache_aware if self.trace is None and isinstance(self.gate, Gate) else 0.0
         weights, indices, scores = self.gate.scored(x, tokens) if margin else (*self.gate(x, tokens), None)
-        if self.trace is not None:  # the router ran (its cost stays); the trace's choice replaces its own
+        # the router ran (its cost stays); the trace's choice replaces its own
+        if self.trace is not None:
             weights, indices = self.trace.route(self.layer, x.shape[0])
         if self.observe is not None:
             self.observe(self.layer, weights, indices)
         # the shared experts' output goes to the routed kernel, which adds it as it sums each token's experts (on
         # CUDA, up to 16 tokens); streamed waves add it after their sum
         shared = None if self.shared_experts is None else self.shared_experts(x)  # [T, D]
-        if store.visible:  # nothing to bring in: the kernel finds every record itself, no host sync
+        # nothing to bring in: the kernel finds every record itself, no host sync
+        if store.visible:
             offsets = store.reached(self.layer, indices)
             return self.kernel(x, indices, weights, store.gpu, offsets, add=shared).view(shape)
         ask = self._ask(x, weights, indices, scores, margin, residual, tokens)
-        if self.cut is not None:  # captured: the loads run between this piece and the next, at each replay
+        # captured: the loads run between this piece and the next, at each replay
+        if self.cut is not None:
             return self._captured(ask, x, indices, weights, shared).view(shape)
         return self._streamed(store.step(ask), x, indices, weights, shared).view(shape)
 
@@ -166,7 +175,8 @@ class MoE(nn.Module):
         """What this layer step asks the store for: its choice, the next layer's guesses and the levers' inputs."""
         ask, after = [indices.flatten()], None
         if self.next_router is not None and residual is not None:
-            ask.append(self.next_router[1](residual, tokens).flatten())  # next layer's choice
+            # next layer's choice
+            ask.append(self.next_router[1](residual, tokens).flatten())
             after = self.next_router[0]
         thresholded = weights if self.experts.rules.levers.expert_threshold > 0 else None
         swap = self.gate.swap(weights, indices, scores, margin) if margin else None
@@ -178,10 +188,12 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """A captured step's expert kernel, reading the offsets the loads between the pieces leave in place."""
         offsets = self.cut(ask)
-        if ask.weights is not None:  # one token: the expert it leaves out is exactly the one without a slot (offset -1)
+        # one token: the expert it leaves out is exactly the one without a slot (offset -1)
+        if ask.weights is not None:
             kept = offsets[indices] >= 0
             weights = kept_weights(weights, kept if ask.lane is None else kept | ask.lane.kept[indices])
-        if ask.lane is not None:  # added in x's dtype (eager steps add it in fp32): one rounding apart
+        # added in x's dtype (eager steps add it in fp32): one rounding apart
+        if ask.lane is not None:
             shared = ask.lane.out if shared is None else shared + ask.lane.out
         return self.kernel(x, indices, weights, self.experts.gpu, offsets, add=shared)
 
@@ -197,9 +209,11 @@ class MoE(nn.Module):
         parts = []
         with abandoned_on_error(got.job):
             weights = got.kept(weights)
-            for offsets in got.offsets():  # one wave unless slots run short
+            # one wave unless slots run short
+            for offsets in got.offsets():
                 parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
-        if got.job is not None:  # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
+        # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
+        if got.job is not None:
             y_host = got.job.result()
             parts.append(y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host)
         # several parts add up in fp32: each is rounded once, as one wave would be

@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
 
     def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A residual add and this norm of its result, in one pass on CUDA: -> (x + delta, norm(x + delta))."""
-        same = (delta.shape, delta.dtype) == (x.shape, x.dtype)  # else torch broadcasts and promotes
+        # else torch broadcasts and promotes
+        same = (delta.shape, delta.dtype) == (x.shape, x.dtype)
         if use_kernels(x) and same and x.stride(-1) == delta.stride(-1) == 1:
             return add_rmsnorm(x, delta, self.weight, self.eps)
         return add_rmsnorm_ref(x, delta, self.weight, self.eps)

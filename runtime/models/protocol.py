@@ -35,11 +35,15 @@ class Model(Protocol):
     args: ModelArgs
     device: torch.device
     experts: ExpertStore
-    moe_kernel: MoEKernel | None  # None when the model has no routed experts
-    layers: nn.ModuleList  # of Block
-    mtp: nn.ModuleList  # the MTP blocks, when loaded with them
+    # None when the model has no routed experts
+    moe_kernel: MoEKernel | None
+    # of Block
+    layers: nn.ModuleList
+    # the MTP blocks, when loaded with them
+    mtp: nn.ModuleList
     head: QuantizedWeight
-    why_eager: str | None  # why decode steps cannot be captured as CUDA graphs (None: they can)
+    # why decode steps cannot be captured as CUDA graphs (None: they can)
+    why_eager: str | None
 
     def __call__(
         self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False

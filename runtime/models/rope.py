@@ -33,7 +33,8 @@ def rope_freqs(args: ModelArgs, base: float, yarn: bool) -> torch.Tensor:
         low = max(math.floor(_correction_dim(args.beta_fast, dim, base, args.original_seq_len)), 0)
         high = min(math.ceil(_correction_dim(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
-        freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)  # interpolate the slow dims only
+        # interpolate the slow dims only
+        freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)
     return freqs
 
 

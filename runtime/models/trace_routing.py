@@ -29,7 +29,8 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.runtime.models.protocol import Model
 
-STAGING = 4  # passes whose rows may be in flight at once (decode graphs run one step ahead of the host)
+# passes whose rows may be in flight at once (decode graphs run one step ahead of the host)
+STAGING = 4
 
 
 def guesses(truth: np.ndarray, recall: float, n_experts: int, rng: np.random.Generator) -> np.ndarray:
@@ -79,14 +80,16 @@ class TraceRouting:
         shape, pin = (m, max_tokens, top_k), device.type == "cuda"
         self.ids_now = torch.zeros(shape, dtype=torch.int64, device=device)  # [M, T, K]: the pass's rows
         self.weights_now = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.guess_now = torch.zeros(shape, dtype=torch.int64, device=device)  # row j: a guess of layer j + 1's
+        # row j: a guess of layer j + 1's
+        self.guess_now = torch.zeros(shape, dtype=torch.int64, device=device)
         # pinned staging, a few passes deep: a copy queued behind a running step must not see its source rewritten
         self._staging = [
             tuple(torch.zeros(shape, dtype=t.dtype, pin_memory=pin) for t in (self.ids_now, self.weights_now))
             + (torch.zeros(shape, dtype=torch.int64, pin_memory=pin),)
             for _ in range(STAGING)
         ]
-        self._copied: list[torch.cuda.Event | None] = [None] * STAGING  # when each staging slot's copy ran
+        # when each staging slot's copy ran
+        self._copied: list[torch.cuda.Event | None] = [None] * STAGING
         self.cursor, self.passes = 0, 0
 
     def describe(self) -> str:
@@ -123,14 +126,16 @@ class TraceRouting:
         ids, weights = self.ids[rows].swapaxes(0, 1), self.weights[rows].swapaxes(0, 1)  # [M, T, K]
         slot = self.passes % STAGING
         if self._copied[slot] is not None:
-            self._copied[slot].synchronize()  # its last copy has read the slot (the host ran STAGING passes ahead)
+            # its last copy has read the slot (the host ran STAGING passes ahead)
+            self._copied[slot].synchronize()
         ids_h, weights_h, guess_h = self._staging[slot]
         ids_h[:, :t] = torch.from_numpy(np.ascontiguousarray(ids))
         weights_h[:, :t] = torch.from_numpy(np.ascontiguousarray(weights))
         rng = np.random.default_rng([self.seed, int(rows[0])])
         guess_h[:-1, :t] = torch.from_numpy(guesses(ids[1:], self.recall, self.n_experts, rng))
         for now, host in ((self.ids_now, ids_h), (self.weights_now, weights_h), (self.guess_now, guess_h)):
-            now[:, :t].copy_(host[:, :t], non_blocking=True)  # in stream order: after the step that read them
+            # in stream order: after the step that read them
+            now[:, :t].copy_(host[:, :t], non_blocking=True)
         if self.ids_now.is_cuda:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()

@@ -123,7 +123,8 @@ class Budgets:
 
     gpu: int | None
     cpu: int | None
-    source: str  # how they were chosen, for the plan table
+    # how they were chosen, for the plan table
+    source: str
 
     @classmethod
     def parse(cls, gpu_mem: str | None, cpu_mem: str | None, preset: str | None) -> Budgets:

@@ -16,7 +16,8 @@ from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
 from dsfp4.layout.manifest import Manifest
 
 FP32 = 4
-ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")  # kept in fp32 (see moe.Gate)
+# kept in fp32 (see moe.Gate)
+ROUTER_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")
 EMBED = "embed.weight"
 INTEGER_FORMATS = ("i64",)
 
@@ -57,7 +58,8 @@ def tensor_bytes(name: str, entry, elt: int) -> int:
     """Bytes of a backbone tensor as loaded: quantized matrices as stored, plain tensors in the runtime dtype
     (`elt` bytes an element), the router in fp32."""
     spec = FORMATS[entry.format]
-    if spec.scale is not None or entry.format in INTEGER_FORMATS:  # as stored (V4's tid2eid: int64)
+    # as stored (V4's tid2eid: int64)
+    if spec.scale is not None or entry.format in INTEGER_FORMATS:
         return stored_nbytes(spec, tuple(entry.shape))
     return shape_numel(entry.shape) * (FP32 if name.endswith(ROUTER_SUFFIXES) else elt)
 

@@ -27,38 +27,51 @@ from dsfp4.runtime.plan.limits import BATCH_KV_SHARE, LOGIT_ROWS, MTP_BATCH, PLA
 from dsfp4.units import format_bytes
 
 FP32 = 4
-COMPLEX64 = 8  # an entry of the RoPE tables
-ALLOCATOR_SLACK = 64 << 20  # torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
+# an entry of the RoPE tables
+COMPLEX64 = 8
+# torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
+ALLOCATOR_SLACK = 64 << 20
 # host memory the CUDA context, its libraries and Triton take after the plan, measured on the H200 machine
 # (scripts/bench_host_memory.py, docs/BENCHMARKS.md), and a margin for kernels a longer run compiles
-CUDA_HOST_RESERVE = 13 << 28  # 3.25 GiB
+# 3.25 GiB
+CUDA_HOST_RESERVE = 13 << 28
 # matrices the device path multiplies as a dense copy (V3's absorbed attention at prefill, V4's grouped output
 # projection); every other quantized matrix is read as stored by the kernels (kernels/linear.py)
 DENSE_COPIES = ("attn.wkv_b", "attn.wo_a")
-ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")  # tables a decode token reads one row of
+# tables a decode token reads one row of
+ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")
 
 
 @dataclass(frozen=True)
 class Plan:
     device: str
     budgets: Budgets
-    backbone: int  # bytes of backbone weights on the device
+    # bytes of backbone weights on the device
+    backbone: int
     kv_cache: int
     workspace: int
-    record: int  # bytes per expert record (one slot)
+    # bytes per expert record (one slot)
+    record: int
     gpu_slots: int
     ram_slots: int
-    staging: int  # RAM slots that reads in flight may hold at once (part of ram_slots)
-    host_base: int  # process memory beside the RAM cache (interpreter, libraries; on the CPU, loading too)
+    # RAM slots that reads in flight may hold at once (part of ram_slots)
+    staging: int
+    # process memory beside the RAM cache (interpreter, libraries; on the CPU, loading too)
+    host_base: int
     total_records: int
-    expert_layers: tuple[int, ...] = ()  # MoE layers whose records the run uses
+    # MoE layers whose records the run uses
+    expert_layers: tuple[int, ...] = ()
     host_backbone: int = (
-        0  # bytes of backbone in pinned RAM, read by the device in place (runtime/plan/host_backbone.py)
+        # bytes of backbone in pinned RAM, read by the device in place (runtime/plan/host_backbone.py)
+        0
     )
     on_host: HostBackbone = HostBackbone()
-    max_batch: int = 1  # sequences decoded together (cache_slots: the KV cache holds theirs)
-    cold_slots: int = 0  # of ram_slots, those sized for a cold record (narrow_slots); the rest hold a record each
-    cold_record: int = 0  # bytes of a cold record (one narrow slot)
+    # sequences decoded together (cache_slots: the KV cache holds theirs)
+    max_batch: int = 1
+    # of ram_slots, those sized for a cold record (narrow_slots); the rest hold a record each
+    cold_slots: int = 0
+    # bytes of a cold record (one narrow slot)
+    cold_record: int = 0
 
     @property
     def record_cache(self) -> int:
@@ -72,7 +85,8 @@ class Plan:
 
     def table(self) -> str:
         r, n = self.record, self.total_records
-        on_cpu = self.device == "cpu"  # both tiers are host memory: the process is counted on the device side
+        # both tiers are host memory: the process is counted on the device side
+        on_cpu = self.device == "cpu"
         process = ("  process", format_bytes(self.host_base), "interpreter, libraries" + ", loading" * on_cpu)
         rows = [
             ("budgets", self.budgets.source, ""),
@@ -194,7 +208,8 @@ def token_bytes(manifest: Manifest) -> tuple[int, int]:
         if name.startswith(a.mtp_prefixes):
             continue
         n = stored_nbytes(FORMATS[t.format], tuple(t.shape))
-        if name.endswith(ONE_ROW):  # one row (V4's hash layers: the token's experts); a tied embedding is the head too
+        # one row (V4's hash layers: the token's experts); a tied embedding is the head too
+        if name.endswith(ONE_ROW):
             n = n // t.shape[0] + (n if name == "embed.weight" and a.tie_word_embeddings else 0)
         elif name.endswith(ROUTER_SUFFIXES):
             n = n * 32 // FORMATS[t.format].bits
@@ -227,7 +242,8 @@ def auto_batch(a: ModelArgs, gpu_budget: int, max_context: int, elt: int, want: 
     `max_context` (at least 1). The plan then caps it (union_batch)."""
     if want <= 1:
         return 1
-    per = sequence_cache_bytes(a, range(a.n_layers), max_context, elt)  # a batch runs without the MTP layer
+    # a batch runs without the MTP layer
+    per = sequence_cache_bytes(a, range(a.n_layers), max_context, elt)
     return max(1, min(want, int(gpu_budget * BATCH_KV_SHARE) // max(per, 1)))
 
 
@@ -266,14 +282,18 @@ def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
 class _Needs:
     """What a run holds whatever its budgets, in bytes: make_plan's first step, which its two tiers then place."""
 
-    record: int  # one expert record (0: no routed experts)
+    # one expert record (0: no routed experts)
+    record: int
     total_records: int
-    top_k: int  # expert slots one token needs (0 without records)
+    # expert slots one token needs (0 without records)
+    top_k: int
     backbone: int
     kv: int
     workspace: int
-    host_base: int  # the process beside the caches; on the CPU, the mapped backbone file too
-    largest_file: int  # the backbone file mapped while it loads
+    # the process beside the caches; on the CPU, the mapped backbone file too
+    host_base: int
+    # the backbone file mapped while it loads
+    largest_file: int
 
 
 def forward_tokens(prefill_chunk: int, max_context: int, with_mtp: bool) -> int:

@@ -18,7 +18,8 @@ from dsfp4.layout.record import RecordLayout
 # records the probes move: more than a CPU's caches hold, so the kernel reads memory as the lane does (one record
 # read again and again came from the cache: docs/BENCHMARKS.md, the CPU lane)
 PROBE_BYTES = 256 << 20
-UNIT_SCALE = {"nvfp4": 0x38, "mxfp4": 127}  # the scale byte of 1.0: e4m3, e8m0 (no subnormal slows the probe)
+# the scale byte of 1.0: e4m3, e8m0 (no subnormal slows the probe)
+UNIT_SCALE = {"nvfp4": 0x38, "mxfp4": 127}
 
 
 def h2d_gbps(device: torch.device, chunk: int, total: int = 1 << 30, pinned: bool = True) -> float:
@@ -58,9 +59,11 @@ def host_moe_gbps(layout: RecordLayout) -> float:
     records = probe_record(wide).repeat(n, 1)  # [n, nbytes]: n copies, each in memory of its own
     x, w = torch.randn(1, layout.dim), torch.ones(1, 1)
     offsets = torch.arange(n, dtype=torch.int64) * wide.nbytes
-    host_moe.moe_host(x, torch.zeros(1, 1, dtype=torch.int64), w, records, offsets, wide)  # builds and warms it
+    # builds and warms it
+    host_moe.moe_host(x, torch.zeros(1, 1, dtype=torch.int64), w, records, offsets, wide)
     t0 = time.perf_counter()
-    for e in range(1, n):  # the first is in the caches now
+    # the first is in the caches now
+    for e in range(1, n):
         host_moe.moe_host(x, torch.full((1, 1), e, dtype=torch.int64), w, records, offsets, wide)
     return (n - 1) * wide.nbytes / (time.perf_counter() - t0) / 1e9
 
@@ -100,7 +103,8 @@ def host_share(setting: str, layout: RecordLayout | None, device: torch.device) 
                 f"--cpu-experts {setting}: the CPU kernel cannot be built here ({host_moe.why_unavailable()}); "
                 "install a C compiler, or give off"
             )
-        return LaneSplit(float(setting), why="--cpu-experts")  # on a CPU run too: the tests run the lane there
+        # on a CPU run too: the tests run the lane there
+        return LaneSplit(float(setting), why="--cpu-experts")
     if device.type != "cuda":
         return LaneSplit(0.0, why="the experts compute on the CPU already")
     if not host_moe.available():

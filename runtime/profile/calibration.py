@@ -24,14 +24,18 @@ BUILTIN_FILES = ("prose.jsonl", "code.jsonl", "chat.jsonl", "languages.jsonl")
 BUILTIN_SOURCE = "builtin: dsfp4 calibration text (prose, code, chat, languages)"
 ROLES = ("system", "user", "assistant")
 
-Entry = str | list[dict[str, str]]  # plain text, or a conversation
+# plain text, or a conversation
+Entry = str | list[dict[str, str]]
 
 
 @dataclass(frozen=True)
 class Calibration:
-    sequences: list[list[int]]  # token ids, each at most the sequence length
-    source: str  # what the text was, for hot.json
-    available: int  # tokens the text held before the cut at --tokens
+    # token ids, each at most the sequence length
+    sequences: list[list[int]]
+    # what the text was, for hot.json
+    source: str
+    # tokens the text held before the cut at --tokens
+    available: int
 
     @property
     def tokens(self) -> int:

@@ -25,7 +25,8 @@ class LayerSkew:
     top10: float
     top25: float
     gini: float
-    hottest: int  # expert
+    # expert
+    hottest: int
     hottest_share: float
 
 
@@ -97,7 +98,8 @@ def write_plot(profile: HotProfile, path: Path) -> str | None:
     except ImportError:
         return f"matplotlib is not installed (pip install 'dsfp4[plot]'), so {path} was not drawn"
     curves = np.stack([coverage(np.asarray(c)) for _, c in sorted(profile.counts.items())])  # [layers, E]
-    curves = np.pad(curves, ((0, 0), (1, 0)))  # no experts cover nothing: every curve starts at (0, 0)
+    # no experts cover nothing: every curve starts at (0, 0)
+    curves = np.pad(curves, ((0, 0), (1, 0)))
     x = np.arange(curves.shape[1]) / (curves.shape[1] - 1)
     fig, ax = plt.subplots(figsize=(7, 5))
     for curve in curves:

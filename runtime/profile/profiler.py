@@ -34,7 +34,8 @@ class ProfileRun:
     profile: HotProfile
     trace: RoutingTrace | None
     plan: Plan
-    counters: dict[str, float]  # the expert store's, for the whole pass
+    # the expert store's, for the whole pass
+    counters: dict[str, float]
     seconds: float
     notes: list[str]
 
@@ -62,12 +63,14 @@ def layer_pass(
 
     for i, block in enumerate(model.layers):
         mine = records(i) if block.moe else []
-        if mine and len(store.ram_pool.fitting(mine)) == n_experts:  # the layer's records, then what fits behind them
+        # the layer's records, then what fits behind them
+        if mine and len(store.ram_pool.fitting(mine)) == n_experts:
             store.read_ahead(mine, set())
             later = [j for j in moe if j > i]
             ahead = store.ram_pool.fitting(mine + records(later[0]))[n_experts:] if later else []
             if ahead:
-                store.read_ahead(ahead, set(mine))  # this layer's stay
+                # this layer's stay
+                store.read_ahead(ahead, set(mine))
         for index, (h, t) in enumerate(zip(hidden, tokens, strict=True)):
             for a in range(0, h.shape[1], chunk):
                 if before is not None:
@@ -96,10 +99,12 @@ def profile_model(
     t0 = time.perf_counter()
     device, manifest, seq_len, dtype = run_target(model_dir, options)
     calib = calibration(ChatTokenizer(model_dir), prompts, chat_format, tokens, seq_len)
-    streams = max(1, manifest.args.hc_mult)  # V4's residual is hc_mult streams of dim
+    # V4's residual is hc_mult streams of dim
+    streams = max(1, manifest.args.hc_mult)
     hidden_bytes = calib.tokens * streams * manifest.args.dim * torch.empty((), dtype=dtype).element_size()
     plan = plan or plan_run(manifest, device, dtype, seq_len, options, False, host_extra=hidden_bytes)
-    options = dataclasses.replace(options, prefetch=False)  # predicting the next layer means nothing here
+    # predicting the next layer means nothing here
+    options = dataclasses.replace(options, prefetch=False)
     model = load_model(model_dir, device, dtype, seq_len, manifest=manifest, options=options, plan=plan)
     notes = list(model.experts.notes)
     if calib.available < tokens:
@@ -116,7 +121,8 @@ def profile_model(
         on_start(plan, len(model.layers), calib.tokens)
         store = model.experts
         layer_pass(model, calib.sequences, options.prefill_chunk, lambda i: on_layer(i, store.counters.snapshot()))
-        recorder.commit([t for s in calib.sequences for t in s])  # every layer has seen every token
+        # every layer has seen every token
+        recorder.commit([t for s in calib.sequences for t in s])
         model.experts.sync()
         profile = recorder.profile(manifest.exact_sha256(), (calib.source,))
         return ProfileRun(
@@ -129,5 +135,6 @@ def profile_model(
         )
     finally:
         if recorder is not None:
-            recorder.detach()  # the recorder and the model point at each other: let both go now
+            # the recorder and the model point at each other: let both go now
+            recorder.detach()
         model.experts.close()

@@ -28,12 +28,15 @@ class RoutingRecorder:
         n, device, self.top_k = model.args.n_routed_experts, model.device, model.args.n_activated_experts
         self.counts = torch.zeros((len(self.moe), n), dtype=torch.int64, device=device)  # [layers, E]
         self.weights = torch.zeros((len(self.moe), n), dtype=torch.float64, device=device)  # [layers, E]
-        self._counts, self._weights = torch.zeros_like(self.counts), torch.zeros_like(self.weights)  # pending
+        # pending
+        self._counts, self._weights = torch.zeros_like(self.counts), torch.zeros_like(self.weights)
         self.trace = trace
-        self._ids: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}  # committed [T, K] chunks
+        # committed [T, K] chunks
+        self._ids: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
         self._w: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
         self._pending: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {layer: [] for layer in self.layers}
-        self.token_ids: list[int] = []  # the committed tokens, when the caller names them
+        # the committed tokens, when the caller names them
+        self.token_ids: list[int] = []
         for m in self.moe:
             if m.observe is not None:
                 raise ConfigError("this model already has a routing recorder attached")

@@ -10,26 +10,45 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class StoreCounters:
-    layer_steps: int = 0  # MoE layer invocations
-    expert_uses: int = 0  # experts those invocations needed
-    gpu_hits: int = 0  # experts found in a device slot
-    ram_hits: int = 0  # found in the RAM cache (then copied to the device, or read there zero-copy)
-    ssd_misses: int = 0  # in neither: read from the SSD on demand
-    ssd_reads: int = 0  # records read from the SSD (demand and prefetch)
+    # MoE layer invocations
+    layer_steps: int = 0
+    # experts those invocations needed
+    expert_uses: int = 0
+    # experts found in a device slot
+    gpu_hits: int = 0
+    # found in the RAM cache (then copied to the device, or read there zero-copy)
+    ram_hits: int = 0
+    # in neither: read from the SSD on demand
+    ssd_misses: int = 0
+    # records read from the SSD (demand and prefetch)
+    ssd_reads: int = 0
     ssd_bytes: int = 0
-    ssd_read_s: float = 0.0  # summed over reader threads
-    h2d_bytes: int = 0  # records moved host -> device: copied to a slot, or read in place by a kernel
-    prefetch_loads: int = 0  # records a prediction started moving
-    predicted: int = 0  # experts predicted for a layer ...
-    actual: int = 0  # ... experts that layer then used ...
-    predicted_used: int = 0  # ... and both
-    stall_s: float = 0.0  # host time blocked waiting for expert loads
-    skipped: int = 0  # experts left out by the expert threshold (cold, and every token that chose them left them out)
-    skipped_bytes: int = 0  # the records they would have read
-    swapped: int = 0  # choices cache-aware routing traded for a warm expert of the same group
-    host_computed: int = 0  # RAM hits the host computed from RAM (the CPU lane), counted among ram_hits too
-    host_s: float = 0.0  # the CPU lane's kernel time
-    host_wait_s: float = 0.0  # host time blocked waiting for the CPU lane's result
+    # summed over reader threads
+    ssd_read_s: float = 0.0
+    # records moved host -> device: copied to a slot, or read in place by a kernel
+    h2d_bytes: int = 0
+    # records a prediction started moving
+    prefetch_loads: int = 0
+    # experts predicted for a layer ...
+    predicted: int = 0
+    # ... experts that layer then used ...
+    actual: int = 0
+    # ... and both
+    predicted_used: int = 0
+    # host time blocked waiting for expert loads
+    stall_s: float = 0.0
+    # experts left out by the expert threshold (cold, and every token that chose them left them out)
+    skipped: int = 0
+    # the records they would have read
+    skipped_bytes: int = 0
+    # choices cache-aware routing traded for a warm expert of the same group
+    swapped: int = 0
+    # RAM hits the host computed from RAM (the CPU lane), counted among ram_hits too
+    host_computed: int = 0
+    # the CPU lane's kernel time
+    host_s: float = 0.0
+    # host time blocked waiting for the CPU lane's result
+    host_wait_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _layers: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # [uses, device, RAM]
 
@@ -47,12 +66,14 @@ class StoreCounters:
         return {layer: tuple(row) for layer, row in sorted(self._layers.items())}
 
     def add_read(self, nbytes: int, seconds: float) -> None:
-        with self._lock:  # reader threads
+        # reader threads
+        with self._lock:
             self.ssd_bytes += nbytes
             self.ssd_read_s += seconds
 
     def add_host(self, seconds: float) -> None:
-        with self._lock:  # the lane's worker
+        # the lane's worker
+        with self._lock:
             self.host_s += seconds
 
     def add_prediction(self, predicted: int, actual: int, both: int) -> None:

@@ -11,7 +11,8 @@ import torch
 
 from dsfp4.layout.record_offsets import record_offsets
 
-Key = tuple[int, int]  # (layer, expert)
+# (layer, expert)
+Key = tuple[int, int]
 
 
 class DeviceTable:
@@ -19,7 +20,8 @@ class DeviceTable:
         self.device, self.cuda = device, device.type == "cuda"
         self._slots = torch.full((n_blocks, n_experts), -1, dtype=torch.int32, device=device)  # [blocks, experts]
         self._updates: dict[Key, int] = {}
-        self._offsets: torch.Tensor | None = None  # record_offsets of the whole table, refreshed in place
+        # record_offsets of the whole table, refreshed in place
+        self._offsets: torch.Tensor | None = None
         self._stale = True
         self._host_slots: torch.Tensor | None = None  # [blocks, experts] RAM slot of each record read in place
 
@@ -35,7 +37,8 @@ class DeviceTable:
         """[blocks, experts] int32 on the device: each expert's slot, -1 when it is not there."""
         if self._updates:
             rows = torch.tensor([(lay, e, s) for (lay, e), s in self._updates.items()])  # [n, 3]
-            if self.cuda:  # pinned and non-blocking: a pageable copy would wait for the compute stream
+            # pinned and non-blocking: a pageable copy would wait for the compute stream
+            if self.cuda:
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
             self._slots[rows[:, 0], rows[:, 1]] = rows[:, 2].to(torch.int32)
             self._updates, self._stale = {}, True
@@ -50,7 +53,8 @@ class DeviceTable:
             keep = torch.zeros_like(table[layer], dtype=torch.bool)
             keep[torch.tensor(wave, device=self.device)] = True
             return record_offsets(torch.where(keep, table[layer], -1), gpu)
-        if self._stale:  # every layer's at once, until a slot changes: once, when nothing moves
+        # every layer's at once, until a slot changes: once, when nothing moves
+        if self._stale:
             host = () if self._host_slots is None else (self._host_slots, ram)
             fresh = record_offsets(table, gpu, *host)  # [blocks, experts]
             self._offsets = fresh if self._offsets is None else self._offsets.copy_(fresh)

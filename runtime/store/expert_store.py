@@ -39,7 +39,8 @@ from dsfp4.runtime.store.step_levers import StepLevers
 from dsfp4.runtime.store.transfers import Transfers
 from dsfp4.runtime.store.use_counts import DeviceUseCounts
 
-Key = tuple[int, int]  # (layer, expert)
+# (layer, expert)
+Key = tuple[int, int]
 # records per read ahead: streams, yet runs in parallel (the fastest of the sizes tried: docs/BENCHMARKS.md)
 RUN_RECORDS = 4
 
@@ -86,16 +87,21 @@ class ExpertStore:
         self._io_threads, self._verify, self.prefetch_reads = io_threads, verify, prefetch_reads
         self.lane_split = lane
         self.n_experts = a.n_routed_experts
-        self.lane: HostLane | None = None  # with the RAM cache (open_host), when the split has a share
+        # with the RAM cache (open_host), when the split has a share
+        self.lane: HostLane | None = None
         self.rules = StepLevers(levers, (self.gpu_pool, self.ram_pool), manifest, self._counters)
         self.cache: RamCache | None = None
-        self.io: Transfers | None = None  # with the RAM cache (open_host)
-        self.warm_records, self.warm_s = 0, 0.0  # the warm start's (placement.py preload), once per engine
+        # with the RAM cache (open_host)
+        self.io: Transfers | None = None
+        # the warm start's (placement.py preload), once per engine
+        self.warm_records, self.warm_s = 0, 0.0
         self.notes: list[str] = []
         if host:
             self.open_host()
-        self.mapped = False  # map: every record on the device or read from pinned RAM in place
-        self._device_counts: DeviceUseCounts | None = None  # uses counted by kernels, when mapped
+        # map: every record on the device or read from pinned RAM in place
+        self.mapped = False
+        # uses counted by kernels, when mapped
+        self._device_counts: DeviceUseCounts | None = None
         self._predicted: dict[int, set[int]] = {}
         self._counting = True
 
@@ -104,13 +110,15 @@ class ExpertStore:
         p = self.plan
         wide = p.ram_slots - p.cold_slots
         self.cache = RamCache(wide, self.gpu.shape[1], p.cold_slots, p.cold_record, pin=self.cuda)
-        self.ram = self.cache.wide  # [slots, record]: the record-sized slots (what the host lane and mapping read)
+        # [slots, record]: the record-sized slots (what the host lane and mapping read)
+        self.ram = self.cache.wide
         pools = (self.gpu_pool, self.ram_pool)
         tiers = (self.gpu, self.cache)
         self.io = Transfers(
             self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify
         )
-        levers, pcie_gbps = self.rules.levers, 0.0  # pinned copies, measured when the adaptive threshold needs them
+        # pinned copies, measured when the adaptive threshold needs them
+        levers, pcie_gbps = self.rules.levers, 0.0
         if levers.adaptive and levers.hide_ratio is None and self.cuda and self.layout is not None:
             pcie_gbps = h2d_gbps(self.device, self.layout.nbytes, total=PROBE_BYTES)
         if self.lane_split.share > 0 and self.layout is not None and self.plan.ram_slots:
@@ -161,7 +169,8 @@ class ExpertStore:
             if key in self.ram_pool:
                 continue
             rslot = self._allocate(self.ram_pool, key, protected, wait=False)
-            if rslot is None:  # the run so far must be in flight before waiting for a slot
+            # the run so far must be in flight before waiting for a slot
+            if rslot is None:
                 self.io.read(run)
                 run = []
                 rslot = self._allocate(self.ram_pool, key, protected, wait=True)
@@ -175,13 +184,15 @@ class ExpertStore:
     def start(self, key: Key, protected: set[Key], wait: bool) -> Future | None:
         """Begin moving a record that is not on the device there: (SSD ->) RAM -> device. Returns the job
         whose result is the copy's event, or None when no slot is free and `wait` is False."""
-        got = self._to_ram(key, set(), wait)  # RAM copies in use are pinned; the device's are protected
+        # RAM copies in use are pinned; the device's are protected
+        got = self._to_ram(key, set(), wait)
         if got is None:
             return None
         rslot, read = got
         gslot = self._allocate(self.gpu_pool, key, protected, wait)
         if gslot is None:
-            return None  # prefetch: the record stays in RAM
+            # prefetch: the record stays in RAM
+            return None
         return self.io.upload(key, gslot, rslot, read)
 
     def map(self, host_slots: torch.Tensor, counts: DeviceUseCounts) -> None:
@@ -191,7 +202,8 @@ class ExpertStore:
         cold = self.manifest.cold_record
         for (layer, e), rslot in self.ram_pool.slot_of.items():
             if host_slots[layer, e] >= 0 and self.manifest.layout_of((layer, e)) == cold:
-                self.ram[rslot].copy_(cold.widen(self.ram[rslot, : cold.nbytes]))  # widen() builds a new tensor
+                # widen() builds a new tensor
+                self.ram[rslot].copy_(cold.widen(self.ram[rslot, : cold.nbytes]))
         self.table.map_host(host_slots)
         self._device_counts, self.mapped = counts, True
 
@@ -251,20 +263,24 @@ class ExpertStore:
         self._counters.add_layer(layer, len(experts) + len(host), tiers.count(0), tiers.count(1) + len(host))
         self._counters.ram_hits += len(host)
         order = sorted(experts, key=tier.__getitem__)
-        if not order and prefetch is not None:  # the host takes every expert of the step: the guesses still go
+        # the host takes every expert of the step: the guesses still go
+        if not order and prefetch is not None:
             self.prefetch(*prefetch, protect={(layer, e) for e in host})
         for first in range(0, len(order), self.plan.gpu_slots):
             wave = order[first : first + self.plan.gpu_slots]
             protected = {(layer, e) for e in wave}
-            self.io.retire()  # once per wave: a blocked allocation retires again in wait_any
+            # once per wave: a blocked allocation retires again in wait_any
+            self.io.retire()
             jobs = []
             for e in wave:
                 key = (layer, e)
                 gslot = self.gpu_pool.lookup(key)
-                self.ram_pool.lookup(key)  # inclusive tiers: the RAM copy stays as warm as the device one
+                # inclusive tiers: the RAM copy stays as warm as the device one
+                self.ram_pool.lookup(key)
                 if gslot is not None:
                     self._counters.gpu_hits += 1
-                    if (filling := self.io.filling(gslot)) is not None:  # a prefetch may still be filling it
+                    # a prefetch may still be filling it
+                    if (filling := self.io.filling(gslot)) is not None:
                         jobs.append(filling)
                     continue
                 in_ram = key in self.ram_pool
@@ -302,7 +318,8 @@ class ExpertStore:
         evicting anything in `protect` (the current layer's experts) or in flight."""
         self._predicted[layer] = set(experts)
         self.io.retire()
-        keep = protect | {(layer, e) for e in experts}  # a guess never evicts another guess
+        # a guess never evicts another guess
+        keep = protect | {(layer, e) for e in experts}
         for e in experts:
             key = (layer, e)
             if key in self.gpu_pool or not (self.prefetch_reads or key in self.ram_pool):
@@ -344,7 +361,8 @@ class ExpertStore:
         finally:
             self._counting = True
             if self._device_counts is not None:
-                self._device_counts.take()  # the runs inside counted on the device too: dropped
+                # the runs inside counted on the device too: dropped
+                self._device_counts.take()
 
     def count_step(self, layer: int, ids: torch.Tensor) -> None:
         """Count a step of `layer` whose experts (ids: [T, K]) the kernels reached without the host: on the

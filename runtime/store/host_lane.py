@@ -37,7 +37,8 @@ class HostJob:
 
     def abandon(self) -> None:
         """The step failed: wait for the job, whatever it raises, and unpin its slots."""
-        with contextlib.suppress(Exception):  # the step's own error is the one raised
+        # the step's own error is the one raised
+        with contextlib.suppress(Exception):
             self.result()
 
     def result(self) -> torch.Tensor:

@@ -72,7 +72,8 @@ class LayerExperts:
     waves: Iterator[list[int]]
     drop: list[bool] | None
     job: HostJob | None
-    table: Callable[[int, list[int] | None], torch.Tensor]  # ExpertStore.offsets
+    # ExpertStore.offsets
+    table: Callable[[int, list[int] | None], torch.Tensor]
 
     def offsets(self) -> Iterator[torch.Tensor]:
         """Each wave's record offsets [E] for the expert kernel, every other expert -1."""

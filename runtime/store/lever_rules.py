@@ -13,7 +13,8 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
-Expert = Hashable  # an expert id of one layer, or a (layer, expert) key: the rules only compare them
+# an expert id of one layer, or a (layer, expert) key: the rules only compare them
+Expert = Hashable
 
 
 def light_choices(weights: Sequence[float], top_k: int, threshold: float) -> tuple[list[bool], list[float]]:
@@ -72,7 +73,8 @@ def swap_cold_by(ids: np.ndarray, warm: Callable[[int], bool], per_group: int, p
     the warm unchosen expert of its group that `pick` takes, the number of swaps). A cold expert is swapped only when
     every token that chose it can swap it: otherwise it is read anyway, and no token pays for a swap that saves
     nothing (as the threshold leaves an expert out only when no token keeps it). Pure: the inputs are not changed."""
-    proposed: dict[tuple[int, int], int] = {}  # (token, slot) -> the warm expert it would take
+    # (token, slot) -> the warm expert it would take
+    proposed: dict[tuple[int, int], int] = {}
     for t in range(ids.shape[0]):
         taken = set(ids[t].tolist())
         for j in range(ids.shape[1]):

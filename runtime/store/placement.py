@@ -16,7 +16,8 @@ from dsfp4.runtime.store.policy import HOT_SHARE
 from dsfp4.runtime.store.slots import SlotPool
 from dsfp4.runtime.store.use_counts import DeviceUseCounts
 
-Key = tuple[int, int]  # (layer, expert)
+# (layer, expert)
+Key = tuple[int, int]
 
 
 def hottest_first(manifest: Manifest, plan: Plan, profile: HotProfile | None) -> list[Key]:
@@ -34,9 +35,11 @@ def place_records(store: ExpertStore, profile: HotProfile | None, zero_copy: boo
     """Place the records for a run's start (module docstring); `zero_copy`: kernels may read pinned RAM in place."""
     p = store.plan
     if store.cuda and p.gpu_slots >= p.total_records > 0:
-        fill(store)  # every expert fits: all on the device, and decode steps can be captured
+        # every expert fits: all on the device, and decode steps can be captured
+        fill(store)
     elif zero_copy and not p.cold_slots and p.gpu_slots + p.ram_slots >= p.total_records > 0:
-        map_all(store, hottest_first(store.manifest, p, profile))  # the rest read from RAM in place: graphs too
+        # the rest read from RAM in place: graphs too
+        map_all(store, hottest_first(store.manifest, p, profile))
     elif profile is not None:
         warm_start(store, profile)
 
@@ -65,9 +68,11 @@ def map_all(store: ExpertStore, ranked: list[Key]) -> None:
     assert sorted(ranked) == used, "map_all() ranks every used record once"
     assert p.gpu_slots + p.ram_slots >= p.total_records, "map_all() needs a device or RAM slot per record"
     assert not p.cold_slots, "map_all() widens cold records in record-sized RAM slots"
-    preload(store, ranked, inclusive=False)  # each record once: a slot for every one
+    # each record once: a slot for every one
+    preload(store, ranked, inclusive=False)
     tier = store.residency()  # [blocks, experts]: 2 on the device, 1 in RAM only
-    host = torch.full(tier.shape, -1, dtype=torch.int32)  # the RAM slots of the records read in place
+    # the RAM slots of the records read in place
+    host = torch.full(tier.shape, -1, dtype=torch.int32)
     for (layer, e), rslot in store.ram_pool.slot_of.items():
         host[layer, e] = rslot if tier[layer, e] == 1 else -1
     assert int((tier > 0).sum()) == p.total_records, "a record found no slot"
@@ -94,10 +99,12 @@ def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> No
     p, pool = store.plan, store.ram_pool
     if inclusive and p.gpu_slots <= p.ram_slots:
         to_gpu, to_ram = ranked[: p.gpu_slots], pool.fitting(ranked)
-        store.read_ahead(to_ram, set())  # in file order, adjacent records together
+        # in file order, adjacent records together
+        store.read_ahead(to_ram, set())
         store.sync()
         for key in sorted(to_gpu, key=store.manifest.file_position):
-            store.start(key, set(), wait=True)  # from its RAM copy
+            # from its RAM copy
+            store.start(key, set(), wait=True)
         store.sync()
         hold_hottest(store.ram_pool, ranked, p.gpu_slots + p.staging)
         store.warm_records, store.warm_s = len(to_ram), time.perf_counter() - t0
@@ -105,14 +112,16 @@ def preload(store: ExpertStore, ranked: list[Key], inclusive: bool = True) -> No
     to_gpu, to_ram = ranked[: p.gpu_slots], pool.fitting(ranked[p.gpu_slots :])
     for layer in sorted({layer for layer, _ in to_gpu}):
         keys = sorted((k for k in to_gpu if k[0] == layer), key=store.manifest.file_position)
-        while keys:  # through RAM, as much at once as its slots of each size hold
+        # through RAM, as much at once as its slots of each size hold
+        while keys:
             now = pool.fitting(keys)
             store.read_ahead(now, set())
             for key in now:
                 store.start(key, set(), wait=True)
             taken = set(now)
             keys = [k for k in keys if k not in taken]
-    store.sync()  # the device part's RAM copies become evictable, so the RAM part reads without a break
+    # the device part's RAM copies become evictable, so the RAM part reads without a break
+    store.sync()
     store.read_ahead(to_ram, set())
     store.sync()
     hold_hottest(store.ram_pool, ranked, p.gpu_slots + p.staging)

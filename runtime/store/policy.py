@@ -21,13 +21,15 @@ from collections.abc import Callable, Container, Hashable, Iterable
 from typing import Protocol
 
 Key = Hashable
-HALF_LIFE_TURNOVERS = 4  # LFU memory: uses of the pool, in pool sizes (tuned on traces: docs/BENCHMARKS.md)
+# LFU memory: uses of the pool, in pool sizes (tuned on traces: docs/BENCHMARKS.md)
+HALF_LIFE_TURNOVERS = 4
 
 
 class EvictionPolicy(Protocol):
     """What a slot pool asks of its policy: it is told of every key placed, used and gone, and names a victim."""
 
-    name: str  # its key in POLICIES
+    # its key in POLICIES
+    name: str
 
     def touch(self, key: Key) -> None:
         """key was placed in the pool or used there."""
@@ -83,12 +85,14 @@ class LFUDecay:
         self._resident: set[Key] = set()
         self._heap: list[tuple[float, int, Key]] = []
         self._clock = 0
-        self._base = 0  # clock at the last rescale, so 2^(t/half_life) stays in range
+        # clock at the last rescale, so 2^(t/half_life) stays in range
+        self._base = 0
 
     def touch(self, key: Key) -> None:
         self._clock += 1
         exponent = (self._clock - self._base) / self.half_life
-        if exponent > 500:  # rescale every score by the same factor: the order is unchanged
+        # rescale every score by the same factor: the order is unchanged
+        if exponent > 500:
             factor = 2.0**-exponent
             self._score = {k: s * factor for k, s in self._score.items() if s * factor > 0}
             self._base, exponent = self._clock, 0.0
@@ -97,7 +101,8 @@ class LFUDecay:
         self._score[key] = score
         self._resident.add(key)
         heapq.heappush(self._heap, (score, self._clock, key))
-        if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries now and then
+        # drop stale entries now and then
+        if len(self._heap) > 4 * len(self._resident) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
@@ -105,13 +110,15 @@ class LFUDecay:
         heapq.heapify(self._heap)
 
     def remove(self, key: Key) -> None:
-        self._resident.discard(key)  # its score stays; its heap entries go stale and are skipped
+        # its score stays; its heap entries go stale and are skipped
+        self._resident.discard(key)
 
     def victim(self, protected: Container[Key]) -> Key | None:
         skipped, found = [], None
         while self._heap:
             score, t, key = self._heap[0]
-            if key not in self._resident or self._score.get(key) != score:  # stale entry
+            # stale entry
+            if key not in self._resident or self._score.get(key) != score:
                 heapq.heappop(self._heap)
                 continue
             if key in protected:
@@ -152,4 +159,5 @@ POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {p.name: p for p in (LRU,
 # HOT_SHARE of RAM for the warm start's hottest records and runs LRU on the rest (docs/BENCHMARKS.md: SSD-bound
 # projections under calibrated DeepSeek-V3 traces)
 TIER_POLICIES = {"lru": ("lru", "lru"), "lfu": ("lfu", "lfu"), "mix": ("lfu", "lru"), "hot": ("lfu", "hot")}
-HOT_SHARE = 0.75  # of the RAM slots, held for the hottest records when the policy is "hot"
+# of the RAM slots, held for the hottest records when the policy is "hot"
+HOT_SHARE = 0.75

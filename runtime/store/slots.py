@@ -20,7 +20,8 @@ class SlotPool:
     def __init__(
         self, n_slots: int, policy: str = "lru", narrow: int = 0, is_narrow: Callable[[Key], bool] | None = None
     ):
-        assert 0 <= narrow < n_slots or narrow == n_slots == 0, (n_slots, narrow)  # some wide slots beside narrow ones
+        # some wide slots beside narrow ones
+        assert 0 <= narrow < n_slots or narrow == n_slots == 0, (n_slots, narrow)
         assert is_narrow is not None or not narrow, "narrow slots need is_narrow"
         self.sizes = (n_slots - narrow, narrow) if narrow else (n_slots,)
         self.policies: list[EvictionPolicy] = [POLICIES[policy](n) for n in self.sizes]

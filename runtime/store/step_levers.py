@@ -49,8 +49,10 @@ class StepLevers:
         light, shares = light_choices(weights, top_k, threshold)
         cold = {e for e in set(ids) if not self.is_warm(layer, e)}
         skip, drop = leave_out(ids, light, cold)
-        if self.levers.adaptive and skip:  # only what the step's copies cannot hide, the least weighed first
-            weight: dict[int, float] = {}  # each expert's largest share of a choosing token's routed weight
+        # only what the step's copies cannot hide, the least weighed first
+        if self.levers.adaptive and skip:
+            # each expert's largest share of a choosing token's routed weight
+            weight: dict[int, float] = {}
             for e, share in zip(ids, shares, strict=True):
                 weight[e] = max(weight.get(e, 0.0), share)
             crossing = sum(1 for e in set(ids) if (layer, e) in self.ram_pool and (layer, e) not in self.gpu_pool)
@@ -76,7 +78,8 @@ class StepLevers:
         if rslot is None or self.manifest.layout_of((layer, e)).cold:
             return False
         job = self.io.reading(rslot)
-        return job is None or job.done()  # an upload still waiting is waiting for the read
+        # an upload still waiting is waiting for the read
+        return job is None or job.done()
 
     def host_split(self, layer: int, chosen: list[int]) -> dict[int, int]:
         """Of a decode step's distinct chosen experts, those the host computes (expert -> RAM slot, pinned until its
@@ -88,7 +91,8 @@ class StepLevers:
         take = host_candidates(chosen, on_device, lambda e: self._host_may_read(layer, e), self.lane.share)
         host = {e: self.ram_pool.slot_of[(layer, e)] for e in take}
         for e, rslot in host.items():
-            self.ram_pool.lookup((layer, e))  # a use, for the policy
+            # a use, for the policy
+            self.ram_pool.lookup((layer, e))
             self.ram_pool.pin(rslot)
         self.counters.host_computed += len(host)
         return host

@@ -30,13 +30,15 @@ from dsfp4.runtime.store.device_table import DeviceTable
 from dsfp4.runtime.store.ram_cache import RamCache
 from dsfp4.runtime.store.slots import SlotPool
 
-Key = tuple[int, int]  # (layer, expert)
+# (layer, expert)
+Key = tuple[int, int]
 
 
 def _done(job: Future) -> bool:
     if not job.done() or job.exception() is not None:
         return job.done()
-    return job.result() is None or job.result().query()  # and its copy event, if any, has passed
+    # and its copy event, if any, has passed
+    return job.result() is None or job.result().query()
 
 
 def _run_now(fn: Callable[..., object], *args: object) -> Future:
@@ -70,7 +72,8 @@ class Transfers:
         self.gpu_pool, self.ram_pool = pools
         self.cuda = self.gpu.device.type == "cuda"
         self.cold = manifest.cold_record
-        if self.cold is not None:  # on CUDA one staging buffer: uploads queue on one stream, one at a time (_stage)
+        # on CUDA one staging buffer: uploads queue on one stream, one at a time (_stage)
+        if self.cold is not None:
             self.staging = (
                 torch.empty(self.cold.nbytes, dtype=torch.uint8, device=self.gpu.device) if self.cuda else None
             )
@@ -81,8 +84,10 @@ class Transfers:
         self.reads = ThreadPoolExecutor(io_threads, thread_name_prefix="dsfp4-io")
         # uploads wait for their read; on a thread of their own they never queue behind later reads
         self.uploads = ThreadPoolExecutor(1, thread_name_prefix="dsfp4-upload")
-        self.gpu_jobs: dict[int, list[Future]] = {}  # slot -> jobs filling it
-        self.ram_jobs: dict[int, list[Future]] = {}  # slot -> jobs writing or reading it
+        # slot -> jobs filling it
+        self.gpu_jobs: dict[int, list[Future]] = {}
+        # slot -> jobs writing or reading it
+        self.ram_jobs: dict[int, list[Future]] = {}
         self.released: list[torch.cuda.Event | None] = [None] * len(self.gpu_pool.key_of)
         self._verified: set[Key] = set()
 
@@ -115,7 +120,8 @@ class Transfers:
         if not cold:
             self.gpu[gslot].copy_(self.cache.tensor(rslot), non_blocking=True)
             return
-        with self._stage:  # the copy and its widening queue together: another upload's copy would overwrite
+        # the copy and its widening queue together: another upload's copy would overwrite
+        with self._stage:
             src = self.cache.tensor(rslot)
             if self.cuda:
                 src = self.staging.copy_(src[: self.cold.nbytes], non_blocking=True)
@@ -125,13 +131,15 @@ class Transfers:
         self, gslot: int, rslot: int, cold: bool, after: Future | None, released: object
     ) -> torch.cuda.Event | None:
         if after is not None:
-            after.result()  # the read of this record
+            # the read of this record
+            after.result()
         if not self.cuda:
             self._copy(gslot, rslot, cold)
             return None
         with torch.cuda.stream(self.copy_stream):
             if released is not None:
-                self.copy_stream.wait_event(released)  # compute has finished reading the old record
+                # compute has finished reading the old record
+                self.copy_stream.wait_event(released)
             self._copy(gslot, rslot, cold)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
@@ -219,14 +227,17 @@ class Transfers:
         for job in jobs:
             t0 = time.perf_counter()
             try:
-                event = job.result()  # the SSD read and the copy are queued (or a checksum error)
+                # the SSD read and the copy are queued (or a checksum error)
+                event = job.result()
             except BaseException:
-                wait(jobs)  # the wave's other jobs may share the failed read: all end, then every failure is forgotten
+                # the wave's other jobs may share the failed read: all end, then every failure is forgotten
+                wait(jobs)
                 self.retire()
                 raise
             self.counters.stall_s += time.perf_counter() - t0
             if event is not None:
-                torch.cuda.current_stream(self.gpu.device).wait_event(event)  # on the device, not the host
+                # on the device, not the host
+                torch.cuda.current_stream(self.gpu.device).wait_event(event)
 
     def sync(self) -> None:
         """Wait for every job in flight (raising the first error)."""
@@ -243,4 +254,5 @@ class Transfers:
         self.files = {}
         if self.cuda:
             self.copy_stream.synchronize()
-        self.gpu = self.cache = None  # the store frees its tiers' memory now
+        # the store frees its tiers' memory now
+        self.gpu = self.cache = None

@@ -20,12 +20,14 @@ class DeviceUseCounts:
         self.on_device = on_device
         self.uses = torch.zeros(on_device.shape, dtype=torch.int64, device=device)  # [L, E] (token, expert) pairs
         self.steps = torch.zeros(on_device.shape[0], dtype=torch.int64, device=device)  # [L] layer steps
-        self._one = torch.ones(1, dtype=torch.int64, device=device)  # never replaced: graphs hold its address
+        # never replaced: graphs hold its address
+        self._one = torch.ones(1, dtype=torch.int64, device=device)
 
     def add(self, layer: int, ids: torch.Tensor) -> None:
         """One step of `layer` with its routing ids: [T, K]."""
         flat = ids.flatten()
-        self.uses[layer].index_add_(0, flat, self._one.expand(flat.numel()))  # no buffer sized by T
+        # no buffer sized by T
+        self.uses[layer].index_add_(0, flat, self._one.expand(flat.numel()))
         self.steps[layer : layer + 1].add_(1)
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:

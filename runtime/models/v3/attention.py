@@ -41,7 +41,8 @@ class MLA(nn.Module):
         self.wkv_a = w.matrix(p + "wkv_a", (a.kv_lora_rank + a.qk_rope_head_dim, a.dim))
         self.kv_norm = RMSNorm(w.plain(p + "kv_norm.weight", (a.kv_lora_rank,)), a.norm_eps)
         self.wkv_b = w.matrix(p + "wkv_b", (a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank))
-        self.absorb_fp8 = self.wkv_b.fp8_on_gpu  # decode reads its FP8 blocks (kernels/mla/absorb.py)
+        # decode reads its FP8 blocks (kernels/mla/absorb.py)
+        self.absorb_fp8 = self.wkv_b.fp8_on_gpu
         self.wo = w.matrix(p + "wo", (a.dim, a.n_heads * a.v_head_dim))
         self.scale = softmax_scale(a)
         self.register_buffer(
@@ -58,12 +59,15 @@ class MLA(nn.Module):
     def forward(
         self, x: torch.Tensor, start_pos: int | DevicePosition, freqs_cis: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        b, t, _ = x.shape  # x: [B, T, D]
+        # x: [B, T, D]
+        b, t, _ = x.shape
         q = linear(self.q_norm(linear(x, self.wq_a)), self.wq_b) if self.q_lora else linear(x, self.wq)
         q = q.view(b, t, self.n_heads, self.nope + self.rope)
         kernels, decode = use_kernels(x), b * t <= DECODE_TOKENS
-        if isinstance(start_pos, DevicePosition):  # a token per sequence, each at its own position and cache slot
-            end, slot, rows = start_pos.span, start_pos.slot, start_pos.pos.view(b, 1)  # rows: [B, 1]
+        # a token per sequence, each at its own position and cache slot
+        if isinstance(start_pos, DevicePosition):
+            # rows: [B, 1]
+            end, slot, rows = start_pos.span, start_pos.slot, start_pos.pos.view(b, 1)
         else:
             end, slot, rows = start_pos + t, 0, torch.arange(start_pos, start_pos + t, device=x.device)  # [T]
         kv_cache, pe_cache = self.kv_cache[slot : slot + b], self.pe_cache[slot : slot + b]  # [B, L, C], [B, L, R]
@@ -81,16 +85,19 @@ class MLA(nn.Module):
             q_nope = absorb_keys(q_nope.reshape(b * t, h, -1), q8, s8, self.nope).view(b, t, h, -1)  # [B, T, H, C]
         else:
             wkv_b = self.wkv_b.dequantize(x.dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
-            q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])  # absorb W_UK: [B, T, H, C]
+            # absorb W_UK: [B, T, H, C]
+            q_nope = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, : self.nope])
         kv_all, pe_all = kv_cache[:, :end], pe_cache[:, :end]  # [B, S, C], [B, S, R]
-        if kernels and decode:  # flash-decoding: one or two launches
+        # flash-decoding: one or two launches
+        if kernels and decode:
             lat = mla_decode(q_nope, q_pe, kv_all, pe_all, self.scale, mask)  # [B, T, H, C]
         else:
             lat = self.attend(q_nope, q_pe, kv_all, pe_all, mask)
         if fp8:
             o = absorb_values(lat.reshape(b * t, h, -1), q8, s8, self.nope).view(b, t, h, -1)  # [B, T, H, V]
         else:
-            o = torch.einsum("bthc,hvc->bthv", lat, wkv_b[:, -self.v :])  # W_UV: [B, T, H, V]
+            # W_UV: [B, T, H, V]
+            o = torch.einsum("bthc,hvc->bthv", lat, wkv_b[:, -self.v :])
         return linear(o.flatten(2), self.wo)
 
     def attend(

@@ -22,7 +22,8 @@ from dsfp4.runtime.models.v3.attention import MLA
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.store.expert_store import ExpertStore
 
-PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}  # dtype -> plain format name
+# dtype -> plain format name
+PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}
 
 
 class Block(nn.Module):
@@ -85,7 +86,8 @@ class MTP(nn.Module):
         """h: [B, T, D] main hidden states, next_tokens: [B, T] -> logits [B, T or 1, V] for the token after
         (None without `head`: only the block's KV cache is filled)."""
         e = F.embedding(next_tokens, self.embed)
-        u = linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)  # embedding half first
+        # embedding half first
+        u = linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)
         u = self.block(u, start_pos, freqs_cis, mask)
         if not head:
             return None
@@ -93,7 +95,8 @@ class MTP(nn.Module):
 
 
 class Transformer(nn.Module):
-    why_eager: str | None = None  # decode steps can be captured as graphs (runtime/generate/decode_graph.py)
+    # decode steps can be captured as graphs (runtime/generate/decode_graph.py)
+    why_eager: str | None = None
 
     def __init__(
         self,
@@ -115,7 +118,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(blocks)
         moe = [b for b in self.layers if b.moe]
         for here, nxt in zip(moe, moe[1:], strict=False) if prefetch else ():
-            here.ffn.next_router = (nxt.ffn.layer, nxt.route)  # predict the next MoE layer's experts
+            # predict the next MoE layer's experts
+            here.ffn.next_router = (nxt.ffn.layer, nxt.route)
         self.norm = RMSNorm(w.plain("norm.weight", (args.dim,)), args.norm_eps)
         if args.tie_word_embeddings:
             self.head = QuantizedWeight(PLAIN_FORMATS[w.dtype], (self.embed,), tuple(self.embed.shape), "embed.weight")
@@ -159,8 +163,10 @@ class Transformer(nn.Module):
 
     def positions(self, t: int, start_pos: int | DevicePosition) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""
-        if isinstance(start_pos, DevicePosition):  # a token per sequence; the span's rows past it are masked out
-            pos, span = start_pos.pos, start_pos.span  # pos: [B]
+        # a token per sequence; the span's rows past it are masked out
+        if isinstance(start_pos, DevicePosition):
+            # pos: [B]
+            pos, span = start_pos.pos, start_pos.span
             rows = torch.arange(span, device=self.freqs_cis.device)
             mask = torch.zeros(len(pos), 1, span, device=rows.device)
             mask.masked_fill_(rows > pos[:, None, None], float("-inf"))  # [B, 1, S]

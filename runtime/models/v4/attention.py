@@ -76,7 +76,8 @@ class AttentionV4(nn.Module):
         if self.compressor is not None:
             entries = self.compressor(x, start_pos)  # [B, E, W]
             visible = visible_entries(positions, entries.shape[1], self.ratio).unsqueeze(0).expand(b, -1, -1)
-            if self.indexer is not None:  # only the entries the indexer picked (its -1: none)
+            # only the entries the indexer picked (its -1: none)
+            if self.indexer is not None:
                 top = self.indexer(x, q_r, start_pos)  # [B, T, k]
                 picked = torch.zeros(b, t, entries.shape[1] + 1, dtype=torch.bool, device=x.device)
                 picked.scatter_(2, torch.where(top < 0, entries.shape[1], top), True)
@@ -87,10 +88,12 @@ class AttentionV4(nn.Module):
             seen = seen.unsqueeze(0).expand(b, -1, -1)
         o = self._attend(q, keys, seen)  # [B, T, H, W]
         self._keep_window(kv, positions)
-        o = apply_rotary_tail(o, freqs.conj())  # undo the values' rotation at the query's position
+        # undo the values' rotation at the query's position
+        o = apply_rotary_tail(o, freqs.conj())
         o = o.reshape(b, t, self.groups, -1)  # [B, T, G, K]: each group's heads
         z = grouped_output(o, self.wo_a, stored=use_kernels(o) and b * t * self.groups <= GEMV_MAX_TOKENS)
-        return linear(z.flatten(2), self.wo_b)  # z: [B, T, G, O]
+        # z: [B, T, G, O]
+        return linear(z.flatten(2), self.wo_b)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H, W], keys (= values): [B, S, W], seen: [B, T, S] -> [B, T, H, W]; the sink logit of each
@@ -128,5 +131,6 @@ def grouped_output(o: torch.Tensor, wo_a: QuantizedWeight, stored: bool) -> torc
     b, t, g, k = o.shape
     if stored:
         y = linear(o.reshape(b * t * g, k), wo_a).view(b * t, g, g, -1)  # [BT, G inputs, G blocks, O]
-        return y.diagonal(dim1=1, dim2=2).movedim(-1, 1).reshape(b, t, g, -1)  # input g with block g
+        # input g with block g
+        return y.diagonal(dim1=1, dim2=2).movedim(-1, 1).reshape(b, t, g, -1)
     return torch.einsum("btgk,gok->btgo", o, wo_a.dequantize(o.dtype).view(g, -1, k))

@@ -64,14 +64,17 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int | DevicePosition) -> torch.Tensor:
         """x: [B, T, D] (the attention's normed input) at start_pos.. -> the entries [B, E, W]: every one so far
         at host positions; at a DevicePosition its span's first span // m rows (the complete ones valid)."""
-        xf = x.float()  # projections and gating in fp32
+        # projections and gating in fp32
+        xf = x.float()
         kv, gate = linear(xf, self.wkv), linear(xf, self.wgate)  # [B, T, C W]
         if isinstance(start_pos, DevicePosition):
             return self._step(kv, gate, start_pos)
         b, t, _ = x.shape
         m, end = self.m, start_pos + t
-        first, last = start_pos // m, end // m  # windows first .. last - 1 are completed here
-        if last > first:  # the rings give the tokens before start_pos (read before this call's go in)
+        # windows first .. last - 1 are completed here
+        first, last = start_pos // m, end // m
+        # the rings give the tokens before start_pos (read before this call's go in)
+        if last > first:
             own = self._windows(True, first, last, start_pos, kv, gate)
             # CSA: each window also pools the first halves of the window before it
             carried = self._windows(False, first - 1, last - 1, start_pos, kv, gate) if self.overlap else None
@@ -82,16 +85,19 @@ class Compressor(nn.Module):
     def _step(self, kv: torch.Tensor, gate: torch.Tensor, where: DevicePosition) -> torch.Tensor:
         """One token at a device position (kv, gate: [B, 1, C W]): its slots written, its window's entry
         computed from them and kept only if the token completes the window -> the span's entry rows."""
-        b, m, pos = kv.shape[0], self.m, where.pos  # pos: [1]
+        # pos: [1]
+        b, m, pos = kv.shape[0], self.m, where.pos
         self._remember(kv, gate, pos)
         window = pos // m  # [1]
         # slot j of the own ring holds token w m + j of this window (the slots past pos: the last window's)
         own = (self.own_kv[:b].unsqueeze(1), (self.own_gate[:b] + self._ape(True)).unsqueeze(1))
         carried = None
         if self.overlap:
-            slots = ((window - 1) * m + torch.arange(m, device=pos.device)) % (2 * m)  # window w - 1's tokens
+            # window w - 1's tokens
+            slots = ((window - 1) * m + torch.arange(m, device=pos.device)) % (2 * m)
             carry_gate = self.carry_gate[:b].index_select(1, slots) + self._ape(False)
-            carry_gate = torch.where(window > 0, carry_gate, float("-inf"))  # none before window 0
+            # none before window 0
+            carry_gate = torch.where(window > 0, carry_gate, float("-inf"))
             carried = (self.carry_kv[:b].index_select(1, slots).unsqueeze(1), carry_gate.unsqueeze(1))
         entry = self._pool(own, carried, window)  # [B, 1, W]
         # row w takes the entry once it is complete; the last row stands in past the end (max_len % m != 0)
@@ -123,7 +129,8 @@ class Compressor(nn.Module):
         b, m = kv.shape[0], self.m
         ring_kv, ring_gate = self._ring(own)
         old = torch.arange(max(w0, 0) * m, start_pos, device=kv.device) % ring_kv.shape[1]
-        values = torch.cat([ring_kv[:b].index_select(1, old), self._series(kv, own)], dim=1)  # from max(w0, 0) m
+        # from max(w0, 0) m
+        values = torch.cat([ring_kv[:b].index_select(1, old), self._series(kv, own)], dim=1)
         gates = torch.cat([ring_gate[:b].index_select(1, old), self._series(gate, own)], dim=1)
         if w0 < 0:
             values = torch.cat([values.new_zeros(b, m, self.width), values], dim=1)
@@ -138,7 +145,8 @@ class Compressor(nn.Module):
         for own in (True, False) if self.overlap else (True,):
             ring_kv, ring_gate = self._ring(own)
             size = ring_kv.shape[1]
-            slots = positions[-size:] % size  # the last `size` tokens: distinct slots
+            # the last `size` tokens: distinct slots
+            slots = positions[-size:] % size
             ring_kv[:b].index_copy_(1, slots, self._series(kv[:, -size:], own))
             ring_gate[:b].index_copy_(1, slots, self._series(gate[:, -size:], own))
 
@@ -151,7 +159,8 @@ class Compressor(nn.Module):
         """Windows' values and gates [B, n, m, W] of their own series (and CSA's carried first halves of the
         window before each) -> their entries [B, n, W], normed and RoPE'd at windows [n] * m."""
         values, gates = own
-        if carried is not None:  # slots: window w-1's first halves, then window w's second halves
+        # slots: window w-1's first halves, then window w's second halves
+        if carried is not None:
             values, gates = torch.cat([carried[0], values], dim=2), torch.cat([carried[1], gates], dim=2)
         pooled = (values * gates.softmax(dim=2)).sum(dim=2)  # [B, n, W], per channel over the slots
         entry = self.norm(pooled.to(self.entries.dtype))
@@ -183,7 +192,8 @@ class Indexer(nn.Module):
         )
         self.wq_b = w.matrix(p + ".wq_b", (a.index_n_heads * a.index_head_dim, a.q_lora_rank))
         self.weights_proj = w.matrix(p + ".weights_proj", (a.index_n_heads, a.dim))
-        self.freqs_cis = freqs_cis  # the CSA layer's: compress base and YaRN
+        # the CSA layer's: compress base and YaRN
+        self.freqs_cis = freqs_cis
 
     def forward(self, x: torch.Tensor, q_r: torch.Tensor, start_pos: int | DevicePosition) -> torch.Tensor:
         """x: [B, T, D], q_r: [B, T, Q] -> the entries each query attends [B, T, k], -1 where fewer exist (at a
@@ -199,5 +209,6 @@ class Indexer(nn.Module):
         complete = visible_entries(positions, keys.shape[1], self.m)  # [T, E]
         index = index.masked_fill(~complete, float("-inf"))
         top = index.topk(min(self.topk, keys.shape[1]), dim=-1).indices  # [B, T, k]
-        picked = complete.unsqueeze(0).expand(b, -1, -1).gather(2, top)  # a query with fewer than k entries
+        # a query with fewer than k entries
+        picked = complete.unsqueeze(0).expand(b, -1, -1).gather(2, top)
         return torch.where(picked, top, -1)

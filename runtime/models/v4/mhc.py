@@ -40,13 +40,15 @@ class HyperConnection(nn.Module):
     def weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N] (fp32)."""
         mix = F.linear(rms_normalize(x.flatten(2).float(), self.norm_eps), self.fn)  # [B, T, (2 + N) N]
-        weights = mhc_weights if use_kernels(mix) else mhc_weights_ref  # one launch on CUDA
+        # one launch on CUDA
+        weights = mhc_weights if use_kernels(mix) else mhc_weights_ref
         return weights(mix, self.scale, self.base, self.n, self.iters, self.eps)
 
     @staticmethod
     def expand(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """x: [B, T, N, D] streams, f: [B, T, D] sub-block output -> the new streams [B, T, N, D]."""
-        mixed = torch.matmul(comb.transpose(-1, -2), x.float())  # sum over the first index of comb
+        # sum over the first index of comb
+        mixed = torch.matmul(comb.transpose(-1, -2), x.float())
         return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(x.dtype)
 
 

@@ -28,7 +28,8 @@ from dsfp4.runtime.store.expert_store import ExpertStore
 
 
 class BlockV4(nn.Module):
-    moe = True  # every V4 layer routes experts
+    # every V4 layer routes experts
+    moe = True
 
     def __init__(
         self,
@@ -131,7 +132,8 @@ class TransformerV4(nn.Module):
         self.head = w.matrix("head.weight", (a.vocab_size, a.dim))
         mtp = range(a.n_layers, a.n_blocks) if with_mtp else ()
         self.mtp = nn.ModuleList(MTPV4(a, i, w, block(i), self.embed, self.head) for i in mtp)
-        self.pos = 0  # tokens the caches hold (a replayed step: `replayed`)
+        # tokens the caches hold (a replayed step: `replayed`)
+        self.pos = 0
 
     def reusable(self, keep: int) -> int:
         """How many of the cached tokens a call may keep when it would keep `keep`: the windows' and
@@ -171,7 +173,8 @@ class TransformerV4(nn.Module):
 
     def streams(self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0) -> torch.Tensor:
         """tokens: [B, T] -> the final residual streams [B, T, N, D] (the MTP block's input)."""
-        if isinstance(start_pos, DevicePosition):  # nothing on the host: a graph replays this
+        # nothing on the host: a graph replays this
+        if isinstance(start_pos, DevicePosition):
             return self._blocks(tokens, start_pos)
         assert start_pos == 0 or self.reusable(start_pos) == start_pos, "the caches do not hold these positions"
         first = self.layers[0].ffn
@@ -179,7 +182,8 @@ class TransformerV4(nn.Module):
             # layer 0's experts follow from the tokens alone: ask for them before its attention runs
             ids = sorted(set(first.gate.experts_of(tokens).flatten().tolist()))
             self.experts.prefetch(first.layer, ids, protect=set())
-        self.pos = -1  # until every layer has taken the tokens: a pass stopped halfway leaves nothing to continue
+        # until every layer has taken the tokens: a pass stopped halfway leaves nothing to continue
+        self.pos = -1
         x = self._blocks(tokens, start_pos)
         self.pos = start_pos + tokens.shape[1]
         return x

@@ -1,6 +1,13 @@
 """The decoding core: one sequence through the model. It keeps the tokens whose KV the caches hold, runs forward
 passes after them (a captured CUDA graph for one token when one is ready), feeds prompts in chunks and decodes
 plainly. The engine and speculative decoding both drive the model through it, and only through it.
+
+Where the routed experts stream (the store does not reach them all without the host), a prompt longer than one chunk
+is fed layer by layer: every chunk through block L before any goes through block L+1, so each layer's records are
+brought in once for the whole prompt, not once per chunk. A chunk's attention in block L reads the rows its earlier
+chunks wrote there, as it would have chunk by chunk: the same computations in another order, the same KV and logits.
+The hidden states wait on the host between blocks. Where every record is reached in place, chunks go through all the
+blocks one after another, as before.
 """
 
 from __future__ import annotations
@@ -86,9 +93,44 @@ class Decoder:
     def feed(
         self, ids: list[int], cancel: threading.Event | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Feed ids after the cached tokens in chunks: yields each chunk's forward (logits [V], hidden [t, D])."""
+        """Feed ids after the cached tokens in chunks: yields each chunk's forward (logits [V], hidden [t, D]); layer
+        by layer where experts stream and ids take more than one chunk (the module's docstring)."""
+        if len(ids) > self.prefill_chunk and not self.model.experts.visible:
+            yield from self._feed_by_layer(ids, cancel)
+            return
         for i in range(0, len(ids), self.prefill_chunk):
             yield self.forward(ids[i : i + self.prefill_chunk], cancel)
+
+    def _feed_by_layer(
+        self, ids: list[int], cancel: threading.Event | None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """feed, every chunk through a block before the next block: yields each chunk's (logits after its last token
+        [V], hidden [t, D]) once every block has taken every chunk."""
+        model, start, chunk = self.model, len(self.cached), self.prefill_chunk
+        spans = [(a, min(chunk, len(ids) - a)) for a in range(0, len(ids), chunk)]
+        tokens = torch.tensor([ids], device=model.device)  # [1, T]
+        # a trace routes token i of the prompt by the row after the cursor, whichever block runs it
+        first = None if self.routing is None else self.routing.reserve(len(ids))
+        try:
+            x = model.embed_tokens(tokens).cpu()  # [1, T, D] (V4: [1, T, N, D], its streams)
+            for i in range(len(model.layers)):
+                for a, n in spans:
+                    _check(cancel)
+                    if first is not None:
+                        self.routing.begin_rows(list(range(first + a, first + a + n)))
+                    part = model.block_step(i, x[:, a : a + n].to(model.device), start + a, tokens[:, a : a + n])
+                    x[:, a : a + n] = part.to(x.device)
+        except BaseException:
+            if self.recorder is not None:
+                # an interrupted pass leaves nothing half-recorded
+                self.recorder.discard()
+            raise
+        if self.recorder is not None:
+            self.recorder.commit(ids)
+        self.cached += ids
+        for a, n in spans:
+            logits, h = model.finish(x[:, a : a + n].to(model.device), start + len(ids), last_only=True)
+            yield logits[0, -1], h[0]
 
     def prefill(self, ids: list[int], cancel: threading.Event | None = None) -> torch.Tensor:
         """Feed ids after the cached tokens (in chunks) -> the logits after the last one [V]; each chunk's tensors go

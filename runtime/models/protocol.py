@@ -55,7 +55,12 @@ class Model(Protocol):
         """tokens: [B, T] -> what enters block 0 (V3: [B, T, D]; V4: its streams, [B, T, N, D])."""
 
     def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Block i alone on what block i - 1 gave for tokens [B, T] at start_pos (the layer-wise profile)."""
+        """Block i alone on what block i - 1 gave for tokens [B, T] at start_pos (the layer-wise profile, a prompt
+        prefilled layer by layer)."""
+
+    def finish(self, x: torch.Tensor, end: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the last block gave (block_step) for tokens before position `end`, every block having taken them ->
+        (logits [B, T or 1, V] fp32, final hidden states [B, T, D], normed), as __call__ ends."""
 
     def reusable(self, keep: int) -> int:
         """How many cached tokens a call may keep when it would keep `keep` (V4's caches hold their last positions

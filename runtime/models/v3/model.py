@@ -182,6 +182,10 @@ class Transformer(nn.Module):
         freqs, mask = self.positions(tokens.shape[1], start_pos)
         for layer in self.layers:
             h = layer(h, start_pos, freqs, mask)
+        return self.finish(h, 0, last_only)
+
+    def finish(self, h: torch.Tensor, end: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the last block gave [B, T, D] -> (logits [B, T or 1, V] fp32, final hidden [B, T, D], normed); `end`
+        is the protocol's (the latent cache is written by position: nothing to record)."""
         h = self.norm(h)
-        logits = linear(h[:, -1:] if last_only else h, self.head).float()
-        return logits, h
+        return linear(h[:, -1:] if last_only else h, self.head).float(), h

@@ -161,6 +161,13 @@ class TransformerV4(nn.Module):
         h = self.norm(self.hc_head(self.streams(tokens, start_pos)))
         return linear(h[:, -1:] if last_only else h, self.head).float(), h
 
+    def finish(self, x: torch.Tensor, end: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The streams [B, T, N, D] after every block (block_step) for tokens before position `end` -> (logits [B, T or
+        1, V] fp32, final hidden [B, T, D], normed); the caches now end at `end`."""
+        self.pos = end
+        h = self.norm(self.hc_head(x))
+        return linear(h[:, -1:] if last_only else h, self.head).float(), h
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B, T] -> the residual streams entering block 0: the embedding in each, [B, T, N, D]."""
         return F.embedding(tokens, self.embed).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()

@@ -1,0 +1,73 @@
+"""A prompt fed layer by layer where experts stream (runtime/generate/decoder.py): every chunk through a block before
+the next block, the logits and greedy tokens of one whole-prompt chunk, each layer's records read once for the prompt,
+and a chunk's attention reading the rows its earlier chunks wrote."""
+
+from __future__ import annotations
+
+import torch
+
+from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.engine import Engine
+from tests.runtime.test_expert_store import _engine
+
+# long enough for several chunks of CHUNK
+PROMPT = "Explain the tiers of the expert store, layer by layer"
+CHUNK = 4
+
+
+def _layers_asked(engine: Engine) -> list[int]:
+    """The MoE layers whose experts the store is asked for, in order (the store's load_waves, patched)."""
+    store, asked = engine.model.experts, []
+    real = store.load_waves
+
+    def load_waves(layer, experts, *rest, **named):
+        asked.append(layer)
+        return real(layer, experts, *rest, **named)
+
+    store.load_waves = load_waves
+    return asked
+
+
+def test_a_streamed_prompt_goes_through_each_layer_for_all_its_chunks_with_the_logits_of_one_chunk(converted):
+    with Engine(converted, device="cpu", max_context=64) as whole:
+        ids = whole.encode(PROMPT)
+        expected = whole.logits(ids)  # one chunk: every record resident, through all blocks at once
+        resident = whole.generate(ids, max_tokens=6, temperature=0).token_ids
+    assert len(ids) > 3 * CHUNK
+    with _engine(converted, 3, 5, prefill_chunk=CHUNK) as streamed:
+        asked = _layers_asked(streamed)
+        got = streamed.logits(ids)
+        chunks = -(-len(ids) // CHUNK)
+        moe = sorted(set(asked))
+        assert len(moe) > 1 and asked == [layer for layer in moe for _ in range(chunks)]  # layer by layer
+        # a chunk whose attention missed its earlier chunks' rows would give other logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert streamed.generate(ids, max_tokens=6, temperature=0).token_ids == resident
+
+
+def test_a_prompt_reads_each_layers_records_once_where_ram_holds_a_layer(converted):
+    """RAM holds one layer's records, not two: chunk by chunk, every chunk would read the layers again."""
+    a = Manifest.read(converted).args
+    records = sum(a.is_moe_layer(i) for i in range(a.n_layers)) * a.n_routed_experts  # the main layers' (no MTP)
+    with _engine(converted, 3, a.n_routed_experts, prefill_chunk=CHUNK, io_threads=1) as streamed:
+        ids = streamed.encode(PROMPT)
+        g = streamed.generate(ids, max_tokens=1, temperature=0)
+    s = g.stats.store
+    assert s["expert_uses"] > records  # the chunks together use each layer's records several times
+    assert 0 < s["ssd_reads"] <= records
+
+
+def test_deepseek_v4_fed_layer_by_layer_gives_the_logits_of_one_chunk_and_continues_a_turn(v4_converted):
+    """V4's compressors and window ring run a state along the positions: each block takes the chunks in order, and the
+    next turn continues where every block stopped."""
+    torch.manual_seed(1)
+    ids = torch.randint(2, 640, (21,)).tolist()
+    with Engine(v4_converted, device="cpu", max_context=64) as whole:
+        expected = whole.logits(ids[:9])
+        answer = whole.generate(ids, max_tokens=3, temperature=0).token_ids
+    with _engine(v4_converted, 3, 5, prefill_chunk=CHUNK) as streamed:
+        asked = _layers_asked(streamed)
+        torch.testing.assert_close(streamed.logits(ids[:9]), expected, rtol=1e-4, atol=1e-4)
+        assert len(set(asked)) > 1 and asked == sorted(asked)  # layer by layer
+        g = streamed.generate(ids, max_tokens=3, temperature=0)
+    assert g.stats.cached_tokens == 9 and g.token_ids == answer  # 12 more tokens, layer by layer after the 9

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from dsfp4.runtime.generate.decoder import by_layer
 from dsfp4.runtime.models.trace_routing import guesses
 from dsfp4.runtime.store.lever_rules import host_candidates, leave_out, swap_cold_by, unhidden
 from dsfp4.runtime.store.placement import hold_hottest
@@ -388,51 +389,66 @@ def simulate_prefill(
     """Prefill the prompt whose routing is `trace` [P, L, K] in chunks of `chunk` tokens through pools of gpu_slots
     and ram_slots records (`costs` per token, compute-bound: a chunk of n tokens costs n times as much; `warm` as
     for simulate; `host` too, its bytes read once per PREFILL_TILE_ROWS tokens) -> the prompt's totals, `seconds`
-    the time to its first token."""
+    the time to its first token. The chunks go through the layers in the decoder's order (by_layer): where experts
+    stream, every chunk through a layer before the next layer."""
     n_tokens, n_layers, top_k = trace.shape
     tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
     out = tiers.out
     out.tokens = n_tokens
+    chunks = [trace[first : first + chunk] for first in range(0, n_tokens, chunk)]  # [n, L, K] each
+    visible = gpu_slots >= n_layers * (int(trace.max()) + 1)
+    if by_layer(n_tokens, chunk, visible):
+        steps = [(layer, rows) for layer in range(n_layers) for rows in chunks]
+    else:
+        steps = [(layer, rows) for rows in chunks for layer in range(n_layers)]
     now = 0.0
-    for first in range(0, n_tokens, chunk):
-        rows = trace[first : first + chunk]  # [n, L, K]
-        n = len(rows)
-        reads = -(-n // PREFILL_TILE_ROWS)
-        for layer in range(n_layers):
-            streamed = layer in host.layers
-            routed = tiers.stream(now, reads * host.attn_bytes * streamed, n * costs.attn_s) + costs.host_s
-            uses = np.bincount(rows[:, layer].ravel())  # [E] the chunk's tokens per expert
-            keys = [(layer, int(e)) for e in np.flatnonzero(uses)]
-            out.uses += len(keys)
-
-            def tier(key: Key) -> int:
-                return 0 if key in tiers.gpu else 1 if key in tiers.ram else 2
-
-            order = sorted(keys, key=tier)
-            # the wave's reads start; its slots are free
-            start, free = routed, routed
-            for at in range(0, len(order), gpu_slots):
-                wave = order[at : at + gpu_slots]
-                protected, ready = set(wave), start
-                for key in wave:
-                    if (there := tiers.on_gpu(key)) is not None:
-                        out.device_hits += 1
-                        ready = max(ready, there)
-                        continue
-                    arrival = tiers.bring(key, start, protected, demand=True, copy_after=free)
-                    if arrival is None:
-                        raise ValueError(f"{gpu_slots} device slots cannot hold a wave of {len(wave)} experts")
-                    ready = max(ready, arrival)
-                out.stall_s += ready - max(start, free)
-                # of the chunk's routed compute
-                share = sum(int(uses[e]) for _, e in wave) / (n * top_k)
-                # the wave's compute frees its slots
-                free = ready + share * n * costs.experts_s
-                # the store is asked for the next wave once this one is queued
-                start = ready
-            now = tiers.stream(free, reads * host.experts_bytes * streamed, 0.0)
-        now = tiers.stream(now, reads * host.other_bytes, n * costs.other_s)
+    for layer, rows in steps:
+        now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots)
+        if layer == n_layers - 1:
+            # the dense layers and the head, once the chunk has been through every MoE layer
+            now = tiers.stream(now, -(-len(rows) // PREFILL_TILE_ROWS) * host.other_bytes, len(rows) * costs.other_s)
     out.seconds = now
     out.compute_s = n_tokens * (n_layers * (costs.attn_s + costs.experts_s) + costs.other_s)
-    out.compute_s += -(-n_tokens // chunk) * n_layers * costs.host_s
+    out.compute_s += len(chunks) * n_layers * costs.host_s
     return out
+
+
+def _prefill_layer(
+    tiers: Tiers, rows: np.ndarray, layer: int, now: float, costs: StepCosts, host: HostStream, gpu_slots: int
+) -> float:
+    """One chunk's routing rows [n, L, K] through one MoE layer from `now`: its distinct experts in waves of the device
+    slots, device hits first, then RAM's, then the SSD's -> when its compute is done."""
+    out, (n, _, top_k) = tiers.out, rows.shape
+    reads = -(-n // PREFILL_TILE_ROWS)
+    streamed = layer in host.layers
+    routed = tiers.stream(now, reads * host.attn_bytes * streamed, n * costs.attn_s) + costs.host_s
+    uses = np.bincount(rows[:, layer].ravel())  # [E] the chunk's tokens per expert
+    keys = [(layer, int(e)) for e in np.flatnonzero(uses)]
+    out.uses += len(keys)
+
+    def tier(key: Key) -> int:
+        return 0 if key in tiers.gpu else 1 if key in tiers.ram else 2
+
+    order = sorted(keys, key=tier)
+    # the wave's reads start; its slots are free
+    start, free = routed, routed
+    for at in range(0, len(order), gpu_slots):
+        wave = order[at : at + gpu_slots]
+        protected, ready = set(wave), start
+        for key in wave:
+            if (there := tiers.on_gpu(key)) is not None:
+                out.device_hits += 1
+                ready = max(ready, there)
+                continue
+            arrival = tiers.bring(key, start, protected, demand=True, copy_after=free)
+            if arrival is None:
+                raise ValueError(f"{gpu_slots} device slots cannot hold a wave of {len(wave)} experts")
+            ready = max(ready, arrival)
+        out.stall_s += ready - max(start, free)
+        # of the chunk's routed compute
+        share = sum(int(uses[e]) for _, e in wave) / (n * top_k)
+        # the wave's compute frees its slots
+        free = ready + share * n * costs.experts_s
+        # the store is asked for the next wave once this one is queued
+        start = ready
+    return tiers.stream(free, reads * host.experts_bytes * streamed, 0.0)

@@ -29,6 +29,13 @@ class Cancelled(Exception):
     """The caller's cancel event was set: the generation ends at the next chunk or token."""
 
 
+def by_layer(tokens: int, chunk: int, visible: bool) -> bool:
+    """A prompt of `tokens` goes through the model layer by layer (every chunk through a block before the next block)
+    where the experts stream (not `visible`: the kernels do not reach every record without the host) and it takes
+    more than one chunk; the projection's prefill follows the same rule."""
+    return tokens > chunk and not visible
+
+
 def _check(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
         raise Cancelled
@@ -95,7 +102,7 @@ class Decoder:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Feed ids after the cached tokens in chunks: yields each chunk's forward (logits [V], hidden [t, D]); layer
         by layer where experts stream and ids take more than one chunk (the module's docstring)."""
-        if len(ids) > self.prefill_chunk and not self.model.experts.visible:
+        if by_layer(len(ids), self.prefill_chunk, self.model.experts.visible):
             yield from self._feed_by_layer(ids, cancel)
             return
         for i in range(0, len(ids), self.prefill_chunk):

@@ -127,7 +127,7 @@ class Projection:
 
 @dataclass(frozen=True)
 class SwapModel:
-    """Cache-aware routing (runtime/models/cache_aware.py) on a trace that holds no scores: each unchosen expert of a
+    """Cache-aware routing (runtime/store/cache_aware.py) on a trace that holds no scores: each unchosen expert of a
     cold choice's group counts as scored within the margin with probability `close` (what a router's scores give at
     that margin: scripts/router_margins.py), and the swap takes one such warm expert at random."""
 
@@ -385,19 +385,21 @@ def simulate_prefill(
     policy: str = "hot",
     warm: list[Key] = (),
     host: HostStream = HostStream(),
+    decode_steps: bool = False,
 ) -> Projection:
     """Prefill the prompt whose routing is `trace` [P, L, K] in chunks of `chunk` tokens through pools of gpu_slots
     and ram_slots records (`costs` per token, compute-bound: a chunk of n tokens costs n times as much; `warm` as
     for simulate; `host` too, its bytes read once per PREFILL_TILE_ROWS tokens) -> the prompt's totals, `seconds`
     the time to its first token. The chunks go through the layers in the decoder's order (by_layer): where experts
-    stream, every chunk through a layer before the next layer."""
+    stream, every chunk through a layer before the next layer. `decode_steps`: the chunks are a batch's decode steps
+    instead (MachineRun.decode_batch), each needing the token of the one before: one after another."""
     n_tokens, n_layers, top_k = trace.shape
     tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
     out = tiers.out
     out.tokens = n_tokens
     chunks = [trace[first : first + chunk] for first in range(0, n_tokens, chunk)]  # [n, L, K] each
     visible = gpu_slots >= n_layers * (int(trace.max()) + 1)
-    if by_layer(n_tokens, chunk, visible):
+    if not decode_steps and by_layer(n_tokens, chunk, visible):
         steps = [(layer, rows) for layer in range(n_layers) for rows in chunks]
     else:
         steps = [(layer, rows) for rows in chunks for layer in range(n_layers)]

@@ -279,6 +279,7 @@ class MachineRun:
             policy,
             warm=self.warm,
             host=self.host,
+            decode_steps=True,
         )
 
 

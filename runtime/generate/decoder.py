@@ -6,8 +6,9 @@ Where the routed experts stream (the store does not reach them all without the h
 is fed layer by layer: every chunk through block L before any goes through block L+1, so each layer's records are
 brought in once for the whole prompt, not once per chunk. A chunk's attention in block L reads the rows its earlier
 chunks wrote there, as it would have chunk by chunk: the same computations in another order, the same KV and logits.
-The hidden states wait on the host between blocks. Where every record is reached in place, chunks go through all the
-blocks one after another, as before.
+The hidden states wait on the host between blocks, beside the plan's RAM budget, which does not count them (V3: 14 KB
+a prompt token). A pass cancelled inside the blocks keeps none of its chunks. Where every record is reached in place,
+chunks go through all the blocks one after another, as before.
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ def by_layer(tokens: int, chunk: int, visible: bool) -> bool:
 def _check(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
         raise Cancelled
+
+
+def _embedded(model: Model, tokens: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """tokens [1, T] -> what enters block 0 [1, T, ...] in host memory, embedded a chunk at a time (the device holds
+    one chunk's, as the plan's workspace allows)."""
+    x = None
+    for a, n in spans:
+        part = model.embed_tokens(tokens[:, a : a + n]).cpu()
+        if x is None:
+            x = torch.empty((1, tokens.shape[1], *part.shape[2:]), dtype=part.dtype)
+        x[:, a : a + n] = part
+    return x
 
 
 class Decoder:
@@ -119,7 +132,7 @@ class Decoder:
         # a trace routes token i of the prompt by the row after the cursor, whichever block runs it
         first = None if self.routing is None else self.routing.reserve(len(ids))
         try:
-            x = model.embed_tokens(tokens).cpu()  # [1, T, D] (V4: [1, T, N, D], its streams)
+            x = _embedded(model, tokens, spans)  # [1, T, D] (V4: [1, T, N, D], its streams) on the host
             for i in range(len(model.layers)):
                 for a, n in spans:
                     _check(cancel)

@@ -74,7 +74,8 @@ class PromptReuse:
 
     def keep(self, prompt_ids: list[int]) -> tuple[int, int]:
         """Keep the cached prefix the prompt may reuse, or restore a longer one from the prompt cache -> (prompt tokens
-        cached, of them restored). The cache grows chunk by chunk from here: valid should the prefill be interrupted."""
+        cached, of them restored). The cache grows chunk by chunk from here, valid should the prefill be interrupted; a
+        prompt fed layer by layer (decoder.py) grows it only once every block has taken every chunk."""
         reuse = self.reusable(prompt_ids)
         restored = self.restore(prompt_ids, reuse)
         reuse = max(reuse, restored)

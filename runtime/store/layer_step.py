@@ -49,7 +49,7 @@ class LayerAsk:
     """What a streamed MoE layer asks the store for: the experts its tokens chose (ids[:chosen]) and, when `after` is
     set, those predicted for that next MoE layer (ids[chosen:]), to prefetch; with `weights` (the tokens' [T, K], under
     an expert threshold) tokens may leave cold experts out; with `swap` (cache-aware routing) they may first trade a
-    cold expert for a warm one (runtime/models/cache_aware.py); with `lane` the store may compute some RAM hits on the
+    cold expert for a warm one (cache_aware.py); with `lane` the store may compute some RAM hits on the
     host (host_lane.py)."""
 
     layer: int

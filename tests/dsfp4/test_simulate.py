@@ -261,3 +261,13 @@ def test_narrow_ram_slots_hold_more_cold_records_in_the_same_bytes_and_read_less
     narrow = simulate(trace, 4, 40, RECORD, links, COSTS, "lru", None, 16, warm=warm, cold=split)
     assert narrow.ssd_misses < wide.ssd_misses and narrow.ssd_bytes < wide.ssd_bytes
     assert narrow.ram_hits > wide.ram_hits
+
+
+def test_a_streamed_prompt_reads_each_record_once_and_a_batchs_decode_steps_do_not():
+    """RAM holds one layer's records: the prompt's chunks go through a layer before the next (the decoder's order),
+    a batch's decode steps one after another through every layer (each needs the token of the one before)."""
+    trace, links = _trace(tokens=64), Links(ssd=1e9, pcie=1e10)
+    prompt = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8)
+    steps = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, decode_steps=True)
+    assert prompt.ssd_bytes <= 4 * 16 * RECORD < steps.ssd_bytes
+    assert prompt.compute_s == steps.compute_s and prompt.seconds < steps.seconds

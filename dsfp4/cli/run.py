@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from dsfp4.cli.options import (
     sampling_options,
     store_options,
 )
+from dsfp4.cli.progress import PrefillProgress
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
@@ -195,6 +197,8 @@ def run(
         # before the plan, so bad input stays a one-line error
         ids = _prompt_ids(engine, prompt, system, raw)
         _show_load(engine, as_json, quiet)
+        if (chat or prompt is not None) and not (quiet or as_json) and sys.stderr.isatty():
+            engine.decoder.progress = PrefillProgress(sys.stderr)
         if chat:
             chat_repl(LocalChat(engine), system)
         elif batch is not None:

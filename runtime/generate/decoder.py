@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -71,6 +71,8 @@ class Decoder:
         self.model, self.graphs, self.recorder, self.routing = model, graphs, recorder, routing
         self.prefill_chunk, self.max_context = prefill_chunk, max_context
         self.cached: list[int] = []
+        # (prompt tokens done, of how many) as a feed advances, from (0, n) on: what a progress display reads
+        self.progress: Callable[[int, int], None] | None = None
 
     @property
     def replays(self) -> bool:
@@ -115,11 +117,18 @@ class Decoder:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Feed ids after the cached tokens in chunks: yields each chunk's forward (logits [V], hidden [t, D]); layer
         by layer where experts stream and ids take more than one chunk (the module's docstring)."""
+        self._advanced(0, len(ids))
         if by_layer(len(ids), self.prefill_chunk, self.model.experts.visible):
             yield from self._feed_by_layer(ids, cancel)
             return
         for i in range(0, len(ids), self.prefill_chunk):
-            yield self.forward(ids[i : i + self.prefill_chunk], cancel)
+            out = self.forward(ids[i : i + self.prefill_chunk], cancel)
+            self._advanced(min(i + self.prefill_chunk, len(ids)), len(ids))
+            yield out
+
+    def _advanced(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(done, total)
 
     def _feed_by_layer(
         self, ids: list[int], cancel: threading.Event | None
@@ -133,13 +142,16 @@ class Decoder:
         first = None if self.routing is None else self.routing.reserve(len(ids))
         try:
             x = _embedded(model, tokens, spans)  # [1, T, D] (V4: [1, T, N, D], its streams) on the host
-            for i in range(len(model.layers)):
+            blocks = len(model.layers)
+            for i in range(blocks):
                 for a, n in spans:
                     _check(cancel)
                     if first is not None:
                         self.routing.begin_rows(list(range(first + a, first + a + n)))
                     part = model.block_step(i, x[:, a : a + n].to(model.device), start + a, tokens[:, a : a + n])
                     x[:, a : a + n] = part.to(x.device)
+                    # a token is done once every block has taken it: the share of (block, token) steps done
+                    self._advanced((i * len(ids) + a + n) // blocks, len(ids))
         except BaseException:
             if self.recorder is not None:
                 # an interrupted pass leaves nothing half-recorded

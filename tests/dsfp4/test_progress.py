@@ -1,0 +1,55 @@
+"""A prefill's progress: the decoder reports (tokens done, of how many) as it feeds a prompt, in either order, and the
+CLI's display shows it once the prefill has taken longer than a second, then clears it."""
+
+from __future__ import annotations
+
+import io
+
+from dsfp4.cli.progress import PrefillProgress
+from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.store.placement import fill
+from tests.runtime.test_expert_store import _engine
+
+PROMPT = "Explain the tiers of the expert store, layer by layer"
+
+
+def _reports(engine: Engine) -> list[tuple[int, int]]:
+    seen: list[tuple[int, int]] = []
+    engine.decoder.progress = lambda done, total: seen.append((done, total))
+    ids = engine.encode(PROMPT)
+    engine.generate(ids, max_tokens=1, temperature=0)
+    return seen
+
+
+def test_the_decoder_reports_a_prefill_from_0_to_its_length_in_either_order(converted):
+    with Engine(converted, device="cpu", max_context=64, prefill_chunk=4) as resident:
+        fill(resident.model.experts)
+        chunked = _reports(resident)  # every record reached in place: chunk after chunk through all blocks
+    with _engine(converted, 3, 5, prefill_chunk=4) as streamed:
+        by_layer = _reports(streamed)  # layer by layer: a token is done once every block has taken it
+    for seen in (chunked, by_layer):
+        n = seen[0][1]
+        assert seen[0] == (0, n) and seen[-1] == (n, n) and n > 12
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert len(by_layer) > len(chunked)  # one report a (block, chunk)
+
+
+def test_the_display_waits_a_second_then_counts_down_and_clears():
+    now = [0.0]
+    out = io.StringIO()
+    show = PrefillProgress(out, clock=lambda: now[0])
+    show(0, 1000)
+    now[0] = 0.5
+    show(100, 1000)
+    assert out.getvalue() == ""  # under a second: nothing
+    now[0] = 2.0
+    show(500, 1000)
+    assert out.getvalue() == "\rprefill 500/1,000 tokens, 2 s left"
+    now[0] = 3.0
+    show(1000, 1000)
+    assert out.getvalue().endswith("\r" + " " * len("prefill 500/1,000 tokens, 2 s left") + "\r")
+    out.truncate(0)
+    out.seek(0)
+    show(0, 10)
+    show(10, 10)  # a short prefill shows nothing, not even a clear
+    assert out.getvalue() == ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -94,7 +95,7 @@ class Decoder:
         """One forward of piece after the cached tokens -> (logits after its last token [V], or after every
         token [t, V] when `every`; final hidden states [t, D]). The cached tokens grow by the piece."""
         _check(cancel)
-        try:
+        with self._pass(piece):
             if len(piece) == 1 and not every and self.replays:
                 logits, h = self.graphs.step(piece[0], len(self.cached))
             else:
@@ -102,15 +103,21 @@ class Decoder:
                 if self.routing is not None:
                     self.routing.begin(len(piece))
                 logits, h = self.model(tokens, len(self.cached), last_only=not every)
+        return (logits[0] if every else logits[0, -1]), h[0]
+
+    @contextmanager
+    def _pass(self, ids: list[int]) -> Iterator[None]:
+        """A pass of ids after the cached tokens: once it completes its routing is committed and the cached tokens
+        grow by ids; an interrupted pass leaves nothing half-recorded."""
+        try:
+            yield
         except BaseException:
             if self.recorder is not None:
-                # an interrupted pass leaves nothing half-recorded
                 self.recorder.discard()
             raise
         if self.recorder is not None:
-            self.recorder.commit(piece)
-        self.cached += piece
-        return (logits[0] if every else logits[0, -1]), h[0]
+            self.recorder.commit(ids)
+        self.cached += ids
 
     def feed(
         self, ids: list[int], cancel: threading.Event | None = None
@@ -140,7 +147,7 @@ class Decoder:
         tokens = torch.tensor([ids], device=model.device)  # [1, T]
         # a trace routes token i of the prompt by the row after the cursor, whichever block runs it
         first = None if self.routing is None else self.routing.reserve(len(ids))
-        try:
+        with self._pass(ids):
             x = _embedded(model, tokens, spans)  # [1, T, D] (V4: [1, T, N, D], its streams) on the host
             blocks = len(model.layers)
             for i in range(blocks):
@@ -152,14 +159,6 @@ class Decoder:
                     x[:, a : a + n] = part.to(x.device)
                     # a token is done once every block has taken it: the share of (block, token) steps done
                     self._advanced((i * len(ids) + a + n) // blocks, len(ids))
-        except BaseException:
-            if self.recorder is not None:
-                # an interrupted pass leaves nothing half-recorded
-                self.recorder.discard()
-            raise
-        if self.recorder is not None:
-            self.recorder.commit(ids)
-        self.cached += ids
         for a, n in spans:
             logits, h = model.finish(x[:, a : a + n].to(model.device), start + len(ids), last_only=True)
             yield logits[0, -1], h[0]

@@ -36,6 +36,8 @@ class Family:
     # [context, rope_dim / 2] complex64 tables its model builds, one per RoPE base
     rope_tables: int
     activations: Callable[[ModelArgs, int, int, int, int], int]
+    # (args, position) -> FLOPs of a prompt token's attention scores and values there, over the main layers
+    attention_flops: Callable[[ModelArgs, int], float]
 
 
 def _no_problems(a: ModelArgs) -> list[str]:
@@ -84,9 +86,15 @@ def _v4_cache(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int
 
 def _mla_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
     """The residual stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's
-    scores."""
-    acts = t * elt * (12 * a.dim + 3 * a.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
-    return acts + 2 * min(scores, t * a.n_heads * max_context) * FP32
+    scores; and a prefill's dense wkv_b with, in the decompressed form (kernels/mla/prefill.py), a key block's k_nope
+    and v (at most `scores` elements) and the chunk's outputs (fp32 with their log-sum-exp, then in elt)."""
+    h, kv_width = a.n_heads, a.qk_nope_head_dim + a.v_head_dim
+    acts = t * elt * (12 * a.dim + 3 * h * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
+    acts += 2 * min(scores, t * h * max_context) * FP32
+    wkv_b = h * kv_width * a.kv_lora_rank * elt
+    key_block = min(scores, max_context * h * kv_width) * elt
+    outputs = t * h * ((a.v_head_dim + 1) * FP32 + a.v_head_dim * elt)
+    return acts + wkv_b + key_block + outputs
 
 
 def _v4_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
@@ -114,13 +122,38 @@ def _v4_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: in
     return acts
 
 
+def _mla_attention_flops(a: ModelArgs, position: int) -> float:
+    """Every head's scores and values against the keys up to `position`, in prefill's decompressed form: a query-key
+    dot of qk_head_dim and a value row of v_head_dim per head and key."""
+    return 2.0 * a.n_layers * a.n_heads * (a.qk_head_dim + a.v_head_dim) * (position + 1)
+
+
+def _v4_attention_flops(a: ModelArgs, position: int) -> float:
+    """Each layer's heads against its window and the compressed entries it reads (CSA: the indexer's top index_topk
+    of them, the indexer's heads scoring every entry; HCA: every entry), a dot and a value row of head_dim a key."""
+    flops = 0.0
+    for m, kind in zip(a.compress_ratios[: a.n_layers], a.layer_kinds[: a.n_layers], strict=True):
+        entries = (position + 1) // m if m else 0
+        keys = min(position + 1, a.window_size) + (min(entries, a.index_topk) if kind == CSA else entries)
+        flops += 4.0 * a.n_heads * a.head_dim * keys
+        if kind == CSA:
+            flops += 2.0 * a.index_n_heads * a.index_head_dim * entries
+    return flops
+
+
 # V2's caches and rules are V3's: MLA, and a router whose differences are config data
-_MLA = dict(problems=_no_problems, layer_cache=_latent_cache, rope_tables=1, activations=_mla_activations)
+_MLA = dict(
+    problems=_no_problems,
+    layer_cache=_latent_cache,
+    rope_tables=1,
+    activations=_mla_activations,
+    attention_flops=_mla_attention_flops,
+)
 FAMILIES: dict[str, Family] = {
     V3_FAMILY: Family("DeepSeek-V3", "nvfp4", **_MLA),
     V2_FAMILY: Family("DeepSeek-V2", "nvfp4", **_MLA),
     # one RoPE table per base: the sliding layers' and the compressed layers' (YaRN)
-    V4_FAMILY: Family("DeepSeek-V4", "mxfp4", _v4_problems, _v4_cache, 2, _v4_activations),
+    V4_FAMILY: Family("DeepSeek-V4", "mxfp4", _v4_problems, _v4_cache, 2, _v4_activations, _v4_attention_flops),
 }
 
 

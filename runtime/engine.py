@@ -92,7 +92,9 @@ class Engine:
         self._busy = threading.Lock()
         self.recorder = RoutingRecorder(self.model, trace=True) if o.record_trace else None
         self.routing = _trace_routing(self.model, a, o, device, self.max_context) if o.routing is not None else None
-        self.decoder = Decoder(self.model, None, self.recorder, o.prefill_chunk, self.max_context, self.routing)
+        self.decoder = Decoder(
+            self.model, None, self.recorder, o.prefill_chunk, self.max_context, self.routing, plan.prefill_group
+        )
         self.speculator = Speculator(self.decoder, self.model) if o.mtp else None
         self.prompt_cache: PromptCache | None = None
         try:
@@ -330,7 +332,8 @@ class Engine:
             self._end_stream()
             # the caches will hold no one prompt
             self.reuse.truncate(0)
-            return prefill_together(self._model(), self.prompt_cache, worth, self.options.prefill_chunk)
+            chunk, group = self.options.prefill_chunk, self.plan.prefill_group
+            return prefill_together(self._model(), self.prompt_cache, worth, chunk, group)
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -415,8 +418,8 @@ def _check_mtp(o: EngineOptions, manifest: Manifest, model_dir: Path) -> None:
 def _trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.device, max_context: int) -> TraceRouting:
     """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
     layers = [b.ffn.layer for b in model.layers if b.moe]
-    # a pass: a prefill chunk, or an MTP verify step
-    chunk = max(min(o.prefill_chunk, max_context), 2)
+    # a pass: a prefill chunk, a layer-wise pass's feed-forward group, or an MTP verify step
+    chunk = max(min(max(o.prefill_chunk, model.experts.plan.prefill_group), max_context), 2)
     routing = TraceRouting(
         o.routing, layers, a.n_routed_experts, a.n_activated_experts, a.route_scale, device, chunk, o.routing_recall
     )

@@ -197,7 +197,8 @@ class BatchRun:
             prompts = [seq.prompt_ids[:-1] for seq in seqs.values()]
             # under a trace each prompt routes through a stretch of rows of its own, as its decode will
             trace = (self.routing, [self.routing.reserve(len(p)) for p in prompts]) if self.routing else None
-            prefill_into_slots(self.model, prompts, list(range(first, first + len(prompts))), self.chunk, trace)
+            slots, group = list(range(first, first + len(prompts))), self.model.experts.plan.prefill_group
+            prefill_into_slots(self.model, prompts, slots, self.chunk, group, trace)
             for seq in seqs.values():
                 seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
                 self._reserve(seq)

@@ -3,12 +3,12 @@ passes after them (a captured CUDA graph for one token when one is ready), feeds
 plainly. The engine and speculative decoding both drive the model through it, and only through it.
 
 Where the routed experts stream (the store does not reach them all without the host), a prompt longer than one chunk
-is fed layer by layer: every chunk through block L before any goes through block L+1, so each layer's records are
-brought in once for the whole prompt, not once per chunk. A chunk's attention in block L reads the rows its earlier
-chunks wrote there, as it would have chunk by chunk: the same computations in another order, the same KV and logits.
-The hidden states wait on the host between blocks, beside the plan's RAM budget, which does not count them (V3: 14 KB
-a prompt token). A pass cancelled inside the blocks keeps none of its chunks. Where every record is reached in place,
-chunks go through all the blocks one after another, as before.
+is fed layer by layer (layer_pass.py): every chunk through a block's attention, then the block's feed-forward over
+groups of the prompt's tokens, before block L+1, so each layer's records are brought in once per group (the plan's
+prefill_group tokens), not once per chunk. A chunk's attention in block L reads the rows its earlier chunks wrote
+there, as it would have chunk by chunk: the same computations in another order, the same KV and logits. A pass
+cancelled inside the blocks keeps none of its chunks. Where every record is reached in place, chunks go through all
+the blocks one after another, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
+from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, trace_rows
 from dsfp4.runtime.generate.sampling import SamplingParams, choose, sample
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
@@ -43,22 +44,10 @@ def _check(cancel: threading.Event | None) -> None:
         raise Cancelled
 
 
-def _embedded(model: Model, tokens: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """tokens [1, T] -> what enters block 0 [1, T, ...] in host memory, embedded a chunk at a time (the device holds
-    one chunk's, as the plan's workspace allows)."""
-    x = None
-    for a, n in spans:
-        part = model.embed_tokens(tokens[:, a : a + n]).cpu()
-        if x is None:
-            x = torch.empty((1, tokens.shape[1], *part.shape[2:]), dtype=part.dtype)
-        x[:, a : a + n] = part
-    return x
-
-
 class Decoder:
     """The model, its decode graphs (None: eager steps only), routing recorder (None: not recorded) and routing
     trace (None: the routers route), and the tokens its caches hold (`cached`). Prompts go in chunks of
-    `prefill_chunk` tokens."""
+    `prefill_chunk` tokens; fed layer by layer, their feed-forward takes `prefill_group` tokens at once."""
 
     def __init__(
         self,
@@ -68,9 +57,10 @@ class Decoder:
         prefill_chunk: int,
         max_context: int,
         routing: TraceRouting | None = None,
+        prefill_group: int = 0,
     ):
         self.model, self.graphs, self.recorder, self.routing = model, graphs, recorder, routing
-        self.prefill_chunk, self.max_context = prefill_chunk, max_context
+        self.prefill_chunk, self.max_context, self.prefill_group = prefill_chunk, max_context, prefill_group
         self.cached: list[int] = []
         # (prompt tokens done, of how many) as a feed advances, from (0, n) on: what a progress display reads
         self.progress: Callable[[int, int], None] | None = None
@@ -142,25 +132,22 @@ class Decoder:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """feed, every chunk through a block before the next block: yields each chunk's (logits after its last token
         [V], hidden [t, D]) once every block has taken every chunk."""
-        model, start, chunk = self.model, len(self.cached), self.prefill_chunk
-        spans = [(a, min(chunk, len(ids) - a)) for a in range(0, len(ids), chunk)]
-        tokens = torch.tensor([ids], device=model.device)  # [1, T]
-        # a trace routes token i of the prompt by the row after the cursor, whichever block runs it
-        first = None if self.routing is None else self.routing.reserve(len(ids))
+        model, start = self.model, len(self.cached)
+        _check(cancel)
         with self._pass(ids):
-            x = _embedded(model, tokens, spans)  # [1, T, D] (V4: [1, T, N, D], its streams) on the host
+            lp = prepare(model, [ids], [start], self.prefill_chunk, self.prefill_group)
+            if self.routing is not None:
+                # a trace routes token i of the prompt by the row after the cursor, whichever block runs it
+                first = [self.routing.reserve(len(ids))]
+                lp.routed = lambda g: self.routing.begin_rows(trace_rows(g, first))
             blocks = len(model.layers)
-            for i in range(blocks):
-                for a, n in spans:
-                    _check(cancel)
-                    if first is not None:
-                        self.routing.begin_rows(list(range(first + a, first + a + n)))
-                    part = model.block_step(i, x[:, a : a + n].to(model.device), start + a, tokens[:, a : a + n])
-                    x[:, a : a + n] = part.to(x.device)
-                    # a token is done once every block has taken it: the share of (block, token) steps done
-                    self._advanced((i * len(ids) + a + n) // blocks, len(ids))
-        for a, n in spans:
-            logits, h = model.finish(x[:, a : a + n].to(model.device), start + len(ids), last_only=True)
+            for i, share in run_blocks(model, lp):
+                _check(cancel)
+                # a token is done once every block has taken it: the share of (block, token) steps done
+                self._advanced(int((i + share) * len(ids) / blocks), len(ids))
+        x = lp.hidden[0]  # [1, T, ...] after every block
+        for p in lp.chunks:
+            logits, h = model.finish(x[:, p.at : p.at + p.n].to(model.device), start + len(ids), last_only=True)
             yield logits[0, -1], h[0]
 
     def prefill(self, ids: list[int], cancel: threading.Event | None = None) -> torch.Tensor:

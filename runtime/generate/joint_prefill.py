@@ -2,24 +2,26 @@
 
 When experts stream from the SSD a prompt's prefill reads nearly every expert of every layer, so prefilling the lines
 of a batch one after another reads the model once per line. Here every prompt goes through layer L before any goes
-through L+1 (profile-hot's pass, runtime/profile/profiler.py), so each layer's records are read once for the group,
-and each prompt's KV rows of the layer are copied to the host as it leaves it. Each prompt's rows then go into the
-prompt cache as an entry, which the line's generation restores instead of prefilling (its last token is fed then,
-for its logits). The chunks are ordinary prefill's, so the KV is that of prefilling each prompt alone. A group holds
-at most GROUP_TOKENS prompt tokens: their hidden states and KV rows wait in host memory. The MTP layer's caches are
-not filled here (its entries are made as generation goes). Legend: S a prompt's tokens but its last.
+through L+1 (layer_pass.py, as a long prompt's prefill and profile-hot's pass), so each layer's records are read once
+for the group, and each prompt's KV rows of the layer are copied out as it leaves the layer's attention. Each
+prompt's rows then go into the prompt cache as an entry, which the line's generation restores instead of prefilling
+(its last token is fed then, for its logits). The chunks are ordinary prefill's, so the KV is that of prefilling each
+prompt alone. A group of prompts holds at most GROUP_TOKENS prompt tokens: their hidden states and KV rows wait in
+host memory. The MTP layer's caches are not filled here (its entries are made as generation goes). Legend: S a
+prompt's tokens but its last.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
 
+from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, trace_rows
 from dsfp4.runtime.generate.prompt_cache import PromptCache
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
-from dsfp4.runtime.profile.profiler import layer_pass
 
 # V3: 16k tokens' hidden states and latent KV rows are about 1.4 GiB of host memory, held beside the plan's RAM budget
 # (which does not count them): within the slack a machine keeps beyond it
@@ -53,14 +55,15 @@ def _passes(
     model: Model,
     prompts: list[list[int]],
     chunk: int,
+    group: int,
     into: Callable[[list[int]], list[Rows]],
     trace: tuple[TraceRouting, list[int]] | None = None,
 ) -> Iterator[tuple[list[int], list[Rows]]]:
-    """Prefill the prompts group by group, each group layer by layer together; into(group) -> where each prompt's KV
-    rows go (its first len(prompt) rows of each cache), copied as the prompt leaves each layer -> after each group's
-    pass, (the group, its rows). `trace`: (the routing trace, each prompt's first row): prompt k's token i routes by
-    row first[k] + i, begun before each chunk enters a block. The single sequence's slot 0 holds no one prompt
-    afterwards."""
+    """Prefill the prompts group by group, each group layer by layer together, its feed-forward `group` tokens at a
+    time; into(group) -> where each prompt's KV rows go (its first len(prompt) rows of each cache), copied as the
+    prompt leaves each layer's attention -> after each group's pass, (the group, its rows). `trace`: (the routing
+    trace, each prompt's first row): prompt k's token i routes by row first[k] + i. The single sequence's slot 0 holds
+    no one prompt afterwards."""
     # name -> [max_len, ...] on the device
     caches = model.positional_caches()
     # the main model's caches by block (the MTP layer's left out)
@@ -68,31 +71,21 @@ def _passes(
     for name in caches:
         if (layer := layer_of(name)) is not None:
             by_layer.setdefault(layer, []).append(name)
-    for group in groups([len(p) for p in prompts]):
-        rows = into(group)
+    for members in groups([len(p) for p in prompts]):
+        rows = into(members)
 
-        def keep(layer: int, j: int, group=group, rows=rows) -> None:
-            n = len(prompts[group[j]])
+        def keep(layer: int, j: int, members=members, rows=rows) -> None:
+            n = len(prompts[members[j]])
             for name in by_layer.get(layer, ()):
                 rows[j][name][:n].copy_(caches[name][:n])
 
-        layer_pass(model, [prompts[k] for k in group], chunk, lambda _: None, keep, _trace_rows(trace, group))
-        yield group, rows
-
-
-def _trace_rows(
-    trace: tuple[TraceRouting, list[int]] | None, group: list[int]
-) -> Callable[[int, int, int], None] | None:
-    """layer_pass's `before` for a group under a trace: the rows of its prompt j's chunk at `start`, `n` tokens."""
-    if trace is None:
-        return None
-    routing, first = trace
-
-    def begin(j: int, start: int, n: int) -> None:
-        at = first[group[j]] + start
-        routing.begin_rows(list(range(at, at + n)))
-
-    return begin
+        lp = prepare(model, [prompts[k] for k in members], [0] * len(members), chunk, group)
+        lp.attended = keep
+        if trace is not None:
+            mine = [trace[1][k] for k in members]
+            lp.routed = lambda g, mine=mine: trace[0].begin_rows(trace_rows(g, mine))
+        deque(run_blocks(model, lp), maxlen=0)
+        yield members, rows
 
 
 def prefill_into_slots(
@@ -100,28 +93,30 @@ def prefill_into_slots(
     prompts: list[list[int]],
     slots: list[int],
     chunk: int,
+    group: int,
     trace: tuple[TraceRouting, list[int]] | None = None,
 ) -> None:
     """Prefill each prompt layer by layer with the others of its group straight into cache slot slots[k] (a batch's
     sequences joining together: runtime/generate/batch.py); `trace` as _passes takes it."""
     targets = [model.positional_caches(s) for s in slots]
-    for _ in _passes(model, prompts, chunk, lambda group: [targets[k] for k in group], trace):
+    for _ in _passes(model, prompts, chunk, group, lambda members: [targets[k] for k in members], trace):
         pass
 
 
-def prefill_together(model: Model, cache: PromptCache, prompts: list[list[int]], chunk: int) -> int:
+def prefill_together(model: Model, cache: PromptCache, prompts: list[list[int]], chunk: int, group: int) -> int:
     """Prefill each prompt but its last token, layer by layer with the others of its group, and save its KV rows in
     `cache` -> the tokens prefilled. The model's caches hold no one prompt afterwards."""
     caches = model.positional_caches()
     sequences = [p[:-1] for p in prompts]
 
-    def host_rows(group: list[int]) -> list[Rows]:  # [S, ...] each, waiting in host memory
+    def host_rows(members: list[int]) -> list[Rows]:  # [S, ...] each, waiting in host memory
         return [
-            {n: torch.zeros((len(sequences[k]), *t.shape[1:]), dtype=t.dtype) for n, t in caches.items()} for k in group
+            {n: torch.zeros((len(sequences[k]), *t.shape[1:]), dtype=t.dtype) for n, t in caches.items()}
+            for k in members
         ]
 
-    for group, rows in _passes(model, sequences, chunk, host_rows):
-        for k, r in zip(group, rows, strict=True):
+    for members, rows in _passes(model, sequences, chunk, group, host_rows):
+        for k, r in zip(members, rows, strict=True):
             cache.save(sequences[k], r, mtp_upto=0)
     cache.wait()
     return sum(len(s) for s in sequences)

@@ -116,6 +116,18 @@ def expert_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> tor
     return (gate_scores if use_kernels(x) else gate_scores_ref)(x, weight, score_func)
 
 
+def spans(n: int, piece: int | None) -> list[slice]:
+    """[0, n) in runs of at most `piece` (None: one run): a layer-wise pass's group, through kernels whose workspace
+    the plan sizes for a chunk."""
+    step = n if piece is None else max(piece, 1)
+    return [slice(a, min(a + step, n)) for a in range(0, max(n, 1), max(step, 1))]
+
+
+def over(parts: list[slice], f: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """f of each run of tokens, joined along the tokens (one run: f's own tensor)."""
+    return f(parts[0]) if len(parts) == 1 else torch.cat([f(s) for s in parts])
+
+
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, kernel: MoEKernel):
         super().__init__()
@@ -134,12 +146,18 @@ class MoE(nn.Module):
         self.cut: Callable[[LayerAsk], torch.Tensor] | None = None
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        piece: int | None = None,
     ) -> torch.Tensor:
         """x: [B, T, D] normed input; residual: the stream(s) x came from, for predicting the next layer's
-        experts; tokens: [B, T] ids (hash layers route by them)."""
+        experts; tokens: [B, T] ids (hash layers route by them); piece: the most tokens a kernel takes at once (a
+        layer-wise pass's group: layer_pass.py), None for all."""
         shape, store = x.shape, self.experts
         x = x.view(-1, shape[-1])  # [T, D]
+        parts = spans(x.shape[0], piece)
         tokens = None if tokens is None else tokens.reshape(-1)
         # cache-aware routing swaps choices by the router's scores: not a trace's choice, nor a hash layer's table
         margin = store.rules.levers.cache_aware if self.trace is None and isinstance(self.gate, Gate) else 0.0
@@ -151,16 +169,22 @@ class MoE(nn.Module):
             self.observe(self.layer, weights, indices)
         # the shared experts' output goes to the routed kernel, which adds it as it sums each token's experts (on
         # CUDA, up to 16 tokens); streamed waves add it after their sum
-        shared = None if self.shared_experts is None else self.shared_experts(x)  # [T, D]
+        shared = None if self.shared_experts is None else over(parts, lambda s: self.shared_experts(x[s]))
         # nothing to bring in: the kernel finds every record itself, no host sync
         if store.visible:
             offsets = store.reached(self.layer, indices)
-            return self.kernel(x, indices, weights, store.gpu, offsets, add=shared).view(shape)
+
+            def run(s: slice) -> torch.Tensor:
+                return self.kernel(
+                    x[s], indices[s], weights[s], store.gpu, offsets, add=None if shared is None else shared[s]
+                )
+
+            return over(parts, run).view(shape)
         ask = self._ask(x, weights, indices, scores, margin, residual, tokens)
         # captured: the loads run between this piece and the next, at each replay
         if self.cut is not None:
             return self._captured(ask, x, indices, weights, shared).view(shape)
-        return self._streamed(store.step(ask), x, indices, weights, shared).view(shape)
+        return self._streamed(store.step(ask), x, indices, weights, shared, parts).view(shape)
 
     def _ask(
         self,
@@ -204,18 +228,22 @@ class MoE(nn.Module):
         indices: torch.Tensor,
         weights: torch.Tensor,
         shared: torch.Tensor | None,
+        parts: list[slice],
     ) -> torch.Tensor:
-        """An eager step's expert kernel over the store's waves, and the host's share added behind them."""
-        parts = []
+        """An eager step's expert kernel over the store's waves (each wave over the tokens `parts` at a time), and the
+        host's share added behind them."""
+        y = None
         with abandoned_on_error(got.job):
             weights = got.kept(weights)
             # one wave unless slots run short
             for offsets in got.offsets():
-                parts.append(self.kernel(x, indices, weights, self.experts.gpu, offsets))  # [T, D]
+                wave = over(parts, lambda s, o=offsets: self.kernel(x[s], indices[s], weights[s], self.experts.gpu, o))
+                # several waves add up in fp32: each is rounded once, as one wave would be
+                y = wave if y is None else y.float() + wave
         # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
         if got.job is not None:
             y_host = got.job.result()
-            parts.append(y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host)
-        # several parts add up in fp32: each is rounded once, as one wave would be
-        y = parts[0].to(x.dtype) if len(parts) == 1 else torch.stack(parts).float().sum(0).to(x.dtype)
+            y_host = y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host
+            y = y_host if y is None else y.float() + y_host
+        y = y.to(x.dtype)  # [T, D]
         return y if shared is None else y + shared

@@ -54,12 +54,17 @@ class Model(Protocol):
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B, T] -> what enters block 0 (V3: [B, T, D]; V4: its streams, [B, T, N, D])."""
 
-    def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Block i alone on what block i - 1 gave for tokens [B, T] at start_pos (the layer-wise profile, a prompt
-        prefilled layer by layer)."""
+    def block_attention(self, i: int, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Block i's attention alone, with its residual add, on what block i - 1 gave for tokens at start_pos
+        (runtime/generate/layer_pass.py: a prompt prefilled layer by layer, prompts together, the profile's pass)."""
+
+    def block_ffn(self, i: int, x: torch.Tensor, tokens: torch.Tensor, piece: int) -> torch.Tensor:
+        """Block i's feed-forward alone, with its residual add, on what its attention gave for tokens [B, T] (any
+        tokens: it works token by token), its kernels taking at most `piece` tokens at a time; the next layer's experts
+        are not predicted (the pass reads them ahead itself)."""
 
     def finish(self, x: torch.Tensor, end: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the last block gave (block_step) for tokens before position `end`, every block having taken them ->
+        """What the last block gave (block_ffn) for tokens before position `end`, every block having taken them ->
         (logits [B, T or 1, V] fp32, final hidden states [B, T, D], normed), as __call__ ends."""
 
     def reusable(self, keep: int) -> int:

@@ -72,6 +72,8 @@ class Plan:
     cold_slots: int = 0
     # bytes of a cold record (one narrow slot)
     cold_record: int = 0
+    # tokens a layer-wise pass's feed-forward takes at once (prefill_group; 0: a chunk's)
+    prefill_group: int = 0
 
     @property
     def record_cache(self) -> int:
@@ -99,7 +101,15 @@ class Plan:
                 "caches, their state and RoPE tables for --max-context"
                 + (f", {self.max_batch} batched sequences and the prefill's" if self.max_batch > 1 else ""),
             ),
-            ("  workspace", format_bytes(self.workspace), "transient tensors (estimate)"),
+            (
+                "  workspace",
+                format_bytes(self.workspace),
+                "transient tensors (estimate)"
+                + (
+                    f"; a long prompt's feed-forward takes {self.prefill_group} tokens at once"
+                    * bool(self.prefill_group)
+                ),
+            ),
             ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
             ("RAM budget", format_bytes(self.budgets.cpu), ""),
             *([] if on_cpu else [process]),
@@ -301,6 +311,25 @@ def forward_tokens(prefill_chunk: int, max_context: int, with_mtp: bool) -> int:
     return min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
 
 
+def group_token_bytes(a: ModelArgs, elt: int) -> int:
+    """Device memory a token of a layer-wise pass's feed-forward group holds while the group's experts stream in: its
+    residual stream(s), with their fp32 mixing where there are several (V4's mHC), the normed input, the shared
+    experts' output, the routed sum in fp32 and its rounding, the router's fp32 scores."""
+    streams = max(1, a.hc_mult)
+    residual = streams * a.dim * (elt + 2 * FP32 * (streams > 1))
+    return residual + a.dim * (3 * elt + FP32) + 2 * a.n_routed_experts * FP32
+
+
+def prefill_group(a: ModelArgs, chunk: int, max_context: int, elt: int) -> int:
+    """Tokens a layer-wise pass's feed-forward takes at once (runtime/generate/layer_pass.py), a whole number of
+    chunks: what a chunk's forward holds in activations (attention's scores among them, which the feed-forward half
+    does not use) holds of a group's tokens, a chunk's share left to the kernels' pieces; at least a chunk, at most
+    the context."""
+    t = min(chunk, max_context)
+    chunks = activation_bytes(a, t, max_context, elt) // (t * group_token_bytes(a, elt)) - 1
+    return min(t * max(1, chunks), max_context)
+
+
 def workspace_bytes(
     manifest: Manifest,
     device: torch.device,
@@ -447,4 +476,5 @@ def make_plan(
         max_batch,
         cold_slots,
         cold,
+        prefill_group(a, prefill_chunk, max_context, elt),
     )

@@ -3,9 +3,10 @@
 Why layer by layer: each MoE layer's records are read from the SSD once per run, into the RAM cache (as
 much of the next layer's as fits while this one computes), not once per sequence, so a profile costs one
 pass over the expert files wherever RAM holds one layer, even when the model does not fit in memory.
-Each sequence goes through each block in the chunks and shapes of ordinary prefill (`dsfp4 run --raw`
-with the same --prefill-chunk), the block's KV cache holding the sequence's earlier chunks, so the
-routing, and so the counts, are those of ordinary generation bit for bit.
+The pass is a long prompt's (runtime/generate/layer_pass.py): each sequence goes through each block's attention in
+the chunks of ordinary prefill (`dsfp4 run --raw` with the same --prefill-chunk), the block's KV cache holding the
+sequence's earlier chunks, and its feed-forward takes the plan's prefill_group tokens at once, so the routing, and so
+the counts, are those of ordinary generation.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.routing_trace import RoutingTrace
+from dsfp4.runtime.generate.layer_pass import prepare, run_blocks
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.load import load_model, plan_run, run_target
-from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.profile.calibration import calibration
@@ -38,48 +39,6 @@ class ProfileRun:
     counters: dict[str, float]
     seconds: float
     notes: list[str]
-
-
-@torch.inference_mode()
-def layer_pass(
-    model: Model,
-    sequences: list[list[int]],
-    chunk: int,
-    on_layer: Callable[[int], None],
-    after: Callable[[int, int], None] | None = None,
-    before: Callable[[int, int, int], None] | None = None,
-) -> None:
-    """Run every sequence through every block, one block at a time (hidden states wait on the host); `after(block,
-    sequence)` runs once a sequence has been through a block, while that block's caches still hold it; `before(sequence,
-    start, tokens)` before each chunk of a sequence enters a block (a routing trace's rows for it)."""
-    store, device = model.experts, model.device
-    n_experts = model.args.n_routed_experts
-    tokens = [torch.tensor([s], device=device) for s in sequences]  # [1, T] each
-    hidden = [model.embed_tokens(t).cpu() for t in tokens]  # [1, T, D] (V4: [1, T, N, D], its streams)
-    moe = [i for i, block in enumerate(model.layers) if block.moe]
-
-    def records(layer: int) -> list[tuple[int, int]]:
-        return sorted(((layer, e) for e in range(n_experts)), key=store.manifest.file_position)
-
-    for i, block in enumerate(model.layers):
-        mine = records(i) if block.moe else []
-        # the layer's records, then what fits behind them
-        if mine and len(store.ram_pool.fitting(mine)) == n_experts:
-            store.read_ahead(mine, set())
-            later = [j for j in moe if j > i]
-            ahead = store.ram_pool.fitting(mine + records(later[0]))[n_experts:] if later else []
-            if ahead:
-                # this layer's stay
-                store.read_ahead(ahead, set(mine))
-        for index, (h, t) in enumerate(zip(hidden, tokens, strict=True)):
-            for a in range(0, h.shape[1], chunk):
-                if before is not None:
-                    before(index, a, min(chunk, h.shape[1] - a))
-                x = h[:, a : a + chunk].to(device)  # [1, T, ...]
-                h[:, a : a + chunk] = model.block_step(i, x, a, t[:, a : a + chunk]).to(h.device)
-            if after is not None:
-                after(i, index)
-        on_layer(i + 1)
 
 
 def profile_model(
@@ -120,7 +79,10 @@ def profile_model(
         recorder = RoutingRecorder(model, trace)
         on_start(plan, len(model.layers), calib.tokens)
         store = model.experts
-        layer_pass(model, calib.sequences, options.prefill_chunk, lambda i: on_layer(i, store.counters.snapshot()))
+        lp = prepare(model, calib.sequences, [0] * len(calib.sequences), options.prefill_chunk, plan.prefill_group)
+        for i, share in run_blocks(model, lp):
+            if share == 1.0:
+                on_layer(i + 1, store.counters.snapshot())
         # every layer has seen every token
         recorder.commit([t for s in calib.sequences for t in s])
         model.experts.sync()

@@ -1,13 +1,16 @@
-"""A prompt fed layer by layer where experts stream (runtime/generate/decoder.py): every chunk through a block before
-the next block, the logits and greedy tokens of one whole-prompt chunk, each layer's records read once for the prompt,
-and a chunk's attention reading the rows its earlier chunks wrote."""
+"""A prompt fed layer by layer where experts stream (runtime/generate/decoder.py, layer_pass.py): every chunk through a
+block before the next block, the block's feed-forward over groups of chunks, the logits and greedy tokens of one
+whole-prompt chunk, each layer's records brought once per group and read once for the prompt, and a chunk's attention
+reading the rows its earlier chunks wrote."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
+from dsfp4.runtime.generate.layer_pass import chunked, grouped, trace_rows
 from tests.runtime.test_expert_store import _engine
 
 # long enough for several chunks of CHUNK
@@ -28,32 +31,43 @@ def _layers_asked(engine: Engine) -> list[int]:
     return asked
 
 
-def test_a_streamed_prompt_goes_through_each_layer_for_all_its_chunks_with_the_logits_of_one_chunk(converted):
+@pytest.mark.parametrize("group", [0, 2 * CHUNK + 1])
+def test_a_streamed_prompt_goes_through_each_layer_for_all_its_chunks_with_the_logits_of_one_chunk(converted, group):
+    """group 0: the plan's, which holds the whole prompt: each layer's experts asked for once; else several groups of
+    two chunks (a group is whole chunks), each layer asked once per group."""
     with Engine(converted, device="cpu", max_context=64) as whole:
         ids = whole.encode(PROMPT)
         expected = whole.logits(ids)  # one chunk: every record resident, through all blocks at once
         resident = whole.generate(ids, max_tokens=6, temperature=0).token_ids
-    assert len(ids) > 3 * CHUNK
+    assert len(ids) > 5 * CHUNK
     with _engine(converted, 3, 5, prefill_chunk=CHUNK) as streamed:
+        assert streamed.plan.prefill_group >= len(ids)
+        if group:
+            streamed.decoder.prefill_group = group
         asked = _layers_asked(streamed)
         got = streamed.logits(ids)
-        chunks = -(-len(ids) // CHUNK)
+        groups = 1 if not group else -(-len(ids) // (2 * CHUNK))
         moe = sorted(set(asked))
-        assert len(moe) > 1 and asked == [layer for layer in moe for _ in range(chunks)]  # layer by layer
+        assert len(moe) > 1 and asked == [layer for layer in moe for _ in range(groups)]  # layer by layer
         # a chunk whose attention missed its earlier chunks' rows would give other logits
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert streamed.generate(ids, max_tokens=6, temperature=0).token_ids == resident
 
 
-def test_a_prompt_reads_each_layers_records_once_where_ram_holds_a_layer(converted):
-    """RAM holds one layer's records, not two: chunk by chunk, every chunk would read the layers again."""
+@pytest.mark.parametrize("group", [0, CHUNK])
+def test_a_prompt_reads_each_layers_records_once_where_ram_holds_a_layer(converted, group):
+    """RAM holds one layer's records, not two: chunk by chunk, every chunk would read the layers again. Grouped (the
+    plan's group holds the prompt), each record comes to the device once; a chunk a group, once per chunk."""
     a = Manifest.read(converted).args
     records = sum(a.is_moe_layer(i) for i in range(a.n_layers)) * a.n_routed_experts  # the main layers' (no MTP)
     with _engine(converted, 3, a.n_routed_experts, prefill_chunk=CHUNK, io_threads=1) as streamed:
+        if group:
+            streamed.decoder.prefill_group = group
         ids = streamed.encode(PROMPT)
         g = streamed.generate(ids, max_tokens=1, temperature=0)
     s = g.stats.store
-    assert s["expert_uses"] > records  # the chunks together use each layer's records several times
+    # the chunks together use each layer's records several times
+    assert (s["expert_uses"] > records) == bool(group)
     assert 0 < s["ssd_reads"] <= records
 
 
@@ -71,3 +85,11 @@ def test_deepseek_v4_fed_layer_by_layer_gives_the_logits_of_one_chunk_and_contin
         assert len(set(asked)) > 1 and asked == sorted(asked)  # layer by layer
         g = streamed.generate(ids, max_tokens=3, temperature=0)
     assert g.stats.cached_tokens == 9 and g.token_ids == answer  # 12 more tokens, layer by layer after the 9
+
+
+def test_a_pass_chunks_each_sequence_and_groups_whole_chunks_across_sequences():
+    pieces = chunked([5, 3], 2)
+    assert [(p.seq, p.at, p.n) for p in pieces] == [(0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 2), (1, 2, 1)]
+    assert [[p.n for p in g] for g in grouped(pieces, 4)] == [[2, 2], [1, 2, 1]]
+    assert [[p.n for p in g] for g in grouped(pieces, 1)] == [[2], [2], [1], [2], [1]]  # a chunk alone when longer
+    assert trace_rows(grouped(pieces, 4)[1], [100, 200]) == [104, 200, 201, 202]

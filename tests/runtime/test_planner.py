@@ -9,7 +9,15 @@ import torch
 
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.models.load import load_model
-from dsfp4.runtime.plan.planner import cache_bytes, expert_layers, layer_cache_bytes, token_bytes
+from dsfp4.runtime.plan.planner import (
+    activation_bytes,
+    cache_bytes,
+    expert_layers,
+    group_token_bytes,
+    layer_cache_bytes,
+    prefill_group,
+    token_bytes,
+)
 from dsfp4.synthetic.bench_model import model_args
 
 
@@ -120,3 +128,16 @@ def test_on_a_cpu_device_the_default_budgets_share_the_hosts_memory(monkeypatch,
         assert b.gpu == host // 3
     given = {"2G": 2 * budget.GiB, "3G": 3 * budget.GiB}
     assert b.gpu == given.get(gpu_mem, b.gpu) and b.cpu == given.get(cpu_mem, b.cpu)
+
+
+@pytest.mark.parametrize("family", ["v3", "v4"])
+def test_a_long_prompts_feed_forward_group_is_whole_chunks_within_a_chunks_activations(family):
+    """layer_pass.py's group: at least a chunk, a whole number of them, at most the context, and (a chunk's share
+    beside it) within the activations of a chunk's forward, which its feed-forward half reuses."""
+    _, a = model_args(61 if family == "v3" else 43, 3 if family == "v3" else 0, family=family)
+    for chunk, context in [(512, 4096), (512, 32768), (256, 163840), (512, 300), (4096, 2048)]:
+        group = prefill_group(a, chunk, context, 2)
+        t = min(chunk, context)
+        assert t <= group <= context and group % t == 0 or group == context
+        assert group == t or (group + t) * group_token_bytes(a, 2) <= activation_bytes(a, t, context, 2)
+    assert prefill_group(a, 512, 32768, 2) > 4 * 512  # the full width's: several chunks a group

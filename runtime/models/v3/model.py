@@ -14,7 +14,7 @@ from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import PLAIN_DTYPES
-from dsfp4.runtime.models.moe import MLP, MoE
+from dsfp4.runtime.models.moe import MLP, MoE, over, spans
 from dsfp4.runtime.models.norm import RMSNorm
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.rope import precompute_freqs_cis
@@ -50,6 +50,21 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x, h = self.ffn_norm.after_add(x, self.attn(self.attn_norm(x), start_pos, freqs_cis, mask))
         return x + (self.ffn(h, x) if self.moe else self.ffn(h))
+
+    def attention(
+        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """forward's first half: x [B, T, D] + its attention."""
+        return x + self.attn(self.attn_norm(x), start_pos, freqs_cis, mask)
+
+    def feed_forward(self, x: torch.Tensor, piece: int) -> torch.Tensor:
+        """forward's second half on what `attention` gave, x [B, T, D], for any tokens, `piece` at a time through
+        the kernels; the next layer's experts are not predicted."""
+        h = self.ffn_norm(x)
+        if self.moe:
+            return x + self.ffn(h, piece=piece)
+        flat = h.view(-1, h.shape[-1])  # [B * T, D]
+        return x + over(spans(flat.shape[0], piece), lambda s: self.ffn(flat[s])).view_as(x)
 
     def route(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The experts this block's router would pick for residual stream h: [B, T, D] -> [B * T, K]. `tokens`
@@ -155,11 +170,15 @@ class Transformer(nn.Module):
         """tokens: [B, T] -> the residual stream entering block 0, [B, T, D]."""
         return F.embedding(tokens, self.embed)
 
-    def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Block i alone on x (what block i - 1 gave for tokens [B, T] at start_pos), as forward runs it (the
-        layer-by-layer profile runs the model this way)."""
+    def block_attention(self, i: int, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Block i's attention on x [B, T, D] (what block i - 1 gave for tokens at start_pos), with its residual."""
         freqs, mask = self.positions(x.shape[1], start_pos)
-        return self.layers[i](x, start_pos, freqs, mask)
+        return self.layers[i].attention(x, start_pos, freqs, mask)
+
+    def block_ffn(self, i: int, x: torch.Tensor, tokens: torch.Tensor, piece: int) -> torch.Tensor:
+        """Block i's feed-forward on what its attention gave, x [B, T, D] (`tokens` is the protocol's: no V3 layer
+        routes by token)."""
+        return self.layers[i].feed_forward(x, piece)
 
     def positions(self, t: int, start_pos: int | DevicePosition) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""

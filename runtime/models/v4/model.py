@@ -52,10 +52,18 @@ class BlockV4(nn.Module):
 
     def forward(self, x: torch.Tensor, start_pos: int | DevicePosition, tokens: torch.Tensor) -> torch.Tensor:
         """x: [B, T, N, D] streams, tokens: [B, T] -> the streams after attention and MoE."""
+        return self.feed_forward(self.attention(x, start_pos), tokens)
+
+    def attention(self, x: torch.Tensor, start_pos: int | DevicePosition) -> torch.Tensor:
+        """The streams x [B, T, N, D] after attention."""
         pre, post, comb = self.attn_hc.weights(x)
-        x = self.attn_hc.expand(x, self.attn(self.attn_norm(collapse(x, pre)), start_pos), post, comb)
+        return self.attn_hc.expand(x, self.attn(self.attn_norm(collapse(x, pre)), start_pos), post, comb)
+
+    def feed_forward(self, x: torch.Tensor, tokens: torch.Tensor, piece: int | None = None) -> torch.Tensor:
+        """The streams x [B, T, N, D] after the MoE; with `piece` (a layer-wise pass: any tokens, `piece` at a time
+        through the kernels) the next layer's experts are not predicted."""
         pre, post, comb = self.ffn_hc.weights(x)
-        f = self.ffn(self.ffn_norm(collapse(x, pre)), x, tokens)
+        f = self.ffn(self.ffn_norm(collapse(x, pre)), x if piece is None else None, tokens, piece)
         return self.ffn_hc.expand(x, f, post, comb)
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
@@ -162,7 +170,7 @@ class TransformerV4(nn.Module):
         return linear(h[:, -1:] if last_only else h, self.head).float(), h
 
     def finish(self, x: torch.Tensor, end: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The streams [B, T, N, D] after every block (block_step) for tokens before position `end` -> (logits [B, T or
+        """The streams [B, T, N, D] after every block (block_ffn) for tokens before position `end` -> (logits [B, T or
         1, V] fp32, final hidden [B, T, D], normed); the caches now end at `end`."""
         self.pos = end
         h = self.norm(self.hc_head(x))
@@ -172,11 +180,15 @@ class TransformerV4(nn.Module):
         """tokens: [B, T] -> the residual streams entering block 0: the embedding in each, [B, T, N, D]."""
         return F.embedding(tokens, self.embed).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
 
-    def block_step(self, i: int, x: torch.Tensor, start_pos: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Block i alone on the streams x [B, T, N, D] of tokens [B, T] at start_pos (0, or where this block's
-        caches stopped), as streams() runs it; the model's own position is left invalid."""
+    def block_attention(self, i: int, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Block i's attention on the streams x [B, T, N, D] of tokens at start_pos (0, or where this block's caches
+        stopped), as streams() runs it; the model's own position is left invalid."""
         self.pos = -1
-        return self.layers[i](x, start_pos, tokens)
+        return self.layers[i].attention(x, start_pos)
+
+    def block_ffn(self, i: int, x: torch.Tensor, tokens: torch.Tensor, piece: int) -> torch.Tensor:
+        """Block i's MoE on what its attention gave, the streams x [B, T, N, D] of tokens [B, T]."""
+        return self.layers[i].feed_forward(x, tokens, piece)
 
     def streams(self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0) -> torch.Tensor:
         """tokens: [B, T] -> the final residual streams [B, T, N, D] (the MTP block's input)."""

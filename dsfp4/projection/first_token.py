@@ -1,8 +1,9 @@
 """The whole model's time to first token, projected as whole_model.py projects its decode: the trace's rows after
-the profile's are the prompt, prefilled in chunks as `dsfp4 run` prefills (simulate.py simulate_prefill) through the
-plan's pools warm from the trace's first half; its compute is the prompt's FLOPs at PREFILL_SHARE of the user's GPU's
-dense BF16 peak (what our prefill reached on the H100), attention's scores left out (under 10% of a V3 layer's FLOPs
-at 2,048 tokens)."""
+the profile's are the prompt, prefilled as `dsfp4 run` prefills it (simulate.py simulate_prefill: layer by layer, the
+feed-forward over the plan's prefill_group tokens at once) through the pools of a plan for the prompt and an answer,
+warm from the trace's first half; its compute is the prompt's FLOPs at PREFILL_SHARE of the user's GPU's dense BF16
+peak (what our prefill reached on the H100): the weights' and attention's against the positions before each token
+(the family's attention_flops, layout/family.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dsfp4.projection.machines import MACHINES, Machine
 from dsfp4.projection.simulate import Projection, StepCosts, simulate_prefill
 from dsfp4.projection.whole_model import (
     HOST_S,
+    MAX_CONTEXT,
     PREFILL_CHUNK,
     columns,
     full_plan,
@@ -30,7 +32,9 @@ from dsfp4.runtime.options import RunOptions
 # over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
 PREFILL_SHARE = 310.5 / 989.4
 # prompt tokens the time to first token is projected for
-PROMPTS = (64, 512, 2048)
+PROMPTS = (64, 512, 2048, 8192, 32768)
+# the context a prompt's plan holds beyond it: room for an answer
+ANSWER_TOKENS = 1024
 
 
 def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
@@ -38,6 +42,14 @@ def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
     rate = machine.flops * PREFILL_SHARE
     attn, experts, other = step_flops(m)
     return StepCosts(attn / rate, experts / rate, other / rate, HOST_S)
+
+
+def context_seconds(m: Manifest, machine: Machine, n: int) -> np.ndarray:
+    """[n] seconds of a prompt token's attention against the positions before it (position i), per MoE layer, the
+    dense layers' share included, at PREFILL_SHARE of the machine's peak."""
+    a, rate = m.args, machine.flops * PREFILL_SHARE
+    flops = np.array([a.family_spec.attention_flops(a, i) for i in range(n)])
+    return flops / n_moe_layers(m) / rate
 
 
 @dataclass(frozen=True)
@@ -58,12 +70,11 @@ def first_tokens(family: str, ids: np.ndarray, machines: list[str], prompts: tup
     rows = []
     for name in machines:
         machine = MACHINES[name]
-        m, plan = full_plan(family, machine)
-        trace = spread(ids, n_moe_layers(m))
-        half = len(trace) // 2
-        warm = warm_order(trace[:half], m.args.n_routed_experts)
-        costs = prefill_costs(m, machine)
         for n in prompts:
+            m, plan = full_plan(family, machine, max_context=max(MAX_CONTEXT, n + ANSWER_TOKENS))
+            trace = spread(ids, n_moe_layers(m))
+            half = len(trace) // 2
+            warm = warm_order(trace[:half], m.args.n_routed_experts)
             prompt = trace[(half + np.arange(n)) % len(trace)]  # [n, L, K]
             p = simulate_prefill(
                 prompt,
@@ -71,11 +82,13 @@ def first_tokens(family: str, ids: np.ndarray, machines: list[str], prompts: tup
                 plan.ram_slots,
                 m.record.nbytes,
                 machine.links,
-                costs,
+                prefill_costs(m, machine),
                 PREFILL_CHUNK,
                 RunOptions.policy,
                 warm,
                 host_stream(m, plan),
+                group=plan.prefill_group,
+                context_s=context_seconds(m, machine, n),
             )
             rows.append(FirstToken(name, n, p))
     return rows

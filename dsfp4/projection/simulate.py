@@ -386,44 +386,62 @@ def simulate_prefill(
     warm: list[Key] = (),
     host: HostStream = HostStream(),
     decode_steps: bool = False,
+    group: int = 0,
+    context_s: np.ndarray | None = None,
 ) -> Projection:
     """Prefill the prompt whose routing is `trace` [P, L, K] in chunks of `chunk` tokens through pools of gpu_slots
     and ram_slots records (`costs` per token, compute-bound: a chunk of n tokens costs n times as much; `warm` as
     for simulate; `host` too, its bytes read once per PREFILL_TILE_ROWS tokens) -> the prompt's totals, `seconds`
     the time to its first token. The chunks go through the layers in the decoder's order (by_layer): where experts
-    stream, every chunk through a layer before the next layer. `decode_steps`: the chunks are a batch's decode steps
-    instead (MachineRun.decode_batch), each needing the token of the one before: one after another."""
+    stream, every chunk through a layer before the next layer, the layer's experts brought once per `group` tokens
+    (the plan's prefill_group; 0: a chunk's), as layer_pass.py runs them. `context_s` [P]: the seconds of attention
+    of a prompt token at each position (against the keys before it) in each MoE layer, beside costs.attn_s (None:
+    none). `decode_steps`: the chunks are a batch's decode steps instead (MachineRun.decode_batch), each needing the
+    token of the one before: one after another."""
     n_tokens, n_layers, top_k = trace.shape
     tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
     out = tiers.out
     out.tokens = n_tokens
-    chunks = [trace[first : first + chunk] for first in range(0, n_tokens, chunk)]  # [n, L, K] each
+    context_s = np.zeros(n_tokens) if context_s is None else context_s[:n_tokens]
     visible = gpu_slots >= n_layers * (int(trace.max()) + 1)
-    if not decode_steps and by_layer(n_tokens, chunk, visible):
-        steps = [(layer, rows) for layer in range(n_layers) for rows in chunks]
+    layered = not decode_steps and by_layer(n_tokens, chunk, visible)
+    size = (group or chunk) if layered else chunk
+    # (first row, its routing rows [n, L, K])
+    blocks = [(first, trace[first : first + size]) for first in range(0, n_tokens, size)]
+    if layered:
+        steps = [(layer, first, rows) for layer in range(n_layers) for first, rows in blocks]
     else:
-        steps = [(layer, rows) for rows in chunks for layer in range(n_layers)]
+        steps = [(layer, first, rows) for first, rows in blocks for layer in range(n_layers)]
     now = 0.0
-    for layer, rows in steps:
-        now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots)
+    for layer, first, rows in steps:
+        attn_s = float(context_s[first : first + len(rows)].sum())
+        now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots, attn_s)
         if layer == n_layers - 1:
             # the dense layers and the head, once the chunk has been through every MoE layer
             now = tiers.stream(now, -(-len(rows) // PREFILL_TILE_ROWS) * host.other_bytes, len(rows) * costs.other_s)
     out.seconds = now
     out.compute_s = n_tokens * (n_layers * (costs.attn_s + costs.experts_s) + costs.other_s)
-    out.compute_s += len(chunks) * n_layers * costs.host_s
+    out.compute_s += n_layers * (float(context_s.sum()) + len(blocks) * costs.host_s)
     return out
 
 
 def _prefill_layer(
-    tiers: Tiers, rows: np.ndarray, layer: int, now: float, costs: StepCosts, host: HostStream, gpu_slots: int
+    tiers: Tiers,
+    rows: np.ndarray,
+    layer: int,
+    now: float,
+    costs: StepCosts,
+    host: HostStream,
+    gpu_slots: int,
+    context_s: float = 0.0,
 ) -> float:
-    """One chunk's routing rows [n, L, K] through one MoE layer from `now`: its distinct experts in waves of the device
-    slots, device hits first, then RAM's, then the SSD's -> when its compute is done."""
+    """One chunk's routing rows [n, L, K] through one MoE layer from `now` (its attention against earlier positions
+    taking `context_s` beside its tokens' costs.attn_s): its distinct experts in waves of the device slots, device hits
+    first, then RAM's, then the SSD's -> when its compute is done."""
     out, (n, _, top_k) = tiers.out, rows.shape
     reads = -(-n // PREFILL_TILE_ROWS)
     streamed = layer in host.layers
-    routed = tiers.stream(now, reads * host.attn_bytes * streamed, n * costs.attn_s) + costs.host_s
+    routed = tiers.stream(now, reads * host.attn_bytes * streamed, n * costs.attn_s + context_s) + costs.host_s
     uses = np.bincount(rows[:, layer].ravel())  # [E] the chunk's tokens per expert
     keys = [(layer, int(e)) for e in np.flatnonzero(uses)]
     out.uses += len(keys)

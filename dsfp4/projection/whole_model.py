@@ -63,16 +63,18 @@ def full_args(family: str) -> ModelArgs:
     return model_args(release.whole_layers, release.whole_dense, family=family)[1]
 
 
-def full_plan(family: str, machine: Machine, backbone: str | None = None) -> tuple[Manifest, Plan]:
-    """The whole model's manifest and plan on the machine: with the backbone `convert --backbone auto` gives it
-    there (backbone_choice.py), or `backbone` (a --backbone spec, convert/backbone.py); a ConfigError when
-    even with the backbone in RAM it does not fit."""
+def full_plan(
+    family: str, machine: Machine, backbone: str | None = None, max_context: int = MAX_CONTEXT
+) -> tuple[Manifest, Plan]:
+    """The whole model's manifest and plan on the machine for `max_context` (run's default, or what a long prompt
+    needs): with the backbone `convert --backbone auto` gives it there (backbone_choice.py), or `backbone` (a
+    --backbone spec, convert/backbone.py); a ConfigError when even with the backbone in RAM it does not fit."""
     args = full_args(family)
     expert_format = args.family_spec.expert_format
     spec = backbone or choose_backbone(args, machine.budgets, expert_format, USER_PROCESS)[0]
     m = planned_manifest(args, spec, expert_format)
     try:
-        budgets, b = machine.budgets, (MAX_CONTEXT, PREFILL_CHUNK, IO_THREADS)
+        budgets, b = machine.budgets, (max_context, PREFILL_CHUNK, IO_THREADS)
         return m, make_plan(
             m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS, fp8_kernels=True, kernels=True
         )

@@ -271,3 +271,23 @@ def test_a_streamed_prompt_reads_each_record_once_and_a_batchs_decode_steps_do_n
     steps = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, decode_steps=True)
     assert prompt.ssd_bytes <= 4 * 16 * RECORD < steps.ssd_bytes
     assert prompt.compute_s == steps.compute_s and prompt.seconds < steps.seconds
+
+
+def test_a_streamed_prompts_group_brings_each_record_to_the_device_once():
+    """4 device slots, 16 experts a layer: chunk by chunk each chunk copies its layer's experts again; a group of the
+    whole prompt copies each (layer, expert) once, as layer_pass.py does."""
+    trace, links = _trace(tokens=64), Links(ssd=1e9, pcie=1e10)
+    chunks = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8)
+    grouped = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=64)
+    distinct = sum(len(np.unique(trace[:, layer])) for layer in range(trace.shape[1]))
+    assert grouped.pcie_bytes == distinct * RECORD < chunks.pcie_bytes
+    assert grouped.ssd_bytes == chunks.ssd_bytes and grouped.seconds < chunks.seconds
+
+
+def test_attention_against_earlier_positions_adds_its_seconds_to_the_prompts_compute():
+    trace, links = _trace(tokens=32), Links(ssd=1e9, pcie=1e10)
+    context = np.arange(32) * 1e-4  # [P] seconds a token at each position, per MoE layer
+    plain = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=32)
+    longer = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=32, context_s=context)
+    assert longer.compute_s == pytest.approx(plain.compute_s + trace.shape[1] * context.sum())
+    assert longer.seconds > plain.seconds

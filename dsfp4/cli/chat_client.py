@@ -1,17 +1,21 @@
 """`dsfp4 chat --url URL`: the chat loop's backend on a server (dsfp4's, or another OpenAI-compatible one),
 through streamed /v1/chat/completions. The server keeps no conversation: each turn sends the whole
-history, and dsfp4's server reuses the cached prefix by itself."""
+history, and dsfp4's server reuses the cached prefix by itself. dsfp4's server also streams a long prefill's progress
+as SSE comments (`: prefill DONE/TOTAL`), shown as `run --chat` shows its own (progress.py)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 
+from dsfp4.cli.progress import PrefillProgress
 from dsfp4.errors import DsfpError
 from dsfp4.runtime.generate.stats import GenerationStats
+from dsfp4.server.answers import PREFILL
 
 # a server that does not accept within this is not there; reads wait as long as generation takes
 CONNECT_S = 10.0
@@ -29,6 +33,14 @@ def _refusal(response: httpx.Response) -> RemoteError:
     return RemoteError(f"{response.request.url}: {response.status_code} {message}")
 
 
+def _prefilled(line: str) -> tuple[int, int] | None:
+    """(tokens done, of how many) from a `: prefill DONE/TOTAL` comment; None from any other line."""
+    if not line.startswith(PREFILL):
+        return None
+    done, _, total = line.removeprefix(PREFILL).partition("/")
+    return (int(done), int(total)) if done.isdigit() and total.isdigit() else None
+
+
 class RemoteChat:
     def __init__(self, url: str, api_key: str | None, sampling: dict[str, Any], model: str | None = None):
         base = url.rstrip("/")
@@ -39,6 +51,8 @@ class RemoteChat:
         self.thinking: bool | None = sampling.pop("thinking", None)
         self.sampling = sampling
         self.last: GenerationStats | None = None
+        # a prefill's progress as the server streams it, from (0, n) on (Decoder.progress's)
+        self.progress: Callable[[int, int], None] | None = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
         card = self._served_card(model)
         self.model = card["id"]
         # dsfp4's servers say whether the model's format has a thinking switch; others are asked as vLLM is
@@ -66,12 +80,17 @@ class RemoteChat:
             body["chat_template_kwargs"] = {"thinking": self.thinking}
         # a server that sends no stats leaves none
         self.last = None
+        # the last prefill progress shown
+        seen = (0, 0)
         try:
             with self.client.stream("POST", self.base + "/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     response.read()
                     raise _refusal(response)
                 for line in response.iter_lines():
+                    if (advance := _prefilled(line)) is not None and self.progress is not None:
+                        seen = advance
+                        self.progress(*advance)
                     if not line.startswith("data: "):
                         continue
                     if line == "data: [DONE]":
@@ -86,6 +105,10 @@ class RemoteChat:
                         self.last = GenerationStats.from_dict(chunk["stats"])
         except httpx.HTTPError as e:
             raise RemoteError(f"{self.base}: {e}") from e
+        finally:
+            # a prefill cut short (an error, Ctrl-C) leaves no line behind
+            if self.progress is not None and seen[0] < seen[1]:
+                self.progress(seen[1], seen[1])
 
     def reset(self) -> None:
         """Nothing to do on the server: it holds no conversation."""

@@ -1,5 +1,5 @@
 """The shapes of the server's answers: OpenAI chat.completion / text_completion objects, their streamed
-chunks as server-sent events, usage, and dsfp4's per-response stats."""
+chunks as server-sent events, a prefill's progress as SSE comments, usage, and dsfp4's per-response stats."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ import uuid
 from dataclasses import dataclass, field
 
 from dsfp4.runtime.generate.generation import Generation
+from dsfp4.server.jobs import Progress
+
+# a streamed prefill's progress: `: prefill DONE/TOTAL`, a comment line, which SSE clients skip
+PREFILL = ": prefill "
 
 
 def sse(payload: dict | str) -> str:
     """One server-sent event: `data: ...` and a blank line."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
+
+
+def progress_comment(p: Progress) -> str:
+    """A prefill's progress as an SSE comment and a blank line (an event with no data, which no client dispatches)."""
+    return f"{PREFILL}{p.done}/{p.total}\n\n"
 
 
 def usage(g: Generation) -> dict:

@@ -24,8 +24,8 @@ from dsfp4.errors import ConfigError, ContextLengthError
 from dsfp4.runtime.generate.generation import Delta, Generation
 from dsfp4.runtime.generate.prompt import PromptRules
 from dsfp4.runtime.generate.reasoning import ReasoningSplitter, split_reasoning
-from dsfp4.server.answers import Answer, sse, stats
-from dsfp4.server.jobs import Job, QueueFull, Report, Sink
+from dsfp4.server.answers import Answer, progress_comment, sse, stats
+from dsfp4.server.jobs import Job, Progress, QueueFull, Report, Sink
 from dsfp4.server.metrics import Metrics
 from dsfp4.server.requests import ApiError, GenRequest, parse_request
 
@@ -157,8 +157,7 @@ async def health(ctx: Context, request: Request) -> Response:
 
 
 async def prometheus(ctx: Context, request: Request) -> Response:
-    r = await ctx.scheduler.report()
-    text = ctx.metrics.render(r.waiting, r.running, r.slots, r.counters)
+    text = ctx.metrics.render(await ctx.scheduler.report())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -175,7 +174,7 @@ async def complete(ctx: Context, request: Request, chat: bool) -> Response:
     if call.req.stream:
         ctx.metrics.answered(endpoint, 200)
         return StreamingResponse(events(call), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    while isinstance(item := await call.job.out.get(), Delta):
+    while isinstance(item := await call.job.out.get(), (Delta, Progress)):
         pass
     # cancelled: the client is gone, nobody reads this answer
     if item is None:
@@ -215,11 +214,7 @@ def accept(ctx: Context, req: GenRequest) -> Call:
         ids = rules.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)
         rules.check(ids)
     except ContextLengthError as e:
-        # the engine's message names the CLI flag; a client gets the server's
-        message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
-        raise ApiError(
-            400, message + "(start it with a larger --max-context)", where, "context_length_exceeded"
-        ) from None
+        raise ApiError(400, _too_long(e, rules.spec.max_seq_len), where, "context_length_exceeded") from None
     except ConfigError as e:
         # the chat template refused the conversation, or a token id is out of range
         raise ApiError(400, str(e), where) from None
@@ -240,6 +235,15 @@ def accept(ctx: Context, req: GenRequest) -> Call:
     return Call(req, job, Answer(req.chat, served.model_id), req.chat and rules.opens_thinking(ids))
 
 
+def _too_long(e: ContextLengthError, positions: int) -> str:
+    """The engine's message names the CLI flag; a client gets the server's, which says whether the flag would help:
+    no context holds more than the model's positions."""
+    message = f"the prompt is {e.tokens} tokens; this server's context holds {e.context} "
+    if e.tokens < positions:
+        return message + f"(start it with a larger --max-context, up to the model's {positions})"
+    return message + f"and the model's positions end at {positions}, whatever --max-context: shorten the prompt"
+
+
 async def watch(scheduler: Runs, call: Call, request: Request) -> None:
     """Cancel the job as soon as its client disconnects, streaming or not, until the job is done."""
     while not call.job.done.is_set():
@@ -256,7 +260,11 @@ async def events(call: Call) -> AsyncIterator[str]:
         yield sse(a.chunk(role=True))
     out = call.job.out
     item = await out.get()
-    while isinstance(item, Delta):
+    while isinstance(item, (Delta, Progress)):
+        if isinstance(item, Progress):
+            yield progress_comment(item)
+            item = await out.get()
+            continue
         piece, item = item.text, None
         # deltas that queued while the last chunk went out leave as one chunk
         while not out.empty():

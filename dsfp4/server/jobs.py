@@ -1,5 +1,6 @@
 """A request's generation as both of the server's processes see it: the Job (what to run, and the channel its results
-come back on), the engine's state as /health and /metrics report it, and how results reach whoever waits for them.
+come back on), its prefill's Progress, the engine's state as /health and /metrics report it, and how results reach
+whoever waits for them.
 
 Nothing here imports torch: the HTTP process uses it too (link.py)."""
 
@@ -31,6 +32,18 @@ class Report:
     slots: int
     # the expert store's, since the engine opened
     counters: dict[str, float]
+    # of the prompt being prefilled, its tokens done and of how many (0 and 0 when none is)
+    prefill_done: int = 0
+    prefill_total: int = 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A prefill's advance on its job's channel, before the job's first Delta: prompt tokens done, of how many (those
+    the prefill feeds: a reused prefix is not among them)."""
+
+    done: int
+    total: int
 
 
 class Sink(Protocol):
@@ -40,8 +53,8 @@ class Sink(Protocol):
 
 @dataclass(eq=False)
 class Job:
-    """A request's generation: what to run, and the channel its results come back on: Delta..., then the
-    Generation, or None when it was cancelled, or the exception that ended it."""
+    """A request's generation: what to run, and the channel its results come back on: Progress... while its prompt
+    is prefilled, Delta..., then the Generation, or None when it was cancelled, or the exception that ended it."""
 
     prompt_ids: list[int]
     # Engine.stream keywords

@@ -6,6 +6,7 @@ Messages are pickled tuples. From the HTTP process:
     ("submit", id, prompt_ids, options)   ("cancel", id)   ("report", rid)
 From the engine's:
     ("items", [(id, token_id, text), ...])      a step's deltas for every job (tuples: a Delta pickles slower)
+    ("progress", id, done, total)                a job's prefill advanced (jobs.Progress)
     ("end", id, outcome, result, wait_s)         a job's last item (Generation, None when cancelled, or ApiError), its
                                                  Generation where it has one, and its time in the queue
     ("report", rid, Report)
@@ -26,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from dsfp4.runtime.generate.generation import Delta
-from dsfp4.server.jobs import Job, QueueFull, Report
+from dsfp4.server.jobs import Job, Progress, QueueFull, Report
 from dsfp4.server.requests import ApiError
 
 if TYPE_CHECKING:
@@ -89,6 +90,9 @@ class EngineLink:
         for job, item in items:
             if isinstance(item, Delta):
                 deltas.append((job.id, item.token_id, item.text))
+            elif isinstance(item, Progress):
+                # posted alone (Job.send), before the job's first delta
+                self.send(("progress", job.id, item.done, item.total))
             else:
                 # the outcome: it leaves with the job's end (done), which brings its wait and result
                 self._outcomes[job.id] = ApiError.of(item) if isinstance(item, BaseException) else item
@@ -209,6 +213,9 @@ class RemoteScheduler:
             for jid, token_id, text in message[1]:
                 if (job := self.jobs.get(jid)) is not None:
                     job.out.put_nowait(Delta(token_id, text))
+        elif message[0] == "progress":
+            if (job := self.jobs.get(message[1])) is not None:
+                job.out.put_nowait(Progress(*message[2:]))
         elif message[0] == "end":
             _, jid, outcome, result, wait_s = message
             if (job := self.jobs.pop(jid, None)) is not None:

@@ -7,7 +7,7 @@ from collections import Counter
 
 from dsfp4.runtime.generate.generation import Generation
 from dsfp4.runtime.generate.stats import GenerationStats, ratio
-from dsfp4.server.jobs import Job
+from dsfp4.server.jobs import Job, Report
 
 TIERS = ("gpu_hits", "ram_hits")
 
@@ -48,9 +48,11 @@ class Metrics:
         else:
             self.finish("cancelled" if job.cancelled.is_set() else "error")
 
-    def render(self, queue_depth: int, running: int, slots: int, store: dict[str, float]) -> str:
-        """The text a Prometheus scraper reads: `running` generations of `slots` at once, `store` the expert store's
-        counters since the engine opened (a batch's generations share its steps, so theirs would not add up)."""
+    def render(self, engine: Report) -> str:
+        """The text a Prometheus scraper reads, with the engine's state: its running generations of its slots, the
+        expert store's counters since the engine opened (a batch's generations share its steps, so theirs would not
+        add up), the prefill under way."""
+        store, running = engine.counters, engine.running
         with self._lock:
             uses = store.get("expert_uses", 0)
             rows = [
@@ -109,14 +111,26 @@ class Metrics:
                     "Expert record bytes read from the SSD.",
                     [({}, store.get("ssd_bytes", 0))],
                 ),
-                ("dsfp4_queue_depth", "gauge", "Requests waiting for the engine.", [({}, queue_depth)]),
+                ("dsfp4_queue_depth", "gauge", "Requests waiting for the engine.", [({}, engine.waiting)]),
                 ("dsfp4_busy", "gauge", "1 while a generation runs.", [({}, int(running > 0))]),
                 ("dsfp4_running", "gauge", "Generations running (decoding together when batched).", [({}, running)]),
                 (
                     "dsfp4_batch_occupancy",
                     "gauge",
                     "Running generations over the slots (--max-batch).",
-                    [({}, running / slots)],
+                    [({}, running / engine.slots)],
+                ),
+                (
+                    "dsfp4_prefill_tokens_done",
+                    "gauge",
+                    "Prompt tokens the prefill under way has fed (0 when none runs).",
+                    [({}, engine.prefill_done)],
+                ),
+                (
+                    "dsfp4_prefill_tokens",
+                    "gauge",
+                    "Prompt tokens the prefill under way feeds, done or not (0 when none runs).",
+                    [({}, engine.prefill_total)],
                 ),
             ]
         lines = []

@@ -6,6 +6,10 @@ A worker thread owns the engine. While the engine is full, at most `max_queue` r
 refused (the server answers 503). Each job has its own channel back to the request that made it, so no
 request can see another's tokens. A job whose client went away is dropped from the queue if it waits, and
 stopped at its next prefill chunk or token if it runs.
+
+A prompt prefilled alone (every prompt with --max-batch 1, a prompt joining the batch alone) reports its progress
+through the decoder's callback: what /metrics shows, and Progress items on the job's channel, at most one every
+PROGRESS_S besides the first and the last.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.batch import BatchRun, BatchSequence
 from dsfp4.runtime.generate.decoder import Cancelled
 from dsfp4.runtime.generate.generation import Generation
-from dsfp4.server.jobs import Job, LoopSink, QueueFull, Report, post
+from dsfp4.server.jobs import Job, LoopSink, Progress, QueueFull, Report, post
+
+# a prefill's Progress items on its job's channel: one every this many seconds at most, besides the first and the last
+PROGRESS_S = 0.25
 
 
 class Scheduler:
@@ -33,6 +41,10 @@ class Scheduler:
         # re-entrant: a signal handler may cancel_all
         self._wake = threading.Condition(threading.RLock())
         self._stopping = False
+        # the job whose prompt the decoder feeds, (its tokens done, of how many), when its last Progress went out
+        self._prefilling: Job | None = None
+        self._prefill, self._sent = (0, 0), 0.0
+        engine.decoder.progress = self._progress
         work = self._work_batched if self.slots > 1 else self._work
         self._thread = threading.Thread(target=work, name="dsfp4-engine", daemon=True)
         self._thread.start()
@@ -78,7 +90,7 @@ class Scheduler:
     def snapshot(self) -> Report:
         model = self.engine.model
         counters = model.experts.counters.snapshot() if model is not None else {}
-        return Report(self.alive(), self.depth(), self.busy(), self.slots, counters)
+        return Report(self.alive(), self.depth(), self.busy(), self.slots, counters, *self._prefill)
 
     async def report(self) -> Report:
         """snapshot(), as the app awaits it (from another process, RemoteScheduler.report)."""
@@ -99,6 +111,28 @@ class Scheduler:
         job.done.set()
         self.on_done(job, result)
 
+    def _progress(self, done: int, total: int) -> None:
+        """The decoder's progress callback, on the engine's thread: (tokens done, of how many), from (0, n) on (a
+        layer-wise prefill may report a count again, 0 among them, as its first blocks go)."""
+        first = self._prefill == (0, 0)
+        self._prefill = (done, total) if done < total else (0, 0)
+        job, now = self._prefilling, time.monotonic()
+        if job is None or total == 0:
+            return
+        if first or done >= total or now - self._sent >= PROGRESS_S:
+            self._sent = now
+            job.send(Progress(done, total))
+
+    @contextmanager
+    def _feeding(self, job: Job | None) -> Iterator[None]:
+        """While the block runs, the decoder's progress is `job`'s (None: no one job's, /metrics' alone); none is after
+        it (a prefill that failed or was cancelled included)."""
+        self._prefilling = job
+        try:
+            yield
+        finally:
+            self._prefilling, self._prefill = None, (0, 0)
+
     def _take(self, most: int, idle: bool) -> list[Job] | None:
         """Up to `most` waiting jobs, now running; when `idle`, waits for one. None: stopping."""
         with self._wake:
@@ -117,9 +151,11 @@ class Scheduler:
             (job,) = jobs
             result, outcome = None, None
             try:
-                stream = self.engine.stream(job.prompt_ids, cancel=job.cancelled, **job.options)
-                for delta in stream:
-                    job.send(delta)
+                # the prefill runs as the first delta is asked for; a decode step reports no progress
+                with self._feeding(job):
+                    stream = self.engine.stream(job.prompt_ids, cancel=job.cancelled, **job.options)
+                    for delta in stream:
+                        job.send(delta)
                 result = stream.generation
                 outcome = None if result.finish_reason == "cancelled" else result
             except Exception as e:
@@ -162,7 +198,8 @@ class Scheduler:
                 self._finish(job, e, None)
         if len(jobs) > 1 and batch.joint:
             try:
-                live.update(zip(batch.add_many(asks), jobs, strict=True))
+                with self._feeding(None):
+                    live.update(zip(batch.add_many(asks), jobs, strict=True))
             except Exception as e:
                 # every request of the pass gets the error (none joined); the server goes on
                 for job in jobs:
@@ -170,7 +207,8 @@ class Scheduler:
             return
         for job, ask in zip(jobs, asks, strict=True):
             try:
-                live[batch.add(*ask)] = job
+                with self._feeding(job):
+                    live[batch.add(*ask)] = job
             except Cancelled:
                 self._finish(job, None, None)
             except Exception as e:

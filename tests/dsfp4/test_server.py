@@ -212,6 +212,8 @@ def test_greedy_output_through_the_server_equals_dsfp4_run(server, converted):
         ({"messages": _chat("hi"), "max_tokens": -3}, 400, "max_tokens: must be an integer from 1"),
         ({"messages": _chat("hi"), "max_tokens": 10**6}, 400, "leave room for"),
         ({"messages": _chat("hi " * 200)}, 400, "this server's context holds 128"),
+        ({"messages": _chat("hi " * 200)}, 400, "(start it with a larger --max-context, up to the model's 2048)"),
+        ({"messages": _chat("hi " * 2100)}, 400, "the model's positions end at 2048, whatever --max-context"),
         ({"messages": _chat("hi"), "n": 2}, 400, "n: dsfp4 serves only 1"),
         ({"messages": _chat("hi"), "stop": [""]}, 400, "stop: must be a non-empty string"),
         ({"messages": _chat("hi"), "model": "gpt-4"}, 404, "this server serves 'fp8'"),
@@ -225,6 +227,46 @@ def test_bad_requests_get_openai_style_errors_and_the_server_goes_on(server, bod
     error = r.json()["error"]
     assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
     assert _post(server, "/v1/chat/completions", {"messages": _chat("hi"), "max_tokens": 2}).status_code == 200
+
+
+def _prefill_comments(lines: list[str]) -> list[tuple[int, int]]:
+    return [tuple(map(int, x.removeprefix(": prefill ").split("/"))) for x in lines if x.startswith(": prefill ")]
+
+
+def test_a_streamed_prefill_sends_its_progress_as_comments_that_the_openai_client_skips(server):
+    body = {"messages": _chat("Tell me about the tiers of the expert store"), "max_tokens": 4, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", server.base + "/v1/chat/completions", json={**body, "stream": True}, headers=headers
+    ) as r:
+        lines = list(r.iter_lines())
+    events = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: {")]
+    stats, progress = events[-1]["stats"], _prefill_comments(lines)
+    # the tokens this prefill fed: those after the prefix the last prompt shares with it
+    n = stats["prompt_tokens"] - stats["cached_tokens"]
+    assert progress[0] == (0, n) and progress[-1] == (n, n) and progress == sorted(progress)
+    # after the role's chunk, before any other
+    data_at = [i for i, x in enumerate(lines) if x.startswith("data: ")]
+    assert all(data_at[0] < i < data_at[1] for i, x in enumerate(lines) if x.startswith(": prefill "))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    chunks = list(server.client().chat.completions.create(model="fp8", stream=True, **body))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    # the space: that gauge alone, not the others its name begins
+    assert server.metric("dsfp4_prefill_tokens_done") == server.metric("dsfp4_prefill_tokens ") == 0
+
+
+def test_dsfp4_chat_reads_the_prefill_progress_its_server_streams(server):
+    from dsfp4.cli.chat_client import RemoteChat
+
+    chat = RemoteChat(server.base, KEY, {"max_tokens": 3, "temperature": 0})
+    seen: list[tuple[int, int]] = []
+    chat.progress = lambda done, total: seen.append((done, total))
+    try:
+        assert "".join(t for _, t in chat.reply(_chat("What does a prefill read from the SSD?")))
+    finally:
+        chat.close()
+    n = chat.last.prompt_tokens - chat.last.cached_tokens
+    assert seen[0] == (0, n) and seen[-1] == (n, n)
 
 
 def test_keys_routes_and_binding(server):
@@ -338,13 +380,15 @@ def test_concurrent_requests_decode_together_and_each_gets_its_own_answer(server
 
 def test_metrics_print_counts_exactly():
     from dsfp4.runtime.generate.stats import GenerationStats
+    from dsfp4.server.jobs import Report
     from dsfp4.server.metrics import Metrics
 
     m = Metrics()
     m.finish("length", GenerationStats(prompt_tokens=3, generated_tokens=2))
-    text = m.render(0, 1, 4, {"ssd_bytes": 123456789012.0})
+    text = m.render(Report(True, 0, 1, 4, {"ssd_bytes": 123456789012.0}, 512, 2048))
     assert "dsfp4_ssd_read_bytes_total 123456789012\n" in text and 'dsfp4_generations_total{reason="length"} 1' in text
     assert "dsfp4_batch_occupancy 0.25\n" in text
+    assert "dsfp4_prefill_tokens_done 512\n" in text and "dsfp4_prefill_tokens 2048\n" in text
 
 
 def _soak_request(server: Server, i: int, expected: dict, rng: random.Random, out: Counter) -> bool:

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from dsfp4.runtime.generate.generation import Delta, Generation
-from dsfp4.server.jobs import Job, QueueFull, Report, post
+from dsfp4.server.jobs import Job, Progress, QueueFull, Report, post
 from dsfp4.server.link import EngineLink, RemoteScheduler
 from dsfp4.server.requests import ApiError
 
@@ -107,6 +107,32 @@ def test_jobs_cross_the_link_in_order_end_once_and_fail_when_the_engine_goes():
         assert not (await remote.report()).alive
         with pytest.raises(QueueFull):
             remote.submit(Job([1], {}, remote.sink(loop)))
+
+    asyncio.run(main())
+
+
+def test_a_prefills_progress_crosses_the_link_before_its_tokens_and_reports_carry_it():
+    a, b = socket.socketpair()
+    link = EngineLink(_connection(a))
+    engine = StandIn(link)
+    engine.snapshot = lambda: Report(True, 0, 1, 1, {}, 512, 2048)
+    threading.Thread(target=link.serve, args=(engine,), daemon=True).start()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        remote = RemoteScheduler(_connection(b), 1, 1, lambda j, r: None, lambda: None)
+        remote.attach(loop)
+        job = Job([1, 2], {}, remote.sink(loop))
+        remote.submit(job)
+        assert await asyncio.to_thread(engine.arrived.acquire, timeout=10)
+        there = engine.jobs[job.id]
+        for item in (Progress(0, 2048), Progress(2048, 2048), Delta(7, "a")):
+            there.send(item)
+        engine.end(there, None)
+        got = [await asyncio.wait_for(job.out.get(), 10) for _ in range(4)]
+        assert got == [Progress(0, 2048), Progress(2048, 2048), Delta(7, "a"), None]
+        r = await remote.report()
+        assert (r.prefill_done, r.prefill_total) == (512, 2048)
 
     asyncio.run(main())
 

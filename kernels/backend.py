@@ -25,6 +25,10 @@ WARP = 32
 # tokens per call that the decode kernels (GEMVs on CUDA cores) take: decode steps and MTP verify batches; above
 # it the prefill paths on tensor cores win. One bound for all of them, so a call never mixes the two
 DECODE_TOKENS = 16
+# a sequence's tokens per call above which MLA's prefill attention expands the cached latent rows through wkv_b, a
+# key block at a time, and attends in the decompressed form (kernels/mla/prefill.py) instead of the absorbed one;
+# at least DECODE_TOKENS. Measured by scripts/bench_prefill_attention.py
+DECOMPRESS_TOKENS = 64
 
 
 def use_kernels(where: torch.Tensor | torch.device) -> bool:

@@ -260,7 +260,7 @@ class Engine:
         def finished(stats: GenerationStats) -> None:
             _finish_stats(stats, model.experts, self.routing, self.host_backbone_step, self.device)
 
-        hooks = Hooks(self._claim, self.reuse.prefill, lambda: self.reuse.truncate(0), finished)
+        hooks = Hooks(self._claim, self.reuse.prefill, lambda: self.reuse.truncate(0), finished, self.decoder.pausing)
         # prompts joining together prefill layer by layer where reading experts dominates a prefill (the tiers cannot
         # hold every record), under a trace too (each prompt through a stretch of its rows); not with a prompt cache
         # (the one-by-one prefill restores saved prompts: `run --batch` saves its lines there together first)
@@ -271,8 +271,10 @@ class Engine:
         # device, no trace) and no prompt cache would restore them
         resident = p.gpu_slots >= p.total_records and routing is None and self.prompt_cache is None
         stepped = STEPPED_PROMPT_TOKENS if resident and graphs is not None and graphs.ready else 0
+        # a recorded trace keeps one sequence's routing whole: no batch step inside its prefill
+        yield_s = self.options.prefill_yield_ms / 1000 if self.recorder is None else 0.0
         return BatchRun(
-            model, p.max_batch, self.max_context, chunk, self.tokenizer, hooks, routing, graphs, joint, stepped
+            model, p.max_batch, self.max_context, chunk, self.tokenizer, hooks, routing, graphs, joint, stepped, yield_s
         )
 
     def generate_batch(self, requests: Sequence[tuple[list[int], RunOptions]]) -> Iterator[tuple[int, Generation]]:

@@ -75,6 +75,9 @@ class EngineOptions:
     # (modes.MODE_BATCH) as far as the device budget affords their KV caches and the tiers a step's experts
     # (planner.auto_batch, planner.union_batch)
     max_batch: int = 1
+    # a prompt joining a running batch pauses its prefill for a step of the running sequences once this long has
+    # passed since their last (runtime/generate/batch.py); 0: it prefills whole while they wait
+    prefill_yield_ms: int = 2000
     # gpu_mem, cpu_mem and preset parsed once, here: the sizes they give (None: this machine's free memory, which
     # Budgets.resolve takes on the run's device)
     budgets: Budgets = field(init=False, repr=False, compare=False)
@@ -96,6 +99,8 @@ class EngineOptions:
             raise ConfigError(f"--max-batch {self.max_batch}: give 1 to {DECODE_TOKENS} sequences (0: the mode's)")
         if self.prefill_chunk < 1:
             raise ConfigError(AT_LEAST_ONE)
+        if self.prefill_yield_ms < 0:
+            raise ConfigError(f"--prefill-yield-ms {self.prefill_yield_ms}: give 0 (never pause) or more")
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

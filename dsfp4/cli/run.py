@@ -118,6 +118,15 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
     "(0, the default there: the mode's, as far as an eighth of the device budget holds their caches and the VRAM and "
     "RAM slots the experts a step is expected to need).",
 )
+@click.option(
+    "--prefill-yield-ms",
+    type=click.IntRange(min=0),
+    default=RUN_DEFAULTS.prefill_yield_ms,
+    show_default=True,
+    help="With --serve or --batch: a prompt joining running sequences pauses its prefill for a step of theirs "
+    "whenever this long has passed since their last token, so a long prompt does not stall their streams "
+    "(0: prefill it whole while they wait).",
+)
 @click.option("--plan", "show_plan", is_flag=True, help="Print the memory plan and exit.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the full statistics table after the answer.")
 @click.option("-q", "--quiet", is_flag=True, help="Print the answer only: no plan, notes or stats line on stderr.")

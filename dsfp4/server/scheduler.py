@@ -170,6 +170,9 @@ class Scheduler:
         batch, live = None, {}
         try:
             batch = self.engine.batch()
+            # the tokens of steps run inside a joining prompt's prefill go out at once; a joint prefill's progress
+            # is /metrics'
+            batch.on_step, batch.progress = lambda: self._send(live), self._progress
             while (jobs := self._take(batch.free, idle=not live)) is not None:
                 self._admit(batch, jobs, live)
                 try:

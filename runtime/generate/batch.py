@@ -63,6 +63,8 @@ class Hooks:
     forget: Callable[[], None]
     # the engine's part of an ended sequence's stats
     finished: Callable[[GenerationStats], None]
+    # while the block runs, the single sequence's prefill calls this where it may stop (Decoder.pause; None: nowhere)
+    pausing: Callable[[Callable[[], None] | None], AbstractContextManager]
 
 
 @dataclass(eq=False)
@@ -103,7 +105,10 @@ class BatchSequence:
 class BatchRun:
     """The sequences decoding together in cache slots 1..max_batch of `model`, with the engine's `hooks`. With `joint`
     (the engine's choice) prompts that join together prefill layer by layer together (add_many). Prompts of up to
-    `stepped` tokens (the engine's choice) join without a prefill: the batch's steps feed them a token a step."""
+    `stepped` tokens (the engine's choice) join without a prefill: the batch's steps feed them a token a step. A
+    joining prompt's prefill pauses for a step of the running sequences whenever `yield_s` seconds have passed since
+    their last (0: never), and `on_step` (the caller's) then runs, to send the tokens that step made; `progress`
+    (the caller's) gets a joint prefill's (tokens done, of how many), as Decoder.progress gets a single one's."""
 
     def __init__(
         self,
@@ -117,8 +122,14 @@ class BatchRun:
         graphs: DecodeGraphs | None,
         joint: bool = False,
         stepped: int = 0,
+        yield_s: float = 0.0,
     ):
         self.model, self.max_batch, self.max_context, self.chunk = model, max_batch, max_context, prefill_chunk
+        self.yield_s, self.stepped_at = yield_s, time.perf_counter()
+        self.on_step: Callable[[], None] | None = None
+        self.progress: Callable[[int, int], None] | None = None
+        # steps run inside a joining prompt's prefill (its pauses)
+        self.paused_steps = 0
         self.tokenizer, self.hooks, self.routing = tokenizer, hooks, routing
         # each name -> [max_len, ...]
         self.slots = [model.positional_caches(i) for i in range(max_batch + 1)]
@@ -169,7 +180,7 @@ class BatchRun:
             seq.token, seq.feed = prompt_ids[0], deque(prompt_ids[1:])
             self.joining.append(seq)
             return seq
-        with self.hooks.claim():
+        with self.hooks.claim(), self.hooks.pausing(self._pause if self.yield_s else None):
             logits = self.hooks.prefill(seq.prompt_ids, cancel, seq.stats)
             seq.pos = n
             self._reserve(seq)
@@ -198,13 +209,29 @@ class BatchRun:
             # under a trace each prompt routes through a stretch of rows of its own, as its decode will
             trace = (self.routing, [self.routing.reserve(len(p)) for p in prompts]) if self.routing else None
             slots, group = list(range(first, first + len(prompts))), self.model.experts.plan.prefill_group
-            prefill_into_slots(self.model, prompts, slots, self.chunk, group, trace)
+            prefill_into_slots(self.model, prompts, slots, self.chunk, group, trace, self._joint_progress)
             for seq in seqs.values():
                 seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
                 self._reserve(seq)
                 self._discard()
                 self.rows.append(seq)
         return [seqs[i] if i in seqs else self.add(*r) for i, r in enumerate(requests)]
+
+    def _pause(self) -> None:
+        """A joining prompt's prefill may stop here: a step of the running sequences once yield_s has passed since
+        their last (their slots are not the prefill's), and the caller's on_step."""
+        if not self.rows or time.perf_counter() - self.stepped_at < self.yield_s:
+            return
+        self._step()
+        self.paused_steps += 1
+        if self.on_step is not None:
+            self.on_step()
+
+    def _joint_progress(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(done, total)
+        if self.yield_s and 0 < done < total:
+            self._pause()
 
     def _reserve(self, seq: BatchSequence) -> None:
         # its decode routes through a stretch of the trace of its own
@@ -259,6 +286,7 @@ class BatchRun:
         self._drop_finished()
         # those in the step launched ahead, if one was
         self._join()
+        self.stepped_at = time.perf_counter()
 
     def _discard(self) -> None:
         """The rows change: a step launched ahead for the old ones is of no use (it ran all the same)."""

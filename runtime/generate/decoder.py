@@ -64,6 +64,9 @@ class Decoder:
         self.cached: list[int] = []
         # (prompt tokens done, of how many) as a feed advances, from (0, n) on: what a progress display reads
         self.progress: Callable[[int, int], None] | None = None
+        # called where a feed may stop for other work on the model that leaves this sequence's cache slot alone (a
+        # batch's step of its running sequences: batch.py), between chunks and a layer-wise pass's pieces of work
+        self.pause: Callable[[], None] | None = None
 
     @property
     def replays(self) -> bool:
@@ -123,9 +126,20 @@ class Decoder:
             self._advanced(min(i + self.prefill_chunk, len(ids)), len(ids))
             yield out
 
+    @contextmanager
+    def pausing(self, pause: Callable[[], None] | None) -> Iterator[None]:
+        """While the block runs, feeds call `pause` where they may stop (None: nowhere)."""
+        self.pause = pause
+        try:
+            yield
+        finally:
+            self.pause = None
+
     def _advanced(self, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(done, total)
+        if self.pause is not None and 0 < done < total:
+            self.pause()
 
     def _feed_by_layer(
         self, ids: list[int], cancel: threading.Event | None

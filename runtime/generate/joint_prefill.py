@@ -13,7 +13,6 @@ prompt's tokens but its last.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
@@ -58,12 +57,14 @@ def _passes(
     group: int,
     into: Callable[[list[int]], list[Rows]],
     trace: tuple[TraceRouting, list[int]] | None = None,
+    between: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[list[int], list[Rows]]]:
     """Prefill the prompts group by group, each group layer by layer together, its feed-forward `group` tokens at a
     time; into(group) -> where each prompt's KV rows go (its first len(prompt) rows of each cache), copied as the
     prompt leaves each layer's attention -> after each group's pass, (the group, its rows). `trace`: (the routing
-    trace, each prompt's first row): prompt k's token i routes by row first[k] + i. The single sequence's slot 0 holds
-    no one prompt afterwards."""
+    trace, each prompt's first row): prompt k's token i routes by row first[k] + i. `between(done, total)`: after each
+    piece of work, the prompts' tokens done (every block having taken them) of all of theirs. The single sequence's
+    slot 0 holds no one prompt afterwards."""
     # name -> [max_len, ...] on the device
     caches = model.positional_caches()
     # the main model's caches by block (the MTP layer's left out)
@@ -71,6 +72,7 @@ def _passes(
     for name in caches:
         if (layer := layer_of(name)) is not None:
             by_layer.setdefault(layer, []).append(name)
+    total, before = sum(len(p) for p in prompts), 0
     for members in groups([len(p) for p in prompts]):
         rows = into(members)
 
@@ -84,7 +86,11 @@ def _passes(
         if trace is not None:
             mine = [trace[1][k] for k in members]
             lp.routed = lambda g, mine=mine: trace[0].begin_rows(trace_rows(g, mine))
-        deque(run_blocks(model, lp), maxlen=0)
+        tokens, blocks = sum(len(prompts[k]) for k in members), len(model.layers)
+        for i, share in run_blocks(model, lp):
+            if between is not None:
+                between(before + int((i + share) * tokens / blocks), total)
+        before += tokens
         yield members, rows
 
 
@@ -95,11 +101,12 @@ def prefill_into_slots(
     chunk: int,
     group: int,
     trace: tuple[TraceRouting, list[int]] | None = None,
+    between: Callable[[int, int], None] | None = None,
 ) -> None:
     """Prefill each prompt layer by layer with the others of its group straight into cache slot slots[k] (a batch's
-    sequences joining together: runtime/generate/batch.py); `trace` as _passes takes it."""
+    sequences joining together: runtime/generate/batch.py); `trace` and `between` as _passes takes them."""
     targets = [model.positional_caches(s) for s in slots]
-    for _ in _passes(model, prompts, chunk, group, lambda members: [targets[k] for k in members], trace):
+    for _ in _passes(model, prompts, chunk, group, lambda members: [targets[k] for k in members], trace, between):
         pass
 
 

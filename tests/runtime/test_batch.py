@@ -238,3 +238,23 @@ def test_short_prompts_join_through_the_batchs_steps_with_the_tokens_of_alone(co
         assert gone.generation.finish_reason == "cancelled" and gone.generation.token_ids == []
         _until_done(run, [kept])
         assert kept.generation.token_ids == alone[3]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_long_prompt_joining_pauses_its_prefill_for_the_running_sequences_steps(converted, streamed):
+    """--prefill-yield-ms: the running sequence gets tokens (and on_step sends them) while the long prompt prefills,
+    chunk by chunk (every record resident) or layer by layer (experts streamed); both keep the tokens of alone."""
+    long_prompt = [(7 * i) % 50 + 3 for i in range(40)]
+    options = RunOptions(device="cpu", max_context=64, max_batch=2, prefill_chunk=4, prefill_yield_ms=1)
+    plan = dataclasses.replace(plan_engine(converted, options), gpu_slots=3, ram_slots=5) if streamed else None
+    with Engine(converted, options, plan=plan) as engine:
+        alone = [_alone(engine, PROMPTS[1], 12), _alone(engine, long_prompt, 4)]
+        run, sent = engine.batch(), []
+        run.on_step = lambda: sent.append(len(first.deltas))
+        first = run.add(PROMPTS[1], engine.options_for(max_tokens=12, temperature=0))
+        run.yield_s = 1e-9  # every point a pause may take: no wall-clock in the test
+        second = run.add(long_prompt, engine.options_for(max_tokens=4, temperature=0))
+        assert run.paused_steps > 0 and len(sent) == run.paused_steps and first.steps_taken >= run.paused_steps
+        while run.busy:
+            run.step()
+    assert [first.generation.token_ids, second.generation.token_ids] == alone

@@ -100,12 +100,17 @@ def test_prompts_joining_a_batch_together_prefill_layer_by_layer_into_their_slot
             e.reset()
             e.generate(p, max_tokens=1, temperature=0)
         one_by_one = counters.snapshot()["ssd_reads"] - before
-        run = e.batch()
+        run, reported = e.batch(), []
         assert run.joint
+        run.progress = lambda done, total: reported.append((done, total))
         before = counters.snapshot()["ssd_reads"]
         seqs = run.add_many([(p, e.options_for(max_tokens=6, temperature=0), None) for p in prompts])
         joint = counters.snapshot()["ssd_reads"] - before
         assert joint <= e.model.experts.plan.total_records < one_by_one
+        # the pass's progress: the prompts' tokens but their last, done of all, in order, to the end
+        total = sum(len(p) - 1 for p in prompts)
+        assert {t for _, t in reported} == {total} and reported[-1][0] == total
+        assert [d for d, _ in reported] == sorted(d for d, _ in reported)
         assert all(s.pos == len(p) - 1 and s.token == p[-1] for s, p in zip(seqs, prompts, strict=True))
         while run.busy:
             run.step()

@@ -38,6 +38,8 @@ class Family:
     activations: Callable[[ModelArgs, int, int, int, int], int]
     # (args, position) -> FLOPs of a prompt token's attention scores and values there, over the main layers
     attention_flops: Callable[[ModelArgs, int], float]
+    # its model can keep a layer's caches in pinned RAM, read in place (MLA's latent cache: a row per position)
+    caches_in_ram: bool = False
 
 
 def _no_problems(a: ModelArgs) -> list[str]:
@@ -148,6 +150,7 @@ _MLA = dict(
     rope_tables=1,
     activations=_mla_activations,
     attention_flops=_mla_attention_flops,
+    caches_in_ram=True,
 )
 FAMILIES: dict[str, Family] = {
     V3_FAMILY: Family("DeepSeek-V3", "nvfp4", **_MLA),

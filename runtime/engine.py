@@ -47,7 +47,7 @@ from dsfp4.runtime.options import SAMPLING, EngineOptions, RunOptions, SamplingO
 from dsfp4.runtime.plan.budget import peak_memory
 from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
 from dsfp4.runtime.plan.limits import LOGIT_ROWS
-from dsfp4.runtime.plan.planner import Plan
+from dsfp4.runtime.plan.planner import Plan, layer_cache_bytes
 from dsfp4.runtime.profile.recorder import RoutingRecorder
 from dsfp4.runtime.store.counters import counters_since
 from dsfp4.runtime.store.expert_store import ExpertStore
@@ -82,7 +82,11 @@ class Engine:
         )
         self.device = device
         plan, elt = self.model.experts.plan, torch.empty((), dtype=dtype).element_size()
-        self.host_backbone_step = step_bytes_on_host(manifest, plan.on_host, elt)
+        # over PCIe a decode step: bytes of host backbone, and bytes of host caches per cached position
+        self.host_reads = (
+            step_bytes_on_host(manifest, plan.on_host, elt),
+            sum(layer_cache_bytes(a, i, 1, elt)[0] for i in plan.on_host.caches),
+        )
         self.notes: list[str] = list(self.model.experts.notes)
         # of the last generation
         self.stats: GenerationStats | None = None
@@ -258,7 +262,7 @@ class Engine:
             self._end_stream()
 
         def finished(stats: GenerationStats) -> None:
-            _finish_stats(stats, model.experts, self.routing, self.host_backbone_step, self.device)
+            _finish_stats(stats, model.experts, self.routing, self.host_reads, self.device)
 
         hooks = Hooks(self._claim, self.reuse.prefill, lambda: self.reuse.truncate(0), finished, self.decoder.pausing)
         # prompts joining together prefill layer by layer where reading experts dominates a prefill (the tiers cannot
@@ -385,7 +389,7 @@ class Engine:
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.store = counters_since(store.counters.snapshot(), before)
         stats.decode_mode = self.decode_mode
-        _finish_stats(stats, store, self.routing, self.host_backbone_step, self.device)
+        _finish_stats(stats, store, self.routing, self.host_reads, self.device)
         self.reuse.save(prompt_ids, stats)
         self.stats, self._stream = stats, None
         return Generation(list(prompt_ids), tokens, text, finish, stats)
@@ -458,13 +462,14 @@ def _finish_stats(
     stats: GenerationStats,
     store: ExpertStore,
     routing: TraceRouting | None,
-    host_backbone_step: int,
+    host_reads: tuple[int, int],
     device: torch.device,
 ) -> None:
-    """What every generation's stats report of the engine: routing, the CPU lane, warm start, host backbone,
-    peaks."""
+    """What every generation's stats report of the engine: routing, the CPU lane, warm start, what a step reads of
+    host memory (`host_reads`: the backbone's bytes, the caches' bytes per position), peaks."""
     stats.routing = routing.describe() if routing is not None else ""
     stats.cpu_lane = store.lane_split.describe() if store.lane is not None else ""
     stats.warm_records, stats.warm_s = store.warm_records, store.warm_s
-    stats.host_backbone_step = host_backbone_step
+    stats.host_backbone_step = host_reads[0]
+    stats.host_cache_step = host_reads[1] * (stats.prompt_tokens + stats.generated_tokens)
     stats.peak_gpu, stats.peak_rss = peak_memory(device)

@@ -54,6 +54,8 @@ class GenerationStats:
     warm_s: float = 0.0
     # bytes of backbone in host memory a decode step reads over PCIe (the plan's)
     host_backbone_step: int = 0
+    # bytes of KV cache in host memory the generation's last decode step read over PCIe (its rows up to there)
+    host_cache_step: int = 0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -153,6 +155,10 @@ class GenerationStats:
                 + (
                     f"; backbone in RAM read in place, {format_bytes(self.host_backbone_step)}/step"
                     * bool(self.host_backbone_step)
+                )
+                + (
+                    f"; KV cache in RAM read in place, {format_bytes(self.host_cache_step)} at the last step"
+                    * bool(self.host_cache_step)
                 ),
             ),
             (

@@ -1,4 +1,5 @@
-"""Backbone tensors in pinned host memory that the device reads in place over PCIe (the plan's HostBackbone).
+"""Backbone tensors and KV caches in pinned host memory that the device reads in place over PCIe (the plan's
+HostBackbone).
 
 The arena is page-aligned host memory registered with CUDA (portable and mapped), in chunks: one of the plan's size,
 and another should the model load more than planned (a family may keep more of its tensors in fp32 than the plan
@@ -61,6 +62,10 @@ class HostArena:
     def __init__(self, nbytes: int, device: torch.device):
         self.device = device
         self.chunks = [Chunk(nbytes, device)] if nbytes else []
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor in the arena, as the device sees it (a cache the device writes and reads in place)."""
+        return self.put(torch.zeros((), dtype=dtype).expand(shape))
 
     def put(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of the CPU tensor `t` in the arena, as the device sees it."""

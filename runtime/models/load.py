@@ -57,7 +57,10 @@ def load_model(
     options = options or RunOptions()
     # fails fast on a small budget
     plan = plan or plan_run(manifest, device, dtype, max_len, options, with_mtp)
-    arena = HostArena(host_arena_bytes(manifest, plan.on_host, dtype), device) if plan.host_backbone else None
+    # the caches in RAM beside the backbone there: MLA's latent and RoPE caches a layer, each aligned
+    caches = plan.host_kv + 2 * ALIGN * len(plan.on_host.caches)
+    arena_bytes = host_arena_bytes(manifest, plan.on_host, dtype) + caches
+    arena = HostArena(arena_bytes, device) if plan.host_backbone or plan.host_kv else None
     w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena)
     # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
     experts = ExpertStore(
@@ -138,7 +141,8 @@ def _decodes_alone(a: ModelArgs, options: RunOptions, with_mtp: bool) -> str | N
 
 
 def host_arena_bytes(manifest: Manifest, on_host: HostBackbone, dtype: torch.dtype) -> int:
-    """Bytes the arena needs for the plan's host backbone: each tensor as loaded, each stored part aligned."""
+    """Bytes the arena needs for the plan's host backbone (its caches beside them: Plan.host_kv): each tensor as
+    loaded, each stored part aligned."""
     elt = torch.empty((), dtype=dtype).element_size()
     held = [(n, t) for n, t in manifest.tensors.items() if on_host.holds(n)]
     return sum(tensor_bytes(n, t, elt) + ALIGN * len(FORMATS[t.format].components) for n, t in held)

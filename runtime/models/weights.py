@@ -75,6 +75,14 @@ class Weights:
         parts = tuple(self.arena.put(p) for p in parts) if host else parts
         return QuantizedWeight(entry.format, parts, tuple(shape), name)
 
+    def cache(self, layer: int, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zeroed cache of layer `layer` (default: the runtime dtype): on the device, or in the arena where the
+        plan keeps the layer's caches in host memory (on_host.caches)."""
+        dtype = dtype or self.dtype
+        if self.on_host.holds_cache(layer):
+            return self.arena.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
     def close(self) -> None:
         self._files = {}
 

@@ -1,6 +1,10 @@
 """What of the backbone the plan keeps in pinned host memory, read in place by the device over PCIe, when the whole
 backbone does not fit the device budget (a 16 GB card and DeepSeek-V3's FP8 backbone).
 
+Layers' KV caches go first, where the family's model can keep them there (MLA's latent cache): a decode step reads
+a cache's rows up to its position, at most the cache's bytes and, short of the full context, fewer, where a layer's
+weights are read whole every step (V3 at 163,840 positions: 189 MB of latent rows a layer against ~230 MB of weights).
+
 First the embedding table: a token reads one row of it, so in host memory it costs a few KB of PCIe per token for
 1.75 GiB of VRAM (a tied embedding is the head too, which reads all of it: it stays). Then whole decoder layers,
 the largest first (V3's dense layers), later layers before earlier ones among equals: every decode token reads a
@@ -24,10 +28,16 @@ INTEGER_FORMATS = ("i64",)
 
 @dataclass(frozen=True)
 class HostBackbone:
-    """The backbone tensors kept in pinned host memory: the embedding (`embed`) and every tensor of `layers`."""
+    """The backbone tensors kept in pinned host memory: the embedding (`embed`) and every tensor of `layers`; and the
+    KV caches of `caches`."""
 
     embed: bool = False
     layers: tuple[int, ...] = ()
+    caches: tuple[int, ...] = ()
+
+    def holds_cache(self, layer: int) -> bool:
+        """Whether layer `layer`'s KV caches live in host memory under this placement."""
+        return layer in self.caches
 
     def holds(self, name: str) -> bool:
         """Whether the backbone tensor `name` (a manifest name) lives in host memory under this placement."""
@@ -40,6 +50,10 @@ class HostBackbone:
         layers = f"layer{'s' * (len(self.layers) > 1)} {spans(self.layers)}"
         what = ["embedding"] * self.embed + [layers] * bool(self.layers)
         return ", ".join(what) + ": read in place over PCIe"
+
+    def describe_caches(self) -> str:
+        """For the plan table: whose KV caches are in host memory."""
+        return f"layer{'s' * (len(self.caches) > 1)} {spans(self.caches)}'s caches: read in place over PCIe"
 
 
 def spans(values: tuple[int, ...]) -> str:
@@ -81,6 +95,18 @@ def step_bytes_on_host(manifest: Manifest, on_host: HostBackbone, elt: int) -> i
             n = tensor_bytes(name, t, elt)
             total += n // t.shape[0] if name == EMBED else n
     return total
+
+
+def caches_on_host(sizes: dict[int, int], need: int) -> tuple[tuple[int, ...], int]:
+    """The fewest layers' caches (`sizes`: each layer's bytes) whose move leaves at least `need` bytes of the device,
+    later layers first: (the layers, bytes moved); all of them when that is still short."""
+    chosen, moved = [], 0
+    for i in sorted(sizes, reverse=True):
+        if moved >= need:
+            break
+        chosen.append(i)
+        moved += sizes[i]
+    return tuple(sorted(chosen)), moved
 
 
 def place_on_host(manifest: Manifest, elt: int, layers: range, need: int) -> tuple[HostBackbone, int]:

@@ -17,27 +17,28 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.backend import hw_e4m3, use_kernels
-from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
-from dsfp4.layout.formats import FORMATS, shape_numel, stored_nbytes
+from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.plan.budget import Budgets, process_rss
-from dsfp4.runtime.plan.host_backbone import ROUTER_SUFFIXES, HostBackbone, place_on_host, tensor_bytes
-from dsfp4.runtime.plan.limits import BATCH_KV_SHARE, LOGIT_ROWS, MTP_BATCH, PLANNED_WAVES, SCORE_ELEMENTS
+from dsfp4.runtime.plan.host_backbone import (
+    ROUTER_SUFFIXES,
+    HostBackbone,
+    caches_on_host,
+    place_on_host,
+    tensor_bytes,
+)
+from dsfp4.runtime.plan.limits import BATCH_KV_SHARE, PLANNED_WAVES
+from dsfp4.runtime.plan.workspace import forward_tokens, prefill_group, workspace_bytes
 from dsfp4.units import format_bytes
 
 FP32 = 4
 # an entry of the RoPE tables
 COMPLEX64 = 8
-# torch's CUDA caching allocator reserves whole 2 MiB and 20 MiB segments
-ALLOCATOR_SLACK = 64 << 20
 # host memory the CUDA context, its libraries and Triton take after the plan, measured on the H200 machine
 # (scripts/bench_host_memory.py, docs/BENCHMARKS.md), and a margin for kernels a longer run compiles
 # 3.25 GiB
 CUDA_HOST_RESERVE = 13 << 28
-# matrices the device path multiplies as a dense copy (V3's absorbed attention at prefill, V4's grouped output
-# projection); every other quantized matrix is read as stored by the kernels (kernels/linear.py)
-DENSE_COPIES = ("attn.wkv_b", "attn.wo_a")
 # tables a decode token reads one row of
 ONE_ROW = ("embed.weight", "ffn.gate.tid2eid")
 
@@ -74,6 +75,8 @@ class Plan:
     cold_record: int = 0
     # tokens a layer-wise pass's feed-forward takes at once (prefill_group; 0: a chunk's)
     prefill_group: int = 0
+    # bytes of KV cache in pinned RAM, read by the device in place (on_host.caches; kv_cache is the device's part)
+    host_kv: int = 0
 
     @property
     def record_cache(self) -> int:
@@ -118,6 +121,7 @@ class Plan:
                 if self.host_backbone
                 else []
             ),
+            *([("  KV cache", format_bytes(self.host_kv), self.on_host.describe_caches())] if self.host_kv else []),
             ("  record cache", format_bytes(self.record_cache), self._cache_slots()),
             ("experts", f"{n} records", f"{self.gpu_slots / n:.0%} on {self.device}, {self.ram_slots / n:.0%} in RAM"),
         ]
@@ -189,24 +193,6 @@ def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = Fals
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     names = (n for n in manifest.tensors if with_mtp or not n.startswith(a.mtp_prefixes))
     return sum(tensor_bytes(n, manifest.tensors[n], elt) for n in names)
-
-
-def dequant_bytes(manifest: Manifest, dtype: torch.dtype, kernels: bool, fp8_kernels: bool) -> int:
-    """The most a dense copy of one backbone matrix holds at once. The torch reference (`kernels` False, or fp32 runs,
-    whose products take the reference) dequantizes every matrix it multiplies, through two fp32 copies, then the
-    result; so does FP8 without `fp8_kernels` (a GPU without e4m3). The kernels read matrices as stored except
-    DENSE_COPIES: FP8 blocks in one Triton pass (the result, and a contiguous copy of a slice of it for the product),
-    other formats as the reference does."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    reference = not kernels or dtype == torch.float32
-    most = 0
-    for name, t in manifest.tensors.items():
-        fp8 = t.format == "fp8_e4m3_b128"
-        if FORMATS[t.format].scale is None or not (reference or name.endswith(DENSE_COPIES) or fp8 and not fp8_kernels):
-            continue
-        fp8_pass = not reference and fp8_kernels and t.format == "fp8_e4m3_b128"
-        most = max(most, shape_numel(t.shape) * (2 * elt if fp8_pass else 2 * FP32 + elt))
-    return most
 
 
 def token_bytes(manifest: Manifest) -> tuple[int, int]:
@@ -282,12 +268,6 @@ def cache_slots(max_batch: int) -> int:
     return 1 + max_batch if max_batch > 1 else 1
 
 
-def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
-    """Transient tensors of one forward of t tokens (upper estimates of what lives at once), by the family's rule
-    (layout/family.py), attention scores held in chunks of SCORE_ELEMENTS."""
-    return a.family_spec.activations(a, t, max_context, elt, SCORE_ELEMENTS)
-
-
 @dataclass(frozen=True)
 class _Needs:
     """What a run holds whatever its budgets, in bytes: make_plan's first step, which its two tiers then place."""
@@ -306,78 +286,56 @@ class _Needs:
     largest_file: int
 
 
-def forward_tokens(prefill_chunk: int, max_context: int, with_mtp: bool) -> int:
-    """Tokens of the largest forward: a prefill chunk; with MTP also a verify step's 2 and a batch of MTP entries."""
-    return min(max(prefill_chunk, MTP_BATCH if with_mtp else 1), max_context)
+@dataclass(frozen=True)
+class _DeviceTier:
+    """What the device holds once the backbone, caches and workspace are placed: what of them stays in pinned RAM
+    (and its bytes: backbone, caches) and the expert slots left."""
 
-
-def group_token_bytes(a: ModelArgs, elt: int) -> int:
-    """Device memory a token of a layer-wise pass's feed-forward group holds while the group's experts stream in: its
-    residual stream(s), with their fp32 mixing where there are several (V4's mHC), the normed input, the shared
-    experts' output, the routed sum in fp32 and its rounding, the router's fp32 scores."""
-    streams = max(1, a.hc_mult)
-    residual = streams * a.dim * (elt + 2 * FP32 * (streams > 1))
-    return residual + a.dim * (3 * elt + FP32) + 2 * a.n_routed_experts * FP32
-
-
-def prefill_group(a: ModelArgs, chunk: int, max_context: int, elt: int) -> int:
-    """Tokens a layer-wise pass's feed-forward takes at once (runtime/generate/layer_pass.py), a whole number of
-    chunks: what a chunk's forward holds in activations (attention's scores among them, which the feed-forward half
-    does not use) holds of a group's tokens, a chunk's share left to the kernels' pieces; at least a chunk, at most
-    the context."""
-    t = min(chunk, max_context)
-    chunks = activation_bytes(a, t, max_context, elt) // (t * group_token_bytes(a, elt)) - 1
-    return min(t * max(1, chunks), max_context)
-
-
-def workspace_bytes(
-    manifest: Manifest,
-    device: torch.device,
-    dtype: torch.dtype,
-    t: int,
-    max_context: int,
-    kernels: bool,
-    fp8_kernels: bool,
-) -> int:
-    """Transient device memory of a forward of t tokens: dense copies of backbone matrices, activations, logits, the
-    routed-expert kernels' workspaces, the staging buffer cold records are widened from (store/transfers.py) and the
-    CUDA allocator's slack."""
-    a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
-    workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + activation_bytes(a, t, max_context, elt)
-    workspace += a.vocab_size * FP32 * 2 * LOGIT_ROWS
-    if manifest.record:
-        workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
-    if manifest.cold_record:
-        workspace += manifest.cold_record.nbytes
-    return workspace + (ALLOCATOR_SLACK if device.type == "cuda" else 0)
+    on_host: HostBackbone
+    backbone_moved: int
+    caches_moved: int
+    gpu_slots: int
 
 
 def _device_tier(
-    manifest: Manifest, device: torch.device, elt: int, budgets: Budgets, n: _Needs, max_context: int, max_batch: int
-) -> tuple[HostBackbone, int, int]:
-    """(the backbone kept in pinned RAM, its bytes, device expert slots) once the backbone, caches and workspace
-    are on the device; on CUDA what does not fit stays in pinned RAM, with room for PLANNED_WAVES of expert slots."""
-    on_host, moved = HostBackbone(), 0
+    manifest: Manifest,
+    device: torch.device,
+    elt: int,
+    budgets: Budgets,
+    n: _Needs,
+    max_context: int,
+    max_batch: int,
+    used: range,
+) -> _DeviceTier:
+    """The device tier; on CUDA what does not fit stays in pinned RAM (host_backbone.py: layers' caches first, where
+    the family's model can, then backbone), with room for PLANNED_WAVES of expert slots."""
+    a, on_host, moved, cached = manifest.args, HostBackbone(), 0, 0
     if device.type == "cuda":
         keep = min(PLANNED_WAVES * n.top_k, n.total_records)
         short = n.backbone + n.kv + n.workspace + keep * n.record - budgets.gpu
-        on_host, moved = place_on_host(manifest, elt, range(manifest.args.n_layers), short)
-    backbone = n.backbone - moved
+        caches = ()
+        if short > 0 and a.family_spec.caches_in_ram:
+            slots = cache_slots(max_batch)
+            sizes = {i: slots * sum(layer_cache_bytes(a, i, max_context, elt)) for i in used}
+            caches, cached = caches_on_host(sizes, short)
+        on_host, moved = place_on_host(manifest, elt, range(a.n_layers), short - cached)
+        on_host = dataclasses.replace(on_host, caches=caches)
+    backbone, kv = n.backbone - moved, n.kv - cached
     # on the CPU the 'device' tier is host memory too: the process and the mapping are counted there
-    fixed = backbone + n.kv + n.workspace + (n.host_base if device.type == "cpu" else 0)
+    fixed = backbone + kv + n.workspace + (n.host_base if device.type == "cpu" else 0)
     min_gpu = fixed + n.top_k * n.record
     if budgets.gpu < min_gpu:
+        in_ram = f" with {format_bytes(cached)} in RAM" if cached else ""
         raise ConfigError(
             f"--gpu-mem {format_bytes(budgets.gpu)} is too small: this model needs at least "
             f"{format_bytes(min_gpu)} on {device} (backbone {format_bytes(backbone)}"
             f"{f' with {format_bytes(moved)} of it in RAM' if moved else ''}, KV cache for "
-            f"--max-context {max_context} {format_bytes(n.kv)}, workspace {format_bytes(n.workspace)}, "
-            f"{n.top_k} expert slots {format_bytes(n.top_k * n.record)}); lower --max-context"
-            f"{', --max-batch' * (max_batch > 1)} or --prefill-chunk, "
-            f"or convert with --backbone fp4"
+            f"--max-context {max_context} {format_bytes(kv)}{in_ram}, "
+            f"workspace {format_bytes(n.workspace)}, {n.top_k} expert slots {format_bytes(n.top_k * n.record)}); "
+            f"lower --max-context{', --max-batch' * (max_batch > 1)} or --prefill-chunk, or convert with --backbone fp4"
         )
     gpu_slots = min((budgets.gpu - fixed) // n.record, n.total_records) if n.record else 0
-    return on_host, moved, gpu_slots
+    return _DeviceTier(on_host, moved, cached, gpu_slots)
 
 
 def _ram_tier(
@@ -399,7 +357,7 @@ def _ram_tier(
     loading = 0 if device.type == "cpu" else n.largest_file
     min_cpu = host_cpu + max(staging * record, loading)
     if budgets.cpu < min_cpu:
-        held = f" and {format_bytes(moved)} of backbone" if moved else ""
+        held = f" and {format_bytes(moved)} of backbone and KV cache" if moved else ""
         raise ConfigError(
             f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu - moved)}"
             f"{held} and needs {format_bytes(max(staging * record, loading))} more to map its largest backbone file "
@@ -456,13 +414,14 @@ def make_plan(
         host_base + (largest_file if device.type == "cpu" else 0),
         largest_file,
     )
-    on_host, moved, gpu_slots = _device_tier(manifest, device, elt, budgets, n, max_context, max_batch)
+    tier = _device_tier(manifest, device, elt, budgets, n, max_context, max_batch, _used_layers(manifest, with_mtp))
+    moved, gpu_slots = tier.backbone_moved + tier.caches_moved, tier.gpu_slots
     staging, ram_slots, cold_slots, cold = _ram_tier(manifest, device, budgets, n, used, moved, gpu_slots, io_threads)
     return Plan(
         str(device),
         budgets,
-        n.backbone - moved,
-        n.kv,
+        n.backbone - tier.backbone_moved,
+        n.kv - tier.caches_moved,
         n.workspace,
         n.record,
         gpu_slots,
@@ -471,10 +430,11 @@ def make_plan(
         n.host_base,
         total_records,
         used,
-        moved,
-        on_host,
+        tier.backbone_moved,
+        tier.on_host,
         max_batch,
         cold_slots,
         cold,
         prefill_group(a, prefill_chunk, max_context, elt),
+        tier.caches_moved,
     )

@@ -17,7 +17,8 @@ from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 from dsfp4.runtime.plan.host_backbone import HostBackbone, layer_bytes, place_on_host, spans, tensor_bytes
-from dsfp4.runtime.plan.planner import backbone_bytes, dequant_bytes, make_plan
+from dsfp4.runtime.plan.planner import backbone_bytes, layer_cache_bytes, make_plan
+from dsfp4.runtime.plan.workspace import dequant_bytes
 from dsfp4.synthetic.bench_model import model_args
 
 CUDA = torch.device("cuda")  # planned as on a GPU machine: nothing here touches one
@@ -53,7 +54,9 @@ def test_v3_with_its_fp8_backbone_plans_on_16g_with_the_embedding_and_the_larges
     # what RAM gives the backbone, the record cache loses
     resident = _plan(m, "24g")
     assert resident.host_backbone == 0 and not resident.on_host.embed
-    assert plan.ram_slots == (plan.budgets.cpu - plan.host_base - plan.host_backbone) // plan.record
+    # the latent caches went first, all of them: still short, then backbone
+    assert len(plan.on_host.caches) == m.args.n_layers and plan.kv_cache < plan.host_kv
+    assert plan.ram_slots == (plan.budgets.cpu - plan.host_base - plan.host_backbone - plan.host_kv) // plan.record
     assert "embedding, layers 0-2" in plan.table() and "read in place over PCIe" in plan.table()
 
 
@@ -107,14 +110,16 @@ def _host_plan(converted, device: torch.device, on: HostBackbone):
     m = Manifest.read(converted)
     plan = plan_run(m, device, torch.float32, 64, RunOptions(device=device.type), False)
     moved = sum(tensor_bytes(n, t, 4) for n, t in m.tensors.items() if on.holds(n))
-    return dataclasses.replace(plan, host_backbone=moved, on_host=on)
+    kv = sum(sum(layer_cache_bytes(m.args, i, 64, 4)) for i in on.caches)
+    return dataclasses.replace(plan, host_backbone=moved, on_host=on, host_kv=kv, kv_cache=plan.kv_cache - kv)
 
 
-def _resident_and_on_host(converted, device: torch.device):
-    """(a resident run's generation, one with the embedding and two layers in host memory, its engine: open)."""
+def _resident_and_on_host(converted, device: torch.device, on: HostBackbone | None = None):
+    """(a resident run's generation, one with `on` in host memory (default: the embedding and two layers), its
+    engine: open)."""
     options = RunOptions(device=device.type, max_context=64, dtype="fp32")
     m = Manifest.read(converted)
-    on = HostBackbone(embed=True, layers=(0, m.args.n_layers - 1))
+    on = on or HostBackbone(embed=True, layers=(0, m.args.n_layers - 1))
     runs = []
     for plan in (None, _host_plan(converted, device, on)):
         engine = Engine(converted, options, plan=plan)
@@ -143,6 +148,53 @@ def test_tokens_with_layers_and_the_embedding_in_host_memory_equal_a_resident_ru
         assert engine.model.layers[1].attn.wo.parts[0].untyped_storage().data_ptr() != arena
     finally:
         engine.close()
+
+
+def _kv_in_ram(converted) -> HostBackbone:
+    return HostBackbone(caches=(0, Manifest.read(converted).args.n_layers - 1))
+
+
+def test_tokens_with_kv_caches_in_host_memory_equal_a_resident_run(converted):
+    resident, on_host, engine = _resident_and_on_host(converted, torch.device("cpu"), _kv_in_ram(converted))
+    try:
+        assert on_host.token_ids == resident.token_ids
+        layers = engine.model.layers
+        # the two layers' caches are views of one arena; the others are not in it
+        arena = layers[0].attn.kv_cache.untyped_storage().data_ptr()
+        assert layers[-1].attn.pe_cache.untyped_storage().data_ptr() == arena
+        assert layers[1].attn.kv_cache.untyped_storage().data_ptr() != arena
+        a, n = engine.model.args, on_host.stats.prompt_tokens + on_host.stats.generated_tokens
+        assert on_host.stats.host_cache_step == 2 * n * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
+        assert "KV cache in RAM read in place" in on_host.stats.table() and resident.stats.host_cache_step == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_attention_and_graphs_read_kv_caches_in_ram_in_place_with_the_tokens_of_a_resident_run(converted):
+    resident, on_host, engine = _resident_and_on_host(converted, CUDA, _kv_in_ram(converted))
+    try:
+        assert on_host.token_ids == resident.token_ids and on_host.stats.decode_mode.startswith("CUDA graph")
+        layers = engine.model.layers
+        assert not _in_device_memory(layers[0].attn.kv_cache) and _in_device_memory(layers[1].attn.kv_cache)
+    finally:
+        engine.close()
+
+
+def test_at_the_models_whole_context_v3s_latent_cache_goes_to_ram_before_any_backbone():
+    """163,840 positions on the 16 GB machine: 10.5 GiB of latent rows, read in place, rather than the backbone
+    they would push off the card (a step reads a layer's weights whole; a cache's rows only up to its position)."""
+    from dsfp4.projection.machines import MACHINES
+    from dsfp4.projection.whole_model import full_plan
+
+    _, short = full_plan("v3", MACHINES["16g"])
+    _, long = full_plan("v3", MACHINES["16g"], max_context=163840)
+    assert short.host_kv == 0 and not short.on_host.caches
+    assert long.host_backbone == 0 and not long.on_host.layers and long.host_kv > 10 * GiB
+    assert "caches: read in place over PCIe" in long.table()
+    assert long.ram_slots < short.ram_slots  # what RAM gives the caches, the record cache loses
+    _, v4 = full_plan("v4", MACHINES["16g"], max_context=163840)
+    assert not v4.on_host.caches  # V4's model keeps its caches on the device (its family's rule)
 
 
 def _in_device_memory(t: torch.Tensor) -> bool:
@@ -205,3 +257,14 @@ def test_the_arena_grows_past_its_plan_and_aligns_every_tensor():
     assert torch.equal(big, torch.ones(1000, dtype=torch.float64))
     third = arena.put(torch.tensor([7], dtype=torch.int64))
     assert third.data_ptr() % ALIGN == 0 and third.item() == 7
+
+
+def test_the_prompt_cache_saves_and_restores_kv_caches_in_host_memory(converted, tmp_path):
+    options = RunOptions(device="cpu", max_context=64, dtype="fp32", prompt_cache=tmp_path / "pc")
+    prompt = " ".join([PROMPT] * 2)
+    plan = _host_plan(converted, torch.device("cpu"), _kv_in_ram(converted))
+    with Engine(converted, options, plan=plan) as engine:
+        first = engine.generate(prompt, max_tokens=6, temperature=0)
+    with Engine(converted, options, plan=plan) as engine:
+        again = engine.generate(prompt, max_tokens=6, temperature=0)
+    assert again.stats.restored_tokens > 0 and again.token_ids == first.token_ids

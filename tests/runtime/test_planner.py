@@ -9,15 +9,8 @@ import torch
 
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.models.load import load_model
-from dsfp4.runtime.plan.planner import (
-    activation_bytes,
-    cache_bytes,
-    expert_layers,
-    group_token_bytes,
-    layer_cache_bytes,
-    prefill_group,
-    token_bytes,
-)
+from dsfp4.runtime.plan.planner import cache_bytes, expert_layers, layer_cache_bytes, token_bytes
+from dsfp4.runtime.plan.workspace import activation_bytes, group_token_bytes, prefill_group
 from dsfp4.synthetic.bench_model import model_args
 
 

@@ -50,16 +50,9 @@ class MLA(nn.Module):
         self.absorb_fp8 = self.wkv_b.fp8_on_gpu
         self.wo = w.matrix(p + "wo", (a.dim, a.n_heads * a.v_head_dim))
         self.scale = softmax_scale(a)
-        self.register_buffer(
-            "kv_cache",
-            torch.zeros(max_batch, max_len, a.kv_lora_rank, dtype=w.dtype, device=w.device),
-            persistent=False,
-        )
-        self.register_buffer(
-            "pe_cache",
-            torch.zeros(max_batch, max_len, a.qk_rope_head_dim, dtype=w.dtype, device=w.device),
-            persistent=False,
-        )
+        # on the device, or in pinned RAM read in place where the plan keeps this layer's caches there
+        self.register_buffer("kv_cache", w.cache(layer, (max_batch, max_len, a.kv_lora_rank)), persistent=False)
+        self.register_buffer("pe_cache", w.cache(layer, (max_batch, max_len, a.qk_rope_head_dim)), persistent=False)
 
     def forward(
         self, x: torch.Tensor, start_pos: int | DevicePosition, freqs_cis: torch.Tensor, mask: torch.Tensor | None

@@ -182,6 +182,7 @@ def _project(model: Path, family: str, machines: list[str], c, options, prompts:
         )
     click.echo(r["table"])
     click.echo(r["first_token_table"])
+    click.echo(r["context_table"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "projection.json").write_text(json.dumps(r, indent=1) + "\n")
     click.echo(f"wrote {out / 'projection.json'}", err=True)

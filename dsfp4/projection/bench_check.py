@@ -14,6 +14,7 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.projection.first_token import first_token_table, first_tokens
+from dsfp4.projection.long_context import context_decodes, context_table
 from dsfp4.projection.machines import MACHINES
 from dsfp4.projection.simulate import ColdRecords, Links, StepCosts, simulate
 from dsfp4.projection.whole_model import (
@@ -157,6 +158,7 @@ def run_projection(
     every = machines + list(RELEASES[family].published_on)
     rows = project(family, ids, every, eff)
     firsts = first_tokens(family, ids, every)
+    contexts = context_decodes(family, ids, every, eff)
     return {
         "efficiency": eff,
         "ceilings": c.to_dict(),
@@ -168,5 +170,7 @@ def run_projection(
         "table": table(rows),
         "first_token": [r.to_dict() for r in firsts],
         "first_token_table": first_token_table(firsts),
+        "context_decode": [r.to_dict() for r in contexts],
+        "context_table": context_table(contexts),
         "machines": {k: MACHINES[k].about for k in {r.machine for r in rows}},
     }

@@ -291,3 +291,14 @@ def test_attention_against_earlier_positions_adds_its_seconds_to_the_prompts_com
     longer = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=32, context_s=context)
     assert longer.compute_s == pytest.approx(plain.compute_s + trace.shape[1] * context.sum())
     assert longer.seconds > plain.seconds
+
+
+@pytest.mark.slow
+def test_decode_at_a_long_context_reads_its_caches_and_keeps_the_backbone_on_the_16g_card():
+    from dsfp4.projection.long_context import context_decodes, context_table
+
+    ids = _trace(tokens=48, layers=8, experts=256, k=8)
+    short, long = context_decodes("v3", ids, ["16g"], 0.5, (1024, 32768))
+    assert long.ram_cache_bytes > 0 and long.host_backbone == 0 and long.cache_s > short.cache_s
+    assert 0.8 * short.tok_s < long.tok_s < short.tok_s
+    assert "cache in RAM GB" in context_table([short, long])

@@ -27,8 +27,10 @@ WARP = 32
 DECODE_TOKENS = 16
 # a sequence's tokens per call above which MLA's prefill attention expands the cached latent rows through wkv_b, a
 # key block at a time, and attends in the decompressed form (kernels/mla/prefill.py) instead of the absorbed one;
-# at least DECODE_TOKENS. Measured by scripts/bench_prefill_attention.py
-DECOMPRESS_TOKENS = 64
+# at least DECODE_TOKENS. Expanding costs a call the same whatever its tokens: from 48 tokens on the decompressed form
+# was as fast or faster at every context measured on the H200, at 32 slower from 8k cached rows
+# (scripts/bench_prefill_attention.py)
+DECOMPRESS_TOKENS = 32
 
 
 def use_kernels(where: torch.Tensor | torch.device) -> bool:

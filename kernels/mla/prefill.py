@@ -90,14 +90,18 @@ def mla_prefill_block_ref(
     lse.copy_(torch.where(seen, m + torch.log(total), lse))
 
 
-def fitted(cfg: MLAPrefillConfig, device: torch.device, widths: int, elt: int) -> MLAPrefillConfig:
-    """cfg with key rows per tile halved until the query tile and `stages` key tiles (`widths`: the padded N + R + V
-    columns of a key row) fit one SM's shared memory (an upper estimate). Hopper and the A100 keep 64."""
+def fitted(cfg: MLAPrefillConfig, device: torch.device, q_width: int, k_width: int, elt: int) -> MLAPrefillConfig:
+    """cfg with key rows per tile halved until the query tile (q_width: the padded N + R columns) and `stages` key
+    tiles (k_width: N + R + V) fit a program's shared memory: what Triton 3.6 allotted on the H200 (its default,
+    172 KB: Hopper keeps 64 keys; 100 KB Ada GPUs take 16, the A100 32)."""
     if device.type != "cuda":
         return cfg
-    smem = getattr(cuda_props(device.index or 0), "shared_memory_per_multiprocessor", None)
-    keys, q_tile = cfg.keys, cfg.rows * widths * elt
-    while smem is not None and keys > MIN_TILE and cfg.stages * keys * widths * elt + q_tile > smem:
+    props = cuda_props(device.index or 0)
+    smem = getattr(props, "shared_memory_per_block_optin", None) or getattr(
+        props, "shared_memory_per_multiprocessor", None
+    )
+    keys, q_tile = cfg.keys, cfg.rows * q_width * elt
+    while smem is not None and keys > MIN_TILE and cfg.stages * keys * k_width * elt + q_tile > smem:
         keys //= 2
     return cfg if keys == cfg.keys else dataclasses.replace(cfg, keys=keys)
 
@@ -125,7 +129,7 @@ def mla_prefill_block(
     assert o.dtype == lse.dtype == torch.float32, "mla_prefill_block keeps its state in fp32"
     assert all(x.stride(-1) == 1 for x in (q_nope, q_pe, k_nope, k_pe, v, o, lse)), "unit stride rows"
     pads = [max(MIN_TILE, next_pow2(d)) for d in (n, r, vd)]
-    cfg = fitted(cfg, q_nope.device, sum(pads), k_nope.element_size())
+    cfg = fitted(cfg, q_nope.device, pads[0] + pads[1], sum(pads), k_nope.element_size())
     # fp32 products for fp32 inputs, and under the interpreter (its bf16 tl.dot is wrong)
     exact = k_nope.dtype == torch.float32 or interpreted()
     jit.block_kernel[(triton.cdiv(t, cfg.rows), h)](

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dsfp4.kernels.mla.prefill as prefill_module
 import dsfp4.runtime.models.v3.attention as v3_attention
 from dsfp4.kernels.backend import DECODE_TOKENS, DECOMPRESS_TOKENS, triton
 from dsfp4.kernels.mla.prefill import MLAPrefillConfig, mla_prefill, mla_prefill_block, mla_prefill_block_ref
@@ -99,6 +100,17 @@ def test_a_chunk_sees_every_earlier_chunks_rows(kernel):
     assert _rel(first, whole[:, :10]) < 1e-5
     blind = mla_prefill(q_nope[:, 25:], q_pe[:, 25:], kv[:, 25:], pe[:, 25:], wkv_b, 0, scale, 16, kernel, SMALL)
     assert _rel(blind, whole[:, 25:]) > 1e-2
+
+
+@pytest.mark.parametrize(("smem", "keys"), [(232448, 64), (166912, 32), (101376, 16), (40000, 16)])
+def test_tiles_fit_the_gpus_shared_memory(monkeypatch, smem, keys):
+    """H100/H200, A100, RTX 4090-class, and a GPU too small even for 16 keys (the floor is tl.dot's 16), at V3's
+    widths in bf16: the default's 172 KB as Triton allots it (queries 128 x 192, 3 stages of keys 64 x 320)."""
+    props = type("Props", (), {"shared_memory_per_block_optin": smem})()
+    monkeypatch.setattr(prefill_module, "cuda_props", lambda index: props)
+    cfg = prefill_module.fitted(MLAPrefillConfig(), torch.device("cuda", 0), 192, 320, 2)
+    assert cfg.keys == keys and cfg.stages == MLAPrefillConfig().stages
+    assert prefill_module.fitted(MLAPrefillConfig(), torch.device("cpu"), 192, 320, 2) == MLAPrefillConfig()
 
 
 def test_the_crossover_keeps_decode_and_short_steps_absorbed():

@@ -74,8 +74,7 @@ class Engine:
         device, manifest, max_context, dtype = run_target(self.model_dir, o)
         _prepare_device(device)
         a = manifest.args
-        spec = PromptSpec(str(self.model_dir), a.eos_token_ids, max_context, a.max_seq_len, a.vocab_size, o.thinking)
-        self.rules = PromptRules(spec)
+        self.rules = prompt_rules(self.model_dir, o, manifest, max_context)
         _check_mtp(o, manifest, self.model_dir)
         self.model: Model | None = load_model(
             self.model_dir, device, dtype, self.max_context, with_mtp=o.mtp, manifest=manifest, options=o, plan=plan
@@ -419,6 +418,18 @@ def _check_mtp(o: EngineOptions, manifest: Manifest, model_dir: Path) -> None:
             f"--mtp: speculative decoding drives V3's MTP layer, not {manifest.args.family_spec.title}'s; run "
             f"{model_dir} without --mtp"
         )
+
+
+def prompt_rules(
+    model_dir: Path, options: RunOptions, manifest: Manifest | None = None, max_context: int | None = None
+) -> PromptRules:
+    """The prompts an engine of these options would take and refuse, known before anything loads (a too long prompt
+    is refused before the backbone is read)."""
+    if manifest is None or max_context is None:
+        _, manifest, max_context, _ = run_target(Path(model_dir), options)
+    a = manifest.args
+    spec = PromptSpec(str(model_dir), a.eos_token_ids, max_context, a.max_seq_len, a.vocab_size, options.thinking)
+    return PromptRules(spec)
 
 
 def _trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.device, max_context: int) -> TraceRouting:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from dsfp4.runtime.engine import Engine
     from dsfp4.runtime.generate.generation import Generation
+    from dsfp4.runtime.generate.prompt import PromptRules
 
 SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
 # --serve or --batch
@@ -184,7 +185,7 @@ def run(
     from dsfp4.cli.batch import run_batch
     from dsfp4.cli.repl import LocalChat, chat_repl
     from dsfp4.layout.atomic import require_folder
-    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.engine import Engine, prompt_rules
     from dsfp4.tools.batch_file import answered, read_batch
 
     ctx = click.get_current_context()
@@ -200,11 +201,11 @@ def run(
     items = None if batch is None else read_batch(batch, options)
     done = None if output is None else answered(require_folder(output, "--output"), items)
     _check_flags(ctx, options, prompt, serve, batch, as_json, raw, system)
+    # before the model loads, so bad input stays a one-line error and reads nothing
+    ids = _prompt_ids(prompt_rules(model, options), prompt, system, raw)
     sock = _listen(host, port) if serve else None
     with Engine(model, options) as engine:
         _note_context(ctx, engine, options)
-        # before the plan, so bad input stays a one-line error
-        ids = _prompt_ids(engine, prompt, system, raw)
         _show_load(engine, as_json, quiet)
         if (chat or prompt is not None) and not (quiet or as_json) and sys.stderr.isatty():
             engine.decoder.progress = PrefillProgress(sys.stderr)
@@ -301,11 +302,11 @@ def _note_context(ctx: click.Context, engine: Engine, options: RunOptions) -> No
         )
 
 
-def _prompt_ids(engine: Engine, prompt: str | None, system: str | None, raw: bool) -> list[int]:
+def _prompt_ids(rules: PromptRules, prompt: str | None, system: str | None, raw: bool) -> list[int]:
     """--prompt's token ids, checked ([] without --prompt)."""
-    ids = [] if prompt is None else engine.encode(prompt, system, raw)
+    ids = [] if prompt is None else rules.encode(prompt, system, raw)
     if prompt is not None:
-        engine.check_prompt(ids)
+        rules.check(ids)
     return ids
 
 

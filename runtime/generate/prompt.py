@@ -111,11 +111,14 @@ class PromptRules:
         if n == 0:
             raise ConfigError("the prompt is empty")
         if n + room > s.max_context:
+            # a larger --max-context cannot help past the model's positions
+            fix = (
+                f"raise --max-context, up to the model's {s.max_seq_len}"
+                if n + room <= s.max_seq_len
+                else f"the model's positions end at {s.max_seq_len}, whatever --max-context: shorten the prompt"
+            )
             raise ContextLengthError(
-                f"the prompt is {n} tokens; the context holds {s.max_context} "
-                f"(raise --max-context, up to the model's {s.max_seq_len})",
-                n,
-                s.max_context,
+                f"the prompt is {n} tokens; the context holds {s.max_context} ({fix})", n, s.max_context
             )
         if bad := [t for t in prompt_ids if not 0 <= t < s.vocab_size]:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0 to {s.vocab_size - 1})")

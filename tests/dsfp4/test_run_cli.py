@@ -38,12 +38,19 @@ def test_bad_models_and_flags_give_one_line_errors(converted, tmp_path):
     assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "layout version 2", "upgrade dsfp4")
     (newer / MANIFEST_NAME).write_text("{ not json")
     assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "not valid JSON")
-    assert_one_line_error(
-        run_cli("run", converted, "--prompt", "hi " * 40, "--max-context", "16", "--device", "cpu"),
-        "the context holds 16",
-    )
     assert_one_line_error(run_cli("run", converted, "--prompt", "hi", "--device", "tpu"), "--device tpu")
     assert run_cli("run", converted).exit_code == 2  # neither --prompt nor --chat
+
+
+def test_a_prompt_too_long_is_refused_before_the_model_loads(converted, monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr("dsfp4.runtime.engine.load_model", load)
+    long = run_cli("run", converted, "--prompt", "hi " * 40, "--max-context", "16", "--device", "cpu")
+    assert_one_line_error(long, "the context holds 16", "raise --max-context, up to the model's 2048")
+    past = run_cli("run", converted, "--prompt", "hi " * 2100, "--device", "cpu")
+    assert_one_line_error(past, "the model's positions end at 2048, whatever --max-context: shorten the prompt")
 
 
 def test_a_damaged_expert_record_is_caught_at_load(converted, tmp_path):

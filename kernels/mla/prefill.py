@@ -15,7 +15,7 @@ The block's attention is a Triton kernel (prefill_jit.py, `mla_prefill_block`) b
 kernels take one key head dim for every head, so k_pe would be broadcast and concatenated into a [Sb, H, 192] copy
 per block (the kernel here reads the block's one k_pe row per key for all heads); they return no log-sum-exp to
 merge blocks by (only private ops do); their causal flag aligns the diagonal at the top left, and the offset one
-(causal_lower_right) is served by the memory-efficient backend, not the flash one, on Hopper.
+(causal_lower_right) goes to the memory-efficient backend or a materialized [T, S] mask, never the flash one.
 
 V4-Flash (runtime/models/v4/attention.py) has no such choice to make: its attention is multi-query over one shared
 512-wide K = V vector per token, already decompressed, with no wkv_b to absorb or expand; what it attends (a sliding
@@ -82,9 +82,10 @@ def mla_prefill_block_ref(
     m = m.masked_fill(m == float("-inf"), 0.0)
     # in place: the block's scores are its largest tensor
     p = scores.sub_(m.unsqueeze(-1)).exp_()  # [T, H, Sb]
-    old = torch.exp(lse - m)  # [T, H]
-    total = old + p.sum(dim=-1)
-    acc = o * old.unsqueeze(-1) + torch.einsum("ths,shv->thv", p, v.to(ft))  # [T, H, V]
+    # the earlier blocks' weight at the new max
+    prior = torch.exp(lse - m)  # [T, H]
+    total = prior + p.sum(dim=-1)
+    acc = o * prior.unsqueeze(-1) + torch.einsum("ths,shv->thv", p, v.to(ft))  # [T, H, V]
     seen = total > 0
     o.copy_(torch.where(seen.unsqueeze(-1), acc / total.clamp_min(torch.finfo(ft).tiny).unsqueeze(-1), o))
     lse.copy_(torch.where(seen, m + torch.log(total), lse))

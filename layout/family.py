@@ -88,13 +88,15 @@ def _v4_cache(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int
 
 def _mla_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
     """The residual stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's
-    scores; and a prefill's dense wkv_b with, in the decompressed form (kernels/mla/prefill.py), a key block's k_nope
-    and v (at most `scores` elements) and the chunk's outputs (fp32 with their log-sum-exp, then in elt)."""
+    scores; and a prefill's dense wkv_b with, in the decompressed form (kernels/mla/prefill.py), a key block (k_nope and
+    v of at most `scores` elements, k_pe) and the chunk's outputs (fp32 with their log-sum-exp, then in elt)."""
     h, kv_width = a.n_heads, a.qk_nope_head_dim + a.v_head_dim
     acts = t * elt * (12 * a.dim + 3 * h * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
     acts += 2 * min(scores, t * h * max_context) * FP32
     wkv_b = h * kv_width * a.kv_lora_rank * elt
-    key_block = min(scores, max_context * h * kv_width) * elt
+    # a key block's rows: k_nope and v of every head, and its k_pe
+    rows = min(max_context, max(1, scores // (h * kv_width)))
+    key_block = rows * (h * kv_width + a.qk_rope_head_dim) * elt
     outputs = t * h * ((a.v_head_dim + 1) * FP32 + a.v_head_dim * elt)
     return acts + wkv_b + key_block + outputs
 

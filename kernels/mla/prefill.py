@@ -190,8 +190,9 @@ def mla_prefill(
     w = wkv_b.reshape(h * (n + vd), c)  # [H (N + V), C]
     rows = max(1, min(block_rows, s))
     ft = torch.promote_types(q_nope.dtype, torch.float32)
-    # one block's decompressed rows, reused by every block
-    buf = kv.new_empty(rows, h * (n + vd))  # [Sb, H (N + V)]
+    # one block's decompressed rows and its k_pe, reused by every block: in device memory where the cache is host
+    # memory the device reads in place, so the kernel's programs (each query tile and head) read k_pe there
+    buf, pe_buf = kv.new_empty(rows, h * (n + vd)), pe.new_empty(rows, pe.shape[2])  # [Sb, H (N + V)], [Sb, R]
     out = q_nope.new_empty(b, t, h, vd)
     for i in range(b):
         o = torch.zeros(t, h, vd, dtype=ft, device=q_nope.device)  # [T, H, V]
@@ -199,7 +200,8 @@ def mla_prefill(
         for k0 in range(0, s, rows):
             k1 = min(k0 + rows, s)
             keys = torch.mm(kv[i, k0:k1], w.t(), out=buf[: k1 - k0]).view(k1 - k0, h, n + vd)  # [Sb, H, N + V]
-            k_nope, v, k_pe = keys[..., :n], keys[..., n:], pe[i, k0:k1]  # [Sb, H, N], [Sb, H, V], [Sb, R]
+            k_pe = pe_buf[: k1 - k0].copy_(pe[i, k0:k1])  # [Sb, R]
+            k_nope, v = keys[..., :n], keys[..., n:]  # [Sb, H, N], [Sb, H, V]
             if kernel:
                 mla_prefill_block(q_nope[i], q_pe[i], k_nope, k_pe, v, start_pos, k0, scale, o, lse, cfg)
             else:

@@ -136,15 +136,17 @@ def test_a_prompt_chunked_through_the_decompressed_form_gives_the_tokens_of_one_
 
 def test_the_plan_counts_a_key_block_and_the_chunks_outputs():
     """V3 at a 512-token chunk: the decompressed form's transients beside the absorbed form's grow the forward's
-    bytes by wkv_b dense, a key block of at most SCORE_ELEMENTS (the whole cache when smaller) and the outputs."""
+    bytes by wkv_b dense, a key block (k_nope and v of at most SCORE_ELEMENTS, the whole cache when smaller; k_pe)
+    and the outputs."""
     a = model_args(61, 3)[1]
     h, width, t, elt = 128, 256, 512, 2
     wkv_b, outputs = h * width * 512 * elt, t * h * (129 * 4 + 128 * elt)
-    for context, block in ((32768, SCORE_ELEMENTS), (64, 64 * h * width)):
+    for context, rows in ((32768, SCORE_ELEMENTS // (h * width)), (64, 64)):
         absorbed = (
             t * elt * (12 * a.dim + 3 * h * 576 + 6 * a.moe_inter_dim) + 2 * min(SCORE_ELEMENTS, t * h * context) * 4
         )
-        assert activation_bytes(a, t, context, elt) == absorbed + wkv_b + block * elt + outputs
+        block = rows * (h * width + 64) * elt
+        assert activation_bytes(a, t, context, elt) == absorbed + wkv_b + block + outputs
 
 
 @pytest.mark.gpu
@@ -182,6 +184,7 @@ def test_the_decompressed_form_holds_what_the_plan_counts():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     h, width = V3["h"], V3["n"] + V3["v"]
-    block = min(SCORE_ELEMENTS, (start + t) * h * width) * 2
+    rows = min(start + t, SCORE_ELEMENTS // (h * width))
+    block = rows * (h * width + V3["r"]) * 2
     outputs = t * h * ((V3["v"] + 1) * 4 + V3["v"] * 2)
     assert o.shape == (1, t, h, V3["v"]) and peak <= block + outputs

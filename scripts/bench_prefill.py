@@ -128,7 +128,18 @@ def main() -> None:
     p.add_argument("--peak", type=float, default=HOPPER_BF16, help="the GPU's dense BF16 FLOP/s")
     p.add_argument("--out", type=Path, default=Path("bench_prefill"))
     p.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (a tiny model; its figures mean nothing)")
+    p.add_argument(
+        "--absorbed",
+        action="store_true",
+        help="resident prefill only, its attention in the absorbed form at every chunk size (as before the "
+        "decompressed form: the 'before' of a before and after)",
+    )
     a = p.parse_args()
+    if a.absorbed:
+        from dsfp4.runtime.models.v3 import attention
+
+        attention.DECOMPRESS_TOKENS = 1 << 30
+        a.streamed = ""
     if not (torch.cuda.is_available() or a.cpu):
         sys.exit("bench_prefill.py: needs a CUDA GPU (or --cpu for a smoke run)")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -344,30 +344,34 @@ def _ram_tier(
     budgets: Budgets,
     n: _Needs,
     used: tuple[int, ...],
-    moved: int,
-    gpu_slots: int,
+    tier: _DeviceTier,
     io_threads: int,
+    max_context: int,
 ) -> tuple[int, int, int, int]:
     """(staging slots, RAM slots, how many of them narrow, bytes of a cold record): the RAM budget past the process
-    and the backbone kept in RAM, which must map the largest backbone file (on CUDA) and read io_threads records at
-    once, split for cold records as narrow_slots says."""
-    record, total = n.record, n.total_records
+    and what the device tier left in RAM (backbone, caches), which must map the largest backbone file (on CUDA) and
+    read io_threads records at once, split for cold records as narrow_slots says."""
+    record, total, moved = n.record, n.total_records, tier.backbone_moved + tier.caches_moved
     staging = min(io_threads, total) if record else 0
     host_cpu = 0 if device.type == "cpu" else n.host_base + moved
     loading = 0 if device.type == "cpu" else n.largest_file
     min_cpu = host_cpu + max(staging * record, loading)
     if budgets.cpu < min_cpu:
         held = f" and {format_bytes(moved)} of backbone and KV cache" if moved else ""
+        # the caches in RAM grow with the context: the longest whose caches the budget holds
+        spare = budgets.cpu - (min_cpu - tier.caches_moved)
+        fit = max_context * spare // tier.caches_moved if tier.caches_moved and spare > 0 else 0
+        shorter = f"; or --max-context {fit} at most, whose KV cache in RAM fits" if fit else ""
         raise ConfigError(
             f"--cpu-mem {format_bytes(budgets.cpu)} is too small: the process holds {format_bytes(host_cpu - moved)}"
             f"{held} and needs {format_bytes(max(staging * record, loading))} more to map its largest backbone file "
             f"({format_bytes(loading)}) and to read {staging} records at once; give at least "
-            f"{format_bytes(min_cpu)} (or fewer --io-threads)"
+            f"{format_bytes(min_cpu)} (or fewer --io-threads{shorter})"
         )
     cold, n_cold = cold_records(manifest, used)
     room = budgets.cpu - host_cpu
     ram_slots = max(min(room // record, total), staging) if record else 0
-    split = narrow_slots(room, record, cold, n_cold, total, max(staging, n.top_k), gpu_slots) if record else None
+    split = narrow_slots(room, record, cold, n_cold, total, max(staging, n.top_k), tier.gpu_slots) if record else None
     ram_slots, cold_slots = split or (ram_slots, 0)
     return staging, ram_slots, cold_slots, cold
 
@@ -415,8 +419,8 @@ def make_plan(
         largest_file,
     )
     tier = _device_tier(manifest, device, elt, budgets, n, max_context, max_batch, _used_layers(manifest, with_mtp))
-    moved, gpu_slots = tier.backbone_moved + tier.caches_moved, tier.gpu_slots
-    staging, ram_slots, cold_slots, cold = _ram_tier(manifest, device, budgets, n, used, moved, gpu_slots, io_threads)
+    gpu_slots = tier.gpu_slots
+    staging, ram_slots, cold_slots, cold = _ram_tier(manifest, device, budgets, n, used, tier, io_threads, max_context)
     return Plan(
         str(device),
         budgets,

@@ -197,6 +197,18 @@ def test_at_the_models_whole_context_v3s_latent_cache_goes_to_ram_before_any_bac
     assert not v4.on_host.caches  # V4's model keeps its caches on the device (its family's rule)
 
 
+def test_a_context_whose_caches_in_ram_do_not_fit_is_refused_with_the_longest_that_would():
+    from dsfp4.projection.machines import MACHINES
+    from dsfp4.projection.whole_model import full_plan
+
+    m, plan = full_plan("v3", MACHINES["16g"], max_context=163840)
+    short = Budgets(plan.budgets.gpu, 8 * GiB, "x")
+    with pytest.raises(ConfigError, match=r"--cpu-mem 8.00 GiB is too small.*or --max-context (\d+) at most") as e:
+        make_plan(m, CUDA, torch.bfloat16, short, 163840, 512, 4, process=GiB // 2, fp8_kernels=True)
+    fit = int(e.value.args[0].rsplit("--max-context ", 1)[1].split()[0])
+    make_plan(m, CUDA, torch.bfloat16, short, fit, 512, 4, process=GiB // 2, fp8_kernels=True)  # that one plans
+
+
 def _in_device_memory(t: torch.Tensor) -> bool:
     """Whether t's memory is one of torch's device allocations (not pinned host pages at a device address)."""
     segments = torch.cuda.memory_snapshot()

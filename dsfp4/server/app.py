@@ -108,6 +108,7 @@ def build_app(rules: PromptRules, scheduler: Runs, served: Served, metrics: Metr
         ("POST", "/v1/chat/completions", chat_completions),
         ("POST", "/v1/completions", completions),
         ("GET", "/v1/models", models),
+        ("GET", "/v1/models/{model_id:path}", model),
         ("GET", "/health", health),
         ("GET", "/metrics", prometheus),
     ):
@@ -143,10 +144,27 @@ async def models(ctx: Context, request: Request) -> Response:
         check_key(ctx.served, request)
     except ApiError as e:
         return JSONResponse(e.body(), e.status)
+    return JSONResponse({"object": "list", "data": [_card(ctx)]})
+
+
+async def model(ctx: Context, request: Request) -> Response:
+    """/v1/models/{id}: the served model's card, a 404 for any other id."""
+    try:
+        check_key(ctx.served, request)
+        asked = request.path_params["model_id"]
+        if asked != ctx.served.model_id:
+            served = ctx.served.model_id
+            raise ApiError(404, f"model {asked!r}: this server serves {served!r}", "model", "model_not_found")
+    except ApiError as e:
+        return JSONResponse(e.body(), e.status)
+    return JSONResponse(_card(ctx))
+
+
+def _card(ctx: Context) -> dict:
     card = {"id": ctx.served.model_id, "object": "model", "created": 0, "owned_by": "dsfp4"}
     # chat_template_kwargs' thinking applies
     card["thinking_switch"] = ctx.rules.tokenizer.thinking_switch
-    return JSONResponse({"object": "list", "data": [card]})
+    return card
 
 
 async def health(ctx: Context, request: Request) -> Response:

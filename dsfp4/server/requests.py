@@ -170,6 +170,9 @@ def _messages(value: object) -> list[dict[str, str]]:
             raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}")
         if "content" not in m:
             raise _bad(f"{where}.content", "is missing")
+        # a field the prompt would not carry is refused, not dropped (an agent's tool calls, a speaker's name)
+        if extra := sorted(set(m) - {"role", "content"}):
+            raise _bad(f"{where}.{extra[0]}", "not served: dsfp4's prompts carry a message's role and content only")
         out.append({"role": ROLES[role], "content": _text(m["content"], f"{where}.content")})
     return out
 

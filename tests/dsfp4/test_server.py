@@ -127,6 +127,13 @@ def test_greedy_output_through_the_server_equals_dsfp4_run(server, converted):
         ({"messages": messages("hi"), "n": 2}, 400, "n: dsfp4 serves only 1"),
         ({"messages": messages("hi"), "stop": [""]}, 400, "stop: must be a non-empty string"),
         ({"messages": messages("hi"), "model": "gpt-4"}, 404, "this server serves 'fp8'"),
+        # an agent's history the prompt would not carry: refused, not dropped
+        (
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}]},
+            400,
+            "messages[0].tool_calls: not served",
+        ),
+        ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400, "messages[0].name: not served"),
         ({"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
     ],
 )
@@ -184,6 +191,11 @@ def test_keys_routes_and_binding(server):
         r = post(server, "/v1/chat/completions", {"messages": messages("hi")}, key=key)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.base + "/v1/models").status_code == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    card = httpx.get(server.base + "/v1/models/fp8", headers=auth).json()
+    assert card["id"] == "fp8" and card["object"] == "model" and server.client().models.retrieve("fp8").id == "fp8"
+    r = httpx.get(server.base + "/v1/models/gpt-4", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = httpx.get(server.base + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
     assert httpx.get(server.base + "/v1/chat/completions").status_code == 405

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
-from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, trace_rows
+from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, tokens_done, trace_rows
 from dsfp4.runtime.generate.sampling import SamplingParams, choose, sample
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
@@ -154,11 +154,9 @@ class Decoder:
                 # a trace routes token i of the prompt by the row after the cursor, whichever block runs it
                 first = [self.routing.reserve(len(ids))]
                 lp.routed = lambda g: self.routing.begin_rows(trace_rows(g, first))
-            blocks = len(model.layers)
             for i, share in run_blocks(model, lp):
                 _check(cancel)
-                # a token is done once every block has taken it: the share of (block, token) steps done
-                self._advanced(int((i + share) * len(ids) / blocks), len(ids))
+                self._advanced(tokens_done(i, share, len(model.layers), len(ids)), len(ids))
         x = lp.hidden[0]  # [1, T, ...] after every block
         for p in lp.chunks:
             logits, h = model.finish(x[:, p.at : p.at + p.n].to(model.device), start + len(ids), last_only=True)

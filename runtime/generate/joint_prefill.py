@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, trace_rows
+from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, tokens_done, trace_rows
 from dsfp4.runtime.generate.prompt_cache import PromptCache
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
@@ -86,10 +86,10 @@ def _passes(
         if trace is not None:
             mine = [trace[1][k] for k in members]
             lp.routed = lambda g, mine=mine: trace[0].begin_rows(trace_rows(g, mine))
-        tokens, blocks = sum(len(prompts[k]) for k in members), len(model.layers)
+        tokens = sum(len(prompts[k]) for k in members)
         for i, share in run_blocks(model, lp):
             if between is not None:
-                between(before + int((i + share) * tokens / blocks), total)
+                between(before + tokens_done(i, share, len(model.layers), tokens), total)
         before += tokens
         yield members, rows
 

@@ -116,6 +116,12 @@ def run_blocks(model: Model, lp: LayerPass) -> Iterator[tuple[int, float]]:
             yield i, done / work
 
 
+def tokens_done(block: int, share: float, blocks: int, tokens: int) -> int:
+    """A pass of `tokens` at run_blocks' (block, share): the tokens it has done, a token done once all `blocks` have
+    taken it, counted as the share of (block, token) steps done."""
+    return int((block + share) * tokens / blocks)
+
+
 def _read_ahead(model: Model, layer: int) -> None:
     """The layer's records into the RAM cache where it holds them all, then what fits of the next MoE layer's."""
     store, n = model.experts, model.args.n_routed_experts

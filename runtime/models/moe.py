@@ -119,8 +119,8 @@ def expert_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str) -> tor
 def spans(n: int, piece: int | None) -> list[slice]:
     """[0, n) in runs of at most `piece` (None: one run): a layer-wise pass's group, through kernels whose workspace
     the plan sizes for a chunk."""
-    step = n if piece is None else max(piece, 1)
-    return [slice(a, min(a + step, n)) for a in range(0, max(n, 1), max(step, 1))]
+    step = max(n if piece is None else piece, 1)
+    return [slice(a, min(a + step, n)) for a in range(0, n, step)] or [slice(0, 0)]
 
 
 def over(parts: list[slice], f: Callable[[slice], torch.Tensor]) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The whole model's time to first token, projected as whole_model.py projects its decode: the trace's rows after
 the profile's are the prompt, prefilled as `dsfp4 run` prefills it (simulate.py simulate_prefill: layer by layer, the
 feed-forward over the plan's prefill_group tokens at once) through the pools of a plan for the prompt and an answer,
-warm from the trace's first half; its compute is the prompt's FLOPs at PREFILL_SHARE of the user's GPU's dense BF16
-peak (what our prefill reached on the H100): the weights' and attention's against the positions before each token
-(the family's attention_flops, layout/family.py)."""
+warm from the trace's first half; its compute is the prompt's FLOPs on the user's GPU's dense BF16 peak: the weights'
+at PREFILL_SHARE of it (what our prefill reached on the H100), attention's against the positions before each token
+(the family's attention_flops, layout/family.py) at ATTENTION_SHARE (what it reached on the H200)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ from dsfp4.runtime.options import RunOptions
 # the share of a GPU's peak the projected prefill runs at: our prefill MoE's TFLOP/s at 4,096 tokens on the H100
 # over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
 PREFILL_SHARE = 310.5 / 989.4
+# the share attention against earlier positions runs at (its decompressed FLOPs over the peak): fitted with the
+# weights' share to the V3-width bench model's resident prefills of 2,048 and 32,768 tokens on the H200, which gave
+# 30.9% for the weights, PREFILL_SHARE's figure (docs/BENCHMARKS.md, 2026-12-02, long prompts)
+ATTENTION_SHARE = 0.138
 # prompt tokens the time to first token is projected for
 PROMPTS = (64, 512, 2048, 8192, 32768)
 # the context a prompt's plan holds beyond it: room for an answer
@@ -46,8 +50,8 @@ def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
 
 def context_seconds(m: Manifest, machine: Machine, n: int) -> np.ndarray:
     """[n] seconds of a prompt token's attention against the positions before it (position i), per MoE layer, the
-    dense layers' share included, at PREFILL_SHARE of the machine's peak."""
-    a, rate = m.args, machine.flops * PREFILL_SHARE
+    dense layers' share included, at ATTENTION_SHARE of the machine's peak."""
+    a, rate = m.args, machine.flops * ATTENTION_SHARE
     flops = np.array([a.family_spec.attention_flops(a, i) for i in range(n)])
     return flops / n_moe_layers(m) / rate
 

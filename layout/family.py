@@ -23,6 +23,10 @@ SLIDING, CSA, HCA = "sliding", "csa", "hca"
 FP32 = 4
 
 
+def _no_expansion(a: ModelArgs) -> float:
+    return 0.0
+
+
 @dataclass(frozen=True)
 class Family:
     """What the contract knows of one family. layer_cache: (args, layer, context, element size) -> (bytes that grow
@@ -40,6 +44,12 @@ class Family:
     attention_flops: Callable[[ModelArgs, int], float]
     # its model can keep a layer's caches in pinned RAM, read in place (MLA's latent cache: a row per position)
     caches_in_ram: bool = False
+    # (args, context, element size, scores held at once, kernels) -> (fixed bytes, bytes a token) of a layer-wise
+    # pass's attention half over many tokens of one sequence at once; None: its attention takes a chunk at a time
+    attention_bytes: Callable[[ModelArgs, int, int, int, bool], tuple[int, int]] | None = None
+    # (args) -> FLOPs of bringing one cached position's keys and values to the form prefill attends in, over the main
+    # layers: paid per attention call for every position it reads (MLA's latent rows through wkv_b; 0: none)
+    key_expansion_flops: Callable[[ModelArgs], float] = _no_expansion
 
 
 def _no_problems(a: ModelArgs) -> list[str]:
@@ -90,15 +100,35 @@ def _mla_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: i
     """The residual stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's
     scores; and a prefill's dense wkv_b with, in the decompressed form (kernels/mla/prefill.py), a key block (k_nope and
     v of at most `scores` elements, k_pe) and the chunk's outputs (fp32 with their log-sum-exp, then in elt)."""
-    h, kv_width = a.n_heads, a.qk_nope_head_dim + a.v_head_dim
+    h = a.n_heads
     acts = t * elt * (12 * a.dim + 3 * h * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
     acts += 2 * min(scores, t * h * max_context) * FP32
-    wkv_b = h * kv_width * a.kv_lora_rank * elt
-    # a key block's rows: k_nope and v of every head, and its k_pe
-    rows = min(max_context, max(1, scores // (h * kv_width)))
-    key_block = rows * (h * kv_width + a.qk_rope_head_dim) * elt
     outputs = t * h * ((a.v_head_dim + 1) * FP32 + a.v_head_dim * elt)
-    return acts + wkv_b + key_block + outputs
+    return acts + _mla_prefill_fixed(a, max_context, elt, scores) + outputs
+
+
+def _mla_prefill_fixed(a: ModelArgs, max_context: int, elt: int, scores: int) -> int:
+    """A decompressed prefill's bytes whatever its tokens: the dense wkv_b and one key block (k_nope and v of every
+    head, of at most `scores` elements, and its k_pe)."""
+    h, kv_width = a.n_heads, a.qk_nope_head_dim + a.v_head_dim
+    rows = min(max_context, max(1, scores // (h * kv_width)))
+    return h * kv_width * a.kv_lora_rank * elt + rows * (h * kv_width + a.qk_rope_head_dim) * elt
+
+
+def _mla_attention_bytes(a: ModelArgs, max_context: int, elt: int, scores: int, kernels: bool) -> tuple[int, int]:
+    """The decompressed attention half of many tokens (kernels/mla/prefill.py): fixed, _mla_prefill_fixed and, for
+    the torch formula, two copies of a block's scores; a token, its input, norm, query path, latent row, fp32 output
+    with its log-sum-exp, the output rounded, its projection and the residual sum."""
+    h = a.n_heads
+    fixed = _mla_prefill_fixed(a, max_context, elt, scores) + (0 if kernels else 2 * scores * FP32)
+    token = elt * (5 * a.dim + 2 * a.q_lora_rank + h * a.qk_head_dim + a.kv_lora_rank + a.qk_rope_head_dim)
+    token += h * ((a.v_head_dim + 1) * FP32 + a.v_head_dim * elt)
+    return fixed, token
+
+
+def _mla_key_expansion_flops(a: ModelArgs) -> float:
+    """A latent row through wkv_b into every head's k_nope and v, in each main layer."""
+    return 2.0 * a.n_layers * a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
 
 
 def _v4_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
@@ -153,6 +183,8 @@ _MLA = dict(
     activations=_mla_activations,
     attention_flops=_mla_attention_flops,
     caches_in_ram=True,
+    attention_bytes=_mla_attention_bytes,
+    key_expansion_flops=_mla_key_expansion_flops,
 )
 FAMILIES: dict[str, Family] = {
     V3_FAMILY: Family("DeepSeek-V3", "nvfp4", **_MLA),

@@ -96,7 +96,14 @@ class Engine:
         self.recorder = RoutingRecorder(self.model, trace=True) if o.record_trace else None
         self.routing = _trace_routing(self.model, a, o, device, self.max_context) if o.routing is not None else None
         self.decoder = Decoder(
-            self.model, None, self.recorder, o.prefill_chunk, self.max_context, self.routing, plan.prefill_group
+            self.model,
+            None,
+            self.recorder,
+            o.prefill_chunk,
+            self.max_context,
+            self.routing,
+            plan.prefill_group,
+            plan.attention_group,
         )
         self.speculator = Speculator(self.decoder, self.model) if o.mtp else None
         self.prompt_cache: PromptCache | None = None
@@ -337,8 +344,10 @@ class Engine:
             self._end_stream()
             # the caches will hold no one prompt
             self.reuse.truncate(0)
-            chunk, group = self.options.prefill_chunk, self.plan.prefill_group
-            return prefill_together(self._model(), self.prompt_cache, worth, chunk, group)
+            chunk, plan = self.options.prefill_chunk, self.plan
+            return prefill_together(
+                self._model(), self.prompt_cache, worth, chunk, plan.prefill_group, plan.attention_group
+            )
 
     # -- internals ------------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ the profile's are the prompt, prefilled as `dsfp4 run` prefills it (simulate.py 
 feed-forward over the plan's prefill_group tokens at once) through the pools of a plan for the prompt and an answer,
 warm from the trace's first half; its compute is the prompt's FLOPs on the user's GPU's dense BF16 peak: the weights'
 at PREFILL_SHARE of it (what our prefill reached on the H100), attention's against the positions before each token
-(the family's attention_flops, layout/family.py) at ATTENTION_SHARE (what it reached on the H200)."""
+(the family's attention_flops, layout/family.py) at ATTENTION_SHARE (what it reached on the H200), and bringing the
+cached keys to the attended form once per attention call (key_expansion_flops) at PREFILL_SHARE."""
 
 from __future__ import annotations
 
@@ -48,12 +49,18 @@ def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
     return StepCosts(attn / rate, experts / rate, other / rate, HOST_S)
 
 
-def context_seconds(m: Manifest, machine: Machine, n: int) -> np.ndarray:
+def context_seconds(m: Manifest, machine: Machine, n: int, attend: int = 0) -> np.ndarray:
     """[n] seconds of a prompt token's attention against the positions before it (position i), per MoE layer, the
-    dense layers' share included, at ATTENTION_SHARE of the machine's peak."""
-    a, rate = m.args, machine.flops * ATTENTION_SHARE
-    flops = np.array([a.family_spec.attention_flops(a, i) for i in range(n)])
-    return flops / n_moe_layers(m) / rate
+    dense layers' share included, at ATTENTION_SHARE of the machine's peak; and its share of bringing the cached keys
+    to the attended form (the family's key_expansion_flops), once per attention call of `attend` tokens (the plan's
+    attention_group; 0: the whole prompt) for every position the call reads, a product at PREFILL_SHARE."""
+    a = m.args
+    flops = np.array([a.family_spec.attention_flops(a, i) for i in range(n)]) / ATTENTION_SHARE
+    size = attend or n
+    for first in range(0, n, size):
+        last = min(first + size, n)
+        flops[first:last] += last * a.family_spec.key_expansion_flops(a) / (last - first) / PREFILL_SHARE
+    return flops / n_moe_layers(m) / machine.flops
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ def first_tokens(family: str, ids: np.ndarray, machines: list[str], prompts: tup
                 warm,
                 host_stream(m, plan),
                 group=plan.prefill_group,
-                context_s=context_seconds(m, machine, n),
+                context_s=context_seconds(m, machine, n, plan.attention_group),
             )
             rows.append(FirstToken(name, n, p))
     return rows

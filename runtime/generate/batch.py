@@ -208,8 +208,17 @@ class BatchRun:
             prompts = [seq.prompt_ids[:-1] for seq in seqs.values()]
             # under a trace each prompt routes through a stretch of rows of its own, as its decode will
             trace = (self.routing, [self.routing.reserve(len(p)) for p in prompts]) if self.routing else None
-            slots, group = list(range(first, first + len(prompts))), self.model.experts.plan.prefill_group
-            prefill_into_slots(self.model, prompts, slots, self.chunk, group, trace, self._joint_progress)
+            slots, plan = list(range(first, first + len(prompts))), self.model.experts.plan
+            prefill_into_slots(
+                self.model,
+                prompts,
+                slots,
+                self.chunk,
+                plan.prefill_group,
+                trace,
+                self._joint_progress,
+                attend=plan.attention_group,
+            )
             for seq in seqs.values():
                 seq.pos, seq.token = len(seq.prompt_ids) - 1, seq.prompt_ids[-1]
                 self._reserve(seq)

@@ -58,9 +58,11 @@ class Decoder:
         max_context: int,
         routing: TraceRouting | None = None,
         prefill_group: int = 0,
+        attention_group: int = 0,
     ):
         self.model, self.graphs, self.recorder, self.routing = model, graphs, recorder, routing
         self.prefill_chunk, self.max_context, self.prefill_group = prefill_chunk, max_context, prefill_group
+        self.attention_group = attention_group
         self.cached: list[int] = []
         # (prompt tokens done, of how many) as a feed advances, from (0, n) on: what a progress display reads
         self.progress: Callable[[int, int], None] | None = None
@@ -149,7 +151,7 @@ class Decoder:
         model, start = self.model, len(self.cached)
         _check(cancel)
         with self._pass(ids):
-            lp = prepare(model, [ids], [start], self.prefill_chunk, self.prefill_group)
+            lp = prepare(model, [ids], [start], self.prefill_chunk, self.prefill_group, self.attention_group)
             if self.routing is not None:
                 # a trace routes token i of the prompt by the row after the cursor, whichever block runs it
                 first = [self.routing.reserve(len(ids))]

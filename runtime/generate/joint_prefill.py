@@ -58,13 +58,14 @@ def _passes(
     into: Callable[[list[int]], list[Rows]],
     trace: tuple[TraceRouting, list[int]] | None = None,
     between: Callable[[int, int], None] | None = None,
+    attend: int = 0,
 ) -> Iterator[tuple[list[int], list[Rows]]]:
     """Prefill the prompts group by group, each group layer by layer together, its feed-forward `group` tokens at a
-    time; into(group) -> where each prompt's KV rows go (its first len(prompt) rows of each cache), copied as the
-    prompt leaves each layer's attention -> after each group's pass, (the group, its rows). `trace`: (the routing
-    trace, each prompt's first row): prompt k's token i routes by row first[k] + i. `between(done, total)`: after each
-    piece of work, the prompts' tokens done (every block having taken them) of all of theirs. The single sequence's
-    slot 0 holds no one prompt afterwards."""
+    time, its attention `attend` tokens of a prompt (0: a chunk's); into(group) -> where each prompt's KV rows go (its
+    first len(prompt) rows of each cache), copied as the prompt leaves each layer's attention -> after each group's
+    pass, (the group, its rows). `trace`: (the routing trace, each prompt's first row): prompt k's token i routes by
+    row first[k] + i. `between(done, total)`: after each piece of work, the prompts' tokens done (every block having
+    taken them) of all of theirs. The single sequence's slot 0 holds no one prompt afterwards."""
     # name -> [max_len, ...] on the device
     caches = model.positional_caches()
     # the main model's caches by block (the MTP layer's left out)
@@ -81,7 +82,7 @@ def _passes(
             for name in by_layer.get(layer, ()):
                 rows[j][name][:n].copy_(caches[name][:n])
 
-        lp = prepare(model, [prompts[k] for k in members], [0] * len(members), chunk, group)
+        lp = prepare(model, [prompts[k] for k in members], [0] * len(members), chunk, group, attend)
         lp.attended = keep
         if trace is not None:
             mine = [trace[1][k] for k in members]
@@ -102,15 +103,18 @@ def prefill_into_slots(
     group: int,
     trace: tuple[TraceRouting, list[int]] | None = None,
     between: Callable[[int, int], None] | None = None,
+    attend: int = 0,
 ) -> None:
     """Prefill each prompt layer by layer with the others of its group straight into cache slot slots[k] (a batch's
-    sequences joining together: runtime/generate/batch.py); `trace` and `between` as _passes takes them."""
+    sequences joining together: runtime/generate/batch.py); `trace`, `between` and `attend` as _passes takes them."""
     targets = [model.positional_caches(s) for s in slots]
-    for _ in _passes(model, prompts, chunk, group, lambda members: [targets[k] for k in members], trace, between):
+    for _ in _passes(model, prompts, chunk, group, lambda ks: [targets[k] for k in ks], trace, between, attend):
         pass
 
 
-def prefill_together(model: Model, cache: PromptCache, prompts: list[list[int]], chunk: int, group: int) -> int:
+def prefill_together(
+    model: Model, cache: PromptCache, prompts: list[list[int]], chunk: int, group: int, attend: int = 0
+) -> int:
     """Prefill each prompt but its last token, layer by layer with the others of its group, and save its KV rows in
     `cache` -> the tokens prefilled. The model's caches hold no one prompt afterwards."""
     caches = model.positional_caches()
@@ -122,7 +126,7 @@ def prefill_together(model: Model, cache: PromptCache, prompts: list[list[int]],
             for k in members
         ]
 
-    for members, rows in _passes(model, sequences, chunk, group, host_rows):
+    for members, rows in _passes(model, sequences, chunk, group, host_rows, attend=attend):
         for k, r in zip(members, rows, strict=True):
             cache.save(sequences[k], r, mtp_upto=0)
     cache.wait()

@@ -1,14 +1,16 @@
 """Sequences through the model one block at a time: a long prompt's prefill where experts stream (decoder.py),
 prompts prefilled together (joint_prefill.py) and profile-hot's pass (runtime/profile/profiler.py).
 
-In each block every sequence's chunks go through its attention in order, each chunk reading the KV rows its earlier
-chunks wrote there, as ordinary prefill would; then the block's feed-forward takes the chunks of all the sequences
-together, in groups of up to `group` tokens (the plan's prefill_group: what the memory of a chunk's whole forward
-holds of a group's hidden states), so that each group's records are brought to the device once, in waves of the
-device slots, for all its tokens, not once per chunk. The feed-forward is token by token, so its grouping changes
-no result but the order in which the waves' fp32 sums add. Before the block runs, its records are read into the RAM
-cache where it holds them all, and what fits of the next MoE layer's behind them. The hidden states wait on the host
-between blocks, beside the plan's RAM budget, which does not count them (V3: 14 KB a token).
+In each block every sequence's tokens go through its attention in order, in pieces of up to `attend` tokens (the
+plan's attention_group: a whole number of chunks, so that a call brings the cached keys to the attended form once for
+all its tokens), each piece reading the KV rows its earlier pieces wrote there, as ordinary prefill would; then the
+block's feed-forward takes the chunks of all the sequences together, in groups of up to `group` tokens (the plan's
+prefill_group: what the memory of a chunk's whole forward holds of a group's hidden states), so that each group's
+records are brought to the device once, in waves of the device slots, for all its tokens, not once per chunk. The
+feed-forward is token by token, so its grouping changes no result but the order in which the waves' fp32 sums add.
+Before the block runs, its records are read into the RAM cache where it holds them all, and what fits of the next MoE
+layer's behind them. The hidden states wait on the host between blocks, beside the plan's RAM budget, which does not
+count them (V3: 14 KB a token).
 
 Legend: T a sequence's tokens, G a group's, D dim (V4's hidden states are its streams, [.., N, D]).
 """
@@ -58,14 +60,16 @@ def trace_rows(group: list[Piece], first: list[int]) -> list[int]:
 @dataclass
 class LayerPass:
     """What the blocks take: each sequence's tokens [1, T] on the device, the cache position of its first token, its
-    hidden states [1, T, ...] on the host (what enters block 0, then what each block gave), and the pieces that go
-    through attention and, grouped, through the feed-forward. `routed(pieces)` runs before a group's feed-forward
-    (a routing trace's rows for them); `attended(block, j)` once sequence j's chunks have been through the block's
-    attention, while the block's caches hold its rows (before the next sequence's overwrite them)."""
+    hidden states [1, T, ...] on the host (what enters block 0, then what each block gave), the pieces that go
+    through attention, and the chunks that go, grouped, through the feed-forward. `routed(pieces)` runs before a
+    group's feed-forward (a routing trace's rows for them); `attended(block, j)` once sequence j's pieces have been
+    through the block's attention, while the block's caches hold its rows (before the next sequence's overwrite
+    them)."""
 
     tokens: list[torch.Tensor]
     starts: list[int]
     hidden: list[torch.Tensor]
+    attention: list[Piece]
     chunks: list[Piece]
     groups: list[list[Piece]]
     routed: Callable[[list[Piece]], None] | None = None
@@ -73,16 +77,20 @@ class LayerPass:
 
 
 @torch.inference_mode()
-def prepare(model: Model, sequences: list[list[int]], starts: list[int], chunk: int, group: int) -> LayerPass:
+def prepare(
+    model: Model, sequences: list[list[int]], starts: list[int], chunk: int, group: int, attend: int = 0
+) -> LayerPass:
     """The pass of `sequences` (sequence j after starts[j] cached positions), embedded a chunk at a time on the device
-    and kept on the host; its feed-forward takes `group` tokens at once (0: a chunk's)."""
+    and kept on the host; its feed-forward takes `group` tokens at once (0: a chunk's), its attention `attend` tokens
+    of a sequence (0: a chunk's)."""
     tokens = [torch.tensor([s], device=model.device) for s in sequences]
-    chunks = chunked([len(s) for s in sequences], chunk)
+    lengths = [len(s) for s in sequences]
+    chunks = chunked(lengths, chunk)
     hidden = []
     for j, t in enumerate(tokens):
         parts = [model.embed_tokens(t[:, p.at : p.at + p.n]).cpu() for p in chunks if p.seq == j]
         hidden.append(torch.cat(parts, dim=1))
-    return LayerPass(tokens, starts, hidden, chunks, grouped(chunks, group or chunk))
+    return LayerPass(tokens, starts, hidden, chunked(lengths, attend or chunk), chunks, grouped(chunks, group or chunk))
 
 
 @torch.inference_mode()
@@ -95,7 +103,7 @@ def run_blocks(model: Model, lp: LayerPass) -> Iterator[tuple[int, float]]:
         if block.moe:
             _read_ahead(model, i)
         done = 0
-        for p in lp.chunks:
+        for p in lp.attention:
             x = lp.hidden[p.seq][:, p.at : p.at + p.n].to(device)  # [1, n, ...]
             lp.hidden[p.seq][:, p.at : p.at + p.n] = model.block_attention(i, x, lp.starts[p.seq] + p.at).cpu()
             if lp.attended is not None and p.at + p.n == lp.hidden[p.seq].shape[1]:

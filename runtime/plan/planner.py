@@ -29,7 +29,7 @@ from dsfp4.runtime.plan.host_backbone import (
     tensor_bytes,
 )
 from dsfp4.runtime.plan.limits import BATCH_KV_SHARE, PLANNED_WAVES
-from dsfp4.runtime.plan.workspace import forward_tokens, prefill_group, workspace_bytes
+from dsfp4.runtime.plan.workspace import attention_group, forward_tokens, prefill_group, workspace_bytes
 from dsfp4.units import format_bytes
 
 FP32 = 4
@@ -77,6 +77,8 @@ class Plan:
     prefill_group: int = 0
     # bytes of KV cache in pinned RAM, read by the device in place (on_host.caches; kv_cache is the device's part)
     host_kv: int = 0
+    # tokens of one sequence a layer-wise pass's attention takes at once (attention_group; 0: a chunk's)
+    attention_group: int = 0
 
     @property
     def record_cache(self) -> int:
@@ -111,7 +113,8 @@ class Plan:
                 + (
                     f"; a long prompt's feed-forward takes {self.prefill_group} tokens at once"
                     * bool(self.prefill_group)
-                ),
+                )
+                + (f", its attention {self.attention_group}" * bool(self.attention_group)),
             ),
             ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
             ("RAM budget", format_bytes(self.budgets.cpu), ""),
@@ -441,4 +444,5 @@ def make_plan(
         cold,
         prefill_group(a, prefill_chunk, max_context, elt),
         tier.caches_moved,
+        attention_group(a, prefill_chunk, max_context, elt, kernels),
     )

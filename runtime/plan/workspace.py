@@ -1,6 +1,6 @@
 """Transient device memory of a forward, which the plan's workspace holds: dense copies of backbone matrices, the
 activations of the family's forward, logits, the routed-expert kernels' workspaces; and how many tokens a layer-wise
-pass's feed-forward takes at once within it (prefill_group)."""
+pass's feed-forward and its attention take at once within it (prefill_group, attention_group)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,19 @@ def prefill_group(a: ModelArgs, chunk: int, max_context: int, elt: int) -> int:
     the context."""
     t = min(chunk, max_context)
     chunks = activation_bytes(a, t, max_context, elt) // (t * group_token_bytes(a, elt)) - 1
+    return min(t * max(1, chunks), max_context)
+
+
+def attention_group(a: ModelArgs, chunk: int, max_context: int, elt: int, kernels: bool) -> int:
+    """Tokens of one sequence a layer-wise pass's attention takes at once, a whole number of chunks: what a chunk's
+    forward holds in activations holds of the family's attention half (its fixed bytes first), so that each call
+    brings the cached keys to the attended form once for all its tokens; a chunk where the family attends a chunk at a
+    time; at most the context."""
+    t = min(chunk, max_context)
+    if a.family_spec.attention_bytes is None:
+        return t
+    fixed, token = a.family_spec.attention_bytes(a, max_context, elt, SCORE_ELEMENTS, kernels)
+    chunks = (activation_bytes(a, t, max_context, elt) - fixed) // (t * token)
     return min(t * max(1, chunks), max_context)
 
 

@@ -79,7 +79,8 @@ def profile_model(
         recorder = RoutingRecorder(model, trace)
         on_start(plan, len(model.layers), calib.tokens)
         store = model.experts
-        lp = prepare(model, calib.sequences, [0] * len(calib.sequences), options.prefill_chunk, plan.prefill_group)
+        starts = [0] * len(calib.sequences)
+        lp = prepare(model, calib.sequences, starts, options.prefill_chunk, plan.prefill_group, plan.attention_group)
         for i, share in run_blocks(model, lp):
             if share == 1.0:
                 on_layer(i + 1, store.counters.snapshot())

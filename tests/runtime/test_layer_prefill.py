@@ -31,10 +31,13 @@ def _layers_asked(engine: Engine) -> list[int]:
     return asked
 
 
-@pytest.mark.parametrize("group", [0, 2 * CHUNK + 1])
-def test_a_streamed_prompt_goes_through_each_layer_for_all_its_chunks_with_the_logits_of_one_chunk(converted, group):
+@pytest.mark.parametrize(("group", "attend"), [(0, 0), (2 * CHUNK + 1, CHUNK), (0, 3 * CHUNK)])
+def test_a_streamed_prompt_goes_through_each_layer_for_all_its_chunks_with_the_logits_of_one_chunk(
+    converted, group, attend
+):
     """group 0: the plan's, which holds the whole prompt: each layer's experts asked for once; else several groups of
-    two chunks (a group is whole chunks), each layer asked once per group."""
+    two chunks (a group is whole chunks), each layer asked once per group. attend: the attention takes pieces of a chunk
+    or of three, each reading the rows its earlier pieces wrote (0: the plan's, which holds the whole prompt)."""
     with Engine(converted, device="cpu", max_context=64) as whole:
         ids = whole.encode(PROMPT)
         expected = whole.logits(ids)  # one chunk: every record resident, through all blocks at once
@@ -44,6 +47,8 @@ def test_a_streamed_prompt_goes_through_each_layer_for_all_its_chunks_with_the_l
         assert streamed.plan.prefill_group >= len(ids)
         if group:
             streamed.decoder.prefill_group = group
+        if attend:
+            streamed.decoder.attention_group = attend
         asked = _layers_asked(streamed)
         got = streamed.logits(ids)
         groups = 1 if not group else -(-len(ids) // (2 * CHUNK))

@@ -9,8 +9,9 @@ import torch
 
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.models.load import load_model
+from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
 from dsfp4.runtime.plan.planner import cache_bytes, expert_layers, layer_cache_bytes, token_bytes
-from dsfp4.runtime.plan.workspace import activation_bytes, group_token_bytes, prefill_group
+from dsfp4.runtime.plan.workspace import activation_bytes, attention_group, group_token_bytes, prefill_group
 from dsfp4.synthetic.bench_model import model_args
 
 
@@ -134,3 +135,20 @@ def test_a_long_prompts_feed_forward_group_is_whole_chunks_within_a_chunks_activ
         assert t <= group <= context and group % t == 0 or group == context
         assert group == t or (group + t) * group_token_bytes(a, 2) <= activation_bytes(a, t, context, 2)
     assert prefill_group(a, 512, 32768, 2) > 4 * 512  # the full width's: several chunks a group
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_long_prompts_attention_takes_whole_chunks_within_a_chunks_activations(kernels):
+    """V3's attention half takes as many chunks of a sequence at once as a chunk's forward holds of its fixed bytes and
+    its bytes a token (the torch formula's score blocks among the fixed); V4 attends a chunk at a time."""
+    _, a = model_args(61, 3, family="v3")
+    spec = a.family_spec
+    for chunk, context in [(512, 4096), (512, 32768), (256, 163840), (512, 300), (4096, 2048)]:
+        attend, t = attention_group(a, chunk, context, 2, kernels), min(chunk, context)
+        assert t <= attend <= context and attend % t == 0 or attend == context
+        fixed, token = spec.attention_bytes(a, context, 2, SCORE_ELEMENTS, kernels)
+        assert attend == t or fixed + attend * token <= activation_bytes(a, t, context, 2)
+    # the full width's on the device: several chunks a call, fewer for the torch formula's scores
+    assert attention_group(a, 512, 32768, 2, True) > attention_group(a, 512, 32768, 2, False) >= 512
+    _, v4 = model_args(43, 0, family="v4")
+    assert attention_group(v4, 512, 32768, 2, True) == 512

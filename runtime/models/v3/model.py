@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsfp4.kernels.backend import DECOMPRESS_TOKENS
 from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.layout.model_args import ModelArgs
@@ -161,8 +162,9 @@ class Transformer(nn.Module):
 
     @staticmethod
     def causal_mask(t: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
-        """[T, start_pos + T]: token i of this step sees cached positions and new tokens up to itself."""
-        if t == 1:
+        """[T, start_pos + T]: token i of this step sees cached positions and new tokens up to itself; None for one
+        token, and for more than DECOMPRESS_TOKENS, whose decompressed attention is causal by position."""
+        if t == 1 or t > DECOMPRESS_TOKENS:
             return None
         return torch.full((t, start_pos + t), float("-inf"), device=device).triu_(start_pos + 1)
 

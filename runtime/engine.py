@@ -8,6 +8,7 @@ from the prompt cache: runtime/generate/prompt_reuse.py).
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
@@ -31,7 +32,9 @@ from dsfp4.runtime.generate.batch import STEPPED_PROMPT_TOKENS, BatchRun, Hooks
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
+from dsfp4.runtime.generate.grammar import GrammarCompiler
 from dsfp4.runtime.generate.joint_prefill import prefill_together
+from dsfp4.runtime.generate.logits_rules import rules_for
 from dsfp4.runtime.generate.prompt import Prompt, PromptRules, PromptSpec, as_token_ids
 from dsfp4.runtime.generate.prompt_cache import MIN_NEW_TOKENS, PromptCache
 from dsfp4.runtime.generate.prompt_reuse import PromptReuse, open_prompt_cache
@@ -75,6 +78,7 @@ class Engine:
         _prepare_device(device)
         a = manifest.args
         self.rules = prompt_rules(self.model_dir, o, manifest, max_context)
+        self.grammars = GrammarCompiler(self.model_dir / "tokenizer.json", a.vocab_size, self.tokenizer.eos_ids)
         _check_mtp(o, manifest, self.model_dir)
         self.model: Model | None = load_model(
             self.model_dir, device, dtype, self.max_context, with_mtp=o.mtp, manifest=manifest, options=o, plan=plan
@@ -225,23 +229,19 @@ class Engine:
         self,
         prompt: Prompt,
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
         system: str | None = None,
         raw: bool = False,
         thinking: bool | None = None,
         cancel: threading.Event | None = None,
+        **sampling: Any,
     ) -> Stream:
-        """Generate after `prompt` (see encode), yielding a Delta per token. Sampling arguments left at None
-        take the engine's options: temperature 0 is greedy; `seed` makes sampling reproducible; generation
-        ends at an EOS token, at a `stop` string (not part of the text) or after `max_tokens` tokens. Setting
-        `cancel` (from any thread) ends it at the next prefill chunk or token, with finish reason "cancelled"."""
-        given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-        options = self.options_for(**given)
+        """Generate after `prompt` (see encode), yielding a Delta per token. Sampling arguments (SAMPLING's) left at
+        None take the engine's options: temperature 0 is greedy; `seed` makes sampling reproducible; a `grammar` that
+        does not compile is refused here; generation ends at an EOS token, a `stop` string (not part of the text) or
+        after `max_tokens` tokens. `cancel` (set from any thread) ends it at the next chunk or token ("cancelled")."""
+        options = self.options_for(**sampling)
+        if options.grammar is not None:
+            self.grammars.compile(options.grammar)
         ids = self.encode(prompt, system, raw, thinking)
         self.check_prompt(ids)
         with self._claim():
@@ -251,7 +251,7 @@ class Engine:
 
     def options_for(self, **sampling: Any) -> RunOptions:
         """The engine's options with a call's sampling arguments (SAMPLING: max_tokens, temperature, top_p, top_k,
-        seed, stop; those left at None keep the engine's)."""
+        seed, stop, the penalties, min_p, logprobs, grammar; those left at None keep the engine's)."""
         if unknown := sorted(set(sampling) - set(SAMPLING)):
             raise ConfigError(f"unknown sampling argument {', '.join(unknown)}; give {', '.join(SAMPLING)}")
         return with_knobs(self.options, {k: v for k, v in sampling.items() if v is not None})
@@ -270,7 +270,8 @@ class Engine:
         def finished(stats: GenerationStats) -> None:
             _finish_stats(stats, model.experts, self.routing, self.host_reads, self.device)
 
-        hooks = Hooks(self._claim, self.reuse.prefill, lambda: self.reuse.truncate(0), finished, self.decoder.pausing)
+        forget, rules = lambda: self.reuse.truncate(0), functools.partial(rules_for, grammars=self.grammars)
+        hooks = Hooks(self._claim, self.reuse.prefill, forget, finished, self.decoder.pausing, rules)
         # prompts joining together prefill layer by layer where reading experts dominates a prefill (the tiers cannot
         # hold every record), under a trace too (each prompt through a stretch of its rows); not with a prompt cache
         # (the one-by-one prefill restores saved prompts: `run --batch` saves its lines there together first)
@@ -384,23 +385,27 @@ class Engine:
         n, store = len(prompt_ids), self._model().experts
         budget = min(options.max_tokens, self.room(n))
         before = store.counters.snapshot()
-        sampling = options.sampling()
+        sampling, rules = options.sampling(), rules_for(options, prompt_ids, self.grammars)
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         start = time.perf_counter()
         reuse, restored = self.reuse.keep(prompt_ids)
         stats = GenerationStats(prompt_tokens=n, cached_tokens=reuse, restored_tokens=restored)
         if self.speculator is not None and budget > 1:
-            source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget)
+            source = self.speculator.tokens(prompt_ids[reuse:], sampling, gen, cancel, stats, budget, rules)
         else:
-            source = self.decoder.decode(prompt_ids[reuse:], sampling, gen, cancel, budget)
-        tokens, text, finish = yield from text_deltas(source, self.tokenizer, options.stop, budget, stats, start)
+            source = self.decoder.decode(prompt_ids[reuse:], sampling, gen, cancel, budget, rules)
+        logprobs = rules.logprobs if rules is not None else None
+        tokens, text, finish = yield from text_deltas(
+            source, self.tokenizer, options.stop, budget, stats, start, logprobs
+        )
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.store = counters_since(store.counters.snapshot(), before)
         stats.decode_mode = self.decode_mode
         _finish_stats(stats, store, self.routing, self.host_reads, self.device)
         self.reuse.save(prompt_ids, stats)
         self.stats, self._stream = stats, None
-        return Generation(list(prompt_ids), tokens, text, finish, stats)
+        kept = logprobs[: len(tokens)] if logprobs is not None else None
+        return Generation(list(prompt_ids), tokens, text, finish, stats, kept)
 
 
 def _engine_options(model_dir: object, options: object, knobs: dict[str, Any]) -> RunOptions:

@@ -19,6 +19,8 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.routing_trace import check_trace_path
+from dsfp4.runtime.generate.grammar import Grammar
+from dsfp4.runtime.generate.logprobs import MAX_TOP
 from dsfp4.runtime.generate.sampling import SamplingParams
 from dsfp4.runtime.modes import AUTO, MODES, Levers
 from dsfp4.runtime.plan.budget import Budgets, parse_size
@@ -29,6 +31,7 @@ from dsfp4.value_types import annotation_spec, check
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # the fields a single call may set
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logprobs", "grammar")
 # one message for both, as the flags have always been checked (the two fields are of different kinds)
 AT_LEAST_ONE = "--io-threads and --prefill-chunk must be at least 1"
 
@@ -40,6 +43,10 @@ def _typed(options: Any) -> None:
         if not f.init:
             continue
         value = getattr(options, f.name)
+        if f.type == "Grammar | None":
+            if value is not None and not isinstance(value, Grammar):
+                raise ConfigError(f"option grammar: expected a Grammar (generate/grammar.py), found {value!r:.40}")
+            continue
         if f.type == "tuple[str, ...]" and isinstance(value, (str, list)):
             value = (value,) if isinstance(value, str) else tuple(value)
         if (err := check(value, annotation_spec(str(f.type)), f.name)) is not None:
@@ -194,6 +201,15 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     # the prompt format's thinking switch (V4's mode, V3.1's template); None: its default
     thinking: bool | None = None
+    # penalties and min-p: SamplingParams says what each does; neutral by default
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # each token's log-probability and this many alternatives (runtime/generate/logprobs.py); None: none
+    logprobs: int | None = None
+    # what the answer must spell (runtime/generate/grammar.py); the flags --json-schema FILE and --grammar FILE set it
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         _typed(self)
@@ -206,9 +222,19 @@ class SamplingOptions:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
         if any(not s for s in self.stop):
             raise ConfigError("--stop: an empty stop string would end every answer at once")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a penalty from -2 to 2")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"--repetition-penalty {self.repetition_penalty}: give more than 0 (1: off)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"--min-p {self.min_p}: give a share from 0 (off) to 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
+            raise ConfigError(f"--logprobs {self.logprobs}: give 0 to {MAX_TOP} alternatives")
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+        penalties = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p)
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, *penalties, self.logprobs)
 
 
 @dataclass(frozen=True)

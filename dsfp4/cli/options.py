@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from dsfp4.runtime.generate.grammar import Grammar
+from dsfp4.runtime.generate.logprobs import MAX_TOP
 from dsfp4.runtime.modes import MODES
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS
@@ -214,10 +216,74 @@ sampling_options = _stack(
     click.option("--seed", type=int, help="Makes sampling reproducible."),
     click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
     click.option(
+        "--presence-penalty",
+        type=click.FloatRange(-2, 2),
+        default=RUN_DEFAULTS.presence_penalty,
+        show_default=True,
+        help="Subtracted from the logit of every token already generated (OpenAI's).",
+    ),
+    click.option(
+        "--frequency-penalty",
+        type=click.FloatRange(-2, 2),
+        default=RUN_DEFAULTS.frequency_penalty,
+        show_default=True,
+        help="Subtracted from a token's logit per time it was generated (OpenAI's).",
+    ),
+    click.option(
+        "--repetition-penalty",
+        type=click.FloatRange(0, min_open=True),
+        default=RUN_DEFAULTS.repetition_penalty,
+        show_default=True,
+        help="Divides the positive logits (multiplies the negative) of tokens in the prompt or generated; 1 is off.",
+    ),
+    click.option(
+        "--min-p",
+        type=click.FloatRange(0, 1),
+        default=RUN_DEFAULTS.min_p,
+        show_default=True,
+        help="Leave out tokens less probable than this share of the most probable one (after temperature); 0 is off.",
+    ),
+    click.option(
         "--thinking/--no-thinking",
         default=None,
         help="Turn the model's thinking on or off where its prompt format has that switch (DeepSeek-V4's thinking "
         "mode, V3.1's template); default: the format's own (off). /think switches it in a chat.",
+    ),
+)
+
+
+def _grammar_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Grammar | None:
+    """--json-schema FILE and --grammar FILE: the file's grammar, checked as text here (compiled once the model's
+    tokenizer is known)."""
+    if value is None:
+        return None
+    origin = f"{param.opts[0]} {value}"
+    try:
+        text = value.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read it ({e})", ctx, param) from e
+    return Grammar.json_schema(text, origin) if param.name == "json_schema" else Grammar.lark(text, origin)
+
+
+# what `run --prompt` constrains its answer to, and reports of it
+answer_options = _stack(
+    click.option(
+        "--json-schema",
+        type=EXISTING_FILE,
+        callback=_grammar_file,
+        help="With --prompt: the answer is JSON that fits this JSON schema (constrained decoding, compact JSON).",
+    ),
+    click.option(
+        "--grammar",
+        type=EXISTING_FILE,
+        callback=_grammar_file,
+        help="With --prompt: the answer follows this Lark grammar (llguidance's dialect; `start` is the answer).",
+    ),
+    click.option(
+        "--logprobs",
+        type=click.IntRange(0, MAX_TOP),
+        help=f"With --prompt --json: each token's log-probability and this many alternatives (0-{MAX_TOP}), under the "
+        "logits after penalties and grammar, before temperature.",
     ),
 )
 

@@ -18,6 +18,7 @@ from dsfp4.cli.options import (
     PATH,
     RUN_DEFAULTS,
     ZERO_COPY,
+    answer_options,
     budget_options,
     context_options,
     given_flags,
@@ -31,6 +32,7 @@ from dsfp4.cli.progress import PrefillProgress
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.generate.grammar import GrammarCompiler
 from dsfp4.runtime.options import RunOptions, SamplingOptions
 
 if TYPE_CHECKING:
@@ -43,8 +45,8 @@ if TYPE_CHECKING:
 SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
 # --serve or --batch
 BATCH_FLAGS = ("max_batch",)
-# --chat has /stats; a server answers with stats
-PROMPT_FLAGS = ("raw", "show_stats")
+# --chat has /stats; a server answers with stats; a grammar constrains the one answer
+PROMPT_FLAGS = ("raw", "show_stats", "json_schema", "grammar")
 
 
 def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, quiet: bool) -> Generation:
@@ -79,6 +81,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
 @click.option("--system", help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed --prompt as plain text, without the chat template.")
 @sampling_options
+@answer_options
 @store_options
 @CUDA_GRAPH
 @ZERO_COPY
@@ -192,6 +195,10 @@ def run(
     # serving and batch files batch by default; one answer decodes alone
     if knobs["max_batch"] is None:
         knobs["max_batch"] = 0 if serve or batch is not None else 1
+    schema = knobs.pop("json_schema")
+    if schema is not None and knobs["grammar"] is not None:
+        raise click.UsageError("give one of --json-schema FILE and --grammar FILE")
+    knobs["grammar"] = schema or knobs["grammar"]
     options = RunOptions(**knobs)
     if show_plan:
         _print_plan(model, options, as_json)
@@ -202,7 +209,11 @@ def run(
     done = None if output is None else answered(require_folder(output, "--output"), items)
     _check_flags(ctx, options, prompt, serve, batch, as_json, raw, system)
     # before the model loads, so bad input stays a one-line error and reads nothing
-    ids = _prompt_ids(prompt_rules(model, options), prompt, system, raw)
+    rules = prompt_rules(model, options)
+    ids = _prompt_ids(rules, prompt, system, raw)
+    if options.grammar is not None:
+        vocab, eos = rules.spec.vocab_size, rules.tokenizer.eos_ids
+        GrammarCompiler(Path(model) / "tokenizer.json", vocab, eos).compile(options.grammar)
     sock = _listen(host, port) if serve else None
     with Engine(model, options) as engine:
         _note_context(ctx, engine, options)
@@ -265,6 +276,8 @@ def _check_flags(
     """The flags that apply to one command only are given with it; --raw skips the prompt format's flags."""
     if as_json and prompt is None:
         raise click.UsageError("--json applies to --prompt (or --plan)")
+    if options.logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs go into --json's output: give --prompt TEXT --json")
     if not serve and (flags := given_flags(ctx, SERVE_FLAGS)):
         raise click.UsageError(only_with(flags, "--serve"))
     if not (serve or batch is not None) and (flags := given_flags(ctx, BATCH_FLAGS)):

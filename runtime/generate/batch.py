@@ -33,7 +33,8 @@ import torch
 from dsfp4.runtime.generate.decode_graph import BATCH_SLOT, DecodeGraphs
 from dsfp4.runtime.generate.generation import Delta, Generation
 from dsfp4.runtime.generate.joint_prefill import prefill_into_slots
-from dsfp4.runtime.generate.sampling import SamplingParams, sample
+from dsfp4.runtime.generate.logits_rules import TokenRules, pick
+from dsfp4.runtime.generate.sampling import SamplingParams
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.steps import TextSteps
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
@@ -65,6 +66,8 @@ class Hooks:
     finished: Callable[[GenerationStats], None]
     # while the block runs, the single sequence's prefill calls this where it may stop (Decoder.pause; None: nowhere)
     pausing: Callable[[Callable[[], None] | None], AbstractContextManager]
+    # a sequence's logits rules from its options and prompt (penalties, log-probabilities, grammar; None: none)
+    rules: Callable[[RunOptions, list[int]], TokenRules | None] = lambda options, ids: None
 
 
 @dataclass(eq=False)
@@ -92,6 +95,13 @@ class BatchSequence:
     generation: Generation | None = None
     # prompt tokens still to feed after `token` (stepped prompts)
     feed: deque[int] = field(default_factory=deque)
+    # what it does to its logits (logits_rules.py); None: nothing, its tokens may be chosen on the device
+    rules: TokenRules | None = None
+
+    @property
+    def argmax(self) -> bool:
+        """Its token is the raw logits' argmax, which the device may take for the whole batch."""
+        return self.sampling.greedy and self.rules is None
 
     @property
     def stats(self) -> GenerationStats:
@@ -160,11 +170,14 @@ class BatchRun:
 
     def _sequence(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None) -> BatchSequence:
         n, sampling = len(prompt_ids), options.sampling()
+        rules = self.hooks.rules(options, list(prompt_ids))
         # the last token is never fed back
         budget = min(options.max_tokens, self.max_context - n + 1)
-        steps = TextSteps(self.tokenizer, options.stop, budget, GenerationStats(prompt_tokens=n), time.perf_counter())
+        stats, logprobs = GenerationStats(prompt_tokens=n), rules.logprobs if rules is not None else None
+        steps = TextSteps(self.tokenizer, options.stop, budget, stats, time.perf_counter(), logprobs)
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        return BatchSequence(list(prompt_ids), sampling, gen, steps, cancel, self.model.experts.counters.snapshot())
+        store = self.model.experts.counters.snapshot()
+        return BatchSequence(list(prompt_ids), sampling, gen, steps, cancel, store, rules=rules)
 
     @torch.inference_mode()
     def add(self, prompt_ids: list[int], options: RunOptions, cancel: threading.Event | None = None) -> BatchSequence:
@@ -187,7 +200,7 @@ class BatchRun:
             _copy_rows(self.slots[BATCH_SLOT + len(self.rows)], self.slots[0], n)
             self._discard()
             self.rows.append(seq)
-            self._take(seq, sample(logits, seq.sampling, seq.gen))
+            self._take(seq, pick(seq.rules, logits, seq.sampling, seq.gen))
             self._drop_finished()
         return seq
 
@@ -262,7 +275,8 @@ class BatchRun:
             self._join()
         b, device, positions = len(self.rows), self.model.device, [s.pos for s in self.rows]
         self.why_eager = "--no-cuda-graph" if self.graphs is None else self.graphs.why_eager_batch(b)
-        greedy = [s.sampling.greedy for s in self.rows]
+        # rows whose token is the raw argmax; the others go through their rules or sample, on the host
+        greedy = [s.argmax for s in self.rows]
         if launched:
             best = self._ahead(ahead[1], positions)
         else:
@@ -291,7 +305,7 @@ class BatchRun:
                 continue
             seq.steps_taken += 1
             seq.batch_sum += b
-            self._take(seq, best[i] if greedy[i] else sample(logits[i], seq.sampling, seq.gen))
+            self._take(seq, best[i] if greedy[i] else pick(seq.rules, logits[i], seq.sampling, seq.gen))
         self._drop_finished()
         # those in the step launched ahead, if one was
         self._join()
@@ -326,7 +340,7 @@ class BatchRun:
         or None where the host cannot know them yet: a row that may sample, or one this step ends (by its length, or
         cancelled already)."""
         rows = self.rows + self.joining
-        if not all(s.sampling.greedy for s in rows) or self.graphs.why_eager_batch(len(rows)) is not None:
+        if not all(s.argmax for s in rows) or self.graphs.why_eager_batch(len(rows)) is not None:
             return None
         if any(s.cancelled for s in rows) or any(not s.feed and s.steps.last_is_next for s in self.rows):
             return None
@@ -376,7 +390,9 @@ class BatchRun:
         # the batch's, shared
         stats.store = counters_since(self.model.experts.counters.snapshot(), seq.store_before)
         self.hooks.finished(stats)
-        seq.generation = Generation(seq.prompt_ids, steps.tokens, steps.text, steps.finish, stats)
+        seq.generation = Generation(
+            seq.prompt_ids, steps.tokens, steps.text, steps.finish, stats, steps.kept_logprobs()
+        )
 
 
 def _copy_rows(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], n: int) -> None:

@@ -22,7 +22,8 @@ import torch
 
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, tokens_done, trace_rows
-from dsfp4.runtime.generate.sampling import SamplingParams, choose, sample
+from dsfp4.runtime.generate.logits_rules import TokenRules, pick
+from dsfp4.runtime.generate.sampling import SamplingParams, choose
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.profile.recorder import RoutingRecorder
@@ -176,12 +177,14 @@ class Decoder:
         gen: torch.Generator | None,
         cancel: threading.Event | None,
         budget: int,
+        rules: TokenRules | None = None,
     ) -> Iterator[int]:
         """Plain decoding: prefill ids after the cached tokens, then yield tokens. Replayed steps run one ahead
-        of the host (DecodeGraphs.tokens, sampling on the device); eager ones feed a token to the model only
-        when the next one is asked for (so the last one never is)."""
+        of the host (DecodeGraphs.tokens, sampling on the device); eager ones, and those of a sequence with `rules`
+        (which the host applies to each step's logits: replayed, not ahead), feed a token to the model only when the
+        next one is asked for (so the last one never is)."""
         logits = self.prefill(ids, cancel)
-        if self.replays:
+        if self.replays and rules is None:
             seed = sampling.seed
             on_device = None if seed is None else torch.Generator(self.model.device).manual_seed(seed)
             start = len(self.cached)
@@ -190,7 +193,7 @@ class Decoder:
             )
             return
         while True:
-            token = sample(logits, sampling, gen)
+            token = pick(rules, logits, sampling, gen)
             yield token
             logits, _ = self.forward([token], cancel)
 

@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from dsfp4.errors import DsfpError
+from dsfp4.runtime.generate.logprobs import TokenLogprob
 from dsfp4.runtime.generate.stats import GenerationStats
 
 
@@ -20,16 +21,21 @@ class Generation:
     # "stop" (EOS or a stop string), "length" or "cancelled" (the caller's cancel event)
     finish_reason: str
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # one entry per token of token_ids where the sampling asked for log-probabilities (logprobs.py), else None
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
-        """What `dsfp4 run --json` prints."""
-        return {
+        """What `dsfp4 run --json` prints (logprobs where they were asked for)."""
+        out = {
             "prompt_token_ids": self.prompt_ids,
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [e.to_dict() for e in self.logprobs]
+        return out
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class Delta:
     token_id: int | None
     # may be empty while text is held back; the deltas' texts add up to Generation.text
     text: str
+    # the token's log-probability and alternatives, where the sampling asked for them
+    logprob: TokenLogprob | None = None
 
 
 class Stream(Iterator[Delta]):

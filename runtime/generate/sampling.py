@@ -1,8 +1,10 @@
-"""Choosing the next token: greedy at temperature 0, else temperature, top-k and top-p sampling; and the
-speculative-sampling rule that checks a drafted token against the model's own distribution."""
+"""Choosing the next token: greedy at temperature 0, else temperature, min-p, top-k and top-p sampling; and the
+speculative-sampling rule that checks a drafted token against the model's own distribution. What a sequence does to
+its logits before this (penalties, a grammar's mask, log-probabilities) is logits_rules.py's."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,16 +17,34 @@ class SamplingParams:
     # 0: off
     top_k: int = 0
     seed: int | None = None
+    # OpenAI's: subtracted from a token's logit once it was generated (presence), per time generated (frequency)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # CTRL's, over prompt and generated tokens: a positive logit divided by it, a negative one multiplied (1: off)
+    repetition_penalty: float = 1.0
+    # after temperature, tokens less probable than min_p times the most probable one are left out (0: off)
+    min_p: float = 0.0
+    # report each token's log-probability and this many alternatives (None: none reported)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits (they then need the tokens so far: logits_rules.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """logits: [V] -> the probabilities sampling draws from [V] fp32 (not greedy: its callers take the argmax)."""
     assert not p.greedy, "greedy decoding takes the argmax, not a distribution"
     logits = logits.float() / p.temperature
+    if p.min_p > 0:
+        # log(min_p * top probability), relative to the top logit: the softmax's sum cancels
+        floor = logits.max() + math.log(p.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -25,7 +25,8 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.decoder import Decoder
-from dsfp4.runtime.generate.sampling import SamplingParams, check_draft, distribution, draw, sample
+from dsfp4.runtime.generate.logits_rules import TokenRules, pick
+from dsfp4.runtime.generate.sampling import SamplingParams, check_draft, distribution, draw
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.models.v3.model import Transformer
 from dsfp4.runtime.plan.limits import MTP_BATCH
@@ -85,8 +86,13 @@ class Speculator:
         pending.h, pending.next, pending.at = [], [], self.upto
         return logits
 
-    def _draft(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None):
-        """(draft token, the distribution it was drawn from [V], None when greedy) from MTP logits [V]."""
+    def _draft(
+        self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None, rules: TokenRules | None
+    ):
+        """(draft token, the distribution it was drawn from [V], None when greedy) from MTP logits [V], under the
+        sequence's rules where it has them (a draft the grammar refuses is not drawn)."""
+        if rules is not None:
+            logits = rules.process(logits)
         if not sampling.greedy:
             if self.override is not None:
                 raise ConfigError("the override test hook is for greedy decoding only")
@@ -104,16 +110,18 @@ class Speculator:
         cancel: threading.Event | None,
         stats: GenerationStats,
         budget: int,
+        rules: TokenRules | None = None,
     ) -> Iterator[int]:
         """Prefill ids after the cached tokens, then yield up to `budget` generated tokens. A token is fed to
-        the model only when the next one is asked for, as the engine's plain decoding does."""
+        the model only when the next one is asked for, as the engine's plain decoding does. The sequence's `rules`
+        process the draft's and the check's logits alike, and take only the tokens kept."""
         d = self.decoder
         base, offset = len(d.cached), 0
         # h: [t, D]
         for chunk_logits, h in d.feed(ids, cancel):
             self.entries(h, ids, base, offset)
             offset, last_h, logits = offset + len(h), h[-1:], chunk_logits
-        token = sample(logits, sampling, gen)
+        token = pick(rules, logits, sampling, gen)
         # the last prompt position's entry waits for the token just sampled; plain steps add one each
         pending = _Pending(base + len(ids) - 1, [last_h], [token])
         drafting = fallback = False
@@ -129,7 +137,7 @@ class Speculator:
                 if not drafting or room < 2:
                     # h: [1, D]
                     logits, h = d.forward([token], cancel)
-                    token = sample(logits, sampling, gen)
+                    token = pick(rules, logits, sampling, gen)
                     stats.plain_steps, stats.plain_s = stats.plain_steps + 1, stats.plain_s + self.clock() - t0
                     pending.h.append(h)
                     pending.next.append(token)
@@ -139,14 +147,17 @@ class Speculator:
                     produced += 1
                     yield token
                     continue
-                draft, q = self._draft(draft_logits, sampling, gen)
+                draft, q = self._draft(draft_logits, sampling, gen, rules)
                 # the position of `token`
                 at = len(d.cached)
                 logits, h = d.forward([token, draft], cancel, every=True)  # [2, V], [2, D]
-                checked, ok = check_draft(logits[0], q, draft, sampling, gen)
+                target = logits[0] if rules is None else rules.process(logits[0])
+                checked, ok = check_draft(target, q, draft, sampling, gen)
+                if rules is not None:
+                    rules.accept(checked, target)
                 # the draft stands, and the main model's logits after it give one more token for free
                 if ok:
-                    out = [draft, sample(logits[1], sampling, gen)]
+                    out = [draft, pick(rules, logits[1], sampling, gen)]
                     draft_logits = self._extend(h, out, at)
                 else:
                     # the draft's KV at at+1 is stale: the next step overwrites it

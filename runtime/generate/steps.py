@@ -9,6 +9,7 @@ from collections.abc import Generator, Iterator
 
 from dsfp4.runtime.generate.decoder import Cancelled
 from dsfp4.runtime.generate.generation import Delta
+from dsfp4.runtime.generate.logprobs import TokenLogprob
 from dsfp4.runtime.generate.reasoning import partial_suffix
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer, TextStream
@@ -48,12 +49,20 @@ class TextSteps:
     """One generation's tokens into text deltas, a token at a time (plain and speculative decoding pull them through
     text_deltas; a batch pushes each sequence's as its steps make them): detokenized as they come, EOS and stop
     strings applied, at most `budget` tokens, counted with the time to the first into `stats` (from perf_counter
-    `start`). `finish` is set once the generation ends: "stop" or "length" (or "cancelled", by the caller)."""
+    `start`). `finish` is set once the generation ends: "stop" or "length" (or "cancelled", by the caller).
+    `logprobs`: the sequence's rules' entries, one per token generated (TokenRules.logprobs; None: not asked)."""
 
     def __init__(
-        self, tokenizer: ChatTokenizer, stop: tuple[str, ...], budget: int, stats: GenerationStats, start: float
+        self,
+        tokenizer: ChatTokenizer,
+        stop: tuple[str, ...],
+        budget: int,
+        stats: GenerationStats,
+        start: float,
+        logprobs: list[TokenLogprob] | None = None,
     ):
         self.tokenizer, self.stop, self.budget, self.stats, self.start = tokenizer, stop, budget, stats, start
+        self.logprobs = logprobs
         # kept (EOS is not)
         self.tokens: list[int] = []
         self.text, self.emitted, self.finish = "", 0, None
@@ -81,7 +90,12 @@ class TextSteps:
         self.emitted = end
         if self.spent:
             self.finish = "length"
-        return Delta(token, text[emitted:end])
+        entry = self.logprobs[stats.generated_tokens - 1] if self.logprobs is not None else None
+        return Delta(token, text[emitted:end], entry)
+
+    def kept_logprobs(self) -> list[TokenLogprob] | None:
+        """The entries of the tokens kept (EOS, always the last, is not)."""
+        return None if self.logprobs is None else self.logprobs[: len(self.tokens)]
 
     @property
     def spent(self) -> bool:
@@ -109,10 +123,12 @@ def text_deltas(
     budget: int,
     stats: GenerationStats,
     start: float,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> Generator[Delta, None, tuple[list[int], str, str]]:
-    """TextSteps' deltas of the tokens from `source` (plain or speculative decoding). Returns (token ids kept, text,
-    finish reason: "stop", "length" or "cancelled"). The source is closed at the end, so the caches stay consistent."""
-    steps = TextSteps(tokenizer, stop, budget, stats, start)
+    """TextSteps' deltas of the tokens from `source` (plain or speculative decoding; `logprobs`: TextSteps'). Returns
+    (token ids kept, text, finish reason: "stop", "length" or "cancelled"). The source is closed at the end, so the
+    caches stay consistent."""
+    steps = TextSteps(tokenizer, stop, budget, stats, start, logprobs)
     try:
         for token in source:
             if (delta := steps.add(token)) is not None:

@@ -1,0 +1,64 @@
+"""Log-probabilities a generation reports: per generated token, its log-probability and the most likely alternatives,
+and per prompt token (completions' echo) the same under the logits before it.
+
+Which distribution: log_softmax of the logits after the sequence's penalties and grammar mask, before temperature,
+min-p, top-k and top-p (vLLM's "processed logits" less its sampling filters; OpenAI's, as far as it says). A token the
+grammar refuses has no entry among the alternatives (its log-probability is -inf, which JSON cannot carry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# OpenAI's bound on top_logprobs
+MAX_TOP = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token, its log-probability, and the `top` alternatives (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict:
+        """What `dsfp4 run --json` prints."""
+        return {"token_id": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """logits [V] (as processed) -> `token`'s entry with `top` alternatives (one host sync)."""
+    logp = logits.float().log_softmax(-1)  # [V]
+    values, ids = logp.topk(min(top, logp.numel())) if top else (logp[:0], logp[:0].long())
+    finite = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != float("-inf")]
+    return TokenLogprob(token, float(logp[token]), tuple(finite))
+
+
+def prompt_logprobs(logits: torch.Tensor, ids: Sequence[int], top: int) -> list[TokenLogprob | None]:
+    """The prompt's own tokens under the logits after each one (logits: [T, V], Engine.logits(ids)) -> an entry per
+    token of ids, None for the first (nothing comes before it). Raw logits: a prompt has no penalties or grammar."""
+    assert len(ids) == len(logits), "one row of logits per prompt token"
+    logp = logits.float().log_softmax(-1)[:-1]  # [T-1, V]: row i predicts token i + 1
+    following = torch.tensor(list(ids[1:]), dtype=torch.long)
+    chosen = logp.gather(1, following[:, None])[:, 0].tolist()
+    if top:
+        values, alt = logp.topk(min(top, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(a, v, strict=True)) for a, v in zip(alt.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [()] * len(chosen)
+    return [None] + [TokenLogprob(t, c, tp) for t, c, tp in zip(ids[1:], chosen, tops, strict=True)]
+
+
+def openai_logprob(entry: TokenLogprob, text: Callable[[int], str]) -> dict:
+    """One entry of OpenAI's chat `logprobs.content`: token text, log-probability, its UTF-8 bytes and the top
+    alternatives alike (`text`: a token id's text, e.g. ChatTokenizer.decode_alone)."""
+
+    def one(token: int, logprob: float) -> dict:
+        s = text(token)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}

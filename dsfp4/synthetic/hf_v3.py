@@ -25,6 +25,7 @@ from dsfp4.layout.formats import FORMATS, component_shapes
 from dsfp4.layout.fp4 import nvfp4_quantize
 from dsfp4.layout.fp8 import fp8_block_quantize
 from dsfp4.layout.safetensors_file import SafetensorsWriter
+from dsfp4.runtime.generate import tool_markup as mk
 from dsfp4.runtime.models.families import model_family
 from dsfp4.synthetic.shapes import GENERATION_CONFIG, v3_config
 
@@ -42,16 +43,42 @@ NORMS = re.compile(r".*(layernorm|norm)\.weight")
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>"]
 # R1's thinking tags are added tokens but not special ones: decoding keeps them, so the thinking can be split
 THINK_TOKENS = ["<think>", "</think>"]
+# each family's tool tokens, added after them (the old ids stay): V3's release, V4's DSML token; not special either
+TOOL_TOKENS = {"deepseek_v3": list(mk.V3_TOKENS), "deepseek_v4": list(mk.V4_TOKENS)}
+# A template of our own in V3-0324 / R1's tool format (tool_markup.py): the tools described after the system
+# prompt (describe_v3's text), an assistant's calls as fenced JSON, the results in one outputs block that the next
+# turn closes; a prompt that ends with results hands over without <｜Assistant｜>, as R1's does.
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system='') -%}"
+    "{%- set ns = namespace(system='', tool=false) -%}"
     "{%- for m in messages if m['role'] == 'system' -%}"
     "{%- set ns.system = ns.system ~ ('\\n\\n' if ns.system else '') ~ m['content'] -%}{%- endfor -%}"
+    "{%- if tools -%}"
+    f"{{%- set ns.system = ns.system ~ '\\n\\n' ~ {json.dumps(mk.TOOLS_HEAD, ensure_ascii=False)} -%}}"
+    "{%- for t in tools -%}{%- set f = t['function'] -%}"
+    "{%- set ns.system = ns.system ~ '\\n### ' ~ f['name'] ~ '\\nDescription: ' ~ f['description'] | default('')"
+    " ~ '\\n\\nParameters: ' ~ (f['parameters'] | default({}) | tojson) ~ '\\n' -%}{%- endfor -%}"
+    f"{{%- set ns.system = ns.system ~ {json.dumps(mk.V3_RULES, ensure_ascii=False)} -%}}"
+    "{%- endif -%}"
     "{{- bos_token ~ ns.system -}}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'user' -%}{{- '<｜User｜>' ~ m['content'] -}}"
-    "{%- elif m['role'] == 'assistant' -%}{{- '<｜Assistant｜>' ~ m['content'] ~ eos_token -}}{%- endif -%}"
+    "{%- if m['role'] == 'user' -%}"
+    f"{{{{- ('{mk.OUTPUTS_END}' if ns.tool else '') ~ '<｜User｜>' ~ m['content'] -}}}}{{%- set ns.tool = false -%}}"
+    "{%- elif m['role'] == 'assistant' -%}"
+    f"{{{{- '{mk.OUTPUTS_END}' if ns.tool else '<｜Assistant｜>' -}}}}{{%- set ns.tool = false -%}}"
+    "{{- m['content'] or '' -}}"
+    f"{{%- if m['tool_calls'] -%}}{{{{- '{mk.CALLS_BEGIN}' -}}}}"
+    "{%- for c in m['tool_calls'] -%}"
+    f"{{{{- ('\\n' if not loop.first else '') ~ '{mk.CALL_BEGIN}{mk.CALL_TYPE}{mk.SEP}' ~ c['function']['name']"
+    f" ~ '\\n```json\\n' ~ c['function']['arguments'] ~ '\\n```{mk.CALL_END}' -}}}}{{%- endfor -%}}"
+    f"{{{{- '{mk.CALLS_END}' -}}}}{{%- endif -%}}"
+    "{{- eos_token -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    f"{{{{- ('\\n' if ns.tool else '{mk.OUTPUTS_BEGIN}') ~ '{mk.OUTPUT_BEGIN}' ~ m['content'] ~ '{mk.OUTPUT_END}' -}}}}"
+    "{%- set ns.tool = true -%}"
+    "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
+    f"{{%- if ns.tool -%}}{{{{- '{mk.OUTPUTS_END}' -}}}}"
+    "{%- elif add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
 )
 
 
@@ -129,6 +156,7 @@ def write_tokenizer(
     )
     tok.train_from_iterator(corpus, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS.get(model_type, [])])
     # a release that builds its prompts in code (V4-Flash's) writes the BOS there and ships no template
     bos, in_code = SPECIAL_TOKENS[0], model_family(model_type).prompt_format is not None
     # V4-Flash's tokenizer.json: a plain byte-level post-processor

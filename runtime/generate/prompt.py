@@ -10,12 +10,14 @@ from numbers import Integral
 from pathlib import Path
 
 from dsfp4.errors import ConfigError, ContextLengthError
+from dsfp4.runtime.generate.chat_messages import chat_messages
 from dsfp4.runtime.generate.reasoning import opens_thinking
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+from dsfp4.runtime.generate.tools import check_tools
 
 # text, chat messages or token ids
-Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
-# the roles a chat message may have, and the role the chat template sees (OpenAI's developer is a system message)
+Prompt = str | Sequence[Mapping[str, object]] | Sequence[int]
+# the roles of a message that is not a tool result, as the prompt format sees them (chat_messages.ROLES has all)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # prompt tokens decoded to see whether the prompt opens a <think> block
 THINK_TAIL = 8
@@ -35,10 +37,14 @@ def encode_prompt(
     raw: bool = False,
     thinking: bool | None = None,
     default_thinking: bool | None = None,
+    tools: object = None,
 ) -> list[int]:
     """Token ids of a prompt: text (through the prompt format, with an optional system message, unless `raw`), chat
-    messages ([{"role": ..., "content": ...}], through the format) or token ids as given; `thinking` switches the
-    format's thinking where it has a switch (`default_thinking` where it is not given and the format is used)."""
+    messages ([{"role": ..., "content": ...}], through the format; with tool calls and results: chat_messages.py)
+    or token ids as given; `thinking` switches the format's thinking where it has a switch (`default_thinking`
+    where it is not given and the format is used); `tools`: an OpenAI tools list the format describes to the model
+    (tools.check_tools's shape; a format without tool calls refuses it)."""
+    tools = check_tools(tools)
     if not isinstance(system, (str, type(None))) or not isinstance(raw, bool):
         raise ConfigError(f"system must be text or None and raw true or false, not {system!r:.40} and {raw!r:.40}")
     if not isinstance(thinking, (bool, type(None))):
@@ -46,27 +52,24 @@ def encode_prompt(
     if isinstance(prompt, str):
         if raw and system is not None:
             raise ConfigError("a system message goes through the chat template, which raw skips; give one of them")
-        if raw and thinking is not None:
-            raise ConfigError("thinking is the prompt format's switch, which raw skips; give one of them")
+        if raw and (thinking is not None or tools):
+            raise ConfigError("thinking and tools go through the prompt format, which raw skips; leave them out")
         return tokenizer.encode_prompt(
-            prompt, system, raw, default_thinking if thinking is None and not raw else thinking
+            prompt, system, raw, default_thinking if thinking is None and not raw else thinking, tools
         )
     items = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, Mapping)) else []
     if items and (ids := as_token_ids(items)) is not None:
-        if system is not None or raw or thinking is not None:
-            raise ConfigError("system, raw and thinking apply to text prompts and chat messages, not to token ids")
+        if system is not None or raw or thinking is not None or tools:
+            raise ConfigError("system, raw, thinking and tools apply to text prompts and chat messages, not token ids")
         return ids
     if items and all(isinstance(m, Mapping) for m in items):
-        for i, m in enumerate(items):
-            if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
-                raise ConfigError(f"message {i}: role {m.get('role')!r:.40} is not one of {', '.join(ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise ConfigError(f"message {i}: content must be text, not {m.get('content')!r:.40}")
+        chat = chat_messages(items, tokenizer.tool_format is not None, tokenizer.keeps_reasoning)
         if raw:
             raise ConfigError("raw applies to text prompts; chat messages always go through the template")
         head = [{"role": "system", "content": system}] if system is not None else []
-        chat = [*head, *({"role": ROLES[m["role"]], "content": m["content"]} for m in items)]
-        return tokenizer.encode_chat(chat, thinking=default_thinking if thinking is None else thinking)
+        return tokenizer.encode_chat(
+            [*head, *chat], thinking=default_thinking if thinking is None else thinking, tools=tools
+        )
     raise ConfigError("the prompt must be text, a non-empty list of chat messages or a non-empty list of token ids")
 
 
@@ -96,10 +99,15 @@ class PromptRules:
         return self.spec.max_context
 
     def encode(
-        self, prompt: Prompt, system: str | None = None, raw: bool = False, thinking: bool | None = None
+        self,
+        prompt: Prompt,
+        system: str | None = None,
+        raw: bool = False,
+        thinking: bool | None = None,
+        tools: object = None,
     ) -> list[int]:
         """encode_prompt with this model's tokenizer and default thinking."""
-        return encode_prompt(self.tokenizer, prompt, system, raw, thinking, self.spec.thinking)
+        return encode_prompt(self.tokenizer, prompt, system, raw, thinking, self.spec.thinking, tools)
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""

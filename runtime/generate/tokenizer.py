@@ -17,6 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dsfp4.errors import ConfigError, ManifestError
+from dsfp4.runtime.generate.chat_messages import check_rendered
+from dsfp4.runtime.generate.tool_format import TOOL_FORMATS, V4, template_tool_format
 from dsfp4.runtime.models.families import model_family
 
 
@@ -39,8 +41,9 @@ def _template_source(model_dir: Path, cfg: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
-# the chat-template variable that switches thinking (DeepSeek-V3.1's)
-THINKING = "thinking"
+# the chat-template variable that switches thinking (DeepSeek-V3.1's), the one transformers gives the tools in,
+# and the message field of an assistant's reasoning
+THINKING, TOOLS, REASONING = "thinking", "tools", "reasoning_content"
 
 
 def _model_type(model_dir: Path) -> str | None:
@@ -50,6 +53,16 @@ def _model_type(model_dir: Path) -> str | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return cfg.get("model_type") if isinstance(cfg, dict) else None
+
+
+def with_system_text(messages: list[dict], text: str) -> list[dict]:
+    """The conversation with `text` after the last system message's (a system message of it first if none): where
+    a template that does not describe the tools gets the format's description (the last system message survives
+    in every DeepSeek template; some keep only it)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "system"), default=None)
+    if last is None:
+        return [{"role": "system", "content": text}, *messages]
+    return [*messages[:last], {**messages[last], "content": messages[last]["content"] + text}, *messages[last + 1 :]]
 
 
 def clean_text(text: str) -> str:
@@ -96,13 +109,19 @@ class ChatTokenizer:
         source = _template_source(model_dir, cfg)
         try:
             self.template = env.from_string(source) if source is not None else None
-            switch = source is not None and THINKING in meta.find_undeclared_variables(env.parse(source))
+            names = meta.find_undeclared_variables(env.parse(source)) if source is not None else set()
         except TemplateError as e:
             raise ConfigError(f"{cfg_path}: the chat template does not compile ({e})") from e
-        # the release's own format, over any template: (messages, thinking, add_generation_prompt) -> the prompt
+        # the release's own format, over any template: (messages, thinking, add_generation_prompt, tools) -> prompt
         self.native = model_family(_model_type(model_dir)).prompt_format
         # whether the format turns thinking on and off
-        self.thinking_switch = self.native is not None or switch
+        self.thinking_switch = self.native is not None or THINKING in names
+        # the format's tool calls (None: it has none); whether the template describes the tools itself (V3.1's and
+        # V3/R1's release templates do not: the format's description goes after the system prompt)
+        self.tool_format = TOOL_FORMATS[V4] if self.native is not None else template_tool_format(source)
+        self.template_tools = TOOLS in names
+        # whether an assistant's reasoning_content reaches the prompt
+        self.keeps_reasoning = self.native is not None or REASONING in (source or "")
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids; `special` adds the BOS and EOS that tokenizer_config.json's add_bos_token and add_eos_token ask
@@ -126,44 +145,66 @@ class ChatTokenizer:
         return text
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, thinking: bool | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The conversation as the model was trained to see it (the format writes the BOS itself). `thinking` turns
         the model's thinking on or off where the format has that switch (V4's thinking mode, V3.1's template
-        variable); None leaves the format's default (off)."""
+        variable); None leaves the format's default (off). `tools`: an OpenAI tools list (checked: tools.py), for
+        a format with tool calls; messages may hold tool calls and results (chat_messages.py's shape)."""
         if thinking is not None and not self.thinking_switch:
             raise ConfigError(
                 "this model's prompt format has no thinking switch (R1 always thinks, V3 never does); leave thinking "
                 "unset"
             )
+        if tools and self.tool_format is None:
+            raise ConfigError("tools: this model's prompt format has no tool calls (its chat template writes none)")
         if self.native is not None:
-            return self.native(messages, bool(thinking), add_generation_prompt)
+            return self.native(messages, bool(thinking), add_generation_prompt, tools or None)
         if self.template is None:
             raise ConfigError("this model has no chat template (tokenizer_config.json); give the prompt with --raw")
+        given = messages
+        if tools and not self.template_tools:
+            messages = with_system_text(messages, "\n\n" + self.tool_format.describe(tools))
         try:
-            return self.template.render(
+            prompt = self.template.render(
                 messages=messages,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 add_generation_prompt=add_generation_prompt,
                 **({} if thinking is None else {THINKING: thinking}),
+                **({TOOLS: tools} if tools and self.template_tools else {}),
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:
             raise ConfigError(f"the chat template refused the conversation: {e}") from e
+        check_rendered(prompt, given, tools)
+        return prompt
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, thinking: bool | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt, thinking), special=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, thinking, tools), special=False)
 
     def encode_prompt(
-        self, prompt: str, system: str | None = None, raw: bool = False, thinking: bool | None = None
+        self,
+        prompt: str,
+        system: str | None = None,
+        raw: bool = False,
+        thinking: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """One user turn (with an optional system message) through the prompt format, or raw text."""
+        """One user turn (with an optional system message, and tools) through the prompt format, or raw text."""
         if raw:
             return self.encode(prompt)
         head = [{"role": "system", "content": system}] if system else []
-        return self.encode_chat([*head, {"role": "user", "content": prompt}], thinking=thinking)
+        return self.encode_chat([*head, {"role": "user", "content": prompt}], thinking=thinking, tools=tools)
 
 
 class TextStream:

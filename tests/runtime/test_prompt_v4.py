@@ -91,8 +91,8 @@ def test_a_reasoning_before_the_last_user_turn_is_dropped_in_both_modes():
 
 def test_without_the_generation_prompt_the_hand_over_is_left_out():
     assert encode_v4(CONVERSATION, True, add_generation_prompt=False) == THINKING.removesuffix("<｜Assistant｜><think>")
-    with pytest.raises(ConfigError, match="no role 'tool'"):
-        encode_v4([{"role": "tool", "content": "x"}], False)
+    with pytest.raises(ConfigError, match="no role 'function'"):
+        encode_v4([{"role": "function", "content": "x"}], False)
 
 
 def test_the_tiny_v4_checkpoint_has_no_template_and_prompts_in_the_releases_format(v4_converted):

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from dsfp4.errors import ConfigError, ManifestError
 from dsfp4.runtime.generate.chat_messages import check_rendered
+from dsfp4.runtime.generate.reasoning import THINK_END
 from dsfp4.runtime.generate.tool_format import TOOL_FORMATS, V4, template_tool_format
 from dsfp4.runtime.models.families import model_family
 
@@ -132,6 +133,11 @@ class ChatTokenizer:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         head = [self.bos_id] if self.add_bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if self.add_eos and self.eos_id is not None else [])
+
+    def marker_ids(self) -> dict[str, int]:
+        """The tool format's markers and </think> that are single tokens here -> their ids (for its grammars)."""
+        texts = (*(self.tool_format.tokens if self.tool_format else ()), THINK_END)
+        return {t: i for t in texts if (i := self.tok.token_to_id(t)) is not None}
 
     def decode(self, ids: list[int], keep_special: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=not keep_special)

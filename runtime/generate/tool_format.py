@@ -19,7 +19,8 @@ class ToolFormat:
     start: the marker that opens a block of calls in the model's output; tokens: its marker strings that are single
     tokens of the release's vocabulary; calls: [(name, arguments JSON)] -> the block as a prompt writes it;
     describe: the OpenAI tools list -> the tools' description for the system prompt; scan: the text after `start`
-    -> the calls so far (tool_scan.py); grammar: (tools, parallel) -> a Lark grammar of a block of calls."""
+    -> the calls so far (tool_scan.py); grammar: (tools, parallel, marker token ids) -> the Lark rules of a block
+    of calls (tool_grammar.py)."""
 
     name: str
     start: str
@@ -27,7 +28,7 @@ class ToolFormat:
     calls: Callable[[Sequence[mk.Call]], str]
     describe: Callable[[Sequence[Mapping]], str]
     scan: Callable[[str], Scan]
-    grammar: Callable[[Sequence[Mapping], bool], str]
+    grammar: Callable[[Sequence[Mapping], bool, Mapping[str, int]], str]
 
 
 V3, V31, V4 = "deepseek_v3", "deepseek_v31", "deepseek_v4"

@@ -9,7 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dsfp4.errors import ConfigError
+from dsfp4.runtime.generate.reasoning import THINK_END
 from dsfp4.runtime.generate.tool_format import ToolFormat
+from dsfp4.runtime.generate.tool_grammar import seq
 
 # OpenAI's rule for a function's name
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -84,19 +86,23 @@ def check_tool_choice(choice: object, tools: Sequence[Mapping] | None) -> ToolCh
     return ToolChoice("function", f["name"])
 
 
-# the reasoning R1-style models write first, up to and with its closing tag
-REASONING = "reasoning[lazy]: /(?s:.*)<\\/think>/\n"
-
-
 def tool_choice_grammar(
-    fmt: ToolFormat, tools: Sequence[Mapping], choice: ToolChoice, parallel: bool = True, reasoning: bool = False
+    fmt: ToolFormat,
+    tools: Sequence[Mapping],
+    choice: ToolChoice,
+    ids: Mapping[str, int],
+    parallel: bool = True,
+    reasoning: bool = False,
 ) -> str | None:
     """The Lark grammar (llguidance's dialect) of an answer that is a block of calls as the choice demands: for
     "required" one or more calls of the tools (one with parallel false), for a named function one call of it;
-    None where the choice forces nothing. `reasoning`: the answer opens with a reasoning block the model closes
-    with </think> (a thinking prompt), then the calls."""
+    None where the choice forces nothing. `ids`: the single-token markers of the format (and </think>) -> their
+    token ids (ChatTokenizer.marker_ids). `reasoning`: the answer opens with reasoning the model closes with
+    </think> (a thinking prompt), then the calls."""
     if not choice.forced:
         return None
     chosen = [t for t in tools if choice.mode == "required" or t["function"]["name"] == choice.function]
-    start = "start: reasoning /\\s*/ tool_calls\n" + REASONING if reasoning else "start: tool_calls\n"
-    return start + fmt.grammar(chosen, parallel and choice.mode == "required")
+    start = "start: tool_calls\n"
+    if reasoning:
+        start = f"start: /(?s:.*)/ {seq(THINK_END, ids)} tool_calls\n"
+    return start + fmt.grammar(chosen, parallel and choice.mode == "required", ids)

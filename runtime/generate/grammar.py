@@ -3,12 +3,12 @@ against the model's tokenizer, and a matcher per sequence whose token mask leave
 allows next.
 
 A `Grammar` is the value a request or a flag gives (hashable: the compile cache's key); `GrammarCompiler` builds the
-tokenizer llguidance needs once (from tokenizer.json, at the width of the model's logits, so ids past the tokenizer's
-vocabulary, its padding, are never allowed), compiles each grammar once and hands out matchers; `GrammarMatcher`
-follows one sequence's tokens. Where a grammar is complete and allows nothing else, its mask allows only EOS: the
-sequence ends there. JSON is compact (no whitespace between its tokens), as a model's answer needs none and a model
-that rambles cannot fill it with blanks. llguidance computes a mask on the host (a bit per token); it is applied to
-the logits on their device.
+tokenizer llguidance needs once (grammar_tokenizer.py: from tokenizer.json, at the width of the model's logits, so ids
+past the tokenizer's vocabulary, its padding, are never allowed), compiles each grammar once and hands out matchers;
+`GrammarMatcher` follows one sequence's tokens. Where a grammar is complete and allows nothing else, its mask allows
+only EOS: the sequence ends there. JSON is compact (no whitespace between its tokens), as a model's answer needs none
+and a model that rambles cannot fill it with blanks. llguidance computes a mask on the host (a bit per token); it is
+applied to the logits on their device.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dsfp4.errors import ConfigError, DsfpError
+from dsfp4.runtime.generate.grammar_tokenizer import llguidance_tokenizer
 
 KINDS = ("json_object", "json_schema", "lark")
 # the JSON compiler's options: no whitespace between tokens (the separators are its defaults, "," and ":")
@@ -160,9 +161,8 @@ class GrammarCompiler:
             if not self.eos_ids:
                 raise ConfigError(f"{self.path}: no EOS token is known, so a grammar could not end the answer")
             try:
-                text = self.path.read_text()
-                self.tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab, eos_token=list(self.eos_ids))
-            except (OSError, ValueError) as e:
+                self.tokenizer = llguidance_tokenizer(llguidance, self.path, self.vocab, self.eos_ids)
+            except (OSError, ValueError, KeyError) as e:
                 raise ConfigError(f"{self.path}: llguidance cannot read this tokenizer ({e})") from e
             # a bit per token of its vocabulary, which a mask fills exactly
             self.words = -(-self.tokenizer.vocab_size // WORD_BITS)

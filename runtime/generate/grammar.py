@@ -152,7 +152,8 @@ class GrammarCompiler:
         # Grammar -> a matcher at its start, copied for each sequence
         self.compiled: OrderedDict[Grammar, Any] = OrderedDict()
 
-    def _llguidance(self) -> Any:
+    def llguidance(self) -> Any:
+        """The library, with the tokenizer built at the first call."""
         try:
             import llguidance
         except ImportError as e:
@@ -174,7 +175,7 @@ class GrammarCompiler:
         if grammar in self.compiled:
             self.compiled.move_to_end(grammar)
             return
-        llg = self._llguidance()
+        llg = self.llguidance()
         text = _grammar_text(llg, grammar)
         if err := llg.LLMatcher.validate_grammar(text, self.tokenizer):
             raise ConfigError(f"{grammar.origin}: {grammar.describe()} does not compile: {_one_line(err)}")

@@ -2,7 +2,9 @@
 (tokenizer_config.json, or chat_template.jinja) rendered with jinja2 in the environment transformers gives it
 (trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now), or, for a family whose release
 builds prompts in code (DeepSeek-V4: config.json's model_type names it), that code's format (its entry's prompt_format:
-runtime/models/families.py)."""
+runtime/models/families.py). Tools and an agent's history reach the prompt through either: the model's tool format
+(tool_format.py) is V4's for that family, else the one its template writes calls in; a template that does not
+describe the tools itself gets the format's description after the system prompt."""
 
 from __future__ import annotations
 

@@ -59,8 +59,10 @@ def encode_prompt(
         )
     items = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, Mapping)) else []
     if items and (ids := as_token_ids(items)) is not None:
-        if system is not None or raw or thinking is not None or tools:
-            raise ConfigError("system, raw, thinking and tools apply to text prompts and chat messages, not token ids")
+        if system is not None or raw or thinking is not None:
+            raise ConfigError("system, raw and thinking apply to text prompts and chat messages, not to token ids")
+        if tools:
+            raise ConfigError("tools go through the prompt format, which token ids skip; give text or chat messages")
         return ids
     if items and all(isinstance(m, Mapping) for m in items):
         chat = chat_messages(items, tokenizer.tool_format is not None, tokenizer.keeps_reasoning)

@@ -180,7 +180,7 @@ def test_tools_are_refused_where_the_format_is_skipped(tmp_path):
     tok = _tokenizer(tmp_path, "deepseek_v3")
     with pytest.raises(ConfigError, match="tools go through the prompt format, which raw skips"):
         encode_prompt(tok, "Hi", raw=True, tools=[WEATHER])
-    with pytest.raises(ConfigError, match="not token ids"):
+    with pytest.raises(ConfigError, match="tools go through the prompt format, which token ids skip"):
         encode_prompt(tok, [1, 2], tools=[WEATHER])
     assert encode_prompt(tok, "Hi", tools=[]) == encode_prompt(tok, "Hi")  # an empty list is no tools
 

@@ -32,7 +32,7 @@ from dsfp4.runtime.generate.batch import STEPPED_PROMPT_TOKENS, BatchRun, Hooks
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
-from dsfp4.runtime.generate.grammar import GrammarCompiler
+from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
 from dsfp4.runtime.generate.joint_prefill import prefill_together
 from dsfp4.runtime.generate.logits_rules import rules_for
 from dsfp4.runtime.generate.prompt import Prompt, PromptRules, PromptSpec, as_token_ids

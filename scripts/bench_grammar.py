@@ -21,7 +21,8 @@ import click
 import torch
 
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.generate.grammar import Grammar, GrammarCompiler
+from dsfp4.runtime.generate.grammar import Grammar
+from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
 
 # an answer of a known length on any model: 16 strings of at most 12 characters
 SCHEMA = {

@@ -7,8 +7,31 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from dsfp4.errors import DsfpError
-from dsfp4.runtime.generate.logprobs import TokenLogprob
 from dsfp4.runtime.generate.stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token, its log-probability, and the `top` alternatives (id, log-probability), most likely first
+    (runtime/generate/logprobs.py says under which distribution)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict:
+        """What `dsfp4 run --json` prints."""
+        return {"token_id": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+    def to_openai(self, text: Callable[[int], str]) -> dict:
+        """One entry of OpenAI's chat `logprobs.content`: token text, log-probability, its UTF-8 bytes, and the top
+        alternatives alike (`text`: a token id's text, e.g. ChatTokenizer.decode_alone)."""
+
+        def one(token: int, logprob: float) -> dict:
+            s = text(token)
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+        return {**one(self.token, self.logprob), "top_logprobs": [one(t, lp) for t, lp in self.top]}
 
 
 @dataclass

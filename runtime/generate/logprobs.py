@@ -3,31 +3,20 @@ and per prompt token (completions' echo) the same under the logits before it.
 
 Which distribution: log_softmax of the logits after the sequence's penalties and grammar mask, before temperature,
 min-p, top-k and top-p (vLLM's "processed logits" less its sampling filters; OpenAI's, as far as it says). A token the
-grammar refuses has no entry among the alternatives (its log-probability is -inf, which JSON cannot carry).
+grammar refuses has no entry among the alternatives (its log-probability is -inf, which JSON cannot carry). An entry
+is a TokenLogprob (generation.py, free of torch: the server's HTTP process formats it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
+from dsfp4.runtime.generate.generation import TokenLogprob
+
 # OpenAI's bound on top_logprobs
 MAX_TOP = 20
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token, its log-probability, and the `top` alternatives (id, log-probability), most likely first."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-    def to_dict(self) -> dict:
-        """What `dsfp4 run --json` prints."""
-        return {"token_id": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
@@ -51,14 +40,3 @@ def prompt_logprobs(logits: torch.Tensor, ids: Sequence[int], top: int) -> list[
     else:
         tops = [()] * len(chosen)
     return [None] + [TokenLogprob(t, c, tp) for t, c, tp in zip(ids[1:], chosen, tops, strict=True)]
-
-
-def openai_logprob(entry: TokenLogprob, text: Callable[[int], str]) -> dict:
-    """One entry of OpenAI's chat `logprobs.content`: token text, log-probability, its UTF-8 bytes and the top
-    alternatives alike (`text`: a token id's text, e.g. ChatTokenizer.decode_alone)."""
-
-    def one(token: int, logprob: float) -> dict:
-        s = text(token)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
-
-    return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}

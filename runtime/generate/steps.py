@@ -8,8 +8,7 @@ import time
 from collections.abc import Generator, Iterator
 
 from dsfp4.runtime.generate.decoder import Cancelled
-from dsfp4.runtime.generate.generation import Delta
-from dsfp4.runtime.generate.logprobs import TokenLogprob
+from dsfp4.runtime.generate.generation import Delta, TokenLogprob
 from dsfp4.runtime.generate.reasoning import partial_suffix
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer, TextStream

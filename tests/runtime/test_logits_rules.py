@@ -10,7 +10,7 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.logits_rules import TokenRules, penalize, rules_for
-from dsfp4.runtime.generate.logprobs import openai_logprob, prompt_logprobs, token_logprob
+from dsfp4.runtime.generate.logprobs import prompt_logprobs, token_logprob
 from dsfp4.runtime.generate.sampling import SamplingParams, distribution, sample
 from dsfp4.runtime.options import RunOptions
 
@@ -100,7 +100,7 @@ def test_prompt_logprobs_score_each_token_under_the_logits_before_it():
 
 def test_openai_logprob_entries_carry_text_bytes_and_alternatives():
     entry = token_logprob(LOGITS, 3, top=2)
-    out = openai_logprob(entry, lambda t: "é" if t == 3 else f"t{t}")
+    out = entry.to_openai(lambda t: "é" if t == 3 else f"t{t}")
     assert out["token"] == "é" and out["bytes"] == [0xC3, 0xA9] and math.isclose(out["logprob"], entry.logprob)
     assert [a["token"] for a in out["top_logprobs"]] == ["é", "t0"]
 

@@ -29,6 +29,7 @@ WEATHER = {
 }
 FREE = {"type": "function", "function": {"name": "free"}}
 TOOLS = [WEATHER, FREE]
+VOCAB = 640
 
 # what each release's model writes for two calls (the templates' and the card's strings)
 R1_OUTPUT = (
@@ -158,34 +159,43 @@ def test_calls_in_two_blocks_are_numbered_on():
 
 @pytest.fixture(scope="module")
 def matchers(tmp_path_factory):
-    """For a family's synthetic tokenizer: (a grammar's text -> an llguidance matcher, text -> token ids)."""
+    """For a family's synthetic tokenizer: (a grammar's text -> llguidance matchers, one for each way of reading
+    the tokenizer: the engine's (grammar_tokenizer.py: added tokens as text) and llguidance's own (added tokens as
+    special); text -> token ids; the marker ids)."""
     pytest.importorskip("llguidance")
     import llguidance
     import llguidance.hf
     from transformers import PreTrainedTokenizerFast
 
+    from dsfp4.runtime.generate.grammar_tokenizer import llguidance_tokenizer
     from dsfp4.runtime.generate.tokenizer import ChatTokenizer
     from dsfp4.synthetic.hf_v3 import write_tokenizer
 
     out = {}
     for family in ("deepseek_v3", "deepseek_v4"):
         d = tmp_path_factory.mktemp(family)
-        write_tokenizer(d, 640, family)
+        write_tokenizer(d, VOCAB, family)
         (d / "config.json").write_text(json.dumps({"model_type": family}))
         tok = ChatTokenizer(d)
-        lt = llguidance.hf.from_tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json")))
+        readings = (
+            llguidance_tokenizer(llguidance, d / "tokenizer.json", VOCAB, tuple(tok.eos_ids)),
+            llguidance.hf.from_tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))),
+        )
 
-        def matcher(grammar, lt=lt):
-            m = llguidance.LLMatcher(lt, llguidance.grammar_from("lark", grammar))
-            assert not m.is_error(), m.get_error()
-            return m
+        def matchers_of(grammar, readings=readings):
+            made = [llguidance.LLMatcher(lt, llguidance.grammar_from("lark", grammar)) for lt in readings]
+            assert not any(m.is_error() for m in made), [m.get_error() for m in made]
+            return made
 
-        out[family] = (matcher, lambda text, tok=tok: tok.encode(text, special=False), tok.marker_ids())
+        out[family] = (matchers_of, lambda text, tok=tok: tok.encode(text, special=False), tok.marker_ids())
     return out
 
 
-def _accepts(matcher, ids) -> bool:
-    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+def _accepts(matchers, ids) -> bool:
+    """Whether every reading's matcher takes the tokens to the grammar's end (all agree)."""
+    results = {all(m.consume_token(t) for t in ids) and m.is_accepting() for m in matchers}
+    assert len(results) == 1
+    return results.pop()
 
 
 @pytest.mark.parametrize("name", [V3, V31, V4])

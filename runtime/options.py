@@ -233,8 +233,9 @@ class SamplingOptions:
             raise ConfigError(f"--logprobs {self.logprobs}: give 0 to {MAX_TOP} alternatives")
 
     def sampling(self) -> SamplingParams:
-        penalties = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p)
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, *penalties, self.logprobs)
+        names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logprobs")
+        rules = {name: getattr(self, name) for name in names}
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, **rules)
 
 
 @dataclass(frozen=True)

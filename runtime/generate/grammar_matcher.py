@@ -38,6 +38,8 @@ class GrammarMatcher:
         # the host's mask words [W] and the bit shifts on the logits' device [32], made at the first mask
         self.host: torch.Tensor | None = None
         self.shifts: torch.Tensor | None = None
+        # the mask of the tokens so far (a draft's logits and the check's share it), until the next accept
+        self.current: torch.Tensor | None = None
 
     @property
     def accepting(self) -> bool:
@@ -51,6 +53,8 @@ class GrammarMatcher:
 
     def allowed(self, device: torch.device) -> torch.Tensor:
         """The tokens the grammar allows next -> bool [32 W] on `device` (ids past the logits' width are padding)."""
+        if self.current is not None and self.current.device == device:
+            return self.current
         if self.host is None:
             self.host = torch.zeros(self.words, dtype=torch.int32, pin_memory=device.type == "cuda")
             self.shifts = torch.arange(WORD_BITS, dtype=torch.int32, device=device)
@@ -58,7 +62,8 @@ class GrammarMatcher:
         self.matcher.unsafe_compute_mask_ptr(self.host.data_ptr(), self.words * 4)
         self._check()
         words = self.host.to(device)  # [W]
-        return ((words[:, None] >> self.shifts) & 1).bool().view(-1)  # [32 W]
+        self.current = ((words[:, None] >> self.shifts) & 1).bool().view(-1)  # [32 W]
+        return self.current
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] -> a copy with every token the grammar refuses at -inf."""
@@ -71,6 +76,7 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """The sequence took `token` (one the mask allowed)."""
         self.matcher.consume_token(token)
+        self.current = None
         self._check()
 
     def _check(self) -> None:

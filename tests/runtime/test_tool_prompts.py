@@ -248,3 +248,20 @@ def test_v4_prompts_with_tools_equal_the_releases(tmp_path):
     # and the ids: the DSML token is one token of the prompt
     ids = encode_prompt(tok, HISTORY, tools=[WEATHER])
     assert ids.count(tok.tok.token_to_id(mk.DSML)) == V4_TOOL_PROMPT.count(mk.DSML)
+
+
+@pytest.mark.parametrize(
+    ("family", "template"), [("deepseek_v3", None), ("deepseek_v3", V31_TEMPLATE), ("deepseek_v4", None)]
+)
+def test_an_assistants_calls_rendered_into_the_prompt_parse_back(tmp_path, family, template):
+    from dsfp4.runtime.generate.tool_calls import parse_tool_calls
+
+    tok = _tokenizer(tmp_path, family, template)
+    chat = encode_chat_messages(tok, HISTORY[:3])
+    text = tok.render_chat(chat, add_generation_prompt=False)
+    # the assistant's turn as the model would have written it: after the hand-over, up to the EOS
+    turn = text.rsplit("</think>" if "</think>" in text else "<｜Assistant｜>", 1)[1].removesuffix(tok.eos_token)
+    content, calls = parse_tool_calls(turn, tok.tool_format, [WEATHER])
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in CALLS
+    ]

@@ -193,3 +193,12 @@ def test_mtp_drafts_the_grammar_refuses_are_rejected(converted):
         g = engine.generate(prompt, max_tokens=ROOM, grammar=GRAMMAR, temperature=0.0)
         _fits(g.text)
         assert g.stats.drafted > 0 and g.stats.accepted == 0
+
+
+def test_a_json_schema_constrains_deepseek_v4_too(v4_converted):
+    """V4-Flash's tokenizer (byte-level, its own post-processor) gives llguidance its tokens as V3's does."""
+    with Engine(v4_converted, device="cpu", max_context=128) as engine:
+        for seed in range(2):
+            g = engine.generate("hi", max_tokens=ROOM, grammar=GRAMMAR, seed=seed, **SAMPLED)
+            assert g.finish_reason == "stop", g.text
+            _fits(g.text)

@@ -81,15 +81,21 @@ def prepare(
     model: Model, sequences: list[list[int]], starts: list[int], chunk: int, group: int, attend: int = 0
 ) -> LayerPass:
     """The pass of `sequences` (sequence j after starts[j] cached positions), embedded a chunk at a time on the device
-    and kept on the host; its feed-forward takes `group` tokens at once (0: a chunk's), its attention `attend` tokens
-    of a sequence (0: a chunk's)."""
+    and kept on the host (pinned for a GPU); its feed-forward takes `group` tokens at once (0: a chunk's), its
+    attention `attend` tokens of a sequence (0: a chunk's)."""
     tokens = [torch.tensor([s], device=model.device) for s in sequences]
     lengths = [len(s) for s in sequences]
     chunks = chunked(lengths, chunk)
     hidden = []
     for j, t in enumerate(tokens):
-        parts = [model.embed_tokens(t[:, p.at : p.at + p.n]).cpu() for p in chunks if p.seq == j]
-        hidden.append(torch.cat(parts, dim=1))
+        mine = [p for p in chunks if p.seq == j]
+        for p in mine:
+            x = model.embed_tokens(t[:, p.at : p.at + p.n])  # [1, n, ...]
+            if p.at == 0:
+                # pinned where the device is a GPU: the copies each block makes each way run at the link's speed
+                shape = (1, lengths[j], *x.shape[2:])
+                hidden.append(torch.empty(shape, dtype=x.dtype, pin_memory=model.device.type == "cuda"))
+            hidden[j][:, p.at : p.at + p.n].copy_(x)
     return LayerPass(tokens, starts, hidden, chunked(lengths, attend or chunk), chunks, grouped(chunks, group or chunk))
 
 
@@ -104,8 +110,8 @@ def run_blocks(model: Model, lp: LayerPass) -> Iterator[tuple[int, float]]:
             _read_ahead(model, i)
         done = 0
         for p in lp.attention:
-            x = lp.hidden[p.seq][:, p.at : p.at + p.n].to(device)  # [1, n, ...]
-            lp.hidden[p.seq][:, p.at : p.at + p.n] = model.block_attention(i, x, lp.starts[p.seq] + p.at).cpu()
+            x = lp.hidden[p.seq][:, p.at : p.at + p.n].to(device, non_blocking=True)  # [1, n, ...]
+            lp.hidden[p.seq][:, p.at : p.at + p.n].copy_(model.block_attention(i, x, lp.starts[p.seq] + p.at))
             if lp.attended is not None and p.at + p.n == lp.hidden[p.seq].shape[1]:
                 lp.attended(i, p.seq)
             done += p.n
@@ -113,12 +119,13 @@ def run_blocks(model: Model, lp: LayerPass) -> Iterator[tuple[int, float]]:
         for g in lp.groups:
             if lp.routed is not None:
                 lp.routed(g)
-            x = torch.cat([lp.hidden[p.seq][:, p.at : p.at + p.n] for p in g], dim=1).to(device)  # [1, G, ...]
+            pieces = [lp.hidden[p.seq][:, p.at : p.at + p.n].to(device, non_blocking=True) for p in g]
+            x = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]  # [1, G, ...]
             t = torch.cat([lp.tokens[p.seq][:, p.at : p.at + p.n] for p in g], dim=1)  # [1, G]
-            y = model.block_ffn(i, x, t, max(p.n for p in g)).cpu()
+            y = model.block_ffn(i, x, t, max(p.n for p in g))
             at = 0
             for p in g:
-                lp.hidden[p.seq][:, p.at : p.at + p.n] = y[:, at : at + p.n]
+                lp.hidden[p.seq][:, p.at : p.at + p.n].copy_(y[:, at : at + p.n])
                 at += p.n
             done += at
             yield i, done / work

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,12 +24,11 @@ import torch
 from dsfp4.device import use_expandable_segments
 from dsfp4.errors import ConfigError, DsfpError
 from dsfp4.kernels.linear import linear
-from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
-from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.routing_trace import write_trace
+from dsfp4.runtime.engine_setup import captured_graphs, trace_routing, warm_start, warm_up_kernels
+from dsfp4.runtime.generate.answer_format import AnswerFormat, no_grammar_beside
 from dsfp4.runtime.generate.batch import STEPPED_PROMPT_TOKENS, BatchRun, Hooks
-from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
 from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
@@ -45,7 +44,7 @@ from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.runtime.models.families import model_family
 from dsfp4.runtime.models.load import load_model, run_target
 from dsfp4.runtime.models.protocol import Model
-from dsfp4.runtime.models.trace_routing import TraceRouting, attach
+from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.options import SAMPLING, EngineOptions, RunOptions, SamplingOptions, with_knobs
 from dsfp4.runtime.plan.budget import peak_memory
 from dsfp4.runtime.plan.host_backbone import step_bytes_on_host
@@ -54,7 +53,6 @@ from dsfp4.runtime.plan.planner import Plan, layer_cache_bytes
 from dsfp4.runtime.profile.recorder import RoutingRecorder
 from dsfp4.runtime.store.counters import counters_since
 from dsfp4.runtime.store.expert_store import ExpertStore
-from dsfp4.runtime.store.placement import place_records
 
 
 class Engine:
@@ -98,7 +96,7 @@ class Engine:
         # one call at a time: two threads would corrupt the cache
         self._busy = threading.Lock()
         self.recorder = RoutingRecorder(self.model, trace=True) if o.record_trace else None
-        self.routing = _trace_routing(self.model, a, o, device, self.max_context) if o.routing is not None else None
+        self.routing = trace_routing(self.model, a, o, device, self.max_context) if o.routing is not None else None
         self.decoder = Decoder(
             self.model,
             None,
@@ -117,11 +115,11 @@ class Engine:
                 pc = open_prompt_cache(self.model, self.model_dir, o.prompt_cache, o.prompt_cache_size, conversion)
                 self.prompt_cache = pc
             self.reuse = PromptReuse(self.decoder, self.speculator, self.prompt_cache, self._model)
-            _warm_start(self.model, self.model_dir, manifest, o.zero_copy)
-            _warm_up_kernels(self.model, dtype, manifest.args, min(o.prefill_chunk, self.max_context))
+            warm_start(self.model, self.model_dir, manifest, o.zero_copy)
+            warm_up_kernels(self.model, dtype, manifest.args, min(o.prefill_chunk, self.max_context))
             if o.cuda_graph:
                 recording = self.recorder is not None
-                self.decoder.graphs = _captured_graphs(self.model, self.max_context, device, recording, self.routing)
+                self.decoder.graphs = captured_graphs(self.model, self.max_context, device, recording, self.routing)
         except BaseException:
             self.close()
             raise
@@ -197,12 +195,18 @@ class Engine:
             self.reuse.truncate(0)
 
     def encode(
-        self, prompt: Prompt, system: str | None = None, raw: bool = False, thinking: bool | None = None
+        self,
+        prompt: Prompt,
+        system: str | None = None,
+        raw: bool = False,
+        thinking: bool | None = None,
+        tools: object = None,
     ) -> list[int]:
         """Token ids of a prompt: text (through the prompt format, with an optional system message, unless
-        `raw`), chat messages ([{"role": ..., "content": ...}], through the format) or token ids as given.
-        `thinking` turns thinking on or off where the format has a switch (None: the engine's --thinking)."""
-        return self.rules.encode(prompt, system, raw, thinking)
+        `raw`), chat messages ([{"role": ..., "content": ...}], with tool calls and results, through the format) or
+        token ids as given. `thinking` turns thinking on or off where the format has a switch (None: the engine's
+        --thinking); `tools`: an OpenAI tools list the format describes to the model."""
+        return self.rules.encode(prompt, system, raw, thinking, tools)
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the model inside an R1-style <think> block (R1's chat templates do)."""
@@ -233,20 +237,31 @@ class Engine:
         raw: bool = False,
         thinking: bool | None = None,
         cancel: threading.Event | None = None,
+        tools: object = None,
+        tool_choice: object = None,
+        response_format: object = None,
         **sampling: Any,
     ) -> Stream:
         """Generate after `prompt` (see encode), yielding a Delta per token. Sampling arguments (SAMPLING's) left at
         None take the engine's options: temperature 0 is greedy; `seed` makes sampling reproducible; a `grammar` that
         does not compile is refused here; generation ends at an EOS token, a `stop` string (not part of the text) or
-        after `max_tokens` tokens. `cancel` (set from any thread) ends it at the next chunk or token ("cancelled")."""
+        after `max_tokens` tokens. `cancel` (set from any thread) ends it at the next chunk or token ("cancelled").
+        `tools`, `tool_choice` and `response_format` as OpenAI's chat completions take them (answer_format.py):
+        the Generation's tool_calls holds the answer's calls (a malformed one raises ToolCallError at the end)."""
+        answer = AnswerFormat.of(self.tokenizer, tools, tool_choice, response_format=response_format)
+        no_grammar_beside(sampling.get("grammar"), answer)
+        ids = self.encode(prompt, system, raw, thinking, answer.prompt_tools)
+        reasoning = self.opens_thinking(ids)
+        if (grammar := answer.grammar(self.tokenizer, reasoning)) is not None:
+            sampling["grammar"] = grammar
         options = self.options_for(**sampling)
         if options.grammar is not None:
             self.grammars.compile(options.grammar)
-        ids = self.encode(prompt, system, raw, thinking)
         self.check_prompt(ids)
+        finish = functools.partial(answer.finish, tokenizer=self.tokenizer, reasoning=reasoning)
         with self._claim():
             self._end_stream()
-            self._stream = Stream(self._steps(ids, options, cancel), self._claim)
+            self._stream = Stream(self._steps(ids, options, cancel, finish), self._claim)
         return self._stream
 
     def options_for(self, **sampling: Any) -> RunOptions:
@@ -379,7 +394,11 @@ class Engine:
 
     @torch.inference_mode()
     def _steps(
-        self, prompt_ids: list[int], options: SamplingOptions, cancel: threading.Event | None
+        self,
+        prompt_ids: list[int],
+        options: SamplingOptions,
+        cancel: threading.Event | None,
+        finish: Callable[[Generation], Generation],
     ) -> Generator[Delta, None, Generation]:
         """The generation loop: tokens from plain or speculative decoding, as deltas of text; then the stats."""
         n, store = len(prompt_ids), self._model().experts
@@ -395,9 +414,7 @@ class Engine:
         else:
             source = self.decoder.decode(prompt_ids[reuse:], sampling, gen, cancel, budget, rules)
         logprobs = rules.logprobs if rules is not None else None
-        tokens, text, finish = yield from text_deltas(
-            source, self.tokenizer, options.stop, budget, stats, start, logprobs
-        )
+        tokens, text, end = yield from text_deltas(source, self.tokenizer, options.stop, budget, stats, start, logprobs)
         stats.decode_s = time.perf_counter() - start - stats.prefill_s
         stats.store = counters_since(store.counters.snapshot(), before)
         stats.decode_mode = self.decode_mode
@@ -405,7 +422,7 @@ class Engine:
         self.reuse.save(prompt_ids, stats)
         self.stats, self._stream = stats, None
         kept = logprobs[: len(tokens)] if logprobs is not None else None
-        return Generation(list(prompt_ids), tokens, text, finish, stats, kept)
+        return finish(Generation(list(prompt_ids), tokens, text, end, stats, kept))
 
 
 def _engine_options(model_dir: object, options: object, knobs: dict[str, Any]) -> RunOptions:
@@ -444,43 +461,6 @@ def prompt_rules(
     a = manifest.args
     spec = PromptSpec(str(model_dir), a.eos_token_ids, max_context, a.max_seq_len, a.vocab_size, options.thinking)
     return PromptRules(spec)
-
-
-def _trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.device, max_context: int) -> TraceRouting:
-    """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
-    layers = [b.ffn.layer for b in model.layers if b.moe]
-    # a pass: a prefill chunk, a layer-wise pass's feed-forward group, or an MTP verify step
-    chunk = max(min(max(o.prefill_chunk, model.experts.plan.prefill_group), max_context), 2)
-    routing = TraceRouting(
-        o.routing, layers, a.n_routed_experts, a.n_activated_experts, a.route_scale, device, chunk, o.routing_recall
-    )
-    attach(model, routing)
-    return routing
-
-
-def _warm_start(model: Model, model_dir: Path, manifest: Manifest, zero_copy: bool) -> None:
-    """The expert tiers filled before the first generation: from the folder's hot.json when it belongs to this
-    conversion; with --zero-copy, kernels that read RAM's records in place where the device and RAM hold them all."""
-    hot = model_dir / HOT_NAME
-    profile = HotProfile.read(hot).check(manifest, hot) if hot.is_file() else None
-    kernel = model.moe_kernel
-    place_records(model.experts, profile, zero_copy=zero_copy and kernel is not None and kernel.triton)
-
-
-def _warm_up_kernels(model: Model, dtype: torch.dtype, a: ModelArgs, chunk: int) -> None:
-    """Triton compiles the MoE kernels here, not in the first TTFT."""
-    if model.moe_kernel is not None:
-        model.moe_kernel.warm_up(dtype, model.experts.gpu, a.n_routed_experts, chunk)
-
-
-def _captured_graphs(
-    model: Model, max_context: int, device: torch.device, recording: bool, routing: TraceRouting | None
-) -> DecodeGraphs:
-    """The decode step's CUDA graphs, captured now for every batch size of the plan, not in the first answer's
-    decode."""
-    graphs = DecodeGraphs(model, max_context, device, recording, routing)
-    graphs.capture_all(model.experts.plan.max_batch)
-    return graphs
 
 
 def _finish_stats(

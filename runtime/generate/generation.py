@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from dsfp4.errors import DsfpError
 from dsfp4.runtime.generate.stats import GenerationStats
+from dsfp4.runtime.generate.tool_calls import ToolCall
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     # one entry per token of token_ids where the sampling asked for log-probabilities (logprobs.py), else None
     logprobs: list[TokenLogprob] | None = None
+    # the answer's tool calls where the call offered tools (answer_format.py), else None
+    tool_calls: list[ToolCall] | None = None
 
     def to_dict(self) -> dict:
         """What `dsfp4 run --json` prints (logprobs where they were asked for)."""
@@ -58,6 +61,8 @@ class Generation:
         }
         if self.logprobs is not None:
             out["logprobs"] = [e.to_dict() for e in self.logprobs]
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in self.tool_calls]
         return out
 
 

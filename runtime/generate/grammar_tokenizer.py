@@ -55,7 +55,8 @@ class TokenTable:
             if text is None or (i in added and added[i].get("special")):
                 self.special_token_ids.append(i)
             if text is None:
-                self.tokens.append(b"")
+                # a name of its own: an empty special token passed wherever a lexeme may be empty (`/\\s*/`)
+                self.tokens.append(f"<|padding_{i}|>".encode())
             elif i in added:
                 self.tokens.append(text.encode("utf-8"))
             else:

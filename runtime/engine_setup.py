@@ -1,0 +1,54 @@
+"""What an Engine sets up as it opens, besides the model: routing by a trace, the expert tiers' warm start, the MoE
+kernels compiled and the decode step's CUDA graphs captured before the first answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.generate.decode_graph import DecodeGraphs
+from dsfp4.runtime.models.protocol import Model
+from dsfp4.runtime.models.trace_routing import TraceRouting, attach
+from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.placement import place_records
+
+
+def trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.device, max_context: int) -> TraceRouting:
+    """The MoE layers route by the trace of --routing (runtime/models/trace_routing.py)."""
+    layers = [b.ffn.layer for b in model.layers if b.moe]
+    # a pass: a prefill chunk, a layer-wise pass's feed-forward group, or an MTP verify step
+    chunk = max(min(max(o.prefill_chunk, model.experts.plan.prefill_group), max_context), 2)
+    routing = TraceRouting(
+        o.routing, layers, a.n_routed_experts, a.n_activated_experts, a.route_scale, device, chunk, o.routing_recall
+    )
+    attach(model, routing)
+    return routing
+
+
+def warm_start(model: Model, model_dir: Path, manifest: Manifest, zero_copy: bool) -> None:
+    """The expert tiers filled before the first generation: from the folder's hot.json when it belongs to this
+    conversion; with --zero-copy, kernels that read RAM's records in place where the device and RAM hold them all."""
+    hot = model_dir / HOT_NAME
+    profile = HotProfile.read(hot).check(manifest, hot) if hot.is_file() else None
+    kernel = model.moe_kernel
+    place_records(model.experts, profile, zero_copy=zero_copy and kernel is not None and kernel.triton)
+
+
+def warm_up_kernels(model: Model, dtype: torch.dtype, a: ModelArgs, chunk: int) -> None:
+    """Triton compiles the MoE kernels here, not in the first TTFT."""
+    if model.moe_kernel is not None:
+        model.moe_kernel.warm_up(dtype, model.experts.gpu, a.n_routed_experts, chunk)
+
+
+def captured_graphs(
+    model: Model, max_context: int, device: torch.device, recording: bool, routing: TraceRouting | None
+) -> DecodeGraphs:
+    """The decode step's CUDA graphs, captured now for every batch size of the plan, not in the first answer's
+    decode."""
+    graphs = DecodeGraphs(model, max_context, device, recording, routing)
+    graphs.capture_all(model.experts.plan.max_batch)
+    return graphs

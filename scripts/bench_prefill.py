@@ -4,7 +4,7 @@ plan, trace rows and links (simulate_prefill, the projection's), and its residen
 in tokens/s and as a share of the GPU's dense BF16 peak.
 
     python scripts/bench_prefill.py MODEL --routing TRACE --ceilings DOCTOR.json [--streamed 2048,8192]
-        [--resident 8192,32768] [--by-chunk 8192,32768] [--machine 16g] [--family v3] [--out DIR]
+        [--resident 8192,32768] [--machine 16g] [--family v3] [--out DIR]
 
 MODEL is scripts/bench_model.py's (DeepSeek-V3 widths, a few layers). The simulation's compute is the resident
 prefill's measured rate (FLOP/s over the prompt's FLOPs: the weights' and attention's, the family's attention_flops)
@@ -56,25 +56,20 @@ def prefill(engine: Engine, n: int, vocab: int) -> dict:
     return {"prefill_s": s.prefill_s, "ttft_s": s.ttft_s, "store": s.store}
 
 
-def resident(
-    model: Path, trace: Path, n: int, chunk: int, m: Manifest, peak: float, device: str, by_chunk: bool = False
-) -> dict:
-    """The bench model with every record on the device: a short warm-up, then the prompt of n tokens, in the plan's
-    order (layer by layer, attention_group tokens an attention call) or, `by_chunk`, a chunk through every block
-    after another (the decoder's attention_group set to a chunk)."""
+def resident(model: Path, trace: Path, n: int, chunk: int, m: Manifest, peak: float, device: str) -> dict:
+    """The bench model with every record on the device: a short warm-up, then the prompt of n tokens (a chunk through
+    every block after another, the decoder's order where every record is resident)."""
     budgets = {"preset": "80g"} if device == "cuda" else {}
     options = RunOptions(device=device, max_context=n + SLACK, routing=trace, prefill_chunk=chunk, **budgets)
     with Engine(model, options) as engine:
-        attend = chunk if by_chunk else engine.plan.attention_group
-        engine.decoder.attention_group = attend
         prefill(engine, min(n, 2 * chunk), m.args.vocab_size)
         r = prefill(engine, n, m.args.vocab_size)
     weights, context = prompt_flops(m, n)
     flops = weights + float(context.sum())
-    r |= {"tokens": n, "attention_group": attend, "tok_s": n / r["prefill_s"], "tflop_s": flops / r["prefill_s"] / 1e12}
+    r |= {"tokens": n, "tok_s": n / r["prefill_s"], "tflop_s": flops / r["prefill_s"] / 1e12}
     r["share_of_peak"] = flops / r["prefill_s"] / peak
     r |= {"weights_flops": weights, "attention_flops": float(context.sum())}
-    r["expansion_flops"] = expansion_flops(m, n, attend)
+    r["expansion_flops"] = expansion_flops(m, n, chunk)
     return r
 
 
@@ -136,9 +131,6 @@ def main() -> None:
     p.add_argument("--ceilings", type=Path, required=True, help="the doctor's JSON")
     p.add_argument("--streamed", default="2048,8192", help="prompt lengths at the machine's share")
     p.add_argument("--resident", default="8192,32768", help="prompt lengths with every record on the device")
-    p.add_argument(
-        "--by-chunk", default="", help="resident prompt lengths also run a chunk through every block after another"
-    )
     p.add_argument("--machine", default="16g")
     p.add_argument("--family", default="v3")
     p.add_argument("--chunk", type=int, default=RunOptions.prefill_chunk)
@@ -163,18 +155,17 @@ def main() -> None:
     m, c = Manifest.read(a.model), Ceilings.from_dict(json.loads(a.ceilings.read_text()))
     streamed_n, resident_n = _lengths(a.streamed), _lengths(a.resident)
     res = {n: resident(a.model, a.routing, n, a.chunk, m, a.peak, device) for n in sorted({*resident_n, *streamed_n})}
-    by_chunk = [resident(a.model, a.routing, n, a.chunk, m, a.peak, device, True) for n in _lengths(a.by_chunk)]
     rows = []
     for n in streamed_n:
         rate = res[n]["tflop_s"] * 1e12
         rows.append(streamed(a.model, a.routing, n, a.chunk, m, a.machine, a.family, c, rate))
     a.out.mkdir(parents=True, exist_ok=True)
-    out = {"resident": list(res.values()), "by_chunk": by_chunk, "streamed": rows}
+    out = {"resident": list(res.values()), "streamed": rows}
     (a.out / "bench_prefill.json").write_text(json.dumps(out, indent=1))
-    print("resident: tokens  attention call  prefill s  tok/s  TFLOP/s  share of BF16 peak")
-    for r in [*res.values(), *by_chunk]:
+    print("resident: tokens  prefill s  tok/s  TFLOP/s  share of BF16 peak")
+    for r in res.values():
         rate = f"{r['tok_s']:6.0f}  {r['tflop_s']:7.1f}  {r['share_of_peak']:.1%}"
-        print(f"  {r['tokens']:>6}  {r['attention_group']:>6}  {r['prefill_s']:9.3f}  {rate}")
+        print(f"  {r['tokens']:>6}  {r['prefill_s']:9.3f}  {rate}")
     print(
         f"streamed at {a.machine}'s share: tokens  slots gpu/ram  group  TTFT s  simulated s  error  SSD reads/record"
     )

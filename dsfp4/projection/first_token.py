@@ -32,10 +32,10 @@ from dsfp4.runtime.options import RunOptions
 # the share of a GPU's peak the projected prefill runs at: our prefill MoE's TFLOP/s at 4,096 tokens on the H100
 # over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
 PREFILL_SHARE = 310.5 / 989.4
-# the share attention against earlier positions runs at (its decompressed FLOPs over the peak): fitted with the
-# weights' share to the V3-width bench model's resident prefills of 2,048 and 32,768 tokens on the H200, which gave
-# 30.9% for the weights, PREFILL_SHARE's figure (docs/BENCHMARKS.md, 2026-12-02, long prompts)
-ATTENTION_SHARE = 0.138
+# the share attention against earlier positions runs at (its decompressed FLOPs over the peak, the keys' expansion
+# apart): fitted to the V3-width bench model's resident prefills of 32,768 tokens on the H200 in two sessions, the
+# weights and the expansion at PREFILL_SHARE (docs/BENCHMARKS.md, 2026-12-02, attention per group)
+ATTENTION_SHARE = 0.19
 # prompt tokens the time to first token is projected for
 PROMPTS = (64, 512, 2048, 8192, 32768)
 # the context a prompt's plan holds beyond it: room for an answer

@@ -2,14 +2,13 @@
 passes after them (a captured CUDA graph for one token when one is ready), feeds prompts in chunks and decodes
 plainly. The engine and speculative decoding both drive the model through it, and only through it.
 
-Where the routed experts stream (the store does not reach them all without the host), or where the plan's attention
-takes several chunks of a sequence at once (attention_group), a prompt longer than one chunk is fed layer by layer
-(layer_pass.py): its tokens through a block's attention, in pieces of attention_group tokens, then the block's
-feed-forward over groups of the prompt's tokens, before block L+1, so each layer's records are brought in once per
-group (the plan's prefill_group tokens), not once per chunk, and the cached keys are expanded once per piece. A piece's
-attention in block L reads the rows its earlier pieces wrote there, as it would have chunk by chunk: the same
-computations in another order, the same KV and logits. A pass cancelled inside the blocks keeps none of its chunks.
-Otherwise chunks go through all the blocks one after another.
+Where the routed experts stream (the store does not reach them all without the host), a prompt longer than one chunk
+is fed layer by layer (layer_pass.py): its tokens through a block's attention, in pieces of the plan's attention_group
+tokens, then the block's feed-forward over groups of the prompt's tokens, before block L+1, so each layer's records are
+brought in once per group (the plan's prefill_group tokens), not once per chunk, and the cached keys are expanded once
+per piece. A piece's attention in block L reads the rows its earlier pieces wrote there, as it would have chunk by
+chunk: the same computations in another order, the same KV and logits. A pass cancelled inside the blocks keeps none of
+its chunks. Where every record is reached in place, chunks go through all the blocks one after another, as before.
 """
 
 from __future__ import annotations
@@ -34,13 +33,13 @@ class Cancelled(Exception):
     """The caller's cancel event was set: the generation ends at the next chunk or token."""
 
 
-def by_layer(tokens: int, chunk: int, visible: bool, attend: int = 0) -> bool:
+def by_layer(tokens: int, chunk: int, visible: bool) -> bool:
     """A prompt of `tokens` goes through the model layer by layer (every chunk through a block before the next block)
-    where it takes more than one chunk and either the experts stream (not `visible`: the kernels do not reach every
-    record without the host) or the attention takes more than a chunk at once (`attend`, the plan's attention_group;
-    0: a chunk), which only a pass through each block for all the chunks can give it; the projection's prefill
-    follows the same rule."""
-    return tokens > chunk and (not visible or attend > chunk)
+    where the experts stream (not `visible`: the kernels do not reach every record without the host) and it takes
+    more than one chunk; the projection's prefill follows the same rule. Where every record is resident, a chunk
+    through every block after another was the faster order on the H200 at 2k-32k tokens, the larger attention calls
+    of a layer-wise pass included (docs/BENCHMARKS.md)."""
+    return tokens > chunk and not visible
 
 
 def _check(cancel: threading.Event | None) -> None:
@@ -122,10 +121,9 @@ class Decoder:
         self, ids: list[int], cancel: threading.Event | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Feed ids after the cached tokens in chunks: yields each chunk's forward (logits [V], hidden [t, D]); layer
-        by layer where ids take more than one chunk and experts stream or attention takes several chunks at once
-        (by_layer, the module's docstring)."""
+        by layer where experts stream and ids take more than one chunk (by_layer, the module's docstring)."""
         self._advanced(0, len(ids))
-        if by_layer(len(ids), self.prefill_chunk, self.model.experts.visible, self.attention_group):
+        if by_layer(len(ids), self.prefill_chunk, self.model.experts.visible):
             yield from self._feed_by_layer(ids, cancel)
             return
         for i in range(0, len(ids), self.prefill_chunk):

@@ -26,12 +26,13 @@ def test_the_decoder_reports_a_prefill_from_0_to_its_length_in_either_order(conv
         fill(resident.model.experts)
         chunked = _reports(resident)  # every record reached in place: chunk after chunk through all blocks
     with _engine(converted, 3, 5, prefill_chunk=4) as streamed:
+        streamed.decoder.attention_group = 4  # attention a chunk at a time, not the plan's whole prompt at once
         by_layer = _reports(streamed)  # layer by layer: a token is done once every block has taken it
     for seen in (chunked, by_layer):
         n = seen[0][1]
         assert seen[0] == (0, n) and seen[-1] == (n, n) and n > 12
         assert [d for d, _ in seen] == sorted(d for d, _ in seen)
-    assert len(by_layer) > len(chunked)  # one report a (block, chunk)
+    assert len(by_layer) > len(chunked)  # one report a (block, attention chunk) and a (block, feed-forward group)
 
 
 def test_the_display_waits_a_second_then_counts_down_and_clears():

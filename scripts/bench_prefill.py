@@ -119,7 +119,7 @@ def streamed(
         "simulated_s": sim.seconds,
         "error": sim.seconds / r["prefill_s"] - 1,
         "ssd_reads_per_record": s.get("ssd_reads", 0) / records,
-        "simulated_ssd_reads_per_record": sim.ssd_misses / records,
+        "simulated_ssd_reads_per_record": sim.ssd_bytes / m.record.nbytes / records,
         "simulation": sim.to_dict(),
     }
 

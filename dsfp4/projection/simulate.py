@@ -394,7 +394,8 @@ def simulate_prefill(
     for simulate; `host` too, its bytes read once per PREFILL_TILE_ROWS tokens) -> the prompt's totals, `seconds`
     the time to its first token. The chunks go through the layers in the decoder's order (by_layer): where experts
     stream, every chunk through a layer before the next layer, the layer's experts brought once per `group` tokens
-    (the plan's prefill_group; 0: a chunk's), as layer_pass.py runs them. `context_s` [P]: the seconds of attention
+    (the plan's prefill_group; 0: a chunk's), as layer_pass.py runs them, each layer's records read ahead as its pass
+    reaches it (_read_ahead). `context_s` [P]: the seconds of attention
     of a prompt token at each position (against the keys before it) in each MoE layer, beside costs.attn_s (None:
     none). `decode_steps`: the chunks are a batch's decode steps instead (MachineRun.decode_batch), each needing the
     token of the one before: one after another."""
@@ -412,8 +413,10 @@ def simulate_prefill(
         steps = [(layer, first, rows) for layer in range(n_layers) for first, rows in blocks]
     else:
         steps = [(layer, first, rows) for first, rows in blocks for layer in range(n_layers)]
-    now = 0.0
+    now, n_experts = 0.0, int(trace.max()) + 1
     for layer, first, rows in steps:
+        if layered and first == 0:
+            _read_ahead(tiers, layer, n_layers, n_experts, now)
         attn_s = float(context_s[first : first + len(rows)].sum())
         now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots, attn_s)
         if layer == n_layers - 1:
@@ -423,6 +426,28 @@ def simulate_prefill(
     out.compute_s = n_tokens * (n_layers * (costs.attn_s + costs.experts_s) + costs.other_s)
     out.compute_s += n_layers * (float(context_s.sum()) + len(blocks) * costs.host_s)
     return out
+
+
+def _read_ahead(tiers: Tiers, layer: int, n_layers: int, n_experts: int, at: float) -> None:
+    """layer_pass.py's read-ahead as a layer-wise pass reaches `layer` at `at`: where RAM holds all its records, those
+    not there are read from the SSD in expert order, then what RAM holds besides of the next layer's (this layer's
+    protected), behind the reads queued before; a wave that wants one later finds it in RAM at its read's end."""
+    mine = [(layer, e) for e in range(n_experts)]
+    if len(tiers.ram.fitting(mine)) < n_experts:
+        return
+    later = [(layer + 1, e) for e in range(n_experts)] if layer + 1 < n_layers else []
+    ahead = tiers.ram.fitting(mine + later)[n_experts:]
+    for keys, protected in ((mine, set()), (ahead, set(mine))):
+        keep = protected | set(keys)
+        for key in keys:
+            if key in tiers.ram:
+                continue
+            if tiers.ram.allocate(key, keep) is None:
+                return
+            nbytes = tiers.nbytes(key)
+            tiers.ssd_free = max(tiers.ssd_free, at) + nbytes / tiers.links.ssd
+            tiers.in_ram[key] = tiers.ssd_free
+            tiers.out.ssd_bytes += nbytes * tiers.counting
 
 
 def _prefill_layer(

@@ -179,9 +179,24 @@ def test_each_chunk_brings_again_what_the_ram_could_not_keep():
     small = simulate_prefill(prompt, 4, 4, RECORD, Links(1e9, 1e10), COSTS, chunk=4, policy="lru")
     large = simulate_prefill(prompt, 4, 8, RECORD, Links(1e9, 1e10), COSTS, chunk=4, policy="lru")
     one = simulate_prefill(prompt, 4, 4, RECORD, Links(1e9, 1e10), COSTS, chunk=8, policy="lru")
-    # the second chunk finds the last wave's 4 on the device; the rest come again from the SSD, or from a RAM of 8
-    assert (small.device_hits, small.ssd_misses) == (4, 12) and (large.ram_hits, large.ssd_misses) == (4, 8)
+    # the second chunk finds the last wave's 4 on the device; the rest come again from the SSD, or from a RAM of 8,
+    # which holds the layer: its 8 records read ahead once as the pass reaches it, each use then a RAM hit
+    assert (small.device_hits, small.ssd_misses, small.ssd_bytes) == (4, 12, 12 * RECORD)
+    assert (large.ram_hits, large.ssd_misses, large.ssd_bytes) == (12, 0, 8 * RECORD)
     assert one.ssd_misses == 8 and one.uses == 8  # one chunk of 8 tokens: each expert brought once
+
+
+def test_a_layer_wise_pass_reads_the_next_layers_records_while_this_one_computes():
+    """Where RAM holds a layer's records, the pass reads them ahead as it reaches the layer, and what RAM holds of the
+    next layer's behind them (layer_pass.py): the reads of layer 1 overlap layer 0's compute, so the prompt takes less
+    than its reads and its compute one after another, each record read once."""
+    trace = _trace(tokens=64, layers=2, experts=16, k=2)  # every expert of both layers used
+    links = Links(ssd=1e9, pcie=1e11)
+    costs = StepCosts(attn_s=1e-3, experts_s=3e-3, other_s=0.0, host_s=0.0)
+    both = simulate_prefill(trace, 4, 32, RECORD, links, costs, chunk=16, group=64)
+    reads = 32 * RECORD / links.ssd
+    assert both.ssd_bytes == 32 * RECORD and both.ssd_misses == 0
+    assert max(reads, both.compute_s) <= both.seconds < reads + both.compute_s
 
 
 @pytest.mark.slow
@@ -285,7 +300,8 @@ def test_a_streamed_prompts_group_brings_each_record_to_the_device_once():
 
 
 def test_attention_against_earlier_positions_adds_its_seconds_to_the_prompts_compute():
-    trace, links = _trace(tokens=32), Links(ssd=1e9, pcie=1e10)
+    # records quick to come, so that the prompt's compute shows in its time to first token
+    trace, links = _trace(tokens=32), Links(ssd=1e11, pcie=1e11)
     context = np.arange(32) * 1e-4  # [P] seconds a token at each position, per MoE layer
     plain = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=32)
     longer = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=32, context_s=context)

@@ -14,18 +14,22 @@ import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from dsfp4.errors import ConfigError, ContextLengthError
+from dsfp4.runtime.generate.answer_format import AnswerFormat
 from dsfp4.runtime.generate.generation import Delta, Generation
+from dsfp4.runtime.generate.grammar_compiler import GrammarCompiler
 from dsfp4.runtime.generate.prompt import PromptRules
-from dsfp4.runtime.generate.reasoning import ReasoningSplitter, split_reasoning
+from dsfp4.runtime.generate.tool_scan import ToolCallError
 from dsfp4.server.answers import Answer, progress_comment, sse, stats
-from dsfp4.server.jobs import Job, Progress, QueueFull, Report, Sink
+from dsfp4.server.choices import Asked, Choice
+from dsfp4.server.jobs import Job, Progress, PromptLogprobs, QueueFull, Report, Sink
 from dsfp4.server.metrics import Metrics
 from dsfp4.server.requests import ApiError, GenRequest, parse_request
 
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
 # how often a request checks whether its client is still there
 POLL_S = 0.25
 CANCELLED = "the generation was cancelled: the server is shutting down"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,14 +55,17 @@ class Served:
 
 @dataclass
 class Call:
-    """One accepted request on its way through the engine."""
+    """One accepted request on its way through the engine: a job per choice."""
 
     req: GenRequest
-    job: Job
+    jobs: list[Job]
     answer: Answer
-    # the prompt leaves the model inside a <think> block
-    thinking: bool
+    choices: list[Choice]
     watcher: asyncio.Task | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(job.done.is_set() for job in self.jobs)
 
 
 class Runs(Protocol):
@@ -78,6 +86,9 @@ class Context:
     scheduler: Runs
     served: Served
     metrics: Metrics
+    # a request's grammar compiled here before it is queued: one that does not compile is a 400 before anything
+    # streams (this process's own compiler, built at the first grammar)
+    grammars: GrammarCompiler
 
 
 Endpoint = Callable[[Context, Request], Awaitable[Response]]
@@ -103,7 +114,9 @@ def build_app(rules: PromptRules, scheduler: Runs, served: Served, metrics: Metr
     app = FastAPI(title="dsfp4", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
     app.add_exception_handler(HTTPException, http_error)
-    ctx = Context(rules, scheduler, served, metrics)
+    spec = rules.spec
+    grammars = GrammarCompiler(Path(spec.model_dir) / "tokenizer.json", spec.vocab_size, rules.tokenizer.eos_ids)
+    ctx = Context(rules, scheduler, served, metrics, grammars)
     for method, path, endpoint in (
         ("POST", "/v1/chat/completions", chat_completions),
         ("POST", "/v1/completions", completions),
@@ -191,20 +204,43 @@ async def complete(ctx: Context, request: Request, chat: bool) -> Response:
     call.watcher = asyncio.create_task(watch(ctx.scheduler, call, request))
     if call.req.stream:
         ctx.metrics.answered(endpoint, 200)
-        return StreamingResponse(events(call), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    while isinstance(item := await call.job.out.get(), (Delta, Progress)):
-        pass
-    # cancelled: the client is gone, nobody reads this answer
-    if item is None:
-        ctx.metrics.answered(endpoint, 499)
-        return Response(status_code=499)
-    if not isinstance(item, Generation):
-        e = ApiError.of(item)
-        ctx.metrics.answered(endpoint, e.status)
-        return JSONResponse(e.body(), e.status)
-    ctx.metrics.answered(endpoint, 200)
-    reasoning, text = split_reasoning(item.text, call.thinking) if chat else ("", item.text)
-    return JSONResponse(call.answer.whole(reasoning, text, item, call.job.wait_s))
+        media = "text/event-stream"
+        return StreamingResponse(events(ctx, call), media_type=media, headers={"Cache-Control": "no-cache"})
+    status, body = await whole(ctx, call)
+    ctx.metrics.answered(endpoint, status)
+    return JSONResponse(body, status) if body is not None else Response(status_code=status)
+
+
+async def whole(ctx: Context, call: Call) -> tuple[int, dict | None]:
+    """A non-streamed answer -> (status, body): every choice's, or the first error (the other choices cancelled)."""
+    results, made = [], []
+    for choice, job in zip(call.choices, call.jobs, strict=True):
+        while isinstance(item := await job.out.get(), (Delta, Progress, PromptLogprobs)):
+            if isinstance(item, PromptLogprobs):
+                choice.prompt = item.entries
+        # cancelled: the client is gone, nobody reads this answer
+        if item is None:
+            return 499, None
+        try:
+            if not isinstance(item, Generation):
+                raise ApiError.of(item)
+            made.append(call.answer.whole_choice(choice.index, *choice.whole(item)))
+        except (ApiError, ToolCallError) as e:
+            _cancel(ctx, call)
+            error = e if isinstance(e, ApiError) else _malformed(e)
+            return error.status, error.body()
+        results.append(item)
+    return 200, call.answer.whole(made, results, call.jobs[0].wait_s)
+
+
+def _malformed(e: ToolCallError) -> ApiError:
+    return ApiError(500, f"the model's tool call is malformed: {e}", code="invalid_tool_call")
+
+
+def _cancel(ctx: Context, call: Call) -> None:
+    for job in call.jobs:
+        if not job.done.is_set():
+            ctx.scheduler.cancel(job)
 
 
 def check_key(served: Served, request: Request) -> None:
@@ -217,7 +253,8 @@ def check_key(served: Served, request: Request) -> None:
 
 
 def accept(ctx: Context, req: GenRequest) -> Call:
-    """Tokenize, check against the context, queue: an ApiError for anything the engine would refuse."""
+    """Tokenize, check against the context, compile the answer's grammar, queue a job per choice: an ApiError for
+    anything the engine would refuse."""
     rules, served = ctx.rules, ctx.served
     if req.model not in (None, served.model_id):
         raise ApiError(
@@ -226,15 +263,16 @@ def accept(ctx: Context, req: GenRequest) -> Call:
             param="model",
             code="model_not_found",
         )
+    fmt = _field_error(lambda: _answer_format(rules, req))
     where = "messages" if req.chat else "prompt"
     try:
         # a completion's text is raw: it skips the prompt format
-        ids = rules.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking)
+        ids = rules.encode(req.prompt, raw=isinstance(req.prompt, str), thinking=req.thinking, tools=fmt.prompt_tools)
         rules.check(ids)
     except ContextLengthError as e:
         raise ApiError(400, _too_long(e, rules.spec.max_seq_len), where, "context_length_exceeded") from None
     except ConfigError as e:
-        # the chat template refused the conversation, or a token id is out of range
+        # the chat template refused the conversation, a message's field it cannot carry, a token id out of range
         raise ApiError(400, str(e), where) from None
     room = rules.room(len(ids))
     if req.max_tokens is not None and req.max_tokens > room:
@@ -242,15 +280,54 @@ def accept(ctx: Context, req: GenRequest) -> Call:
         raise ApiError(
             400, message + f"server's context of {rules.max_context}", "max_tokens", "context_length_exceeded"
         )
-    max_tokens = req.max_tokens or min(served.max_tokens or room, room)
-    job = Job(ids, {"max_tokens": max_tokens, **req.sampling}, ctx.scheduler.sink(asyncio.get_running_loop()))
+    thinking = req.chat and rules.opens_thinking(ids)
+    options = {"max_tokens": req.max_tokens or min(served.max_tokens or room, room), **req.sampling}
+    if req.logprobs is not None:
+        options["logprobs"] = req.logprobs
+    if (grammar := _field_error(lambda: fmt.grammar(rules.tokenizer, thinking))) is not None:
+        _field_error(lambda: ctx.grammars.compile(grammar))
+        options["grammar"] = grammar
+    answer = Answer(req.chat, served.model_id)
+    echo = (req.prompt if isinstance(req.prompt, str) else rules.tokenizer.decode(ids)) if req.echo else ""
+    asked = Asked(req.chat, fmt, rules.tokenizer, ids, thinking, req.logprobs is not None, echo, answer.id[-24:])
+    jobs = [_job(ctx, ids, options, i, req.logprobs if req.echo else None) for i in range(req.n)]
+    return Call(req, _submit(ctx, jobs), answer, [Choice(i, asked) for i in range(req.n)])
+
+
+def _answer_format(rules: PromptRules, req: GenRequest) -> AnswerFormat:
+    if not req.chat:
+        return AnswerFormat()
+    return AnswerFormat.of(rules.tokenizer, req.tools, req.tool_choice, req.parallel_tool_calls, req.response_format)
+
+
+def _field_error(check: Callable[[], T]) -> T:
+    """check()'s value; its ConfigError, which starts with the field it names ("tools[0].function.name: ..."), a
+    400 with that field as its param."""
     try:
-        ctx.scheduler.submit(job)
-    except QueueFull:
-        raise ApiError(
-            503, f"the server is busy: {served.max_queue} requests wait already; retry later", code="queue_full"
-        ) from None
-    return Call(req, job, Answer(req.chat, served.model_id), req.chat and rules.opens_thinking(ids))
+        return check()
+    except ConfigError as e:
+        message = str(e)
+        raise ApiError(400, message, param=message.split(":", 1)[0].split(" ", 1)[0]) from None
+
+
+def _job(ctx: Context, ids: list[int], options: dict, i: int, echo: int | None) -> Job:
+    """Choice i's job: seeds count up from the request's, so choices differ and each is reproducible."""
+    if i and options.get("seed") is not None:
+        options = {**options, "seed": options["seed"] + i}
+    return Job(ids, options, ctx.scheduler.sink(asyncio.get_running_loop()), echo=echo)
+
+
+def _submit(ctx: Context, jobs: list[Job]) -> list[Job]:
+    """Every choice's job queued, or none (503: the queue cannot hold them all)."""
+    for k, job in enumerate(jobs):
+        try:
+            ctx.scheduler.submit(job)
+        except QueueFull:
+            for queued in jobs[:k]:
+                ctx.scheduler.cancel(queued)
+            message = f"the server is busy: {ctx.served.max_queue} requests wait already; retry later"
+            raise ApiError(503, message, code="queue_full") from None
+    return jobs
 
 
 def _too_long(e: ContextLengthError, positions: int) -> str:
@@ -264,44 +341,96 @@ def _too_long(e: ContextLengthError, positions: int) -> str:
 
 async def watch(scheduler: Runs, call: Call, request: Request) -> None:
     """Cancel the job as soon as its client disconnects, streaming or not, until the job is done."""
-    while not call.job.done.is_set():
+    while not call.done:
         if await request.is_disconnected():
-            scheduler.cancel(call.job)
+            for job in call.jobs:
+                scheduler.cancel(job)
             return
         await asyncio.sleep(POLL_S)
 
 
-async def events(call: Call) -> AsyncIterator[str]:
-    """A streamed answer's server-sent events, up to [DONE] or an error's body."""
-    a, splitter = call.answer, ReasoningSplitter(call.thinking)
-    if call.req.chat:
-        yield sse(a.chunk(role=True))
-    out = call.job.out
-    item = await out.get()
-    while isinstance(item, (Delta, Progress)):
-        if isinstance(item, Progress):
-            yield progress_comment(item)
-            item = await out.get()
-            continue
-        piece, item = item.text, None
-        # deltas that queued while the last chunk went out leave as one chunk
-        while not out.empty():
-            if not isinstance(nxt := out.get_nowait(), Delta):
-                item = nxt
-                break
-            piece += nxt.text
-        reasoning, text = splitter.feed(piece) if call.req.chat else ("", piece)
-        if reasoning or text:
-            yield a.event(reasoning, text)
-        if item is None:
-            item = await out.get()
-    if isinstance(item, Generation):
-        reasoning, text = splitter.flush() if call.req.chat else ("", "")
-        yield sse({**a.chunk(reasoning, text, item.finish_reason), "stats": stats(item, call.job.wait_s)})
-        if call.req.include_usage:
-            yield sse(a.usage_chunk(item))
-        yield sse("[DONE]")
-    else:
+async def events(ctx: Context, call: Call) -> AsyncIterator[str]:
+    """A streamed answer's server-sent events, up to [DONE] or an error's body (then no [DONE]: a stream cut short
+    never looks complete)."""
+    a, choices, inbox = call.answer, call.choices, Inbox(call.jobs)
+    ended: dict[int, Generation] = {}
+    try:
+        if call.req.chat:
+            for c in choices:
+                yield sse(a.chunk(role=True, index=c.index))
+        while len(ended) < len(choices):
+            for i, item in await inbox.take():
+                out = _event(call, choices[i], item, ended)
+                if out:
+                    yield out
+    except (ApiError, ToolCallError) as e:
+        _cancel(ctx, call)
+        yield sse((e if isinstance(e, ApiError) else _malformed(e)).body())
+        return
+    finally:
+        inbox.close()
+    results = [ended[c.index] for c in choices]
+    if call.req.include_usage:
+        yield sse(a.usage_chunk(results))
+    yield sse("[DONE]")
+
+
+def _event(call: Call, choice: Choice, item: object, ended: dict[int, Generation]) -> str:
+    """The events of one item of a choice's channel ("" for none); ApiError or ToolCallError to end the stream."""
+    a = call.answer
+    if isinstance(item, Progress):
+        return progress_comment(item) if choice.index == 0 else ""
+    if isinstance(item, PromptLogprobs):
+        choice.prompt = item.entries
+        return ""
+    if not isinstance(item, (list, Generation)):
         # an error, or None: cancelled because the client left (unread) or the server is shutting down
-        e = ApiError.of(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
-        yield sse(e.body())
+        raise ApiError.of(item) if item is not None else ApiError(503, CANCELLED, code="cancelled")
+    # a completion's echo goes first
+    head = sse(a.piece_chunk(choice.index, echo)) if (echo := choice.start()) is not None else ""
+    if isinstance(item, list):
+        piece = choice.feed(item)
+        if piece is None:
+            return head
+        if piece.plain and choice.index == 0:
+            return head + a.event(piece.reasoning, piece.text)
+        return head + sse(a.piece_chunk(choice.index, piece))
+    ended[choice.index] = item
+    piece, finish = choice.end(item)
+    wait_s = call.jobs[choice.index].wait_s
+    return head + sse({**a.piece_chunk(choice.index, piece, finish), "stats": stats(item, wait_s)})
+
+
+class Inbox:
+    """The items of a request's jobs as they come, (choice, item) in order, a choice's deltas in a row as one list:
+    deltas that queued while the last chunk went out leave as one chunk. One job's channel is read as it is; several
+    are forwarded into one."""
+
+    def __init__(self, jobs: list[Job]):
+        self.one = len(jobs) == 1
+        self.queue: asyncio.Queue = jobs[0].out if self.one else asyncio.Queue()
+        self.tasks = [] if self.one else [asyncio.create_task(self._forward(i, job)) for i, job in enumerate(jobs)]
+
+    async def _forward(self, i: int, job: Job) -> None:
+        while isinstance(item := await job.out.get(), (Delta, Progress, PromptLogprobs)):
+            self.queue.put_nowait((i, item))
+        self.queue.put_nowait((i, item))
+
+    async def take(self) -> list[tuple[int, object]]:
+        """What has come (waiting for the first)."""
+        got = [await self.queue.get()]
+        while not self.queue.empty():
+            got.append(self.queue.get_nowait())
+        out: list[tuple[int, object]] = []
+        for i, item in ((0, x) for x in got) if self.one else got:
+            if not isinstance(item, Delta):
+                out.append((i, item))
+            elif out and out[-1][0] == i and isinstance(out[-1][1], list):
+                out[-1][1].append(item)
+            else:
+                out.append((i, [item]))
+        return out
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dsfp4.runtime.generate.generation import TokenLogprob
+
 
 class QueueFull(Exception):
     """max_queue requests wait already (or the server is shutting down)."""
@@ -46,6 +48,14 @@ class Progress:
     total: int
 
 
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A completion's echo on its job's channel, before its first Delta: each prompt token's log-probability and
+    alternatives (None for the first: nothing comes before it)."""
+
+    entries: list[TokenLogprob | None]
+
+
 class Sink(Protocol):
     def deliver(self, items: list[tuple[Job, object]]) -> None:
         """Items to their jobs' channels, in order."""
@@ -54,7 +64,8 @@ class Sink(Protocol):
 @dataclass(eq=False)
 class Job:
     """A request's generation: what to run, and the channel its results come back on: Progress... while its prompt
-    is prefilled, Delta..., then the Generation, or None when it was cancelled, or the exception that ended it."""
+    is prefilled (and PromptLogprobs where `echo` asks), Delta..., then the Generation, or None when it was
+    cancelled, or the exception that ended it."""
 
     prompt_ids: list[int]
     # Engine.stream keywords
@@ -70,6 +81,8 @@ class Job:
     queued: float = field(default_factory=time.perf_counter)
     # in the queue before the engine took it
     wait_s: float = 0.0
+    # the prompt's log-probabilities with this many alternatives, before the answer (None: not asked)
+    echo: int | None = None
 
     def send(self, item: object) -> None:
         post([(self, item)])

@@ -3,10 +3,13 @@
 loop's writes of 16 streams and the engine's steps took turns (docs/BENCHMARKS.md: the server in two processes).
 
 Messages are pickled tuples. From the HTTP process:
-    ("submit", id, prompt_ids, options)   ("cancel", id)   ("report", rid)
+    ("submit", id, prompt_ids, options, echo)   ("cancel", id)   ("report", rid)
 From the engine's:
-    ("items", [(id, token_id, text), ...])      a step's deltas for every job (tuples: a Delta pickles slower)
+    ("items", [(id, token_id, text[, (token, logprob, top)]), ...])
+                                                 a step's deltas for every job (tuples: a Delta pickles slower), with
+                                                 the token's log-probability where the job asked for them
     ("progress", id, done, total)                a job's prefill advanced (jobs.Progress)
+    ("prompt", id, entries)                      a job's prompt log-probabilities (jobs.PromptLogprobs)
     ("end", id, outcome, result, wait_s)         a job's last item (Generation, None when cancelled, or ApiError), its
                                                  Generation where it has one, and its time in the queue
     ("report", rid, Report)
@@ -26,8 +29,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from dsfp4.runtime.generate.generation import Delta
-from dsfp4.server.jobs import Job, Progress, QueueFull, Report
+from dsfp4.runtime.generate.generation import Delta, TokenLogprob
+from dsfp4.server.jobs import Job, Progress, PromptLogprobs, QueueFull, Report
 from dsfp4.server.requests import ApiError
 
 if TYPE_CHECKING:
@@ -89,10 +92,16 @@ class EngineLink:
         deltas = []
         for job, item in items:
             if isinstance(item, Delta):
-                deltas.append((job.id, item.token_id, item.text))
+                lp = item.logprob
+                if lp is None:
+                    deltas.append((job.id, item.token_id, item.text))
+                else:
+                    deltas.append((job.id, item.token_id, item.text, (lp.token, lp.logprob, lp.top)))
             elif isinstance(item, Progress):
                 # posted alone (Job.send), before the job's first delta
                 self.send(("progress", job.id, item.done, item.total))
+            elif isinstance(item, PromptLogprobs):
+                self.send(("prompt", job.id, item.entries))
             else:
                 # the outcome: it leaves with the job's end (done), which brings its wait and result
                 self._outcomes[job.id] = ApiError.of(item) if isinstance(item, BaseException) else item
@@ -113,8 +122,8 @@ class EngineLink:
             except BROKEN:
                 return
             if message[0] == "submit":
-                _, jid, prompt_ids, options = message
-                job = self.jobs[jid] = Job(prompt_ids, options, self, jid)
+                _, jid, prompt_ids, options, echo = message
+                job = self.jobs[jid] = Job(prompt_ids, options, self, jid, echo=echo)
                 try:
                     scheduler.submit(job)
                 except QueueFull:
@@ -163,7 +172,7 @@ class RemoteScheduler:
             raise QueueFull
         job.id = next(self._ids)
         self.jobs[job.id] = job
-        self._send(("submit", job.id, job.prompt_ids, job.options))
+        self._send(("submit", job.id, job.prompt_ids, job.options, job.echo))
 
     def cancel(self, job: Job) -> None:
         job.cancelled.set()
@@ -210,12 +219,16 @@ class RemoteScheduler:
 
     def _handle(self, message: tuple) -> None:
         if message[0] == "items":
-            for jid, token_id, text in message[1]:
-                if (job := self.jobs.get(jid)) is not None:
-                    job.out.put_nowait(Delta(token_id, text))
+            for item in message[1]:
+                if (job := self.jobs.get(item[0])) is not None:
+                    lp = TokenLogprob(*item[3]) if len(item) > 3 else None
+                    job.out.put_nowait(Delta(item[1], item[2], lp))
         elif message[0] == "progress":
             if (job := self.jobs.get(message[1])) is not None:
                 job.out.put_nowait(Progress(*message[2:]))
+        elif message[0] == "prompt":
+            if (job := self.jobs.get(message[1])) is not None:
+                job.out.put_nowait(PromptLogprobs(message[2]))
         elif message[0] == "end":
             _, jid, outcome, result, wait_s = message
             if (job := self.jobs.pop(jid, None)) is not None:

@@ -2,8 +2,9 @@
 
 What /v1/chat/completions and /v1/completions accept, and the 4xx each bad field gets: an OpenAI-style error
 body that names the field. Fields the API defines but dsfp4 does not implement are accepted at their
-neutral value only (n=1, no penalties, no logprobs, no tools), so a client never gets a silently different
-answer than it asked for.
+neutral value only (no logit_bias, best_of 1, no suffix), so a client never gets a silently different answer than it
+asked for. What needs the model's tokenizer (tools against its tool format, a schema compiled) is checked as the
+request is accepted (app.py); here the shapes.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsfp4.runtime.generate.prompt import ROLES
+from dsfp4.runtime.generate.chat_messages import ROLES
+from dsfp4.runtime.generate.generation import MAX_TOP
 
 # each stop string is checked against the text's end at every token
 MAX_STOPS = 16
 SEED_LIMIT = 1 << 63
+# choices of one request: each is a generation of its own in the scheduler
+MAX_N = 16
 COMMON = {
     "model",
     "max_tokens",
@@ -24,53 +28,41 @@ COMMON = {
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "stream",
     "stream_options",
     "user",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "logit_bias",
 }
 # defined by the API, served only at these values
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
+}
+# defined by the API and refused whatever their value: why
+REFUSED = {
+    "functions": "OpenAI's deprecated form of tools; give tools",
+    "function_call": "OpenAI's deprecated form of tool_choice; give tool_choice",
 }
 CHAT_ONLY = {
     "messages",
     "chat_template_kwargs",
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
     "top_logprobs",
-    "logit_bias",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
     "response_format",
+    *REFUSED,
 }
-COMPLETION_ONLY = {
-    "prompt",
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-    "logit_bias",
-    "echo",
-    "suffix",
-    "best_of",
-}
+COMPLETION_ONLY = {"prompt", "echo", "suffix", "best_of"}
 
 
 class ApiError(Exception):
@@ -113,6 +105,18 @@ class GenRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     # chat_template_kwargs' thinking switch (None: the server's --thinking)
     thinking: bool | None = None
+    # choices, each a generation (seeds seed, seed + 1, ...)
+    n: int = 1
+    # log-probabilities asked for: the alternatives per token (None: none)
+    logprobs: int | None = None
+    # completions: the prompt's text (and with logprobs its tokens') before the answer
+    echo: bool = False
+    # chat: the answer's format as the request gives it (answer_format.AnswerFormat.of checks it with the model's
+    # tokenizer)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    response_format: Any = None
 
 
 def _is_int(v: object) -> bool:
@@ -157,7 +161,9 @@ def _text(content: object, where: str) -> str:
     raise _bad(where, 'must be a string or a list of {"type": "text", "text": ...} parts (text only)')
 
 
-def _messages(value: object) -> list[dict[str, str]]:
+def _messages(value: object) -> list[dict]:
+    """The messages' shapes: roles, text content (parts joined); their tool calls, tool results and other fields go
+    on to chat_messages.py, which refuses what the model's format cannot carry, field by field."""
     if not isinstance(value, list) or not value:
         raise _bad("messages", 'must be a non-empty list of {"role": ..., "content": ...} objects')
     out = []
@@ -168,17 +174,17 @@ def _messages(value: object) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}")
-        if "content" not in m:
+        # an assistant's turn of tool calls may leave its content out or null
+        calls = role == "assistant" and bool(m.get("tool_calls"))
+        if "content" not in m and not calls:
             raise _bad(f"{where}.content", "is missing")
-        # a field the prompt would not carry is refused, not dropped (an agent's tool calls, a speaker's name)
-        if extra := sorted(set(m) - {"role", "content"}):
-            raise _bad(f"{where}.{extra[0]}", "not served: dsfp4's prompts carry a message's role and content only")
-        out.append({"role": ROLES[role], "content": _text(m["content"], f"{where}.content")})
+        content = m.get("content")
+        out.append({**m, "content": None if content is None and calls else _text(content, f"{where}.content")})
     return out
 
 
 def _prompt(value: object) -> str | list[int]:
-    """A completion prompt: text or token ids, one of each at most (n=1)."""
+    """A completion prompt: text or token ids, one prompt per request (a list of prompts is refused)."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]
     if isinstance(value, str) and value:
@@ -228,6 +234,8 @@ def parse_request(raw: bytes, chat: bool) -> GenRequest:
         if body.get(name) is not None and body[name] not in NEUTRAL[name]:
             allowed = " or ".join(json.dumps(v) for v in NEUTRAL[name])
             raise _bad(name, f"dsfp4 serves only {allowed} here, got {json.dumps(body[name])}")
+    if refused := next((name for name in REFUSED if body.get(name) is not None), None):
+        raise _bad(refused, f"not served: {REFUSED[refused]}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "must be a string")
@@ -246,7 +254,17 @@ def parse_request(raw: bytes, chat: bool) -> GenRequest:
         "top_k": _integer(body, "top_k", 0, 1 << 31),
         "seed": _integer(body, "seed", 0, SEED_LIMIT),
         "stop": _stop(body.get("stop")),
+        "presence_penalty": _number(body, "presence_penalty", -2, 2),
+        "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
+        "repetition_penalty": _number(body, "repetition_penalty", 0, 2, lo_open=True),
+        "min_p": _number(body, "min_p", 0, 1),
     }
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "must be true or false")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise _bad("echo", "must be true or false")
     return GenRequest(
         chat=chat,
         prompt=_messages(body.get("messages")) if chat else _prompt(body.get("prompt")),
@@ -256,4 +274,24 @@ def parse_request(raw: bytes, chat: bool) -> GenRequest:
         max_tokens=lengths["max_completion_tokens"] or lengths["max_tokens"],
         sampling={k: v for k, v in sampling.items() if v is not None},
         thinking=_thinking(body.get("chat_template_kwargs")) if chat else None,
+        n=_integer(body, "n", 1, MAX_N + 1) or 1,
+        logprobs=_logprobs(body, chat),
+        echo=bool(echo),
+        tools=body.get("tools"),
+        tool_choice=body.get("tool_choice"),
+        parallel_tool_calls=parallel is not False,
+        response_format=body.get("response_format"),
     )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives per token asked for, None: no log-probabilities. Chat: logprobs true and top_logprobs (0 to
+    20); completions: logprobs, the number itself (0 to 20; OpenAI's stops at 5)."""
+    if not chat:
+        return _integer(body, "logprobs", 0, MAX_TOP + 1)
+    asked, top = body.get("logprobs"), _integer(body, "top_logprobs", 0, MAX_TOP + 1)
+    if asked is not None and not isinstance(asked, bool):
+        raise _bad("logprobs", "must be true or false (top_logprobs gives the alternatives)")
+    if top is not None and not asked:
+        raise _bad("top_logprobs", 'applies with "logprobs": true')
+    return (top or 0) if asked else None

@@ -25,7 +25,8 @@ from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.batch import BatchRun, BatchSequence
 from dsfp4.runtime.generate.decoder import Cancelled
 from dsfp4.runtime.generate.generation import Generation
-from dsfp4.server.jobs import Job, LoopSink, Progress, QueueFull, Report, post
+from dsfp4.runtime.generate.logprobs import prompt_logprobs
+from dsfp4.server.jobs import Job, LoopSink, Progress, PromptLogprobs, QueueFull, Report, post
 
 # a prefill's Progress items on its job's channel: one every this many seconds at most, besides the first and the last
 PROGRESS_S = 0.25
@@ -153,6 +154,7 @@ class Scheduler:
             try:
                 # the prefill runs as the first delta is asked for; a decode step reports no progress
                 with self._feeding(job):
+                    self._echo(job)
                     stream = self.engine.stream(job.prompt_ids, cancel=job.cancelled, **job.options)
                     for delta in stream:
                         job.send(delta)
@@ -194,6 +196,7 @@ class Scheduler:
         asks = []
         for job in list(jobs):
             try:
+                self._echo(job)
                 asks.append((job.prompt_ids, self.engine.options_for(**job.options), job.cancelled))
             except Exception as e:
                 # the request gets the error; the others go on
@@ -217,6 +220,13 @@ class Scheduler:
             except Exception as e:
                 # the request gets the error; the server goes on
                 self._finish(job, e, None)
+
+    def _echo(self, job: Job) -> None:
+        """The prompt's log-probabilities where the job asks (a completion's echo): the prompt prefilled from its
+        start, its KV then kept for the generation after it."""
+        if job.echo is not None:
+            ids = job.prompt_ids
+            job.send(PromptLogprobs(prompt_logprobs(self.engine.logits(ids), ids, job.echo)))
 
     def _send(self, live: dict[BatchSequence, Job]) -> None:
         """Each sequence's new deltas to its request (all in one post), then the outcomes of those that ended, which

@@ -1,13 +1,16 @@
 """The offline batch's files (`dsfp4 run MODEL --batch IN --output OUT`).
 
 IN: one JSON object per line: `prompt` (text, through the chat template as --prompt is, or as it is with `"raw":
-true`) or `messages` (chat messages), and optionally the sampling of that line: max_tokens, temperature, top_p,
-top_k, seed, stop. Blank lines are skipped; every other line is checked before the model loads, and a bad one is an
-error naming FILE:LINE.
+true`) or `messages` (chat messages, with an agent's tool calls and results), optionally the sampling of that line
+(max_tokens, temperature, top_p, top_k, seed, stop, the penalties, min_p, logprobs) and its answer's format as
+OpenAI's chat completions take it: tools, tool_choice, parallel_tool_calls, response_format
+(runtime/generate/answer_format.py). Blank lines are skipped; every other line is checked before the model loads
+(what needs its tokenizer, before the first answer), and a bad one is an error naming FILE:LINE.
 
 OUT: one JSON object per answered line, in input order: `line` (its number in IN), `input_sha256` (of that line's
-text), then what `run --json` prints (prompt_token_ids, token_ids, text, finish_reason, stats). A rerun keeps the
-lines already answered and answers the rest; a line torn by an interrupted write is dropped first.
+text), then what `run --json` prints (prompt_token_ids, token_ids, text, finish_reason, stats; tool_calls where the
+line offers tools, or `error` where the model's calls are malformed). A rerun keeps the lines already answered and
+answers the rest; a line torn by an interrupted write is dropped first.
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ from typing import Any
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.atomic import atomic_write_bytes
-from dsfp4.runtime.generate.prompt import ROLES, Prompt
+from dsfp4.runtime.generate.chat_messages import ROLES
+from dsfp4.runtime.generate.grammar import Grammar
+from dsfp4.runtime.generate.prompt import Prompt
+from dsfp4.runtime.generate.tools import check_tools
 from dsfp4.runtime.options import SAMPLING, RunOptions, with_knobs
 
-KEYS = ("prompt", "messages", "raw", *SAMPLING)
+# the answer's format (AnswerFormat.of's arguments); a line's own grammar is response_format's
+ANSWER = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+KEYS = ("prompt", "messages", "raw", *(k for k in SAMPLING if k != "grammar"), *ANSWER)
 
 
 @dataclass(frozen=True)
@@ -36,12 +44,15 @@ class BatchItem:
     raw: bool
     # the line's own sampling knobs (RunOptions fields)
     sampling: dict[str, Any]
+    # its answer's format: ANSWER's fields given
+    answer: dict[str, Any]
     # sha256 of the line's text: which input an output line answers
     digest: str
 
 
-def parse_line(text: str, where: str, base: RunOptions) -> tuple[Prompt, bool, dict[str, Any]]:
-    """One input line -> (prompt, raw, sampling knobs); ConfigError naming `where` (FILE:LINE) and what is wrong."""
+def parse_line(text: str, where: str, base: RunOptions) -> tuple[Prompt, bool, dict[str, Any], dict[str, Any]]:
+    """One input line -> (prompt, raw, sampling knobs, answer format); ConfigError naming `where` (FILE:LINE) and
+    what is wrong."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -64,16 +75,24 @@ def parse_line(text: str, where: str, base: RunOptions) -> tuple[Prompt, bool, d
             f"{', '.join(ROLES)}"
         )
     sampling = {k: obj[k] for k in SAMPLING if k in obj}
+    answer = {k: obj[k] for k in ANSWER if k in obj}
     try:
         with_knobs(base, sampling)
+        check_tools(answer.get("tools"))
+        if answer.get("response_format") is not None:
+            Grammar.from_response_format(answer["response_format"])
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    return prompt, raw, sampling
+    return prompt, raw, sampling, answer
 
 
 def _messages(value: Any) -> bool:
+    """Chat messages' shape; their fields are checked as the prompt is encoded (chat_messages.py)."""
+
     def message(m: Any) -> bool:
-        return isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
+        content = m.get("content") if isinstance(m, dict) else None
+        return isinstance(m, dict) and m.get("role") in ROLES and (isinstance(content, str) or calls)
 
     return isinstance(value, list) and bool(value) and all(map(message, value))
 
@@ -88,8 +107,8 @@ def read_batch(path: Path, base: RunOptions) -> list[BatchItem]:
     items = []
     for n, text in enumerate(lines, 1):
         if text.strip():
-            prompt, raw, sampling = parse_line(text, f"{path}:{n}", base)
-            items.append(BatchItem(n, prompt, raw, sampling, hashlib.sha256(text.encode()).hexdigest()))
+            prompt, raw, sampling, answer = parse_line(text, f"{path}:{n}", base)
+            items.append(BatchItem(n, prompt, raw, sampling, answer, hashlib.sha256(text.encode()).hexdigest()))
     if not items:
         raise ConfigError(f"--batch {path}: no lines to answer")
     return items

@@ -24,7 +24,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.reasoning import THINK_END, split_reasoning
 from dsfp4.runtime.generate.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
-from dsfp4.runtime.generate.tool_grammar import seq
+from dsfp4.runtime.generate.tool_grammar import GAP, seq
 from dsfp4.runtime.generate.tools import ToolChoice, check_tool_choice, check_tools, tool_choice_grammar
 
 if TYPE_CHECKING:
@@ -114,7 +114,8 @@ class AnswerFormat:
         if self.calls:
             body = "(answer | tool_calls)"
             rules += fmt.grammar([_closed_tool(t) for t in self.tools], self.parallel, ids)
-        start = f"start: /(?s:.*)/ {seq(THINK_END, ids)} /\\s*/ {body}\n" if reasoning else f"start: {body}\n"
+        gap = f"/\\s{{0,{GAP}}}/"
+        start = f"start: /(?s:.*)/ {seq(THINK_END, ids)} {gap} {body}\n" if reasoning else f"start: {body}\n"
         return Grammar.lark(start + rules, origin=self.response.origin)
 
     def stream(self, tokenizer: ChatTokenizer, id_prefix: str | None = None) -> ToolCallStream | None:

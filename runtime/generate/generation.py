@@ -10,6 +10,9 @@ from dsfp4.errors import DsfpError
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.tool_calls import ToolCall
 
+# OpenAI's bound on top_logprobs
+MAX_TOP = 20
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

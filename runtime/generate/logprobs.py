@@ -13,10 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dsfp4.runtime.generate.generation import TokenLogprob
+from dsfp4.runtime.generate.generation import MAX_TOP, TokenLogprob
 
-# OpenAI's bound on top_logprobs
-MAX_TOP = 20
+__all__ = ["MAX_TOP", "prompt_logprobs", "token_logprob"]
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

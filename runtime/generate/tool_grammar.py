@@ -15,6 +15,8 @@ from dsfp4.runtime.generate import tool_markup as mk
 # a function whose schema gives no parameters takes any object
 ANY_OBJECT = {"type": "object"}
 NL = "\n"
+# whitespace before a block of calls, at most (R1's "</think>\n\n" has two)
+GAP = 4
 
 
 def lit(text: str) -> str:
@@ -54,8 +56,9 @@ def _block(
     else:
         calls = "call" + ((f" ({seq(between, ids)} call)*" if between else " call*") if parallel else "")
     alternatives = " | ".join(f"fn_{i}" for i in range(n))
-    # whitespace may come first where the block does not open with its own (V4's blank line)
-    gap = "" if open_[:1].isspace() else "/\\s*/ "
+    # whitespace may come first where the block does not open with its own (V4's blank line): a few characters, or a
+    # model could put the calls off for ever (a random one does, greedily)
+    gap = "" if open_[:1].isspace() else f"/\\s{{0,{GAP}}}/ "
     return f"tool_calls: {gap}{seq(open_, ids)} {calls} {seq(close, ids)}\ncall: {alternatives}\n"
 
 

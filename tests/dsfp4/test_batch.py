@@ -128,3 +128,42 @@ def test_a_prompt_too_long_for_the_context_is_named_before_any_answer(converted,
     r = run_cli("run", converted, "--batch", batch, "--output", out, "--max-context", 64, "--device", "cpu")
     assert_one_line_error(r, f"{batch}:2: the prompt is", after_start=True)
     assert not out.exists() or out.read_text() == ""
+
+
+def test_lines_with_tools_and_response_formats_get_their_calls_and_json(converted, tmp_path):
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]},
+        },
+    }
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    lines = [
+        {"prompt": "Weather?", "tools": [weather], "tool_choice": named, "max_tokens": 200},
+        {"prompt": "Yes?", "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+        {"prompt": "Weather?", "tools": [weather], "tool_choice": named, "max_tokens": 20},
+    ]
+    batch, out = _write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    for n in (1, 2):
+        out.unlink(missing_ok=True)
+        args = ("--max-context", 1024, "--temperature", 0, "--max-batch", n, "--device", "cpu", "-q")
+        r = run_cli("run", converted, "--batch", batch, "--output", out, *args)
+        assert r.exit_code == 0, r.output
+        first, second, cut = _results(out)
+        (call,) = first["tool_calls"]
+        assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] in ("Paris", "Oslo")
+        assert json.loads(second["text"]) in ({"ok": True}, {"ok": False}) and "tool_calls" not in second
+        assert "ends inside a block of tool calls" in cut["error"]  # max_tokens ran out inside the call
+    bad = _write(
+        tmp_path / "bad.jsonl",
+        [{"prompt": "a", "tools": [weather], "tool_choice": {**named, "function": {"name": "x"}}}],
+    )
+    r = run_cli("run", converted, "--batch", bad, "--output", tmp_path / "o.jsonl", "--device", "cpu", "-q")
+    assert_one_line_error(r, f"{bad}:1: tool_choice: names 'x'")

@@ -149,7 +149,7 @@ def test_serve_reads_on_while_the_http_process_does_not():
     def flood() -> None:
         for rid in range(5000):  # replies far past the socket buffers, none of them read
             front.send(("report", rid))
-        front.send(("submit", 1, [1, 2], {}))
+        front.send(("submit", 1, [1, 2], {}, None))
 
     threading.Thread(target=flood, daemon=True).start()
     assert engine.arrived.acquire(timeout=60), "serve() stopped reading"

@@ -41,6 +41,30 @@ def _prefilled(line: str) -> tuple[int, int] | None:
     return (int(done), int(total)) if done.isdigit() and total.isdigit() else None
 
 
+class CallLines:
+    """Streamed delta.tool_calls as lines to show, `name(arguments)`, each once it is whole: when the next call starts
+    or the choice finishes."""
+
+    def __init__(self) -> None:
+        # index -> [name, arguments so far]
+        self.open: dict[int, list[str]] = {}
+
+    def feed(self, entries: list[dict], finish: str | None) -> list[str]:
+        lines = []
+        for e in entries:
+            index, f = e.get("index", 0), e.get("function") or {}
+            if index not in self.open:
+                lines += self._flush()
+                self.open[index] = [f.get("name") or "?", ""]
+            self.open[index][1] += f.get("arguments") or ""
+        return lines + (self._flush() if finish is not None else [])
+
+    def _flush(self) -> list[str]:
+        lines = [f"\n[tool call] {name}({arguments})" for name, arguments in self.open.values()]
+        self.open.clear()
+        return lines
+
+
 class RemoteChat:
     def __init__(self, url: str, api_key: str | None, sampling: dict[str, Any], model: str | None = None):
         base = url.rstrip("/")
@@ -82,6 +106,7 @@ class RemoteChat:
         self.last = None
         # the last prefill progress shown
         seen = (0, 0)
+        calls = CallLines()
         try:
             with self.client.stream("POST", self.base + "/chat/completions", json=body) as response:
                 if response.status_code != 200:
@@ -101,6 +126,8 @@ class RemoteChat:
                     for choice in chunk.get("choices", []):
                         delta = choice.get("delta") or {}
                         yield delta.get("reasoning_content") or "", delta.get("content") or ""
+                        for line in calls.feed(delta.get("tool_calls") or (), choice.get("finish_reason")):
+                            yield "", line
                     if "stats" in chunk:
                         self.last = GenerationStats.from_dict(chunk["stats"])
         except httpx.HTTPError as e:

@@ -71,3 +71,23 @@ def test_a_stream_cut_short_in_its_prefill_clears_the_display(monkeypatch):
     with pytest.raises(RemoteError, match="boom"):
         list(chat.reply([{"role": "user", "content": "x"}]))
     assert seen == [(0, 2048), (512, 2048), (2048, 2048)]
+
+
+def test_streamed_tool_calls_show_as_name_and_arguments_lines(monkeypatch):
+    def delta(calls: list[dict], finish: str | None = None) -> str:
+        return "data: " + json.dumps(
+            {"choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": finish}]}
+        )
+
+    head = {"index": 0, "id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    stream = _events(
+        "data: " + json.dumps(CHUNK),
+        delta([head, {"index": 0, "function": {"arguments": '{"city":'}}]),
+        delta([{"index": 0, "function": {"arguments": '"Oslo"}'}}]),
+        delta([{**head, "index": 1, "id": "c1", "function": {"name": "get_time", "arguments": "{}"}}]),
+        delta([], "tool_calls"),
+        "data: [DONE]",
+    )
+    chat = _chat(monkeypatch, stream)
+    text = "".join(t for _, t in chat.reply([{"role": "user", "content": "x"}]))
+    assert text == 'hi\n[tool call] get_weather({"city":"Oslo"})\n[tool call] get_time({})'

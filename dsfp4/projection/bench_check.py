@@ -15,7 +15,7 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.projection.first_token import first_token_table, first_tokens
 from dsfp4.projection.long_context import context_decodes, context_table
-from dsfp4.projection.machines import MACHINES
+from dsfp4.projection.machines import MACHINES, on_presets
 from dsfp4.projection.simulate import ColdRecords, Links, StepCosts, simulate
 from dsfp4.projection.whole_model import (
     decode_costs,
@@ -155,7 +155,7 @@ def run_projection(
     links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
     checks = [validate(model_dir, manifest, options.routing, m, family, options, links, costs) for m in machines]
     ids = read_trace(options.routing).ids
-    every = machines + list(RELEASES[family].published_on)
+    every = on_presets(machines) + list(RELEASES[family].published_on)
     rows = project(family, ids, every, eff)
     firsts = first_tokens(family, ids, every)
     contexts = context_decodes(family, ids, every, eff)

@@ -128,7 +128,7 @@ def test_the_hot_policy_holds_its_warm_set():
 
 @pytest.mark.slow
 def test_the_whole_model_plans_and_projects_on_every_machine():
-    for family, machine in (("v3", "16g"), ("v3", "24g"), ("v4", "home-seek")):
+    for family, machine in (("v3", "16g"), ("v3", "24g"), ("v3", "3090"), ("v4", "home-seek")):
         m, plan = full_plan(family, MACHINES[machine])
         assert plan.total_records == len([b for b in range(m.args.n_layers) if b in m.experts]) * 256
         assert plan.gpu_slots >= m.args.n_activated_experts and plan.ram_slots > 0
@@ -143,6 +143,13 @@ def test_the_whole_model_plans_and_projects_on_every_machine():
     assert plan.record_cache <= r.plan.record_cache and plan.ram_slots > 1.3 * r.plan.ram_slots
     assert plan.cold_slots == cold.slots > 0 and len(cold.keys) == 58 * (256 - 26)
     assert r.narrowed(2)[0].cold_slots == 0  # profile-hot's default hot set fills RAM at full size: no split
+
+
+def test_a_card_that_shares_a_presets_budgets_is_projected_beside_it():
+    from dsfp4.projection.machines import on_presets
+
+    assert on_presets(["16g"]) == ["16g"] and on_presets(["24g", "16g"]) == ["24g", "16g", "3090"]
+    assert MACHINES["3090"].budgets == MACHINES["24g"].budgets and MACHINES["3090"].flops < MACHINES["24g"].flops
 
 
 def test_share_plan_keeps_one_layer_on_the_device():

@@ -17,6 +17,7 @@ from typing import Any
 
 from dsfp4.errors import ChecksumError, ConfigError, ManifestError
 from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.layout.manifest_check import manifest_problem
 from dsfp4.layout.manifest_schema import check_manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.record import RecordLayout
@@ -154,9 +155,10 @@ class Manifest:
         return [rel for rel in self.files if rel.startswith(BACKBONE_DIR + "/")]
 
     def check_files(self, model_dir: Path) -> None:
-        """Every weight file (backbone/) is in `model_dir` at its size and each expert file holds its records (a
-        stat per file: a truncated or missing file fails when the model is opened, not when it is first read). The
-        tokenizer's and config's files are left to their parsers and to verify: a user may edit the chat template."""
+        """Every weight file (backbone/) is in `model_dir` at its size and each expert file holds its records and
+        nothing past them (a stat per file: a truncated or missing file fails when the model is opened, not when it is
+        first read). The tokenizer's and config's files are left to their parsers and to verify: a user may edit the
+        chat template."""
         sizes = [(rel, self.files[rel].nbytes, "") for rel in self.backbone_files()]
         sizes += [
             (
@@ -170,13 +172,11 @@ class Manifest:
             path = Path(model_dir) / rel
             if not path.is_file():
                 raise ChecksumError(f"{path}{what} is listed in the manifest but missing; convert again")
-            have = path.stat().st_size
-            # expert files may carry padding past their last record
-            expert_file = bool(what)
-            if have < want or (have != want and not expert_file):
+            # an expert file ends where its last record does: bytes past it were added by something else
+            if (have := path.stat().st_size) != want:
+                how = "truncated" if have < want else f"{have - want} bytes longer than the manifest's records"
                 raise ChecksumError(
-                    f"{path}{what}: {have} bytes, the manifest says {want}; the file is damaged or truncated, "
-                    f"convert again"
+                    f"{path}{what}: {have} bytes, the manifest says {want}; the file is {how}, convert again"
                 )
 
     @classmethod
@@ -209,7 +209,7 @@ class Manifest:
             raise ManifestError(f"{path}: malformed manifest at {wrong}; convert again")
         try:
             ex = d["experts"]
-            return cls(
+            m = cls(
                 args=ModelArgs.from_dict(d["model"]),
                 source=d["source"],
                 options=d["options"],
@@ -237,3 +237,6 @@ class Manifest:
             )
         except (KeyError, TypeError, ConfigError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e}); convert again") from e
+        if (problem := manifest_problem(m)) is not None:
+            raise ManifestError(f"{path}: {problem}; convert again")
+        return m

@@ -122,22 +122,26 @@ def run_preset(
     }
 
 
-def commit() -> str:
-    """The git commit of this checkout of dsfp4, or its version when it is not a git checkout."""
+def commit(root: Path | None = None) -> str:
+    """dsfp4's version and, when its package sits in a git checkout of its own (`root`, the folder above the package,
+    being the repository's top and holding its pyproject.toml), that checkout's commit: '0.9.0' or '0.9.0+3f2a1bc'.
+    A copy inside another repository, or an installed package, gives the version alone."""
+    from dsfp4.version import __version__
+
+    root = Path(__file__).resolve().parents[2] if root is None else root
     try:
         out = subprocess.run(
-            ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
             capture_output=True,
             text=True,
             timeout=10,
         )
-        if out.returncode == 0:
-            return out.stdout.strip()
     except OSError:
-        pass
-    from dsfp4.version import __version__
-
-    return __version__
+        return __version__
+    lines = out.stdout.split()
+    if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != root.resolve():
+        return __version__
+    return f"{__version__}+{lines[1]}" if (root / "pyproject.toml").is_file() else __version__
 
 
 def device_name(options: RunOptions) -> str:

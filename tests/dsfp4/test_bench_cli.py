@@ -134,3 +134,26 @@ def test_the_per_layer_chart_labels_shares_as_percentages():
 
     svg = layer_chart({"preset": "16g", "layers": {"1": {"uses": 4, "device": 4, "ram": 0}}})
     assert "device: 100.0%" in svg and " ms" not in svg
+
+
+def test_bench_records_the_commit_of_dsfp4s_own_checkout_only(tmp_path):
+    """A copy of the package inside another repository records dsfp4's version, not that repository's HEAD; its own
+    checkout adds its commit."""
+    import subprocess
+
+    from dsfp4.tools.bench import commit
+    from dsfp4.version import __version__
+
+    other = tmp_path / "other"
+    (other / "vendored").mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(other)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (other / "x").write_text("x")
+    subprocess.run([*git, "add", "x"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    (other / "vendored" / "pyproject.toml").write_text("")
+    assert commit(other / "vendored") == __version__  # inside another repository
+    assert commit(tmp_path / "nowhere") == __version__  # no repository at all
+    (other / "pyproject.toml").write_text("")
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert commit(other) == f"{__version__}+{head}"  # the repository's own top

@@ -201,7 +201,7 @@ def run(
     knobs["grammar"] = schema or knobs["grammar"]
     options = RunOptions(**knobs)
     if show_plan:
-        _print_plan(model, options, as_json)
+        _print_plan(ctx, model, options, as_json)
         return
     _check_one_command(prompt, chat, serve, batch, output)
     # every line checked before the model loads
@@ -216,7 +216,7 @@ def run(
         GrammarCompiler(Path(model) / "tokenizer.json", vocab, eos).compile(options.grammar)
     sock = _listen(host, port) if serve else None
     with Engine(model, options) as engine:
-        _note_context(ctx, engine, options)
+        _note_context(ctx, engine.max_context, options)
         _show_load(engine, as_json, quiet)
         if (chat or prompt is not None) and not (quiet or as_json) and sys.stderr.isatty():
             engine.decoder.progress = PrefillProgress(sys.stderr)
@@ -233,8 +233,9 @@ def run(
         click.echo(f"routing trace of {engine.recorder.tokens} tokens: {options.record_trace}", err=True)
 
 
-def _print_plan(model: Path, options: RunOptions, as_json: bool) -> None:
-    """--plan: the memory plan, the expected floor of a token, the levers and the CPU lane; as JSON with --json."""
+def _print_plan(ctx: click.Context, model: Path, options: RunOptions, as_json: bool) -> None:
+    """--plan: the memory plan, the expected floor of a token, the levers and the CPU lane; as JSON with --json (and
+    the context it plans for)."""
     from dsfp4.device import resolve_device
     from dsfp4.runtime.models.load import plan_engine
     from dsfp4.runtime.plan.probes import host_share
@@ -245,8 +246,10 @@ def _print_plan(model: Path, options: RunOptions, as_json: bool) -> None:
     floor, line = expected_floor(plan, manifest)
     levers = {"mode": options.mode, **dataclasses.asdict(options.levers())}
     lane = host_share(options.cpu_experts, manifest.record, resolve_device(options.device))
+    context = min(options.max_context, manifest.args.max_seq_len)
+    _note_context(ctx, context, options)
     if as_json:
-        out = {**dataclasses.asdict(plan), "floor_s_per_token": floor, "levers": levers}
+        out = {**dataclasses.asdict(plan), "max_context": context, "floor_s_per_token": floor, "levers": levers}
         click.echo(json.dumps({**out, "cpu_lane": dataclasses.asdict(lane)}))
         return
     click.echo(plan.table())
@@ -305,14 +308,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return listen(host, port)
 
 
-def _note_context(ctx: click.Context, engine: Engine, options: RunOptions) -> None:
-    """A --max-context given above the model's own limit: the engine took the model's."""
+def _note_context(ctx: click.Context, used: int, options: RunOptions) -> None:
+    """A --max-context given above the model's own limit: the run takes the model's, `used`."""
     asked = bool(given_params(ctx, ("max_context",)))
-    if asked and engine.max_context < options.max_context:
-        click.echo(
-            f"note: --max-context {options.max_context} is above the model's limit; using {engine.max_context}",
-            err=True,
-        )
+    if asked and used < options.max_context:
+        click.echo(f"note: --max-context {options.max_context} is above the model's limit; using {used}", err=True)
 
 
 def _prompt_ids(rules: PromptRules, prompt: str | None, system: str | None, raw: bool) -> list[int]:

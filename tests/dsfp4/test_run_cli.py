@@ -169,6 +169,14 @@ def test_plan_prints_the_budget_table_and_small_budgets_name_the_minimum(convert
     assert_one_line_error(run_cli("run", converted, "--plan", "--gpu-mem", "lots"), "--gpu-mem 'lots'")
 
 
+def test_plan_says_when_the_context_is_capped_at_the_models(converted):
+    r = run_cli("run", converted, "--plan", "--device", "cpu", "--max-context", "99999999")
+    assert r.exit_code == 0 and "is above the model's limit; using" in r.stderr
+    j = run_cli("run", converted, "--plan", "--json", "--device", "cpu", "--max-context", "99999999")
+    assert json.loads(j.stdout)["max_context"] < 99999999
+    assert "above the model's limit" not in run_cli("run", converted, "--plan", "--device", "cpu").stderr
+
+
 def _peak_rss(model, device: str, budget: dict[str, int]) -> float:
     """A real process's (not this test's) peak RSS in bytes, from `run --stats`."""
     args = [a for k, v in budget.items() for a in (k, str(v))]

@@ -57,8 +57,13 @@ def _no_problems(a: ModelArgs) -> list[str]:
 
 
 def _v4_problems(a: ModelArgs) -> list[str]:
-    """V4's schedule of layer kinds, grouped output, hash layers and RoPE width."""
-    problems = []
+    """V4's schedule of layer kinds, grouped output, hash layers and RoPE width, and the floats it needs above 0
+    (other families leave them at 0)."""
+    problems = [
+        f"{k} must be above 0, got {v}"
+        for k, v in (("compress_rope_theta", a.compress_rope_theta), ("hc_eps", a.hc_eps))
+        if not v > 0
+    ]
     if len(a.layer_kinds) != a.n_blocks or len(a.compress_ratios) != a.n_blocks:
         problems.append(
             f"compress_ratios / layer_types give {len(a.layer_kinds)} layer kinds; "

@@ -7,11 +7,39 @@ Field names follow DeepSeek's reference `inference/model.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.family import Family, family_of
+
+# every float field: (its config.json key, its least value, whether that value itself is allowed); fields a family
+# does not use default to 0
+FLOAT_RANGES = {
+    "route_scale": ("routed_scaling_factor", 0.0, False),
+    "norm_eps": ("rms_norm_eps", 0.0, False),
+    "rope_theta": ("rope_theta", 0.0, False),
+    "rope_factor": ("rope_scaling.factor", 0.0, False),
+    "beta_fast": ("rope_scaling.beta_fast", 0.0, False),
+    "beta_slow": ("rope_scaling.beta_slow", 0.0, False),
+    "mscale": ("rope_scaling.mscale", 0.0, True),
+    "mscale_all_dim": ("rope_scaling.mscale_all_dim", 0.0, True),
+    "compress_rope_theta": ("compress_rope_theta", 0.0, True),
+    "hc_eps": ("hc_eps", 0.0, True),
+    "swiglu_limit": ("swiglu_limit", 0.0, True),
+}
+
+
+def float_problems(args: ModelArgs) -> list[str]:
+    """The float fields of `args` that are not finite numbers in their range (FLOAT_RANGES), by config.json key."""
+    problems = []
+    for name, (key, least, closed) in FLOAT_RANGES.items():
+        v = getattr(args, name)
+        if not math.isfinite(v) or v < least or (v == least and not closed):
+            bound = f"at least {least:g}" if closed else f"above {least:g}"
+            problems.append(f"{key} must be a finite number {bound}, got {v}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -90,9 +118,9 @@ class ModelArgs:
     swiglu_limit: float = 0.0
 
     def __post_init__(self) -> None:
-        """Reject shapes the router cannot route, with the config key to fix."""
+        """Reject shapes the router cannot route and float fields out of their range, with the config key to fix."""
         e, g, k = self.n_routed_experts, self.n_expert_groups, self.n_activated_experts
-        problems = self.family_spec.problems(self)
+        problems = float_problems(self) + self.family_spec.problems(self)
         if e % g:
             problems.append(f"n_routed_experts ({e}) is not a multiple of n_group ({g})")
         elif self.n_limited_groups > g:

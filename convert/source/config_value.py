@@ -3,6 +3,7 @@ the key."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dsfp4.errors import ConfigError
@@ -22,7 +23,7 @@ def config_value(
     c: dict[str, Any], key: str, kind: type, source: str, default: Any = REQUIRED, minimum: int = 0
 ) -> Any:
     """c[key] of type `kind` (None means absent: `default`, or an error where it is REQUIRED); integers are at least
-    `minimum`, and an integer is taken for a float."""
+    `minimum`, floats finite (JSON's NaN and Infinity are Python's), and an integer is taken for a float."""
     v = c.get(key)
     if v is None:
         if default is REQUIRED:
@@ -33,6 +34,8 @@ def config_value(
         ok, v = True, float(v)
     if not ok:
         raise ConfigError(f"{source}: {key} must be {_KINDS[kind]}, got {v!r}")
+    if kind is float and not math.isfinite(v):
+        raise ConfigError(f"{source}: {key} must be a finite number, got {v}")
     if kind is int and v < minimum:
         raise ConfigError(f"{source}: {key} must be at least {minimum}, got {v}")
     return v

@@ -1,10 +1,17 @@
 """ModelArgs from config.json: the official V3 values, transformers-5 spellings, V2-Lite, bad configs."""
 
+import dataclasses
+import json
+import math
+import shutil
+
 import pytest
 
 from dsfp4.convert.source.hf_config import from_hf_config
-from dsfp4.errors import ConfigError
-from dsfp4.layout.model_args import ModelArgs
+from dsfp4.errors import ConfigError, ManifestError
+from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
+from dsfp4.layout.model_args import FLOAT_RANGES, ModelArgs
+from tests.fixtures.cli import assert_one_line_error, run_cli
 
 # deepseek-ai/DeepSeek-V3 config.json (checkpoint-spec a.1), the fields that matter here
 V3 = {
@@ -96,6 +103,44 @@ def test_transformers5_spelling_and_v2_lite_defaults():
 def test_bad_configs_name_the_field(edit, message):
     with pytest.raises(ConfigError, match=message):
         from_hf_config({**V3, **edit}, "x/config.json")
+
+
+def _rope(**change):
+    return {"rope_scaling": {**V3["rope_scaling"], **change}}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"rms_norm_eps": math.nan}, "rms_norm_eps must be a finite number, got nan"),
+        ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number above 0, got -1e-06"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps must be a finite number above 0, got 0.0"),
+        ({"routed_scaling_factor": math.nan}, "routed_scaling_factor must be a finite number, got nan"),
+        ({"rope_theta": math.inf}, "rope_theta must be a finite number, got inf"),
+        ({"rope_theta": -5}, "rope_theta must be a finite number above 0"),
+        (_rope(factor=-4), "rope_scaling.factor must be a finite number above 0"),
+        (_rope(beta_fast=math.nan), "beta_fast must be a finite number, got nan"),
+        (_rope(mscale=-1.0), "rope_scaling.mscale must be a finite number at least 0"),
+    ],
+)
+def test_float_fields_are_finite_and_in_their_range(edit, message):
+    with pytest.raises(ConfigError, match=message):
+        from_hf_config({**V3, **edit}, "x/config.json")
+
+
+def test_every_float_field_has_a_range():
+    floats = {f.name for f in dataclasses.fields(ModelArgs) if f.type == "float"}
+    assert floats == set(FLOAT_RANGES)
+
+
+@pytest.mark.parametrize(("field", "value"), [("norm_eps", math.nan), ("route_scale", -1.0), ("rope_theta", math.inf)])
+def test_a_manifest_with_a_float_out_of_range_is_refused_on_open(converted, tmp_path, field, value):
+    model = shutil.copytree(converted, tmp_path / "model")
+    d = json.loads((model / MANIFEST_NAME).read_text())
+    d["model"][field] = value
+    (model / MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ManifestError, match=f"{FLOAT_RANGES[field][0]} must be a finite number"):
+        Manifest.open(model)
 
 
 # deepseek-ai/DeepSeek-V4-Flash config.json (v4-flash-spec a.1)
@@ -204,6 +249,10 @@ def test_v4_transformers_spelling_matches_the_official_one():
         ({"num_key_value_heads": 8}, "one shared K=V head"),
         ({"o_groups": 5}, "not a multiple of o_groups"),
         ({"hc_mult": None}, "required field 'hc_mult'"),
+        ({"hc_eps": 0}, "hc_eps must be above 0"),
+        ({"compress_rope_theta": math.inf}, "compress_rope_theta must be a finite number"),
+        ({"compress_rope_theta": 0}, "compress_rope_theta must be above 0"),
+        ({"swiglu_limit": -1}, "swiglu_limit must be a finite number at least 0"),
     ],
 )
 def test_bad_v4_configs(change, needle):
@@ -215,3 +264,12 @@ def test_a_v3_manifest_written_before_the_v4_fields_still_loads():
     a = from_hf_config(V3)
     old = {k: v for k, v in a.to_dict().items() if k not in ("head_dim", "layer_kinds", "swiglu_limit", "hc_mult")}
     assert ModelArgs.from_dict(old) == a
+
+
+def test_convert_refuses_a_nan_float_in_one_line(checkpoints, tmp_path):
+    src = shutil.copytree(checkpoints["fp8"], tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": math.nan}))
+    result = run_cli("convert", "--fp4", src, tmp_path / "out", "-q")
+    assert_one_line_error(result, "config.json", "rms_norm_eps must be a finite number, got nan")
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()

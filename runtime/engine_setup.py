@@ -3,6 +3,7 @@ kernels compiled and the decode step's CUDA graphs captured before the first ans
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,9 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.placement import place_records
+
+# stage lines of an engine's start: the CLI shows them on a terminal (dsfp4/cli/progress.py)
+log = logging.getLogger("dsfp4")
 
 
 def trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.device, max_context: int) -> TraceRouting:
@@ -35,12 +39,14 @@ def warm_start(model: Model, model_dir: Path, manifest: Manifest, zero_copy: boo
     hot = model_dir / HOT_NAME
     profile = HotProfile.read(hot).check(manifest, hot) if hot.is_file() else None
     kernel = model.moe_kernel
+    log.info("warm start: the expert tiers filled%s", f" from {HOT_NAME}" if profile is not None else "")
     place_records(model.experts, profile, zero_copy=zero_copy and kernel is not None and kernel.triton)
 
 
 def warm_up_kernels(model: Model, dtype: torch.dtype, a: ModelArgs, chunk: int) -> None:
     """Triton compiles the MoE kernels here, not in the first TTFT."""
     if model.moe_kernel is not None:
+        log.info("compiling the MoE kernels")
         model.moe_kernel.warm_up(dtype, model.experts.gpu, a.n_routed_experts, chunk)
 
 
@@ -49,6 +55,7 @@ def captured_graphs(
 ) -> DecodeGraphs:
     """The decode step's CUDA graphs, captured now for every batch size of the plan, not in the first answer's
     decode."""
+    log.info("capturing the decode step's CUDA graphs")
     graphs = DecodeGraphs(model, max_context, device, recording, routing)
     graphs.capture_all(model.experts.plan.max_batch)
     return graphs

@@ -19,6 +19,7 @@ from dsfp4.cli.download import download
 from dsfp4.cli.eval import eval_command
 from dsfp4.cli.export import export
 from dsfp4.cli.profile import profile_hot
+from dsfp4.cli.progress import show_stages
 from dsfp4.cli.run import chat, run
 from dsfp4.device import use_expandable_segments
 from dsfp4.errors import DsfpError
@@ -90,6 +91,7 @@ for command in (convert, inspect, verify, run, chat, eval_command, profile_hot, 
 def main() -> None:
     # before any tensor: the device budget relies on it (dsfp4/device.py)
     use_expandable_segments()
+    show_stages(sys.stderr)
     cli(prog_name="dsfp4")
 
 

@@ -1,8 +1,11 @@
-"""A prompt's prefill shown as it goes (`run --prompt`, `run --chat`): tokens done of N and the time left, on a
-terminal's stderr, once the prefill has taken longer than SHOW_AFTER_S; rewritten in place and cleared at its end."""
+"""What long steps show on a terminal's stderr: a prompt's prefill as it goes (`run --prompt`, `run --chat`), tokens
+done of N and the time left, once the prefill has taken longer than SHOW_AFTER_S, rewritten in place and cleared at
+its end; and the stages of an engine's start, the doctor's measurements and `bench --project`, a line each, which the
+library logs at INFO on the "dsfp4" logger (a library user sees them by configuring logging)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TextIO
@@ -37,3 +40,16 @@ class PrefillProgress:
         self.out.write("\r" + line.ljust(self.width) + ("\r" if not line else ""))
         self.out.flush()
         self.width = len(line) if line else 0
+
+
+def show_stages(out: TextIO) -> logging.Handler | None:
+    """The library's stage lines on `out`, "... stage" a line, where it is a terminal (a pipe or a test's capture
+    gets none) -> the handler installed, or None."""
+    if not out.isatty():
+        return None
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("... %(message)s"))
+    log = logging.getLogger("dsfp4")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return handler

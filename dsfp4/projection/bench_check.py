@@ -6,6 +6,7 @@ trace rows and links (the check of the simulation)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan, narrowed
 from dsfp4.synthetic.releases import RELEASES
 from dsfp4.tools.doctor import Ceilings
+
+# the run's stages: the CLI shows them on a terminal (dsfp4/cli/progress.py)
+log = logging.getLogger("dsfp4")
 
 
 def share_plan(plan: Plan, gpu_share: float, ram_share: float, top_k: int, manifest: Manifest | None = None) -> Plan:
@@ -147,15 +151,20 @@ def run_projection(
         )
     if not c.hbm_read_gbps:
         raise ConfigError("--project needs a GPU: its compute is measured on this machine's")
+    log.info("resident decode of %s (every record on the device): the compute model", model_dir)
     resident = run_preset(model_dir, dataclasses.replace(options, preset="80g"), prompts, 32, c, "resident")
     eff = efficiency(manifest, 1 / resident["decode_tok_s"], c.hbm_read_gbps * 1e9)
     costs = decode_costs(manifest, c.hbm_read_gbps * 1e9, eff)
     # the store reads a decode step's misses one record at a time, io_threads in flight: the doctor's random
     # record reads are that pattern (its best pattern, store_read_gbps, is the efficiency's ceiling instead)
     links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
-    checks = [validate(model_dir, manifest, options.routing, m, family, options, links, costs) for m in machines]
+    checks = []
+    for m in machines:
+        log.info("%s at the whole model's share of %s: measured and simulated", model_dir, m)
+        checks.append(validate(model_dir, manifest, options.routing, m, family, options, links, costs))
     ids = read_trace(options.routing).ids
     every = on_presets(machines) + list(RELEASES[family].published_on)
+    log.info("projecting the whole %s on %s: decode, first tokens, long contexts", family, ", ".join(every))
     rows = project(family, ids, every, eff)
     firsts = first_tokens(family, ids, every)
     contexts = context_decodes(family, ids, every, eff)

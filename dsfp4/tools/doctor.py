@@ -9,6 +9,7 @@ any other folder gets a scratch file, written, read and deleted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,9 @@ from dsfp4.runtime.plan.planner import Plan, expert_layers, token_bytes
 from dsfp4.runtime.plan.probes import host_moe_gbps
 from dsfp4.tools import ceilings
 from dsfp4.units import format_bytes
+
+# the measurement's stages: the CLI shows them on a terminal (dsfp4/cli/progress.py)
+log = logging.getLogger("dsfp4")
 
 # a DeepSeek-V3 NVFP4 expert record, when no model is given
 V3_LAYOUT = RecordLayout.for_expert("nvfp4", 7168, 2048)
@@ -126,6 +130,7 @@ def measure(
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a folder; give the model's folder or the disk it will live on")
     files, record, scratch = _disk_files(folder, model, scratch_bytes)
+    log.info("measuring the disk under %s: sequential, random records, the store's reads", folder)
     try:
         direct = ceilings.direct_io_allowed(files[0])
         seq = ceilings.sequential_read_gbps(files)
@@ -137,6 +142,7 @@ def measure(
     gpu: dict = {}
     device = device or resolve_device("auto")
     if device.type == "cuda":
+        log.info("measuring the GPU: memory bandwidth, host->GPU copies")
         props = torch.cuda.get_device_properties(device)
         gpu = dict(
             gpu=props.name,
@@ -145,6 +151,7 @@ def measure(
             pinned_h2d_gbps=ceilings.h2d_gbps(device, record, pinned=True),
             pageable_h2d_gbps=ceilings.h2d_gbps(device, record, total=256 << 20, pinned=False),
         )
+    log.info("measuring the CPU lane's expert kernel")
     return Ceilings(
         **gpu,
         disk=str(folder.resolve()),

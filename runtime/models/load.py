@@ -3,6 +3,7 @@ weights, the expert store and the family's model built from the manifest (the ma
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,10 @@ from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
 from dsfp4.runtime.plan.probes import host_share
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.units import format_bytes
+
+# stage lines of an engine's start: the CLI shows them on a terminal (dsfp4/cli/progress.py)
+log = logging.getLogger("dsfp4")
 
 
 def run_target(model_dir: Path, options: EngineOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
@@ -61,8 +66,15 @@ def load_model(
     caches = plan.host_kv + 2 * ALIGN * len(plan.on_host.caches)
     arena_bytes = host_arena_bytes(manifest, plan.on_host, dtype) + caches
     arena = HostArena(arena_bytes, device) if plan.host_backbone or plan.host_kv else None
+    log.info(
+        "loading the backbone: %s on %s%s",
+        format_bytes(plan.backbone),
+        device,
+        f", {format_bytes(plan.host_backbone + plan.host_kv)} in pinned RAM" if arena is not None else "",
+    )
     w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena)
     # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
+    log.info("allocating the expert tiers: %d device and %d RAM slots", plan.gpu_slots, plan.ram_slots)
     experts = ExpertStore(
         model_dir,
         manifest,

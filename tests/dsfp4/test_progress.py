@@ -54,3 +54,26 @@ def test_the_display_waits_a_second_then_counts_down_and_clears():
     show(0, 10)
     show(10, 10)  # a short prefill shows nothing, not even a clear
     assert out.getvalue() == ""
+
+
+def test_an_engines_start_shows_its_stages_on_a_terminal_only(converted):
+    """The library logs its start's stages; the CLI shows them where stderr is a terminal, a line each."""
+    import logging
+
+    from dsfp4.cli.progress import show_stages
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert show_stages(io.StringIO()) is None  # a pipe: nothing installed
+    out = Terminal()
+    handler = show_stages(out)
+    try:
+        with Engine(converted, device="cpu", max_context=64):
+            pass
+    finally:
+        logging.getLogger("dsfp4").removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("... loading the backbone: ") and all(line.startswith("... ") for line in lines)
+    assert any("expert tiers" in line for line in lines) and any("warm start" in line for line in lines)

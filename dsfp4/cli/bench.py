@@ -103,14 +103,15 @@ def bench(
         _project(model, project, list(presets) or ["16g", "24g"], c, options, texts[:1], out)
         return
     custom = [{"gpu_mem": gpu_mem, "cpu_mem": cpu_mem}] if gpu_mem or cpu_mem else []
-    # every budget checked and planned before the first runs: a bad one fails now, not after the others
+    # every budget checked and planned before the first runs: a bad one fails now, not after the others; each run
+    # follows its plan, which a later process, larger by the runs before it, would not plan again the same
     runs = []
     for budget in [{"preset": p} for p in presets] + custom or [{}]:
         knobs = dict(device=device, max_context=max_context, zero_copy=zero_copy, cuda_graph=cuda_graph, **store)
         options = RunOptions(**knobs, routing=routing, routing_recall=routing_recall, **budget)
-        plan_engine(model, options)
+        plan = plan_engine(model, options)
         label = budget.get("preset") or " ".join(f"--{k.replace('_', '-')} {v}" for k, v in budget.items() if v)
-        runs.append((label, options))
+        runs.append((label, options, plan))
     meta = {
         "commit": commit(),
         "command": _command(click.get_current_context()),
@@ -121,9 +122,9 @@ def bench(
         "max_tokens": max_tokens,
     }
     results: list[dict] = []
-    for label, options in runs:
+    for label, options, plan in runs:
         click.echo(f"{label or 'this machine'}: {prompts} prompts x {max_tokens} tokens ...", err=True)
-        r = run_preset(model, options, texts, max_tokens, c, label or None)
+        r = run_preset(model, options, texts, max_tokens, c, label or None, plan)
         eff = f", efficiency {r['efficiency']:.0%}" if r["efficiency"] is not None else ""
         click.echo(
             f"{r['preset']}: decode {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_tok_s']:.1f} tok/s, "

@@ -19,7 +19,7 @@ import torch
 
 from dsfp4.device import resolve_device
 from dsfp4.runtime.options import RunOptions
-from dsfp4.runtime.plan.planner import token_bytes
+from dsfp4.runtime.plan.planner import Plan, token_bytes
 from dsfp4.runtime.profile.calibration import BUILTIN_FILES, Entry, parse_jsonl
 from dsfp4.tools.doctor import Ceilings
 
@@ -43,14 +43,20 @@ def _text(entry: Entry) -> str:
 
 
 def run_preset(
-    model: Path, options: RunOptions, prompts: list[str], max_tokens: int, c: Ceilings, label: str | None = None
+    model: Path,
+    options: RunOptions,
+    prompts: list[str],
+    max_tokens: int,
+    c: Ceilings,
+    label: str | None = None,
+    plan: Plan | None = None,
 ) -> dict:
-    """One Engine under `options` (its preset or budgets, named `label`), the prompts in turn (each its own
-    conversation) -> results."""
+    """One Engine under `options` (its preset or budgets, named `label`; `plan`: the plan made for them before the
+    runs, else planned now), the prompts in turn (each its own conversation) -> results."""
     from dsfp4.runtime.engine import Engine
 
     t0 = time.perf_counter()
-    with Engine(model, options) as engine:
+    with Engine(model, options, plan=plan) as engine:
         load_s = time.perf_counter() - t0
         plan, store = engine.plan, engine.model.experts
         backbone, record = token_bytes(store.manifest)

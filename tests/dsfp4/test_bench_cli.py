@@ -129,6 +129,22 @@ def test_a_bad_budget_fails_before_any_run_and_each_run_is_written_as_it_ends(co
     assert [x["preset"] for x in json.loads((out / "bench.json").read_text())["results"]] == ["80g"]
 
 
+def test_each_run_follows_the_plan_its_budget_was_checked_with(converted, tmp_path, monkeypatch):
+    """A budget is planned once, before the runs: the run does not plan it again in its larger process (where a tight
+    budget that passed the check could fail)."""
+    from dsfp4.runtime.models import load
+
+    ceil = tmp_path / "doctor.json"
+    Ceilings(gpu="cpu", hbm_read_gbps=100.0, pinned_h2d_gbps=10.0, random_read_gbps=1.0, disk="/nvme").save(ceil)
+    planned = []
+    real = load.plan_run
+    monkeypatch.setattr(load, "plan_run", lambda *a, **k: planned.append(a[4].preset) or real(*a, **k))
+    args = ["bench", str(converted), "--device", "cpu", "--prompts", "1", "--max-tokens", "2", "--ceilings", str(ceil)]
+    r = CliRunner().invoke(cli, [*args, "--preset", "80g", "--preset", "32g", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.output
+    assert planned == ["80g", "32g"]
+
+
 def test_the_per_layer_chart_labels_shares_as_percentages():
     from dsfp4.tools.bench_report import layer_chart
 

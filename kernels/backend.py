@@ -4,12 +4,21 @@ and what the kernels read of the process (the device's SM count and fp8 support,
 The rule (use_kernels): Triton kernels run on CUDA tensors when Triton is installed; the torch references run
 everywhere else (the CPU build of torch comes without Triton). The tests call the kernels themselves on the CPU
 under TRITON_INTERPRET, which runs them in Triton's interpreter.
+
+FP8 (e4m3) weights take one of three paths (fp8_path): NATIVE on GPUs that convert e4m3 in hardware (sm_89 on:
+the PTX conversions, Triton's fp8 types, the W8A8 GEMM on FP8 tensor cores); BY_BITS on CUDA GPUs from sm_80 that
+do not (A100, RTX 3090: e4m3 widened by bit placement inside the kernels, the prefill GEMM W8A16 on bf16/fp16 tensor
+cores); REFERENCE elsewhere (no Triton, the CPU, older GPUs, ROCm), the torch functions. DSFP4_FP8_BY_BITS=1 in the
+environment, read once, forces BY_BITS where NATIVE would run (a benchmark or a GPU test of the Ampere path on an
+Ada or Hopper card).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +56,21 @@ def interpreted() -> bool:
 
 # Ada and Hopper convert e4m3 in hardware; Triton has no fp8 type below
 HW_E4M3_CAPABILITY = (8, 9)
+# the by-bits kernels need bf16 tensor cores and cvt.rn.f16x2.f32: Ampere on
+BY_BITS_CAPABILITY = (8, 0)
+# "1": the by-bits FP8 kernels where the GPU converts e4m3 itself (read once per process)
+FP8_BY_BITS_ENV = "DSFP4_FP8_BY_BITS"
+# off CUDA (the interpreter) the kernels' plans assume an H100: its SMs and the shared memory a block may opt in to
+REFERENCE_SMS = 132
+REFERENCE_SMEM = 232448
+
+
+class FP8Path(enum.Enum):
+    """How kernels read e4m3 weights on a device (the module docstring)."""
+
+    NATIVE = "native"
+    BY_BITS = "by bits"
+    REFERENCE = "reference"
 
 
 @functools.lru_cache
@@ -55,20 +79,69 @@ def cuda_props(index: int):
     return torch.cuda.get_device_properties(index)
 
 
-# off CUDA (the interpreter) the kernels' plans assume an H100
-REFERENCE_SMS = 132
-
-
 def n_sms(device: torch.device) -> int:
     """The device's streaming multiprocessors, for grid sizing (REFERENCE_SMS off CUDA)."""
     return cuda_props(device.index or 0).multi_processor_count if device.type == "cuda" else REFERENCE_SMS
 
 
-def hw_e4m3(device: torch.device) -> bool:
-    """Whether kernels on `device` may convert e4m3 by the GPU's instruction (else by bits), the Triton fp8
-    types included."""
+@dataclass(frozen=True)
+class Card:
+    """What tile rules read of a GPU: compute capability, SMs, the shared memory a program may opt in to (bytes)."""
+
+    capability: tuple[int, int]
+    sms: int
+    smem: int
+
+
+# off CUDA (the interpreter) the kernels' plans assume an H100
+REFERENCE_CARD = Card((9, 0), REFERENCE_SMS, REFERENCE_SMEM)
+
+
+def card_of(props) -> Card:
+    """The Card of torch.cuda.get_device_properties' answer (or an object with its fields)."""
+    smem = getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_multiprocessor
+    return Card((props.major, props.minor), props.multi_processor_count, smem)
+
+
+def card(device: torch.device) -> Card:
+    """The Card of `device`, REFERENCE_CARD off CUDA."""
+    return card_of(cuda_props(device.index or 0)) if device.type == "cuda" else REFERENCE_CARD
+
+
+@functools.lru_cache
+def fp8_by_bits_forced() -> bool:
+    """Whether FP8_BY_BITS_ENV asks for the by-bits kernels (read once: every kernel of a process takes one path)."""
+    return os.environ.get(FP8_BY_BITS_ENV, "0") not in ("", "0")
+
+
+def fp8_path_for(capability: tuple[int, int], forced: bool = False, hip: bool = False) -> FP8Path:
+    """The FP8 path of a CUDA GPU of compute `capability` with Triton (ROCm: `hip`): the module docstring's rule."""
+    if hip or capability < BY_BITS_CAPABILITY:
+        return FP8Path.REFERENCE
+    return FP8Path.BY_BITS if forced or capability < HW_E4M3_CAPABILITY else FP8Path.NATIVE
+
+
+def fp8_path(device: torch.device | str) -> FP8Path:
+    """The FP8 path kernels take on `device`. Under TRITON_INTERPRET the CPU runs the kernels: NATIVE there stands
+    for the native kernels' interpreted branches (Triton's fp8 types, no PTX), BY_BITS when forced."""
     device = torch.device(device)
-    if device.type != "cuda" or interpreted():
-        return False
+    if triton is None:
+        return FP8Path.REFERENCE
+    if device.type != "cuda":
+        if not interpreted():
+            return FP8Path.REFERENCE
+        return FP8Path.BY_BITS if fp8_by_bits_forced() else FP8Path.NATIVE
     p = cuda_props(device.index or 0)
-    return (p.major, p.minor) >= HW_E4M3_CAPABILITY
+    return fp8_path_for((p.major, p.minor), fp8_by_bits_forced(), torch.version.hip is not None)
+
+
+def has_fp8_kernels(device: torch.device | str) -> bool:
+    """True where the FP8 Triton kernels run (natively or by bits): CUDA sm_80+, or the CPU under the interpreter."""
+    return fp8_path(device) is not FP8Path.REFERENCE
+
+
+def hw_e4m3(device: torch.device | str) -> bool:
+    """Whether kernels on `device` may convert e4m3 by the GPU's instruction (else by bits), the Triton fp8
+    types included: the NATIVE path on CUDA (never under the interpreter)."""
+    device = torch.device(device)
+    return device.type == "cuda" and not interpreted() and fp8_path(device) is FP8Path.NATIVE

@@ -21,11 +21,17 @@ possible product, far below the bf16/fp16 output's precision. Block scales and 2
 
 On the GPU the piece maths is inline PTX; under TRITON_INTERPRET the same pairing (byte i of a word with x[i], lanes
 of even and odd columns, lanes added in fp16) runs as plain integer and fp16 ops.
+
+BY_BITS (GPUs without cvt.rn.f16x2.e4m3x2, sm_80 and sm_86): the pairs come from bit placement instead
+(kernels/fp8/e4m3_bits.py), each weight times 2^-8, exact; x is scaled 2^8 higher (X16_TOP_BY_BITS), so every fp16
+product and piece sum is the one the conversion instruction's pairs give, and the block scale takes the 2^8 back.
+The f16x2 PTX (fma.rn.f16x2, cvt.rn.f16x2.f32) runs from sm_80.
 """
 
 from __future__ import annotations
 
 from dsfp4.kernels.backend import tl, triton
+from dsfp4.kernels.fp8.e4m3_bits import E4M3_F16_SHIFT, E4M3_F16_UNSCALE
 from dsfp4.layout.fp4 import E4M3_MAX
 
 # bytes (columns) of a row per thread and step: two 32-bit words
@@ -39,6 +45,9 @@ F32_EXP_BIAS = 127
 F32_MANTISSA_BITS = 23
 # biased exponent of 2^s = this minus that of the piece's largest |x|
 UP_BIAS = X16_TOP + 2 * F32_EXP_BIAS - 1
+# BY_BITS: weights placed at 2^-8 of their value meet x scaled 2^8 higher, for the same products
+X16_TOP_BY_BITS = X16_TOP + E4M3_F16_SHIFT
+UP_BIAS_BY_BITS = UP_BIAS + E4M3_F16_SHIFT
 # biased exponents of 2^s and 2^-s add up to this
 EXP_SUM = 2 * F32_EXP_BIAS
 # 2^s, 2^-s stay normal fp32: biased exponents 1..253
@@ -57,14 +66,14 @@ def piece_ptx() -> str:
     return "\n".join(lines)
 
 
-def x16_ptx() -> str:
+def x16_ptx(up_bias: int = UP_BIAS) -> str:
     """PTX of one piece's x for the f16x2 maths (_scale16 and _quads in one): fp32 x[0..7] in $3..$10 -> $0, $1:
-    x * 2^s as fp16 quads (x[0..3], x[4..7], the first lowest), $2: 2^-s."""
+    x * 2^s as fp16 quads (x[0..3], x[4..7], the first lowest), $2: 2^-s; up_bias: UP_BIAS, or UP_BIAS_BY_BITS."""
     lines = ["{", ".reg .f32 m, up, a<8>;", ".reg .b32 e, u, p<4>;"]
     lines += [f"abs.f32 a{i}, ${3 + i};" for i in range(PIECE)] + ["max.f32 m, a0, a1;"]
     lines += [f"max.f32 m, m, a{i};" for i in range(2, PIECE)]
     mant = F32_MANTISSA_BITS
-    lines += ["mov.b32 e, m;", f"shr.u32 e, e, {mant};", f"sub.s32 u, {UP_BIAS}, e;", "max.s32 u, u, 1;"]
+    lines += ["mov.b32 e, m;", f"shr.u32 e, e, {mant};", f"sub.s32 u, {up_bias}, e;", "max.s32 u, u, 1;"]
     lines += [f"min.s32 u, u, {EXP_MAX};", f"shl.b32 e, u, {mant};", "mov.b32 up, e;", f"sub.s32 u, {EXP_SUM}, u;"]
     lines += [f"shl.b32 $2, u, {mant};"]
     lines += [f"mul.f32 a{i}, ${3 + i}, up;" for i in range(PIECE)]
@@ -83,12 +92,15 @@ cvt.rn.f16x2.e4m3x2 $1, h;
 
 if triton is not None:
     from dsfp4.kernels.fp4.codes import fp16_low
+    from dsfp4.kernels.fp8.e4m3_bits import e4m3_word_pairs
 
     _PIECE_PTX = tl.constexpr(piece_ptx())
     _X16_PTX = tl.constexpr(x16_ptx())
+    _X16_PTX_BY_BITS = tl.constexpr(x16_ptx(UP_BIAS_BY_BITS))
     _PAIRS_PTX = tl.constexpr(PAIRS_PTX)
     _PIECE, _WORD, _MANT = tl.constexpr(PIECE), tl.constexpr(WORD), tl.constexpr(F32_MANTISSA_BITS)
     _UP_BIAS, _EXP_SUM, _EXP_MAX = tl.constexpr(UP_BIAS), tl.constexpr(EXP_SUM), tl.constexpr(EXP_MAX)
+    _UP_BIAS_BY_BITS, _UNSCALE = tl.constexpr(UP_BIAS_BY_BITS), tl.constexpr(E4M3_F16_UNSCALE)
 
     @triton.jit
     def _bytes16(w):
@@ -97,8 +109,11 @@ if triton is not None:
         return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
     @triton.jit
-    def _pairs(w, USE_ASM: tl.constexpr):
-        """u32 words [P, BN, 2] -> (bytes 0, 1 and bytes 2, 3 as fp16 pairs in u32 [P, BN, 2]), two bytes per cvt."""
+    def _pairs(w, USE_ASM: tl.constexpr, BY_BITS: tl.constexpr):
+        """u32 words [P, BN, 2] -> (bytes 0, 1 and bytes 2, 3 as fp16 pairs in u32 [P, BN, 2]), two bytes per cvt
+        (BY_BITS: placed, each value * 2^-8)."""
+        if BY_BITS:
+            return e4m3_word_pairs(w)
         if USE_ASM:
             return tl.inline_asm_elementwise(
                 _PAIRS_PTX, "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1
@@ -149,22 +164,24 @@ if triton is not None:
         return tl.split(lo | (hi << 32))
 
     @triton.jit
-    def _scale16(x):
+    def _scale16(x, UP_BIAS: tl.constexpr):
         """x: fp32 [P, 1, 8] -> (x * 2^s as fp16, 2^-s [P, 1]): per piece, largest |x| * 2^s in [2^(X16_TOP-1),
-        2^X16_TOP); zero and subnormal pieces take the largest 2^s (their products vanish anyway)."""
+        2^X16_TOP) (UP_BIAS: _UP_BIAS, or 2^8 higher by _UP_BIAS_BY_BITS); zero and subnormal pieces take the
+        largest 2^s (their products vanish anyway)."""
         m = tl.max(tl.abs(x), 2, keep_dims=True)  # [P, 1, 1]
         # biased exponent of the largest |x|
         e = (m.to(tl.int32, bitcast=True) >> _MANT) & 0xFF
         # tensors first: the interpreter
-        up = tl.minimum(tl.maximum(-e + _UP_BIAS, 1), _EXP_MAX)
+        up = tl.minimum(tl.maximum(-e + UP_BIAS, 1), _EXP_MAX)
         down = ((-up + _EXP_SUM) << _MANT).to(tl.float32, bitcast=True)
         return (x * (up << _MANT).to(tl.float32, bitcast=True)).to(tl.float16), tl.reshape(down, (x.shape[0], 1))
 
     @triton.jit
-    def _x16(x, USE_ASM: tl.constexpr):
-        """x: fp32 [P, 1, 8] -> (xa, xb: u64 [P, 1], x * 2^s as _quads; 2^-s [P, 1]) as _scale16 scales it."""
+    def _x16(x, USE_ASM: tl.constexpr, BY_BITS: tl.constexpr):
+        """x: fp32 [P, 1, 8] -> (xa, xb: u64 [P, 1], x * 2^s as _quads; 2^-s [P, 1]) as _scale16 scales it (BY_BITS:
+        2^8 higher)."""
         if not USE_ASM:
-            x16, down = _scale16(x)
+            x16, down = _scale16(x, _UP_BIAS_BY_BITS if BY_BITS else _UP_BIAS)
             xa, xb = _quads(x16)
             return xa, xb, down
         ev, od = tl.split(tl.reshape(x, (x.shape[0], 1, 4, 2)))  # [P, 1, 4]: x[0, 2, 4, 6], x[1, 3, 5, 7]
@@ -175,7 +192,7 @@ if triton is not None:
         x1, x5 = tl.split(o15)
         x3, x7 = tl.split(o37)
         return tl.inline_asm_elementwise(
-            _X16_PTX,
+            _X16_PTX_BY_BITS if BY_BITS else _X16_PTX,
             "=l,=l,=r" + ",r" * 8,
             [x0, x1, x2, x3, x4, x5, x6, x7],
             dtype=(tl.uint64, tl.uint64, tl.float32),
@@ -203,9 +220,11 @@ if triton is not None:
         SCALE_BLOCK: tl.constexpr,
         F16X2: tl.constexpr,
         USE_ASM: tl.constexpr,
+        BY_BITS: tl.constexpr,
     ):
         """out[split, t, rows] = the split's K range of x[t] . W[rows] (out: y itself when there is one split).
-        BLOCK_N divides SCALE_BLOCK, so a program's rows share one row of scales; K is a multiple of PIECE."""
+        BLOCK_N divides SCALE_BLOCK, so a program's rows share one row of scales; K is a multiple of PIECE.
+        BY_BITS: the weights widened by bit placement (no e4m3 instruction)."""
         P: tl.constexpr = BLOCK_K // _PIECE
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]; rows past N read row r % N, dropped at the store
@@ -222,15 +241,17 @@ if triton is not None:
         for k0 in range(k_start, k_end, BLOCK_K):
             live = k0 + piece < k_end  # [P, 1, 1]
             sb = tl.reshape(tl.load(s_row + (k0 + piece) // SCALE_BLOCK, mask=live, other=0.0), (P, 1))
+            if BY_BITS:
+                sb = sb * _UNSCALE
             # converted once for every token
-            lo, hi = _pairs(w.to(tl.uint32, bitcast=True), USE_ASM)
+            lo, hi = _pairs(w.to(tl.uint32, bitcast=True), USE_ASM, BY_BITS)
             if not F16X2:
                 wf = _bytes_f32(lo, hi)  # [P, BN, 8]
             new = ()
             for t in tl.static_range(T):
                 x = tl.load(x_ptr + t * stride_xt + k0 + cols, mask=live, other=0.0)  # [P, 1, 8]
                 if F16X2:
-                    xa, xb, down = _x16(x.to(tl.float32), USE_ASM)
+                    xa, xb, down = _x16(x.to(tl.float32), USE_ASM, BY_BITS)
                     part = _piece_sums(lo, hi, xa, xb, USE_ASM) * (down * sb)
                 else:
                     part = tl.sum(wf * x.to(tl.float32), 2) * sb

@@ -11,12 +11,14 @@ into memory.
     per-token instructions would bind.
     When the rows give too few programs, K is split and the fp32 partials of the splits are summed in a fixed
     order by a second small kernel: no atomics, the same bits on every run.
-  - fp8_gemm (larger T, prefill): W8A8 on FP8 tensor cores, as DeepSeek's gemm_impl="fp8" and as the model
-    was trained: act_quant rounds x to e4m3 per token and 128-wide K group, then every K step adds
-    tl.dot(x_q, w_q) * x_scale * w_scale. Rounding x to 3 mantissa bits costs about 2.6% relative error
-    against unrounded x on random data, so fp32 activations (the exact runs) take the reference instead.
-GPUs without FP8 conversion and tensor cores (below sm89) take the reference for every T.
-Block sizes follow small rules of (T, N, K, SM count), not an autotuner, so a launch can be graph-captured.
+  - fp8_gemm (larger T, prefill; kernels/fp8/gemm.py): W8A8 on FP8 tensor cores (x rounded to e4m3 per token and
+    128-wide group, as DeepSeek's gemm_impl="fp8"), or W8A16 on bf16/fp16 tensor cores where the device's FP8 path
+    is BY_BITS. fp32 activations (the exact runs) take the reference instead.
+The device's FP8 path (kernels/backend.py fp8_path) decides: NATIVE (sm_89 on) the kernels above as they are; BY_BITS
+(sm_80, sm_86, or forced by DSFP4_FP8_BY_BITS=1) the same kernels converting e4m3 by bit placement
+(kernels/fp8/e4m3_bits.py) and the W8A16 GEMM; REFERENCE (no Triton, CPU, older GPUs) fp8_linear_ref for every T.
+Block sizes follow small rules of (T, N, K, SM count, shared memory), not an autotuner, so a launch can be
+graph-captured.
 Legend: T tokens, N output rows, K input columns, Nb x Kb the scale grid (ceil of N/128, K/128).
 """
 
@@ -25,13 +27,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from dsfp4.kernels.backend import DECODE_TOKENS, WARP, hw_e4m3, interpreted, n_sms, tl, triton
+from dsfp4.kernels.backend import (
+    DECODE_TOKENS,
+    WARP,
+    FP8Path,
+    fp8_path,
+    has_fp8_kernels,
+    interpreted,
+    n_sms,
+    tl,
+    triton,
+)
+from dsfp4.kernels.fp8.gemm import act_quant, act_quant_ref, fp8_gemm, fp8_gemm_ref, fp8_linear_ref
 from dsfp4.kernels.fp8.gemv import PIECE
 from dsfp4.layout.formats import ceil_div, next_pow2
-from dsfp4.layout.fp4 import E4M3_MAX, exact_div
-from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize, scale_grid
+from dsfp4.layout.fp8 import FP8_BLOCK, scale_grid
+
+# the GEMM's names, where fp8_linear's callers and tests have found them
+__all__ = ["act_quant", "act_quant_ref", "fp8_gemm", "fp8_gemm_ref", "fp8_linear", "fp8_linear_ref", "fp8_gemv"]
 
 # decode and speculative verify batches; above it tensor cores pay
 GEMV_MAX_TOKENS = DECODE_TOKENS
@@ -62,15 +76,6 @@ GEMV_MAX_BLOCK_K = 512
 PROGRAMS_PER_SM = 2
 # outputs per program of the split-sum kernel
 SUM_BLOCK = 1024
-GEMM_BLOCK_N = 128
-# token rows per GEMM tile: the large one once the tiles fill every SM
-GEMM_BLOCK_M = (64, 128)
-# K steps in flight: 3 x 32 KiB of shared memory at 128x128
-GEMM_STAGES = 3
-# row tiles that take turns on one weight column tile while it sits in L2
-GEMM_GROUP_M = 8
-# 128-wide groups per act_quant program
-ACT_GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -86,16 +91,6 @@ class GemvPlan:
     k_split: int
     math: str = "legacy"
     num_warps: int = 4
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """block_m x block_n: the output tile of one program, 128 deep in K (one scale block)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
 
 
 def _split(n: int, k: int, rows: int, block_k: int, n_sms: int) -> tuple[int, int]:
@@ -144,21 +139,6 @@ def gemv_plan(
     return GemvPlan(next_pow2(t), rows, block_k, split, k_split, math, warps)
 
 
-def gemm_plan(t: int, n: int, n_sms: int) -> GemmPlan:
-    """128x128 tiles (8 warps) once they fill every SM, else 64x128 (4 warps) for twice the programs."""
-    small, large = GEMM_BLOCK_M
-    if ceil_div(t, large) * ceil_div(n, GEMM_BLOCK_N) >= n_sms:
-        return GemmPlan(large, GEMM_BLOCK_N, 8, GEMM_STAGES)
-    return GemmPlan(small, GEMM_BLOCK_N, 4, GEMM_STAGES)
-
-
-def has_fp8_kernels(device: torch.device) -> bool:
-    """True where the Triton kernels run: CUDA sm89+, or the CPU under Triton's interpreter."""
-    if triton is None:
-        return False
-    return hw_e4m3(device) if device.type == "cuda" else interpreted()
-
-
 def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
     assert x.dim() == 2 and q.dim() == 2 and x.shape[1] == q.shape[1], "x: [T, K] against q: [N, K]"
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "q: e4m3, scale: fp32"
@@ -168,44 +148,12 @@ def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch
     return x, q.contiguous(), scale.contiguous()
 
 
-# ---- torch references ----------------------------------------------------------------------------------
-
-
-def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [T, K], q: [N, K] e4m3, scale: [Nb, Kb] -> [T, N] in x's dtype, computed in fp32 from W in fp32."""
-    return F.linear(x.float(), fp8_block_dequantize(q, scale, dtype=torch.float32)).to(x.dtype)
-
-
-def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, K] -> (x_q [T, K] e4m3, x_scale [T, Kb] fp32): x ~ x_q * x_scale per 128-wide group,
-    x_scale = group amax / 448 (1 for an all-zero group)."""
-    t, k = x.shape
-    kb = ceil_div(k, FP8_BLOCK)
-    groups = F.pad(x.float(), (0, kb * FP8_BLOCK - k)).reshape(t, kb, FP8_BLOCK)  # [T, Kb, 128]
-    amax = groups.abs().amax(dim=-1)
-    s = torch.where(amax > 0, exact_div(amax, E4M3_MAX), torch.ones_like(amax))
-    q = (groups / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(t, -1)[:, :k].contiguous(), s
-
-
-def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp8_gemm's result: x rounded by act_quant_ref, then fp8_linear_ref -> [T, N] in x's dtype."""
-    x_q, x_s = act_quant_ref(x)
-    x_d = x_q.float() * x_s.repeat_interleave(FP8_BLOCK, dim=1)[:, : x.shape[1]]
-    return fp8_linear_ref(x_d, q, scale).to(x.dtype)
-
-
 # ---- Triton kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
+    from dsfp4.kernels.fp4.codes import block_scale
     from dsfp4.kernels.fp8.gemv import fp8_gemv_pieces_kernel
     from dsfp4.kernels.fp8.gemv_mma import fp8_gemv_mma_kernel
-
-    E4M3_MANTISSA_BITS = tl.constexpr(3)
-    # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
-    E4M3_MIN_EXP = tl.constexpr(-6)
-    # 1.5 * 2^23: adding and subtracting it rounds |u| < 2^22 to an integer
-    RINT = tl.constexpr(12582912.0)
 
     @triton.jit
     def fp8_gemv_kernel(
@@ -226,8 +174,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SCALE_BLOCK: tl.constexpr,
+        BY_BITS: tl.constexpr,
     ):
-        """out[split, t, rows] = the split's K range of x[t] . W[rows] (out: y itself when there is one split)."""
+        """out[split, t, rows] = the split's K range of x[t] . W[rows] (out: y itself when there is one split).
+        BY_BITS: q_ptr points at W's bytes (uint8), widened to fp32 from their bits."""
         GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -239,7 +189,8 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(
                 q_ptr + (rows % N)[:, None] * stride_qn + cols[None, :], mask=(cols < K)[None, :], other=0.0
-            ).to(tl.float32)  # [BN, BK]: rows past N read row r % N, dropped at the store
+            )  # [BN, BK]: rows past N read row r % N, dropped at the store
+            w = block_scale(w, E8M0=False) if BY_BITS else w.to(tl.float32)
             kb = k0 // SCALE_BLOCK + tl.arange(0, GROUPS)
             s = tl.load(
                 s_ptr + ((rows % N) // SCALE_BLOCK)[:, None] * stride_sn + kb[None, :],
@@ -264,94 +215,6 @@ if triton is not None:
             acc += tl.load(ws_ptr + s * M + offs, mask=mask, other=0.0)
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _round_e4m3(v):
-        """fp32 v (|v| <= 448) -> the nearest e4m3 value (ties to even, sign kept), still in fp32. Rounding here
-        makes the cast to fp8 exact: Triton's interpreter rounds that cast wrongly (it drops a mantissa carry)."""
-        bits = v.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, E4M3_MIN_EXP)
-        ulp_exp = e - E4M3_MANTISSA_BITS
-        inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
-        ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
-        # ties to even, as IEEE addition rounds
-        r = ((tl.abs(v) * inv_ulp + RINT) - RINT) * ulp
-        # by the sign bit: -0.0 and values rounding to zero keep theirs
-        return tl.where(bits < 0, -r, r)
-
-    @triton.jit
-    def act_quant_kernel(
-        x_ptr,
-        q_ptr,
-        s_ptr,
-        K,
-        stride_xt,
-        stride_qt,
-        stride_st,
-        GROUPS: tl.constexpr,
-        SCALE_BLOCK: tl.constexpr,
-        QMAX: tl.constexpr,
-    ):
-        """One token's GROUPS 128-wide groups: q = round(x / s), s = amax / 448 (1 when amax is 0)."""
-        # int64: T * K may pass 2^31
-        t = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G] group indices
-        cols = g[:, None] * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)[None, :]  # [G, 128]
-        x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 1)
-        s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)  # [G]
-        # IEEE division, as the reference's
-        v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-        q = _round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
-        tl.store(q_ptr + t * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
-        tl.store(s_ptr + t * stride_st + g, s, mask=g * SCALE_BLOCK < K)
-
-    @triton.jit
-    def fp8_gemm_kernel(
-        a_ptr,
-        sa_ptr,
-        b_ptr,
-        sb_ptr,
-        y_ptr,
-        T,
-        N,
-        K,
-        stride_at,
-        stride_sat,
-        stride_bn,
-        stride_sbn,
-        stride_yt,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        SCALE_BLOCK: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
-        """y = sum over 128-wide K steps of (a_q . b_q) * sa[t] * sb[n / 128]: a [T, K] e4m3 with sa [T, Kb],
-        b [N, K] e4m3 with sb [Nb, Kb]."""
-        pid = tl.program_id(0)
-        n_m, n_n = tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        first_m = (pid // (GROUP_M * n_n)) * GROUP_M
-        size_m = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-        pid_n = (pid % (GROUP_M * n_n)) // size_m
-        # wrapped rows and columns read valid memory; their results are dropped at the store
-        # int64: T * K may pass 2^31
-        rows = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % T).to(tl.int64)
-        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # one K step = one scale block
-        for kb in range(0, tl.cdiv(K, SCALE_BLOCK)):
-            ks = kb * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-            a = tl.load(a_ptr + rows[:, None] * stride_at + ks[None, :], mask=(ks < K)[None, :], other=0.0)
-            b = tl.load(b_ptr + cols[:, None] * stride_bn + ks[None, :], mask=(ks < K)[None, :], other=0.0)
-            sa = tl.load(sa_ptr + rows * stride_sat + kb)  # [BM]
-            sb = tl.load(sb_ptr + (cols // SCALE_BLOCK) * stride_sbn + kb)  # [BN]
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        out_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (out_m < T)[:, None] & (out_n < N)[None, :]
-        tl.store(y_ptr + out_m[:, None] * stride_yt + out_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 # ---- wrappers ------------------------------------------------------------------------------------------
 
 
@@ -365,24 +228,30 @@ def gemv_math(x: torch.Tensor, k: int, math: str | None = None) -> str:
     return math or ("mma" if mma else GEMV_MATH)
 
 
-def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | None = None) -> torch.Tensor:
+def fp8_gemv(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, math: str | None = None, by_bits: bool = False
+) -> torch.Tensor:
     """x: [T, K] (T <= 16) bf16/f16/f32, q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> y [T, N] in x's dtype.
-    math overrides GEMV_MATH for bf16/fp16 x (gemv_math)."""
+    math overrides GEMV_MATH for bf16/fp16 x (gemv_math); by_bits: e4m3 widened by bit placement (the BY_BITS path)."""
     x, q, scale = _check(x, q, scale)
     (t, k), n = x.shape, q.shape[0]
     assert 0 < t <= GEMV_MAX_TOKENS, f"the GEMV takes 1..{GEMV_MAX_TOKENS} tokens"
-    return gemv_launch(x, q, scale, gemv_plan(t, n, k, n_sms(x.device), gemv_math(x, k, math)))
+    return gemv_launch(x, q, scale, gemv_plan(t, n, k, n_sms(x.device), gemv_math(x, k, math)), by_bits)
 
 
-def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPlan) -> torch.Tensor:
+def gemv_launch(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPlan, by_bits: bool = False
+) -> torch.Tensor:
     """fp8_gemv with a given plan (a benchmark may pin a tile through it): x, q, scale as _check leaves them."""
     (t, k), n = x.shape, q.shape[0]
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     out = y if p.split == 1 else torch.empty(p.split, t, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, p.block_n), p.split)
+    # by bits, the kernels read W's bytes: no fp8 type in them
+    w = q.view(torch.uint8) if by_bits else q
     # the three kernels share the pointers, the row strides of x, W and scales, out's token and split strides, K a split
-    head, strides = (x, q, scale, out), (x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split)
-    tiles = dict(BLOCK_N=p.block_n, SCALE_BLOCK=FP8_BLOCK)
+    head, strides = (x, w, scale, out), (x.stride(0), q.stride(0), scale.stride(0), n, t * n, p.k_split)
+    tiles = dict(BLOCK_N=p.block_n, SCALE_BLOCK=FP8_BLOCK, BY_BITS=by_bits)
     if p.math == "mma":
         fp8_gemv_mma_kernel[grid](
             *head, t, n, k, *strides, BLOCK_T=p.block_t, WIDE=interpreted(), num_warps=p.num_warps, **tiles
@@ -407,67 +276,15 @@ def gemv_launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: GemvPl
     return y
 
 
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """act_quant_ref in Triton: x [T, K] -> (x_q [T, K] e4m3, x_scale [T, Kb] fp32), the same bits."""
-    x = x if x.stride(1) == 1 else x.contiguous()
-    t, k = x.shape
-    kb = ceil_div(k, FP8_BLOCK)
-    x_q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
-    x_s = torch.empty(t, kb, dtype=torch.float32, device=x.device)
-    act_quant_kernel[(t, triton.cdiv(kb, ACT_GROUPS))](
-        x,
-        x_q,
-        x_s,
-        k,
-        x.stride(0),
-        x_q.stride(0),
-        x_s.stride(0),
-        GROUPS=ACT_GROUPS,
-        SCALE_BLOCK=FP8_BLOCK,
-        QMAX=E4M3_MAX,
-    )
-    return x_q, x_s
-
-
-def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [T, K] bf16/f16, q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> y [T, N] in x's dtype, x rounded to
-    e4m3 per token and 128-wide group on the way (W8A8; fp8_gemm_ref is its reference)."""
-    x, q, scale = _check(x, q, scale)
-    (t, k), n = x.shape, q.shape[0]
-    x_q, x_s = act_quant(x)
-    p = gemm_plan(t, n, n_sms(x.device))
-    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    fp8_gemm_kernel[(triton.cdiv(t, p.block_m) * triton.cdiv(n, p.block_n),)](
-        x_q,
-        x_s,
-        q,
-        scale,
-        y,
-        t,
-        n,
-        k,
-        x_q.stride(0),
-        x_s.stride(0),
-        q.stride(0),
-        scale.stride(0),
-        y.stride(0),
-        BLOCK_M=p.block_m,
-        BLOCK_N=p.block_n,
-        SCALE_BLOCK=FP8_BLOCK,
-        GROUP_M=GEMM_GROUP_M,
-        num_warps=p.num_warps,
-        num_stages=p.num_stages,
-    )
-    return y
-
-
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [T, K] -> [T, N] in x's dtype: the GEMV for up to 16 tokens, the W8A8 GEMM above; the reference for
-    fp32 prefill (exact runs stay exact) and where the kernels cannot run."""
+    """x: [T, K] -> [T, N] in x's dtype by the device's FP8 path: the GEMV for up to 16 tokens, the GEMM above (W8A8
+    where NATIVE, W8A16 where BY_BITS); the reference for fp32 prefill (exact runs stay exact) and where no FP8
+    kernel runs."""
     if x.shape[0] == 0 or not has_fp8_kernels(x.device):
         return fp8_linear_ref(x, q, scale)
+    by_bits = fp8_path(x.device) is FP8Path.BY_BITS
     if x.shape[0] <= GEMV_MAX_TOKENS:
-        return fp8_gemv(x, q, scale)
+        return fp8_gemv(x, q, scale, by_bits=by_bits)
     if x.dtype == torch.float32:
         return fp8_linear_ref(x, q, scale)
-    return fp8_gemm(x, q, scale)
+    return fp8_gemm(*_check(x, q, scale), by_bits=by_bits)

@@ -1,0 +1,48 @@
+"""e4m3 bytes widened by bit placement, for GPUs without the conversion instruction (sm_80, sm_86: the BY_BITS
+path of kernels/backend.py) and never through Triton's fp8 types, which Triton refuses below sm_89.
+
+e4m3fn is sign, 4 exponent bits (bias 7) and 3 mantissa bits; fp16 is sign, 5 exponent bits (bias 15) and 10. A byte
+b placed as the fp16 bits (b & 0x80) << 8 | (b & 0x7F) << 7 puts the exponent field and the mantissa where fp16 has
+them, so the fp16 reads b's value times 2^(7 - 15) = 2^-8: for normal codes (exponent field e >= 1) both are
+2^(e - bias) (1 + m / 8), and the subnormal codes m * 2^-9 become fp16's subnormals m * 2^-17. Every code thus lands
+exactly on value * 2^-8 (E4M3_F16_SCALE), all of them finite fp16 values (0x7F, e4m3fn's NaN, reads 1.875, but
+quantized weights never hold it); the kernels fold 2^8 into the block scale. Widened to fp32, the values are normal
+(>= 2^-17), and exact in bf16 too: a by-bits tile meets bf16 activations as (value * 2^-8) in bf16, never a bf16
+subnormal, which tensor cores and Triton's interpreter would flush.
+"""
+
+from __future__ import annotations
+
+from dsfp4.kernels.backend import tl, triton
+
+# fp16's exponent bias minus e4m3's: a placed code reads value * 2^-E4M3_F16_SHIFT
+E4M3_F16_SHIFT = 8
+# what the kernels multiply the block scale by to undo the placement's 2^-8
+E4M3_F16_UNSCALE = float(2**E4M3_F16_SHIFT)
+
+if triton is not None:
+
+    @triton.jit
+    def _place_pairs(t):
+        """u32 t with two codes in bits 0-7 and 16-23 (the rest zero) -> the two fp16 placements in its halves."""
+        return ((t & 0x00800080) << 8) | ((t & 0x007F007F) << 7)
+
+    @triton.jit
+    def e4m3_word_pairs(w):
+        """u32 words of 4 codes [...] -> (bytes 0, 1 and bytes 2, 3 as fp16 pairs * 2^-8, u32 [...]), the first
+        byte of a pair in the low half: what cvt.rn.f16x2.e4m3x2 gives, scaled by 2^-8."""
+        lo = (w & 0xFF) | ((w & 0xFF00) << 8)
+        hi = ((w >> 16) & 0xFF) | ((w >> 8) & 0xFF0000)
+        return _place_pairs(lo), _place_pairs(hi)
+
+    @triton.jit
+    def e4m3_f16(b):
+        """uint8 codes [...] -> fp16 [...], each value * 2^-8 (exact)."""
+        b = b.to(tl.uint16)
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def e4m3_tile(b, DTYPE: tl.constexpr):
+        """uint8 codes [...] -> DTYPE (fp16, bf16 or fp32) [...], each value * 2^-8 (exact: bf16 through fp32, where
+        the fp16 subnormals are normal)."""
+        return e4m3_f16(b).to(DTYPE)

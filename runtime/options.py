@@ -22,6 +22,7 @@ from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.logprobs import MAX_TOP
 from dsfp4.runtime.generate.sampling import SamplingParams
+from dsfp4.runtime.generate.value_rules import is_finite_number, seed_problem
 from dsfp4.runtime.modes import AUTO, MODES, Levers
 from dsfp4.runtime.plan.budget import Budgets, parse_size
 from dsfp4.runtime.plan.probes import parse_host_share
@@ -38,7 +39,8 @@ AT_LEAST_ONE = "--io-threads and --prefill-chunk must be at least 1"
 
 def _typed(options: Any) -> None:
     """The Python API passes anything: each value must have its field's type. Stop strings arrive as a string, a list
-    (JSON, Click's multiple flag) or a tuple, and become a tuple; a path given as text becomes a Path."""
+    (JSON, Click's multiple flag) or a tuple, and become a tuple; a path given as text becomes a Path. A float field's
+    number is finite (NaN passes every range check below: no comparison with it holds)."""
     for f in dataclasses.fields(options):
         if not f.init:
             continue
@@ -49,8 +51,11 @@ def _typed(options: Any) -> None:
             continue
         if f.type == "tuple[str, ...]" and isinstance(value, (str, list)):
             value = (value,) if isinstance(value, str) else tuple(value)
+        flag = f"--{f.name.replace('_', '-')}"
         if (err := check(value, annotation_spec(str(f.type)), f.name)) is not None:
-            raise ConfigError(f"option {err} (the flag --{f.name.replace('_', '-')})")
+            raise ConfigError(f"option {err} (the flag {flag})")
+        if isinstance(value, float) and not is_finite_number(value):
+            raise ConfigError(f"option {f.name}: expected a finite number, found {value} (the flag {flag})")
         if f.type == "Path | None" and isinstance(value, str):
             value = Path(value)
         object.__setattr__(options, f.name, value)
@@ -220,6 +225,8 @@ class SamplingOptions:
             raise ConfigError(f"--max-tokens {self.max_tokens}: give at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+        if (fix := seed_problem(self.seed)) is not None:
+            raise ConfigError(f"--seed {self.seed}: {fix}")
         if any(not s for s in self.stop):
             raise ConfigError("--stop: an empty stop string would end every answer at once")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -4,6 +4,7 @@ sets the RunOptions field of the same name."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from click.core import ParameterSource
 
 from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.logprobs import MAX_TOP
+from dsfp4.runtime.generate.value_rules import SEED_LIMIT
 from dsfp4.runtime.modes import MODES
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.budget import PRESETS
@@ -39,6 +41,16 @@ CUDA_GRAPH = click.option(
     help="Launch every decode step's kernels one by one instead of replaying captured CUDA graphs.",
 )
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+
+
+class FiniteRange(click.FloatRange):
+    """click.FloatRange that refuses NaN and infinities, which pass its bounds: no comparison with NaN holds."""
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 (click's signature)
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return super().convert(number, param, ctx)
 
 
 def _stack(*decorators: Callable) -> Callable:
@@ -112,7 +124,7 @@ routing_options = _stack(
     ),
     click.option(
         "--routing-recall",
-        type=click.FloatRange(0, 1),
+        type=FiniteRange(0, 1),
         default=RUN_DEFAULTS.routing_recall,
         show_default=True,
         help="With --routing: the share of the next MoE layer's experts its prefetch guesses right (the rest "
@@ -178,7 +190,7 @@ store_options = _stack(
     ),
     click.option(
         "--cache-aware",
-        type=click.FloatRange(0),
+        type=FiniteRange(0),
         help="Lossy: swap a chosen expert that would come from the SSD for an unchosen one of its group already in "
         "VRAM or RAM that the router scored within this margin of it; 0 is exact. Default: the mode's.",
     ),
@@ -204,41 +216,41 @@ sampling_options = _stack(
     click.option("--max-tokens", type=click.IntRange(min=1), default=RUN_DEFAULTS.max_tokens, show_default=True),
     click.option(
         "--temperature",
-        type=click.FloatRange(min=0),
+        type=FiniteRange(min=0),
         default=RUN_DEFAULTS.temperature,
         show_default=True,
         help="0 means greedy.",
     ),
-    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=RUN_DEFAULTS.top_p, show_default=True),
+    click.option("--top-p", type=FiniteRange(0, 1, min_open=True), default=RUN_DEFAULTS.top_p, show_default=True),
     click.option(
         "--top-k", type=click.IntRange(min=0), default=RUN_DEFAULTS.top_k, show_default=True, help="0 means off."
     ),
-    click.option("--seed", type=int, help="Makes sampling reproducible."),
+    click.option("--seed", type=click.IntRange(0, SEED_LIMIT - 1), help="Makes sampling reproducible."),
     click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
     click.option(
         "--presence-penalty",
-        type=click.FloatRange(-2, 2),
+        type=FiniteRange(-2, 2),
         default=RUN_DEFAULTS.presence_penalty,
         show_default=True,
         help="Subtracted from the logit of every token already generated (OpenAI's).",
     ),
     click.option(
         "--frequency-penalty",
-        type=click.FloatRange(-2, 2),
+        type=FiniteRange(-2, 2),
         default=RUN_DEFAULTS.frequency_penalty,
         show_default=True,
         help="Subtracted from a token's logit per time it was generated (OpenAI's).",
     ),
     click.option(
         "--repetition-penalty",
-        type=click.FloatRange(0, min_open=True),
+        type=FiniteRange(0, min_open=True),
         default=RUN_DEFAULTS.repetition_penalty,
         show_default=True,
         help="Divides the positive logits (multiplies the negative) of tokens in the prompt or generated; 1 is off.",
     ),
     click.option(
         "--min-p",
-        type=click.FloatRange(0, 1),
+        type=FiniteRange(0, 1),
         default=RUN_DEFAULTS.min_p,
         show_default=True,
         help="Leave out tokens less probable than this share of the most probable one (after temperature); 0 is off.",

@@ -17,6 +17,7 @@ from dsfp4.cli.options import (
     EXISTING_FILE,
     PATH,
     RUN_DEFAULTS,
+    FiniteRange,
     budget_options,
     context_options,
     given_flags,
@@ -120,7 +121,7 @@ def _measure(
 )
 @click.option(
     "--hot-share",
-    type=click.FloatRange(0, 1, max_open=True),
+    type=FiniteRange(0, 1, max_open=True),
     help="With --cold-bits: the share of each layer's experts, hottest first, kept exact (default: the share the "
     "budgets hold on the GPU and in RAM). Smaller narrows more, and RAM then holds the rest in slots of their size.",
 )

@@ -33,8 +33,10 @@ from dsfp4.convert.source.checkpoint import AUX_FILES, INDEX_NAME, SourceCheckpo
 from dsfp4.convert.source.hub import HubSource
 from dsfp4.convert.transform import ErrorStats
 from dsfp4.device import resolve_device
-from dsfp4.errors import OutputError
+from dsfp4.errors import OutputError, SourceError
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
+from dsfp4.layout.tokenizer_config import NAME as TOKENIZER_CONFIG
+from dsfp4.layout.tokenizer_config import read_tokenizer_config
 from dsfp4.layout.writer import ModelWriter
 from dsfp4.units import format_bytes, free_bytes
 
@@ -200,6 +202,11 @@ def _round_sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def check_source_tokenizer_config(src_path: Path) -> None:
+    """The source's tokenizer_config.json, where it has one, in the shape the runtime reads (SourceError)."""
+    read_tokenizer_config(src_path / TOKENIZER_CONFIG, SourceError, "fix it or download the checkpoint again")
+
+
 def _write_manifest(plan: Plan, markers: dict[str, dict], src_path: Path, out: Path) -> Manifest:
     """Copy the source's files beside the model, then write the manifest from the parts' markers."""
     w = ModelWriter(out)
@@ -213,6 +220,7 @@ def _write_manifest(plan: Plan, markers: dict[str, dict], src_path: Path, out: P
             w.expert_file(part.block, ExpertFile(ex["file"], tuple(ex["offsets"]), tuple(ex["sha256"])))
         for k, (sse, ssr) in m["quant_error"].items():
             stats.setdefault(k, ErrorStats()).merge(ErrorStats(sse, ssr))
+    check_source_tokenizer_config(src_path)
     for name in AUX_FILES:
         if (src_path / name).is_file():
             tmp = out / (name + ".partial")
@@ -244,6 +252,8 @@ def convert(
     src_path, out = Path(src_path), Path(out_path)
     device = resolve_device(options.device)
     with SourceCheckpoint(src_path, no_mtp=options.no_mtp, remote=hub.remote if hub else None) as src:
+        # the runtime reads it: a damaged one fails here, not after the conversion
+        check_source_tokenizer_config(src_path)
         where = {n: t.shard for n, t in src.tensors.items()}
         tmap = map_tensors(
             src.args,

@@ -42,6 +42,8 @@ from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import dequantize
 from dsfp4.layout.safetensors_file import pread_exact
+from dsfp4.layout.tokenizer_config import NAME as TOKENIZER_CONFIG
+from dsfp4.layout.tokenizer_config import read_tokenizer_config
 from dsfp4.version import __version__
 
 ARCH = "deepseek2"
@@ -347,8 +349,7 @@ def add_tokenizer(w: GGUFWriter, a: ModelArgs, model_dir: Path) -> None:
         w.add_bos_token_id(a.bos_token_id)
     if a.eos_token_ids:
         w.add_eos_token_id(a.eos_token_ids[0])
-    cfg_path = model_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg = read_tokenizer_config(model_dir / TOKENIZER_CONFIG)
     w.add_add_bos_token(bool(cfg.get("add_bos_token", a.bos_token_id is not None)))
     if isinstance(cfg.get("chat_template"), str):
         w.add_chat_template(cfg["chat_template"])

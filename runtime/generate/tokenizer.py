@@ -19,6 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dsfp4.errors import ConfigError, ManifestError
+from dsfp4.layout.tokenizer_config import NAME as TOKENIZER_CONFIG
+from dsfp4.layout.tokenizer_config import read_tokenizer_config
 from dsfp4.runtime.generate.chat_messages import check_rendered
 from dsfp4.runtime.generate.reasoning import THINK_END
 from dsfp4.runtime.generate.tool_format import TOOL_FORMATS, V4, template_tool_format
@@ -87,11 +89,8 @@ class ChatTokenizer:
             raise ManifestError(f"{path}: not a valid tokenizer.json ({e}); copy it again from the source") from e
         # token -> its text decoded alone (decode_alone)
         self.alone: dict[int, str] = {}
-        cfg_path = model_dir / "tokenizer_config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"{cfg_path}: not valid JSON ({e}); copy it again from the source") from e
+        cfg_path = model_dir / TOKENIZER_CONFIG
+        cfg = read_tokenizer_config(cfg_path)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         # tokenizer_config.json's add_bos_token and add_eos_token, as transformers' Llama tokenizers (DeepSeek's

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.backend import DECODE_TOKENS, use_kernels
+from dsfp4.kernels.backend import DECODE_TOKENS, has_fp8_kernels, use_kernels
 from dsfp4.kernels.cpu.fp8 import FP8_LINEAR, fp8_linear_host
 from dsfp4.kernels.fp4.matmul import fp4_matmul
 from dsfp4.kernels.fp8.dequant import fp8_dequantize
@@ -34,8 +34,10 @@ class QuantizedWeight:
 
     @property
     def fp8_on_gpu(self) -> bool:
-        """FP8 blocks on a CUDA device with Triton: the kernels that read them as stored can run."""
-        return self.format == "fp8_e4m3_b128" and use_kernels(self.parts[0])
+        """FP8 blocks on a CUDA device whose FP8 path has kernels (kernels/backend.py fp8_path: natively or by
+        bits): the kernels that read them as stored can run."""
+        t = self.parts[0]
+        return self.format == "fp8_e4m3_b128" and use_kernels(t) and has_fp8_kernels(t.device)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight [N, K] in `dtype` (FP8 blocks in one Triton pass on CUDA)."""

@@ -111,17 +111,20 @@ if triton is not None:
     @triton.jit
     def _pairs(w, USE_ASM: tl.constexpr, BY_BITS: tl.constexpr):
         """u32 words [P, BN, 2] -> (bytes 0, 1 and bytes 2, 3 as fp16 pairs in u32 [P, BN, 2]), two bytes per cvt
-        (BY_BITS: placed, each value * 2^-8)."""
+        (BY_BITS: placed, each value * 2^-8). One return: Triton compiles the code after an early one, fp8 types
+        and all."""
         if BY_BITS:
-            return e4m3_word_pairs(w)
-        if USE_ASM:
-            return tl.inline_asm_elementwise(
+            lo, hi = e4m3_word_pairs(w)
+        elif USE_ASM:
+            lo, hi = tl.inline_asm_elementwise(
                 _PAIRS_PTX, "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1
             )
-        b = _bytes16(w).to(tl.uint16, bitcast=True).to(tl.uint32)  # [P, BN, 2, 4]
-        # of each pair
-        first, second = tl.split(tl.reshape(b, (w.shape[0], w.shape[1], 2, 2, 2)))
-        return tl.split(first | (second << 16))
+        else:
+            b = _bytes16(w).to(tl.uint16, bitcast=True).to(tl.uint32)  # [P, BN, 2, 4]
+            # of each pair
+            first, second = tl.split(tl.reshape(b, (w.shape[0], w.shape[1], 2, 2, 2)))
+            lo, hi = tl.split(first | (second << 16))
+        return lo, hi
 
     @triton.jit
     def _piece_sums(lo, hi, xa, xb, USE_ASM: tl.constexpr):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.errors import FormatError
-from dsfp4.kernels.backend import hw_e4m3, interpreted, tl
+from dsfp4.kernels.backend import REFERENCE_SMEM, card, hw_e4m3, interpreted, tl
 from dsfp4.kernels.fp4.codes import E4M3_LIFT_UNBIAS
 from dsfp4.kernels.moe import prefill_jit as jit
 from dsfp4.kernels.moe.ref import record_at
@@ -59,6 +59,8 @@ TILES = {
 # 3 or 4 stages (docs/BENCHMARKS.md, runs 38, 39, 45); 2 were right. Steps below 64 elements (dims that 64 does not
 # divide) take 2 stages
 SAFE_BK = 64
+# stages the shared-memory rule keeps at least (fewer pipeline nothing)
+MIN_STAGES = 2
 
 
 def max_blocks(n_pairs: int, n_experts: int, block_rows: int) -> int:
@@ -119,14 +121,29 @@ def tail_rows(block_m: int) -> int:
     return max(BLOCK_M_RANGE[0], block_m // TAIL_SHARE)
 
 
+def stage_bytes(rows: int, bn: int, bk: int, group: int) -> int:
+    """Shared memory of one K step of a program: its rows' activations [rows, bk] in bf16, bn weight rows of bk packed
+    FP4 codes and their scale bytes. `stages` of them bound what Triton 3.9 allots the kernels (sm_90 and sm_86,
+    tests/kernels/test_fp8_tiles.py; 70 KB at most with TILES, on Hopper)."""
+    return rows * bk * 2 + bn * bk // 2 + bn * bk // group
+
+
+def fit_stages(stages: int, step: int, smem: int) -> int:
+    """stages, fewer (down to MIN_STAGES) while `stages` steps of `step` bytes pass `smem`."""
+    while stages > MIN_STAGES and stages * step > smem:
+        stages -= 1
+    return stages
+
+
 # asked per MoE layer and chunk, with the same few arguments
 @functools.lru_cache
-def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> PrefillBlocks:
+def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout, smem: int = REFERENCE_SMEM) -> PrefillBlocks:
     """block_m: the smallest power of two whose block (with its tail) holds BLOCK_M_HEADROOM x the mean rows
     per expert, within BLOCK_M_RANGE (DeepSeek-V3, 256 experts, top-8: 16 + 16 rows at 512 tokens, 64 + 16 at
     2048, 128 + 32 from 4096 on). A uniform routing gives an expert mean +- sqrt(mean) rows: a power of two
     alone would pad half the experts into a second block and decode their weights twice. BN, BK: TILES', halved
-    until they divide the matrix (BN down to 16, BK down to one scale block)."""
+    until they divide the matrix (BN down to 16, BK down to one scale block); stages fewer where `smem` (a program's
+    shared memory on the card) does not hold them."""
     lo, hi = BLOCK_M_RANGE
     want = math.ceil(BLOCK_M_HEADROOM * n_pairs / n_experts)
     block_m = lo
@@ -148,6 +165,9 @@ def prefill_blocks(n_pairs: int, n_experts: int, layout: RecordLayout) -> Prefil
     bn_up, bn_down = fit(bn_up, i, BLOCK_M_RANGE[0]), fit(bn_down, d, BLOCK_M_RANGE[0])
     bk_up, bk_down = fit(bk_up, d, group), fit(bk_down, i, group)
     st_up, st_down = (st if bk >= SAFE_BK else 2 for st, bk in ((st_up, bk_up), (st_down, bk_down)))
+    rows = block_m + tail_rows(block_m)
+    st_up = fit_stages(st_up, stage_bytes(rows, 2 * bn_up, bk_up, group), smem)
+    st_down = fit_stages(st_down, stage_bytes(rows, bn_down, bk_down, group), smem)
     return PrefillBlocks(block_m, tail_rows(block_m), bn_up, bk_up, bn_down, bk_down, st_up, st_down)
 
 
@@ -326,7 +346,7 @@ def moe_prefill(
     assert d == layout.dim and ids.shape == weights.shape == (t, k), "x, ids, weights must be [T, D], [T, K], [T, K]"
     assert records.dtype == torch.uint8 and records.data_ptr() % 16 == 0, "records: a 16-byte aligned u8 slot pool"
     assert offsets.dtype == torch.int64, "offsets: int64 byte offsets from records' address"
-    blocks = blocks or prefill_blocks(t * k, n_experts, layout)
+    blocks = blocks or prefill_blocks(t * k, n_experts, layout, card(x.device).smem)
     pairs, block_experts, _ = align_by_expert(ids, n_experts, blocks.rows)
     where = (pairs, block_experts, records, offsets.contiguous(), layout, blocks)
     act = gate_up(x.contiguous(), weights.contiguous(), *where, limit)

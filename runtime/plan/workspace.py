@@ -23,7 +23,9 @@ DENSE_COPIES = ("attn.wkv_b", "attn.wo_a")
 def dequant_bytes(manifest: Manifest, dtype: torch.dtype, kernels: bool, fp8_kernels: bool) -> int:
     """The most a dense copy of one backbone matrix holds at once. The torch reference (`kernels` False, or fp32 runs,
     whose products take the reference) dequantizes every matrix it multiplies, through two fp32 copies, then the
-    result; so does FP8 without `fp8_kernels` (a GPU without e4m3). The kernels read matrices as stored except
+    result; so does FP8 without `fp8_kernels` (kernels/backend.py has_fp8_kernels: False where the device's FP8 path
+    is the reference, e.g. below sm_80; True on sm_80/86, whose kernels convert e4m3 by bits, as on sm_89 on, which
+    convert it in hardware: no dense fp32 copy there). The kernels read matrices as stored except
     DENSE_COPIES: FP8 blocks in one Triton pass (the result, and a contiguous copy of a slice of it for the product),
     other formats as the reference does."""
     elt = torch.empty((), dtype=dtype).element_size()

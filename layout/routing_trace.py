@@ -45,6 +45,33 @@ def check_ids(ids: np.ndarray, what: str = "trace") -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
+def check_top_k(ids: np.ndarray, what: str = "trace") -> np.ndarray:
+    """A token trace's ids (check_ids') as a router gives them: k different experts per token and layer (a replay's
+    steps, which merge tokens, may repeat one; a token's top-k may not)."""
+    ordered = np.sort(ids, axis=-1)
+    if (twice := np.argwhere(ordered[..., 1:] == ordered[..., :-1])).size:
+        t, layer, k = (int(i) for i in twice[0])
+        raise ConfigError(
+            f"{what}: token {t} lists expert {int(ordered[t, layer, k])} twice in its top-k at trace layer {layer}; "
+            "each token's experts at a layer are distinct"
+        )
+    return ids
+
+
+def check_weights(weights: np.ndarray, what: str = "trace") -> np.ndarray:
+    """Routing weights as they are (finite numbers >= 0, as every router gives), or ConfigError naming the first
+    that is not."""
+    if not np.issubdtype(weights.dtype, np.floating):
+        raise ConfigError(f"{what}: expected float routing weights, got dtype {weights.dtype}")
+    if (bad := np.argwhere(~np.isfinite(weights) | (weights < 0))).size:
+        t, layer, k = (int(i) for i in bad[0])
+        raise ConfigError(
+            f"{what}: 'weights' of token {t}, trace layer {layer}, choice {k} is {weights[t, layer, k]}; routing "
+            "weights are finite and >= 0"
+        )
+    return weights
+
+
 def check_trace_path(path: Path) -> Path:
     """Fail before any work when a trace could not be written there."""
     path = Path(path)
@@ -83,14 +110,15 @@ def read_trace(path: Path) -> RoutingTrace:
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise ConfigError(f"{path}: cannot read a routing trace ({e})") from e
     if isinstance(data, np.ndarray):
-        return RoutingTrace(check_ids(data, str(path)))
+        return RoutingTrace(check_top_k(check_ids(data, str(path)), str(path)))
     with data:
         if "ids" not in data.files:
             raise ConfigError(f"{path}: an .npz routing trace needs an 'ids' array, found {sorted(data.files)}")
-        ids = check_ids(data["ids"], str(path))
+        ids = check_top_k(check_ids(data["ids"], str(path)), str(path))
+        weights = _shaped(data, "weights", ids.shape, path)
         return RoutingTrace(
             ids,
-            _shaped(data, "weights", ids.shape, path),
+            None if weights is None else check_weights(weights, str(path)),
             _shaped(data, "layers", ids.shape[1:2], path),
             _shaped(data, "tokens", ids.shape[:1], path),
         )

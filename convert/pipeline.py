@@ -35,6 +35,7 @@ from dsfp4.convert.transform import ErrorStats
 from dsfp4.device import resolve_device
 from dsfp4.errors import OutputError, SourceError
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
+from dsfp4.layout.output_path import free_space
 from dsfp4.layout.tokenizer_config import NAME as TOKENIZER_CONFIG
 from dsfp4.layout.tokenizer_config import read_tokenizer_config
 from dsfp4.layout.writer import ModelWriter
@@ -76,7 +77,8 @@ def _run_jobs(jobs: Iterable[Callable[[], T]], workers: int, on_done: Callable[[
 
 
 def _disk_shortfall(out: Path, needed: int, reclaimable: int) -> str | None:
-    probe, free = free_bytes(out)
+    # a read-only or foreign folder is refused as such, not reported as full
+    probe, free = free_space(out, "OUT")
     if needed <= free + reclaimable:
         return None
     return (

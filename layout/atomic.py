@@ -15,8 +15,10 @@ LOCK_NAME = ".dsfp4.lock"
 
 
 def require_folder(path: Path, what: str) -> Path:
-    """`path`, if the folder it goes in exists and may be written (a read-only mount too); else a ConfigError naming
-    `what` (a flag), before any work."""
+    """`path`, a file to write, if it is not a folder and the folder it goes in exists and may be written (a read-only
+    mount too); else a ConfigError naming `what` (a flag), before any work."""
+    if Path(path).is_dir():
+        raise ConfigError(f"{what} {path}: a folder, not a file; give a file name (e.g. {Path(path) / 'out'})")
     folder = Path(path).parent
     if not folder.is_dir():
         raise ConfigError(f"{what} {path}: the folder {folder} does not exist; create it or choose another")

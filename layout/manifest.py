@@ -201,8 +201,14 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"{path}: malformed manifest ({kind(d)}, not an object); convert again")
         version = d.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            what = f"is {json.dumps(version)} ({kind(version)}), not a number" if "format_version" in d else "missing"
+            raise ManifestError(
+                f"{path}: format_version {what} (this dsfp4 reads layout version {MANIFEST_VERSION}); convert the "
+                "model again with this dsfp4"
+            )
         if version != MANIFEST_VERSION:
-            newer = isinstance(version, int) and version > MANIFEST_VERSION
+            newer = version > MANIFEST_VERSION
             fix = "upgrade dsfp4" if newer else "convert the model again with this dsfp4"
             raise ManifestError(f"{path}: layout version {version}, this dsfp4 reads {MANIFEST_VERSION}: {fix}")
         if (wrong := check_manifest(d)) is not None:

@@ -27,6 +27,7 @@ from dsfp4.convert.family import source_family
 from dsfp4.errors import ConfigError, OutputError
 from dsfp4.layout.atomic import LOCK_NAME, atomic_write_bytes, lock_folder
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
+from dsfp4.layout.output_path import writable_folder
 from dsfp4.layout.safetensors_file import SafetensorsWriter, pread_exact
 from dsfp4.units import format_bytes
 
@@ -112,6 +113,13 @@ def open_model(model_dir: Path) -> Manifest:
     return manifest
 
 
+def check_out(out: Path) -> None:
+    """OUT can be an export's folder: not a file, and where a folder can be written (before the model is read)."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"OUT {out}: a file, not a folder; choose a folder for the export")
+    writable_folder(out, "OUT")
+
+
 def _claim(out: Path, ours: tuple[str, ...]) -> int:
     """OUT made (or found holding an export's files) and locked: the lock's descriptor."""
     held = [p for p in out.iterdir() if p.name != LOCK_NAME] if out.exists() else []
@@ -126,6 +134,8 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
     model_dir, out = Path(model_dir), Path(out)
     if fmt not in MATRIX:
         raise ConfigError(f"--format {fmt}: export() writes {', '.join(MATRIX)}; GGUF is export_gguf's")
+    if not dry_run:
+        check_out(out)
     manifest = open_model(model_dir)
     ct.check_plain(manifest, model_dir)
     # before planning: a format that cannot hold the model says so
@@ -148,6 +158,8 @@ def export_gguf(
     """Write (or with dry_run only plan) OUT/model.gguf: (its tensors, the requantization error by class).
     `requantize`: NVFP4 experts go to MXFP4 rather than being refused."""
     model_dir, out = Path(model_dir), Path(out)
+    if not dry_run:
+        check_out(out)
     manifest = open_model(model_dir)
     p = gguf.plan(model_dir, manifest, requantize)
     if dry_run:

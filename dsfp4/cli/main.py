@@ -40,6 +40,7 @@ PIPE_CLOSED = 141
 RESUMES = {
     "convert": "run the same command again to resume",
     "download": "run the same command again to resume",
+    "export": "run the same command again to resume (the shards written whole are kept)",
     "profile-hot": "a --repack stops between layers; run the same command again to finish it",
 }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.units import format_bytes
 
 GiB = 1 << 30
 UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
@@ -110,9 +111,18 @@ def _defaults(gpu: int | None, cpu: int | None, device: torch.device) -> tuple[i
     if device.type == "cuda":
         return default_gpu_budget(device) if gpu is None else gpu, default_host_budget() if cpu is None else cpu
     host = default_host_budget()
+    # a size given alone must leave the other some of the host: else the planner would blame the flag not given
+    for flag, given in (("--gpu-mem", gpu), ("--cpu-mem", cpu)):
+        if given is not None and (gpu is None or cpu is None) and given >= host:
+            other = "--cpu-mem" if flag == "--gpu-mem" else "--gpu-mem"
+            raise ConfigError(
+                f"{flag} {format_bytes(given)}: a {device.type} run holds both budgets in this machine's RAM, which "
+                f"has {format_bytes(host)} free for them; give {flag} less than that (the rest goes to {other}), "
+                "or both flags"
+            )
     if gpu is None:
-        gpu = host // 3 if cpu is None else max(host - cpu, 0)
-    return gpu, max(host - gpu, 0) if cpu is None else cpu
+        gpu = host // 3 if cpu is None else host - cpu
+    return gpu, host - gpu if cpu is None else cpu
 
 
 @dataclass(frozen=True)

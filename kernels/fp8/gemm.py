@@ -310,7 +310,20 @@ def fp8_gemm(
         return y
     x_q, x_s = act_quant(x)
     fp8_gemm_kernel[grid](
-        x_q, x_s, q, scale, y, t, n, k, x_q.stride(0), x_s.stride(0), q.stride(0), scale.stride(0), y.stride(0),
-        **tiles, **launch,
-    )  # fmt: skip
+        x_q,
+        x_s,
+        q,
+        scale,
+        y,
+        t,
+        n,
+        k,
+        x_q.stride(0),
+        x_s.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        y.stride(0),
+        **tiles,
+        **launch,
+    )
     return y

@@ -66,6 +66,6 @@ def test_profile_hot_refuses_a_nan_hot_share_before_profiling(converted):
 
 
 def test_engine_generate_refuses_a_nan_temperature_with_a_config_error(converted):
-    with Engine(converted, device="cpu", max_context=64) as engine:
-        with pytest.raises(ConfigError, match="option temperature: expected a finite number, found nan"):
-            engine.generate("hi", temperature=float("nan"), max_tokens=2)
+    nan = pytest.raises(ConfigError, match="option temperature: expected a finite number, found nan")
+    with Engine(converted, device="cpu", max_context=64) as engine, nan:
+        engine.generate("hi", temperature=float("nan"), max_tokens=2)

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+# run as a script, scripts/ is on the path: its graph timer, not a copy
+from bench_kernels import graph_time
+
 from dsfp4.kernels.backend import FP8_BY_BITS_ENV, Card, card
 from dsfp4.kernels.fp8.gemm import fp8_gemm, gemm_plan
 from dsfp4.kernels.fp8.linear import fp8_gemv
@@ -47,25 +50,6 @@ AS_CARDS = {"A100": Card((8, 0), 108, 166912), "RTX 3090": Card((8, 6), 82, 1013
 L2_BYTES = 128 << 20
 
 
-def graph_seconds(calls: list, reps: int = 5) -> float:
-    """Seconds per call: the calls captured once in a graph, replayed `reps` times after a warm replay."""
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps / len(calls)
-
-
 def _copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     q, s = fp8_block_quantize(torch.randn(n, k, device="cuda") * 1e-2)
     count = max(2, -(-L2_BYTES // q.numel()))
@@ -83,14 +67,14 @@ def kernel_rows(gemm_tokens: int) -> list[dict]:
             for by_bits in (False, True):
                 key = f"gemv{t}_{'bits' if by_bits else 'native'}_us"
                 calls = [partial(fp8_gemv, x, q, s, by_bits=by_bits) for q, s in mats]
-                row[key] = graph_seconds(calls) * 1e6
+                row[key] = graph_time(calls) * 1e6
         x = torch.randn(gemm_tokens, k, device="cuda", dtype=torch.bfloat16)
         here = card(x.device)
         plans = {"native": (False, gemm_plan(gemm_tokens, n, here, False)), "bits": (True, None)}
         plans |= {f"bits_as_{c}": (True, gemm_plan(gemm_tokens, n, cc, True)) for c, cc in AS_CARDS.items()}
         for label, (by_bits, plan) in plans.items():
             calls = [partial(fp8_gemm, x, q, s, by_bits=by_bits, plan=plan) for q, s in mats[:2]]
-            row[f"gemm_{label}_us"] = graph_seconds(calls) * 1e6
+            row[f"gemm_{label}_us"] = graph_time(calls) * 1e6
         rows.append(row)
         del mats
         torch.cuda.empty_cache()

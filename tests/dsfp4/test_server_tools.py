@@ -16,28 +16,12 @@ import pytest
 
 from dsfp4.runtime.generate.prompt import PromptRules, PromptSpec
 from tests.fixtures.server import KEY, post, serve
+from tests.fixtures.tools import TOOLS
 
 openai = pytest.importorskip("openai")
 
 # room for the tools' description: the tiny tokenizer spells most text a character a token
 CONTEXT = 1024
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Paris", "Oslo"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 9},
-            },
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 SCHEMA = {
     "type": "object",

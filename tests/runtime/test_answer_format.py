@@ -14,24 +14,8 @@ from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.answer_format import AnswerFormat
 from dsfp4.runtime.generate.grammar_compiler import GrammarCompiler
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
+from tests.fixtures.tools import TOOLS
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Paris", "Oslo"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 9},
-            },
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-TOOLS = [WEATHER, TIME]
 SAMPLED = {"temperature": 1.0, "top_p": 1.0}
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 SCHEMA["additionalProperties"] = False

@@ -15,10 +15,10 @@ from typing import Any
 
 from dsfp4.runtime.generate.chat_messages import ROLES
 from dsfp4.runtime.generate.generation import MAX_TOP
+from dsfp4.runtime.generate.value_rules import SEED_LIMIT
 
 # each stop string is checked against the text's end at every token
 MAX_STOPS = 16
-SEED_LIMIT = 1 << 63
 # choices of one request: each is a generation of its own in the scheduler
 MAX_N = 16
 COMMON = {

@@ -75,7 +75,7 @@ class MLA(nn.Module):
         write(q, kv, freqs_cis, self.kv_norm.weight, self.kv_norm.eps, kv_cache, pe_cache, rows)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [B, T, H, N], [B, T, H, R]
         kv_all, pe_all = kv_cache[:, :end], pe_cache[:, :end]  # [B, S, C], [B, S, R]
-        if isinstance(start_pos, int) and t > DECOMPRESS_TOKENS:
+        if isinstance(start_pos, int) and attends_decompressed(t):
             # a long prefill chunk, causal by position (the mask is positions()' for start_pos)
             wkv_b = self.dense_wkv_b(x.dtype)
             o = decompressed_attention(q_nope, q_pe, kv_all, pe_all, wkv_b, start_pos, self.scale, kernels)
@@ -95,6 +95,11 @@ class MLA(nn.Module):
     def dense_wkv_b(self, dtype: torch.dtype) -> torch.Tensor:
         """wkv_b dequantized, head by head: [H, N + V, C], W_UK then W_UV."""
         return self.wkv_b.dequantize(dtype).view(self.n_heads, self.nope + self.v, self.kv_lora_rank)
+
+
+def attends_decompressed(t: int) -> bool:
+    """Whether a prefill chunk of t tokens attends through decompressed keys, causal by position (no [T, S] mask)."""
+    return t > DECOMPRESS_TOKENS
 
 
 def absorbed_attention(

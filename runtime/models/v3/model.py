@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsfp4.kernels.backend import DECOMPRESS_TOKENS
 from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.layout.model_args import ModelArgs
@@ -19,7 +18,7 @@ from dsfp4.runtime.models.moe import MLP, MoE, over, spans
 from dsfp4.runtime.models.norm import RMSNorm
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.rope import precompute_freqs_cis
-from dsfp4.runtime.models.v3.attention import MLA
+from dsfp4.runtime.models.v3.attention import MLA, attends_decompressed
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.store.expert_store import ExpertStore
 
@@ -163,8 +162,8 @@ class Transformer(nn.Module):
     @staticmethod
     def causal_mask(t: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
         """[T, start_pos + T]: token i of this step sees cached positions and new tokens up to itself; None for one
-        token, and for more than DECOMPRESS_TOKENS, whose decompressed attention is causal by position."""
-        if t == 1 or t > DECOMPRESS_TOKENS:
+        token, and for a chunk that attends decompressed, causal by position."""
+        if t == 1 or attends_decompressed(t):
             return None
         return torch.full((t, start_pos + t), float("-inf"), device=device).triu_(start_pos + 1)
 

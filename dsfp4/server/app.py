@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -197,7 +198,8 @@ async def complete(ctx: Context, request: Request, chat: bool) -> Response:
     endpoint = "chat" if chat else "completions"
     try:
         check_key(ctx.served, request)
-        call = accept(ctx, parse_request(await request.body(), chat))
+        body = await request.body()
+        call = accept(ctx, parse_request(body, chat), time.perf_counter())
     except ApiError as e:
         ctx.metrics.answered(endpoint, e.status)
         return JSONResponse(e.body(), e.status)
@@ -252,9 +254,9 @@ def check_key(served: Served, request: Request) -> None:
         raise ApiError(401, "incorrect or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
 
 
-def accept(ctx: Context, req: GenRequest) -> Call:
+def accept(ctx: Context, req: GenRequest, received: float) -> Call:
     """Tokenize, check against the context, compile the answer's grammar, queue a job per choice: an ApiError for
-    anything the engine would refuse."""
+    anything the engine would refuse. `received`: perf_counter when the request had come whole."""
     rules, served = ctx.rules, ctx.served
     if req.model not in (None, served.model_id):
         raise ApiError(
@@ -290,7 +292,7 @@ def accept(ctx: Context, req: GenRequest) -> Call:
     answer = Answer(req.chat, served.model_id)
     echo = (req.prompt if isinstance(req.prompt, str) else rules.tokenizer.decode(ids)) if req.echo else ""
     asked = Asked(req.chat, fmt, rules.tokenizer, ids, thinking, req.logprobs is not None, echo, answer.id[-24:])
-    jobs = [_job(ctx, ids, options, i, req.logprobs if req.echo else None) for i in range(req.n)]
+    jobs = [_job(ctx, ids, options, i, req.logprobs if req.echo else None, received) for i in range(req.n)]
     return Call(req, _submit(ctx, jobs), answer, [Choice(i, asked) for i in range(req.n)])
 
 
@@ -310,11 +312,12 @@ def _field_error(check: Callable[[], T]) -> T:
         raise ApiError(400, message, param=message.split(":", 1)[0].split(" ", 1)[0]) from None
 
 
-def _job(ctx: Context, ids: list[int], options: dict, i: int, echo: int | None) -> Job:
+def _job(ctx: Context, ids: list[int], options: dict, i: int, echo: int | None, received: float) -> Job:
     """Choice i's job: seeds count up from the request's, so choices differ and each is reproducible."""
     if i and options.get("seed") is not None:
         options = {**options, "seed": options["seed"] + i}
-    return Job(ids, options, ctx.scheduler.sink(asyncio.get_running_loop()), echo=echo)
+    sink = ctx.scheduler.sink(asyncio.get_running_loop())
+    return Job(ids, options, sink, echo=echo, received=received, on_token=ctx.metrics.token)
 
 
 def _submit(ctx: Context, jobs: list[Job]) -> list[Job]:

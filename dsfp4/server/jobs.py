@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dsfp4.runtime.generate.generation import TokenLogprob
+from dsfp4.runtime.generate.generation import Delta, TokenLogprob
 
 
 class QueueFull(Exception):
@@ -83,14 +84,25 @@ class Job:
     wait_s: float = 0.0
     # the prompt's log-probabilities with this many alternatives, before the answer (None: not asked)
     echo: int | None = None
+    # where its channel is read: when its request had come whole (the start of its time to first token), what
+    # times each token that reaches the channel (metrics.Metrics.token; None: nothing), and when the last one did
+    received: float = field(default_factory=time.perf_counter)
+    on_token: Callable[[Job, float], None] | None = None
+    last_token: float | None = None
 
     def send(self, item: object) -> None:
         post([(self, item)])
 
+    def put(self, item: object) -> None:
+        """An item onto its channel, on the loop that reads it."""
+        if self.on_token is not None and isinstance(item, Delta):
+            self.on_token(self, time.perf_counter())
+        self.out.put_nowait(item)
+
 
 def _put_all(items: list[tuple[Job, object]]) -> None:
     for job, item in items:
-        job.out.put_nowait(item)
+        job.put(item)
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ class RemoteScheduler:
             for item in message[1]:
                 if (job := self.jobs.get(item[0])) is not None:
                     lp = TokenLogprob(*item[3]) if len(item) > 3 else None
-                    job.out.put_nowait(Delta(item[1], item[2], lp))
+                    job.put(Delta(item[1], item[2], lp))
         elif message[0] == "progress":
             if (job := self.jobs.get(message[1])) is not None:
                 job.out.put_nowait(Progress(*message[2:]))

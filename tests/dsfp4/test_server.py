@@ -310,6 +310,25 @@ def test_metrics_print_counts_exactly():
     assert "dsfp4_prefill_tokens_done 512\n" in text and "dsfp4_prefill_tokens 2048\n" in text
 
 
+@pytest.mark.slow
+def test_metrics_time_each_token_of_a_generation(server):
+    def counts() -> tuple[float, float]:
+        return (
+            server.metric("dsfp4_time_to_first_token_seconds_count"),
+            server.metric("dsfp4_inter_token_latency_seconds_count"),
+        )
+
+    before = counts()
+    chunks = list(
+        server.client().chat.completions.create(
+            model="fp8", messages=messages("hello"), max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"  # 8 tokens, none of them an EOS
+    first, between = (after - was for after, was in zip(counts(), before, strict=True))
+    assert (first, between) == (1, 7)
+
+
 def test_dsfp4_chat_streams_from_the_server(server):
     from click.testing import CliRunner
 

@@ -5,6 +5,9 @@ The rule (use_kernels): Triton kernels run on CUDA tensors when Triton is instal
 everywhere else (the CPU build of torch comes without Triton). The tests call the kernels themselves on the CPU
 under TRITON_INTERPRET, which runs them in Triton's interpreter.
 
+The kernels run on NVIDIA GPUs from sm_80 (kernels_run); older cards, ROCm (whose torch looks like CUDA) and CUDA
+without Triton take the references on the GPU, as kernel_paths.py tells the user.
+
 FP8 (e4m3) weights take one of three paths (fp8_path): NATIVE on GPUs that convert e4m3 in hardware (sm_89 on:
 the PTX conversions, Triton's fp8 types, the W8A8 GEMM on FP8 tensor cores); BY_BITS on CUDA GPUs from sm_80 that
 do not (A100, RTX 3090: e4m3 widened by bit placement inside the kernels, the prefill GEMM W8A16 on bf16/fp16 tensor
@@ -42,13 +45,6 @@ DECODE_TOKENS = 16
 DECOMPRESS_TOKENS = 32
 
 
-def use_kernels(where: torch.Tensor | torch.device) -> bool:
-    """The one rule for kernel or reference: Triton kernels for tensors on (or a device that is) CUDA, when Triton
-    is installed; the torch references elsewhere."""
-    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
-    return device.type == "cuda" and triton is not None
-
-
 def interpreted() -> bool:
     """True when Triton runs kernels on the CPU interpreter (inline PTX is not available there)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -56,8 +52,8 @@ def interpreted() -> bool:
 
 # Ada and Hopper convert e4m3 in hardware; Triton has no fp8 type below
 HW_E4M3_CAPABILITY = (8, 9)
-# the by-bits kernels need bf16 tensor cores and cvt.rn.f16x2.f32: Ampere on
-BY_BITS_CAPABILITY = (8, 0)
+# dsfp4's Triton kernels need bf16 tensor cores and Ampere's PTX (cvt.rn.f16x2.f32, ...), NVIDIA's only
+KERNEL_CAPABILITY = (8, 0)
 # "1": the by-bits FP8 kernels where the GPU converts e4m3 itself (read once per process)
 FP8_BY_BITS_ENV = "DSFP4_FP8_BY_BITS"
 # off CUDA (the interpreter) the kernels' plans assume an H100: its SMs and the shared memory a block may opt in to
@@ -77,6 +73,25 @@ class FP8Path(enum.Enum):
 def cuda_props(index: int):
     """The CUDA device's properties, asked once (kernel wrappers consult them on every call)."""
     return torch.cuda.get_device_properties(index)
+
+
+def kernels_run(capability: tuple[int, int], hip: bool = False, has_triton: bool = True) -> bool:
+    """Whether dsfp4's Triton kernels run on a GPU of compute `capability` (ROCm: `hip`): NVIDIA from
+    KERNEL_CAPABILITY, with Triton installed."""
+    return has_triton and not hip and capability >= KERNEL_CAPABILITY
+
+
+@functools.lru_cache
+def _kernels_on(index: int) -> bool:
+    p = cuda_props(index)
+    return kernels_run((p.major, p.minor), torch.version.hip is not None, triton is not None)
+
+
+def use_kernels(where: torch.Tensor | torch.device) -> bool:
+    """The one rule for kernel or reference: Triton kernels for tensors on (or a device that is) a CUDA GPU they
+    run on (kernels_run); the torch references elsewhere (the CPU, older cards, ROCm, no Triton)."""
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    return device.type == "cuda" and triton is not None and _kernels_on(device.index or 0)
 
 
 def n_sms(device: torch.device) -> int:
@@ -116,7 +131,7 @@ def fp8_by_bits_forced() -> bool:
 
 def fp8_path_for(capability: tuple[int, int], forced: bool = False, hip: bool = False) -> FP8Path:
     """The FP8 path of a CUDA GPU of compute `capability` with Triton (ROCm: `hip`): the module docstring's rule."""
-    if hip or capability < BY_BITS_CAPABILITY:
+    if not kernels_run(capability, hip):
         return FP8Path.REFERENCE
     return FP8Path.BY_BITS if forced or capability < HW_E4M3_CAPABILITY else FP8Path.NATIVE
 

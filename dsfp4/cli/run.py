@@ -200,6 +200,7 @@ def run(
         raise click.UsageError("give one of --json-schema FILE and --grammar FILE")
     knobs["grammar"] = schema or knobs["grammar"]
     options = RunOptions(**knobs)
+    _kernel_note(options, quiet or as_json)
     if show_plan:
         _print_plan(ctx, model, options, as_json)
         return
@@ -237,11 +238,13 @@ def _print_plan(ctx: click.Context, model: Path, options: RunOptions, as_json: b
     """--plan: the memory plan, the expected floor of a token, the levers and the CPU lane; as JSON with --json (and
     the context it plans for)."""
     from dsfp4.device import resolve_device
+    from dsfp4.kernels.kernel_paths import kernel_paths
     from dsfp4.runtime.models.load import plan_engine
     from dsfp4.runtime.plan.probes import host_share
     from dsfp4.tools.doctor import expected_floor
 
     plan = plan_engine(model, options)
+    paths = kernel_paths(resolve_device(options.device))
     manifest = Manifest.open(model)
     floor, line = expected_floor(plan, manifest)
     levers = {"mode": options.mode, **dataclasses.asdict(options.levers())}
@@ -250,12 +253,27 @@ def _print_plan(ctx: click.Context, model: Path, options: RunOptions, as_json: b
     _note_context(ctx, context, options)
     if as_json:
         out = {**dataclasses.asdict(plan), "max_context": context, "floor_s_per_token": floor, "levers": levers}
-        click.echo(json.dumps({**out, "cpu_lane": dataclasses.asdict(lane)}))
+        click.echo(json.dumps({**out, "cpu_lane": dataclasses.asdict(lane), "kernels": paths.to_dict()}))
         return
     click.echo(plan.table())
     click.echo(line)
     click.echo(f"mode {options.mode}: {options.levers().describe()}")
     click.echo(f"CPU lane: {lane.describe()}")
+    click.echo(f"kernels on {paths.device}:")
+    for line in paths.lines():
+        click.echo(line)
+
+
+def _kernel_note(options: RunOptions, quiet: bool) -> None:
+    """Before anything loads: a card nothing runs on is refused; one where the kernels do not run gets a note of
+    what runs instead and what it costs."""
+    from dsfp4.device import resolve_device
+    from dsfp4.kernels.kernel_paths import kernel_paths
+
+    paths = kernel_paths(resolve_device(options.device))
+    paths.check()
+    if paths.word and not quiet:
+        click.echo(f"note: {paths.word}", err=True)
 
 
 def _check_one_command(prompt: str | None, chat: bool, serve: bool, batch: Path | None, output: Path | None) -> None:

@@ -9,7 +9,8 @@ for the whole V3):
                       all-FP4 costs more
 `auto` takes the first way whose plan keeps the whole backbone on the device under the machine's budgets, else the
 last (the least of it in RAM). The device budget alone decides: the choice never turns on the RAM budget (the plan
-is made with all the RAM it asks for). With no GPU to size for and no --preset, fp8.
+is made with all the RAM it asks for). With no GPU to size for and no --preset, fp8. On this machine's card the
+plan reserves what its kernel paths need (where FP8 runs by the reference, a dense copy of the largest matrix).
 """
 
 from __future__ import annotations
@@ -37,16 +38,22 @@ def run_shape() -> tuple[int, int, int]:
 
 
 def choose_backbone(
-    args: ModelArgs, budgets: Budgets, expert_format: str, process: int | None = None
+    args: ModelArgs,
+    budgets: Budgets,
+    expert_format: str,
+    process: int | None = None,
+    kernels: bool = True,
+    fp8_kernels: bool = True,
 ) -> tuple[str, str]:
-    """(spec, why) for a model of shape `args` run on a CUDA device under `budgets`."""
+    """(spec, why) for a model of shape `args` run on a CUDA device under `budgets`, whose kernels run or not, and FP8
+    kernels with them (kernels/kernel_paths.py: where they do not, the plan holds the reference's dense copies)."""
     device = torch.device("cuda")
     room = Budgets(budgets.gpu, UNBOUNDED_RAM, budgets.source)
     for spec in WAYS:
         m = planned_manifest(args, spec, expert_format)
         try:
             plan = make_plan(
-                m, device, torch.bfloat16, room, *run_shape(), process=process, fp8_kernels=True, kernels=True
+                m, device, torch.bfloat16, room, *run_shape(), process=process, fp8_kernels=fp8_kernels, kernels=kernels
             )
         except ConfigError:
             # the device cannot hold even what must stay on it

@@ -20,6 +20,7 @@ import torch
 from dsfp4.device import resolve_device
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.cpu.build import cache_root
+from dsfp4.kernels.kernel_paths import kernel_paths
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.record import RecordLayout
 from dsfp4.runtime.plan.budget import available_ram
@@ -51,6 +52,13 @@ class Ceilings:
 
     gpu: str = ""
     gpu_mem: int = 0
+    # "sm_86"; the shared memory a program may opt in to, bytes; streaming multiprocessors
+    gpu_capability: str = ""
+    gpu_smem: int = 0
+    gpu_sms: int = 0
+    # part -> the kernel path it takes (kernels/kernel_paths.py), and the line saying what that costs ("" at speed)
+    kernel_paths: dict[str, str] = field(default_factory=dict)
+    kernel_word: str = ""
     hbm_read_gbps: float = 0.0
     pinned_h2d_gbps: float = 0.0
     pageable_h2d_gbps: float = 0.0
@@ -139,14 +147,21 @@ def measure(
     finally:
         if scratch is not None:
             scratch.unlink(missing_ok=True)
-    gpu: dict = {}
     device = device or resolve_device("auto")
-    if device.type == "cuda":
+    paths = kernel_paths(device)
+    gpu: dict = dict(kernel_paths=paths.parts, kernel_word=paths.word)
+    if paths.word:
+        log.info("%s", paths.word)
+    # a card this torch cannot run on has nothing to measure
+    if device.type == "cuda" and not paths.refused:
         log.info("measuring the GPU: memory bandwidth, host->GPU copies")
         props = torch.cuda.get_device_properties(device)
-        gpu = dict(
+        gpu.update(
             gpu=props.name,
             gpu_mem=props.total_memory,
+            gpu_capability=f"sm_{paths.capability[0]}{paths.capability[1]}",
+            gpu_smem=paths.smem,
+            gpu_sms=paths.sms,
             hbm_read_gbps=ceilings.hbm_read_gbps(device),
             pinned_h2d_gbps=ceilings.h2d_gbps(device, record, pinned=True),
             pageable_h2d_gbps=ceilings.h2d_gbps(device, record, total=256 << 20, pinned=False),
@@ -197,12 +212,15 @@ def verdict(c: Ceilings, expert_bytes_per_token: int | None = None) -> list[str]
         lines.append(f"note: {c.disk} refuses O_DIRECT (tmpfs?): its reads went through the page cache")
     if not c.gpu:
         lines.append("note: no CUDA device: dsfp4 runs on the CPU here, far below these links")
+    if c.kernel_word:
+        lines.append(f"note: {c.kernel_word}")
     return lines
 
 
 def table(c: Ceilings) -> str:
+    card = f", {c.gpu_capability}, {c.gpu_sms} SMs, {format_bytes(c.gpu_smem)} shared memory a block" if c.gpu else ""
     rows = [
-        ("GPU", f"{c.gpu} ({format_bytes(c.gpu_mem)})" if c.gpu else "none"),
+        ("GPU", f"{c.gpu} ({format_bytes(c.gpu_mem)}{card})" if c.gpu else "none"),
         ("HBM read", f"{c.hbm_read_gbps:,.0f} GB/s" if c.gpu else "-"),
         (
             "host->GPU",
@@ -224,6 +242,7 @@ def table(c: Ceilings) -> str:
             if c.cpu_moe_gbps
             else "no C compiler: the CPU lane is off",
         ),
+        *(("kernels" if i == 0 else "", f"{part}: {path}") for i, (part, path) in enumerate(c.kernel_paths.items())),
         ("measured", f"{c.measured_at} in {c.seconds:.1f} s"),
     ]
     w = max(len(a) for a, _ in rows)

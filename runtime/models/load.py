@@ -12,6 +12,7 @@ import torch
 
 from dsfp4.device import resolve_device
 from dsfp4.errors import ChecksumError, ConfigError
+from dsfp4.kernels.kernel_paths import kernel_paths
 from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
@@ -35,6 +36,8 @@ log = logging.getLogger("dsfp4")
 def run_target(model_dir: Path, options: EngineOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
     """Device, manifest, context (capped at the model's) and compute dtype of a run."""
     device = resolve_device(options.device)
+    # a card no torch kernel runs on is refused before anything is read
+    kernel_paths(device).check()
     manifest = Manifest.open(model_dir)
     return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +12,7 @@ from dsfp4.cli.main import cli
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.layout.manifest import Manifest
-from dsfp4.tools.doctor import SCRATCH, Ceilings, load, verdict
+from dsfp4.tools.doctor import SCRATCH, Ceilings, load, table, verdict
 
 
 @pytest.mark.slow
@@ -34,6 +35,30 @@ def test_doctor_reads_a_converted_models_expert_files_as_they_are(converted, tmp
     assert c.record_bytes == Manifest.read(converted).record.nbytes
     assert (c.cpu_moe_gbps > 0) == host_moe.available()  # the CPU lane's kernel, on the model's record
     assert sorted(p.name for p in converted.iterdir()) == before  # nothing written into the model
+    assert c.kernel_paths["routed experts"] == "torch reference" and c.kernel_word == ""  # the CPU's
+
+
+def test_doctor_shows_the_cards_shape_each_parts_kernel_path_and_what_it_costs():
+    from dsfp4.kernels.kernel_paths import Gpu, paths_for
+
+    paths = paths_for(Gpu("NVIDIA GeForce RTX 2080 Ti", (7, 5), 65536, 68))
+    c = Ceilings(
+        gpu="NVIDIA GeForce RTX 2080 Ti",
+        gpu_capability="sm_75",
+        gpu_smem=65536,
+        gpu_sms=68,
+        kernel_paths=paths.parts,
+        kernel_word=paths.word,
+        hbm_read_gbps=600,
+        pinned_h2d_gbps=12,
+        random_read_gbps=7,
+    )
+    shown = table(Ceilings.from_dict(json.loads(json.dumps(c.to_dict()))))
+    assert "sm_75, 68 SMs, 64.00 KiB shared memory a block" in shown
+    assert (
+        re.search(r"\nkernels +routed experts: torch reference\n", shown) and "FP8 backbone: torch reference" in shown
+    )
+    assert verdict(c)[-1] == f"note: {paths.word}" and "need sm_80" in paths.word
 
 
 def test_verdict_names_the_slowest_link():

@@ -177,6 +177,25 @@ def test_plan_says_when_the_context_is_capped_at_the_models(converted):
     assert "above the model's limit" not in run_cli("run", converted, "--plan", "--device", "cpu").stderr
 
 
+def test_plan_shows_each_parts_kernel_path_and_a_card_nothing_runs_on_is_refused_before_loading(converted, monkeypatch):
+    from dsfp4.kernels import kernel_paths as kp
+
+    r = run_cli("run", converted, "--plan", "--device", "cpu")
+    assert r.exit_code == 0 and "kernels on CPU:" in r.stdout and "  routed experts: torch reference" in r.stdout
+    j = json.loads(run_cli("run", converted, "--plan", "--json", "--device", "cpu").stdout)
+    assert j["kernels"]["kernels"] is False and j["kernels"]["parts"]["FP8 backbone"].startswith("torch reference")
+    old = kp.paths_for(kp.Gpu("NVIDIA GeForce GTX 1080", (6, 1), 49152, 20, torch_archs=("sm_75", "compute_75")))
+    slow = kp.paths_for(kp.Gpu("NVIDIA GeForce RTX 2080 Ti", (7, 5), 65536, 68))
+    for paths, refused in ((old, True), (slow, False)):
+        monkeypatch.setattr(kp, "kernel_paths", lambda device, paths=paths: paths)
+        r = run_cli("run", converted, "--prompt", "hi", "--device", "cpu", "--max-tokens", "1")
+        if refused:
+            assert_one_line_error(r, "GTX 1080 (sm_61): this torch build has no CUDA kernels", "install a torch build")
+            assert "expert slots" not in r.stderr  # refused before the plan, before anything loads
+        else:
+            assert r.exit_code == 0 and r.stderr.startswith("note: NVIDIA GeForce RTX 2080 Ti (sm_75): dsfp4's Triton")
+
+
 def _peak_rss(model, device: str, budget: dict[str, int]) -> float:
     """A real process's (not this test's) peak RSS in bytes, from `run --stats`."""
     args = [a for k, v in budget.items() for a in (k, str(v))]

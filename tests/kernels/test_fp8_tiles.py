@@ -6,7 +6,6 @@ rules' count and by what Triton allots the compiled kernels."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,29 +14,12 @@ from dsfp4.kernels.fp8 import gemm as fg
 from dsfp4.kernels.moe import prefill as mp
 from dsfp4.layout.fp8 import FP8_BLOCK
 from dsfp4.layout.record import RecordLayout
+from tests.fixtures.cards import CARDS, props
 from tests.kernels.ptx_targets import Build, shared_bytes
 
 pytestmark = pytest.mark.skipif(triton is None, reason="Triton is not installed")
 
 
-def _props(major: int, minor: int, sms: int, smem: int) -> SimpleNamespace:
-    """What torch.cuda.get_device_properties answers, the fields the tile rules read."""
-    return SimpleNamespace(
-        major=major,
-        minor=minor,
-        multi_processor_count=sms,
-        shared_memory_per_block_optin=smem,
-        shared_memory_per_multiprocessor=smem + 1024,
-    )
-
-
-CARDS = {
-    "A100": _props(8, 0, 108, 166912),
-    "RTX 3090": _props(8, 6, 82, 101376),
-    "RTX 4090": _props(8, 9, 128, 101376),
-    "RTX 5090": _props(12, 0, 170, 101376),
-    "H100": _props(9, 0, 132, 232448),
-}
 # (tokens, rows) of V3's prefill: a chunk through q_b, through the dense w2; a short prompt through kv_a
 GEMM_CASES = [(4096, 24576), (512, 7168), (17, 576)]
 GEMM = "dsfp4.kernels.fp8.gemm"
@@ -61,10 +43,10 @@ def test_gemm_plans_fit_each_card(name):
 
 
 def test_a_small_shared_memory_takes_fewer_stages_then_the_small_tile():
-    tight = card_of(_props(8, 6, 82, 60000))  # a 3-stage 128-row by-bits tile needs 96 KiB on sm_86
+    tight = card_of(props(8, 6, 82, 60000))  # a 3-stage 128-row by-bits tile needs 96 KiB on sm_86
     p = fg.gemm_plan(4096, 24576, tight, by_bits=True)
     assert (p.block_m, p.num_stages) == (128, 2)
-    tighter = card_of(_props(8, 6, 82, 40000))
+    tighter = card_of(props(8, 6, 82, 40000))
     p = fg.gemm_plan(4096, 24576, tighter, by_bits=True)
     assert p.block_m == 64 and fg.gemm_smem(64, p.num_stages, True, 2, (8, 6)) <= 40000
 
@@ -84,8 +66,8 @@ def test_gemm_shared_memory_as_triton_allots_it():
     """The rule's count against the compiled kernel's shared memory on each card's architecture (within 1 KiB of
     scratch), and within what the card gives a program."""
     cases = []
-    for name, props in CARDS.items():
-        c = card_of(props)
+    for name, card_props in CARDS.items():
+        c = card_of(card_props)
         for t, n in GEMM_CASES[:2]:
             for by_bits in _paths(c):
                 p = fg.gemm_plan(t, n, c, by_bits, 2)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dsfp4.device import use_expandable_segments
+from dsfp4.allocator import use_expandable_segments
 from dsfp4.errors import ConfigError, DsfpError
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.manifest import Manifest

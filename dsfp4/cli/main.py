@@ -7,21 +7,14 @@ shows the traceback instead. Results go to stdout, progress and notes to stderr.
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import sys
 
 import click
 
-from dsfp4.cli.bench import bench, doctor
-from dsfp4.cli.convert import convert, inspect, verify
-from dsfp4.cli.demo import demo
-from dsfp4.cli.download import download
-from dsfp4.cli.eval import eval_command
-from dsfp4.cli.export import export
-from dsfp4.cli.profile import profile_hot
+from dsfp4.allocator import use_expandable_segments
 from dsfp4.cli.progress import show_stages
-from dsfp4.cli.run import chat, run
-from dsfp4.device import use_expandable_segments
 from dsfp4.errors import DsfpError
 from dsfp4.version import __version__
 
@@ -45,9 +38,45 @@ RESUMES = {
 }
 
 
+# name -> (module:function, the short help `dsfp4 --help` lists): a command's module, and torch with it, is imported
+# only when that command runs or shows its own help (tests/dsfp4/test_cli.py checks the table)
+COMMANDS = {
+    "bench": ("dsfp4.cli.bench:bench", "Measure MODEL end to end: TTFT, prefill and decode tok/s"),
+    "chat": ("dsfp4.cli.run:chat", "Chat with a model served by `dsfp4 run MODEL --serve`"),
+    "convert": ("dsfp4.cli.convert:convert", "Convert a Hugging Face DeepSeek checkpoint SRC"),
+    "demo": ("dsfp4.cli.demo:demo", "Build, convert, verify and run a tiny DeepSeek checkpoint, offline"),
+    "doctor": ("dsfp4.cli.bench:doctor", "Measure this machine's ceilings"),
+    "download": ("dsfp4.cli.download:download", "Fetch REPO_ID (e.g. deepseek-ai/DeepSeek-V3) from the hub"),
+    "eval": ("dsfp4.cli.eval:eval_command", "Perplexity of MODEL over a text in windows of --context tokens"),
+    "export": ("dsfp4.cli.export:export", "Write the converted MODEL as another engine's checkpoint"),
+    "inspect": ("dsfp4.cli.convert:inspect", "Show what a converted MODEL holds"),
+    "profile-hot": ("dsfp4.cli.profile:profile_hot", "Measure which experts each MoE layer of MODEL uses"),
+    "run": ("dsfp4.cli.run:run", "Generate with a converted MODEL: --prompt, --chat or --serve"),
+    "verify": ("dsfp4.cli.convert:verify", "Re-hash every file and expert record of MODEL"),
+}
+
+
+def load_command(name: str) -> click.Command:
+    """COMMANDS' command `name`, its module imported now."""
+    module, attr = COMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 class DsfpGroup(click.Group):
-    """Turns library errors (and the OS's: permissions, full disk) into one line and exit status 1, Ctrl-C into
-    status 130 (with how to resume), a closed output pipe into a quiet exit; `--debug` may come anywhere."""
+    """Loads each command when it is asked for (COMMANDS); turns library errors (and the OS's: permissions, full
+    disk) into one line and exit status 1, Ctrl-C into status 130 (with how to resume), a closed output pipe into a
+    quiet exit; `--debug` may come anywhere."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return load_command(name) if name in COMMANDS else None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The group's help lists COMMANDS' short help without importing any command."""
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name][1]) for name in self.list_commands(ctx)])
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         end = args.index("--") if "--" in args else len(args)
@@ -83,10 +112,6 @@ class DsfpGroup(click.Group):
 # --debug is DsfpGroup's to act on
 def cli(debug: bool) -> None:
     """Run DeepSeek's big MoE models on one GPU: FP4 experts, tiered expert store, Triton kernels."""
-
-
-for command in (convert, inspect, verify, run, chat, eval_command, profile_hot, download, bench, doctor, demo, export):
-    cli.add_command(command)
 
 
 def main() -> None:

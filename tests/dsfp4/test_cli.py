@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
@@ -253,6 +255,33 @@ def test_inspect_lists_files_formats_and_records(converted):
     assert result.exit_code == 0
     for needle in ("experts nvfp4", "backbone/layer-001.safetensors", "layers.1.attn.wkv_a", "fp8_e4m3_b128"):
         assert needle in result.stdout
+
+
+def test_the_command_table_names_every_command_by_its_own_name():
+    from dsfp4.cli.main import COMMANDS, load_command
+
+    for name in COMMANDS:
+        assert load_command(name).name == name
+    listed = CliRunner().invoke(cli, ["--help"]).output
+    assert all(f"  {name} " in listed for name in COMMANDS)
+
+
+def test_help_version_and_an_unknown_command_answer_without_importing_torch():
+    """torch takes seconds to import on a CUDA machine: the group's help, its version and a mistyped command import
+    no command and none of the libraries."""
+    code = (
+        "import sys\n"
+        "from dsfp4.cli.main import cli\n"
+        "for args in (['--help'], ['--version'], ['nope']):\n"
+        "    try:\n"
+        "        cli(args, prog_name='dsfp4')\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'triton', 'dsfp4.cli.run') if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("[]"), r.stdout + r.stderr
+    assert "Usage: dsfp4" in r.stdout and "No such command 'nope'" in r.stderr
 
 
 def test_debug_shows_the_traceback(tmp_path):

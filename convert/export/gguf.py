@@ -11,8 +11,10 @@ What each stored tensor becomes:
                          absorbs them
   norms, router, bias    F32; BF16 tables (embedding, head) as they are
 The MTP layer is left out (llama.cpp's DeepSeek graph has none). The tokenizer (byte-level BPE) and the chat template
-go in the metadata. The file is written tensor by tensor (the peak is one matrix or one expert record), and a rerun
-continues after the last tensor written whole. Legend: E experts, N rows, K columns, H heads.
+go in the metadata, and a cold-repacked model's widened records their label (COLD_METADATA, fidelity.py). Every
+record is checked against its sha256 on its first read. The file is written tensor by tensor (the peak is one matrix
+or one expert record), and a rerun continues after the last tensor written whole. Legend: E experts, N rows, K
+columns, H heads.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType, TokenType, q
 from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
+from dsfp4.convert.export.fidelity import check_record
 from dsfp4.convert.export.gguf_blocks import mxfp4_to_gguf
 from dsfp4.convert.transform import ErrorStats as ClassError
 from dsfp4.errors import FormatError
@@ -49,6 +52,8 @@ from dsfp4.version import __version__
 ARCH = "deepseek2"
 FILE = "model.gguf"
 PROGRESS = ".dsfp4-gguf.json"
+# the metadata key of the cold records' label (a JSON string)
+COLD_METADATA = "dsfp4.cold_records"
 # GGUF's default data alignment
 ALIGN = 32
 TOP = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "head.weight": "output.weight"}
@@ -134,6 +139,8 @@ class Source:
     def __init__(self, model_dir: Path, manifest: Manifest):
         self.dir, self.m = Path(model_dir), manifest
         self._open: tuple[str, object] | None = None
+        # records read whole once, their sha256 checked
+        self._checked: set[tuple[int, int]] = set()
 
     def parts(self, ref: str) -> tuple[torch.Tensor, ...]:
         t = self.m.tensors[ref]
@@ -148,12 +155,17 @@ class Source:
 
     def stored(self, layer: int, e: int, which: str) -> tuple[torch.Tensor, ...]:
         """One matrix of expert e's record as stored, its bytes alone read (GGUF puts each expert's gate, up and down
-        in three tensors: the record is read once over the three)."""
+        in three tensors: the record is read once over the three), but for the first: the whole record, its sha256
+        checked."""
         # a cold record's codes come widened
         entry, layout = self.m.experts[layer], self.m.layout_of((layer, e))
         path = self.dir / entry.file
         fd = os.open(path, os.O_RDONLY)
         try:
+            if (layer, e) not in self._checked:
+                raw = check_record(pread_exact(fd, layout.nbytes, entry.offsets[e], path), self.m, self.dir, layer, e)
+                self._checked.add((layer, e))
+                return layout.stored_from(lambda at, n: raw[at : at + n], which)
             return layout.stored_from(lambda at, n: pread_exact(fd, n, entry.offsets[e] + at, path), which)
         finally:
             os.close(fd)
@@ -355,14 +367,16 @@ def add_tokenizer(w: GGUFWriter, a: ModelArgs, model_dir: Path) -> None:
         w.add_chat_template(cfg["chat_template"])
 
 
-def header(a: ModelArgs, model_dir: Path, tensors: list[GTensor]) -> bytes:
+def header(a: ModelArgs, model_dir: Path, tensors: list[GTensor], cold: dict | None = None) -> bytes:
     """The GGUF's header, metadata and tensor table, as gguf's writer lays them out (a one-line FormatError for a
-    tokenizer it cannot carry)."""
+    tokenizer it cannot carry); `cold`: the label of widened cold records."""
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp) / FILE
         w = GGUFWriter(scratch, ARCH)
         try:
             add_metadata(w, a, model_dir)
+            if cold is not None:
+                w.add_string(COLD_METADATA, json.dumps(cold))
             for t in tensors:
                 w.add_tensor_info(t.name, t.shape, np.dtype(np.uint8), t.nbytes, t.qtype)
             w.write_header_to_file()
@@ -386,13 +400,14 @@ class GgufPlan:
     stats: ErrorStats
 
 
-def plan(model_dir: Path, manifest: Manifest, requantize: bool = False) -> GgufPlan:
+def plan(model_dir: Path, manifest: Manifest, requantize: bool = False, cold: dict | None = None) -> GgufPlan:
     """The checks, every tensor of the GGUF and its header (nothing of the weights read yet): anything refused is
-    refused before OUT is touched. `requantize`: NVFP4 experts go to MXFP4 (dequantized, then quantized again)."""
+    refused before OUT is touched. `requantize`: NVFP4 experts go to MXFP4 (dequantized, then quantized again);
+    `cold`: the label of widened cold records, in the metadata."""
     check(manifest, model_dir, requantize)
     stats = ErrorStats()
     tensors = plan_tensors(Source(model_dir, manifest), stats)
-    return GgufPlan(tensors, header(manifest.args, model_dir, tensors), stats)
+    return GgufPlan(tensors, header(manifest.args, model_dir, tensors, cold), stats)
 
 
 def write(out: Path, manifest: Manifest, p: GgufPlan, bar) -> Path:

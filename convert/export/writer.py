@@ -3,8 +3,10 @@ shards (one per backbone file, one per MoE layer's experts), streamed one tensor
 tensor, whatever the model's size).
 
 Each shard is written under a temporary name and renamed when whole; `model.safetensors.index.json` comes last, so
-a folder is an export exactly when its index exists. A rerun keeps the shards already whole (their size in
-`.dsfp4-export.json`, with the conversion and format they are of) and writes the rest.
+a folder is an export exactly when its index exists. What is read is checked (fidelity.py): the backbone's files before
+OUT is touched and each record as it is read, against their sha256; cold records are refused unless accepted, then
+labelled. A rerun keeps the shards already whole (their size in `.dsfp4-export.json`, with the conversion and format
+they are of) and writes the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tqdm import tqdm
 
 from dsfp4.convert.export import compressed_tensors as ct
 from dsfp4.convert.export import gguf, modelopt
+from dsfp4.convert.export.fidelity import COLD_KEY, check_backbone, check_record, cold_label
 from dsfp4.convert.family import source_family
 from dsfp4.errors import ConfigError, OutputError
 from dsfp4.layout.atomic import LOCK_NAME, atomic_write_bytes, lock_folder
@@ -74,7 +77,8 @@ def plan_shards(model_dir: Path, manifest: Manifest, fmt: str = "compressed-tens
 
 
 def _records(model_dir: Path, manifest: Manifest, layer: int) -> Callable[[int], dict[str, torch.Tensor]]:
-    """record(e) -> the unpacked parts of expert e of `layer` (the last one read is kept: its tensors come in turn)."""
+    """record(e) -> the unpacked parts of expert e of `layer` (the last one read is kept: its tensors come in turn),
+    checked against its sha256 as it is read."""
     entry = manifest.experts[layer]
 
     @functools.lru_cache(maxsize=1)
@@ -82,7 +86,9 @@ def _records(model_dir: Path, manifest: Manifest, layer: int) -> Callable[[int],
         layout = manifest.layout_of((layer, e))
         fd = os.open(model_dir / entry.file, os.O_RDONLY)
         try:
-            raw = pread_exact(fd, layout.nbytes, entry.offsets[e], model_dir / entry.file)
+            raw = check_record(
+                pread_exact(fd, layout.nbytes, entry.offsets[e], model_dir / entry.file), manifest, model_dir, layer, e
+            )
         finally:
             os.close(fd)
         # a cold record exported widened
@@ -91,9 +97,14 @@ def _records(model_dir: Path, manifest: Manifest, layer: int) -> Callable[[int],
     return record
 
 
-def config(model_dir: Path, manifest: Manifest, fmt: str = "compressed-tensors") -> tuple[dict, dict[str, dict]]:
-    """(the model's config.json with the export's quantization_config, the other JSON files the format writes)."""
+def config(
+    model_dir: Path, manifest: Manifest, fmt: str = "compressed-tensors", cold: dict | None = None
+) -> tuple[dict, dict[str, dict]]:
+    """(the model's config.json with the export's quantization_config, the other JSON files the format writes);
+    `cold`: the label of widened cold records (fidelity.cold_label), kept in config.json."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if cold is not None:
+        cfg[COLD_KEY] = cold
     if fmt == "modelopt":
         cfg["quantization_config"], nested = modelopt.quantization_config(ct.matrices(manifest))
         return cfg, {modelopt.HF_QUANT_CONFIG: nested}
@@ -129,8 +140,11 @@ def _claim(out: Path, ours: tuple[str, ...]) -> int:
     return lock_folder(out, f"{out}: another export is writing this folder")
 
 
-def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress: bool = True) -> list[Shard]:
-    """Write (or with dry_run only plan) the `fmt` export (compressed-tensors, modelopt) of the model at model_dir."""
+def export(
+    model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress: bool = True, accept_cold: bool = False
+) -> list[Shard]:
+    """Write (or with dry_run only plan) the `fmt` export (compressed-tensors, modelopt) of the model at model_dir.
+    `accept_cold`: cold records are exported widened and labelled, not refused."""
     model_dir, out = Path(model_dir), Path(out)
     if fmt not in MATRIX:
         raise ConfigError(f"--format {fmt}: export() writes {', '.join(MATRIX)}; GGUF is export_gguf's")
@@ -138,11 +152,14 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
         check_out(out)
     manifest = open_model(model_dir)
     ct.check_plain(manifest, model_dir)
+    cold = cold_label(manifest, accept_cold, model_dir)
     # before planning: a format that cannot hold the model says so
-    cfg, extra = config(model_dir, manifest, fmt)
+    cfg, extra = config(model_dir, manifest, fmt, cold)
     shards = plan_shards(model_dir, manifest, fmt)
     if dry_run:
         return shards
+    # before OUT is touched; the records are checked as they are read
+    check_backbone(model_dir, manifest)
     fd = _claim(out, (PROGRESS, INDEX))
     try:
         identity = {"conversion": manifest.conversion_sha256(), "format": fmt}
@@ -153,17 +170,25 @@ def export(model_dir: Path, out: Path, fmt: str, dry_run: bool = False, progress
 
 
 def export_gguf(
-    model_dir: Path, out: Path, dry_run: bool = False, progress: bool = True, requantize: bool = False
+    model_dir: Path,
+    out: Path,
+    dry_run: bool = False,
+    progress: bool = True,
+    requantize: bool = False,
+    accept_cold: bool = False,
 ) -> tuple[list[gguf.GTensor], dict[str, float]]:
     """Write (or with dry_run only plan) OUT/model.gguf: (its tensors, the requantization error by class).
-    `requantize`: NVFP4 experts go to MXFP4 rather than being refused."""
+    `requantize`: NVFP4 experts go to MXFP4 rather than being refused; `accept_cold`: cold records are exported
+    widened and labelled, not refused."""
     model_dir, out = Path(model_dir), Path(out)
     if not dry_run:
         check_out(out)
     manifest = open_model(model_dir)
-    p = gguf.plan(model_dir, manifest, requantize)
+    cold = cold_label(manifest, accept_cold, model_dir)
+    p = gguf.plan(model_dir, manifest, requantize, cold)
     if dry_run:
         return p.tensors, {}
+    check_backbone(model_dir, manifest)
     fd = _claim(out, (gguf.FILE, gguf.FILE + ".partial", gguf.PROGRESS))
     try:
         total = sum(t.nbytes for t in p.tensors)

@@ -30,11 +30,21 @@ from dsfp4.units import format_bytes
     is_flag=True,
     help="With --format gguf: NVFP4 experts requantized to MXFP4 (the error reported) instead of refused.",
 )
+@click.option(
+    "--accept-cold-loss",
+    is_flag=True,
+    help="Export a model whose cold records profile-hot --repack --cold-bits narrowed: widened to the model's FP4, "
+    "their loss kept, and labelled (dsfp4_cold_records in config.json, dsfp4.cold_records in the GGUF). Refused "
+    "without it.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the shards and their sizes; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def export(model: Path, out: Path, fmt: str, requantize: bool, dry_run: bool, quiet: bool) -> None:
+def export(
+    model: Path, out: Path, fmt: str, requantize: bool, accept_cold_loss: bool, dry_run: bool, quiet: bool
+) -> None:
     """Write the converted MODEL into OUT as another engine's checkpoint, from the stored bytes (compressed-tensors
-    quantizes nothing again; GGUF only the FP8 matrices). Safe to interrupt: a rerun keeps what was written whole.
+    quantizes nothing again; GGUF only the FP8 matrices), each checked against its sha256 as `run` checks it. Safe to
+    interrupt: a rerun keeps what was written whole.
 
     \b
     Examples:
@@ -49,7 +59,7 @@ def export(model: Path, out: Path, fmt: str, requantize: bool, dry_run: bool, qu
     if requantize and fmt != "gguf":
         raise click.UsageError(f"--requantize applies to --format gguf; --format {fmt} writes experts as stored")
     if fmt == "gguf":
-        tensors, errors = export_gguf(model, out, dry_run=dry_run, progress=not quiet, requantize=requantize)
+        tensors, errors = export_gguf(model, out, dry_run, not quiet, requantize, accept_cold_loss)
         if dry_run:
             click.echo(describe_gguf(tensors))
         elif not quiet:
@@ -58,10 +68,21 @@ def export(model: Path, out: Path, fmt: str, requantize: bool, dry_run: bool, qu
             )
             for klass, err in sorted(errors.items()):
                 click.echo(f"  requantization error {klass:<28} {err:.4g} (relative RMS)", err=True)
+        _cold_note(model, accept_cold_loss)
         return
 
-    shards = write_export(model, out, fmt, dry_run=dry_run, progress=not quiet)
+    shards = write_export(model, out, fmt, dry_run, not quiet, accept_cold_loss)
     if dry_run:
         click.echo(describe(shards))
     elif not quiet:
         click.echo(f"{out}: {len(shards)} shards, {format_bytes(sum(s.nbytes for s in shards))} ({fmt})", err=True)
+    _cold_note(model, accept_cold_loss)
+
+
+def _cold_note(model: Path, accept_cold_loss: bool) -> None:
+    """--accept-cold-loss: the loss the export carries, stated (as its metadata labels it)."""
+    from dsfp4.convert.export.fidelity import cold_label
+    from dsfp4.convert.export.writer import open_model
+
+    if accept_cold_loss and (label := cold_label(open_model(model), True, model)) is not None:
+        click.echo(f"note: {label['note']}; the export's metadata says so", err=True)

@@ -34,6 +34,7 @@ from dsfp4.kernels.backend import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
 from dsfp4.runtime.options import RunOptions, SamplingOptions
+from dsfp4.runtime.plan.budget import parse_size
 
 if TYPE_CHECKING:
     import socket
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
     from dsfp4.runtime.engine import Engine
     from dsfp4.runtime.generate.generation import Generation
     from dsfp4.runtime.generate.prompt import PromptRules
+    from dsfp4.server.app import Served
 
-SERVE_FLAGS = ("host", "port", "api_key", "max_queue")
+SERVE_FLAGS = ("host", "port", "api_key", "max_queue", "max_body", "read_timeout")
 # --serve or --batch
 BATCH_FLAGS = ("max_batch",)
 # --chat has /stats; a server answers with stats; a grammar constrains the one answer
@@ -153,6 +155,18 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
     show_default=True,
     help="With --serve: requests that may wait while one generates; more are answered 503.",
 )
+@click.option(
+    "--max-body",
+    help="With --serve: a request body's size at most, such as 8M; larger ones are answered 413. "
+    "[default: sized from --max-context, docs/server.md]",
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="With --serve: seconds a request's head may take to come, and then its body; slower clients are cut.",
+)
 def run(
     model: Path,
     prompt: str | None,
@@ -170,6 +184,8 @@ def run(
     port: int,
     api_key: str | None,
     max_queue: int,
+    max_body: str | None,
+    read_timeout: float,
     **knobs,
 ) -> None:
     """Generate with a converted MODEL: one --prompt (the answer, then a stats line on stderr), --chat, or
@@ -209,6 +225,9 @@ def run(
     items = None if batch is None else read_batch(batch, options)
     done = None if output is None else answered(require_folder(output, "--output"), items)
     _check_flags(ctx, options, prompt, serve, batch, as_json, raw, system)
+    body_limit = None if max_body is None else parse_size(max_body, "--max-body")
+    if body_limit is not None and body_limit < 1:
+        raise ConfigError(f"--max-body {max_body}: give a size of at least one byte, such as 8M")
     # before the model loads, so bad input stays a one-line error and reads nothing
     rules = prompt_rules(model, options)
     ids = _prompt_ids(rules, prompt, system, raw)
@@ -226,8 +245,11 @@ def run(
         elif batch is not None:
             run_batch(engine, batch, items, done, output, system, quiet)
         elif serve:
+            from dsfp4.server.app import Served
+
             max_tokens = options.max_tokens if given_params(ctx, ("max_tokens",)) else None
-            _serve(engine, sock, Path(model).resolve().name, api_key, max_queue, max_tokens, f"http://{host}:{port}/v1")
+            served = Served(Path(model).resolve().name, api_key, max_queue, max_tokens, body_limit, read_timeout)
+            _serve(engine, sock, served, f"http://{host}:{port}/v1")
         else:
             _answer(engine, ids, as_json, show_stats, quiet)
     if engine.recorder is not None and engine.recorder.tokens:
@@ -349,21 +371,11 @@ def _show_load(engine: Engine, as_json: bool, quiet: bool) -> None:
         click.echo(f"note: {note}", err=True)
 
 
-def _serve(
-    engine: Engine,
-    sock: socket.socket,
-    model_id: str,
-    api_key: str | None,
-    max_queue: int,
-    max_tokens: int | None,
-    where: str,
-) -> None:
-    """--serve: the OpenAI API on the socket until Ctrl-C (`max_tokens`: --max-tokens when given, else each
+def _serve(engine: Engine, sock: socket.socket, served: Served, where: str) -> None:
+    """--serve: the OpenAI API on the socket until Ctrl-C (`served.max_tokens`: --max-tokens when given, else each
     request's own)."""
-    from dsfp4.server.app import Served
     from dsfp4.server.serve import serve as run_server
 
-    served = Served(model_id, api_key, max_queue, max_tokens)
     click.echo(f"serving {served.model_id} at {where} (Ctrl-C stops)", err=True)
     run_server(engine, served, sock)
 

@@ -29,6 +29,7 @@ from dsfp4.runtime.generate.grammar_compiler import GrammarCompiler
 from dsfp4.runtime.generate.prompt import PromptRules
 from dsfp4.runtime.generate.tool_scan import ToolCallError
 from dsfp4.server.answers import Answer, progress_comment, sse, stats
+from dsfp4.server.body import READ_TIMEOUT_S, default_max_body, read_body
 from dsfp4.server.choices import Asked, Choice
 from dsfp4.server.jobs import Job, Progress, PromptLogprobs, QueueFull, Report, Sink
 from dsfp4.server.metrics import Metrics
@@ -52,6 +53,10 @@ class Served:
     max_queue: int = 16
     # default of requests without one; None: the room left in the context
     max_tokens: int | None = None
+    # a request's body at most (None: sized from the context, body.default_max_body), and how long its head and then
+    # its body may take to come (body.py, deadline.py)
+    max_body: int | None = None
+    read_timeout: float = READ_TIMEOUT_S
 
 
 @dataclass
@@ -90,6 +95,8 @@ class Context:
     # a request's grammar compiled here before it is queued: one that does not compile is a 400 before anything
     # streams (this process's own compiler, built at the first grammar)
     grammars: GrammarCompiler
+    # bytes of a request's body at most
+    max_body: int
 
 
 Endpoint = Callable[[Context, Request], Awaitable[Response]]
@@ -117,7 +124,8 @@ def build_app(rules: PromptRules, scheduler: Runs, served: Served, metrics: Metr
     app.add_exception_handler(HTTPException, http_error)
     spec = rules.spec
     grammars = GrammarCompiler(Path(spec.model_dir) / "tokenizer.json", spec.vocab_size, rules.tokenizer.eos_ids)
-    ctx = Context(rules, scheduler, served, metrics, grammars)
+    max_body = served.max_body if served.max_body is not None else default_max_body(rules.max_context)
+    ctx = Context(rules, scheduler, served, metrics, grammars, max_body)
     for method, path, endpoint in (
         ("POST", "/v1/chat/completions", chat_completions),
         ("POST", "/v1/completions", completions),
@@ -198,7 +206,7 @@ async def complete(ctx: Context, request: Request, chat: bool) -> Response:
     endpoint = "chat" if chat else "completions"
     try:
         check_key(ctx.served, request)
-        body = await request.body()
+        body = await read_body(request, ctx.max_body, ctx.served.read_timeout)
         call = accept(ctx, parse_request(body, chat), time.perf_counter())
     except ApiError as e:
         ctx.metrics.answered(endpoint, e.status)

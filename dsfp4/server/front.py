@@ -8,6 +8,7 @@ engine's process closes the link. It imports no torch: it costs the host about 6
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import signal
 import socket
@@ -18,6 +19,7 @@ import uvicorn
 
 from dsfp4.runtime.generate.prompt import PromptRules, PromptSpec
 from dsfp4.server.app import Served, build_app
+from dsfp4.server.deadline import Deadline
 from dsfp4.server.link import RemoteScheduler
 from dsfp4.server.metrics import Metrics
 
@@ -59,7 +61,9 @@ async def _serve(conn: Connection, sock: socket.socket) -> None:
     app = build_app(PromptRules(spec), scheduler, served, metrics)
     # asyncio's loop, not uvloop's: its socket writes let go of the GIL (docs/BENCHMARKS.md), which here the link's
     # reads share, no longer the engine's steps
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
+    # a slow client's head is cut (deadline.py), as its body is (body.py)
+    http = functools.partial(Deadline, seconds=served.read_timeout)
+    config = uvicorn.Config(app, http=http, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
     server = _Server(config, scheduler, loop)
     # what lives as long as the server: the collector need not walk it again
     gc.freeze()

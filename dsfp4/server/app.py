@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP app of `dsfp4 run MODEL --serve`.
 
 Routes: /v1/models, /v1/chat/completions and /v1/completions (JSON, or server-sent events with "stream":
-true), /health, /metrics. Every answer that is not a success carries an OpenAI-style error body. Requests
-are checked and tokenized on the event loop; the generation runs on a scheduler's worker thread, and a
-watcher cancels it as soon as its client disconnects. The scheduler is the engine's own (create_app: one
+true), /health, /metrics. Every answer that is not a success carries an OpenAI-style error body. A request's body is
+read within its limits (body.py), then checked and tokenized on a thread, so that the event loop goes on streaming
+and answering /health meanwhile; the generation runs on a scheduler's worker thread, and a watcher cancels it as
+soon as its client disconnects. The scheduler is the engine's own (create_app: one
 process) or the link to the engine's process (front.py, as `dsfp4 run --serve` runs it).
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -97,6 +99,8 @@ class Context:
     grammars: GrammarCompiler
     # bytes of a request's body at most
     max_body: int
+    # requests are checked on threads; the compiler keeps what it compiled for all of them
+    compiling: threading.Lock = field(default_factory=threading.Lock)
 
 
 Endpoint = Callable[[Context, Request], Awaitable[Response]]
@@ -207,7 +211,10 @@ async def complete(ctx: Context, request: Request, chat: bool) -> Response:
     try:
         check_key(ctx.served, request)
         body = await read_body(request, ctx.max_body, ctx.served.read_timeout)
-        call = accept(ctx, parse_request(body, chat), time.perf_counter())
+        received = time.perf_counter()
+        # a long prompt takes seconds to parse, render and tokenize: on a thread, so the loop goes on meanwhile
+        req, checked = await asyncio.to_thread(_parsed_and_checked, ctx, body, chat)
+        call = accept(ctx, req, checked, received)
     except ApiError as e:
         ctx.metrics.answered(endpoint, e.status)
         return JSONResponse(e.body(), e.status)
@@ -262,9 +269,24 @@ def check_key(served: Served, request: Request) -> None:
         raise ApiError(401, "incorrect or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
 
 
-def accept(ctx: Context, req: GenRequest, received: float) -> Call:
-    """Tokenize, check against the context, compile the answer's grammar, queue a job per choice: an ApiError for
-    anything the engine would refuse. `received`: perf_counter when the request had come whole."""
+@dataclass(frozen=True)
+class Checked:
+    """A request as check() leaves it: its prompt's ids, its jobs' options, its answer and what its choices read."""
+
+    ids: list[int]
+    options: dict
+    answer: Answer
+    asked: Asked
+
+
+def _parsed_and_checked(ctx: Context, body: bytes, chat: bool) -> tuple[GenRequest, Checked]:
+    req = parse_request(body, chat)
+    return req, check(ctx, req)
+
+
+def check(ctx: Context, req: GenRequest) -> Checked:
+    """Tokenize, check against the context, compile the answer's grammar: an ApiError for anything the engine would
+    refuse. Thread-safe: requests are checked off the event loop."""
     rules, served = ctx.rules, ctx.served
     if req.model not in (None, served.model_id):
         raise ApiError(
@@ -295,13 +317,21 @@ def accept(ctx: Context, req: GenRequest, received: float) -> Call:
     if req.logprobs is not None:
         options["logprobs"] = req.logprobs
     if (grammar := _field_error(lambda: fmt.grammar(rules.tokenizer, thinking))) is not None:
-        _field_error(lambda: ctx.grammars.compile(grammar))
+        with ctx.compiling:
+            _field_error(lambda: ctx.grammars.compile(grammar))
         options["grammar"] = grammar
     answer = Answer(req.chat, served.model_id)
     echo = (req.prompt if isinstance(req.prompt, str) else rules.tokenizer.decode(ids)) if req.echo else ""
     asked = Asked(req.chat, fmt, rules.tokenizer, ids, thinking, req.logprobs is not None, echo, answer.id[-24:])
-    jobs = [_job(ctx, ids, options, i, req.logprobs if req.echo else None, received) for i in range(req.n)]
-    return Call(req, _submit(ctx, jobs), answer, [Choice(i, asked) for i in range(req.n)])
+    return Checked(ids, options, answer, asked)
+
+
+def accept(ctx: Context, req: GenRequest, checked: Checked, received: float) -> Call:
+    """A job per choice of a checked request, queued (on the event loop: the jobs' channels are its), or a 503.
+    `received`: perf_counter when the request had come whole."""
+    echo = req.logprobs if req.echo else None
+    jobs = [_job(ctx, checked.ids, checked.options, i, echo, received) for i in range(req.n)]
+    return Call(req, _submit(ctx, jobs), checked.answer, [Choice(i, checked.asked) for i in range(req.n)])
 
 
 def _answer_format(rules: PromptRules, req: GenRequest) -> AnswerFormat:

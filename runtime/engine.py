@@ -114,6 +114,9 @@ class Engine:
                 conversion = manifest.conversion_sha256()
                 pc = open_prompt_cache(self.model, self.model_dir, o.prompt_cache, o.prompt_cache_size, conversion)
                 self.prompt_cache = pc
+                # a folder that cannot be written says so once, with the load's notes
+                if note := pc.take_notes():
+                    self.notes.append(note)
             self.reuse = PromptReuse(self.decoder, self.speculator, self.prompt_cache, self._model)
             warm_start(self.model, self.model_dir, manifest, o.zero_copy)
             warm_up_kernels(self.model, dtype, manifest.args, min(o.prefill_chunk, self.max_context))

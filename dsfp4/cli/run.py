@@ -65,6 +65,9 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
             click.echo(f"[{g.finish_reason}] {g.stats.line()}", err=True)
     if show_stats:
         click.echo(g.stats.table(), err=True)
+    # the prompt's entry is written in the background: a failed write (a full disk) is known once it ends
+    if engine.prompt_cache is not None and (note := engine.prompt_cache.settle()) and not quiet:
+        click.echo(f"note: {note}", err=True)
     return g
 
 

@@ -8,11 +8,15 @@ bytes split into planes (byte i of every element together), which zstd packs tig
 elements. Positions depend only on the tokens before them, so an entry serves any prompt that shares a prefix with
 it, up to that prefix. Entries are written atomically in a background thread, the folder is held to --prompt-cache-
 size by evicting the least recently used (a use touches the file), and a damaged or foreign entry is skipped with a
-note. Legend: N cached positions.
+note. A folder that cannot be written (a read-only mount; found by trying, since root ignores permissions) is used
+read-only: its entries serve, none is saved or touched, and one note says so. A write that fails (a full disk) leaves
+no temporary file and a note, which settle() hands over once the write has ended. Legend: N cached positions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import threading
@@ -23,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsfp4.errors import DsfpError
+from dsfp4.errors import ConfigError, DsfpError
 from dsfp4.layout import framed_file
 from dsfp4.layout.atomic import atomic_write_bytes
 from dsfp4.runtime.generate.steps import common_prefix
@@ -38,6 +42,12 @@ ZSTD_LEVEL = 3
 HEADER_LIMIT = 1 << 22
 # a prompt that prefilled fewer new tokens is not saved: its prefill costs less than the file
 MIN_NEW_TOKENS = 32
+# created and removed at once: whether the folder can be written
+PROBE = ".dsfp4kv-probe"
+# a write failing with these means the folder cannot be written at all, not this once
+READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+# and these that the disk (or the user's quota) is full
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def encode_entry(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
@@ -91,9 +101,18 @@ class PromptCache:
         """folder: where entries live (created); max_bytes: the folder's bound; identity: what an entry must match to
         be used (the conversion, the caches' dtype and row shapes)."""
         self.folder, self.max_bytes, self.identity = Path(folder), max_bytes, identity
-        self.folder.mkdir(parents=True, exist_ok=True)
-        # entries skipped since the last look (damaged, foreign)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"--prompt-cache {self.folder}: the folder cannot be made ({e.strerror or e}); give a folder that "
+                "exists or can be made"
+            ) from None
+        # entries skipped since the last look (damaged, foreign), writes that failed
         self.notes: list[str] = []
+        # the folder cannot be written: entries are read, none is saved or touched
+        self.read_only = False
+        self._probe()
         self._writer: threading.Thread | None = None
         # the tokens of the entry being written
         self._pending: list[int] = []
@@ -104,6 +123,25 @@ class PromptCache:
         self._headers: dict[Path, tuple[tuple[int, int], dict | None]] = {}
         # of the last entry written
         self.compressed_bytes = self.raw_bytes = 0
+
+    def _probe(self) -> None:
+        """Whether the folder can be written, by trying (root may write where the permissions say no one can)."""
+        probe = self.folder / PROBE
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            # another process's probe may have taken it
+            probe.unlink(missing_ok=True)
+        except OSError as e:
+            self._cannot_write(e)
+
+    def _cannot_write(self, e: OSError) -> None:
+        """From now on read-only, said once."""
+        if not self.read_only:
+            self.read_only = True
+            self.notes.append(
+                f"prompt cache: {self.folder} cannot be written ({e.strerror or e}); its entries are used read-only "
+                "and no new one is saved"
+            )
 
     def find(self, prompt: list[int], longer_than: int) -> Hit | None:
         """The entry sharing the longest prefix with `prompt` (short of its last token, which must be fed), if that
@@ -154,10 +192,16 @@ class PromptCache:
         except (OSError, ValueError) as e:
             self.notes.append(f"prompt cache: {hit.path.name} skipped ({e})")
             return None
-        # the fine clock: a file's own times come from a coarser one, which could tie
-        now = time.time_ns()
-        # used: the last to be evicted
-        os.utime(hit.path, ns=(now, now))
+        if not self.read_only:
+            # the fine clock: a file's own times come from a coarser one, which could tie
+            now = time.time_ns()
+            try:
+                # used: the last to be evicted
+                os.utime(hit.path, ns=(now, now))
+            except OSError as e:
+                # the entry serves all the same
+                if e.errno in READ_ONLY:
+                    self._cannot_write(e)
         return arrays
 
     def restore(self, hit: Hit, caches: dict[str, torch.Tensor]) -> bool:
@@ -178,10 +222,17 @@ class PromptCache:
         notes, self.notes = self.notes, []
         return "; ".join(notes)
 
+    def settle(self) -> str:
+        """take_notes() once the entry being written is in place or has failed: a one-shot run's last word."""
+        self.wait()
+        return self.take_notes()
+
     def save(self, tokens: list[int], caches: dict[str, torch.Tensor], mtp_upto: int) -> None:
         """Write the entry of `tokens` (the first len(tokens) rows of `caches`, copied to the CPU now) in the
-        background; one write at a time."""
+        background; one write at a time. Nothing in a folder that cannot be written."""
         self.wait()
+        if self.read_only:
+            return
         arrays = {name: _numpy(t[: len(tokens)].cpu()) for name, t in caches.items()}
         header = {**self.identity, "tokens": list(tokens), "mtp_upto": min(mtp_upto, len(tokens))}
         key = hashlib.sha256(repr(sorted(self.identity.items())).encode() + np.asarray(tokens, np.int64).tobytes())
@@ -212,8 +263,16 @@ class PromptCache:
             for old in covered:
                 old.unlink(missing_ok=True)
             self.evict()
-        except (OSError, DsfpError) as e:
-            # a full disk loses an entry, not the answer
+        except OSError as e:
+            # a full disk loses an entry, not the answer; atomic_write_bytes's temporary file goes too
+            with contextlib.suppress(OSError):
+                path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            if e.errno in READ_ONLY:
+                self._cannot_write(e)
+            else:
+                full = "; free some space there or lower --prompt-cache-size" if e.errno in FULL else ""
+                self.notes.append(f"prompt cache: {path.name} not written in {self.folder} ({e.strerror or e}){full}")
+        except DsfpError as e:
             self.notes.append(f"prompt cache: {path.name} not written ({e})")
 
     def evict(self) -> None:

@@ -1,10 +1,15 @@
 """The persistent prompt cache (runtime/generate/prompt_cache.py): its entry format round-trips, a later engine restores
 a saved prefix and generates what it would have without it, damaged and foreign entries are skipped, the folder
-stays within its bound."""
+stays within its bound, a folder that cannot be written serves read-only and a full disk leaves nothing behind; both
+say so where the user sees it."""
 
 from __future__ import annotations
 
+import builtins
+import errno
+import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +23,9 @@ from tests.fixtures.cli import run_cli
 
 PROMPT = list(range(2, 80))  # 78 token ids: enough new tokens to be saved
 OTHER = PROMPT[:50] + list(range(300, 330))  # shares 50 tokens with PROMPT
+# a prompt for `dsfp4 run`: more new tokens than an entry needs
+WORDS = " ".join(f"w{i}" for i in range(20))
+RUN = ("--device", "cpu", "--max-context", "256", "--max-tokens", "4", "--temperature", "0")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int16, np.float16, np.uint8, np.int64])
@@ -178,3 +186,68 @@ def test_a_later_turn_replaces_the_entry_it_extends(converted, tmp_path):
     (entry,) = folder.glob(f"*{SUFFIX}")
     header = decode_entry(entry.read_bytes())[0]
     assert header["tokens"][: len(PROMPT)] == PROMPT and len(header["tokens"]) > len(PROMPT)
+
+
+def _read_only(monkeypatch, folder: Path) -> None:
+    """Every write under `folder` fails as on a read-only mount (the tests run as root, whom chmod does not stop)."""
+    inside = str(folder)
+
+    def refusing(real, writes=lambda *args, **kwargs: True):
+        def call(path, *args, **kwargs):
+            where = os.path.abspath(os.fsdecode(path)) if isinstance(path, (str, bytes, os.PathLike)) else ""
+            if (where == inside or where.startswith(inside + os.sep)) and writes(*args, **kwargs):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), where)
+            return real(path, *args, **kwargs)
+
+        return call
+
+    flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+    monkeypatch.setattr(os, "open", refusing(os.open, lambda f, *args, **kwargs: f & flags))
+    monkeypatch.setattr(builtins, "open", refusing(builtins.open, lambda mode="r", *a, **k: set(mode) & set("wax+")))
+    for name in ("utime", "unlink", "replace", "rename", "mkdir", "rmdir"):
+        monkeypatch.setattr(os, name, refusing(getattr(os, name)))
+
+
+def _notes(stderr: str, needle: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("note: ") and needle in line]
+
+
+def test_a_folder_that_cannot_be_written_serves_its_entries_read_only_with_one_note(converted, tmp_path, monkeypatch):
+    folder = tmp_path / "pc"
+    with _engine(converted, folder) as e:
+        want, _ = _tokens(e, PROMPT)
+    r = run_cli("run", converted, "--prompt-cache", folder, "--prompt", WORDS, *RUN)
+    assert r.exit_code == 0, r.output
+    entries = sorted(folder.iterdir())
+    _read_only(monkeypatch, folder)
+    with _engine(converted, folder) as e:
+        (note,) = e.notes
+        assert f"prompt cache: {folder} cannot be written (Read-only file system)" in note and "read-only" in note
+        got, stats = _tokens(e, PROMPT)
+        assert got == want and stats.restored_tokens == len(PROMPT) - 1  # a hit still serves
+        assert _tokens(e, OTHER)[1].prompt_cache_note == ""  # new tokens, nothing saved, nothing said again
+        assert _tokens(e, list(range(400, 460)))[1].prompt_cache_note == ""
+    assert sorted(folder.iterdir()) == entries
+    r = run_cli("run", converted, "--prompt-cache", folder, "--prompt", WORDS, *RUN)
+    assert r.exit_code == 0, r.output
+    assert len(_notes(r.stderr, "cannot be written")) == 1 and str(folder) in r.stderr
+    assert "from the prompt cache" in r.stderr.splitlines()[-1]
+    with pytest.raises(ConfigError, match=f"--prompt-cache {folder / 'new'}: the folder cannot be made"):
+        _engine(converted, folder / "new")
+
+
+def test_a_full_disk_leaves_no_temporary_file_and_the_run_says_so(converted, tmp_path, monkeypatch):
+    folder = tmp_path / "pc"
+    real = os.fsync
+
+    def full(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)  # the entry's bytes are written, then the disk says it is full
+    r = run_cli("run", converted, "--prompt-cache", folder, "--prompt", WORDS, *RUN)
+    assert r.exit_code == 0, r.output
+    (note,) = _notes(r.stderr, "prompt cache:")
+    assert f"not written in {folder} (No space left on device); free some space there" in note
+    assert not list(folder.iterdir())  # no entry, and no temporary file

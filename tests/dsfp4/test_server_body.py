@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from dsfp4.server.body import default_max_body
+from dsfp4.server.deadline import HEAD_BYTES
 from tests.fixtures.cli import assert_one_line_error, run_cli
 from tests.fixtures.server import CONTEXT, KEY, Server, messages, serve, wait_for
 
@@ -118,6 +119,16 @@ def test_a_head_that_comes_a_line_at_a_time_is_cut(server):
     assert status == 408 and body["error"]["code"] == "request_timeout"
     with _connect(server) as sock:  # a connection that sends nothing is cut too
         assert _trickle(sock, [b""] * PIECES) < PIECES
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_a_head_past_its_limit_is_refused_as_it_comes(server):
+    with _connect(server) as sock:
+        sock.sendall(HEAD.format(key=KEY).encode())
+        line = b"X-Big: " + b"a" * HEAD_BYTES + b"\r\n"
+        with pytest.raises(OSError):  # cut while it still sends: a head of 200 MiB had been taken whole
+            for _ in range(200 * (1 << 20) // len(line)):
+                sock.sendall(line)
     assert httpx.get(server.base + "/health").status_code == 200
 
 

@@ -34,6 +34,7 @@ from dsfp4.convert.source.hub import HubSource
 from dsfp4.convert.transform import ErrorStats
 from dsfp4.device import resolve_device
 from dsfp4.errors import OutputError, SourceError
+from dsfp4.hub.download_record import check_download
 from dsfp4.layout.manifest import ExpertFile, FileEntry, Manifest, TensorEntry
 from dsfp4.layout.output_path import free_space
 from dsfp4.layout.tokenizer_config import NAME as TOKENIZER_CONFIG
@@ -245,14 +246,18 @@ def convert(
     progress: bool = True,
     hub: HubSource | None = None,
     choose_backbone: BackboneChooser | None = None,
+    verify: bool = False,
 ) -> ConvertResult:
     """Convert SRC (a Hugging Face DeepSeek checkpoint folder) into layout v1 at OUT.
 
     With options.dry_run only the plan is made (nothing is written). Raises DsfpError subclasses for bad
-    input; on any failure OUT has no manifest.json, and a rerun resumes from the finished parts.
+    input; on any failure OUT has no manifest.json, and a rerun resumes from the finished parts. A SRC that `dsfp4
+    download` fetched is first checked against its record (`verify`: every file hashed); `hub` checks its own.
     """
     src_path, out = Path(src_path), Path(out_path)
     device = resolve_device(options.device)
+    if hub is None and src_path.is_dir():
+        check_download(src_path, verify)
     with SourceCheckpoint(src_path, no_mtp=options.no_mtp, remote=hub.remote if hub else None) as src:
         # the runtime reads it: a damaged one fails here, not after the conversion
         check_source_tokenizer_config(src_path)

@@ -61,10 +61,15 @@ class HubSource:
         delete: bool = False,
         ahead: int = 2,
         endpoint: str | None = None,
+        verify: bool = False,
     ):
+        """verify: every shard an earlier run fetched hashed again (not only those whose size or mtime changed);
+        one that fails is fetched again."""
         self.token, self.delete, self.ahead = token, delete, ahead
         selection = source_selection(no_mtp=no_mtp)
-        self.plan = plan_download(repo, revision, Path(folder), selection, token=token, endpoint=endpoint)
+        self.plan = plan_download(
+            repo, revision, Path(folder), selection, token=token, endpoint=endpoint, verify=verify
+        )
         shards = [f for f in self.plan.files if f.name.endswith(SHARD_SUFFIX)]
         small = dataclasses.replace(self.plan, files=[f for f in self.plan.files if f not in shards])
         download(small, token)

@@ -110,6 +110,13 @@ def backbone_chooser(preset: str | None):
     is_flag=True,
     help="With --from-hub: delete each shard once converted, so the disk holds the output and a few shards.",
 )
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Hash every source file against the record `dsfp4 download` kept (.dsfp4-download.json) before converting, "
+    "not only those whose size or mtime changed since; a file that fails is an error (with --from-hub: fetched "
+    "again).",
+)
 @quiet_option
 def convert(
     src: str,
@@ -129,6 +136,7 @@ def convert(
     token: str | None,
     source_dir: Path | None,
     delete_source: bool,
+    verify: bool,
     quiet: bool,
 ) -> None:
     """Convert a Hugging Face DeepSeek checkpoint SRC (FP8, BF16 or NVIDIA NVFP4) into dsfp4 layout v1 at OUT.
@@ -140,7 +148,8 @@ def convert(
       dsfp4 convert --fp4 hf/DeepSeek-V3 model-16g/ --preset 16g
       dsfp4 convert --fp4 deepseek-ai/DeepSeek-V3 model/ --from-hub --delete-source
 
-    An interrupted conversion resumes when run again with the same arguments.
+    An interrupted conversion resumes when run again with the same arguments. A SRC that `dsfp4 download` fetched is
+    checked against its record first: a file whose size or mtime changed is hashed, and one that fails is refused.
     """
     from dsfp4.convert.pipeline import convert as run_convert
     from dsfp4.convert.plan import ConvertOptions, plan_table
@@ -167,12 +176,12 @@ def convert(
 
         resolved = out.resolve()
         src_path = source_dir or resolved.with_name(resolved.name + ".source")
-        with HubSource(src, src_path, revision, token, no_mtp, delete_source) as hub:
+        with HubSource(src, src_path, revision, token, no_mtp, delete_source, verify=verify) as hub:
             result = run_convert(src_path, out, options, progress=not quiet, hub=hub, choose_backbone=choose)
     elif not src_path.exists() and src.count("/") == 1 and not src.startswith((".", "/", "~")):
         raise click.UsageError(f"{src} is not a folder here; to convert a hub repo, add --from-hub")
     else:
-        result = run_convert(src_path, out, options, progress=not quiet, choose_backbone=choose)
+        result = run_convert(src_path, out, options, progress=not quiet, choose_backbone=choose, verify=verify)
     if dry_run:
         click.echo(plan_table(result.plan, str(src), str(out)))
         click.echo("\n".join(("", *result.notes)))

@@ -23,6 +23,12 @@ from dsfp4.cli.options import PATH, hub_options, quiet_option
     is_flag=True,
     help="List the files, their sizes and the free disk, and stop (--no-mtp fetches config and index first).",
 )
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Hash again every file an earlier run fetched and checked, not only those whose size or mtime changed "
+    "since (the record in .dsfp4-download.json); a file that fails is fetched again.",
+)
 @quiet_option
 def download(
     repo_id: str,
@@ -32,11 +38,14 @@ def download(
     exclude: tuple[str, ...],
     no_mtp: bool,
     dry_run: bool,
+    verify: bool,
     token: str | None,
     quiet: bool,
 ) -> None:
     """Fetch REPO_ID (e.g. deepseek-ai/DeepSeek-V3) from the hub: the files `dsfp4 convert` needs, at one
-    commit, each checked against the hub's size and sha256. Run it again to resume.
+    commit, each checked against the hub's size and sha256. Run it again to resume: files already here are kept while
+    their size and mtime are the ones recorded when they were checked, hashed again when either changed, and fetched
+    again when that fails.
 
     \b
     Examples:
@@ -47,7 +56,7 @@ def download(
     from dsfp4.hub.download import download as run_download
     from dsfp4.hub.download import plan_download
 
-    plan = plan_download(repo_id, revision, local_dir, source_selection(include, no_mtp), exclude, token)
+    plan = plan_download(repo_id, revision, local_dir, source_selection(include, no_mtp), exclude, token, verify=verify)
     if dry_run:
         click.echo(plan.table())
         return

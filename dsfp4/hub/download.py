@@ -3,9 +3,11 @@
 On huggingface_hub's client, so HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply. Files go to the standard
 cache, in its layout (blobs/, snapshots/<commit>/, refs/), or to a folder given with --local-dir. The
 revision is resolved to a commit first and every file is fetched at that commit. A record of the commit
-and of each file's size and hash is kept: in the folder (`.dsfp4-download.json`), or beside the cached
-repo's snapshots. Each file is fetched by `remote_file.fetch`: resumable, retried, checked. A run holds a
-lock, so two runs never write the same files.
+and of each file's size, hash and mtime is kept (download_record.py): in the folder (`.dsfp4-download.json`), or
+beside the cached repo's snapshots; a file it lists is not fetched again while its size and mtime are the recorded
+ones (hashed again when either differs, or every one with --verify; fetched again when that fails). Each file is
+fetched by `remote_file.fetch`: resumable, retried, checked. A run holds a lock, so two runs never write the same
+files.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsfp4.errors import OutputError
+from dsfp4.hub.download_record import RECORD_NAME, cached_record, checked_files, read_record, still_checked
 from dsfp4.hub.remote_file import HubError, RemoteFile, fetch, network_errors
 from dsfp4.layout.atomic import atomic_write_bytes, atomic_write_json, lock_folder
 from dsfp4.units import format_bytes, free_bytes
 
-RECORD_NAME = ".dsfp4-download.json"
 # in a --local-dir: partial files, named by blob
 PARTIAL_DIR = ".dsfp4-partial"
 
@@ -58,6 +60,12 @@ class DownloadPlan:
     skipped: list[str] = field(default_factory=list)
     # already here and verified by an earlier run
     done: set[str] = field(default_factory=set)
+    # here, checked by an earlier run, and no longer the file it checked: fetched again
+    changed: set[str] = field(default_factory=set)
+    # each selected file as the hub lists it (shared by a plan of some of the files, so the record stays whole)
+    listing: dict[str, RemoteFile] = field(default_factory=dict)
+    # the mtime of each file in `done` when it was checked
+    mtimes: dict[str, int] = field(default_factory=dict)
     # bytes free where the files go
     free: int = 0
 
@@ -79,10 +87,14 @@ class DownloadPlan:
 
     @property
     def record(self) -> Path:
-        return self.repo_dir / f".dsfp4-download-{self.commit}.json" if self.cached else self.target / RECORD_NAME
+        return cached_record(self.repo_dir, self.commit) if self.cached else self.target / RECORD_NAME
 
     def _todo(self) -> list[RemoteFile]:
-        return [f for f in self.files if f.name not in self.done and not self.place(f)[0].is_file()]
+        return [
+            f
+            for f in self.files
+            if f.name not in self.done and (f.name in self.changed or not self.place(f)[0].is_file())
+        ]
 
     @property
     def partial(self) -> int:
@@ -98,7 +110,7 @@ class DownloadPlan:
     def table(self) -> str:
         total = sum(f.size for f in self.files)
         lines = [f"{self.repo} at {self.revision} = commit {self.commit}", f"into {self.target}"]
-        lines += [f"  {format_bytes(f.size):>11}  {f.name}{'  (done)' * (f.name in self.done)}" for f in self.files]
+        lines += [f"  {format_bytes(f.size):>11}  {f.name}{self._state(f.name)}" for f in self.files]
         lines += [f"  {'skipped':>11}  {name}  ({self.selection.why})" for name in self.skipped]
         lines.append(
             f"{len(self.files)} files, {format_bytes(total)}; to fetch {format_bytes(self.need)}, "
@@ -108,6 +120,11 @@ class DownloadPlan:
         if known and self.repo not in known:
             lines.append(f"note: {self.repo} is not one of the checkpoints dsfp4 knows ({', '.join(known)})")
         return "\n".join(lines)
+
+    def _state(self, name: str) -> str:
+        if name in self.changed:
+            return "  (changed since an earlier run checked it: fetched again)"
+        return "  (done)" * (name in self.done)
 
 
 @contextlib.contextmanager
@@ -190,10 +207,11 @@ def plan_download(
     exclude: tuple[str, ...] = (),
     token: str | None = None,
     endpoint: str | None = None,
+    verify: bool = False,
 ) -> DownloadPlan:
-    """Resolve the revision, list the files to fetch with their sizes and what is already here. When the
-    selection leaves files out by what small files say, those (a few KB: config.json, the shard index) are
-    fetched first."""
+    """Resolve the revision, list the files to fetch with their sizes and what is already here (`verify`: every
+    file an earlier run checked hashed again, not only those whose size or mtime changed). When the selection leaves
+    files out by what small files say, those (a few KB: config.json, the shard index) are fetched first."""
     from huggingface_hub import HfApi
 
     with hub_errors(repo, revision):
@@ -207,6 +225,7 @@ def plan_download(
             raise HubError(f"{repo}: no files at {revision} match {', '.join(selection.patterns)}")
         target = _target(repo, str(info.sha), local_dir)
         plan = DownloadPlan(repo, revision, str(info.sha), target, files, local_dir, selection, endpoint)
+        plan.listing = {f.name: f for f in files}
         small = {f.name: f for f in files}
         if selection.leave_out is not None and all(n in small for n in selection.reads):
             with locked(plan):
@@ -215,41 +234,50 @@ def plan_download(
             plan.files = [f for f in files if f.name not in plan.skipped]
     # the small files first: a failure shows early
     plan.files.sort(key=lambda f: (f.size, f.name))
-    plan.done = _verified(plan)
+    _check_done(plan, verify)
     plan.free = free_bytes(plan.target)[1]
     return plan
 
 
-def _verified(plan: DownloadPlan) -> set[str]:
-    """Files an earlier run of this commit fetched and checked, still there with their size."""
-    try:
-        record = json.loads(plan.record.read_text())
-    except (OSError, json.JSONDecodeError):
-        return set()
-    if not isinstance(record, dict) or record.get("commit") != plan.commit:
-        return set()
-    sizes = {f.name: f.size for f in plan.files}
-    here = {n for n in record.get("verified", ()) if n in sizes and (plan.target / n).is_file()}
-    return {n for n in here if (plan.target / n).stat().st_size == sizes[n]}
+def _check_done(plan: DownloadPlan, verify: bool) -> None:
+    """Sort the files an earlier run of this commit fetched and checked: still there as it checked them (`done`,
+    their mtimes kept), or no longer (`changed`)."""
+    checked = checked_files(read_record(plan.record, plan.commit))
+    for f in plan.files:
+        c, path = checked.get(f.name), plan.target / f.name
+        if c is None or not path.is_file():
+            continue
+        # an mtime recorded for another listing of the name proves nothing
+        if still_checked(path, f, c.mtime_ns if c.file == f else None, verify):
+            plan.done.add(f.name)
+            plan.mtimes[f.name] = path.stat().st_mtime_ns
+        else:
+            plan.changed.add(f.name)
+
+
+def _write_record(plan: DownloadPlan) -> None:
+    """The record of what is fetched and checked so far, each checked file with its mtime then."""
+
+    def entry(f: RemoteFile) -> dict:
+        mtime = {"mtime_ns": plan.mtimes[f.name]} if f.name in plan.done and f.name in plan.mtimes else {}
+        return {"size": f.size, "sha256": f.sha256, "blob": f.blob, **mtime}
+
+    listing = plan.listing or {f.name: f for f in plan.files}
+    files = {name: entry(f) for name, f in listing.items() if name not in plan.skipped}
+    record = {"repo": plan.repo, "revision": plan.revision, "commit": plan.commit, "files": files}
+    atomic_write_json(plan.record, record | {"skipped": plan.skipped, "verified": sorted(plan.done)})
 
 
 def fetch_recorded(
     plan: DownloadPlan, f: RemoteFile, token: str | None, on_bytes: Callable[[int], None] = lambda n: None
 ) -> None:
-    """Fetch and check one file, then record it as verified (a later run of this commit skips it)."""
-    fetch_file(plan, f, token, on_bytes)
+    """Fetch and check one file, then record it as verified, with its mtime (a later run of this commit skips it
+    while its size and mtime stay)."""
+    path = fetch_file(plan, f, token, on_bytes)
     plan.done.add(f.name)
-    atomic_write_json(
-        plan.record,
-        {
-            "repo": plan.repo,
-            "revision": plan.revision,
-            "commit": plan.commit,
-            "files": {f.name: {"size": f.size, "sha256": f.sha256, "blob": f.blob} for f in plan.files},
-            "skipped": plan.skipped,
-            "verified": sorted(plan.done),
-        },
-    )
+    plan.changed.discard(f.name)
+    plan.mtimes[f.name] = path.stat().st_mtime_ns
+    _write_record(plan)
 
 
 def download(
@@ -270,6 +298,8 @@ def download(
                 continue
             on_file(f.name)
             fetch_recorded(plan, f, token, on_bytes)
+        # the mtimes of files hashed again (an older record had none)
+        _write_record(plan)
         # the cache's name for the revision
         if plan.cached and plan.revision != plan.commit:
             ref = plan.repo_dir / "refs" / plan.revision

@@ -1,6 +1,7 @@
 """`dsfp4 download` against a local stand-in for the hub (tests/fixtures/fake_hub.py), selected with HF_ENDPOINT:
 dry run, full download, a dropped connection resumed, a corrupted file caught, disk-space refusal, the
-hub's errors, --no-mtp, and the standard cache."""
+hub's errors, --no-mtp, and the standard cache; a file damaged after its download is refused by convert and fetched
+again by download (by its size and mtime, or with --verify by its hash), records without mtimes included."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from dsfp4.convert.source.checkpoint import source_selection
-from dsfp4.errors import OutputError
+from dsfp4.errors import ChecksumError, ConfigError, OutputError
 from dsfp4.hub import remote_file as hub_file
 from dsfp4.hub.download import download, plan_download
+from dsfp4.hub.download_record import RECORD_NAME, check_download
 from dsfp4.hub.remote_file import HubError
 from dsfp4.layout.atomic import lock_folder
+from tests.fixtures.cli import assert_one_line_error, run_cli
 from tests.fixtures.fake_hub import COMMIT, FakeHub
 
 REPO = "deepseek-ai/DeepSeek-V3"
@@ -234,3 +237,99 @@ def test_the_cache_it_fills_is_the_one_huggingface_hub_reads(repo, tmp_path):
     for revision in ("main", COMMIT):
         got = try_to_load_from_cache(REPO, "model-00002-of-000003.safetensors", cache_dir=cache, revision=revision)
         assert Path(got).read_bytes() == (repo / "model-00002-of-000003.safetensors").read_bytes()
+
+
+def _flip(path: Path, keep_mtime: bool = False) -> None:
+    """One byte of `path` flipped in place; keep_mtime: its mtime put back, as damage the file's times do not show."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size
+
+
+def _convert(src: Path, out: Path, *flags: str):
+    return run_cli("convert", "--fp4", src, out, "--device", "cpu", "-q", *flags)
+
+
+@pytest.mark.slow
+def test_a_file_damaged_after_its_download_is_refused_by_convert_and_fetched_again(repo, tmp_path):
+    out, shard = tmp_path / "out", "model-00002-of-000003.safetensors"
+    with FakeHub({REPO: repo}) as hub:
+        download(plan_download(REPO, local_dir=out, selection=source_selection(), endpoint=hub.url))
+        files = json.loads((out / RECORD_NAME).read_text())["files"]
+        assert files[shard]["mtime_ns"] == (out / shard).stat().st_mtime_ns  # checked, and when
+        _flip(out / shard)
+        r = _convert(out, tmp_path / "model")
+        assert_one_line_error(r, f"{out / shard}: its sha256 differs", "download it again")
+        assert_one_line_error(r, f"dsfp4 download {REPO} --revision {COMMIT} --local-dir {out}")
+        assert not (tmp_path / "model" / "manifest.json").exists()
+        plan = plan_download(REPO, local_dir=out, selection=source_selection(), endpoint=hub.url)
+        assert plan.changed == {shard} and plan.need == (repo / shard).stat().st_size  # not 0.00B
+        assert f"{shard}  (changed since an earlier run checked it: fetched again)" in plan.table()
+        hub.requests.clear()
+        download(plan)
+        assert [p for _, p, _ in hub.requests if "/resolve/" in p] == [f"/{REPO}/resolve/{COMMIT}/{shard}"]
+        _same_files(repo, out)
+        assert _convert(out, tmp_path / "model").exit_code == 0
+        # damage the mtime does not show: only --verify hashes the file
+        _flip(out / shard, keep_mtime=True)
+        assert check_download(out) == 8
+        assert_one_line_error(_convert(out, tmp_path / "model2", "--verify"), f"{out / shard}: its sha256 differs")
+        assert not plan_download(REPO, local_dir=out, selection=source_selection(), endpoint=hub.url).changed
+        r = _dsfp4(hub, tmp_path, REPO, "--local-dir", out, "-q", "--verify")
+        assert r.returncode == 0, r.stderr
+        _same_files(repo, out)  # fetched again
+
+
+@pytest.mark.slow
+def test_a_record_without_mtimes_is_read_and_its_files_hashed_once(repo, tmp_path, monkeypatch):
+    out, shard = tmp_path / "out", "model-00001-of-000003.safetensors"
+    with FakeHub({REPO: repo}) as hub:
+        download(plan_download(REPO, local_dir=out, selection=source_selection(), endpoint=hub.url))
+        record = json.loads((out / RECORD_NAME).read_text())
+        for entry in record["files"].values():  # as an earlier dsfp4 wrote it
+            del entry["mtime_ns"]
+        (out / RECORD_NAME).write_text(json.dumps(record))
+        _flip(out / shard, keep_mtime=True)
+        with pytest.raises(ChecksumError, match=f"{shard}: its sha256 differs"):
+            check_download(out)  # no mtime to trust: hashed
+        hashed: list[str] = []
+        real = hub_file.matches
+        monkeypatch.setattr(hub_file, "matches", lambda path, f: hashed.append(path.name) or real(path, f))
+        plan = plan_download(REPO, local_dir=out, selection=source_selection(), endpoint=hub.url)
+        assert plan.changed == {shard} and len(hashed) == 8  # every file hashed against the hub's listing
+        download(plan)
+        assert all("mtime_ns" in e for e in json.loads((out / RECORD_NAME).read_text())["files"].values())
+        hashed.clear()
+        assert not plan_download(REPO, local_dir=out, selection=source_selection(), endpoint=hub.url).changed
+        assert not hashed  # the mtimes now recorded: nothing hashed again
+    _same_files(repo, out)
+
+
+def test_convert_verify_needs_a_download_record(checkpoints, tmp_path):
+    r = _convert(checkpoints["fp8"], tmp_path / "model", "--verify")
+    assert_one_line_error(r, f"--verify: {checkpoints['fp8']} has no {RECORD_NAME}", "drop --verify")
+    with pytest.raises(ConfigError):
+        check_download(checkpoints["fp8"], verify=True)
+    assert check_download(checkpoints["fp8"]) == 0
+
+
+@pytest.mark.slow
+def test_a_cached_snapshot_is_checked_against_the_record_beside_it(repo, tmp_path):
+    shard = "model-00003-of-000003.safetensors"
+    with FakeHub({REPO: repo}) as hub:
+        assert _dsfp4(hub, tmp_path, REPO, "-q").returncode == 0
+        snapshot = tmp_path / "hf-home" / "hub" / "models--deepseek-ai--DeepSeek-V3" / "snapshots" / COMMIT
+        _flip((snapshot / shard).resolve())  # the blob the snapshot links to
+        r = _convert(snapshot, tmp_path / "model")
+        assert_one_line_error(
+            r, f"{snapshot / shard}: its sha256 differs", f"(dsfp4 download {REPO} --revision {COMMIT})"
+        )
+        assert _dsfp4(hub, tmp_path, REPO, "-q").returncode == 0  # fetched again
+    _same_files(repo, snapshot)
+    assert _convert(snapshot, tmp_path / "model").exit_code == 0

@@ -84,5 +84,8 @@ def _cold_note(model: Path, accept_cold_loss: bool) -> None:
     from dsfp4.convert.export.fidelity import cold_label
     from dsfp4.convert.export.writer import open_model
 
-    if accept_cold_loss and (label := cold_label(open_model(model), True, model)) is not None:
-        click.echo(f"note: {label['note']}; the export's metadata says so", err=True)
+    if not accept_cold_loss:
+        return
+    label = cold_label(open_model(model), True, model)
+    note = f"{label['note']}; the export's metadata says so" if label else f"{model} has no cold records: exact"
+    click.echo(f"note: --accept-cold-loss: {note}", err=True)

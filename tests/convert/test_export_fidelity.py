@@ -61,13 +61,14 @@ def test_a_cold_repacked_model_is_refused_naming_its_cold_records_and_the_fix(fm
 
 def test_accepted_cold_records_are_exported_widened_with_their_loss_and_labelled(converted, tmp_path):
     exact = tmp_path / "exact"
-    assert run_cli("export", converted, exact, "--format", "compressed-tensors", "-q").exit_code == 0
+    r = run_cli("export", converted, exact, "--format", "compressed-tensors", "-q", "--accept-cold-loss")
+    assert r.exit_code == 0 and f"note: --accept-cold-loss: {converted} has no cold records: exact" in r.stderr
     model = _copy(converted, tmp_path)
     m = _cold(model)
     out = tmp_path / "out"
     r = run_cli("export", model, out, "--format", "compressed-tensors", "-q", "--accept-cold-loss")
     assert r.exit_code == 0, r.output
-    assert "note: 8 of 24 routed expert records were narrowed to 2-bit codes" in r.stderr
+    assert "note: --accept-cold-loss: 8 of 24 routed expert records were narrowed to 2-bit codes" in r.stderr
     label = json.loads((out / "config.json").read_text())[COLD_KEY]
     assert label["code_bits"] == 2 and label["records"] == 8 and label["of"] == 24
     assert label["experts"] == {str(layer): list(ef.cold) for layer, ef in m.experts.items() if ef.cold}

@@ -3,6 +3,7 @@ writer of a model folder holds (a conversion, a repack), so two never write it a
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -47,12 +48,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`data` at `path` whole or not at all: written beside it, synced, then renamed over it; a failed write (a full
+    disk) removes what it had written."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

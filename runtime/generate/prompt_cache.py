@@ -15,7 +15,6 @@ no temporary file and a note, which settle() hands over once the write has ended
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import os
@@ -264,9 +263,7 @@ class PromptCache:
                 old.unlink(missing_ok=True)
             self.evict()
         except OSError as e:
-            # a full disk loses an entry, not the answer; atomic_write_bytes's temporary file goes too
-            with contextlib.suppress(OSError):
-                path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            # a full disk loses an entry, not the answer (atomic_write_bytes removes its temporary file)
             if e.errno in READ_ONLY:
                 self._cannot_write(e)
             else:

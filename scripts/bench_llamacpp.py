@@ -1,11 +1,15 @@
-"""llama.cpp beside dsfp4 on the same model: the GGUF `dsfp4 export --format gguf` writes, run by a llama.cpp build.
+"""llama.cpp beside dsfp4 on the same model: the GGUF `dsfp4 export --format gguf` writes, run by a llama.cpp build
+(mainline, or the ik_llama.cpp fork with --peer ik).
 
-    python scripts/bench_llamacpp.py check MODEL GGUF --llama-cpp BUILD --llama-src SRC [--prompt TEXT] [--tokens 16]
-    python scripts/bench_llamacpp.py bench MODEL GGUF --llama-cpp BUILD [--budget GPU:CPU ...] [--placement P ...]
-        [--share 16g] [--reps 5] [--json OUT]
+    python scripts/bench_llamacpp.py check MODEL GGUF --llama-cpp BUILD --llama-src SRC [--peer ik] [--prompt TEXT]
+        [--tokens 16]
+    python scripts/bench_llamacpp.py bench MODEL GGUF --llama-cpp BUILD [--peer ik] [--budget GPU:CPU ...]
+        [--placement P ...] [--share 16g] [--reps 5] [--json OUT]
 
-MODEL: a dsfp4 conversion with MXFP4 experts; GGUF: its export; BUILD: llama.cpp's build folder (bin/libllama.so,
-bin/llama-bench); SRC: its source (include/llama.h).
+MODEL: a dsfp4 conversion with MXFP4 experts; GGUF: its export (or ik's llama-quantize of it); BUILD: the peer's build
+folder (bin/llama-bench; mainline's libraries in bin/, ik's in src/ and ggml/src/); SRC: its source (include/llama.h).
+`--peer ik` runs ik_llama.cpp as its users run DeepSeek (-mla 3 -fa 1 -fmoe 1, mmap) and adds the placement
+exps-cpu-rtr (experts repacked at load, -rtr, which turns mmap off); its rows say ik_llama.cpp.
 `check`: the greedy token ids after one prompt from llama.cpp's library (scripts/llama_greedy.cpp, compiled here) and
 from dsfp4 (fp32 on the CPU); where they part, both top-2 logit margins say whether that position is a near-tie (the
 GGUF's Q8_0 backbone rounds differently from dsfp4's FP8).
@@ -21,13 +25,14 @@ peak page cache and own memory.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -43,6 +48,48 @@ from dsfp4.runtime.plan.planner import Plan
 from dsfp4.units import format_bytes
 
 FILE = click.Path(exists=True, path_type=Path)
+GREEDY = Path(__file__).with_name("llama_greedy.cpp")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A llama.cpp build as this script drives it: its rows' name, llama-bench's flags for every run (mmap as the load
+    mode, the peer's own recipe), the flags that mark each test on stderr and how those lines begin (`progress`: a
+    line as each run starts; else one line as each test ends), -fa's default, its placements, and its libraries.
+    The defaults are mainline's (its build of runs 42 and 91 had no flash-attention kernels, hence -fa 0)."""
+
+    name: str
+    flags: tuple[str, ...] = ("-lm", "mmap")
+    marks: tuple[str, ...] = ("--progress",)
+    mark: str = "llama-bench: benchmark"
+    progress: bool = True
+    flash_attn: str = "0"
+    placements: tuple[str, ...] = ("gpu", "exps-cpu", "cpu")
+    lib_dirs: tuple[str, ...] = ("bin",)
+    libs: tuple[str, ...] = ("llama", "ggml", "ggml-base")
+    defines: tuple[str, ...] = ()
+
+
+PEERS = {
+    "llama.cpp": Peer("llama.cpp"),
+    # ik's DeepSeek recipe (its llama-bench defaults, said aloud): MLA 3 with flash attention, fused MoE; its
+    # llama-bench has no --progress, so each test's CSV line on stderr (-oe csv) marks that test's end
+    "ik": Peer(
+        "ik_llama.cpp",
+        flags=("-mmp", "1", "-mla", "3", "-fmoe", "1"),
+        marks=("-oe", "csv"),
+        mark='"',
+        progress=False,
+        flash_attn="1",
+        placements=("gpu", "exps-cpu", "exps-cpu-rtr", "cpu"),
+        lib_dirs=("src", "ggml/src"),
+        libs=("llama", "ggml"),
+        defines=("-DIK_LLAMA",),
+    ),
+}
+PEER = click.option(
+    "--peer", type=click.Choice(list(PEERS)), default="llama.cpp", show_default=True, help="mainline, or ik_llama.cpp"
+)
 
 
 def _llama_run(exe: Path, *args: str) -> bytes:
@@ -54,12 +101,19 @@ def _llama_run(exe: Path, *args: str) -> bytes:
     return out.stdout
 
 
-def build_greedy(src: Path, build: Path, out: Path) -> Path:
-    """scripts/llama_greedy.cpp compiled against llama.cpp's headers (SRC) and libraries (BUILD/bin)."""
-    exe, lib = out / "llama_greedy", build / "bin"
-    cmd = ["g++", "-O2", "-std=c++17", str(Path(__file__).with_name("llama_greedy.cpp")), "-o", str(exe)]
-    cmd += ["-I", str(src / "include"), "-I", str(src / "ggml" / "include"), "-L", str(lib)]
-    subprocess.run([*cmd, "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}"], check=True)
+def greedy_command(src: Path, build: Path, exe: Path, peer: Peer) -> list[str]:
+    """The g++ line that compiles scripts/llama_greedy.cpp against the peer's headers (SRC) and libraries (BUILD)."""
+    cmd = ["g++", "-O2", "-std=c++17", *peer.defines, str(GREEDY), "-o", str(exe)]
+    cmd += ["-I", str(src / "include"), "-I", str(src / "ggml" / "include")]
+    for d in (build / d for d in peer.lib_dirs):
+        cmd += ["-L", str(d), f"-Wl,-rpath,{d}"]
+    return cmd + [f"-l{lib}" for lib in peer.libs]
+
+
+def build_greedy(src: Path, build: Path, out: Path, peer: Peer) -> Path:
+    """scripts/llama_greedy.cpp compiled against the peer's headers and libraries."""
+    exe = out / "llama_greedy"
+    subprocess.run(greedy_command(src, build, exe, peer), check=True)
     return exe
 
 
@@ -73,14 +127,18 @@ def main() -> None:
 @click.argument("gguf", type=FILE)
 @click.option("--llama-cpp", "build", type=FILE, required=True, help="llama.cpp's build folder (bin/libllama.so)")
 @click.option("--llama-src", type=FILE, required=True, help="llama.cpp's source (include/llama.h)")
+@PEER
 @click.option("--prompt", default="The expert store keeps the hottest records")
 @click.option("--tokens", default=16, show_default=True)
 @click.option("--gpu-layers", default=0, show_default=True, help="llama.cpp's -ngl")
-def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, tokens: int, gpu_layers: int) -> None:
+def check(
+    model: Path, gguf: Path, build: Path, llama_src: Path, peer: str, prompt: str, tokens: int, gpu_layers: int
+) -> None:
     """Greedy token ids of llama.cpp (scripts/llama_greedy.cpp) and dsfp4 (fp32 on the CPU) after one prompt; then
     llama.cpp's logits along dsfp4's tokens, to tell a parting within the two engines' rounding from one beyond it."""
+    name = PEERS[peer].name
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build_greedy(llama_src, build, Path(tmp))
+        exe = build_greedy(llama_src, build, Path(tmp), PEERS[peer])
         with Engine(model, device="cpu", dtype="fp32", max_context=256) as engine:
             ids = engine.tokenizer.encode(prompt)
             ours = engine.generate(ids, max_tokens=tokens, temperature=0).token_ids
@@ -93,15 +151,15 @@ def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, to
     same = 0
     while same < min(len(ours), len(theirs)) and ours[same] == int(theirs[same][0]):
         same += 1
-    click.echo(f"dsfp4      {ours}\nllama.cpp  {[int(t[0]) for t in theirs]}")
+    click.echo(f"{'dsfp4':<12} {ours}\n{name:<12} {[int(t[0]) for t in theirs]}")
     click.echo(f"the same for {same} of {len(ours)} tokens")
     if same < min(len(ours), len(theirs)):
         click.echo(
-            f"they part at token {same}: dsfp4's top-2 logit margin there {margins[same]:.4f}, llama.cpp's "
+            f"they part at token {same}: dsfp4's top-2 logit margin there {margins[same]:.4f}, {name}'s "
             f"{float(theirs[same][1]):.4f} (dsfp4's median margin {sorted(margins)[len(margins) // 2]:.4f})"
         )
     elif len(theirs) != len(ours):
-        click.echo(f"llama.cpp gave {len(theirs)} tokens, dsfp4 {len(ours)} (dsfp4 stops at an end-of-sequence token)")
+        click.echo(f"{name} gave {len(theirs)} tokens, dsfp4 {len(ours)} (dsfp4 stops at an end-of-sequence token)")
     # along dsfp4's tokens: each row's logit differences, less their mean (a shift of a whole row changes nothing)
     llama = torch.tensor([[float(x) for x in r.split()] for r in rows.decode().splitlines()])  # [T, V]
     delta = llama - logits.float()
@@ -112,7 +170,7 @@ def check(model: Path, gguf: Path, build: Path, llama_src: Path, prompt: str, to
         a, b = top2.indices[same].tolist()
         moved = float(delta[same, b] - delta[same, a])
         click.echo(
-            f"at token {same} llama.cpp's rounding moves dsfp4's top two {moved:+.4f} closer, their margin "
+            f"at token {same} {name}'s rounding moves dsfp4's top two {moved:+.4f} closer, their margin "
             f"{margins[same]:.4f} is {margins[same] / noise:.1f}x that RMS; its narrowest routing decision per MoE "
             f"layer: {[round(m, 4) for m in _router_margins(model, ids + ours[:same])]}"
         )
@@ -155,6 +213,11 @@ PLACEMENTS = {
     "gpu": ("all on the GPU", ["-ngl", "99"]),
     "exps-cpu": ("experts on the CPU", ["-ngl", "99", "-ot", "exps=CPU"]),
     "cpu": ("CPU only", ["-ngl", "0"]),
+    # ik only: the experts repacked into its row-interleaved CPU layouts as they load, which reads them into RAM
+    "exps-cpu-rtr": (
+        "experts on the CPU, repacked at load (-rtr, no mmap)",
+        ["-ngl", "99", "-ot", "exps=CPU", "-rtr", "1"],
+    ),
 }
 CGROUP = Path("/sys/fs/cgroup")
 CAP_MARGIN = 256 << 20  # bytes over llama.cpp's measured own memory in its cap, so its peaks are not OOM-killed
@@ -222,11 +285,13 @@ def evict(path: Path) -> None:
 
 @dataclass
 class Watched:
-    """A llama-bench run watched: its stdout, its progress lines (label, seconds, disk bytes read so far, then
-    "exit"), and the peaks of its cgroup's own memory and page cache."""
+    """A llama-bench run watched: its stdout, its marking lines (label, seconds, disk bytes read so far, then
+    "exit"), the disk's count at each poll (seconds, bytes), and the peaks of its cgroup's own memory and page
+    cache."""
 
     stdout: bytes
     events: list[tuple[str, float, int]]
+    disk: list[tuple[float, int]] = field(default_factory=list)
     peak_anon: int = 0
     peak_cache: int = 0
 
@@ -237,10 +302,25 @@ class Watched:
         (_, t0, d0), (_, t1, d1) = self.events[runs[0]], self.events[runs[-1] + 1]
         return d1 - d0, t1 - t0
 
+    def disk_at(self, t: float) -> float:
+        """Disk bytes read by `t` seconds, interpolated between the polls and the marking lines."""
+        points = sorted(self.disk + [(e[1], e[2]) for e in self.events])
+        i = bisect.bisect_left(points, (t,))
+        if i in (0, len(points)):
+            return points[min(i, len(points) - 1)][1]
+        (ta, da), (tb, db) = points[i - 1], points[i]
+        return da + (db - da) * (t - ta) / (tb - ta)
 
-def run_watched(cmd: list[str], cgroup: MemoryCgroup) -> Watched:
-    """Run llama-bench (with --progress) inside the cgroup, noting the disk's reads at each progress line and the
-    cgroup's peak usage every 0.1 s."""
+    def test_reads(self, index: int, seconds: float) -> tuple[int, float]:
+        """Disk bytes and seconds of one test's timed runs where only the test's end is marked (ik_llama.cpp: its CSV
+        line): the `seconds` its samples took, back from that line (its warm-up and context set-up left out)."""
+        _, t1, d1 = self.events[index]
+        return round(d1 - self.disk_at(t1 - seconds)), seconds
+
+
+def run_watched(cmd: list[str], cgroup: MemoryCgroup, mark: str) -> Watched:
+    """Run llama-bench (with its marking flags) inside the cgroup, noting the disk's reads at each stderr line that
+    begins with `mark`, and the disk's reads and the cgroup's peak usage every 0.1 s."""
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cgroup.wrap(cmd), stdout=out, stderr=subprocess.PIPE, text=True)
         watched, start, tail = Watched(b"", []), time.monotonic(), []
@@ -248,7 +328,7 @@ def run_watched(cmd: list[str], cgroup: MemoryCgroup) -> Watched:
         def progress() -> None:
             for line in proc.stderr:
                 tail[:] = [line.strip()]
-                if line.startswith("llama-bench: benchmark"):
+                if line.startswith(mark):
                     watched.events.append((line.strip(), time.monotonic() - start, disk_read_bytes()))
 
         reader = threading.Thread(target=progress)
@@ -256,6 +336,7 @@ def run_watched(cmd: list[str], cgroup: MemoryCgroup) -> Watched:
         while proc.poll() is None:
             anon, cache = cgroup.usage()
             watched.peak_anon, watched.peak_cache = max(watched.peak_anon, anon), max(watched.peak_cache, cache)
+            watched.disk.append((time.monotonic() - start, disk_read_bytes()))
             time.sleep(0.1)
         reader.join()
         watched.events.append(("exit", time.monotonic() - start, disk_read_bytes()))
@@ -266,20 +347,25 @@ def run_watched(cmd: list[str], cgroup: MemoryCgroup) -> Watched:
     return watched
 
 
-def llama_rows(build: Path, args: list[str], name: str, cgroup: MemoryCgroup | None, ram: str) -> tuple[list, int]:
+def llama_rows(
+    build: Path, args: list[str], name: str, cgroup: MemoryCgroup | None, ram: str, peer: Peer
+) -> tuple[list, int]:
     """llama-bench's prefill and decode rows for one placement (and its peak own memory, where it ran in a cgroup)."""
     exe = build / "bin" / "llama-bench"
     if cgroup is None:
         results, watched = json.loads(_llama_run(exe, *args).decode()), None
     else:
-        watched = run_watched([str(exe), *args, "--progress"], cgroup)
+        watched = run_watched([str(exe), *args, *peer.marks], cgroup, peer.mark)
         results = json.loads(watched.stdout.decode())
     rows = []
-    for r in results:
+    for i, r in enumerate(results):
         kind = "prefill" if r.get("n_prompt") else "decode"
-        row = {"engine": "llama.cpp", "placement": name, "ram": ram, "kind": kind, "tok_s": r["avg_ts"]}
+        row = {"engine": peer.name, "placement": name, "ram": ram, "kind": kind, "tok_s": r["avg_ts"]}
         if watched is not None:
-            nbytes, seconds = watched.timed_reads("prompt" if kind == "prefill" else "generation")
+            if peer.progress:
+                nbytes, seconds = watched.timed_reads("prompt" if kind == "prefill" else "generation")
+            else:
+                nbytes, seconds = watched.test_reads(i, sum(r["samples_ns"]) / 1e9)
             tokens = (r["n_prompt"] or r["n_gen"]) * len(r["samples_ts"])
             row |= {"disk_gb_per_token": nbytes / tokens / 1e9, "disk_gb_s": nbytes / seconds / 1e9}
             row |= {"peak_cache_gb": watched.peak_cache / 1e9, "peak_own_gb": watched.peak_anon / 1e9}
@@ -320,7 +406,7 @@ def dsfp4_rows(model: Path, options: RunOptions, plan: Plan | None, where: str, 
     "placements",
     multiple=True,
     type=click.Choice(list(PLACEMENTS)),
-    help="llama.cpp's placements (repeat; default: all three)",
+    help="llama-bench's placements (repeat; default: all the peer's: exps-cpu-rtr is ik's alone)",
 )
 @click.option(
     "--share",
@@ -329,9 +415,8 @@ def dsfp4_rows(model: Path, options: RunOptions, plan: Plan | None, where: str, 
     "mmapped) in a memory cgroup capped at the same RAM bytes plus its own memory measured uncapped (root)",
 )
 @click.option("--reps", default=5, show_default=True, help="llama-bench's -r")
-@click.option(
-    "--flash-attn", default="0", show_default=True, help="llama-bench's -fa (0 where its build has no FA kernels)"
-)
+@click.option("--flash-attn", help="llama-bench's -fa (default: llama.cpp 0, for a build without FA kernels; ik 1)")
+@PEER
 @click.option("--json", "out", type=click.Path(path_type=Path))
 def bench(
     model: Path,
@@ -343,12 +428,19 @@ def bench(
     placements: tuple[str, ...],
     share: str | None,
     reps: int,
-    flash_attn: str,
+    flash_attn: str | None,
+    peer: str,
     out: Path | None,
 ) -> None:
     """llama-bench beside dsfp4 at the same prompt and decode lengths; with --share, also where RAM is short."""
-    args = ["-m", str(gguf), "-p", str(prompt_tokens), "-n", str(tokens), "-fa", flash_attn, "-r", str(reps)]
-    args += ["-lm", "mmap", "-o", "json"]
+    p = PEERS[peer]
+    if alien := [k for k in placements if k not in p.placements]:
+        raise click.UsageError(
+            f"--placement {alien[0]}: {p.name} has no such placement (it has {', '.join(p.placements)})"
+        )
+    fa = flash_attn or p.flash_attn
+    args = ["-m", str(gguf), "-p", str(prompt_tokens), "-n", str(tokens), "-fa", fa, "-r", str(reps), *p.flags]
+    args += ["-o", "json"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     max_context = prompt_tokens + tokens + 8
     rows: list[dict] = []
@@ -357,8 +449,8 @@ def bench(
         """Print rows as they are measured (a run cut short keeps them), and rewrite the JSON."""
         for r in new:
             more = "  ".join(f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float) and k != "tok_s")
-            click.echo(f"{r['engine']:<10} {r['placement']:<62} {r['kind']:<8} {r['tok_s']:10.2f} tok/s  {more}")
-            click.echo(f"{'':<10} RAM: {r['ram']}")
+            click.echo(f"{r['engine']:<12} {r['placement']:<62} {r['kind']:<8} {r['tok_s']:10.2f} tok/s  {more}")
+            click.echo(f"{'':<12} RAM: {r['ram']}")
         rows.extend(new)
         if out:
             out.write_text(json.dumps(rows, indent=1))
@@ -366,24 +458,24 @@ def bench(
     cgroup, own = MemoryCgroup.make() if share else None, {}
     if cgroup:
         cgroup.limit(None)
-    for key in placements or PLACEMENTS:
+    for key in placements or p.placements:
         name, extra = PLACEMENTS[key]
-        placed, own[key] = llama_rows(build, [*args, *extra], name, cgroup, "uncapped")
+        placed, own[key] = llama_rows(build, [*args, *extra], name, cgroup, "uncapped", p)
         emit(placed)
     if share:
         options = RunOptions(device=device, max_context=max_context)
         plan = whole_model_share(plan_engine(model, options), Manifest.open(model), "v3", share)
         ram = plan.record_cache
         streamed = [*args, *PLACEMENTS["exps-cpu"][1]]
-        own_mem = own.get("exps-cpu") or llama_rows(build, streamed, "", cgroup, "")[1]
+        own_mem = own.get("exps-cpu") or llama_rows(build, streamed, "", cgroup, "", p)[1]
         cap = ram + own_mem + CAP_MARGIN
         what = f"a {format_bytes(cap)} cgroup: dsfp4's RAM tier {format_bytes(ram)} + its own {format_bytes(own_mem)}"
         cgroup.limit(cap)
         evict(gguf)
         try:
-            emit(llama_rows(build, streamed, "experts on the CPU, mmapped, RAM capped", cgroup, what)[0])
+            emit(llama_rows(build, streamed, "experts on the CPU, mmapped, RAM capped", cgroup, what, p)[0])
         except click.ClickException as err:  # dsfp4's rows still count
-            click.echo(f"capped llama-bench: {err.message}", err=True)
+            click.echo(f"capped {p.name} llama-bench: {err.message}", err=True)
         cgroup.limit(None)
         emit(dsfp4_rows(model, options, plan, f"{device} V3's {share} share", prompt_tokens, tokens))
     for budget in budgets or (() if share else ("",)):

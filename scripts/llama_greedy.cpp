@@ -2,11 +2,24 @@
 // line: what scripts/bench_llamacpp.py compares with dsfp4's (llama-simple prints text only, and a byte-level
 // tokenizer's pieces need not be text). Usage: llama_greedy MODEL.gguf N_TOKENS N_GPU_LAYERS ID...
 // N_TOKENS given as rows:K: the last K ids are fed, not chosen, and each step prints its whole logits row instead.
+// Built with -DIK_LLAMA against ik_llama.cpp, which keeps llama.cpp's older API for a batch and for freeing a model.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 #include "llama.h"
+
+#ifdef IK_LLAMA
+// ik's batch names its first position: the tokens after the prompt go at pos
+static llama_batch batch_at(llama_token * tokens, int32_t n, llama_pos pos) {
+    return llama_batch_get_one(tokens, n, pos, 0);
+}
+static void free_model(llama_model * model) { llama_free_model(model); }
+#else
+// mainline's context places a batch after what it holds
+static llama_batch batch_at(llama_token * tokens, int32_t n, llama_pos) { return llama_batch_get_one(tokens, n); }
+static void free_model(llama_model * model) { llama_model_free(model); }
+#endif
 
 int main(int argc, char ** argv) {
     if (argc < 5) {
@@ -33,9 +46,10 @@ int main(int argc, char ** argv) {
     cp.n_ctx = cp.n_batch = (uint32_t) (prompt.size() + n_new + 8);
     llama_context * ctx = llama_init_from_model(model, cp);
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
-    llama_batch batch = llama_batch_get_one(prompt.data(), (int32_t) prompt.size());
+    llama_batch batch = batch_at(prompt.data(), (int32_t) prompt.size(), 0);
     llama_token next = 0;
-    for (int step = 0; step < n_new; step++) {
+    auto pos = (llama_pos) prompt.size();
+    for (int step = 0; step < n_new; step++, pos++) {
         if (llama_decode(ctx, batch) != 0) {
             return 1;
         }
@@ -49,7 +63,7 @@ int main(int argc, char ** argv) {
                 break;
             }
             next = forced[step];
-            batch = llama_batch_get_one(&next, 1);
+            batch = batch_at(&next, 1, pos);
             continue;
         }
         int best = 0, second = 1;
@@ -65,9 +79,9 @@ int main(int argc, char ** argv) {
         }
         printf("%d %.6f\n", best, logits[best] - logits[second]);
         next = best;
-        batch = llama_batch_get_one(&next, 1);
+        batch = batch_at(&next, 1, pos);
     }
     llama_free(ctx);
-    llama_model_free(model);
+    free_model(model);
     return 0;
 }

@@ -16,6 +16,7 @@ PACKAGE = ROOT / "dsfp4"
 LAYERS = ("convert", "layout", "runtime", "kernels")  # top-level folders, dsfp4.<name> through dsfp4/<name>
 FACE = ("dsfp4.cli", "dsfp4.server", "dsfp4.tools", "dsfp4.synthetic", "dsfp4.projection")
 HUB = "dsfp4.hub"  # below convert (convert --from-hub), above layout
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 GROUND = ("dsfp4.errors", "dsfp4.units", "dsfp4.version", "dsfp4.value_types")  # what layout may import besides itself
 
 
@@ -28,6 +29,15 @@ def test_subpackages_import_from_outside_the_repo(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip()
+
+
+def test_a_clone_named_dsfp4_does_not_shadow_the_package_from_the_folder_above(tmp_path):
+    """Run from the folder that holds a clone named dsfp4, `import dsfp4` would take the clone for an empty namespace
+    package; the install's path entry (src/, pyproject.toml) puts the real package ahead of it."""
+    (tmp_path / "dsfp4").symlink_to(ROOT, target_is_directory=True)
+    code = "import dsfp4; print(dsfp4.Engine.__name__, dsfp4.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("Engine "), out.stderr[-500:]
 
 
 @pytest.mark.slow
@@ -101,8 +111,7 @@ def test_every_import_between_modules_resolves_to_a_file_of_the_tree():
             if target != imported:  # a name: it must be bound at the top level of the module
                 tree = ast.parse(modules[target].read_text())
                 bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-                bound |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-                bound |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                bound |= {n.name for n in ast.walk(tree) if isinstance(n, DEFINITIONS)}
                 bound |= {
                     (a.asname or a.name).split(".")[0]
                     for n in ast.walk(tree)

@@ -130,10 +130,14 @@ class ChatTokenizer:
         for (DeepSeek: the BOS), or where neither is set what tokenizer.json's post-processor adds."""
         text = clean_text(text)
         if not special or not self.switched:
-            return self.tok.encode(text, add_special_tokens=special).ids
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+            return self._encode(text, special)
+        ids = self._encode(text, False)
         head = [self.bos_id] if self.add_bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if self.add_eos and self.eos_id is not None else [])
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        # encode_batch releases the GIL while it works (encode holds it): the server's event loop runs meanwhile
+        return self.tok.encode_batch([text], add_special_tokens=special)[0].ids
 
     def marker_ids(self) -> dict[str, int]:
         """The tool format's markers and </think> that are single tokens here -> their ids (for its grammars)."""

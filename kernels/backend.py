@@ -34,15 +34,6 @@ except ImportError:
 
 # threads per warp, for tile rules that count threads
 WARP = 32
-# tokens per call that the decode kernels (GEMVs on CUDA cores) take: decode steps and MTP verify batches; above
-# it the prefill paths on tensor cores win. One bound for all of them, so a call never mixes the two
-DECODE_TOKENS = 16
-# a sequence's tokens per call above which MLA's prefill attention expands the cached latent rows through wkv_b, a
-# key block at a time, and attends in the decompressed form (kernels/mla/prefill.py) instead of the absorbed one;
-# at least DECODE_TOKENS. Expanding costs a call the same whatever its tokens: from 48 tokens on the decompressed form
-# was as fast or faster at every context measured on the H200, at 32 slower from 8k cached rows
-# (scripts/bench_prefill_attention.py)
-DECOMPRESS_TOKENS = 32
 
 
 def interpreted() -> bool:

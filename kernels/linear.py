@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.backend import DECODE_TOKENS, has_fp8_kernels, use_kernels
+from dsfp4.kernels.backend import has_fp8_kernels, use_kernels
 from dsfp4.kernels.cpu.fp8 import FP8_LINEAR, fp8_linear_host
 from dsfp4.kernels.fp4.matmul import fp4_matmul
 from dsfp4.kernels.fp8.dequant import fp8_dequantize
 from dsfp4.kernels.fp8.linear import fp8_linear
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.fp8 import e8m0_scales
 from dsfp4.layout.quant import dequantize
 

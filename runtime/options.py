@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dsfp4.errors import ConfigError
-from dsfp4.kernels.backend import DECODE_TOKENS
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.logprobs import MAX_TOP

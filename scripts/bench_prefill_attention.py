@@ -1,5 +1,5 @@
 """MLA's prefill attention at DeepSeek-V3's shapes, the absorbed form against the decompressed one
-(runtime/models/v3/attention.py), on the GPU machine: the crossover kernels/backend.py's DECOMPRESS_TOKENS names.
+(runtime/models/v3/attention.py), on the GPU machine: the crossover kernels/token_bounds.py's DECOMPRESS_TOKENS names.
 
     python scripts/bench_prefill_attention.py [--tokens 64,128,256,512,1024] [--context 2048,8192,32768] [--sweep]
         [--out DIR]
@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from dsfp4.kernels.backend import DECODE_TOKENS, DECOMPRESS_TOKENS, use_kernels
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.mla import prefill
 from dsfp4.kernels.mla import prefill_jit as jit
 from dsfp4.kernels.mla.prefill import DEFAULT, MLAPrefillConfig, mla_prefill
+from dsfp4.kernels.token_bounds import DECODE_TOKENS, DECOMPRESS_TOKENS
 from dsfp4.runtime.models.v3.attention import absorbed_attention
 from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
 

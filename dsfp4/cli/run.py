@@ -30,7 +30,7 @@ from dsfp4.cli.options import (
 )
 from dsfp4.cli.progress import PrefillProgress
 from dsfp4.errors import ConfigError
-from dsfp4.kernels.backend import DECODE_TOKENS
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
 from dsfp4.runtime.options import RunOptions, SamplingOptions

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.backend import DECODE_TOKENS, interpreted, tl, triton
+from dsfp4.kernels.backend import interpreted, tl, triton
 from dsfp4.kernels.fp4.codes import E2M1_UNBIAS, block_scale, e2m1_halves
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.formats import get_format, next_pow2
 from dsfp4.layout.fp4 import mxfp4_dequantize, nvfp4_dequantize
 

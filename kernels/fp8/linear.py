@@ -28,19 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.backend import (
-    DECODE_TOKENS,
-    WARP,
-    FP8Path,
-    fp8_path,
-    has_fp8_kernels,
-    interpreted,
-    n_sms,
-    tl,
-    triton,
-)
+from dsfp4.kernels.backend import WARP, FP8Path, fp8_path, has_fp8_kernels, interpreted, n_sms, tl, triton
 from dsfp4.kernels.fp8.gemm import act_quant, act_quant_ref, fp8_gemm, fp8_gemm_ref, fp8_linear_ref
 from dsfp4.kernels.fp8.gemv import PIECE
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, scale_grid
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.backend import DECODE_TOKENS, hw_e4m3, tl, triton
+from dsfp4.kernels.backend import hw_e4m3, tl, triton
 from dsfp4.kernels.fp4.codes import block_scale
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, fp8_block_dequantize
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.backend import DECODE_TOKENS, cuda_props, interpreted, n_sms, tl, triton
+from dsfp4.kernels.backend import cuda_props, interpreted, n_sms, tl, triton
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.formats import next_pow2
 
 # B * T at most: beyond it (prefill) the torch formula's gemms are the right tool

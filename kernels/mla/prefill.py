@@ -4,7 +4,7 @@ The absorbed form (runtime/models/v3/attention.py, mla_decode_ref) scores each h
 latent row, (C + R) + C products per query-key pair and head; DeepSeek's reference prefills in the decompressed
 form instead, (N + R) + V (320 against 1,088 at V3's sizes), at the cost of expanding the cached keys through
 wkv_b, once per key per call. A prefill chunk of T queries pays that back for T above the crossover
-(kernels/backend.py DECOMPRESS_TOKENS). Keys are never expanded all at once (V3's 128 heads at 32k keys: 2.7 GB):
+(kernels/token_bounds.py DECOMPRESS_TOKENS). Keys are never expanded all at once (V3's 128 heads at 32k keys: 2.7 GB):
 `mla_prefill` decompresses block_rows cached rows at a time into k_nope [Sb, H, N] and v [Sb, H, V], attends the
 chunk's queries to the block and merges the blocks by their log-sum-exp (flash attention's online softmax, the
 output kept normalized in fp32 beside its lse between blocks). Causality is by position: query i of the chunk

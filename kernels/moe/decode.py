@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.backend import DECODE_TOKENS, WARP, hw_e4m3, interpreted
+from dsfp4.kernels.backend import WARP, hw_e4m3, interpreted
 from dsfp4.kernels.moe import decode_jit as jit
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.formats import get_format, next_pow2
 from dsfp4.layout.record import RecordLayout
 

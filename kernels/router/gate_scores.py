@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsfp4.kernels.backend import DECODE_TOKENS, tl, triton
+from dsfp4.kernels.backend import tl, triton
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.formats import next_pow2
 
 # softmax needs the whole row of E: it stays with the reference

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dsfp4.errors import ConfigError
-from dsfp4.kernels.backend import DECODE_TOKENS
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.planner import Plan

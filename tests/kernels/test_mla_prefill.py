@@ -10,8 +10,9 @@ import torch
 
 import dsfp4.kernels.mla.prefill as prefill_module
 import dsfp4.runtime.models.v3.attention as v3_attention
-from dsfp4.kernels.backend import DECODE_TOKENS, DECOMPRESS_TOKENS, triton
+from dsfp4.kernels.backend import triton
 from dsfp4.kernels.mla.prefill import MLAPrefillConfig, mla_prefill, mla_prefill_block, mla_prefill_block_ref
+from dsfp4.kernels.token_bounds import DECODE_TOKENS, DECOMPRESS_TOKENS
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.v3.attention import absorbed_attention, decompressed_attention
 from dsfp4.runtime.plan.limits import SCORE_ELEMENTS

@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsfp4.kernels.backend import DECODE_TOKENS, DECOMPRESS_TOKENS, use_kernels
+from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.mla.absorb import absorb_keys, absorb_values
 from dsfp4.kernels.mla.cache import mla_cache, mla_cache_ref
 from dsfp4.kernels.mla.decode import mla_decode, mla_decode_ref
 from dsfp4.kernels.mla.prefill import mla_prefill
+from dsfp4.kernels.token_bounds import DECODE_TOKENS, DECOMPRESS_TOKENS
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.models.norm import RMSNorm
 from dsfp4.runtime.models.position import DevicePosition

@@ -13,9 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dsfp4.runtime.generate.generation import MAX_TOP, TokenLogprob
-
-__all__ = ["MAX_TOP", "prompt_logprobs", "token_logprob"]
+from dsfp4.runtime.generate.generation import TokenLogprob
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

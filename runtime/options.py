@@ -21,7 +21,7 @@ from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.routing_trace import check_trace_path
 from dsfp4.runtime.generate.generation import MAX_TOP
 from dsfp4.runtime.generate.grammar import Grammar
-from dsfp4.runtime.generate.sampling import SamplingParams
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.value_rules import is_finite_number, seed_problem
 from dsfp4.runtime.modes import AUTO, MODES, Levers
 from dsfp4.runtime.plan.budget import Budgets, parse_size

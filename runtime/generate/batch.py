@@ -34,7 +34,7 @@ from dsfp4.runtime.generate.decode_graph import BATCH_SLOT, DecodeGraphs
 from dsfp4.runtime.generate.generation import Delta, Generation
 from dsfp4.runtime.generate.joint_prefill import prefill_into_slots
 from dsfp4.runtime.generate.logits_rules import TokenRules, pick
-from dsfp4.runtime.generate.sampling import SamplingParams
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.generate.steps import TextSteps
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer

@@ -23,7 +23,8 @@ import torch
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
 from dsfp4.runtime.generate.layer_pass import prepare, run_blocks, tokens_done, trace_rows
 from dsfp4.runtime.generate.logits_rules import TokenRules, pick
-from dsfp4.runtime.generate.sampling import SamplingParams, choose
+from dsfp4.runtime.generate.sampling import choose
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.profile.recorder import RoutingRecorder

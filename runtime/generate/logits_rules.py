@@ -22,7 +22,8 @@ from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.generation import TokenLogprob
 from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler, GrammarMatcher
 from dsfp4.runtime.generate.logprobs import token_logprob
-from dsfp4.runtime.generate.sampling import SamplingParams, sample
+from dsfp4.runtime.generate.sampling import sample
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from dsfp4.runtime.options import SamplingOptions

@@ -1,40 +1,15 @@
 """Choosing the next token: greedy at temperature 0, else temperature, min-p, top-k and top-p sampling; and the
 speculative-sampling rule that checks a drafted token against the model's own distribution. What a sequence does to
-its logits before this (penalties, a grammar's mask, log-probabilities) is logits_rules.py's."""
+its logits before this (penalties, a grammar's mask, log-probabilities) is logits_rules.py's; the parameters
+(SamplingParams) are sampling_params.py's."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.6
-    top_p: float = 0.95
-    # 0: off
-    top_k: int = 0
-    seed: int | None = None
-    # OpenAI's: subtracted from a token's logit once it was generated (presence), per time generated (frequency)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # CTRL's, over prompt and generated tokens: a positive logit divided by it, a negative one multiplied (1: off)
-    repetition_penalty: float = 1.0
-    # after temperature, tokens less probable than min_p times the most probable one are left out (0: off)
-    min_p: float = 0.0
-    # report each token's log-probability and this many alternatives (None: none reported)
-    logprobs: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-    @property
-    def penalized(self) -> bool:
-        """Some penalty changes the logits (they then need the tokens so far: logits_rules.py)."""
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

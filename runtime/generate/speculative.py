@@ -26,7 +26,8 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.logits_rules import TokenRules, pick
-from dsfp4.runtime.generate.sampling import SamplingParams, check_draft, distribution, draw
+from dsfp4.runtime.generate.sampling import check_draft, distribution, draw
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.stats import GenerationStats
 from dsfp4.runtime.models.v3.model import Transformer
 from dsfp4.runtime.plan.limits import MTP_BATCH

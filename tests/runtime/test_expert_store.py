@@ -21,7 +21,7 @@ from dsfp4.layout.direct_io import RecordFile, aligned_buffer
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.generate.sampling import SamplingParams
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.models.load import plan_run
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.expert_store import ExpertStore

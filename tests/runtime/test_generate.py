@@ -10,7 +10,8 @@ import torch
 
 from dsfp4 import Engine
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.generate.sampling import SamplingParams, choose, sample
+from dsfp4.runtime.generate.sampling import choose, sample
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 
 GREEDY = {"temperature": 0.0}

@@ -11,7 +11,8 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.generate.logits_rules import TokenRules, penalize, rules_for
 from dsfp4.runtime.generate.logprobs import prompt_logprobs, token_logprob
-from dsfp4.runtime.generate.sampling import SamplingParams, distribution, sample
+from dsfp4.runtime.generate.sampling import distribution, sample
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.options import RunOptions
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])

@@ -18,7 +18,8 @@ from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from dsfp4.errors import ConfigError
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.generate.sampling import SamplingParams, check_draft, distribution, draw
+from dsfp4.runtime.generate.sampling import check_draft, distribution, draw
+from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.speculative import JUDGE_AFTER
 from dsfp4.runtime.models.load import plan_run
 from tests.fixtures.cli import run_cli

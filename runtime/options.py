@@ -25,7 +25,7 @@ from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.value_rules import is_finite_number, seed_problem
 from dsfp4.runtime.modes import AUTO, MODES, Levers
 from dsfp4.runtime.plan.budget import Budgets, parse_size
-from dsfp4.runtime.plan.probes import parse_host_share
+from dsfp4.runtime.plan.lane_split import parse_host_share
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 

@@ -1,19 +1,19 @@
 """Quick measurements a run takes of this machine when it starts, and `dsfp4 doctor` takes with its ceilings:
 host->GPU copies of a record, and the CPU kernel's speed on one (kernels/cpu/moe.c). From the two the CPU lane's
-share follows (runtime/store/host_lane.py): the cores take the share of a step's experts that they finish in the
-time PCIe copies the rest. All speeds are GB/s (1e9 bytes per second).
+share follows (runtime/store/host_lane.py; the LaneSplit of lane_split.py): the cores take the share of a step's
+experts that they finish in the time PCIe copies the rest. All speeds are GB/s (1e9 bytes per second).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.layout.record import RecordLayout
+from dsfp4.runtime.plan.lane_split import LaneSplit
 
 # records the probes move: more than a CPU's caches hold, so the kernel reads memory as the lane does (one record
 # read again and again came from the cache: docs/BENCHMARKS.md, the CPU lane)
@@ -68,27 +68,6 @@ def host_moe_gbps(layout: RecordLayout) -> float:
     return (n - 1) * wide.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-@dataclass(frozen=True)
-class LaneSplit:
-    """The CPU lane's share of a step's experts not on the device, and what decided it (GB/s; 0 when not measured)."""
-
-    share: float
-    cpu_gbps: float = 0.0
-    pcie_gbps: float = 0.0
-    why: str = ""
-
-    def describe(self) -> str:
-        if not self.share:
-            return f"off ({self.why})" if self.why else "off"
-        measured = (
-            f": CPU kernel {self.cpu_gbps:.1f} GB/s, PCIe copies {self.pcie_gbps:.1f} GB/s" if self.cpu_gbps else ""
-        )
-        return f"share {self.share:.2f} of the experts not on the GPU{measured}"
-
-
-NO_LANE = LaneSplit(0.0)
-
-
 def host_share(setting: str, layout: RecordLayout | None, device: torch.device) -> LaneSplit:
     """--cpu-experts as the lane's split: `off` none; a number itself; `auto` the share that balances the CPU kernel
     against PCIe copies of records, both measured now (CUDA runs with expert records; none elsewhere or when the kernel
@@ -111,16 +90,3 @@ def host_share(setting: str, layout: RecordLayout | None, device: torch.device) 
         return LaneSplit(0.0, why=f"the CPU kernel cannot be built here: {host_moe.why_unavailable()}")
     cpu, pcie = host_moe_gbps(layout), h2d_gbps(device, layout.wide().nbytes, total=PROBE_BYTES)
     return LaneSplit(cpu / (cpu + pcie), cpu, pcie)
-
-
-def parse_host_share(setting: str) -> str:
-    """--cpu-experts checked: auto, off, or a share from 0 to 1 (ConfigError otherwise)."""
-    if setting in ("auto", "off"):
-        return setting
-    try:
-        share = float(setting)
-    except ValueError:
-        share = -1.0
-    if not 0.0 <= share <= 1.0:
-        raise ConfigError(f"--cpu-experts {setting}: give auto, off, or a share of a step's experts from 0 to 1")
-    return setting

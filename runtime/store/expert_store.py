@@ -26,8 +26,9 @@ from dsfp4.errors import ConfigError
 from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import EXACT, Levers
+from dsfp4.runtime.plan.lane_split import NO_LANE, LaneSplit
 from dsfp4.runtime.plan.planner import Plan
-from dsfp4.runtime.plan.probes import NO_LANE, PROBE_BYTES, LaneSplit, h2d_gbps
+from dsfp4.runtime.plan.probes import PROBE_BYTES, h2d_gbps
 from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
 from dsfp4.runtime.store.host_lane import HostLane

@@ -12,9 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.token_bounds import DECODE_TOKENS
@@ -29,7 +27,11 @@ from dsfp4.runtime.plan.lane_split import parse_host_share
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+if TYPE_CHECKING:
+    import torch
+
+# --dtype's names and the torch dtype each stands for (by name: torch is imported once a run starts)
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # the fields a single call may set
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logprobs", "grammar")
@@ -115,9 +117,12 @@ class EngineOptions:
             raise ConfigError(f"--prefill-yield-ms {self.prefill_yield_ms}: give 0 (never pause) or more")
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        # torch imported here: the command line's help reads this module
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, DTYPES[self.dtype])
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dsfp4.errors import ConfigError
 from dsfp4.units import format_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 GiB = 1 << 30
 UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
@@ -83,6 +85,9 @@ def process_rss() -> int:
 
 def peak_memory(device: torch.device) -> tuple[int, int]:
     """(peak device bytes: torch's max reserved, 0 on the CPU; peak process RSS: VmHWM)."""
+    # torch imported here: the command line's help reads this module (PRESETS, Budgets)
+    import torch
+
     gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
     return gpu, proc_status_bytes("VmHWM")
 
@@ -95,6 +100,9 @@ def available_ram() -> int:
 
 def default_gpu_budget(device: torch.device) -> int:
     """Free VRAM less 5% of the card (at least 512 MiB) for the driver, the display and fragmentation."""
+    # torch imported here: the command line's help reads this module (PRESETS, Budgets)
+    import torch
+
     free, total = torch.cuda.mem_get_info(device)
     return max(free - max(total // 20, GiB // 2), 0)
 

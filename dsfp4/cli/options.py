@@ -15,7 +15,7 @@ from dsfp4.runtime.generate.generation import MAX_TOP
 from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.value_rules import SEED_LIMIT
 from dsfp4.runtime.modes import MODES
-from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.options import DTYPES, RunOptions
 from dsfp4.runtime.plan.budget import PRESETS
 from dsfp4.runtime.store.policy import TIER_POLICIES
 
@@ -87,7 +87,7 @@ budget_options = _stack(
     click.option("--device", default=RUN_DEFAULTS.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
     click.option(
         "--dtype",
-        type=click.Choice(["auto", "bf16", "fp32"]),
+        type=click.Choice(["auto", *DTYPES]),
         default=RUN_DEFAULTS.dtype,
         show_default=True,
         help="Compute dtype; auto is bf16 on CUDA, fp32 on the CPU.",

@@ -31,8 +31,6 @@ from dsfp4.cli.options import (
 from dsfp4.cli.progress import PrefillProgress
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.token_bounds import DECODE_TOKENS
-from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
 from dsfp4.runtime.options import RunOptions, SamplingOptions
 from dsfp4.runtime.plan.budget import parse_size
 
@@ -208,6 +206,7 @@ def run(
     from dsfp4.cli.repl import LocalChat, chat_repl
     from dsfp4.layout.atomic import require_folder
     from dsfp4.runtime.engine import Engine, prompt_rules
+    from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
     from dsfp4.tools.batch_file import answered, read_batch
 
     ctx = click.get_current_context()
@@ -264,6 +263,7 @@ def _print_plan(ctx: click.Context, model: Path, options: RunOptions, as_json: b
     the context it plans for)."""
     from dsfp4.device import resolve_device
     from dsfp4.kernels.kernel_paths import kernel_paths
+    from dsfp4.layout.manifest import Manifest
     from dsfp4.runtime.models.load import plan_engine
     from dsfp4.runtime.plan.probes import host_share
     from dsfp4.tools.doctor import expected_floor

@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from dsfp4.errors import ConfigError
-from dsfp4.layout.atomic import atomic_write_bytes, require_folder
-
-TRACE_SUFFIXES = (".npy", ".npz")
+from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.layout.trace_path import check_trace_path
 
 
 @dataclass(frozen=True)
@@ -70,14 +69,6 @@ def check_weights(weights: np.ndarray, what: str = "trace") -> np.ndarray:
             "weights are finite and >= 0"
         )
     return weights
-
-
-def check_trace_path(path: Path) -> Path:
-    """Fail before any work when a trace could not be written there."""
-    path = Path(path)
-    if path.suffix not in TRACE_SUFFIXES:
-        raise ConfigError(f"{path}: a routing trace is written as .npy (ids) or .npz (ids, weights, tokens)")
-    return require_folder(path, "routing trace")
 
 
 def write_trace(path: Path, trace: RoutingTrace) -> None:

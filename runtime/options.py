@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.token_bounds import DECODE_TOKENS
-from dsfp4.layout.routing_trace import check_trace_path
+from dsfp4.layout.trace_path import check_trace_path
 from dsfp4.runtime.generate.generation import MAX_TOP
 from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.sampling_params import SamplingParams

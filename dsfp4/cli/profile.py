@@ -158,7 +158,7 @@ def profile_hot(
       dsfp4 profile-hot model/ --no-measure --repack --cold-bits 3 --cpu-mem 80G
     """
     from dsfp4.layout.manifest import Manifest
-    from dsfp4.layout.routing_trace import check_trace_path
+    from dsfp4.layout.trace_path import check_trace_path
 
     ctx = click.get_current_context()
     if no_measure and (given := given_flags(ctx, MEASURE_FLAGS)):

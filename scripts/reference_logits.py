@@ -19,7 +19,8 @@ from dsfp4.convert.family import source_family
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from dsfp4.synthetic.hf_state import read_release, transformers_keys, transformers_state
 from dsfp4.tools import logprobs_file
-from dsfp4.tools.evaluate import DEFAULT_CONTEXT, DEFAULT_TOP_K, evaluate, header, windows
+from dsfp4.tools.eval_defaults import DEFAULT_CONTEXT, DEFAULT_TOP_K
+from dsfp4.tools.evaluate import evaluate, header, windows
 
 
 def original_model(src: Path, device: torch.device):

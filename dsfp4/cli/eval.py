@@ -25,7 +25,7 @@ from dsfp4.cli.options import (
 from dsfp4.errors import ConfigError
 from dsfp4.layout.atomic import require_folder
 from dsfp4.runtime.options import RunOptions
-from dsfp4.tools.evaluate import DEFAULT_CONTEXT, DEFAULT_TOP_K
+from dsfp4.tools.eval_defaults import DEFAULT_CONTEXT, DEFAULT_TOP_K
 
 
 def _text(path: Path) -> str:

@@ -26,10 +26,6 @@ import torch
 from dsfp4.errors import ConfigError
 from dsfp4.tools.logprobs_file import LogProbs
 
-# tokens per window, as llama-perplexity's default
-DEFAULT_CONTEXT = 512
-# log-probabilities kept per position by --save-logits
-DEFAULT_TOP_K = 32
 # probability mass below this outside the kept tokens is rounding (fp32 sums), taken as none
 REST_FLOOR = 1e-6
 

@@ -37,7 +37,6 @@ from dsfp4.units import format_bytes
 INDEX = "model.safetensors.index.json"
 PROGRESS = ".dsfp4-export.json"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
-FORMATS = ("compressed-tensors", "modelopt", "gguf")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from dsfp4.cli.options import EXISTING_DIR, PATH
-from dsfp4.convert.export.writer import FORMATS
+from dsfp4.convert.export.targets import FORMATS
 from dsfp4.units import format_bytes
 
 

@@ -18,10 +18,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsfp4.errors import ManifestError
 from dsfp4.layout.atomic import atomic_write_bytes
-from dsfp4.layout.manifest import Manifest
+
+if TYPE_CHECKING:
+    # a type only: profile-hot's help reads this module, and the manifest's records import torch
+    from dsfp4.layout.manifest import Manifest
 
 HOT_NAME = "hot.json"
 HOT_FORMAT = "dsfp4-hot-1"

@@ -284,6 +284,64 @@ def test_help_version_and_an_unknown_command_answer_without_importing_torch():
     assert "Usage: dsfp4" in r.stdout and "No such command 'nope'" in r.stderr
 
 
+# the libraries a command's help and its flag errors must not import: torch takes seconds on a CUDA machine
+HEAVY = ("torch", "triton", "tokenizers", "safetensors", "llguidance", "numpy")
+# one flag error per command, which Click finds before the command runs, and what its message names (MODEL: an
+# existing empty folder, OUT: a path that does not exist)
+FLAG_ERRORS = {
+    "bench": (["MODEL", "--prompts", "0"], "'--prompts'"),
+    "chat": (["--temperature", "x"], "'--temperature'"),
+    "convert": (["deepseek-ai/DeepSeek-V3", "OUT", "--workers", "0"], "'--workers'"),
+    "demo": (["--family", "v5"], "'--family'"),
+    "doctor": (["OUT"], "'[FOLDER]'"),
+    "download": (["deepseek-ai/DeepSeek-V3", "--local-dir"], "'--local-dir'"),
+    "eval": (["MODEL", "--context", "1"], "'--context'"),
+    "export": (["MODEL", "OUT", "--format", "safetensors"], "'--format'"),
+    "inspect": (["OUT"], "'MODEL'"),
+    "profile-hot": (["MODEL", "--tokens", "0"], "'--tokens'"),
+    "run": (["MODEL", "--temperature", "x"], "'--temperature'"),
+    "verify": ([], "'MODEL'"),
+}
+CALLS = """
+import contextlib, io, json, sys
+from dsfp4.cli.main import cli
+out = []
+for args in json.loads(sys.argv[1]):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            cli(args, prog_name="dsfp4")
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    loaded = sorted(m for m in json.loads(sys.argv[2]) if m in sys.modules)
+    out.append({"args": args, "code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), "loaded": loaded})
+print(json.dumps(out))
+"""
+
+
+def test_every_commands_help_and_flag_errors_answer_without_importing_torch(tmp_path):
+    """Each command's --help and a flag it refuses answer from its module without torch and the other libraries:
+    a command imports them in its function, once it runs."""
+    from dsfp4.cli.main import COMMANDS
+
+    assert set(FLAG_ERRORS) == set(COMMANDS), "give every command of COMMANDS a flag error here"
+    paths = {"MODEL": str(tmp_path), "OUT": str(tmp_path / "absent")}
+    calls = [[name, "--help"] for name in sorted(COMMANDS)]
+    calls += [[name, *(paths.get(a, a) for a in FLAG_ERRORS[name][0])] for name in sorted(COMMANDS)]
+    r = subprocess.run(
+        [sys.executable, "-c", CALLS, json.dumps(calls), json.dumps(HEAVY)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    for call in json.loads(r.stdout):
+        name, args = call["args"][0], call["args"]
+        assert call["loaded"] == [], f"dsfp4 {' '.join(args)} imported {call['loaded']}"
+        if args[1:] == ["--help"]:
+            assert call["code"] == 0 and f"Usage: dsfp4 {name}" in call["stdout"], call
+        else:
+            assert call["code"] == 2 and FLAG_ERRORS[name][1] in call["stderr"], call
+
+
 def test_debug_shows_the_traceback(tmp_path):
     result = CliRunner().invoke(cli, ["--debug", "verify", str(tmp_path)])
     assert result.exit_code == 1 and result.exception is not None and "ManifestError" in repr(result.exception)

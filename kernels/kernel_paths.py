@@ -13,6 +13,7 @@ import torch
 
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.backend import (
+    REFERENCE_CARD,
     FP8Path,
     card_of,
     cuda_props,
@@ -143,6 +144,10 @@ def paths_for(gpu: Gpu | None, has_triton: bool = True, forced_by_bits: bool = F
 
 
 def kernel_paths(device: torch.device) -> KernelPaths:
-    """The paths on `device` of this machine."""
+    """The paths on `device` of this machine; a CUDA device where this machine has none is a user's card planned for
+    (a projection's), taken as REFERENCE_CARD with the kernels installed."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        c = REFERENCE_CARD
+        return paths_for(Gpu("a CUDA card (none here)", c.capability, c.smem, c.sms))
     gpu = gpu_of(device) if device.type == "cuda" else None
     return paths_for(gpu, triton is not None, fp8_by_bits_forced())

@@ -36,6 +36,7 @@ def seen_as(monkeypatch):
             monkeypatch.setattr(module, "cuda_props", lambda index: p)
             monkeypatch.setattr(module, "fp8_by_bits_forced", lambda: False)
         monkeypatch.setattr(torch.version, "hip", "6.2" if name == "MI300X" else None)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         backend._kernels_on.cache_clear()
         return torch.device("cuda", 0)
 
@@ -92,6 +93,12 @@ def test_a_card_this_torch_has_no_kernels_for_is_refused_before_anything_loads()
 def test_the_cpu_runs_the_references_without_a_word():
     paths = kernel_paths(torch.device("cpu"))
     assert not paths.kernels and paths.word == "" and not paths.refused
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA plans for a user's card")
+def test_a_cuda_device_planned_for_on_a_machine_without_one_is_a_card_that_runs_the_kernels():
+    paths = kernel_paths(torch.device("cuda"))
+    assert paths.kernels and paths.fp8_kernels and not paths.refused and paths.word == ""
 
 
 @pytest.mark.parametrize("name", ["RTX 3090", "RTX 2080 Ti"])

@@ -145,6 +145,9 @@ class StoreOptions:
     # a chosen expert in neither the device nor RAM is swapped for an unchosen warm one of its group that the router
     # scored within this margin of it (runtime/store/cache_aware.py; 0: exact; None: the mode's)
     cache_aware: float | None = None
+    # each token's routed experts: the router's best this many, weighted as the model weights its own top-k (fewer
+    # reads and products a token; 0: the model's own count). runtime/models/load.py run_target applies it
+    experts_per_token: int = 0
     # a decode step's RAM hits the CPU computes from RAM while PCIe carries the rest (runtime/store/host_lane.py): off,
     # auto (the share that balances the CPU kernel against PCIe, measured at load; CUDA runs), or a share from 0 to 1.
     # Off by default: it gained where PCIe binds (every record in RAM, copied) and nothing where the SSD binds
@@ -176,6 +179,12 @@ class StoreOptions:
             raise ConfigError(f"--expert-threshold {t}: give auto, or a weight from 0 (off) to below 1")
         if self.cache_aware is not None and self.cache_aware < 0:
             raise ConfigError(f"--cache-aware {self.cache_aware}: give a score margin of 0 (off) or more")
+        if self.experts_per_token < 0:
+            raise ConfigError(f"--experts-per-token {self.experts_per_token}: give 1 or more (0: the model's own)")
+        if self.experts_per_token and self.routing is not None:
+            raise ConfigError(
+                "--experts-per-token with --routing: a trace fixes each token's experts; give one of them"
+            )
         parse_host_share(self.cpu_experts)
         if self.io_threads < 1:
             raise ConfigError(AT_LEAST_ONE)

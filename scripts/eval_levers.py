@@ -5,7 +5,8 @@ cold for one token), against a reference's logits (`dsfp4 eval --save-logits`, e
     python scripts/eval_levers.py MODEL --text FILE --reference REF [--family v3] [--machine 16g] \
         [--chunk 1] SETTING...
 
-SETTING: a mode name (runtime/modes.py) or THRESHOLD:MARGIN (0:0 is exact). One JSON line per setting: KL mean and
+SETTING: a mode name (runtime/modes.py) or THRESHOLD:MARGIN (0:0 is exact); --experts-per-token K runs each with K
+routed experts a token. One JSON line per setting: KL mean and
 p99, top-1 agreement and perplexity ratio against the reference, shares of choices left out and swapped, SSD
 megabytes per token, and tokens per second (on a GPU at --chunk 1: the host's per-layer work shows).
 """
@@ -48,6 +49,7 @@ def setting(text: str) -> tuple[str, Levers]:
 @click.option("--machine", type=click.Choice(list(MACHINES)), default="16g", show_default=True)
 @click.option("--chunk", type=click.IntRange(1), default=1, show_default=True, help="Tokens per forward pass.")
 @click.option("--device", default="cpu", show_default=True)
+@click.option("--experts-per-token", type=click.IntRange(0), default=0, help="Experts a token, every setting (0: all).")
 def main(
     model: Path,
     settings: tuple[str, ...],
@@ -57,6 +59,7 @@ def main(
     machine: str,
     chunk: int,
     device: str,
+    experts_per_token: int,
 ) -> None:
     head, lp = logprobs_file.read(reference)
     manifest = Manifest.read(model)
@@ -68,6 +71,7 @@ def main(
             prefill_chunk=chunk,
             expert_threshold="auto" if levers.adaptive else levers.expert_threshold,
             cache_aware=levers.cache_aware,
+            experts_per_token=experts_per_token,
         )
         plan = whole_model_share(plan_engine(model, options), manifest, family, machine)
         with Engine(model, options, plan=plan) as engine:
@@ -81,6 +85,7 @@ def main(
             bos_id = engine.tokenizer.bos_id if bos else None
             r = evaluate(engine.logits, ids, wins, bos_id, head["context"], head["stride"], top_k, lp)
             after = engine.model.experts.counters.snapshot()
+            per_token = engine.model.args.n_activated_experts
         d = {key: after[key] - before[key] for key in after}
         chosen = max(d["expert_uses"] + d["skipped"], 1)
         out = r.to_dict()
@@ -89,6 +94,7 @@ def main(
             "expert_threshold": levers.expert_threshold,
             "adaptive": levers.adaptive,
             "cache_aware": levers.cache_aware,
+            "experts_per_token": per_token,
             "machine": machine,
             "gpu_slots": plan.gpu_slots,
             "ram_slots": plan.ram_slots,

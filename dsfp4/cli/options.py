@@ -195,6 +195,14 @@ store_options = _stack(
         "VRAM or RAM that the router scored within this margin of it; 0 is exact. Default: the mode's.",
     ),
     click.option(
+        "--experts-per-token",
+        type=click.IntRange(0),
+        default=RUN_DEFAULTS.experts_per_token,
+        help="Lossy: each token takes the router's best K routed experts instead of the model's own count "
+        "(DeepSeek-V3: 8), weighted as the model weights its own; fewer reads and products per token. 0: the "
+        "model's own.",
+    ),
+    click.option(
         "--cpu-experts",
         default=RUN_DEFAULTS.cpu_experts,
         show_default=True,

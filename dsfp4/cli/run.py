@@ -263,16 +263,17 @@ def _print_plan(ctx: click.Context, model: Path, options: RunOptions, as_json: b
     the context it plans for)."""
     from dsfp4.device import resolve_device
     from dsfp4.kernels.kernel_paths import kernel_paths
-    from dsfp4.layout.manifest import Manifest
-    from dsfp4.runtime.models.load import plan_engine
+    from dsfp4.runtime.models.load import plan_engine, run_target
     from dsfp4.runtime.plan.probes import host_share
     from dsfp4.tools.doctor import expected_floor
 
     plan = plan_engine(model, options)
     paths = kernel_paths(resolve_device(options.device))
-    manifest = Manifest.open(model)
+    # the shape the run sees (--experts-per-token)
+    manifest = run_target(Path(model), options)[1]
     floor, line = expected_floor(plan, manifest)
     levers = {"mode": options.mode, **dataclasses.asdict(options.levers())}
+    levers["experts_per_token"] = manifest.args.n_activated_experts
     lane = host_share(options.cpu_experts, manifest.record, resolve_device(options.device))
     context = min(options.max_context, manifest.args.max_seq_len)
     _note_context(ctx, context, options)
@@ -282,7 +283,8 @@ def _print_plan(ctx: click.Context, model: Path, options: RunOptions, as_json: b
         return
     click.echo(plan.table())
     click.echo(line)
-    click.echo(f"mode {options.mode}: {options.levers().describe()}")
+    k = manifest.args.n_activated_experts
+    click.echo(f"mode {options.mode}: {options.levers().describe()}; {k} routed experts per token")
     click.echo(f"CPU lane: {lane.describe()}")
     click.echo(f"kernels on {paths.device}:")
     for line in paths.lines():

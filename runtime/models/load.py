@@ -3,6 +3,7 @@ weights, the expert store and the family's model built from the manifest (the ma
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ from dsfp4.runtime.models.host_memory import ALIGN, HostArena
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.modes import MODE_BATCH
-from dsfp4.runtime.options import EngineOptions, RunOptions
+from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
 from dsfp4.runtime.plan.probes import host_share
@@ -33,13 +34,32 @@ from dsfp4.units import format_bytes
 log = logging.getLogger("dsfp4")
 
 
-def run_target(model_dir: Path, options: EngineOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
+def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
     """Device, manifest, context (capped at the model's) and compute dtype of a run."""
     device = resolve_device(options.device)
     # a card no torch kernel runs on is refused before anything is read
     kernel_paths(device).check()
-    manifest = Manifest.open(model_dir)
+    manifest = with_experts_per_token(Manifest.open(model_dir), options.experts_per_token, model_dir)
     return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
+
+
+def with_experts_per_token(manifest: Manifest, k: int, model_dir: Path) -> Manifest:
+    """The manifest a run sees under --experts-per-token k: its shape routing each token to its router's best k, so
+    that the router, the kernels, the planner and the decode graphs all take k (0: the model's own)."""
+    a = manifest.args
+    if not k or k == a.n_activated_experts:
+        return manifest
+    if k > a.n_activated_experts:
+        raise ConfigError(
+            f"--experts-per-token {k}: {model_dir} routes each token to {a.n_activated_experts} experts; give 1 to "
+            f"{a.n_activated_experts} (0: all {a.n_activated_experts})"
+        )
+    if a.n_hash_layers:
+        raise ConfigError(
+            f"--experts-per-token: {a.family_spec.title}'s first {a.n_hash_layers} layers route by a table of "
+            f"{a.n_activated_experts} experts per token; run {model_dir} without it"
+        )
+    return dataclasses.replace(manifest, args=dataclasses.replace(a, n_activated_experts=k))
 
 
 def plan_engine(model_dir: str | os.PathLike, options: RunOptions) -> Plan:

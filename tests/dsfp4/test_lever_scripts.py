@@ -28,6 +28,11 @@ def test_eval_levers_reports_each_setting_against_a_reference(converted, tmp_pat
     exact, lossy = rows[0], rows[1]
     assert exact["kl_mean"] < 1e-6 and exact["skipped_share"] == 0  # the reference is exact routing itself
     assert lossy["skipped_share"] > 0 and lossy["ssd_mb_per_token"] < exact["ssd_mb_per_token"]
+    one = CliRunner().invoke(script, [*args[:2], "--experts-per-token", "1", *args[4:]])
+    assert one.exit_code == 0, one.output
+    one = json.loads(one.output)
+    assert one["experts_per_token"] == 1 and exact["experts_per_token"] == 2 and one["kl_mean"] > 1e-6
+    assert one["ssd_mb_per_token"] < exact["ssd_mb_per_token"]
     r = CliRunner().invoke(script, [str(converted), "fast", "--text", str(text), "--reference", str(ref)])
     assert r.exit_code == 2 and "give a mode" in r.output
 

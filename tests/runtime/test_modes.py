@@ -60,6 +60,7 @@ def test_plan_reports_the_levers_a_mode_chose(converted):
         "cache_aware": 0,
         "adaptive": False,
         "hide_ratio": None,
+        "experts_per_token": 2,  # the model's own (--experts-per-token 0)
     }
     r = run_cli("run", converted, "--prompt", "hi", "--mode", "fast")
     assert r.exit_code == 2 and "--mode" in r.output

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 # --dtype's names and the torch dtype each stands for (by name: torch is imported once a run starts)
+SAMPLING_DEFAULTS = SamplingParams()
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # the fields a single call may set
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
@@ -213,18 +214,19 @@ class SamplingOptions:
     thinking switch."""
 
     max_tokens: int = 256
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 0
+    # SamplingParams' defaults, which say what each does
+    temperature: float = SAMPLING_DEFAULTS.temperature
+    top_p: float = SAMPLING_DEFAULTS.top_p
+    top_k: int = SAMPLING_DEFAULTS.top_k
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # the prompt format's thinking switch (V4's mode, V3.1's template); None: its default
     thinking: bool | None = None
-    # penalties and min-p: SamplingParams says what each does; neutral by default
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    # penalties and min-p, neutral by default
+    presence_penalty: float = SAMPLING_DEFAULTS.presence_penalty
+    frequency_penalty: float = SAMPLING_DEFAULTS.frequency_penalty
+    repetition_penalty: float = SAMPLING_DEFAULTS.repetition_penalty
+    min_p: float = SAMPLING_DEFAULTS.min_p
     # each token's log-probability and this many alternatives (runtime/generate/logprobs.py); None: none
     logprobs: int | None = None
     # what the answer must spell (runtime/generate/grammar.py); the flags --json-schema FILE and --grammar FILE set it

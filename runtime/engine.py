@@ -118,7 +118,7 @@ class Engine:
                 if note := pc.take_notes():
                     self.notes.append(note)
             self.reuse = PromptReuse(self.decoder, self.speculator, self.prompt_cache, self._model)
-            warm_start(self.model, self.model_dir, manifest, o.zero_copy)
+            warm_start(self.model, self.model_dir, o.zero_copy)
             warm_up_kernels(self.model, dtype, manifest.args, min(o.prefill_chunk, self.max_context))
             if o.cuda_graph:
                 recording = self.recorder is not None

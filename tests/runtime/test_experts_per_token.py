@@ -68,3 +68,23 @@ def test_the_plan_says_how_many_experts_a_token_takes(converted):
         == 1
     )
     assert_one_line_error(run_cli("run", converted, "--plan", "--experts-per-token", "9"), "--experts-per-token 9")
+
+
+def test_the_hot_profile_still_warms_the_tiers_and_prompt_caches_keep_to_their_count(converted, tmp_path):
+    """hot.json binds to the conversion on disk, which fewer experts a token does not change; a prompt cache entry
+    holds rows the count computed, so a run of another count does not take it."""
+    from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
+    from dsfp4.layout.manifest import Manifest
+
+    model = _configured_with(converted, tmp_path, 2)  # the model as converted, in a folder of its own
+    m = Manifest.read(model)
+    counts = {layer: tuple(range(m.args.n_routed_experts)) for layer in m.experts}
+    HotProfile(m.exact_sha256(), 10, counts).write(model / HOT_NAME)
+    prompt, cache = list(range(2, 80)), tmp_path / "pc"
+    with Engine(model, device="cpu", max_context=128, experts_per_token=1, prompt_cache=cache) as one:
+        assert one.model.experts.warm_records > 0
+        one.generate(prompt, max_tokens=2, temperature=0)
+    with Engine(model, device="cpu", max_context=128, prompt_cache=cache) as two:
+        assert two.generate(prompt, max_tokens=2, temperature=0).stats.restored_tokens == 0
+    with Engine(model, device="cpu", max_context=128, experts_per_token=1, prompt_cache=cache) as again:
+        assert again.generate(prompt, max_tokens=2, temperature=0).stats.restored_tokens == len(prompt) - 1

@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,9 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """`data` at `path` whole or not at all: written beside it, synced, then renamed over it; a failed write (a full
-    disk) removes what it had written."""
-    tmp = path.with_name(path.name + ".tmp")
+    disk) removes what it had written. The temporary name is the writer's own (process and thread), so writers of one
+    path in a shared folder (a prompt cache) never write or remove each other's."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(data)

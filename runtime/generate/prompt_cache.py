@@ -107,8 +107,9 @@ class PromptCache:
                 f"--prompt-cache {self.folder}: the folder cannot be made ({e.strerror or e}); give a folder that "
                 "exists or can be made"
             ) from None
-        # entries skipped since the last look (damaged, foreign), writes that failed
+        # entries skipped since the last look (damaged, foreign), writes that failed; the writer's thread adds to them
         self.notes: list[str] = []
+        self._notes_lock = threading.Lock()
         # the folder cannot be written: entries are read, none is saved or touched
         self.read_only = False
         self._probe()
@@ -137,7 +138,7 @@ class PromptCache:
         """From now on read-only, said once."""
         if not self.read_only:
             self.read_only = True
-            self.notes.append(
+            self._note(
                 f"prompt cache: {self.folder} cannot be written ({e.strerror or e}); its entries are used read-only "
                 "and no new one is saved"
             )
@@ -179,7 +180,7 @@ class PromptCache:
         try:
             header = framed_file.read_header(path, MAGIC, FORMAT_VERSION, WHAT, HEADER_LIMIT)
         except (OSError, ValueError) as e:
-            self.notes.append(f"prompt cache: {path.name} skipped ({e})")
+            self._note(f"prompt cache: {path.name} skipped ({e})")
             header = None
         self._headers[path] = (key, header)
         return header
@@ -189,7 +190,7 @@ class PromptCache:
         try:
             _, arrays = decode_entry(hit.path.read_bytes())
         except (OSError, ValueError) as e:
-            self.notes.append(f"prompt cache: {hit.path.name} skipped ({e})")
+            self._note(f"prompt cache: {hit.path.name} skipped ({e})")
             return None
         if not self.read_only:
             # the fine clock: a file's own times come from a coarser one, which could tie
@@ -210,15 +211,20 @@ class PromptCache:
         if arrays is None:
             return False
         if set(arrays) != set(caches):
-            self.notes.append(f"prompt cache: {hit.path.name} skipped (its caches are not this model's)")
+            self._note(f"prompt cache: {hit.path.name} skipped (its caches are not this model's)")
             return False
         for name, t in caches.items():
             t[: hit.common].copy_(_tensor(arrays[name][: hit.common], t.dtype))
         return True
 
+    def _note(self, text: str) -> None:
+        with self._notes_lock:
+            self.notes.append(text)
+
     def take_notes(self) -> str:
         """The notes since the last call, joined (a write still running adds its own to the next call's)."""
-        notes, self.notes = self.notes, []
+        with self._notes_lock:
+            notes, self.notes = self.notes, []
         return "; ".join(notes)
 
     def settle(self) -> str:
@@ -255,9 +261,9 @@ class PromptCache:
     def _write(self, path: Path, header: dict, arrays: dict[str, np.ndarray], covered: list[Path]) -> None:
         """The entry put in place; then the entries it covers (a chat's earlier turns) removed, and the folder held
         to its bound."""
-        data = encode_entry(header, arrays)
-        self.compressed_bytes = len(data)
         try:
+            data = encode_entry(header, arrays)
+            self.compressed_bytes = len(data)
             atomic_write_bytes(path, data)
             for old in covered:
                 old.unlink(missing_ok=True)
@@ -268,9 +274,9 @@ class PromptCache:
                 self._cannot_write(e)
             else:
                 full = "; free some space there or lower --prompt-cache-size" if e.errno in FULL else ""
-                self.notes.append(f"prompt cache: {path.name} not written in {self.folder} ({e.strerror or e}){full}")
+                self._note(f"prompt cache: {path.name} not written in {self.folder} ({e.strerror or e}){full}")
         except DsfpError as e:
-            self.notes.append(f"prompt cache: {path.name} not written ({e})")
+            self._note(f"prompt cache: {path.name} not written ({e})")
 
     def evict(self) -> None:
         """Remove the least recently used entries until the folder fits max_bytes."""

@@ -59,12 +59,14 @@ def checked_files(record: dict) -> dict[str, Checked]:
     files = record.get("files")
     files = files if isinstance(files, dict) else {}
     out = {}
-    for name in record.get("verified", ()):
+    verified = record.get("verified", ())
+    for name in verified if isinstance(verified, list) else ():
         entry = files.get(name)
-        if isinstance(entry, dict) and entry.get("blob"):
-            f = RemoteFile(name, int(entry.get("size", -1)), entry.get("sha256"), str(entry["blob"]))
+        # a hand-edited or damaged entry is no check: its file is fetched and checked again
+        if isinstance(entry, dict) and entry.get("blob") and isinstance(entry.get("size"), int):
+            f = RemoteFile(name, entry["size"], entry.get("sha256"), str(entry["blob"]))
             mtime = entry.get("mtime_ns")
-            out[name] = Checked(f, int(mtime) if isinstance(mtime, int) else None)
+            out[name] = Checked(f, mtime if isinstance(mtime, int) else None)
     return out
 
 

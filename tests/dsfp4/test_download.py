@@ -336,3 +336,15 @@ def test_a_cached_snapshot_is_checked_against_the_record_beside_it(repo, tmp_pat
         assert _dsfp4(hub, tmp_path, REPO, "-q").returncode == 0  # fetched again
     _same_files(repo, snapshot)
     assert _convert(snapshot, tmp_path / "model").exit_code == 0
+
+
+def test_a_damaged_record_entry_is_no_check_rather_than_a_traceback():
+    from dsfp4.hub.download_record import checked_files
+
+    record = {
+        "verified": ["a", "b", "c"],
+        "files": {"a": {"blob": "x", "size": None}, "b": {"blob": "y", "size": 3, "mtime_ns": "bad"}, "c": 7},
+    }
+    got = checked_files(record)
+    assert list(got) == ["b"] and got["b"].file.size == 3 and got["b"].mtime_ns is None
+    assert checked_files({"verified": "a", "files": {"a": {"blob": "x", "size": 1}}}) == {}

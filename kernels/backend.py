@@ -1,12 +1,10 @@
 """Where the kernels run, decided once: the Triton import, the one rule that picks a kernel or its torch reference,
 and what the kernels read of the process (the device's SM count and fp8 support, whether Triton interprets).
 
-The rule (use_kernels): Triton kernels run on CUDA tensors when Triton is installed; the torch references run
-everywhere else (the CPU build of torch comes without Triton). The tests call the kernels themselves on the CPU
-under TRITON_INTERPRET, which runs them in Triton's interpreter.
-
-The kernels run on NVIDIA GPUs from sm_80 (kernels_run); older cards, ROCm (whose torch looks like CUDA) and CUDA
-without Triton take the references on the GPU, as kernel_paths.py tells the user.
+The rule (use_kernels): Triton kernels run on CUDA tensors of an NVIDIA GPU from sm_80 with Triton installed
+(kernels_run); the torch references run everywhere else: the CPU (whose build of torch comes without Triton), older
+cards, ROCm (whose torch looks like CUDA), CUDA without Triton, as kernel_paths.py tells the user. The tests call the
+kernels themselves on the CPU under TRITON_INTERPRET, which runs them in Triton's interpreter.
 
 FP8 (e4m3) weights take one of three paths (fp8_path): NATIVE on GPUs that convert e4m3 in hardware (sm_89 on:
 the PTX conversions, Triton's fp8 types, the W8A8 GEMM on FP8 tensor cores); BY_BITS on CUDA GPUs from sm_80 that

@@ -19,22 +19,23 @@ def backbone_chooser(preset: str | None):
     it chose on stderr. None with neither: the converter takes fp8."""
     import torch
 
-    from dsfp4.kernels.kernel_paths import KernelPaths, kernel_paths
+    from dsfp4.kernels.kernel_paths import kernel_paths
     from dsfp4.projection.backbone_choice import card_budget, choose_backbone
     from dsfp4.projection.machines import USER_PROCESS
     from dsfp4.runtime.plan.budget import Budgets
 
     # a preset's card runs the kernels; this machine's card runs what its paths say
-    paths = KernelPaths("a preset's card", {}, kernels=True, fp8_kernels=True)
+    kernels = fp8_kernels = True
     if preset is not None:
         budgets = Budgets(PRESETS[preset].gpu, PRESETS[preset].cpu, f"preset {preset}")
     elif torch.cuda.is_available():
-        budgets, paths = card_budget(torch.device("cuda")), kernel_paths(torch.device("cuda"))
+        paths = kernel_paths(torch.device("cuda"))
+        budgets, kernels, fp8_kernels = card_budget(torch.device("cuda")), paths.kernels, paths.fp8_kernels
     else:
         return None
 
     def choose(args, expert_format: str) -> str:
-        spec, why = choose_backbone(args, budgets, expert_format, USER_PROCESS, paths.kernels, paths.fp8_kernels)
+        spec, why = choose_backbone(args, budgets, expert_format, USER_PROCESS, kernels, fp8_kernels)
         click.echo(f"--backbone auto: {spec} ({why})", err=True)
         return spec
 

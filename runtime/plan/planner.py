@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsfp4.errors import ConfigError
-from dsfp4.kernels.backend import has_fp8_kernels, use_kernels
+from dsfp4.kernels.kernel_paths import kernel_paths
 from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
@@ -397,17 +397,17 @@ def make_plan(
     """What the run needs (_Needs), placed on the device tier, then in RAM. `host_extra`: host memory the caller will
     hold besides the model (profile-hot's hidden states); `process`: the process's own before the model loads
     (default: this process's RSS now; a projection gives a user's); `fp8_kernels`: whether the FP8 kernels run on the
-    device, natively or by bits, else the reference's dense copy is reserved (default: asked of the device here; True
-    where this machine has no CUDA: a projection's user machine); `kernels`: whether the Triton kernels run (default:
-    use_kernels here; a projection's user machine has them); `max_batch`: sequences decoded together, each with caches
+    device, natively or by bits, else the reference's dense copy is reserved, and `kernels`: whether the Triton kernels
+    run (both by default the device's kernel_paths: a CUDA device where this machine has none is a projection's user
+    card, which runs them); `max_batch`: sequences decoded together, each with caches
     of its own (cache_slots)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     used = expert_layers(manifest, with_mtp)
     total_records = len(used) * a.n_routed_experts
-    # a CUDA device on a machine without CUDA is a projection's user card, which runs the kernels
-    user_card = device.type == "cuda" and not torch.cuda.is_available()
-    kernels = (user_card or use_kernels(device)) if kernels is None else kernels
-    fp8_kernels = (user_card or has_fp8_kernels(device)) if fp8_kernels is None else fp8_kernels
+    # the device's kernel paths (a CUDA device on a machine without CUDA: a projection's user card, which runs them)
+    paths = kernel_paths(device)
+    kernels = paths.kernels if kernels is None else kernels
+    fp8_kernels = paths.fp8_kernels if fp8_kernels is None else fp8_kernels
     t = forward_tokens(prefill_chunk, max_context, with_mtp)
     # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated
     # (load_model), so it shares the RAM budget with the process, not with the cache

@@ -33,6 +33,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.runtime.options import RunOptions, SamplingOptions
 from dsfp4.runtime.plan.budget import parse_size
+from dsfp4.server.client_limits import READ_TIMEOUT_S
 
 if TYPE_CHECKING:
     import socket
@@ -164,7 +165,7 @@ def _answer(engine: Engine, ids: list[int], as_json: bool, show_stats: bool, qui
 @click.option(
     "--read-timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=60.0,
+    default=READ_TIMEOUT_S,
     show_default=True,
     help="With --serve: seconds a request's head may take to come, and then its body; slower clients are cut.",
 )

@@ -31,8 +31,9 @@ from dsfp4.runtime.generate.grammar_compiler import GrammarCompiler
 from dsfp4.runtime.generate.prompt import PromptRules
 from dsfp4.runtime.generate.tool_scan import ToolCallError
 from dsfp4.server.answers import Answer, progress_comment, sse, stats
-from dsfp4.server.body import READ_TIMEOUT_S, default_max_body, read_body
+from dsfp4.server.body import read_body
 from dsfp4.server.choices import Asked, Choice
+from dsfp4.server.client_limits import READ_TIMEOUT_S, default_max_body
 from dsfp4.server.jobs import Job, Progress, PromptLogprobs, QueueFull, Report, Sink
 from dsfp4.server.metrics import Metrics
 from dsfp4.server.requests import ApiError, GenRequest, parse_request
@@ -55,8 +56,8 @@ class Served:
     max_queue: int = 16
     # default of requests without one; None: the room left in the context
     max_tokens: int | None = None
-    # a request's body at most (None: sized from the context, body.default_max_body), and how long its head and then
-    # its body may take to come (body.py, deadline.py)
+    # a request's body at most (None: sized from the context, client_limits.py), and how long its head and then its
+    # body may take to come (body.py, deadline.py)
     max_body: int | None = None
     read_timeout: float = READ_TIMEOUT_S
 

@@ -2,9 +2,8 @@
 before a byte of it is read, or counted as a chunked body streams) and whole within `--read-timeout` seconds of its
 head (408). A body read whole first had let one 50 MB request hold the HTTP process for minutes at 9.5 GB.
 
-The default limit follows the context: a prompt the context can hold, written out as JSON chat messages, needs at
-most BYTES_PER_TOKEN bytes a token, and the JSON around it (the messages' fields, the tools, a response format's
-schema) at most ENVELOPE_BYTES."""
+The default limit follows the context: what a prompt the context can hold needs, written out as JSON chat messages,
+and the JSON around it (client_limits.py)."""
 
 from __future__ import annotations
 
@@ -15,23 +14,10 @@ from starlette.requests import ClientDisconnect, Request
 
 from dsfp4.server.requests import ApiError
 
-# a token's text in JSON at the most: a character that is a token of its own escaped as \uXXXX is 6 bytes, and the
-# long tokens (runs of spaces, code) 8-16; a prompt of token ids ("123456, ") takes 8
-BYTES_PER_TOKEN = 16
-# the rest of a body: roles and fields, tools' descriptions, a json_schema (not part of the prompt)
-ENVELOPE_BYTES = 1 << 20
-# a request's head within this of its first byte, its body within this of its head: the largest default body (V3's
-# context of 163,840 tokens: 3.5 MiB) at 0.5 Mbit/s
-READ_TIMEOUT_S = 60.0
 # what a client that left mid-body gets counted as (nginx's "client closed request"; it hears nothing)
 CLIENT_LEFT = 499
 
 log = logging.getLogger("uvicorn.error")
-
-
-def default_max_body(max_context: int) -> int:
-    """The body limit for a server of `max_context` tokens (the module's rule)."""
-    return max_context * BYTES_PER_TOKEN + ENVELOPE_BYTES
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -13,10 +13,9 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from dsfp4.server.client_limits import HEAD_BYTES
+
 log = logging.getLogger("uvicorn.error")
-# a request's head at most: h11, uvicorn's other parser, refuses one past 16 KiB; an OpenAI client's, its bearer key
-# among them, is well under 2 KiB
-HEAD_BYTES = 64 << 10
 ERROR = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
 TIMED_OUT = (
     b"408 Request Timeout",

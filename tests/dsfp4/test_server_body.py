@@ -12,8 +12,7 @@ import time
 import httpx
 import pytest
 
-from dsfp4.server.body import default_max_body
-from dsfp4.server.deadline import HEAD_BYTES
+from dsfp4.server.client_limits import HEAD_BYTES, default_max_body
 from tests.fixtures.cli import assert_one_line_error, run_cli
 from tests.fixtures.server import CONTEXT, KEY, Server, messages, serve, wait_for
 

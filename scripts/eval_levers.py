@@ -19,12 +19,11 @@ from pathlib import Path
 
 import click
 
-from dsfp4.layout.manifest import Manifest
 from dsfp4.projection.bench_check import whole_model_share
 from dsfp4.projection.machines import MACHINES
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.runtime.models.load import plan_engine
+from dsfp4.runtime.models.load import plan_engine, run_target
 from dsfp4.runtime.modes import Levers, parse_levers
 from dsfp4.runtime.options import RunOptions
 from dsfp4.tools import logprobs_file
@@ -62,7 +61,6 @@ def main(
     experts_per_token: int,
 ) -> None:
     head, lp = logprobs_file.read(reference)
-    manifest = Manifest.read(model)
     ids = ChatTokenizer(model).encode(text.read_text(), special=False)  # the same tokens for every setting
     for name, levers in map(setting, settings):
         options = RunOptions(
@@ -73,6 +71,8 @@ def main(
             cache_aware=levers.cache_aware,
             experts_per_token=experts_per_token,
         )
+        # the shape the run sees (--experts-per-token)
+        manifest = run_target(model, options)[1]
         plan = whole_model_share(plan_engine(model, options), manifest, family, machine)
         with Engine(model, options, plan=plan) as engine:
             if levers.adaptive:  # the adaptive threshold at the machine's ratio of SSD to PCIe rates, not this one's

@@ -23,6 +23,7 @@ import torch
 
 from dsfp4.allocator import use_expandable_segments
 from dsfp4.errors import ConfigError, DsfpError
+from dsfp4.kernels.kernel_paths import kernel_paths
 from dsfp4.kernels.linear import linear
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import write_trace
@@ -88,7 +89,9 @@ class Engine:
             step_bytes_on_host(manifest, plan.on_host, elt),
             sum(layer_cache_bytes(a, i, 1, elt)[0] for i in plan.on_host.caches),
         )
-        self.notes: list[str] = list(self.model.experts.notes)
+        # what runs instead of the kernels on this card and its cost (kernels/kernel_paths.py), then the store's
+        word = kernel_paths(device).word
+        self.notes: list[str] = [word] * bool(word) + list(self.model.experts.notes)
         # of the last generation
         self.stats: GenerationStats | None = None
         # the generation in progress

@@ -127,6 +127,8 @@ def eval_command(
         check_reference(str(reference), ref[0], ref[1], ours, scored_targets(ids, wins))
     bar = tqdm(total=len(wins), unit="window", desc="eval", disable=quiet, file=sys.stderr)
     with Engine(model, options) as engine, bar:
+        for note in engine.notes if not quiet else ():
+            bar.write(f"note: {note}", file=sys.stderr)
         store, before = engine.model.experts, engine.model.experts.counters.snapshot()
         result = evaluate(
             engine.logits,

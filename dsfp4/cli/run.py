@@ -219,7 +219,7 @@ def run(
         raise click.UsageError("give one of --json-schema FILE and --grammar FILE")
     knobs["grammar"] = schema or knobs["grammar"]
     options = RunOptions(**knobs)
-    _kernel_note(options, quiet or as_json)
+    said = _kernel_note(options, quiet or as_json)
     if show_plan:
         _print_plan(ctx, model, options, as_json)
         return
@@ -240,7 +240,7 @@ def run(
     sock = _listen(host, port) if serve else None
     with Engine(model, options) as engine:
         _note_context(ctx, engine.max_context, options)
-        _show_load(engine, as_json, quiet)
+        _show_load(engine, as_json, quiet, said)
         if (chat or prompt is not None) and not (quiet or as_json) and sys.stderr.isatty():
             engine.decoder.progress = PrefillProgress(sys.stderr)
         if chat:
@@ -292,9 +292,9 @@ def _print_plan(ctx: click.Context, model: Path, options: RunOptions, as_json: b
         click.echo(line)
 
 
-def _kernel_note(options: RunOptions, quiet: bool) -> None:
+def _kernel_note(options: RunOptions, quiet: bool) -> str:
     """Before anything loads: a card nothing runs on is refused; one where the kernels do not run gets a note of
-    what runs instead and what it costs."""
+    what runs instead and what it costs (returned: the engine's notes repeat it)."""
     from dsfp4.device import resolve_device
     from dsfp4.kernels.kernel_paths import kernel_paths
 
@@ -302,6 +302,7 @@ def _kernel_note(options: RunOptions, quiet: bool) -> None:
     paths.check()
     if paths.word and not quiet:
         click.echo(f"note: {paths.word}", err=True)
+    return paths.word
 
 
 def _check_one_command(prompt: str | None, chat: bool, serve: bool, batch: Path | None, output: Path | None) -> None:
@@ -369,12 +370,14 @@ def _prompt_ids(rules: PromptRules, prompt: str | None, system: str | None, raw:
     return ids
 
 
-def _show_load(engine: Engine, as_json: bool, quiet: bool) -> None:
-    """The plan table (not with --json or --quiet) and the engine's notes (not with --quiet), on stderr."""
+def _show_load(engine: Engine, as_json: bool, quiet: bool, said: str) -> None:
+    """The plan table (not with --json or --quiet) and the engine's notes (not with --quiet; not `said` again), on
+    stderr."""
     if not (as_json or quiet):
         click.echo(engine.plan.table(), err=True)
     for note in engine.notes if not quiet else ():
-        click.echo(f"note: {note}", err=True)
+        if note != said:
+            click.echo(f"note: {note}", err=True)
 
 
 def _serve(engine: Engine, sock: socket.socket, served: Served, where: str) -> None:

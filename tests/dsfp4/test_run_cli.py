@@ -186,14 +186,22 @@ def test_plan_shows_each_parts_kernel_path_and_a_card_nothing_runs_on_is_refused
     assert j["kernels"]["kernels"] is False and j["kernels"]["parts"]["FP8 backbone"].startswith("torch reference")
     old = kp.paths_for(kp.Gpu("NVIDIA GeForce GTX 1080", (6, 1), 49152, 20, torch_archs=("sm_75", "compute_75")))
     slow = kp.paths_for(kp.Gpu("NVIDIA GeForce RTX 2080 Ti", (7, 5), 65536, 68))
+    import dsfp4.runtime.engine as engine_module
+
     for paths, refused in ((old, True), (slow, False)):
         monkeypatch.setattr(kp, "kernel_paths", lambda device, paths=paths: paths)
+        monkeypatch.setattr(engine_module, "kernel_paths", lambda device, paths=paths: paths)
         r = run_cli("run", converted, "--prompt", "hi", "--device", "cpu", "--max-tokens", "1")
         if refused:
             assert_one_line_error(r, "GTX 1080 (sm_61): this torch build has no CUDA kernels", "install a torch build")
             assert "expert slots" not in r.stderr  # refused before the plan, before anything loads
         else:
             assert r.exit_code == 0 and r.stderr.startswith("note: NVIDIA GeForce RTX 2080 Ti (sm_75): dsfp4's Triton")
+            assert r.stderr.count("RTX 2080 Ti") == 1  # said before the load, not again among the engine's notes
+    from dsfp4.runtime.engine import Engine
+
+    with Engine(converted, device="cpu", max_context=64) as engine:  # the Python API's users hear it too
+        assert engine.notes[0] == slow.word
 
 
 def _peak_rss(model, device: str, budget: dict[str, int]) -> float:

@@ -28,11 +28,11 @@ from dsfp4.kernels.linear import linear
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import write_trace
 from dsfp4.runtime.engine_setup import captured_graphs, trace_routing, warm_start, warm_up_kernels
-from dsfp4.runtime.generate.answer_format import AnswerFormat, no_grammar_beside
+from dsfp4.runtime.generate.answer.answer_format import AnswerFormat, no_grammar_beside
+from dsfp4.runtime.generate.answer.grammar_matcher import GrammarCompiler
 from dsfp4.runtime.generate.batch import STEPPED_PROMPT_TOKENS, BatchRun, Hooks
 from dsfp4.runtime.generate.decoder import Decoder
 from dsfp4.runtime.generate.generation import Delta, Generation, Stream
-from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
 from dsfp4.runtime.generate.joint_prefill import prefill_together
 from dsfp4.runtime.generate.logits_rules import rules_for
 from dsfp4.runtime.generate.prompt import Prompt, PromptRules, PromptSpec, as_token_ids

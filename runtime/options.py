@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from dsfp4.errors import ConfigError
 from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.trace_path import check_trace_path
+from dsfp4.runtime.generate.answer.grammar import Grammar
 from dsfp4.runtime.generate.generation import MAX_TOP
-from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.value_rules import is_finite_number, seed_problem
 from dsfp4.runtime.modes import AUTO, MODES, Levers
@@ -50,7 +50,7 @@ def _typed(options: Any) -> None:
         value = getattr(options, f.name)
         if f.type == "Grammar | None":
             if value is not None and not isinstance(value, Grammar):
-                raise ConfigError(f"option grammar: expected a Grammar (generate/grammar.py), found {value!r:.40}")
+                raise ConfigError(f"option grammar: expected a Grammar (generate/answer/grammar.py), not {value!r:.40}")
             continue
         if f.type == "tuple[str, ...]" and isinstance(value, (str, list)):
             value = (value,) if isinstance(value, str) else tuple(value)
@@ -229,7 +229,7 @@ class SamplingOptions:
     min_p: float = SAMPLING_DEFAULTS.min_p
     # each token's log-probability and this many alternatives (runtime/generate/logprobs.py); None: none
     logprobs: int | None = None
-    # what the answer must spell (runtime/generate/grammar.py); the flags --json-schema FILE and --grammar FILE set it
+    # what the answer must spell (runtime/generate/answer/grammar.py); --json-schema FILE and --grammar FILE set it
     grammar: Grammar | None = None
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
-"""What constrained decoding costs per token (runtime/generate/grammar.py): compiling, each step's mask (llguidance
-filling it on the host, applying it to the logits on the device, taking the token), and decode speed with and
-without a grammar.
+"""What constrained decoding costs per token (runtime/generate/answer/grammar.py): compiling, each step's mask
+(llguidance filling it on the host, applying it to the logits on the device, taking the token), and decode speed with
+and without a grammar.
 
     python scripts/bench_grammar.py MODEL [--device cuda] [--max-tokens 128] [--steps 200] [--json OUT]
 
@@ -21,8 +21,8 @@ import click
 import torch
 
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.generate.grammar import Grammar
-from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
+from dsfp4.runtime.generate.answer.grammar import Grammar
+from dsfp4.runtime.generate.answer.grammar_matcher import GrammarCompiler
 
 # an answer of a known length on any model: 16 strings of at most 12 characters
 SCHEMA = {

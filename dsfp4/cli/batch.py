@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from dsfp4.errors import ConfigError
 from dsfp4.runtime.engine import Engine
-from dsfp4.runtime.generate.answer_format import AnswerFormat
+from dsfp4.runtime.generate.answer.answer_format import AnswerFormat
+from dsfp4.runtime.generate.answer.tool_scan import ToolCallError
 from dsfp4.runtime.generate.generation import Generation
-from dsfp4.runtime.generate.tool_scan import ToolCallError
 from dsfp4.tools.batch_file import BatchItem, append_result
 
 

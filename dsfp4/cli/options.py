@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from dsfp4.runtime.generate.answer.grammar import Grammar
 from dsfp4.runtime.generate.generation import MAX_TOP
-from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.value_rules import SEED_LIMIT
 from dsfp4.runtime.modes import MODES
 from dsfp4.runtime.options import DTYPES, RunOptions

@@ -207,7 +207,7 @@ def run(
     from dsfp4.cli.repl import LocalChat, chat_repl
     from dsfp4.layout.atomic import require_folder
     from dsfp4.runtime.engine import Engine, prompt_rules
-    from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
+    from dsfp4.runtime.generate.answer.grammar_matcher import GrammarCompiler
     from dsfp4.tools.batch_file import answered, read_batch
 
     ctx = click.get_current_context()

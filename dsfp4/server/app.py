@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from dsfp4.errors import ConfigError, ContextLengthError
-from dsfp4.runtime.generate.answer_format import AnswerFormat
+from dsfp4.runtime.generate.answer.answer_format import AnswerFormat
+from dsfp4.runtime.generate.answer.grammar_compiler import GrammarCompiler
+from dsfp4.runtime.generate.answer.tool_scan import ToolCallError
 from dsfp4.runtime.generate.generation import Delta, Generation
-from dsfp4.runtime.generate.grammar_compiler import GrammarCompiler
 from dsfp4.runtime.generate.prompt import PromptRules
-from dsfp4.runtime.generate.tool_scan import ToolCallError
 from dsfp4.server.answers import Answer, progress_comment, sse, stats
 from dsfp4.server.body import read_body
 from dsfp4.server.choices import Asked, Choice

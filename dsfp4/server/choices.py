@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dsfp4.runtime.generate.answer_format import AnswerFormat, tool_calls_dict
+from dsfp4.runtime.generate.answer.answer_format import AnswerFormat, tool_calls_dict
+from dsfp4.runtime.generate.answer.tool_calls import ToolCallDelta
+from dsfp4.runtime.generate.answer.tool_scan import ToolCallError
 from dsfp4.runtime.generate.generation import Delta, Generation, TokenLogprob
 from dsfp4.runtime.generate.reasoning import ReasoningSplitter
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.runtime.generate.tool_calls import ToolCallDelta
-from dsfp4.runtime.generate.tool_scan import ToolCallError
 from dsfp4.server.answers import Piece
 
 TOOL_CALLS = "tool_calls"

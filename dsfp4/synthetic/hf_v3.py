@@ -25,7 +25,7 @@ from dsfp4.layout.formats import FORMATS, component_shapes
 from dsfp4.layout.fp4 import nvfp4_quantize
 from dsfp4.layout.fp8 import fp8_block_quantize
 from dsfp4.layout.safetensors_file import SafetensorsWriter
-from dsfp4.runtime.generate import tool_markup as mk
+from dsfp4.runtime.generate.answer import tool_markup as mk
 from dsfp4.runtime.models.families import model_family
 from dsfp4.synthetic.shapes import GENERATION_CONFIG, v3_config
 

@@ -4,7 +4,7 @@ IN: one JSON object per line: `prompt` (text, through the chat template as --pro
 true`) or `messages` (chat messages, with an agent's tool calls and results), optionally the sampling of that line
 (max_tokens, temperature, top_p, top_k, seed, stop, the penalties, min_p, logprobs) and its answer's format as
 OpenAI's chat completions take it: tools, tool_choice, parallel_tool_calls, response_format
-(runtime/generate/answer_format.py). Blank lines are skipped; every other line is checked before the model loads
+(runtime/generate/answer/answer_format.py). Blank lines are skipped; every other line is checked before the model loads
 (what needs its tokenizer, before the first answer), and a bad one is an error naming FILE:LINE.
 
 OUT: one JSON object per answered line, in input order: `line` (its number in IN), `input_sha256` (of that line's
@@ -24,10 +24,10 @@ from typing import Any
 
 from dsfp4.errors import ConfigError
 from dsfp4.layout.atomic import atomic_write_bytes
+from dsfp4.runtime.generate.answer.grammar import Grammar
+from dsfp4.runtime.generate.answer.tools import check_tools
 from dsfp4.runtime.generate.chat_messages import ROLES
-from dsfp4.runtime.generate.grammar import Grammar
 from dsfp4.runtime.generate.prompt import Prompt
-from dsfp4.runtime.generate.tools import check_tools
 from dsfp4.runtime.options import SAMPLING, RunOptions, with_knobs
 
 # the answer's format (AnswerFormat.of's arguments); a line's own grammar is response_format's

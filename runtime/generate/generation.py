@@ -7,8 +7,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from dsfp4.errors import DsfpError
+from dsfp4.runtime.generate.answer.tool_calls import ToolCall
 from dsfp4.runtime.generate.stats import GenerationStats
-from dsfp4.runtime.generate.tool_calls import ToolCall
 
 # OpenAI's bound on top_logprobs
 MAX_TOP = 20

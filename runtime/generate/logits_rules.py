@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsfp4.errors import ConfigError
+from dsfp4.runtime.generate.answer.grammar_matcher import GrammarCompiler, GrammarMatcher
 from dsfp4.runtime.generate.generation import TokenLogprob
-from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler, GrammarMatcher
 from dsfp4.runtime.generate.logprobs import token_logprob
 from dsfp4.runtime.generate.sampling import sample
 from dsfp4.runtime.generate.sampling_params import SamplingParams

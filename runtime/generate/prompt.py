@@ -10,10 +10,10 @@ from numbers import Integral
 from pathlib import Path
 
 from dsfp4.errors import ConfigError, ContextLengthError
+from dsfp4.runtime.generate.answer.tools import check_tools
 from dsfp4.runtime.generate.chat_messages import chat_messages
 from dsfp4.runtime.generate.reasoning import opens_thinking
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.runtime.generate.tools import check_tools
 
 # text, chat messages or token ids
 Prompt = str | Sequence[Mapping[str, object]] | Sequence[int]

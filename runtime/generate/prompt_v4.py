@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dsfp4.errors import ConfigError
+from dsfp4.runtime.generate.answer.tool_markup import RESULT_BEGIN, RESULT_END, calls_v4, describe_v4
 from dsfp4.runtime.generate.reasoning import THINK_END, THINK_START
-from dsfp4.runtime.generate.tool_markup import RESULT_BEGIN, RESULT_END, calls_v4, describe_v4
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"

@@ -21,9 +21,9 @@ from tokenizers import Tokenizer
 from dsfp4.errors import ConfigError, ManifestError
 from dsfp4.layout.tokenizer_config import NAME as TOKENIZER_CONFIG
 from dsfp4.layout.tokenizer_config import read_tokenizer_config
+from dsfp4.runtime.generate.answer.tool_format import TOOL_FORMATS, V4, template_tool_format
 from dsfp4.runtime.generate.chat_messages import check_rendered
 from dsfp4.runtime.generate.reasoning import THINK_END
-from dsfp4.runtime.generate.tool_format import TOOL_FORMATS, V4, template_tool_format
 from dsfp4.runtime.models.families import model_family
 
 

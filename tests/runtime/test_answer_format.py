@@ -1,4 +1,4 @@
-"""A request's answer format through the Python API (runtime/generate/answer_format.py): tools rendered unless
+"""A request's answer format through the Python API (runtime/generate/answer/answer_format.py): tools rendered unless
 tool_choice is none, required and named choices forced by a grammar into calls that parse and fit their schema,
 response_format beside tools (JSON or calls), after R1's thinking, and the fields checked by name."""
 
@@ -11,8 +11,8 @@ import torch
 
 from dsfp4 import Engine
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.generate.answer_format import AnswerFormat
-from dsfp4.runtime.generate.grammar_compiler import GrammarCompiler
+from dsfp4.runtime.generate.answer.answer_format import AnswerFormat
+from dsfp4.runtime.generate.answer.grammar_compiler import GrammarCompiler
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
 from tests.fixtures.tools import TOOLS
 
@@ -108,7 +108,7 @@ def test_a_schema_that_does_not_compile_and_a_grammar_beside_response_format_are
     bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}
     with pytest.raises(ConfigError, match="response_format.json_schema.schema: the JSON schema does not compile"):
         engine.stream("hi", response_format=bad)
-    from dsfp4.runtime.generate.grammar import Grammar
+    from dsfp4.runtime.generate.answer.grammar import Grammar
 
     with pytest.raises(ConfigError, match="grammar: response_format gives the answer's grammar already"):
         engine.stream("hi", response_format={"type": "json_object"}, grammar=Grammar.json_object())

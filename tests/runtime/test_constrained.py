@@ -11,8 +11,8 @@ import pytest
 
 from dsfp4 import Engine, RunOptions
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.generate.grammar import Grammar
-from dsfp4.runtime.generate.grammar_matcher import GrammarCompiler
+from dsfp4.runtime.generate.answer.grammar import Grammar
+from dsfp4.runtime.generate.answer.grammar_matcher import GrammarCompiler
 
 SCHEMA = {
     "type": "object",

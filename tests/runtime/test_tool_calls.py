@@ -1,7 +1,7 @@
-"""Reading tool calls back from a model's answer (runtime/generate/tool_calls.py, tool_scan.py), whole and streamed,
-on the exact strings each release's model writes (V3-0324 / R1-0528's and V3.1's chat templates and model card,
-V4-Flash's encoding_dsv4.py), malformed markup, and the grammars that force calls (tool_grammar.py, compiled and
-run with llguidance on the synthetic tokenizers)."""
+"""Reading tool calls back from a model's answer (runtime/generate/answer/tool_calls.py, tool_scan.py), whole and
+streamed, on the exact strings each release's model writes (V3-0324 / R1-0528's and V3.1's chat templates and model
+card, V4-Flash's encoding_dsv4.py), malformed markup, and the grammars that force calls (tool_grammar.py, compiled
+and run with llguidance on the synthetic tokenizers)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from dsfp4.runtime.generate.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
-from dsfp4.runtime.generate.tool_format import TOOL_FORMATS, V3, V4, V31
-from dsfp4.runtime.generate.tool_scan import ToolCallError
-from dsfp4.runtime.generate.tools import ToolChoice, tool_choice_grammar
+from dsfp4.runtime.generate.answer.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from dsfp4.runtime.generate.answer.tool_format import TOOL_FORMATS, V3, V4, V31
+from dsfp4.runtime.generate.answer.tool_scan import ToolCallError
+from dsfp4.runtime.generate.answer.tools import ToolChoice, tool_choice_grammar
 
 WEATHER = {
     "type": "function",
@@ -167,7 +167,7 @@ def matchers(tmp_path_factory):
     import llguidance.hf
     from transformers import PreTrainedTokenizerFast
 
-    from dsfp4.runtime.generate.grammar_tokenizer import llguidance_tokenizer
+    from dsfp4.runtime.generate.answer.grammar_tokenizer import llguidance_tokenizer
     from dsfp4.runtime.generate.tokenizer import ChatTokenizer
     from dsfp4.synthetic.hf_v3 import write_tokenizer
 

@@ -10,11 +10,11 @@ import json
 import pytest
 
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.generate import tool_markup as mk
+from dsfp4.runtime.generate.answer import tool_markup as mk
+from dsfp4.runtime.generate.answer.tool_format import V3, V4, V31
+from dsfp4.runtime.generate.answer.tools import ToolChoice, check_tool_choice, check_tools
 from dsfp4.runtime.generate.prompt import encode_prompt
 from dsfp4.runtime.generate.tokenizer import ChatTokenizer
-from dsfp4.runtime.generate.tool_format import V3, V4, V31
-from dsfp4.runtime.generate.tools import ToolChoice, check_tool_choice, check_tools
 from dsfp4.synthetic.hf_v3 import THINK_TOKENS, TOOL_TOKENS, write_tokenizer
 
 VOCAB = 640
@@ -254,7 +254,7 @@ def test_v4_prompts_with_tools_equal_the_releases(tmp_path):
     ("family", "template"), [("deepseek_v3", None), ("deepseek_v3", V31_TEMPLATE), ("deepseek_v4", None)]
 )
 def test_an_assistants_calls_rendered_into_the_prompt_parse_back(tmp_path, family, template):
-    from dsfp4.runtime.generate.tool_calls import parse_tool_calls
+    from dsfp4.runtime.generate.answer.tool_calls import parse_tool_calls
 
     tok = _tokenizer(tmp_path, family, template)
     chat = encode_chat_messages(tok, HISTORY[:3])

@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
-from dsfp4.runtime.generate import tool_markup as mk
+from dsfp4.runtime.generate.answer import tool_markup as mk
 
 # a function whose schema gives no parameters takes any object
 ANY_OBJECT = {"type": "object"}

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dsfp4.runtime.generate import tool_markup as mk
-from dsfp4.runtime.generate.tool_grammar import grammar_dsml, grammar_v3, grammar_v31
-from dsfp4.runtime.generate.tool_scan import Scan, scan_dsml, scan_v3
+from dsfp4.runtime.generate.answer import tool_markup as mk
+from dsfp4.runtime.generate.answer.tool_grammar import grammar_dsml, grammar_v3, grammar_v31
+from dsfp4.runtime.generate.answer.tool_scan import Scan, scan_dsml, scan_v3
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.generate.grammar import Grammar
+from dsfp4.runtime.generate.answer.grammar import Grammar
+from dsfp4.runtime.generate.answer.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from dsfp4.runtime.generate.answer.tool_grammar import GAP, seq
+from dsfp4.runtime.generate.answer.tools import ToolChoice, check_tool_choice, check_tools, tool_choice_grammar
 from dsfp4.runtime.generate.reasoning import THINK_END, split_reasoning
-from dsfp4.runtime.generate.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
-from dsfp4.runtime.generate.tool_grammar import GAP, seq
-from dsfp4.runtime.generate.tools import ToolChoice, check_tool_choice, check_tools, tool_choice_grammar
 
 if TYPE_CHECKING:
     from dsfp4.runtime.generate.generation import Generation

@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dsfp4.errors import ConfigError
+from dsfp4.runtime.generate.answer.tool_format import ToolFormat
+from dsfp4.runtime.generate.answer.tool_grammar import seq
 from dsfp4.runtime.generate.reasoning import THINK_END
-from dsfp4.runtime.generate.tool_format import ToolFormat
-from dsfp4.runtime.generate.tool_grammar import seq
 
 # OpenAI's rule for a function's name
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

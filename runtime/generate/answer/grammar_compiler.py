@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsfp4.errors import ConfigError
-from dsfp4.runtime.generate.grammar import Grammar
-from dsfp4.runtime.generate.grammar_tokenizer import llguidance_tokenizer
+from dsfp4.runtime.generate.answer.grammar import Grammar
+from dsfp4.runtime.generate.answer.grammar_tokenizer import llguidance_tokenizer
 
 if TYPE_CHECKING:
-    from dsfp4.runtime.generate.grammar_matcher import GrammarMatcher
+    from dsfp4.runtime.generate.answer.grammar_matcher import GrammarMatcher
 
 # the JSON compiler's options: no whitespace between tokens (the separators are its defaults, "," and ":")
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -78,7 +78,7 @@ class GrammarCompiler:
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A matcher at the start of `grammar` (compiled now if it is not yet) for one sequence."""
         # here: the matcher's module imports torch, which the HTTP process leaves out
-        from dsfp4.runtime.generate.grammar_matcher import GrammarMatcher
+        from dsfp4.runtime.generate.answer.grammar_matcher import GrammarMatcher
 
         self.compile(grammar)
         return GrammarMatcher(self.compiled[grammar].deep_copy(), self.words, self.eos_ids)

@@ -17,7 +17,7 @@ import torch
 from dsfp4.errors import DsfpError
 
 # the compiler lives apart, free of torch (the server's HTTP process compiles a request's grammar to check it)
-from dsfp4.runtime.generate.grammar_compiler import WORD_BITS, GrammarCompiler
+from dsfp4.runtime.generate.answer.grammar_compiler import WORD_BITS, GrammarCompiler
 
 __all__ = ["GrammarCompiler", "GrammarMatcher"]
 

@@ -10,8 +10,7 @@ import re
 from dataclasses import dataclass
 
 from dsfp4.errors import DsfpError
-from dsfp4.runtime.generate.reasoning import partial_suffix
-from dsfp4.runtime.generate.tool_markup import (
+from dsfp4.runtime.generate.answer.tool_markup import (
     CALL_BEGIN,
     CALL_END,
     CALL_TYPE,
@@ -26,6 +25,7 @@ from dsfp4.runtime.generate.tool_markup import (
     SEP,
     to_json,
 )
+from dsfp4.runtime.generate.reasoning import partial_suffix
 
 
 class ToolCallError(DsfpError):

@@ -11,9 +11,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dsfp4.runtime.generate.answer.tool_format import ToolFormat
+from dsfp4.runtime.generate.answer.tool_scan import PartialCall, ToolCallError
 from dsfp4.runtime.generate.reasoning import partial_suffix
-from dsfp4.runtime.generate.tool_format import ToolFormat
-from dsfp4.runtime.generate.tool_scan import PartialCall, ToolCallError
 
 
 @dataclass(frozen=True)

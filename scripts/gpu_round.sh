@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The measurements the CPU machine cannot make, batched for one GPU session; docs/BENCHMARKS.md takes their tables.
+# Run from the repository root with the wheels the GPU image lacks in .whl/ (gguf, zstandard, llguidance, made with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`), stages in order, each call under 10 min:
+#
+#   bash scripts/gpu_round.sh setup fp8     # the wheels, the V3-width bench model, doctor; the FP8 backbone by bits
+#                                           # against the native path (issue 49): scripts/bench_fp8_by_bits.py and
+#                                           # the GPU tests of that path forced by DSFP4_FP8_BY_BITS=1
+#   bash scripts/gpu_round.sh setup first   # each prompt length's first request in a fresh process, twice with one
+#                                           # Triton cache: a new install's and a later process's (issue 50)
+#   bash scripts/gpu_round.sh setup levers  # the small DeepSeek trained (3.5 min), converted, its exact NVFP4 logits,
+#                                           # then eval_levers at 8, 7 and 6 experts a token (issue 51, item 3)
+#
+# `setup` is quick where /tmp already holds its work (a warm machine); each stage writes its JSON under $OUT.
+set -euo pipefail
+
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu-round-out}
+BM=/tmp/bs/model        # the bench model: V3 width, 1 dense + 2 MoE layers of 256 NVFP4 experts
+TS=/tmp/ts              # the trained small DeepSeek: src/ (its FP8 release), nvfp4/ (converted)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+setup() {
+    if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$ROOT"/.whl/*.whl
+    fi
+    export PYTHONPATH=/tmp/site:$ROOT/src
+    [ -f "$BM/manifest.json" ] || python3 scripts/bench_model.py "$BM" --layers 3 --dense 1 --tokenizer
+    [ -f "$OUT/doctor.json" ] || python3 -m dsfp4.cli.main doctor "$BM" --out "$OUT/doctor.json"
+}
+
+fp8() {
+    python3 scripts/bench_fp8_by_bits.py "$BM" --out "$OUT/fp8_by_bits" 2>&1 | tee "$OUT/fp8_by_bits.log"
+    DSFP4_FP8_BY_BITS=1 python3 -m pytest -q -m gpu tests/kernels/test_fp8_by_bits.py tests/kernels/test_fp8_linear.py \
+        2>&1 | tail -5 | tee "$OUT/fp8_by_bits_tests.log"
+}
+
+first() {
+    local cache=/tmp/triton-first-cache
+    rm -rf "$cache"
+    for run in new-install later-process; do
+        python3 scripts/bench_first_request.py "$BM" --cache "$cache" --json "$OUT/first_request_$run.json" \
+            2>&1 | tee "$OUT/first_request_$run.log"
+    done
+}
+
+levers() {
+    [ -f "$TS/src/config.json" ] || python3 scripts/train_small.py "$TS/src" --minutes 3.5
+    [ -f "$TS/nvfp4/manifest.json" ] || python3 -m dsfp4.cli.main convert --fp4 "$TS/src" "$TS/nvfp4" --device cuda
+    # the first 6,000 characters of the held-out text, as the README's lever table used
+    python3 -c "import sys; sys.stdout.write(open(sys.argv[1], encoding='utf-8').read()[:6000])" \
+        "$TS/src/heldout.txt" > "$TS/h6k.txt"
+    [ -f "$TS/nv6.lp" ] || python3 -m dsfp4.cli.main eval "$TS/nvfp4" --text "$TS/h6k.txt" --save-logits "$TS/nv6.lp" \
+        --device cpu --dtype fp32 -q
+    for k in 0 7 6; do
+        python3 scripts/eval_levers.py "$TS/nvfp4" 0:0 latency --text "$TS/h6k.txt" --reference "$TS/nv6.lp" \
+            --experts-per-token "$k" | tee "$OUT/levers_k$k.jsonl"
+    done
+}
+
+for stage in "$@"; do
+    case "$stage" in
+        setup | fp8 | first | levers) "$stage" ;;
+        *) echo "unknown stage $stage: give setup, fp8, first or levers" >&2; exit 2 ;;
+    esac
+done

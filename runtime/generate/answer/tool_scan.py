@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsfp4.errors import DsfpError
@@ -112,26 +113,36 @@ def _v3_call(body: str, done: bool) -> PartialCall:
     return PartialCall(head, _settled(tail, done, CALL_END), done)
 
 
-def scan_v3(block: str) -> Scan:
-    """The V3 family's block: calls between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`, whitespace between."""
+def _scan_calls(block: str, begin: str, end: str, read: Callable[[str, int], tuple[PartialCall, int | None]]) -> Scan:
+    """A block of calls, each opened by `begin`, the block closed by `end`, whitespace between: `read` takes the block
+    and where a call's text starts (after `begin`) -> (the call so far, where the next may start; None: still open)."""
     calls: list[PartialCall] = []
     pos = 0
     while True:
         pos = _skip_space(block, pos)
         rest = block[pos:]
-        if rest.startswith(CALLS_END):
-            return Scan(tuple(calls), pos + len(CALLS_END))
-        if rest.startswith(CALL_BEGIN):
-            start = pos + len(CALL_BEGIN)
-            close = block.find(CALL_END, start)
-            calls.append(_v3_call(block[start:] if close < 0 else block[start:close], close >= 0))
-            if close < 0:
+        if rest.startswith(end):
+            return Scan(tuple(calls), pos + len(end))
+        if not rest.startswith(begin):
+            if _waiting(rest, end, begin):
                 return Scan(tuple(calls), None)
-            pos = close + len(CALL_END)
-            continue
-        if _waiting(rest, CALLS_END, CALL_BEGIN):
+            raise ToolCallError(f"tool-call markup: expected {begin} or {end}, got {rest[:40]!r}")
+        call, pos = read(block, pos + len(begin))
+        calls.append(call)
+        if pos is None:
             return Scan(tuple(calls), None)
-        raise ToolCallError(f"tool-call markup: expected {CALL_BEGIN} or {CALLS_END}, got {rest[:40]!r}")
+
+
+def _v3_read(block: str, start: int) -> tuple[PartialCall, int | None]:
+    close = block.find(CALL_END, start)
+    if close < 0:
+        return _v3_call(block[start:], False), None
+    return _v3_call(block[start:close], True), close + len(CALL_END)
+
+
+def scan_v3(block: str) -> Scan:
+    """The V3 family's block: calls between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`, whitespace between."""
+    return _scan_calls(block, CALL_BEGIN, CALLS_END, _v3_read)
 
 
 INVOKE_HEAD = re.compile(r'\s+name="([^"]+)"\s*')
@@ -173,29 +184,20 @@ def _dsml_parameters(block: str, pos: int, name: str) -> tuple[list[str], int, b
         pos = value_end + len(DSML_PARAM_END)
 
 
+def _dsml_read(block: str, start: int) -> tuple[PartialCall, int | None]:
+    head_end = block.find(">", start)
+    if head_end < 0:
+        return PartialCall(None, "", False), None
+    head = INVOKE_HEAD.fullmatch(block[start:head_end])
+    if head is None:
+        tag = block[start - len(DSML_INVOKE) :][:40]
+        raise ToolCallError(f"tool-call markup: an invoke's tag is not name=..., got {tag!r}")
+    pieces, pos, closed = _dsml_parameters(block, head_end + 1, head.group(1))
+    arguments = "{" + ", ".join(pieces) + "}" if closed else ("{" + ", ".join(pieces) if pieces else "")
+    return PartialCall(head.group(1), arguments, closed), pos if closed else None
+
+
 def scan_dsml(block: str) -> Scan:
     """V4's block: invokes with a name, each holding parameters; the arguments are the JSON object of them, written
     out a parameter at a time."""
-    calls: list[PartialCall] = []
-    pos = 0
-    while True:
-        pos = _skip_space(block, pos)
-        rest = block[pos:]
-        if rest.startswith(DSML_CALLS_END):
-            return Scan(tuple(calls), pos + len(DSML_CALLS_END))
-        if not rest.startswith(DSML_INVOKE):
-            if _waiting(rest, DSML_CALLS_END, DSML_INVOKE):
-                return Scan(tuple(calls), None)
-            raise ToolCallError(f"tool-call markup: expected {DSML_INVOKE} or {DSML_CALLS_END}, got {rest[:40]!r}")
-        head_end = block.find(">", pos)
-        if head_end < 0:
-            calls.append(PartialCall(None, "", False))
-            return Scan(tuple(calls), None)
-        head = INVOKE_HEAD.fullmatch(block[pos + len(DSML_INVOKE) : head_end])
-        if head is None:
-            raise ToolCallError(f"tool-call markup: an invoke's tag is not name=..., got {rest[:40]!r}")
-        pieces, pos, closed = _dsml_parameters(block, head_end + 1, head.group(1))
-        arguments = "{" + ", ".join(pieces) + "}" if closed else ("{" + ", ".join(pieces) if pieces else "")
-        calls.append(PartialCall(head.group(1), arguments, closed))
-        if not closed:
-            return Scan(tuple(calls), None)
+    return _scan_calls(block, DSML_INVOKE, DSML_CALLS_END, _dsml_read)

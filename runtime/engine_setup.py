@@ -33,13 +33,12 @@ def trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.devic
     return routing
 
 
-def warm_start(model: Model, model_dir: Path, zero_copy: bool) -> None:
-    """The expert tiers filled before the first generation: from the folder's hot.json when it belongs to this
-    conversion; with --zero-copy, kernels that read RAM's records in place where the device and RAM hold them all."""
+def warm_start(model: Model, model_dir: Path, conversion: Manifest, zero_copy: bool) -> None:
+    """The expert tiers filled before the first generation: from the folder's hot.json when it belongs to
+    `conversion` (the manifest on disk: a run of fewer experts a token reads the same conversion's hottest); with
+    --zero-copy, kernels that read RAM's records in place where the device and RAM hold them all."""
     hot = model_dir / HOT_NAME
-    # checked against the conversion on disk: the run's manifest may route fewer experts (--experts-per-token),
-    # and the hottest experts are the same conversion's
-    profile = HotProfile.read(hot).check(Manifest.read(model_dir), hot) if hot.is_file() else None
+    profile = HotProfile.read(hot).check(conversion, hot) if hot.is_file() else None
     kernel = model.moe_kernel
     log.info("warm start: the expert tiers filled%s", f" from {HOT_NAME}" if profile is not None else "")
     place_records(model.experts, profile, zero_copy=zero_copy and kernel is not None and kernel.triton)

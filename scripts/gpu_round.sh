@@ -10,6 +10,9 @@
 #                                           # Triton cache: a new install's and a later process's (issue 50)
 #   bash scripts/gpu_round.sh setup levers  # the small DeepSeek trained (3.5 min), converted, its exact NVFP4 logits,
 #                                           # then eval_levers at 8, 7 and 6 experts a token (issue 51, item 3)
+#   bash scripts/gpu_round.sh train         # the small DeepSeek trained (3.5 min) and sent back in $OUT as 15 MB parts
+#                                           # (ts_src.tar.*), for the quality measurements the CPU machine makes:
+#                                           # cat ts_src.tar.* | tar -x -C DIR
 #
 # `setup` is quick where /tmp already holds its work (a warm machine); each stage writes its JSON under $OUT.
 set -euo pipefail
@@ -60,9 +63,15 @@ levers() {
     done
 }
 
+train() {
+    export PYTHONPATH=${PYTHONPATH:-$ROOT/src}
+    [ -f "$TS/src/config.json" ] || python3 scripts/train_small.py "$TS/src" --minutes 3.5 2>&1 | tail -5
+    tar -cf - -C "$TS" src | split -b 15M - "$OUT/ts_src.tar."
+}
+
 for stage in "$@"; do
     case "$stage" in
-        setup | fp8 | first | levers) "$stage" ;;
-        *) echo "unknown stage $stage: give setup, fp8, first or levers" >&2; exit 2 ;;
+        setup | fp8 | first | levers | train) "$stage" ;;
+        *) echo "unknown stage $stage: give setup, fp8, first, levers or train" >&2; exit 2 ;;
     esac
 done

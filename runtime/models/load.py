@@ -24,6 +24,8 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.modes import MODE_BATCH
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.device_split import make_split_plan
+from dsfp4.runtime.plan.devices import card_budgets, resolve_cards
 from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
 from dsfp4.runtime.plan.probes import host_share
@@ -35,12 +37,20 @@ log = logging.getLogger("dsfp4")
 
 
 def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
-    """Device, manifest, context (capped at the model's) and compute dtype of a run."""
-    device = resolve_device(options.device)
+    """Device (a split run's first card: run_cards), manifest, context (capped at the model's) and compute dtype of a
+    run."""
+    cards = run_cards(options)
+    device = cards[0] if cards else resolve_device(options.device)
     # a card no torch kernel runs on is refused before anything is read
-    kernel_paths(device).check()
+    for card in cards or [device]:
+        kernel_paths(card).check()
     manifest = with_experts_per_token(Manifest.open(model_dir), options.experts_per_token, model_dir)
     return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
+
+
+def run_cards(options: RunOptions) -> list[torch.device]:
+    """The cards of a run split across them (--devices), checked against this machine; [] for one device."""
+    return resolve_cards(options.devices) if options.devices else []
 
 
 def with_experts_per_token(manifest: Manifest, k: int, model_dir: Path) -> Manifest:
@@ -148,19 +158,31 @@ def plan_run(
     with_mtp: bool,
     host_extra: int = 0,
 ) -> Plan:
-    # the flags' sizes, parsed by RunOptions
-    budgets = options.budgets.resolve(device)
+    # the flags' sizes, parsed by RunOptions; a split's cards each their own
+    cards = run_cards(options)
+    budgets = card_budgets(options.budgets, cards) if cards else options.budgets.resolve(device)
     chunk, threads, a = options.prefill_chunk, options.io_threads, manifest.args
     batch, alone = options.max_batch, _decodes_alone(a, options, with_mtp)
     if batch > 1 and alone:
         raise ConfigError(alone)
     if batch == 0:
         elt = torch.empty((), dtype=dtype).element_size()
+        # a split's KV caches share out over the cards: their sum
         batch = 1 if alone else auto_batch(a, budgets.gpu, max_len, elt, MODE_BATCH[options.mode])
-    plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=batch)
+
+    def planned(max_batch: int) -> Plan:
+        if cards:
+            return make_split_plan(
+                manifest, cards, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=max_batch
+            )
+        return make_plan(
+            manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=max_batch
+        )
+
+    plan = planned(batch)
     # the batch's experts fit the tiers
     if options.max_batch == 0 and (fit := union_batch(a, plan, batch)) < batch:
-        plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=fit)
+        plan = planned(fit)
     return plan
 
 

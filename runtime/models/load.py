@@ -18,6 +18,7 @@ from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.safetensors_file import file_sha256
+from dsfp4.runtime.models.card_map import CardMap
 from dsfp4.runtime.models.families import model_family
 from dsfp4.runtime.models.host_memory import ALIGN, HostArena
 from dsfp4.runtime.models.protocol import Model
@@ -30,6 +31,7 @@ from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
 from dsfp4.runtime.plan.probes import host_share
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.split_store import SplitStore
 from dsfp4.units import format_bytes
 
 # stage lines of an engine's start: the CLI shows them on a terminal (dsfp4/cli/progress.py)
@@ -105,22 +107,11 @@ def load_model(
         device,
         f", {format_bytes(plan.host_backbone + plan.host_kv)} in pinned RAM" if arena is not None else "",
     )
-    w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena)
+    cards = CardMap.of_plan(plan)
+    w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena, cards)
     # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
     log.info("allocating the expert tiers: %d device and %d RAM slots", plan.gpu_slots, plan.ram_slots)
-    experts = ExpertStore(
-        model_dir,
-        manifest,
-        device,
-        plan,
-        options.policy,
-        options.io_threads,
-        options.verify,
-        host=False,
-        prefetch_reads=options.prefetch_reads,
-        levers=options.levers(),
-        lane=host_share(options.cpu_experts, manifest.record, device),
-    )
+    experts = _expert_store(model_dir, manifest, device, plan, options, cards)
     hashing = ThreadPoolExecutor(options.io_threads, thread_name_prefix="dsfp4-hash")
     try:
         # the backbone's files are hashed while they load (--verify), as each record is on its first read
@@ -149,6 +140,32 @@ def load_model(
     return model.eval()
 
 
+def _expert_store(
+    model_dir: Path, manifest: Manifest, device: torch.device, plan: Plan, options: RunOptions, cards: CardMap | None
+) -> ExpertStore | SplitStore:
+    """The run's expert store: one, or a split run's, one a card over the shared RAM tier (store/split_store.py)."""
+    o, lane = options, host_share(options.cpu_experts, manifest.record, device)
+    tiers = (o.policy, o.io_threads, o.verify)
+    if cards is not None:
+        return SplitStore(model_dir, manifest, list(cards.cards), plan, *tiers, o.prefetch_reads, o.levers(), lane)
+    return ExpertStore(
+        model_dir, manifest, device, plan, *tiers, host=False, prefetch_reads=o.prefetch_reads, levers=o.levers(),
+        lane=lane,
+    )  # fmt: skip
+
+
+def _check_split(a: ModelArgs, cards: list[torch.device]) -> None:
+    """A split needs a family whose model splits, and a head of its own (a tied one is the first card's embedding)."""
+    if cards and not model_family(a).split:
+        raise ConfigError(
+            f"--devices: {a.family_spec.title}'s model does not split across cards yet; give one --device"
+        )
+    if cards and a.tie_word_embeddings:
+        raise ConfigError(
+            "--devices: this model's head is its embedding (tied), which a split keeps on both ends; give one --device"
+        )
+
+
 def plan_run(
     manifest: Manifest,
     device: torch.device,
@@ -160,6 +177,7 @@ def plan_run(
 ) -> Plan:
     # the flags' sizes, parsed by RunOptions; a split's cards each their own
     cards = run_cards(options)
+    _check_split(manifest.args, cards)
     budgets = card_budgets(options.budgets, cards) if cards else options.budgets.resolve(device)
     chunk, threads, a = options.prefill_chunk, options.io_threads, manifest.args
     batch, alone = options.max_batch, _decodes_alone(a, options, with_mtp)

@@ -150,3 +150,11 @@ class SplitStore:
 def layer_store(experts: ExpertStore | SplitStore, layer: int) -> ExpertStore:
     """The store a model's layer asks for its experts: its card's in a split run."""
     return experts.store_of(layer) if isinstance(experts, SplitStore) else experts
+
+
+def fewest_slots(experts: ExpertStore | SplitStore) -> int:
+    """The device slots a token's experts of one layer may use at most: the store's, or the fewest of a split run's
+    cards that hold MoE layers."""
+    if isinstance(experts, SplitStore):
+        return min((s.plan.gpu_slots for s in experts.cards if s.plan.total_records), default=0)
+    return experts.plan.gpu_slots

@@ -148,15 +148,17 @@ def make_split_plan(
     host_extra: int = 0,
     process: int | None = None,
     max_batch: int = 1,
+    kernels: bool | None = None,
 ) -> Plan:
     """make_plan for a split across `cards` (budgets.cards: each card's, resolved): the cut (split_layers), each
-    card's share, then the one RAM tier."""
+    card's share, then the one RAM tier. `kernels`: whether the Triton and FP8 kernels run (default: the first
+    card's kernel_paths; a projection's user cards run them)."""
     a, elt, first = manifest.args, torch.empty((), dtype=dtype).element_size(), cards[0]
     paths = kernel_paths(first)
+    kernels, fp8 = (paths.kernels, paths.fp8_kernels) if kernels is None else (kernels, kernels)
     n = run_needs(
-        manifest, first, dtype, max_context, prefill_chunk, with_mtp, host_extra, process, paths.kernels,
-        paths.fp8_kernels, max_batch,
-    )  # fmt: skip
+        manifest, first, dtype, max_context, prefill_chunk, with_mtp, host_extra, process, kernels, fp8, max_batch
+    )
     distinct = {str(c) for c in cards if c.type == "cuda"}
     n = dataclasses.replace(n, host_base=n.host_base + CARD_HOST_RESERVE * max(len(distinct) - 1, 0))
     used = range(a.n_blocks if with_mtp else a.n_layers)
@@ -188,7 +190,7 @@ def make_split_plan(
         cold_slots=cold_slots,
         cold_record=cold,
         prefill_group=prefill_group(a, prefill_chunk, max_context, elt),
-        attention_group=attention_group(a, prefill_chunk, max_context, elt, paths.kernels),
+        attention_group=attention_group(a, prefill_chunk, max_context, elt, kernels),
         cards=shares,
     )
 

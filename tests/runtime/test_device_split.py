@@ -135,3 +135,17 @@ def test_run_plan_shows_each_cards_layers_and_slots(converted):
     assert sorted(i for c in cards for i in c["layers"]) == list(range(Manifest.open(converted).args.n_layers))
     refused = CliRunner().invoke(cli, ["run", str(converted), "--devices", "cpu", "--plan"])
     assert refused.exit_code != 0 and "a split takes 2 or more cards" in refused.output
+
+
+@pytest.mark.parametrize(("one", "two"), [("3090", "2x3090"), ("24g", "2x4090")])
+def test_the_projection_plans_the_whole_v3_split_on_two_cards(one, two):
+    from dsfp4.projection.machines import MACHINES
+    from dsfp4.projection.whole_model import full_plan
+
+    _, single = full_plan("v3", MACHINES[one])
+    _, split = full_plan("v3", MACHINES[two])
+    assert len(split.cards) == 2 and not single.cards
+    assert sorted(i for c in split.cards for i in c.layers) == list(range(61))
+    # the same RAM; the second card's budget goes to slots once its layers' backbone is placed
+    assert split.ram_slots == single.ram_slots and split.gpu_slots > 2 * single.gpu_slots
+    assert all(c.backbone + c.kv_cache + c.workspace + c.gpu_slots * split.record <= c.budget for c in split.cards)

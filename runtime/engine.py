@@ -123,7 +123,8 @@ class Engine:
             self.reuse = PromptReuse(self.decoder, self.speculator, self.prompt_cache, self._model)
             # --experts-per-token changed the run's shape, not the conversion on disk hot.json binds to
             on_disk = manifest if not o.experts_per_token else Manifest.read(self.model_dir)
-            warm_start(self.model, self.model_dir, on_disk, o.zero_copy)
+            if note := warm_start(self.model, self.model_dir, on_disk, o.zero_copy):
+                self.notes.append(note)
             warm_up_kernels(self.model, dtype, manifest.args, min(o.prefill_chunk, self.max_context))
             if o.cuda_graph:
                 recording = self.recorder is not None

@@ -16,6 +16,8 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.store.placement import place_records
+from dsfp4.runtime.store.split_placement import place_split
+from dsfp4.runtime.store.split_store import SplitStore
 
 # stage lines of an engine's start: the CLI shows them on a terminal (dsfp4/cli/progress.py)
 log = logging.getLogger("dsfp4")
@@ -33,22 +35,30 @@ def trace_routing(model: Model, a: ModelArgs, o: RunOptions, device: torch.devic
     return routing
 
 
-def warm_start(model: Model, model_dir: Path, conversion: Manifest, zero_copy: bool) -> None:
+def warm_start(model: Model, model_dir: Path, conversion: Manifest, zero_copy: bool) -> str | None:
     """The expert tiers filled before the first generation: from the folder's hot.json when it belongs to
     `conversion` (the manifest on disk: a run of fewer experts a token reads the same conversion's hottest); with
-    --zero-copy, kernels that read RAM's records in place where the device and RAM hold them all."""
+    --zero-copy, kernels that read RAM's records in place where the device and RAM hold them all -> a note for the
+    engine's (a split's: it maps nothing)."""
     hot = model_dir / HOT_NAME
     profile = HotProfile.read(hot).check(conversion, hot) if hot.is_file() else None
     kernel = model.moe_kernel
     log.info("warm start: the expert tiers filled%s", f" from {HOT_NAME}" if profile is not None else "")
-    place_records(model.experts, profile, zero_copy=zero_copy and kernel is not None and kernel.triton)
+    zero_copy = zero_copy and kernel is not None and kernel.triton
+    if isinstance(model.experts, SplitStore):
+        return place_split(model.experts, profile, zero_copy)
+    place_records(model.experts, profile, zero_copy=zero_copy)
+    return None
 
 
 def warm_up_kernels(model: Model, dtype: torch.dtype, a: ModelArgs, chunk: int) -> None:
     """Triton compiles the MoE kernels here, not in the first TTFT."""
     if model.moe_kernel is not None:
         log.info("compiling the MoE kernels")
-        model.moe_kernel.warm_up(dtype, model.experts.gpu, a.n_routed_experts, chunk)
+        # each card's kernel on its slots (one device: the one pair)
+        pairs = {id(b.ffn.kernel): (b.ffn.kernel, b.ffn.experts.gpu) for b in model.layers if b.moe}
+        for kernel, records in pairs.values() or [(model.moe_kernel, model.experts.gpu)]:
+            kernel.warm_up(dtype, records, a.n_routed_experts, chunk)
 
 
 def captured_graphs(

@@ -23,6 +23,7 @@ from dsfp4.runtime.generate.sampling_params import SamplingParams
 from dsfp4.runtime.generate.value_rules import is_finite_number, seed_problem
 from dsfp4.runtime.modes import AUTO, MODES, Levers
 from dsfp4.runtime.plan.budget import Budgets, parse_size
+from dsfp4.runtime.plan.devices import parse_devices
 from dsfp4.runtime.plan.lane_split import parse_host_share
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.value_types import annotation_spec, check
@@ -69,6 +70,9 @@ class EngineOptions:
     """Where the model runs and under which budgets; its context, prefill chunks and decode machinery."""
 
     device: str = "auto"
+    # the cards of a run split across them, layers by bytes (runtime/plan/device_split.py): "cuda:0,cuda:1" or its
+    # names; () runs on `device`
+    devices: tuple[str, ...] = ()
     # bf16 on CUDA, fp32 on the CPU
     dtype: str = "auto"
     max_context: int = 4096
@@ -106,7 +110,9 @@ class EngineOptions:
             raise ConfigError(f"--dtype {self.dtype}: choose auto, {', '.join(DTYPES)}")
         if self.max_context < 2:
             raise ConfigError(f"--max-context {self.max_context}: give at least 2")
-        object.__setattr__(self, "budgets", Budgets.parse(self.gpu_mem, self.cpu_mem, self.preset))
+        object.__setattr__(self, "devices", parse_devices(self.devices, self.device))
+        cards = len(self.devices) or 1
+        object.__setattr__(self, "budgets", Budgets.parse(self.gpu_mem, self.cpu_mem, self.preset, cards))
         parse_size(self.prompt_cache_size, "--prompt-cache-size")
         if self.prompt_cache is not None and Path(self.prompt_cache).exists() and not Path(self.prompt_cache).is_dir():
             raise ConfigError(f"--prompt-cache {self.prompt_cache}: a file, not a folder; give a folder for the cache")

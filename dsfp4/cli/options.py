@@ -86,6 +86,13 @@ def context_options(max_context: int, context_help: str, prefill_chunk: int) -> 
 budget_options = _stack(
     click.option("--device", default=RUN_DEFAULTS.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
     click.option(
+        "--devices",
+        callback=lambda ctx, param, value: () if value is None else (value,),
+        help="Split the layers across the cards of this box, e.g. cuda:0,cuda:1 (instead of --device): each card "
+        "its share of the backbone, KV cache and expert slots, one budget per card (--gpu-mem 22G,22G or --preset "
+        "2x24g); the same card named twice takes the split path on one device.",
+    ),
+    click.option(
         "--dtype",
         type=click.Choice(["auto", *DTYPES]),
         default=RUN_DEFAULTS.dtype,
@@ -93,7 +100,9 @@ budget_options = _stack(
         help="Compute dtype; auto is bf16 on CUDA, fp32 on the CPU.",
     ),
     click.option(
-        "--gpu-mem", help="Device memory budget, e.g. 14G (default: the preset, else free VRAM less a margin)."
+        "--gpu-mem",
+        help="Device memory budget, e.g. 14G; with --devices one size per card, e.g. 22G,22G (default: the preset, "
+        "else free VRAM less a margin).",
     ),
     click.option("--cpu-mem", help="RAM budget of the process, e.g. 64G (default: the preset, else 80% of available)."),
     click.option("--preset", type=click.Choice(list(PRESETS)), help="Budgets of a hardware class (see run --plan)."),

@@ -21,6 +21,9 @@ class Machine:
     links: Links
     # the GPU's dense BF16 tensor peak (FP32 accumulate), FLOP/s: NVIDIA's specifications
     flops: float
+    # cards in the box (budgets.cards each one's): the whole model planned split across them (runtime/plan/
+    # device_split.py); hbm, flops and links are each card's, and a layer's copies go over its own card's link
+    cards: int = 1
 
 
 MACHINES = {
@@ -56,6 +59,26 @@ MACHINES = {
         1008e9,
         Links(1.5e9, 25e9),
         165.2e12,
+    ),
+    # two cards in one box, the RAM and SSD of the one-card machines above; each card on a PCIe link of its own
+    # (x16 each: on a board that splits x8/x8 each link is half as fast)
+    "2x3090": Machine(
+        "two RTX 3090 24 GB (936 GB/s each, sm_86), 96 GB RAM, 7 GB/s PCIe 4 SSD, 25 GB/s pinned PCIe 4 each "
+        "(the 3090 machine's RAM, SSD and links)",
+        Budgets(2 * PRESETS["2x24g"].gpu, PRESETS["2x24g"].cpu, "preset 2x24g", (PRESETS["2x24g"].gpu,) * 2),
+        936e9,
+        Links(7e9, 25e9),
+        71e12,
+        cards=2,
+    ),
+    "2x4090": Machine(
+        "two RTX 4090 24 GB (1,008 GB/s each, sm_89), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe each (the 24g "
+        "machine's RAM, SSD and links)",
+        Budgets(2 * PRESETS["2x24g"].gpu, PRESETS["2x24g"].cpu, "preset 2x24g", (PRESETS["2x24g"].gpu,) * 2),
+        1008e9,
+        Links(14e9, 50e9),
+        165.2e12,
+        cards=2,
     ),
 }
 

@@ -44,6 +44,7 @@ from dsfp4.projection.simulate import (
     simulate,
     simulate_prefill,
 )
+from dsfp4.runtime.plan.device_split import make_split_plan
 from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, with_narrow_slots
 from dsfp4.synthetic.bench_model import model_args
@@ -75,6 +76,10 @@ def full_plan(
     m = planned_manifest(args, spec, expert_format)
     try:
         budgets, b = machine.budgets, (max_context, PREFILL_CHUNK, IO_THREADS)
+        if machine.cards > 1:
+            # the layers split across the cards: each card's slots serve its layers (simulated as one pool)
+            cards = [PLAN_DEVICE] * machine.cards
+            return m, make_split_plan(m, cards, torch.bfloat16, budgets, *b, process=USER_PROCESS, kernels=True)
         return m, make_plan(
             m, PLAN_DEVICE, torch.bfloat16, budgets, *b, process=USER_PROCESS, fp8_kernels=True, kernels=True
         )

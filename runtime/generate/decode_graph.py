@@ -28,11 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dsfp4.runtime.generate.card_graphs import Crossing, capture_on, restore, synchronize
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting
 from dsfp4.runtime.store.host_lane import abandoned_on_error
 from dsfp4.runtime.store.layer_step import LayerAsk
+from dsfp4.runtime.store.split_store import fewest_slots
 
 # the shortest attention span captured: short contexts share one graph
 MIN_SPAN = 256
@@ -52,9 +54,11 @@ class CapturedStep:
     """A decode step as graphs: each piece, then the expert loads to run before the next one (None after
     the last), and the last piece's outputs."""
 
-    pieces: list[tuple[torch.cuda.CUDAGraph, LayerAsk | None]]
+    pieces: list[tuple[torch.cuda.CUDAGraph, LayerAsk | Crossing | None]]
     logits: torch.Tensor  # [B, 1, V]
     hidden: torch.Tensor  # [B, 1, D]
+    # each piece's card (a split run's; else the one device)
+    devices: list[torch.device]
 
 
 class DecodeGraphs:
@@ -68,6 +72,8 @@ class DecodeGraphs:
     ):
         """routing: a routing trace the MoE layers take their experts from; each replay begins its next row."""
         self.model, self.max_context, self.device, self.routing = model, max_context, device, routing
+        # a split run's cards (runtime/generate/card_graphs.py), else the one device
+        self.cards = model.cards.cards if model.cards is not None else (device,)
         # (B, first slot, span) -> the step
         self.graphs: dict[tuple[int, int, int], CapturedStep] = {}
         store = model.experts
@@ -97,9 +103,9 @@ class DecodeGraphs:
             return "routing is being recorded (--record-trace) on the host"
         if self.model.moe_kernel is not None and not self.model.moe_kernel.triton:
             return "Triton is not installed: the experts' torch reference asks the host for its routing"
-        k = self.model.args.n_activated_experts
-        if self.streamed and store.plan.gpu_slots < k:
-            return f"experts are streamed through {store.plan.gpu_slots} device slots, fewer than a token's {k}"
+        k, slots = self.model.args.n_activated_experts, fewest_slots(store)
+        if self.streamed and slots < k:
+            return f"experts are streamed through {slots} device slots, fewer than a token's {k}"
         return None
 
     def _inputs(self, b: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +118,7 @@ class DecodeGraphs:
 
     def why_eager_batch(self, b: int) -> str | None:
         """Why a batch of b sequences steps eagerly (None: its steps replay)."""
-        k, slots = self.model.args.n_activated_experts, self.model.experts.plan.gpu_slots
+        k, slots = self.model.args.n_activated_experts, fewest_slots(self.model.experts)
         if self.why_eager is None and self.streamed and slots < b * k:
             return f"a batch of {b} may need {b * k} experts at once, more than the {slots} device slots"
         return self.why_eager
@@ -196,7 +202,8 @@ class DecodeGraphs:
         try:
             for n in itertools.count(1):
                 host.copy_(token.view(1), non_blocking=True)
-                chosen.record()
+                # on the logits' card (a split run's last), whose stream the copy runs on
+                chosen.record(torch.cuda.current_stream(logits.device))
                 # the caller stops at the budget's last token: no step for it
                 if n < budget:
                     self.token.copy_(token.view(1, 1))
@@ -208,7 +215,7 @@ class DecodeGraphs:
                 keep(token_id)
                 token = choose(logits)
         finally:
-            torch.cuda.current_stream(self.device).synchronize()
+            synchronize(self.cards)
 
     def _replay(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the step of the token in self.token at pos -> the graph's own outputs (logits [1, 1, V],
@@ -226,12 +233,17 @@ class DecodeGraphs:
     def _run(self, step: CapturedStep, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay a captured step of b sequences, streamed experts loaded between its pieces -> its own outputs."""
         waves = None
-        for graph, load in step.pieces:
-            graph.replay()
+        for (graph, load), device in zip(step.pieces, step.devices, strict=True):
+            with torch.cuda.device(device):
+                graph.replay()
             if waves is not None:
                 # the wave's slots may be refilled after the piece that computed with them
                 next(waves, None)
-            waves = None if load is None else self._bring(load)
+            waves = None
+            if isinstance(load, Crossing):
+                load.run()
+            elif load is not None:
+                waves = self._bring(load)
         # the loads count what streams; here Python skipped the counting
         if not self.streamed:
             self.model.experts.count_resident(self.moe_layers, b * self.model.args.n_activated_experts)
@@ -285,7 +297,10 @@ class DecodeGraphs:
         b, slot, span = key
         token, pos = self._inputs(b, slot)
         where, store = DevicePosition(pos, span, slot), self.model.experts
-        pieces: list[tuple[torch.cuda.CUDAGraph, LayerAsk | None]] = []
+        pieces: list[tuple[torch.cuda.CUDAGraph, LayerAsk | Crossing | None]] = []
+        devices: list[torch.device] = [self.device]
+        # a split run's cards entered, each one's stream before
+        saved: dict[str, torch.cuda.Stream] = {}
 
         def begin() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
@@ -297,7 +312,19 @@ class DecodeGraphs:
             graph.capture_end()
             pieces.append((graph, load))
             graph = begin()
+            devices.append(devices[-1])
             return store.offsets(load.layer)
+
+        def cross(h: torch.Tensor, at: DevicePosition, card: int) -> tuple[torch.Tensor, DevicePosition]:
+            nonlocal graph
+            graph.capture_end()
+            device = self.cards[card]
+            crossing = Crossing.to(h, at.pos, device)
+            pieces.append((graph, crossing))
+            capture_on(device, capture_stream(device), saved)
+            devices.append(device)
+            graph = begin()
+            return crossing.h_to, DevicePosition(crossing.pos_to, at.span, at.slot)
 
         # neither run is a token of a generation
         with store.uncounted():
@@ -307,22 +334,28 @@ class DecodeGraphs:
             if self.streamed:
                 store.sync()
                 store.offsets(0)
-            torch.cuda.synchronize(self.device)
+            for device in self.cards:
+                torch.cuda.synchronize(device)
             stream = capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 graph = begin()
                 for m in self.moe if self.streamed else ():
                     m.cut = cut
+                if self.model.cards is not None:
+                    self.model.card_cut = cross
                 try:
                     logits, hidden = self.model(token, where, last_only=True)
+                    graph.capture_end()
+                    pieces.append((graph, None))
                 finally:
                     for m in self.moe:
                         m.cut = None
-                graph.capture_end()
-                pieces.append((graph, None))
+                    if self.model.cards is not None:
+                        self.model.card_cut = None
+                    restore(saved, {str(d): capture_stream(d) for d in self.cards}, self.device)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-        return CapturedStep(pieces, logits, hidden)
+        return CapturedStep(pieces, logits, hidden, devices)
 
     @property
     def pieces(self) -> int:

@@ -68,7 +68,8 @@ class Speculator:
     def _extend(self, h: torch.Tensor, next_tokens: list[int], start: int, head: bool = True) -> torch.Tensor:
         """MTP entries for positions start.. from main hidden states h [t, D] and the tokens after them ->
         the logits drafting the token after the last one [V] (None without `head`)."""
-        freqs, mask = self.model.positions(len(next_tokens), start)
+        # on h's device: a split run's last card, the MTP layer's
+        freqs, mask = self.model.positions(len(next_tokens), start, h.device)
         tokens = torch.tensor([next_tokens], device=h.device)
         logits = self.mtp(h[None], tokens, start, freqs, mask, last_only=True, head=head)  # [1, 1, V]
         self.upto = start + len(next_tokens)

@@ -19,14 +19,15 @@ class ModelFamily:
     Model (models/protocol.py).
     batch: several sequences decode together, each in a cache slot of its own (its caches hold rows by position);
     mtp: speculative decoding drives its MTP layer; prompt_cache: its caches are saved and restored by position
-    (Model.positional_caches); prompt_format: (messages, thinking, add_generation_prompt) -> the prompt, where the
-    release builds its prompts in code, not with a chat template (its format has a thinking switch); None: the
-    checkpoint's chat template."""
+    (Model.positional_caches); split: its layers split across the cards of --devices (runtime/models/card_map.py);
+    prompt_format: (messages, thinking, add_generation_prompt) -> the prompt, where the release builds its prompts in
+    code, not with a chat template (its format has a thinking switch); None: the checkpoint's chat template."""
 
     model: Callable[[], type]
     batch: bool
     mtp: bool
     prompt_cache: bool
+    split: bool
     prompt_format: Callable[..., str] | None = None
 
 
@@ -42,12 +43,12 @@ def _v4() -> type:
     return TransformerV4
 
 
-_V3 = ModelFamily(_v3, batch=True, mtp=True, prompt_cache=True)
+_V3 = ModelFamily(_v3, batch=True, mtp=True, prompt_cache=True, split=True)
 MODEL_FAMILIES: dict[str, ModelFamily] = {
     V3_FAMILY: _V3,
     V2_FAMILY: _V3,
     # the compressed caches and the window ring hold a running state, not rows by position
-    V4_FAMILY: ModelFamily(_v4, batch=False, mtp=False, prompt_cache=False, prompt_format=encode_v4),
+    V4_FAMILY: ModelFamily(_v4, batch=False, mtp=False, prompt_cache=False, split=False, prompt_format=encode_v4),
 }
 
 

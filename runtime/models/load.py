@@ -18,16 +18,20 @@ from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.safetensors_file import file_sha256
+from dsfp4.runtime.models.card_map import CardMap
 from dsfp4.runtime.models.families import model_family
 from dsfp4.runtime.models.host_memory import ALIGN, HostArena
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.modes import MODE_BATCH
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.plan.device_split import make_split_plan
+from dsfp4.runtime.plan.devices import card_budgets, resolve_cards
 from dsfp4.runtime.plan.host_backbone import HostBackbone, tensor_bytes
 from dsfp4.runtime.plan.planner import Plan, auto_batch, cache_slots, make_plan, union_batch
 from dsfp4.runtime.plan.probes import host_share
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.split_store import SplitStore
 from dsfp4.units import format_bytes
 
 # stage lines of an engine's start: the CLI shows them on a terminal (dsfp4/cli/progress.py)
@@ -35,12 +39,20 @@ log = logging.getLogger("dsfp4")
 
 
 def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Manifest, int, torch.dtype]:
-    """Device, manifest, context (capped at the model's) and compute dtype of a run."""
-    device = resolve_device(options.device)
+    """Device (a split run's first card: run_cards), manifest, context (capped at the model's) and compute dtype of a
+    run."""
+    cards = run_cards(options)
+    device = cards[0] if cards else resolve_device(options.device)
     # a card no torch kernel runs on is refused before anything is read
-    kernel_paths(device).check()
+    for card in cards or [device]:
+        kernel_paths(card).check()
     manifest = with_experts_per_token(Manifest.open(model_dir), options.experts_per_token, model_dir)
     return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
+
+
+def run_cards(options: RunOptions) -> list[torch.device]:
+    """The cards of a run split across them (--devices), checked against this machine; [] for one device."""
+    return resolve_cards(options.devices) if options.devices else []
 
 
 def with_experts_per_token(manifest: Manifest, k: int, model_dir: Path) -> Manifest:
@@ -95,22 +107,11 @@ def load_model(
         device,
         f", {format_bytes(plan.host_backbone + plan.host_kv)} in pinned RAM" if arena is not None else "",
     )
-    w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena)
+    cards = CardMap.of_plan(plan)
+    w = Weights(model_dir, manifest, device, dtype, plan.on_host, arena, cards)
     # the RAM cache comes after the backbone: the backbone's files are mapped while they load, never beside it
     log.info("allocating the expert tiers: %d device and %d RAM slots", plan.gpu_slots, plan.ram_slots)
-    experts = ExpertStore(
-        model_dir,
-        manifest,
-        device,
-        plan,
-        options.policy,
-        options.io_threads,
-        options.verify,
-        host=False,
-        prefetch_reads=options.prefetch_reads,
-        levers=options.levers(),
-        lane=host_share(options.cpu_experts, manifest.record, device),
-    )
+    experts = _expert_store(model_dir, manifest, device, plan, options, cards)
     hashing = ThreadPoolExecutor(options.io_threads, thread_name_prefix="dsfp4-hash")
     try:
         # the backbone's files are hashed while they load (--verify), as each record is on its first read
@@ -139,6 +140,32 @@ def load_model(
     return model.eval()
 
 
+def _expert_store(
+    model_dir: Path, manifest: Manifest, device: torch.device, plan: Plan, options: RunOptions, cards: CardMap | None
+) -> ExpertStore | SplitStore:
+    """The run's expert store: one, or a split run's, one a card over the shared RAM tier (store/split_store.py)."""
+    o, lane = options, host_share(options.cpu_experts, manifest.record, device)
+    tiers = (o.policy, o.io_threads, o.verify)
+    if cards is not None:
+        return SplitStore(model_dir, manifest, list(cards.cards), plan, *tiers, o.prefetch_reads, o.levers(), lane)
+    return ExpertStore(
+        model_dir, manifest, device, plan, *tiers, host=False, prefetch_reads=o.prefetch_reads, levers=o.levers(),
+        lane=lane,
+    )  # fmt: skip
+
+
+def _check_split(a: ModelArgs, cards: list[torch.device]) -> None:
+    """A split needs a family whose model splits, and a head of its own (a tied one is the first card's embedding)."""
+    if cards and not model_family(a).split:
+        raise ConfigError(
+            f"--devices: {a.family_spec.title}'s model does not split across cards yet; give one --device"
+        )
+    if cards and a.tie_word_embeddings:
+        raise ConfigError(
+            "--devices: this model's head is its embedding (tied), which a split keeps on both ends; give one --device"
+        )
+
+
 def plan_run(
     manifest: Manifest,
     device: torch.device,
@@ -148,19 +175,32 @@ def plan_run(
     with_mtp: bool,
     host_extra: int = 0,
 ) -> Plan:
-    # the flags' sizes, parsed by RunOptions
-    budgets = options.budgets.resolve(device)
+    # the flags' sizes, parsed by RunOptions; a split's cards each their own
+    cards = run_cards(options)
+    _check_split(manifest.args, cards)
+    budgets = card_budgets(options.budgets, cards) if cards else options.budgets.resolve(device)
     chunk, threads, a = options.prefill_chunk, options.io_threads, manifest.args
     batch, alone = options.max_batch, _decodes_alone(a, options, with_mtp)
     if batch > 1 and alone:
         raise ConfigError(alone)
     if batch == 0:
         elt = torch.empty((), dtype=dtype).element_size()
+        # a split's KV caches share out over the cards: their sum
         batch = 1 if alone else auto_batch(a, budgets.gpu, max_len, elt, MODE_BATCH[options.mode])
-    plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=batch)
+
+    def planned(max_batch: int) -> Plan:
+        if cards:
+            return make_split_plan(
+                manifest, cards, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=max_batch
+            )
+        return make_plan(
+            manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=max_batch
+        )
+
+    plan = planned(batch)
     # the batch's experts fit the tiers
     if options.max_batch == 0 and (fit := union_batch(a, plan, batch)) < batch:
-        plan = make_plan(manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=fit)
+        plan = planned(fit)
     return plan
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from dsfp4.kernels.linear import QuantizedWeight
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.layout.model_args import ModelArgs
+from dsfp4.runtime.models.card_map import CardCut, CardMap
 from dsfp4.runtime.models.moe import MoE
 from dsfp4.runtime.models.position import DevicePosition
 from dsfp4.runtime.store.expert_store import ExpertStore
@@ -44,6 +45,10 @@ class Model(Protocol):
     head: QuantizedWeight
     # why decode steps cannot be captured as CUDA graphs (None: they can)
     why_eager: str | None
+    # a split run's cards (runtime/models/card_map.py; None on one device), and while a step is captured the cut
+    # that ends one card's piece (runtime/generate/decode_graph.py)
+    cards: CardMap | None
+    card_cut: CardCut | None
 
     def __call__(
         self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False

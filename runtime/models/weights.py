@@ -13,13 +13,15 @@ from dsfp4.errors import ManifestError
 from dsfp4.kernels.linear import QuantizedWeight
 from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.models.card_map import CardMap
 from dsfp4.runtime.models.host_memory import HostArena
 from dsfp4.runtime.plan.host_backbone import HostBackbone
 
 
 class Weights:
     """Reads backbone tensors of a converted model onto `device`; plain tensors in `dtype`. Those `on_host` holds go
-    to `arena` instead (pinned host memory the device reads in place: runtime/models/host_memory.py)."""
+    to `arena` instead (pinned host memory the device reads in place: runtime/models/host_memory.py). A split run's
+    tensors and caches go to their layer's card (`cards`: runtime/models/card_map.py); `device` is then the first."""
 
     def __init__(
         self,
@@ -29,9 +31,10 @@ class Weights:
         dtype: torch.dtype,
         on_host: HostBackbone | None = None,
         arena: HostArena | None = None,
+        cards: CardMap | None = None,
     ):
         self.dir, self.manifest, self.device, self.dtype = Path(model_dir), manifest, device, dtype
-        self.on_host, self.arena = on_host or HostBackbone(), arena
+        self.on_host, self.arena, self.cards = on_host or HostBackbone(), arena, cards
         self.used: set[str] = set()
         self._files: dict[tuple[str, str], object] = {}
 
@@ -46,9 +49,13 @@ class Weights:
         self.used.add(name)
         return entry
 
-    def _read(self, file: str, stored: str, host: bool) -> torch.Tensor:
-        """The stored tensor on the device, or on the CPU (`host`) for the arena."""
-        key = (file, "cpu" if host else str(self.device))
+    def device_of(self, name: str) -> torch.device:
+        """Where the backbone tensor `name` lives: the device, or its layer's card in a split run."""
+        return self.device if self.cards is None else self.cards.of_name(name)
+
+    def _read(self, file: str, stored: str, host: bool, name: str) -> torch.Tensor:
+        """The stored tensor of `name` on its device, or on the CPU (`host`) for the arena."""
+        key = (file, "cpu" if host else str(self.device_of(name)))
         try:
             if key not in self._files:
                 # one file mapped at a time: its pages count in the process's RSS while it is open
@@ -64,14 +71,14 @@ class Weights:
         if FORMATS[entry.format].scale is not None:
             raise ManifestError(f"{self.dir}: tensor {name} is stored as {entry.format}, expected a plain tensor")
         host = self.on_host.holds(name)
-        t = self._read(entry.file, entry.tensors["weight"], host).to(dtype or self.dtype)
+        t = self._read(entry.file, entry.tensors["weight"], host, name).to(dtype or self.dtype)
         return self.arena.put(t) if host else t
 
     def matrix(self, name: str, shape: tuple[int, int]) -> QuantizedWeight:
         """A projection in its stored format; kernels decide how to multiply by it."""
         entry = self._entry(name, shape)
         host = self.on_host.holds(name)
-        parts = tuple(self._read(entry.file, entry.tensors[c], host) for c, _ in FORMATS[entry.format].components)
+        parts = tuple(self._read(entry.file, entry.tensors[c], host, name) for c, _ in FORMATS[entry.format].components)
         parts = tuple(self.arena.put(p) for p in parts) if host else parts
         return QuantizedWeight(entry.format, parts, tuple(shape), name)
 
@@ -81,7 +88,8 @@ class Weights:
         dtype = dtype or self.dtype
         if self.on_host.holds_cache(layer):
             return self.arena.zeros(shape, dtype)
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        device = self.device if self.cards is None else self.cards.of_layer(layer)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def close(self) -> None:
         self._files = {}

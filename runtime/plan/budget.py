@@ -25,9 +25,12 @@ UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
 @dataclass(frozen=True)
 class Preset:
+    # each card's budget
     gpu: int
     cpu: int
     about: str
+    # cards in the box (--devices names as many): their budgets are `gpu` each, the RAM and SSD are one machine's
+    cards: int = 1
 
 
 # What a card and a machine of that class leave us after the display, the CUDA context and the OS.
@@ -36,6 +39,9 @@ PRESETS = {
     "24g": Preset(23 * GiB, 80 * GiB, "RTX 4090 24 GB, 96 GB RAM, PCIe 4 SSD"),
     "32g": Preset(31 * GiB, 100 * GiB, "RTX 5090 32 GB, 128 GB RAM"),
     "80g": Preset(76 * GiB, 200 * GiB, "H100 80 GB, 256 GB RAM"),
+    # two cards in one box, the RAM and SSD of the one-card classes (runtime/plan/device_split.py splits the layers)
+    "2x16g": Preset(15 * GiB, 80 * GiB, "two 16 GB GPUs, 96 GB RAM, PCIe 5 SSD", cards=2),
+    "2x24g": Preset(23 * GiB, 80 * GiB, "two RTX 3090 or 4090 24 GB, 96 GB RAM, PCIe 4 SSD", cards=2),
 }
 
 
@@ -112,7 +118,7 @@ def default_host_budget() -> int:
     return process_rss() + available_ram() * 4 // 5
 
 
-def _defaults(gpu: int | None, cpu: int | None, device: torch.device) -> tuple[int, int]:
+def default_sizes(gpu: int | None, cpu: int | None, device: torch.device) -> tuple[int, int]:
     """The budgets not given, from this machine's free memory. On a CPU device both tiers are host memory: they
     share the host's budget (a third to the 'device', the process with it, the rest to the RAM cache), and one
     given takes its size from the other's share."""
@@ -137,29 +143,48 @@ def _defaults(gpu: int | None, cpu: int | None, device: torch.device) -> tuple[i
 class Budgets:
     """Bytes the run may hold on the device (`gpu`) and in the process (`cpu`). Parsed from the flags (`parse`), a size
     neither a flag nor the preset gives is None until `resolve` takes it from the run's device and host: the planner
-    sees resolved budgets only."""
+    sees resolved budgets only. A run split across cards (--devices) has one device budget per card (`cards`, in the
+    order of --devices), and `gpu` is their sum once resolved (runtime/plan/devices.py)."""
 
     gpu: int | None
     cpu: int | None
     # how they were chosen, for the plan table
     source: str
+    # each card's device budget of a split run (None: that card's free memory); () for one device
+    cards: tuple[int | None, ...] = ()
 
     @classmethod
-    def parse(cls, gpu_mem: str | None, cpu_mem: str | None, preset: str | None) -> Budgets:
-        """--gpu-mem, --cpu-mem and --preset: explicit sizes win over the preset's."""
+    def parse(cls, gpu_mem: str | None, cpu_mem: str | None, preset: str | None, n_cards: int = 1) -> Budgets:
+        """--gpu-mem, --cpu-mem and --preset for a run on `n_cards` cards: explicit sizes win over the preset's.
+        --gpu-mem gives one size (each card's) or one per card, separated by commas."""
         if preset is not None and preset not in PRESETS:
             raise ConfigError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
         p = PRESETS.get(preset) if preset else None
-        gpu = parse_size(gpu_mem, "--gpu-mem") if gpu_mem else p.gpu if p else None
+        if p is not None and p.cards > 1 and n_cards != p.cards:
+            raise ConfigError(
+                f"--preset {preset} is a machine of {p.cards} cards: name them with --devices "
+                f"(as {','.join(f'cuda:{i}' for i in range(p.cards))}), or choose a one-card preset"
+            )
+        sizes = [parse_size(t, "--gpu-mem") for t in gpu_mem.split(",")] if gpu_mem else []
+        if len(sizes) > 1 and len(sizes) != n_cards:
+            cards = f"--devices names {n_cards}" if n_cards > 1 else "one device runs"
+            raise ConfigError(
+                f"--gpu-mem {gpu_mem} gives {len(sizes)} budgets, one per card, but {cards}; give one size (each "
+                "card's) or one per card of --devices"
+            )
+        each = sizes[0] if len(sizes) == 1 else p.gpu if p and not sizes else None
+        per_card = tuple(sizes) if len(sizes) > 1 else (each,) * n_cards
+        gpu = per_card[0] if n_cards == 1 else sum(per_card) if None not in per_card else None
         cpu = parse_size(cpu_mem, "--cpu-mem") if cpu_mem else p.cpu if p else None
         sources = [f"preset {preset} ({p.about})"] if p else []
         sources += [flag for flag, given in (("--gpu-mem", gpu_mem), ("--cpu-mem", cpu_mem)) if given]
-        return cls(gpu, cpu, ", ".join(sources) or "free memory of this machine")
+        return cls(gpu, cpu, ", ".join(sources) or "free memory of this machine", per_card if n_cards > 1 else ())
 
     def resolve(self, device: torch.device) -> Budgets:
-        """Both sizes: those not given from this machine's free memory (the preset's and the flags' win over it)."""
-        gpu, cpu = _defaults(self.gpu, self.cpu, device)
-        return Budgets(gpu, cpu, self.source)
+        """Both sizes: those not given from this machine's free memory (the preset's and the flags' win over it). A
+        split run's cards resolve with runtime/plan/devices.py's card_budgets."""
+        gpu, cpu = default_sizes(self.gpu, self.cpu, device)
+        return Budgets(gpu, cpu, self.source, self.cards)
 
 
 def resolve_budgets(gpu_mem: str | None, cpu_mem: str | None, preset: str | None, device: torch.device) -> Budgets:

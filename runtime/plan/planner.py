@@ -21,6 +21,7 @@ from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.plan.budget import Budgets, process_rss
+from dsfp4.runtime.plan.cards import CardShare, card_rows
 from dsfp4.runtime.plan.host_backbone import (
     ROUTER_SUFFIXES,
     HostBackbone,
@@ -79,6 +80,9 @@ class Plan:
     host_kv: int = 0
     # tokens of one sequence a layer-wise pass's attention takes at once (attention_group; 0: a chunk's)
     attention_group: int = 0
+    # a run split across cards (--devices): what each holds (runtime/plan/device_split.py); backbone, kv_cache and
+    # gpu_slots above are their sums, workspace each card's; () on one device
+    cards: tuple[CardShare, ...] = ()
 
     @property
     def record_cache(self) -> int:
@@ -93,12 +97,31 @@ class Plan:
     def table(self) -> str:
         r, n = self.record, self.total_records
         # both tiers are host memory: the process is counted on the device side
-        on_cpu = self.device == "cpu"
+        on_cpu = self.device.startswith("cpu")
         process = ("  process", format_bytes(self.host_base), "interpreter, libraries" + ", loading" * on_cpu)
         rows = [
             ("budgets", self.budgets.source, ""),
+            *(card_rows(self.cards, r, process if on_cpu else None) if self.cards else self._device_rows(process)),
+            ("RAM budget", format_bytes(self.budgets.cpu), ""),
+            *([] if on_cpu else [process]),
+            *(
+                [("  backbone", format_bytes(self.host_backbone), self.on_host.describe())]
+                if self.host_backbone
+                else []
+            ),
+            *([("  KV cache", format_bytes(self.host_kv), self.on_host.describe_caches())] if self.host_kv else []),
+            ("  record cache", format_bytes(self.record_cache), self._cache_slots()),
+            ("experts", f"{n} records", f"{self.gpu_slots / n:.0%} on {self.device}, {self.ram_slots / n:.0%} in RAM"),
+        ]
+        w = max(len(a) for a, _, _ in rows)
+        return "\n".join(f"{a:<{w}}  {b:>12}  {c}".rstrip() for a, b, c in rows)
+
+    def _device_rows(self, process: tuple[str, str, str]) -> list[tuple[str, str, str]]:
+        """The table's rows of the one device: its budget and what it holds."""
+        r = self.record
+        return [
             (f"device budget ({self.device})", format_bytes(self.budgets.gpu), ""),
-            *([process] if on_cpu else []),
+            *([process] if self.device == "cpu" else []),
             ("  backbone", format_bytes(self.backbone), "weights in their stored formats"),
             (
                 "  KV cache",
@@ -117,19 +140,7 @@ class Plan:
                 + (f", its attention {self.attention_group}" * bool(self.attention_group)),
             ),
             ("  expert slots", format_bytes(self.gpu_slots * r), f"{self.gpu_slots} x {format_bytes(r)}"),
-            ("RAM budget", format_bytes(self.budgets.cpu), ""),
-            *([] if on_cpu else [process]),
-            *(
-                [("  backbone", format_bytes(self.host_backbone), self.on_host.describe())]
-                if self.host_backbone
-                else []
-            ),
-            *([("  KV cache", format_bytes(self.host_kv), self.on_host.describe_caches())] if self.host_kv else []),
-            ("  record cache", format_bytes(self.record_cache), self._cache_slots()),
-            ("experts", f"{n} records", f"{self.gpu_slots / n:.0%} on {self.device}, {self.ram_slots / n:.0%} in RAM"),
         ]
-        w = max(len(a) for a, _, _ in rows)
-        return "\n".join(f"{a:<{w}}  {b:>12}  {c}".rstrip() for a, b, c in rows)
 
     def _cache_slots(self) -> str:
         wide = f"{self.ram_slots - self.cold_slots} slots"
@@ -272,7 +283,7 @@ def cache_slots(max_batch: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Needs:
+class RunNeeds:
     """What a run holds whatever its budgets, in bytes: make_plan's first step, which its two tiers then place."""
 
     # one expert record (0: no routed experts)
@@ -290,7 +301,7 @@ class _Needs:
 
 
 @dataclass(frozen=True)
-class _DeviceTier:
+class DeviceTier:
     """What the device holds once the backbone, caches and workspace are placed: what of them stays in pinned RAM
     (and its bytes: backbone, caches) and the expert slots left."""
 
@@ -305,11 +316,11 @@ def _device_tier(
     device: torch.device,
     elt: int,
     budgets: Budgets,
-    n: _Needs,
+    n: RunNeeds,
     max_context: int,
     max_batch: int,
     used: range,
-) -> _DeviceTier:
+) -> DeviceTier:
     """The device tier; on CUDA what does not fit stays in pinned RAM (host_backbone.py: layers' caches first, where
     the family's model can, then backbone), with room for PLANNED_WAVES of expert slots."""
     a, on_host, moved, cached = manifest.args, HostBackbone(), 0, 0
@@ -338,16 +349,16 @@ def _device_tier(
             f"lower --max-context{', --max-batch' * (max_batch > 1)} or --prefill-chunk, or convert with --backbone fp4"
         )
     gpu_slots = min((budgets.gpu - fixed) // n.record, n.total_records) if n.record else 0
-    return _DeviceTier(on_host, moved, cached, gpu_slots)
+    return DeviceTier(on_host, moved, cached, gpu_slots)
 
 
-def _ram_tier(
+def ram_tier(
     manifest: Manifest,
     device: torch.device,
     budgets: Budgets,
-    n: _Needs,
+    n: RunNeeds,
     used: tuple[int, ...],
-    tier: _DeviceTier,
+    tier: DeviceTier,
     io_threads: int,
     max_context: int,
 ) -> tuple[int, int, int, int]:
@@ -394,7 +405,7 @@ def make_plan(
     kernels: bool | None = None,
     max_batch: int = 1,
 ) -> Plan:
-    """What the run needs (_Needs), placed on the device tier, then in RAM. `host_extra`: host memory the caller will
+    """What the run needs (RunNeeds), placed on the device tier, then in RAM. `host_extra`: host memory the caller will
     hold besides the model (profile-hot's hidden states); `process`: the process's own before the model loads
     (default: this process's RSS now; a projection gives a user's); `fp8_kernels`: whether the FP8 kernels run on the
     device, natively or by bits, else the reference's dense copy is reserved, and `kernels`: whether the Triton kernels
@@ -403,30 +414,26 @@ def make_plan(
     of its own (cache_slots)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     used = expert_layers(manifest, with_mtp)
-    total_records = len(used) * a.n_routed_experts
     # the device's kernel paths (a CUDA device on a machine without CUDA: a projection's user card, which runs them)
     paths = kernel_paths(device)
     kernels = paths.kernels if kernels is None else kernels
     fp8_kernels = paths.fp8_kernels if fp8_kernels is None else fp8_kernels
-    t = forward_tokens(prefill_chunk, max_context, with_mtp)
-    # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated
-    # (load_model), so it shares the RAM budget with the process, not with the cache
-    largest_file = max((manifest.files[rel].nbytes for rel in manifest.backbone_files()), default=0)
-    process = process_rss() if process is None else process
-    host_base = process + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
-    n = _Needs(
-        manifest.record.nbytes if manifest.record else 0,
-        total_records,
-        a.n_activated_experts if total_records else 0,
-        backbone_bytes(manifest, dtype, with_mtp),
-        cache_bytes(a, _used_layers(manifest, with_mtp), max_context, elt, cache_slots(max_batch)),
-        workspace_bytes(manifest, device, dtype, t, max_context, kernels, fp8_kernels),
-        host_base + (largest_file if device.type == "cpu" else 0),
-        largest_file,
+    n = run_needs(
+        manifest,
+        device,
+        dtype,
+        max_context,
+        prefill_chunk,
+        with_mtp,
+        host_extra,
+        process,
+        kernels,
+        fp8_kernels,
+        max_batch,
     )
     tier = _device_tier(manifest, device, elt, budgets, n, max_context, max_batch, _used_layers(manifest, with_mtp))
     gpu_slots = tier.gpu_slots
-    staging, ram_slots, cold_slots, cold = _ram_tier(manifest, device, budgets, n, used, tier, io_threads, max_context)
+    staging, ram_slots, cold_slots, cold = ram_tier(manifest, device, budgets, n, used, tier, io_threads, max_context)
     return Plan(
         str(device),
         budgets,
@@ -438,7 +445,7 @@ def make_plan(
         ram_slots,
         staging,
         n.host_base,
-        total_records,
+        n.total_records,
         used,
         tier.backbone_moved,
         tier.on_host,
@@ -448,4 +455,38 @@ def make_plan(
         prefill_group(a, prefill_chunk, max_context, elt),
         tier.caches_moved,
         attention_group(a, prefill_chunk, max_context, elt, kernels),
+    )
+
+
+def run_needs(
+    manifest: Manifest,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_context: int,
+    prefill_chunk: int,
+    with_mtp: bool,
+    host_extra: int,
+    process: int | None,
+    kernels: bool,
+    fp8_kernels: bool,
+    max_batch: int,
+) -> RunNeeds:
+    """What a run holds whatever its budgets: make_plan's first step, and a split's (device_split.py)."""
+    a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
+    total_records = len(expert_layers(manifest, with_mtp)) * a.n_routed_experts
+    t = forward_tokens(prefill_chunk, max_context, with_mtp)
+    # the largest backbone file is mapped while its tensors are read: on CUDA before the RAM cache is allocated
+    # (load_model), so it shares the RAM budget with the process, not with the cache
+    largest_file = max((manifest.files[rel].nbytes for rel in manifest.backbone_files()), default=0)
+    process = process_rss() if process is None else process
+    host_base = process + (CUDA_HOST_RESERVE if device.type == "cuda" else 0) + host_extra
+    return RunNeeds(
+        manifest.record.nbytes if manifest.record else 0,
+        total_records,
+        a.n_activated_experts if total_records else 0,
+        backbone_bytes(manifest, dtype, with_mtp),
+        cache_bytes(a, _used_layers(manifest, with_mtp), max_context, elt, cache_slots(max_batch)),
+        workspace_bytes(manifest, device, dtype, t, max_context, kernels, fp8_kernels),
+        host_base + (largest_file if device.type == "cpu" else 0),
+        largest_file,
     )

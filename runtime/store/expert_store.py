@@ -14,7 +14,7 @@ kernels read RAM's in place over PCIe (zero-copy): nothing moves, no layer asks 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,17 +60,21 @@ class ExpertStore:
         prefetch_reads: bool = False,
         levers: Levers = EXACT,
         lane: LaneSplit = NO_LANE,
+        shares: ExpertStore | None = None,
     ):
         """`host` False: the RAM cache is allocated (and pinned) by open_host, once the caller has loaded what it
         maps first (load_model: the backbone), so the two never share the RAM budget. `prefetch_reads` False: a
         prefetch only copies guesses already in RAM, never reads one from the SSD. `levers`: the lossy ones
         (runtime/modes.py): the threshold, cache-aware routing's margin (step_levers.py, cache_aware.py).
         `lane`: of a decode step's experts not on the device, the share the host computes from RAM (host_lane.py; 0:
-        none), and what decided it. The levers and the lane apply to each streamed layer step (step)."""
+        none), and what decided it. The levers and the lane apply to each streamed layer step (step). `shares`: the
+        store whose RAM tier, SSD reads and counters this one shares (a split run's cards: split_store.py; its
+        open_host first); this one's device slots hold the records of `plan`'s expert_layers only."""
         self.dir, self.manifest, self.device, self.plan = Path(model_dir), manifest, device, plan
         self.layout = manifest.record
         self.cuda = device.type == "cuda"
-        self._counters = StoreCounters()
+        self.shares = shares
+        self._counters = StoreCounters() if shares is None else shares._counters
         n = self.layout.nbytes if self.layout else 0
         gpu_policy, ram_policy = TIER_POLICIES[policy]
         cold = manifest.cold_record
@@ -81,7 +85,11 @@ class ExpertStore:
                 f"plan it again (planner.narrowed)"
             )
         self.gpu_pool = SlotPool(plan.gpu_slots, gpu_policy)
-        self.ram_pool = SlotPool(plan.ram_slots, ram_policy, plan.cold_slots, lambda key: manifest.layout_of(key).cold)
+        if shares is None:
+            is_cold = lambda key: manifest.layout_of(key).cold  # noqa: E731 (the pool's key rule)
+            self.ram_pool = SlotPool(plan.ram_slots, ram_policy, plan.cold_slots, is_cold)
+        else:
+            self.ram_pool = shares.ram_pool
         self.gpu = torch.empty((plan.gpu_slots, n), dtype=torch.uint8, device=device)  # [slots, record]
         a = manifest.args
         self.table = DeviceTable(a.n_blocks, a.n_routed_experts, device)
@@ -105,18 +113,23 @@ class ExpertStore:
         self._device_counts: DeviceUseCounts | None = None
         self._predicted: dict[int, set[int]] = {}
         self._counting = True
+        # the store that holds a layer's device slots: this one, or in a split run its card's (split_store.py)
+        self.route: Callable[[int], ExpertStore] = lambda layer: self
 
     def open_host(self) -> None:
         """Allocate the RAM cache (pinned on CUDA) and start the SSD readers."""
-        p = self.plan
+        p, shared = self.plan, self.shares
         wide = p.ram_slots - p.cold_slots
-        self.cache = RamCache(wide, self.gpu.shape[1], p.cold_slots, p.cold_record, pin=self.cuda)
+        owned = shared is None
+        n = self.gpu.shape[1]
+        self.cache = RamCache(wide, n, p.cold_slots, p.cold_record, pin=self.cuda) if owned else shared.cache
         # [slots, record]: the record-sized slots (what the host lane and mapping read)
         self.ram = self.cache.wide
         pools = (self.gpu_pool, self.ram_pool)
         tiers = (self.gpu, self.cache)
+        share = None if owned else shared.io
         self.io = Transfers(
-            self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify
+            self.dir, self.manifest, tiers, pools, self.table, self._counters, self._io_threads, self._verify, share
         )
         # pinned copies, measured when the adaptive threshold needs them
         levers, pcie_gbps = self.rules.levers, 0.0
@@ -266,7 +279,7 @@ class ExpertStore:
         order = sorted(experts, key=tier.__getitem__)
         # the host takes every expert of the step: the guesses still go
         if not order and prefetch is not None:
-            self.prefetch(*prefetch, protect={(layer, e) for e in host})
+            self.route(prefetch[0]).prefetch(*prefetch, protect={(layer, e) for e in host})
         for first in range(0, len(order), self.plan.gpu_slots):
             wave = order[first : first + self.plan.gpu_slots]
             protected = {(layer, e) for e in wave}
@@ -289,7 +302,7 @@ class ExpertStore:
                 self._counters.ssd_misses += not in_ram
                 jobs.append(self.start(key, protected, wait=True))
             if prefetch is not None and first == 0:
-                self.prefetch(*prefetch, protect={(layer, e) for e in experts})
+                self.route(prefetch[0]).prefetch(*prefetch, protect={(layer, e) for e in experts})
             self.io.wait_on_device(jobs)
             yield wave
             if self.cuda:
@@ -395,7 +408,9 @@ class ExpertStore:
         if self.io is not None:
             self.io.close()
         if self.cache is not None:
-            self.cache.close()
+            # a shared RAM tier is its owner's to free
+            if self.shares is None:
+                self.cache.close()
             self.cache = None
         # the record memory goes back now, not when the store is collected: the process may go on
         n = self.gpu.shape[1]

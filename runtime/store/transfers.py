@@ -66,7 +66,10 @@ class Transfers:
         counters: StoreCounters,
         io_threads: int,
         verify: bool,
+        share: Transfers | None = None,
     ):
+        """`share`: the transfers whose SSD readers and files these use (a split run's cards share the RAM tier and
+        the SSD, each card its uploads and copy stream: split_store.py); they join its group."""
         self.dir, self.manifest, self.table, self.counters, self.verify = model_dir, manifest, table, counters, verify
         self.gpu, self.cache = tiers
         self.gpu_pool, self.ram_pool = pools
@@ -80,8 +83,16 @@ class Transfers:
             self.lut = cold_to_e2m1(self.cold.code_bits, self.gpu.device)
             self._stage = threading.Lock()
         self.copy_stream = torch.cuda.Stream(self.gpu.device) if self.cuda else None
-        self.files = {layer: RecordFile(model_dir / ef.file) for layer, ef in manifest.experts.items()}
-        self.reads = ThreadPoolExecutor(io_threads, thread_name_prefix="dsfp4-io")
+        self.owns = share is None
+        if self.owns:
+            self.files = {layer: RecordFile(model_dir / ef.file) for layer, ef in manifest.experts.items()}
+            self.reads = ThreadPoolExecutor(io_threads, thread_name_prefix="dsfp4-io")
+        else:
+            self.files, self.reads = share.files, share.reads
+        # every card's transfers over the same RAM slots: their finished jobs unpin slots this one may need
+        self.group: list[Transfers] = [self] if share is None else share.group
+        if share is not None:
+            self.group.append(self)
         # uploads wait for their read; on a thread of their own they never queue behind later reads
         self.uploads = ThreadPoolExecutor(1, thread_name_prefix="dsfp4-upload")
         # slot -> jobs filling it
@@ -194,8 +205,13 @@ class Transfers:
         return bool(self.gpu_jobs or self.ram_jobs)
 
     def retire(self) -> None:
-        """Unpin the slots of completed jobs; a failed load leaves nothing behind (its error is raised where it
-        is awaited)."""
+        """Unpin the slots of completed jobs, the group's too (their RAM slots are this one's); a failed load leaves
+        nothing behind (its error is raised where it is awaited)."""
+        for t in self.group:
+            t.retire_own()
+
+    def retire_own(self) -> None:
+        """retire for this one's jobs."""
         for jobs, pool in ((self.gpu_jobs, self.gpu_pool), (self.ram_jobs, self.ram_pool)):
             for slot in list(jobs):
                 left = [j for j in jobs[slot] if not _done(j)]
@@ -212,7 +228,7 @@ class Transfers:
 
     def wait_any(self) -> None:
         """Block until the oldest job in flight completes (a demand load needs its slot)."""
-        jobs = [j for js in (*self.gpu_jobs.values(), *self.ram_jobs.values()) for j in js]
+        jobs = [j for t in self.group for js in (*t.gpu_jobs.values(), *t.ram_jobs.values()) for j in js]
         if not jobs:
             raise ConfigError("every expert slot is held by the current layer; raise --gpu-mem or --cpu-mem")
         t0 = time.perf_counter()
@@ -247,10 +263,13 @@ class Transfers:
     def close(self) -> None:
         """End the workers (an upload whose read was cancelled ends too) and close the files; no copy reads the RAM
         cache afterwards."""
-        self.reads.shutdown(wait=True, cancel_futures=True)
+        # the readers and files are the owner's, closed last (split_store.py closes its cards in reverse)
+        if self.owns:
+            self.reads.shutdown(wait=True, cancel_futures=True)
         self.uploads.shutdown(wait=True, cancel_futures=True)
-        for f in self.files.values():
-            f.close()
+        if self.owns:
+            for f in self.files.values():
+                f.close()
         self.files = {}
         if self.cuda:
             self.copy_stream.synchronize()

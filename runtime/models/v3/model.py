@@ -14,6 +14,7 @@ from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import PLAIN_DTYPES
+from dsfp4.runtime.models.card_map import CardCut, split_blocks
 from dsfp4.runtime.models.moe import MLP, MoE, over, spans
 from dsfp4.runtime.models.norm import RMSNorm
 from dsfp4.runtime.models.position import DevicePosition
@@ -21,6 +22,7 @@ from dsfp4.runtime.models.rope import precompute_freqs_cis
 from dsfp4.runtime.models.v3.attention import MLA, attends_decompressed
 from dsfp4.runtime.models.weights import Weights
 from dsfp4.runtime.store.expert_store import ExpertStore
+from dsfp4.runtime.store.split_store import layer_store
 
 # dtype -> plain format name
 PLAIN_FORMATS = {dtype: fmt for fmt, dtype in PLAIN_DTYPES.items()}
@@ -39,6 +41,8 @@ class Block(nn.Module):
     ):
         super().__init__()
         p = f"layers.{layer}."
+        # its card's in a split run (runtime/models/card_map.py)
+        self.device = w.device_of(p + "attn_norm.weight")
         self.attn_norm = RMSNorm(w.plain(p + "attn_norm.weight", (args.dim,)), args.norm_eps)
         self.attn = MLA(args, layer, w, max_batch, max_len)
         self.ffn_norm = RMSNorm(w.plain(p + "ffn_norm.weight", (args.dim,)), args.norm_eps)
@@ -125,12 +129,20 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.args, self.max_len, self.experts = args, max_len, experts
-        self.device = w.device
+        self.device, self.cards = w.device, w.cards
+        # at a cut of a captured step: ends one card's piece and begins the next (runtime/generate/card_graphs.py)
+        self.card_cut: CardCut | None = None
         self.embed = w.plain("embed.weight", (args.vocab_size, args.dim))
         layout = experts.layout
-        self.moe_kernel = MoEKernel(layout, args.n_activated_experts, w.device) if layout else None
-        blocks = (Block(args, i, w, experts, self.moe_kernel, max_batch, max_len) for i in range(args.n_layers))
-        self.layers = nn.ModuleList(blocks)
+        # one a card (a split run's), the first's also the model's
+        kernels = [MoEKernel(layout, args.n_activated_experts, d) for d in self._devices()] if layout else [None]
+        self.moe_kernel = kernels[0]
+
+        def block(i: int) -> Block:
+            card = 0 if self.cards is None else self.cards.card_of[i]
+            return Block(args, i, w, layer_store(experts, i), kernels[min(card, len(kernels) - 1)], max_batch, max_len)
+
+        self.layers = nn.ModuleList(block(i) for i in range(args.n_layers))
         moe = [b for b in self.layers if b.moe]
         for here, nxt in zip(moe, moe[1:], strict=False) if prefetch else ():
             # predict the next MoE layer's experts
@@ -141,10 +153,19 @@ class Transformer(nn.Module):
         else:
             self.head = w.matrix("head.weight", (args.vocab_size, args.dim))
         mtp = range(args.n_layers, args.n_blocks) if with_mtp else ()
-        self.mtp = nn.ModuleList(
-            MTP(args, i, w, Block(args, i, w, experts, self.moe_kernel, max_batch, max_len)) for i in mtp
-        )
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args, max_len).to(w.device), persistent=False)
+        self.mtp = nn.ModuleList(MTP(args, i, w, block(i)) for i in mtp)
+        freqs = precompute_freqs_cis(args, max_len)
+        self.register_buffer("freqs_cis", freqs.to(w.device), persistent=False)
+        # each other card its own tables (by device: the same device named twice reads the same values)
+        for c, d in enumerate(self._devices()[1:], 1):
+            self.register_buffer(f"freqs_cis_{c}", freqs.to(d), persistent=False)
+        self._freqs = {
+            str(d): getattr(self, f"freqs_cis_{c}" if c else "freqs_cis") for c, d in enumerate(self._devices())
+        }
+
+    def _devices(self) -> tuple[torch.device, ...]:
+        """The cards of a split run, else the one device."""
+        return (self.device,) if self.cards is None else self.cards.cards
 
     def reusable(self, keep: int) -> int:
         """How many of the cached tokens a call may keep when it would keep `keep`: all of those (the latent
@@ -172,8 +193,9 @@ class Transformer(nn.Module):
         return F.embedding(tokens, self.embed)
 
     def block_attention(self, i: int, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Block i's attention on x [B, T, D] (what block i - 1 gave for tokens at start_pos), with its residual."""
-        freqs, mask = self.positions(x.shape[1], start_pos)
+        """Block i's attention on x [B, T, D] (what block i - 1 gave for tokens at start_pos, on block i's device),
+        with its residual."""
+        freqs, mask = self.positions(x.shape[1], start_pos, x.device)
         return self.layers[i].attention(x, start_pos, freqs, mask)
 
     def block_ffn(self, i: int, x: torch.Tensor, tokens: torch.Tensor, piece: int) -> torch.Tensor:
@@ -181,17 +203,21 @@ class Transformer(nn.Module):
         routes by token)."""
         return self.layers[i].feed_forward(x, piece)
 
-    def positions(self, t: int, start_pos: int | DevicePosition) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rotary frequencies and causal mask for t new tokens at start_pos (for every block)."""
+    def positions(
+        self, t: int, start_pos: int | DevicePosition, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotary frequencies and causal mask for t new tokens at start_pos (for every block), on `device` (a split
+        run's card; default the first)."""
+        freqs_cis = self._freqs[str(device or self.device)]
         # a token per sequence; the span's rows past it are masked out
         if isinstance(start_pos, DevicePosition):
             # pos: [B]
             pos, span = start_pos.pos, start_pos.span
-            rows = torch.arange(span, device=self.freqs_cis.device)
+            rows = torch.arange(span, device=freqs_cis.device)
             mask = torch.zeros(len(pos), 1, span, device=rows.device)
             mask.masked_fill_(rows > pos[:, None, None], float("-inf"))  # [B, 1, S]
-            return self.freqs_cis.index_select(0, pos).unsqueeze(1), mask  # [B, 1, R/2], [B, 1, S]
-        return self.freqs_cis[start_pos : start_pos + t], self.causal_mask(t, start_pos, self.freqs_cis.device)
+            return freqs_cis.index_select(0, pos).unsqueeze(1), mask  # [B, 1, R/2], [B, 1, S]
+        return freqs_cis[start_pos : start_pos + t], self.causal_mask(t, start_pos, freqs_cis.device)
 
     def forward(
         self, tokens: torch.Tensor, start_pos: int | DevicePosition = 0, last_only: bool = False
@@ -199,6 +225,8 @@ class Transformer(nn.Module):
         """tokens: [B, T] at positions start_pos.. (or one token at a DevicePosition, as a captured decode step
         does) -> (logits [B, T or 1, V] fp32, final hidden [B, T, D])."""
         h = self.embed_tokens(tokens)  # [B, T, D]
+        if self.cards is not None:
+            return self.finish(split_blocks(self, h, start_pos), 0, last_only)
         freqs, mask = self.positions(tokens.shape[1], start_pos)
         for layer in self.layers:
             h = layer(h, start_pos, freqs, mask)
@@ -206,6 +234,9 @@ class Transformer(nn.Module):
 
     def finish(self, h: torch.Tensor, end: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """What the last block gave [B, T, D] -> (logits [B, T or 1, V] fp32, final hidden [B, T, D], normed); `end`
-        is the protocol's (the latent cache is written by position: nothing to record)."""
+        is the protocol's (the latent cache is written by position: nothing to record). A split run's head is on
+        its last card."""
+        if self.cards is not None:
+            h = h.to(self.cards.cards[-1], non_blocking=True)
         h = self.norm(h)
         return linear(h[:, -1:] if last_only else h, self.head).float(), h

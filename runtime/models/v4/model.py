@@ -118,7 +118,8 @@ class TransformerV4(nn.Module):
         super().__init__()
         a = self.args = args
         self.max_len, self.experts = max_len, experts
-        self.device = w.device
+        # one device: the family does not split (models/families.py)
+        self.device, self.cards, self.card_cut = w.device, None, None
         self.embed = w.plain("embed.weight", (a.vocab_size, a.dim))
         layout, k = experts.layout, a.n_activated_experts
         self.moe_kernel = MoEKernel(layout, k, w.device, a.swiglu_limit) if layout else None

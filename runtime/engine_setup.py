@@ -12,6 +12,7 @@ from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.runtime.generate.decode_graph import DecodeGraphs
+from dsfp4.runtime.models.kernel_warm_up import warm_up_backbone
 from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.models.trace_routing import TraceRouting, attach
 from dsfp4.runtime.options import RunOptions
@@ -52,13 +53,15 @@ def warm_start(model: Model, model_dir: Path, conversion: Manifest, zero_copy: b
 
 
 def warm_up_kernels(model: Model, dtype: torch.dtype, a: ModelArgs, chunk: int) -> None:
-    """Triton compiles the MoE kernels here, not in the first TTFT."""
+    """Triton compiles the MoE kernels and the backbone's here, for every prompt length, not in a request's TTFT."""
     if model.moe_kernel is not None:
         log.info("compiling the MoE kernels")
         # each card's kernel on its slots (one device: the one pair)
         pairs = {id(b.ffn.kernel): (b.ffn.kernel, b.ffn.experts.gpu) for b in model.layers if b.moe}
         for kernel, records in pairs.values() or [(model.moe_kernel, model.experts.gpu)]:
             kernel.warm_up(dtype, records, a.n_routed_experts, chunk)
+    log.info("compiling the backbone's kernels")
+    warm_up_backbone(model, chunk)
 
 
 def captured_graphs(

@@ -105,8 +105,9 @@ def corpus(limit_files: int | None = None) -> tuple[list[str], list[str]]:
     (train). `limit_files`: the first files only (the standard library's first)."""
     roots = [Path(sysconfig.get_paths()["stdlib"])]
     for name in CORPUS_PACKAGES:
+        # a package this machine lacks adds nothing
         spec = importlib.util.find_spec(name)
-        roots += [Path(d) for d in (spec.submodule_search_locations or []) if spec is not None]
+        roots += [Path(d) for d in (spec.submodule_search_locations or [])] if spec is not None else []
     paths = [(r, p) for r in roots for p in sorted(r.rglob("*.py")) if "site-packages" not in p.relative_to(r).parts]
     train, held = [], []
     for root, p in paths[:limit_files]:

@@ -150,8 +150,9 @@ def test_dequantize_and_the_weight_follow_the_forced_path(forced):
 @pytest.mark.gpu
 def test_forced_by_bits_decodes_the_tokens_of_the_native_path(converted, monkeypatch):
     """The forced path on whatever CUDA card: decode (GEMV, absorbed attention, MoE by bits) gives the native
-    path's tokens, graphs and all; a prompt past the GEMV's tokens (W8A16 prefill, x unrounded) gives logits
-    within W8A8's rounding of the native ones."""
+    path's tokens, graphs and all; a prompt past the GEMV's tokens (W8A16 prefill, x unrounded) gives logits nearer
+    the CPU's fp32 reference than the native W8A8 prefill's (on the H200 the two differed by 16% of the logits'
+    range on this random model: W8A8's rounding, not a bound to hold the by-bits path to)."""
     from dsfp4.runtime.engine import Engine
 
     prompt, long = [0, 5, 9, 11, 40, 7], list(range(3, 43))
@@ -166,9 +167,11 @@ def test_forced_by_bits_decodes_the_tokens_of_the_native_path(converted, monkeyp
                 engine.logits(long).float(),
             )
     backend.fp8_by_bits_forced.cache_clear()
+    with Engine(converted, device="cpu", dtype="fp32", max_context=64) as engine:
+        ref = engine.logits(long).float()
     assert runs[True][0] == runs[False][0]
-    native, bits = runs[False][1], runs[True][1]
-    assert (bits - native).abs().max().item() < 5e-2 * (native.max() - native.min()).item()
+    native, bits = runs[False][1].cpu(), runs[True][1].cpu()
+    assert (bits - ref).norm() < (native - ref).norm()
 
 
 def _capability() -> tuple[int, int]:

@@ -1,0 +1,77 @@
+"""The backbone's kernels compiled at start (runtime/models/kernel_warm_up.py): one call per variant a prompt can
+take, and on a GPU no request compiling anything afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsfp4.kernels.token_bounds import DECOMPRESS_TOKENS
+from dsfp4.runtime.models.kernel_warm_up import SPECIALIZED_DIVISOR, prompt_sizes
+
+
+def _key(variant, t: int) -> tuple:
+    return variant(t), t > DECOMPRESS_TOKENS, t % SPECIALIZED_DIVISOR == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 33, 200, 512])
+def test_prompt_sizes_cover_every_variant_once(chunk):
+    # a GEMV per count up to 16, then tiles that widen at 128 tokens for one matrix and 300 for another
+    def variant(t: int):
+        return t if t <= 16 else (t >= 128, t >= 300)
+
+    sizes = prompt_sizes(chunk, variant)
+    keys = [_key(variant, t) for t in sizes]
+    assert len(set(keys)) == len(keys), "one call per variant"
+    assert {_key(variant, t) for t in range(1, chunk + 1)} == set(keys), "every variant of 1..chunk called"
+    # the smallest of each, so a warm-up's calls stay short
+    assert all(min(t for t in range(1, chunk + 1) if _key(variant, t) == k) == s for k, s in zip(keys, sizes))
+    assert sizes == sorted(sizes) and sizes[-1] <= chunk
+
+
+def test_warm_up_compiles_nothing_where_no_kernel_runs(converted):
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.models.kernel_warm_up import warm_up_backbone
+
+    with Engine(converted, device="cpu", max_context=64) as engine:
+        assert warm_up_backbone(engine.model, 32) == 0
+
+
+FIRST_REQUESTS = """
+import json, sys
+from pathlib import Path
+from dsfp4.runtime.engine import Engine
+
+def entries():
+    return sorted(str(p.relative_to(cache)) for p in cache.glob("*/*.json") if not p.name.startswith("__grp__"))
+
+cache = Path(sys.argv[2])
+with Engine(sys.argv[1], device="cuda", max_context=600, prefill_chunk=128) as engine:
+    started = entries()
+    for n in (3, 20, 40, 100, 128, 300, 517):
+        engine.generate([5 + i % 50 for i in range(n)], max_tokens=2, temperature=0)
+    print(json.dumps({"started": started, "after": entries()}))
+"""
+
+
+@pytest.mark.gpu
+def test_no_request_compiles_after_the_engine_starts(converted, tmp_path):
+    """A fresh Triton cache: every kernel a prompt of any length takes was compiled while the engine started."""
+    cache = tmp_path / "triton"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_REQUESTS, str(converted), str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["started"], "the engine's start compiled the kernels"
+    assert sorted(set(seen["after"]) - set(seen["started"])) == []

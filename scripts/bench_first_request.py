@@ -23,8 +23,17 @@ from pathlib import Path
 
 
 def kernels_in(cache: Path) -> set[str]:
-    """Names of the kernels compiled into a Triton cache folder: each entry holds NAME.json beside its binaries."""
-    return {p.stem for p in cache.glob("*/*.json") if not p.name.startswith("__grp__")}
+    """The kernel variants compiled into a Triton cache folder, as ENTRY/NAME: each entry (one per kernel and
+    specialization) holds NAME.json beside its binaries."""
+    return {f"{p.parent.name}/{p.stem}" for p in cache.glob("*/*.json") if not p.name.startswith("__grp__")}
+
+
+def names(entries: set[str]) -> str:
+    """Kernel names with their count of new variants: 'fp8_gemm_kernel x3, block_kernel'."""
+    counts: dict[str, int] = {}
+    for e in sorted(entries):
+        counts[e.split("/", 1)[1]] = counts.get(e.split("/", 1)[1], 0) + 1
+    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items()) or "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             engine.reset()
             rows.append({"tokens": n, "first_ttft_s": first, "second_ttft_s": again, "compiled": compiled})
     out = {"cache": str(cache), "engine_start_s": start_s, "compiled_at_start": sorted(at_start), "requests": rows}
-    print(f"engine start {start_s:.1f} s, {len(at_start)} kernels compiled then (cache {cache})")
-    print(f"{'tokens':>7} {'first TTFT':>11} {'second':>8}  kernels compiled by the first")
+    print(f"engine start {start_s:.1f} s, {len(at_start)} kernel variants compiled then (cache {cache})")
+    print(f"{'tokens':>7} {'first TTFT':>11} {'second':>8}  kernel variants compiled by the first")
     for r in rows:
-        names = ", ".join(r["compiled"]) or "-"
-        print(f"{r['tokens']:>7} {r['first_ttft_s']:>10.3f}s {r['second_ttft_s']:>7.3f}s  {names}")
+        print(f"{r['tokens']:>7} {r['first_ttft_s']:>10.3f}s {r['second_ttft_s']:>7.3f}s  {names(set(r['compiled']))}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -129,6 +129,7 @@ def bench(
         click.echo(
             f"{r['preset']}: decode {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_tok_s']:.1f} tok/s, "
             f"TTFT {r['ttft_s']:.2f} s, device hits {r['gpu_hit_rate']:.0%}{eff} ({r['decode_mode']})"
+            + (f"; {r['kernel_word']}" if r["kernel_word"] else "")
         )
         results.append(r)
         # after each run: a later failure keeps what was measured

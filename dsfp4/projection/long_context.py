@@ -12,17 +12,7 @@ import numpy as np
 
 from dsfp4.projection.first_token import ANSWER_TOKENS
 from dsfp4.projection.machines import MACHINES
-from dsfp4.projection.whole_model import (
-    MAX_CONTEXT,
-    MachineRun,
-    columns,
-    decode_costs,
-    full_plan,
-    halves,
-    host_stream,
-    n_moe_layers,
-    spread,
-)
+from dsfp4.projection.whole_model import MAX_CONTEXT, columns, machine_run
 from dsfp4.runtime.plan.planner import layer_cache_bytes
 
 # positions a decode step sits at
@@ -54,15 +44,14 @@ def context_decodes(
     for name in machines:
         machine = MACHINES[name]
         for c in contexts:
-            m, plan = full_plan(family, machine, max_context=max(MAX_CONTEXT, c + ANSWER_TOKENS))
-            warm, run = halves(spread(ids, n_moe_layers(m)), m.args.n_routed_experts)
-            r = MachineRun(machine, m, plan, decode_costs(m, machine.hbm, eff), warm, run, host_stream(m, plan))
+            r = machine_run(family, name, ids, eff, max_context=max(MAX_CONTEXT, c + ANSWER_TOKENS))
+            m, plan = r.m, r.plan
             step = 1 / r.decode(POLICY, RECALL, True).tok_s
             a = m.args
             row = {i: layer_cache_bytes(a, i, 1, 2)[0] for i in range(a.n_layers)}  # bytes a position, bf16
             in_ram = c * sum(row[i] for i in plan.on_host.caches)
             on_device = c * sum(row.values()) - in_ram
-            cache_s = in_ram / machine.links.pcie + on_device / (machine.hbm * eff)
+            cache_s = in_ram / machine.links.pcie + on_device / (machine.hbm * machine.decode_efficiency(eff))
             rows.append(ContextDecode(name, c, 1 / (step + cache_s), cache_s, in_ram, plan.host_backbone))
     return rows
 

@@ -24,6 +24,18 @@ class Machine:
     # cards in the box (budgets.cards each one's): the whole model planned split across them (runtime/plan/
     # device_split.py); hbm, flops and links are each card's, and a layer's copies go over its own card's link
     cards: int = 1
+    # the card's decode compute speed on its kernel path, as a share of the measured native path's (the projection's
+    # efficiency is the native path's)
+    path_speed: float = 1.0
+
+    def decode_efficiency(self, eff: float) -> float:
+        """The decode's share of this card's memory bandwidth, `eff` the native path's."""
+        return eff * self.path_speed
+
+
+# sm_80/86 (no e4m3 in hardware): the FP8 backbone converted by bits in the kernels, resident decode 91% of the
+# native path's on the H200 with the path forced (docs/BENCHMARKS.md, 2026-12-02)
+BY_BITS_DECODE = 0.91
 
 
 MACHINES = {
@@ -44,7 +56,7 @@ MACHINES = {
         165.2e12,
     ),
     # the most common card for a local DeepSeek; no e4m3 in hardware: its FP8 backbone is converted by bits in the
-    # kernels, whose speed there is assumed the hardware path's until measured (issue 49)
+    # kernels (BY_BITS_DECODE)
     "3090": Machine(
         "RTX 3090 24 GB (936 GB/s, 71 BF16 TFLOP/s with FP32 accumulate, sm_86), 96 GB RAM, 7 GB/s PCIe 4 SSD, "
         "25 GB/s pinned PCIe 4",
@@ -52,6 +64,7 @@ MACHINES = {
         936e9,
         Links(7e9, 25e9),
         71e12,
+        path_speed=BY_BITS_DECODE,
     ),
     "home-seek": Machine(
         "home-seek's: RTX 4090 24 GB (1,008 GB/s), ~90 GB RAM, 1.5 GB/s disk, PCIe 4 (25 GB/s pinned)",
@@ -70,6 +83,7 @@ MACHINES = {
         Links(7e9, 25e9),
         71e12,
         cards=2,
+        path_speed=BY_BITS_DECODE,
     ),
     "2x4090": Machine(
         "two RTX 4090 24 GB (1,008 GB/s each, sm_89), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe each (the 24g "

@@ -290,13 +290,21 @@ class MachineRun:
         )
 
 
-def machine_run(family: str, name: str, ids: np.ndarray, eff: float, backbone: str | None = None) -> MachineRun:
-    """`family` planned on machine `name` (full_plan), `ids` [N, L, K] spread over its MoE layers and halved, its
-    decode compute at `eff` of the machine's memory bandwidth."""
+def machine_run(
+    family: str,
+    name: str,
+    ids: np.ndarray,
+    eff: float,
+    backbone: str | None = None,
+    max_context: int = MAX_CONTEXT,
+) -> MachineRun:
+    """`family` planned on machine `name` for `max_context` (full_plan), `ids` [N, L, K] spread over its MoE layers
+    and halved, its decode compute at `eff` (the native path's share) of the machine's memory bandwidth."""
     machine = MACHINES[name]
-    m, plan = full_plan(family, machine, backbone)
+    m, plan = full_plan(family, machine, backbone, max_context)
     warm, run = halves(spread(ids, n_moe_layers(m)), m.args.n_routed_experts)
-    return MachineRun(machine, m, plan, decode_costs(m, machine.hbm, eff), warm, run, host_stream(m, plan))
+    costs = decode_costs(m, machine.hbm, machine.decode_efficiency(eff))
+    return MachineRun(machine, m, plan, costs, warm, run, host_stream(m, plan))
 
 
 @dataclass(frozen=True)

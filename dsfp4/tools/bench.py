@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dsfp4.device import resolve_device
+from dsfp4.kernels.kernel_paths import kernel_paths
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan, token_bytes
 from dsfp4.runtime.profile.calibration import BUILTIN_FILES, Entry, parse_jsonl
@@ -79,6 +80,7 @@ def run_preset(
                     a + n - w for a, n, w in zip(layer_uses.get(layer, (0, 0, 0)), now, was, strict=True)
                 ]
         decode_mode = engine.decode_mode
+        paths = kernel_paths(engine.model.device)
     # each answer's first token comes with its prefill
     tokens = sum(x.generated_tokens - 1 for x in decodes)
     # passes: the re-fed last prompt token, then a pass per further token; one token's work each
@@ -107,6 +109,9 @@ def run_preset(
         "total_records": plan.total_records,
         "load_s": load_s,
         "decode_mode": decode_mode,
+        # which kernels ran each part, and the word run prints where that is not the kernels at speed
+        "kernel_paths": paths.parts,
+        "kernel_word": paths.word,
         "routing": decodes[-1].routing or "the model's routers",
         "prompts": len(prompts),
         "prompt_tokens": sum(x.prompt_tokens for x in prefills),

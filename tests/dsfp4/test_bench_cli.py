@@ -28,6 +28,8 @@ def test_bench_writes_json_csv_and_html_with_the_ceilings_and_per_layer_hits(con
     assert data["command"].startswith(f"dsfp4 bench {converted} ") and "--max-tokens 4" in data["command"]
     (res,) = data["results"]
     assert res["prompts"] == 2 and res["decode_tokens"] == 6 and res["decode_tok_s"] > 0
+    # the CPU's row says the references ran, with no word (that is what the CPU runs)
+    assert res["kernel_paths"]["FP8 backbone"].startswith("torch reference") and res["kernel_word"] == ""
     m = Manifest.read(converted)
     assert set(res["layers"]) == {str(layer) for layer in m.experts if layer < m.args.n_layers}  # not MTP
     assert all(v["uses"] > 0 for v in res["layers"].values())
@@ -173,3 +175,22 @@ def test_bench_records_the_commit_of_dsfp4s_own_checkout_only(tmp_path):
     (other / "pyproject.toml").write_text("")
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert commit(other) == f"{__version__}+{head}"  # the repository's own top
+
+
+def test_a_bench_row_off_the_kernels_at_speed_says_so(converted, tmp_path, monkeypatch):
+    import dataclasses
+
+    import dsfp4.tools.bench as bench_tool
+    from dsfp4.kernels.kernel_paths import kernel_paths
+
+    word = "sm_75: the torch references run on the GPU, several times slower"
+
+    def slower(device):
+        return dataclasses.replace(kernel_paths(device), word=word)
+
+    monkeypatch.setattr(bench_tool, "kernel_paths", slower)
+    out = tmp_path / "report"
+    args = ["bench", str(converted), "--device", "cpu", "--prompts", "1", "--max-tokens", "2", "--out", str(out)]
+    r = CliRunner().invoke(cli, [*args, "--max-context", "512"])
+    assert r.exit_code == 0, r.output
+    assert word in r.output and json.loads((out / "bench.json").read_text())["results"][0]["kernel_word"] == word

@@ -152,6 +152,17 @@ def test_a_card_that_shares_a_presets_budgets_is_projected_beside_it():
     assert MACHINES["3090"].budgets == MACHINES["24g"].budgets and MACHINES["3090"].flops < MACHINES["24g"].flops
 
 
+def test_a_card_on_the_by_bits_path_decodes_at_its_measured_share(monkeypatch):
+    from dsfp4.projection.machines import BY_BITS_DECODE
+
+    ids = _trace(tokens=40, layers=8, experts=256, k=8)
+    monkeypatch.setitem(MACHINES, "3090 native", dataclasses.replace(MACHINES["3090"], path_speed=1.0))
+    by_bits, native = machine_run("v3", "3090", ids, 0.7), machine_run("v3", "3090 native", ids, 0.7)
+    assert MACHINES["3090"].path_speed == BY_BITS_DECODE < 1 and MACHINES["24g"].path_speed == 1
+    assert by_bits.costs.attn_s == pytest.approx(native.costs.attn_s / BY_BITS_DECODE)
+    assert by_bits.decode("hot", 0.9, True).tok_s < native.decode("hot", 0.9, True).tok_s
+
+
 def test_share_plan_keeps_one_layer_on_the_device():
     from dsfp4.runtime.plan.budget import Budgets
     from dsfp4.runtime.plan.planner import Plan

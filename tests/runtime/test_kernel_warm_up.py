@@ -30,7 +30,8 @@ def test_prompt_sizes_cover_every_variant_once(chunk):
     assert len(set(keys)) == len(keys), "one call per variant"
     assert {_key(variant, t) for t in range(1, chunk + 1)} == set(keys), "every variant of 1..chunk called"
     # the smallest of each, so a warm-up's calls stay short
-    assert all(min(t for t in range(1, chunk + 1) if _key(variant, t) == k) == s for k, s in zip(keys, sizes))
+    smallest = {k: min(t for t in range(1, chunk + 1) if _key(variant, t) == k) for k in keys}
+    assert [smallest[k] for k in keys] == sizes
     assert sizes == sorted(sizes) and sizes[-1] <= chunk
 
 

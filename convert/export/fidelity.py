@@ -55,8 +55,8 @@ def cold_label(manifest: Manifest, accept: bool, model_dir: Path) -> dict | None
         raise FormatError(
             f"{model_dir}: {n} of {total} expert records are cold, narrowed to {bits} by profile-hot "
             f"--repack (layer {first}: experts {named}{more}); an export would pass that loss on as the "
-            f"conversion's FP4: convert again and export before a --cold-bits or --cold-recipe repack, or add {ACCEPT_COLD} to "
-            f"export them widened and labelled as such"
+            f"conversion's FP4: convert again and export before a --cold-bits or --cold-recipe repack, or add "
+            f"{ACCEPT_COLD} to export them widened and labelled as such"
         )
     return {
         "note": f"{n} of {total} routed expert records were narrowed to {bits} (dsfp4 profile-hot --repack) and are "

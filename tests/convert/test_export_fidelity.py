@@ -56,7 +56,9 @@ def test_a_cold_repacked_model_is_refused_naming_its_cold_records_and_the_fix(fm
     for flags in ((), ("--dry-run",)):
         r = run_cli("export", model, tmp_path / "out", "--format", fmt, *flags)
         assert_one_line_error(r, "8 of 24 expert records are cold", "2-bit codes", f"layer {first}: experts {experts}")
-        assert_one_line_error(r, "convert again and export before a --cold-bits or --cold-recipe repack", "--accept-cold-loss")
+        assert_one_line_error(
+            r, "convert again and export before a --cold-bits or --cold-recipe repack", "--accept-cold-loss"
+        )
         assert not (tmp_path / "out").exists()
 
 

@@ -130,11 +130,12 @@ class Manifest:
         layouts = self.cold_layouts()
         return recipe_of({b: c.code_bits for b, c in layouts.items()}) if layouts else None
 
-    def routed_bits(self) -> float:
-        """Bits per routed weight as stored, scales included: every record's bytes over its 3 x D x I weights."""
-        rec = self.record
-        nbytes = sum(self.layout_of((b, e)).nbytes for b, ef in self.experts.items() for e in range(len(ef.offsets)))
-        weights = sum(len(ef.offsets) for ef in self.experts.values()) * len(MATRICES) * rec.dim * rec.inter_dim
+    def routed_bits(self, layers: Iterable[int] | None = None) -> float:
+        """Bits per routed weight as stored, scales included: the records' bytes of `layers` (default: all) over their
+        3 x D x I weights each."""
+        rec, keys = self.record, sorted(self.experts if layers is None else layers)
+        nbytes = sum(self.layout_of((b, e)).nbytes for b in keys for e in range(len(self.experts[b].offsets)))
+        weights = sum(len(self.experts[b].offsets) for b in keys) * len(MATRICES) * rec.dim * rec.inter_dim
         return 8 * nbytes / weights if weights else 0.0
 
     @property

@@ -10,7 +10,7 @@ routed experts a token. One JSON line per setting: KL mean and
 p99, top-1 agreement and perplexity ratio against the reference, shares of choices left out and swapped, SSD
 megabytes per token, and tokens per second (on a GPU at --chunk 1: the host's per-layer work shows); and the model's
 cold records as stored: its cold recipe (`profile-hot --repack --cold-bits` or `--cold-recipe`; none: "-") and bits
-per routed weight, scales included.
+per routed weight of its main MoE layers, scales included.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def main(
             "gpu_slots": plan.gpu_slots,
             "ram_slots": plan.ram_slots,
             "cold_recipe": str(manifest.cold_recipe() or "-"),
-            "routed_bits": round(manifest.routed_bits(), 4),
+            # the main model's MoE layers (the MTP block's records are not run)
+            "routed_bits": round(manifest.routed_bits(b for b in manifest.experts if b < manifest.args.n_layers), 4),
             "kl_mean": out["kl_mean"],
             "kl_p99": out["kl_p99"],
             "top1": out["top1_agreement"],

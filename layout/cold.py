@@ -50,6 +50,11 @@ def cold_to_e2m1(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(mags + [8 | m for m in mags], dtype=torch.uint8, device=device)
 
 
+def cold_luts(device: torch.device | str = "cpu") -> dict[int, torch.Tensor]:
+    """bits -> cold_to_e2m1(bits): the tables the widening kernel reads, one per width."""
+    return {bits: cold_to_e2m1(bits, device) for bits in COLD_BITS}
+
+
 def cold_values(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Cold codes -> their float32 levels (before the block scale)."""
     levels = torch.tensor(COLD_MAGNITUDES[bits], device=codes.device)

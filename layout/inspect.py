@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.recipe import describe_bits
 from dsfp4.units import format_bytes
 
 
@@ -37,14 +38,18 @@ def describe(model_dir: Path, tensors: bool = False) -> str:
             f"{len(m.experts)} layer files, {format_bytes(n * m.record.nbytes)}",
         ]
         lines += [f"  {p.name:<10}{p.dtype:>8} {str(list(p.shape)):<16} offset {p.offset}" for p in m.record.parts]
-        if (cold := m.cold_record) is not None:
+        if (recipe := m.cold_recipe()) is not None:
             k = sum(len(e.cold) for e in m.experts.values())
             lines.append(
-                f"  of which {k} cold: {cold.code_bits}-bit codes, records of {format_bytes(cold.nbytes)} "
-                f"({cold.nbytes / m.record.nbytes:.0%}), widened to {m.record.format} on their way to the GPU"
+                f"  of which {k} cold, by the cold recipe {recipe}: {m.routed_bits():.2f} bits per routed weight "
+                f"as stored, widened to {m.record.format} on their way to the GPU"
             )
         for layer, e in sorted(m.experts.items()):
-            lines.append(f"  layer {layer:>3}: {e.file}, {len(e.offsets)} experts")
+            cold = ""
+            if e.cold:
+                c = e.cold_record
+                cold = f" ({len(e.cold)} cold: {describe_bits(c.code_bits)}, {c.nbytes / m.record.nbytes:.0%} size)"
+            lines.append(f"  layer {layer:>3}: {e.file}, {len(e.offsets)} experts{cold}")
     if m.quant_error:
         lines += ["", "quantization error (relative RMS, ||W - Q(W)|| / ||W||):"]
         lines += [f"  {k:<44}{v:.4g}" for k, v in m.quant_error.items()]

@@ -1,8 +1,12 @@
-"""manifest.json: the only channel from convert to runtime (layout version 1).
+"""manifest.json: the only channel from convert to runtime (layout versions 1 and 2).
 
 Written last and atomically: a folder is a converted model exactly when its manifest exists. It holds the
 model shape (ModelArgs), where every backbone tensor lives and in which format, a checksum per file, the
 expert record layout and, per MoE layer, each expert's offset and checksum in its layer file.
+
+Version 2 only adds per-layer cold record layouts (cold recipes, layout/recipe.py): a manifest is written as version 1
+whenever version 1 can say what it holds (no cold records, or one cold layout of one width for every layer), so
+readers of version 1 keep reading it; one they cannot read says version 2, which they refuse with "upgrade dsfp4".
 """
 
 from __future__ import annotations
@@ -11,15 +15,17 @@ import dataclasses
 import functools
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsfp4.errors import ChecksumError, ConfigError, ManifestError
+from dsfp4.errors import ChecksumError, ConfigError, FormatError, ManifestError
 from dsfp4.layout.atomic import atomic_write_bytes
 from dsfp4.layout.manifest_check import manifest_problem
 from dsfp4.layout.manifest_schema import check_manifest
 from dsfp4.layout.model_args import ModelArgs
+from dsfp4.layout.recipe import MATRICES, ColdRecipe, recipe_of
 from dsfp4.layout.record import RecordLayout
 from dsfp4.value_types import kind
 from dsfp4.version import __version__
@@ -27,7 +33,11 @@ from dsfp4.version import __version__
 MANIFEST_NAME = "manifest.json"
 # the weight files besides the experts' (the tokenizer's and config's sit at the top)
 BACKBONE_DIR = "backbone"
-MANIFEST_VERSION = 1
+# the newest layout version this dsfp4 reads and writes; it reads every one from FIRST_VERSION
+MANIFEST_VERSION = 2
+FIRST_VERSION = 1
+# what version 2 added: each layer's own cold record layout
+PER_LAYER_VERSION = 2
 CHECKSUM = "sha256"
 
 
@@ -50,20 +60,24 @@ class FileEntry:
 @dataclass(frozen=True)
 class ExpertFile:
     """One MoE layer's records: offsets[e] and sha256[e] belong to expert e. cold: the experts whose records are
-    cold (Manifest.cold_record), source_sha256 (in cold's order) the sha256 of the records they were narrowed from."""
+    cold (in layout cold_record), source_sha256 (in cold's order) the sha256 of the records they were narrowed from."""
 
     file: str
     offsets: tuple[int, ...]
     sha256: tuple[str, ...]
     cold: tuple[int, ...] = ()
     source_sha256: tuple[str, ...] = ()
+    # the layout of this layer's cold records (None when none is cold)
+    cold_record: RecordLayout | None = None
 
-    def to_dict(self, placed: bool = True) -> dict[str, Any]:
-        """`placed` False: without where the records sit (file, offsets)."""
+    def to_dict(self, placed: bool = True, own_layout: bool = False) -> dict[str, Any]:
+        """`placed` False: without where the records sit (file, offsets); `own_layout`: with cold_record (version 2)."""
         d: dict[str, Any] = {"file": self.file, "offsets": list(self.offsets)} if placed else {}
         d["sha256"] = list(self.sha256)
         if self.cold:
             d |= {"cold": list(self.cold), "source_sha256": list(self.source_sha256)}
+            if own_layout:
+                d["cold_record"] = self.cold_record.to_dict()
         return d
 
     @functools.cached_property
@@ -90,10 +104,7 @@ class Manifest:
     experts: dict[int, ExpertFile]
     skipped: dict[str, int] = field(default_factory=dict)
     quant_error: dict[str, float] = field(default_factory=dict)
-    version: int = MANIFEST_VERSION
     created_by: str = f"dsfp4 {__version__}"
-    # the layout of every layer's cold records
-    cold_record: RecordLayout | None = None
 
     def file_position(self, key: tuple[int, int]) -> tuple[int, int]:
         """(layer, offset in its expert file) of the record of key (layer, expert): sorting records by it gives
@@ -101,17 +112,49 @@ class Manifest:
         return key[0], self.experts[key[0]].offsets[key[1]]
 
     def layout_of(self, key: tuple[int, int]) -> RecordLayout:
-        """The layout of the record of key (layer, expert): a cold one's or the model's."""
-        cold = self.cold_record is not None and key[1] in self.experts[key[0]].cold_set
-        return self.cold_record if cold else self.record
+        """The layout of the record of key (layer, expert): its layer's cold one, or the model's."""
+        ef = self.experts[key[0]]
+        return ef.cold_record if key[1] in ef.cold_set else self.record
+
+    def cold_layouts(self, layers: Iterable[int] | None = None) -> dict[int, RecordLayout]:
+        """layer -> the layout of its cold records, for those of `layers` (default: all) that have any."""
+        keys = self.experts if layers is None else layers
+        return {b: self.experts[b].cold_record for b in keys if self.experts[b].cold}
+
+    def cold_nbytes(self, layers: Iterable[int] | None = None) -> int:
+        """The largest cold record of `layers` (default: all), 0 when none is cold: what a slot for any must hold."""
+        return max((c.nbytes for c in self.cold_layouts(layers).values()), default=0)
+
+    def cold_recipe(self) -> ColdRecipe | None:
+        """The recipe the cold records were narrowed by (layout/recipe.py), None when none is cold."""
+        layouts = self.cold_layouts()
+        return recipe_of({b: c.code_bits for b, c in layouts.items()}) if layouts else None
+
+    def routed_bits(self, layers: Iterable[int] | None = None) -> float:
+        """Bits per routed weight as stored, scales included: the records' bytes of `layers` (default: all) over their
+        3 x D x I weights each."""
+        rec, keys = self.record, sorted(self.experts if layers is None else layers)
+        nbytes = sum(self.layout_of((b, e)).nbytes for b in keys for e in range(len(self.experts[b].offsets)))
+        weights = sum(len(self.experts[b].offsets) for b in keys) * len(MATRICES) * rec.dim * rec.inter_dim
+        return 8 * nbytes / weights if weights else 0.0
+
+    @property
+    def version(self) -> int:
+        """The layout version that can say what this manifest holds (module docstring)."""
+        layouts = {c for c in self.cold_layouts().values() if c is not None}
+        shared = len(layouts) <= 1 and all(c.uniform for c in layouts)
+        return FIRST_VERSION if shared else PER_LAYER_VERSION
 
     def record_end(self, key: tuple[int, int]) -> int:
         """Where the record of key ends in its layer file."""
         return self.file_position(key)[1] + self.layout_of(key).nbytes
 
     def to_dict(self) -> dict[str, Any]:
+        version, layouts = self.version, self.cold_layouts()
+        own = version >= PER_LAYER_VERSION
+        shared = next(iter(layouts.values())) if layouts and not own else None
         return {
-            "format_version": self.version,
+            "format_version": version,
             "created_by": self.created_by,
             "checksum": CHECKSUM,
             "model": self.args.to_dict(),
@@ -124,8 +167,8 @@ class Manifest:
             "files": {k: {"nbytes": f.nbytes, "sha256": f.sha256} for k, f in self.files.items()},
             "experts": {
                 "record": self.record.to_dict() if self.record else None,
-                **({"cold_record": self.cold_record.to_dict()} if self.cold_record else {}),
-                "layers": {str(layer): e.to_dict() for layer, e in self.experts.items()},
+                **({"cold_record": shared.to_dict()} if shared else {}),
+                "layers": {str(layer): e.to_dict(own_layout=own) for layer, e in self.experts.items()},
             },
             "skipped": self.skipped,
             "quant_error": self.quant_error,
@@ -138,13 +181,14 @@ class Manifest:
         """Identity of this conversion, which prompt caches and exports bind to: the manifest without where the
         records sit (each layer's file and offsets), the one thing a hot-first repack changes."""
         d = self.to_dict()
-        d["experts"]["layers"] = {k: e.to_dict(placed=False) for k, e in self.experts.items()}
+        own = self.version >= PER_LAYER_VERSION
+        d["experts"]["layers"] = {k: e.to_dict(placed=False, own_layout=own) for k, e in self.experts.items()}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def exact_sha256(self) -> str:
         """Identity of the conversion before its cold records were narrowed (conversion_sha256 when none is):
         hot profiles bind to it, since the experts a router picks are the same conversion's, narrowed or not."""
-        exact = dataclasses.replace(self, cold_record=None, experts={k: e.exact() for k, e in self.experts.items()})
+        exact = dataclasses.replace(self, experts={k: e.exact() for k, e in self.experts.items()})
         return exact.conversion_sha256()
 
     def write(self, out_dir: Path) -> None:
@@ -207,14 +251,16 @@ class Manifest:
                 f"{path}: format_version {what} (this dsfp4 reads layout version {MANIFEST_VERSION}); convert the "
                 "model again with this dsfp4"
             )
-        if version != MANIFEST_VERSION:
+        if not FIRST_VERSION <= version <= MANIFEST_VERSION:
             newer = version > MANIFEST_VERSION
             fix = "upgrade dsfp4" if newer else "convert the model again with this dsfp4"
-            raise ManifestError(f"{path}: layout version {version}, this dsfp4 reads {MANIFEST_VERSION}: {fix}")
+            reads = f"{FIRST_VERSION} to {MANIFEST_VERSION}"
+            raise ManifestError(f"{path}: layout version {version}, this dsfp4 reads {reads}: {fix}")
         if (wrong := check_manifest(d)) is not None:
             raise ManifestError(f"{path}: malformed manifest at {wrong}; convert again")
         try:
             ex = d["experts"]
+            shared = RecordLayout.from_dict(ex["cold_record"]) if ex.get("cold_record") else None
             m = cls(
                 args=ModelArgs.from_dict(d["model"]),
                 source=d["source"],
@@ -225,24 +271,31 @@ class Manifest:
                 },
                 files={k: FileEntry(f["nbytes"], f["sha256"]) for k, f in d["files"].items()},
                 record=RecordLayout.from_dict(ex["record"]) if ex["record"] else None,
-                experts={
-                    int(k): ExpertFile(
-                        e["file"],
-                        tuple(e["offsets"]),
-                        tuple(e["sha256"]),
-                        tuple(map(int, e.get("cold", ()))),
-                        tuple(map(str, e.get("source_sha256", ()))),
-                    )
-                    for k, e in ex["layers"].items()
-                },
-                cold_record=RecordLayout.from_dict(ex["cold_record"]) if ex.get("cold_record") else None,
+                experts={int(k): _expert_file(e, shared) for k, e in ex["layers"].items()},
                 skipped=d.get("skipped", {}),
                 quant_error=d.get("quant_error", {}),
-                version=version,
                 created_by=d.get("created_by", "?"),
             )
-        except (KeyError, TypeError, ConfigError) as e:
+        except (KeyError, TypeError, ConfigError, FormatError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e}); convert again") from e
         if (problem := manifest_problem(m)) is not None:
             raise ManifestError(f"{path}: {problem}; convert again")
+        if m.version != version:
+            raise ManifestError(
+                f"{path}: format_version {version}, but what it holds is layout version {m.version}'s; convert again"
+            )
         return m
+
+
+def _expert_file(e: dict[str, Any], shared: RecordLayout | None) -> ExpertFile:
+    """One layer's entry: its cold records in its own layout (version 2) or in experts.cold_record (version 1)."""
+    cold = tuple(map(int, e.get("cold", ())))
+    own = RecordLayout.from_dict(e["cold_record"]) if e.get("cold_record") else shared
+    return ExpertFile(
+        e["file"],
+        tuple(e["offsets"]),
+        tuple(e["sha256"]),
+        cold,
+        tuple(map(str, e.get("source_sha256", ()))),
+        own if cold else None,
+    )

@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from dsfp4.errors import FormatError
-from dsfp4.layout.cold import COLD_BITS
+from dsfp4.layout.recipe import RECIPE_BITS
 from dsfp4.layout.record import RECORD_ALIGN, RecordLayout
 
 if TYPE_CHECKING:
@@ -34,12 +34,14 @@ def _record_problem(m: Manifest) -> str | None:
         return f"experts.record.format: {e}"
     if rec != exact:
         return f"experts.record does not lay out a {rec.format} record of dim {a.dim} x {a.moe_inter_dim}"
-    cold = m.cold_record
-    if cold is not None:
-        if cold.code_bits not in COLD_BITS:
-            return f"experts.cold_record.code_bits is {cold.code_bits}, not {' or '.join(map(str, COLD_BITS))}"
+    for layer, cold in sorted(m.cold_layouts().items()):
+        if cold is None:
+            continue
+        where = f"the cold record layout of experts.layers.{layer}"
+        if any(b not in RECIPE_BITS for b in cold.code_bits) or not cold.cold:
+            return f"{where} has code_bits {list(cold.code_bits)}: each of 2, 3 or 4 bits, some below 4"
         if cold != rec.cold_of(cold.code_bits):
-            return f"experts.cold_record is not the {cold.code_bits}-bit cold layout of experts.record"
+            return f"{where} is not the {cold.code_bits}-bit cold layout of experts.record"
     return None
 
 
@@ -54,8 +56,8 @@ def _layer_problem(m: Manifest, layer: int, ef: ExpertFile) -> str | None:
             return f"{name} lists {have} experts, the model has {n}"
     if len(set(ef.cold)) != len(ef.cold) or any(not 0 <= e < n for e in ef.cold):
         return f"cold lists experts outside 0..{n - 1} or one twice"
-    if ef.cold and m.cold_record is None:
-        return "cold experts are listed but experts.cold_record is missing"
+    if ef.cold and ef.cold_record is None:
+        return "cold experts are listed but no cold_record says their layout"
     if len(ef.source_sha256) != len(ef.cold):
         return f"source_sha256 lists {len(ef.source_sha256)} checksums for {len(ef.cold)} cold experts"
     spans = []

@@ -1,6 +1,7 @@
 """Hot-first repack: rewrite each layer file with its experts in hotness order, so that the warm start
 reads the hot prefix of every layer in one sequential read; with `Cold`, the records outside each layer's hot set
-are narrowed to 2- or 3-bit codes on the way (layout/cold.py), so each SSD miss reads fewer bytes.
+are narrowed to 2- or 3-bit codes on the way (layout/cold.py), each matrix at its recipe's bits (layout/recipe.py),
+so each SSD miss reads fewer bytes.
 
 Safe to interrupt, one layer at a time: the layer's new file is written under a new name and synced,
 then manifest.json is replaced atomically to point at it, then the old file is removed. The manifest
@@ -32,6 +33,7 @@ from dsfp4.layout.cold import COLD_BITS
 from dsfp4.layout.direct_io import RecordFile, aligned_buffer, open_direct
 from dsfp4.layout.hot_profile import HotProfile
 from dsfp4.layout.manifest import ExpertFile, Manifest
+from dsfp4.layout.recipe import EXACT, Bits, ColdRecipe
 from dsfp4.layout.record import RecordLayout, record_sha256
 from dsfp4.layout.safetensors_file import pwrite_all
 from dsfp4.units import format_bytes
@@ -59,17 +61,26 @@ class RepackReport:
 @dataclass(frozen=True)
 class Cold:
     """Narrow the records outside each layer's hot set: the hottest `hot_share` of its experts stay exact, the rest
-    are stored in cold codes of `bits`, after the hot ones."""
+    are stored, after the hot ones, in cold codes of `recipe`'s bits for their layer (given as one width: every
+    matrix at it, `--cold-bits`)."""
 
-    bits: int
+    recipe: ColdRecipe | int
     hot_share: float
 
     def __post_init__(self) -> None:
-        if self.bits not in COLD_BITS or not 0 <= self.hot_share < 1:
-            raise ConfigError(f"cold records take {COLD_BITS} bits and a hot share in [0, 1), not {self}")
+        if isinstance(self.recipe, int):
+            if self.recipe not in COLD_BITS:
+                raise ConfigError(f"cold records take {COLD_BITS} bits, not {self.recipe}")
+            object.__setattr__(self, "recipe", ColdRecipe.uniform(self.recipe))
+        if not 0 <= self.hot_share < 1:
+            raise ConfigError(f"cold records take a hot share in [0, 1), not {self.hot_share}")
 
-    def experts(self, order: list[int]) -> tuple[int, ...]:
-        return cold_experts(order, self.hot_share)
+    def bits(self, layer: int) -> Bits:
+        return self.recipe.of(layer)
+
+    def experts(self, order: list[int], layer: int) -> tuple[int, ...]:
+        """The layer's experts a repack narrows: none where its recipe keeps every matrix exact."""
+        return cold_experts(order, self.hot_share) if self.bits(layer) != EXACT else ()
 
 
 def cold_experts(order: list[int], hot_share: float) -> tuple[int, ...]:
@@ -92,8 +103,10 @@ class Target:
     @classmethod
     def of(cls, manifest: Manifest, layer: int, order: list[int], cold: Cold | None) -> Target:
         wide = manifest.record
-        narrow = wide.cold_of(cold.bits) if cold else manifest.cold_record
-        narrowed = cold.experts(order) if cold else manifest.experts[layer].cold
+        narrowed = cold.experts(order, layer) if cold else manifest.experts[layer].cold
+        narrow = manifest.experts[layer].cold_record
+        if cold and narrowed:
+            narrow = wide.cold_of(cold.bits(layer))
         offsets, at = [0] * len(order), 0
         for e in order:
             offsets[e] = at
@@ -117,12 +130,13 @@ def hot_file_name(ef: ExpertFile, order: list[int]) -> str:
 
 def _check_narrowing(manifest: Manifest, layer: int, target: Target) -> None:
     """Narrowing is one-way: a layer already narrowed may only be narrowed the same way again (an interrupted run)."""
-    ef, have = manifest.experts[layer], manifest.cold_record
+    ef = manifest.experts[layer]
     bits = target.layouts[1].code_bits if target.cold else None
-    if ef.cold and (set(ef.cold) - set(target.cold) or (have is not None and have.code_bits != bits)):
+    if ef.cold and (set(ef.cold) - set(target.cold) or ef.cold_record.code_bits != bits):
+        have = "/".join(map(str, ef.cold_record.code_bits))
         raise ConfigError(
-            f"layer {layer}: {len(ef.cold)} experts are already stored in {have.code_bits}-bit cold codes, which "
-            f"cannot be undone; run the same --cold-bits and hot share again, or convert again"
+            f"layer {layer}: {len(ef.cold)} experts are already stored in cold codes of {have} bits (gate/up/down), "
+            f"which cannot be undone; run the same --cold-bits or --cold-recipe and hot share again, or convert again"
         )
 
 
@@ -187,7 +201,8 @@ def _placed(ef: ExpertFile, name: str, target: Target, narrowed: dict[int, str])
     sha, source = list(ef.sha256), dict(zip(ef.cold, ef.source_sha256, strict=True))
     for e, digest in narrowed.items():
         source[e], sha[e] = sha[e], digest
-    return ExpertFile(name, target.offsets, tuple(sha), target.cold, tuple(source[e] for e in target.cold))
+    layout = target.layouts[1] if target.cold else None
+    return ExpertFile(name, target.offsets, tuple(sha), target.cold, tuple(source[e] for e in target.cold), layout)
 
 
 def repack(
@@ -217,6 +232,8 @@ def repack(
             for layer in sorted(manifest.experts)
             if layer in profile.counts
         }
+        if cold is not None:
+            cold.recipe.check_layers(set(targets))
         for layer, target in targets.items():
             _check_narrowing(manifest, layer, target)
         todo = [(layer, t) for layer, t in targets.items() if not t.done(manifest.experts[layer])]
@@ -243,8 +260,7 @@ def repack(
             # the new name is durable before the manifest points at it
             fsync_dir(tmp.parent)
             experts = {**manifest.experts, layer: _placed(ef, name, target, new)}
-            cold_record = target.layouts[1] if target.cold else manifest.cold_record
-            manifest = dataclasses.replace(manifest, experts=experts, cold_record=cold_record)
+            manifest = dataclasses.replace(manifest, experts=experts)
             # atomic: from here the new file is the layer's
             manifest.write(model_dir)
             if ef.file != name:

@@ -8,7 +8,9 @@ cold for one token), against a reference's logits (`dsfp4 eval --save-logits`, e
 SETTING: a mode name (runtime/modes.py) or THRESHOLD:MARGIN (0:0 is exact); --experts-per-token K runs each with K
 routed experts a token. One JSON line per setting: KL mean and
 p99, top-1 agreement and perplexity ratio against the reference, shares of choices left out and swapped, SSD
-megabytes per token, and tokens per second (on a GPU at --chunk 1: the host's per-layer work shows).
+megabytes per token, and tokens per second (on a GPU at --chunk 1: the host's per-layer work shows); and the model's
+cold records as stored: its cold recipe (`profile-hot --repack --cold-bits` or `--cold-recipe`; none: "-") and bits
+per routed weight of its main MoE layers, scales included.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def main(
             "machine": machine,
             "gpu_slots": plan.gpu_slots,
             "ram_slots": plan.ram_slots,
+            "cold_recipe": str(manifest.cold_recipe() or "-"),
+            # the main model's MoE layers (the MTP block's records are not run)
+            "routed_bits": round(manifest.routed_bits(b for b in manifest.experts if b < manifest.args.n_layers), 4),
             "kl_mean": out["kl_mean"],
             "kl_p99": out["kl_p99"],
             "top1": out["top1_agreement"],

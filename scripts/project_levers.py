@@ -2,7 +2,8 @@
 routing trace, with the lossy levers carried over from a trained model as dsfp4/projection/levers.py states.
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
-        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--hot-share 0.1] \
+        --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--cold-recipe R ...] \
+        [--hot-share 0.1] \
         [--cpu-gbps 16] [--json OUT] [SETTING...]
 
 --trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
@@ -10,8 +11,9 @@ routing trace, with the lossy levers carried over from a trained model as dsfp4/
 model (at every margin a mode uses); --efficiency: the bench model's measured resident decode efficiency (`dsfp4 bench
 --project` prints it); SETTING: a mode or THRESHOLD:MARGIN (default: every mode); --cold-bits: each setting also
 with the records outside each layer's hot set in cold codes of these bits (`profile-hot --repack --cold-bits`), the
-hot set each layer's hottest --hot-share (default: what the budgets hold at full size, as profile-hot's).
-Prints a table; --json writes the rows.
+hot set each layer's hottest --hot-share (default: what the budgets hold at full size, as profile-hot's);
+--cold-recipe: the same with a cold recipe (`profile-hot --repack --cold-recipe`, layout/recipe.py), its blocks the
+whole model's. Prints a table (bits: per routed weight as stored, scales included); --json writes the rows.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from dsfp4.errors import ConfigError
+from dsfp4.layout.recipe import ColdRecipe, parse_recipe
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.projection.levers import project_levers
 from dsfp4.runtime.modes import MODES, parse_levers
@@ -37,7 +41,10 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--family", type=click.Choice(["v3", "v4"]), default="v3", show_default=True)
 @click.option("--machines", default="16g,24g", show_default=True)
 @click.option("--cold-bits", type=click.Choice(["2", "3"]), multiple=True)
-@click.option("--hot-share", type=click.FloatRange(0, 1, max_open=True), help="With --cold-bits: experts kept exact.")
+@click.option("--cold-recipe", multiple=True, help="As --cold-bits, a cold recipe: gate=2,up=2,down=3[;BLOCKS:SPEC].")
+@click.option(
+    "--hot-share", type=click.FloatRange(0, 1, max_open=True), help="With --cold-bits or --cold-recipe: kept exact."
+)
 @click.option(
     "--cpu-gbps",
     type=click.FloatRange(0),
@@ -54,6 +61,7 @@ def main(
     family: str,
     machines: str,
     cold_bits: tuple[str, ...],
+    cold_recipe: tuple[str, ...],
     hot_share: float | None,
     cpu_gbps: float,
     out: Path | None,
@@ -70,9 +78,13 @@ def main(
     missing = sorted({m.cache_aware for m in modes.values() if m.cache_aware and m.cache_aware not in close})
     if missing:
         raise click.UsageError(f"--margins {margins}: no figure at margin {missing}; rerun scripts/router_margins.py")
-    if hot_share is not None and not cold_bits:
+    if hot_share is not None and not (cold_bits or cold_recipe):
         raise click.UsageError("--hot-share says which experts --cold-bits keeps exact; add --cold-bits 2 or 3")
-    bits = (None, *map(int, cold_bits))
+    try:
+        recipes = [parse_recipe(text) for text in cold_recipe]
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="'--cold-recipe'") from None
+    bits = (None, *map(int, cold_bits), *recipes)
     rows = project_levers(
         family,
         ids,
@@ -85,12 +97,15 @@ def main(
         cpu=cpu_gbps * 1e9,
         hot_share=hot_share,
     )
-    head = ("setting", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
-    click.echo("{:<11} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8} {:>7}".format(*head))
+    head = ("setting", "cold", "bits", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
+    wide = max([5, *map(len, cold_recipe)])
+    click.echo(f"{{:<11}} {{:<{wide}}} {{:>5}} {{:<8}} {{:>6}} {{:>7}} {{:>8}} {{:>9}} {{:>8}} {{:>7}}".format(*head))
     for r in rows:
-        d, cold = r.to_dict(), f"{r.cold_bits}-bit" if r.cold_bits else "-"
+        d = r.to_dict()
+        cold = str(r.cold_bits) if isinstance(r.cold_bits, ColdRecipe) else f"{r.cold_bits}-bit" if r.cold_bits else "-"
         click.echo(
-            f"{r.mode:<11} {cold:<5} {r.machine:<8} {d['tok_s']:6.2f} {d['ssd_gb_per_token']:7.2f} "
+            f"{r.mode:<11} {cold:<{wide}} {r.routed_bits:5.2f} {r.machine:<8} {d['tok_s']:6.2f} "
+            f"{d['ssd_gb_per_token']:7.2f} "
             f"{d['pcie_gb_per_token']:8.2f} {d['skipped_share']:9.1%} {d['swapped_share']:8.1%} {d['host_share']:7.1%}"
         )
     if out is not None:

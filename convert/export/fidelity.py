@@ -4,8 +4,9 @@ Damage: every record an export reads is checked against its sha256 in the manife
 read (layout/record.py's record_sha256), and the backbone's files as `run` hashes them while they load, so a flipped
 byte stops the export with the file named instead of going into another engine's checkpoint.
 
-Cold records (profile-hot --repack --cold-bits, narrowed in place to 2 or 3-bit codes): an export widens them back to
-the model's format, which carries their narrowing loss under a format name that promises the conversion's exact FP4.
+Cold records (profile-hot --repack --cold-bits or --cold-recipe, narrowed in place to 2- or 3-bit codes): an export
+widens them back to the model's format, which carries their narrowing loss under a format name that promises the
+conversion's exact FP4.
 Refused unless asked for with ACCEPT_COLD, and then labelled: COLD_KEY in config.json, or in the GGUF's metadata.
 """
 
@@ -43,22 +44,27 @@ def cold_label(manifest: Manifest, accept: bool, model_dir: Path) -> dict | None
         return None
     n = sum(len(es) for es in cold.values())
     total = sum(len(ef.offsets) for ef in manifest.experts.values())
-    bits = manifest.cold_record.code_bits
+    recipe = manifest.cold_recipe()
+    uniform = not recipe.layers and len(set(recipe.bits)) == 1
+    bits = f"{recipe.bits[0]}-bit codes" if uniform else f"codes of the cold recipe {recipe}"
     if not accept:
         first, es = next(iter(cold.items()))
         named = ", ".join(map(str, es[:NAMED_EXPERTS])) + (", ..." if len(es) > NAMED_EXPERTS else "")
         others = len(cold) - 1
         more = f"; and {others} more layer{'s' * (others > 1)}" if others else ""
         raise FormatError(
-            f"{model_dir}: {n} of {total} expert records are cold, narrowed to {bits}-bit codes by profile-hot "
-            f"--repack --cold-bits (layer {first}: experts {named}{more}); an export would pass that loss on as the "
-            f"conversion's FP4: convert again and export before a --cold-bits repack, or add {ACCEPT_COLD} to "
-            f"export them widened and labelled as such"
+            f"{model_dir}: {n} of {total} expert records are cold, narrowed to {bits} by profile-hot "
+            f"--repack (layer {first}: experts {named}{more}); an export would pass that loss on as the "
+            f"conversion's FP4: convert again and export before a --cold-bits or --cold-recipe repack, or add "
+            f"{ACCEPT_COLD} to export them widened and labelled as such"
         )
     return {
-        "note": f"{n} of {total} routed expert records were narrowed to {bits}-bit codes (dsfp4 profile-hot --repack "
-        f"--cold-bits) and are exported widened to {manifest.record.format}: they carry that loss",
-        "code_bits": bits,
+        "note": f"{n} of {total} routed expert records were narrowed to {bits} (dsfp4 profile-hot --repack) and are "
+        f"exported widened to {manifest.record.format}: they carry that loss",
+        # one width (what earlier labels said), else the recipe and each layer's (gate, up, down)
+        **({"code_bits": recipe.bits[0]} if uniform else {"recipe": str(recipe)}),
+        "code_bits_by_layer": {str(b): list(c.code_bits) for b, c in manifest.cold_layouts().items()},
+        "stored_bits_per_routed_weight": round(manifest.routed_bits(), 3),
         "records": n,
         "of": total,
         "experts": {str(layer): list(es) for layer, es in cold.items()},

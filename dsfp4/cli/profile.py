@@ -30,6 +30,7 @@ from dsfp4.runtime.options import RunOptions
 from dsfp4.units import format_bytes
 
 if TYPE_CHECKING:
+    from dsfp4.layout.recipe import ColdRecipe
     from dsfp4.layout.repack import Cold
     from dsfp4.runtime.plan.planner import Plan
 
@@ -120,10 +121,17 @@ def _measure(
     "read (lossy, one way: measure it with `dsfp4 eval`).",
 )
 @click.option(
+    "--cold-recipe",
+    metavar="RECIPE",
+    help="With --repack: as --cold-bits, each matrix at its own bits, 2, 3 or 4 (exact), and per MoE block where "
+    "given, e.g. 'gate=2,up=2,down=3;1-2:down=4' (docs/layout-v1.md).",
+)
+@click.option(
     "--hot-share",
     type=FiniteRange(0, 1, max_open=True),
-    help="With --cold-bits: the share of each layer's experts, hottest first, kept exact (default: the share the "
-    "budgets hold on the GPU and in RAM). Smaller narrows more, and RAM then holds the rest in slots of their size.",
+    help="With --cold-bits or --cold-recipe: the share of each layer's experts, hottest first, kept exact (default: "
+    "the share the budgets hold on the GPU and in RAM). Smaller narrows more, and RAM then holds the rest in slots of "
+    "their size.",
 )
 @click.option(
     "--report",
@@ -142,6 +150,7 @@ def profile_hot(
     trace: Path | None,
     repack: bool,
     cold_bits: str | None,
+    cold_recipe: str | None,
     hot_share: float | None,
     report: bool,
     quiet: bool,
@@ -163,10 +172,7 @@ def profile_hot(
     ctx = click.get_current_context()
     if no_measure and (given := given_flags(ctx, MEASURE_FLAGS)):
         raise click.UsageError(f"--no-measure runs nothing, so {', '.join(given)} would do nothing; drop them")
-    if cold_bits and not repack:
-        raise click.UsageError("--cold-bits narrows records while repacking; add --repack")
-    if hot_share is not None and not cold_bits:
-        raise click.UsageError("--hot-share says which experts --cold-bits keeps exact; add --cold-bits 2 or 3")
+    recipe = _recipe(cold_bits, cold_recipe, repack, hot_share)
     if trace is not None:
         check_trace_path(trace)
     options = RunOptions(**knobs)
@@ -185,7 +191,7 @@ def profile_hot(
         _write(result, output)
         click.echo(f"hot profile of {result.tokens} tokens: {output}", err=True)
     if repack:
-        cold = _cold(model, options, int(cold_bits), hot_share) if cold_bits else None
+        cold = _cold(model, options, recipe, hot_share) if recipe else None
         _repack(model, result, quiet, cold)
     if report:
         _report(model, options, result, output)
@@ -207,8 +213,30 @@ def _write(profile: HotProfile, output: Path) -> None:
         ) from e
 
 
-def _cold(model: Path, options: RunOptions, bits: int, hot_share: float | None) -> Cold:
-    """--cold-bits' plan: `hot_share` given, or the share of records the budgets hold on the device and in RAM."""
+def _recipe(bits: str | None, text: str | None, repack: bool, hot_share: float | None) -> ColdRecipe | None:
+    """--cold-bits or --cold-recipe as a recipe (None: neither), the flags' combinations checked."""
+    from dsfp4.layout.recipe import ColdRecipe, parse_recipe
+
+    given = "--cold-bits" if bits else "--cold-recipe" if text is not None else None
+    if bits and text is not None:
+        raise click.UsageError("--cold-bits N is the recipe all=N: give --cold-bits or --cold-recipe, not both")
+    if given and not repack:
+        raise click.UsageError(f"{given} narrows records while repacking; add --repack")
+    if hot_share is not None and not given:
+        raise click.UsageError(
+            "--hot-share says which experts --cold-bits keeps exact; add --cold-bits 2 or 3 (or --cold-recipe)"
+        )
+    if text is None:
+        return ColdRecipe.uniform(int(bits)) if bits else None
+    try:
+        return parse_recipe(text)
+    except ConfigError as e:
+        raise click.BadParameter(str(e).removeprefix(f"--cold-recipe {text!r}: "), param_hint="'--cold-recipe'") from e
+
+
+def _cold(model: Path, options: RunOptions, recipe: ColdRecipe, hot_share: float | None) -> Cold:
+    """The cold repack's plan: `hot_share` given, or the share of records the budgets hold on the device and in
+    RAM."""
     from dsfp4.layout.repack import Cold
 
     if hot_share is None:
@@ -216,10 +244,10 @@ def _cold(model: Path, options: RunOptions, bits: int, hot_share: float | None) 
         hot_share = plan.held_share
         if hot_share >= 1:
             raise ConfigError(
-                f"--cold-bits: the budgets hold all {plan.total_records} expert records on the GPU and in RAM, so "
-                f"narrowing would cost quality and save no SSD read; give --hot-share to narrow anyway"
+                f"--cold-bits/--cold-recipe: the budgets hold all {plan.total_records} expert records on the GPU and "
+                f"in RAM, so narrowing would cost quality and save no SSD read; give --hot-share to narrow anyway"
             )
-    return Cold(bits, hot_share)
+    return Cold(recipe, hot_share)
 
 
 def _repack(model: Path, profile: HotProfile, quiet: bool, cold: Cold | None) -> None:
@@ -234,7 +262,9 @@ def _repack(model: Path, profile: HotProfile, quiet: bool, cold: Cold | None) ->
         r = repack(model, profile, on_layer, cold)
     rate = format_bytes(r.nbytes / r.seconds) if r.seconds > 0 else "-"
     narrowed = (
-        f", {r.narrowed} records narrowed to {cold.bits}-bit codes (hot share {cold.hot_share:.2f})" if cold else ""
+        f", {r.narrowed} records narrowed by the cold recipe {cold.recipe} (hot share {cold.hot_share:.2f})"
+        if cold
+        else ""
     )
     click.echo(
         f"repacked {r.rewritten} layer files hottest expert first ({r.unchanged} were already){narrowed}, "

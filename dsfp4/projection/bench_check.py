@@ -127,10 +127,12 @@ def validate(
 def _cold_records(manifest: Manifest, row: dict[int, int], slots: int) -> ColdRecords | None:
     """The model's cold records (layout/cold.py) as the simulation numbers its MoE layers (`row`), `slots` RAM slots
     of their size (Plan.cold_slots)."""
-    if manifest.cold_record is None:
+    layouts = manifest.cold_layouts(row)
+    if not layouts:
         return None
     keys = frozenset((j, e) for layer, j in row.items() for e in manifest.experts[layer].cold)
-    return ColdRecords(keys, manifest.cold_record.nbytes, slots)
+    sizes = tuple((row[layer], c.nbytes) for layer, c in layouts.items())
+    return ColdRecords(keys, manifest.cold_nbytes(row), slots, sizes)
 
 
 def run_projection(

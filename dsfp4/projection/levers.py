@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsfp4.layout.recipe import ColdRecipe
 from dsfp4.projection.simulate import Projection, SwapModel
 from dsfp4.projection.whole_model import machine_run
 from dsfp4.runtime.modes import Levers
@@ -69,9 +70,12 @@ class LeverRow:
     low_share: float
     close: float
     projection: Projection
-    cold_bits: int | None = None
+    # a width, or a recipe (layout/recipe.py)
+    cold_bits: int | ColdRecipe | None = None
     # with cold_bits: given, or None for the plan's held share
     hot_share: float | None = None
+    # bits per routed weight as stored, scales included (MachineRun.routed_bits)
+    routed_bits: float = 0.0
 
     def to_dict(self) -> dict:
         p = self.projection
@@ -82,8 +86,9 @@ class LeverRow:
             "cache_aware": self.levers.cache_aware,
             "low_share": self.low_share,
             "close": self.close,
-            "cold_bits": self.cold_bits,
+            "cold_bits": self.cold_bits if not isinstance(self.cold_bits, ColdRecipe) else str(self.cold_bits),
             "hot_share": self.hot_share,
+            "routed_bits": self.routed_bits,
             "tok_s": p.tok_s,
             "ssd_gb_per_token": p.ssd_bytes / 1e9,
             "pcie_gb_per_token": p.pcie_bytes / 1e9,
@@ -103,15 +108,15 @@ def project_levers(
     close: dict[float, float],
     recall: float = 0.9,
     seed: int = 0,
-    cold_bits: tuple[int | None, ...] = (None,),
+    cold_bits: tuple[int | ColdRecipe | None, ...] = (None,),
     cpu: float = 0.0,
     hot_share: float | None = None,
 ) -> list[LeverRow]:
     """The whole model of `family` decoding the calibrated trace `ids` [N, L, K] on each machine under each mode's
     levers, the store as shipped (hot policy, prefetch at `recall` copying up from RAM only), with the model's cold
-    records of each of `cold_bits` (None: none) outside each layer's hottest `hot_share` (MachineRun.decode's
-    default). weights: a recorded trace's routing weights; close: margin -> pair share (scripts/router_margins.py),
-    for every margin used; cpu: the CPU lane's kernel rate, bytes/s (0: none)."""
+    records of each of `cold_bits` (a width or a recipe; None: none) outside each layer's hottest `hot_share`
+    (MachineRun.decode's default). weights: a recorded trace's routing weights; close: margin -> pair share
+    (scripts/router_margins.py), for every margin used; cpu: the CPU lane's kernel rate, bytes/s (0: none)."""
     rows = []
     for name in machines:
         r = machine_run(family, name, ids, eff)
@@ -123,5 +128,6 @@ def project_levers(
             for bits in cold_bits:
                 low = skippable(r.run.shape, share, seed)
                 p = r.decode("hot", recall, False, low, swap, bits, cpu, levers.adaptive, hot_share)
-                rows.append(LeverRow(mode, name, levers, share, near, p, bits, hot_share if bits else None))
+                held = hot_share if bits else None
+                rows.append(LeverRow(mode, name, levers, share, near, p, bits, held, r.routed_bits(bits, hot_share)))
     return rows

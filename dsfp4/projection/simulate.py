@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from dsfp4.projection.cold_records import ColdRecords
 from dsfp4.runtime.generate.decoder import by_layer
 from dsfp4.runtime.models.trace_routing import guesses
 from dsfp4.runtime.store.lever_rules import host_candidates, leave_out, swap_cold_by, unhidden
@@ -136,17 +137,6 @@ class SwapModel:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class ColdRecords:
-    """Records stored in cold codes (layout/cold.py): `keys`, each `nbytes` long on the SSD and over PCIe (widened
-    on the device, at no cost counted here); `slots`: of the RAM slots, those sized for them (Plan.cold_slots; 0:
-    they take record-sized ones)."""
-
-    keys: frozenset[Key] = frozenset()
-    nbytes: int = 0
-    slots: int = 0
-
-
 class Tiers:
     """The store's two pools and its two links in simulated time: where each record is, when its read and its copy
     complete, and the moves counted into `out` while `counting`."""
@@ -206,7 +196,7 @@ class Tiers:
         return max(self.pcie_free, at + compute_s)
 
     def nbytes(self, key: Key) -> int:
-        return self.cold.nbytes if key in self.cold.keys else self.record
+        return self.cold.size(key) if key in self.cold.keys else self.record
 
     def host_may_read(self, key: Key, at: float) -> bool:
         """A RAM hit of the model's format whose read is done at `at` (what the CPU lane computes)."""

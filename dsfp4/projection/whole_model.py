@@ -30,6 +30,7 @@ from dsfp4.errors import ConfigError
 from dsfp4.layout.formats import FORMATS, stored_nbytes
 from dsfp4.layout.manifest import Manifest, TensorEntry
 from dsfp4.layout.model_args import ModelArgs
+from dsfp4.layout.recipe import EXACT, ColdRecipe
 from dsfp4.layout.repack import cold_experts
 from dsfp4.projection.backbone_choice import choose_backbone, run_shape
 from dsfp4.projection.machines import MACHINES, USER_PROCESS, Machine
@@ -218,17 +219,17 @@ class MachineRun:
         prefetch_reads: bool,
         skippable: np.ndarray | None = None,
         swap: SwapModel | None = None,
-        cold_bits: int | None = None,
+        cold_bits: ColdRecipe | int | None = None,
         cpu: float = 0.0,
         adaptive: bool = False,
         hot_share: float | None = None,
     ) -> Projection:
         """The trace's second half decoded through the plan's pools, warm-started from the first (halves);
-        skippable and swap: the lossy levers (simulate); cold_bits: the records outside each layer's hottest
-        `hot_share` (default: as much as the plan's device and RAM slots hold, `profile-hot --cold-bits`' default) in
-        cold codes, the RAM cache split as the planner splits it (narrow_slots); cpu: the CPU lane's kernel rate,
-        bytes/s (0: no lane), at the share `--cpu-experts auto` would take; adaptive: the threshold as
-        `--expert-threshold auto` applies it, at this machine's SSD / PCIe ratio."""
+        skippable and swap: the lossy levers (simulate); cold_bits (a width, or a recipe): the records outside each
+        layer's hottest `hot_share` (default: as much as the plan's device and RAM slots hold, `profile-hot
+        --cold-bits`' default) in cold codes, the RAM cache split as the planner splits it (narrow_slots); cpu: the
+        CPU lane's kernel rate, bytes/s (0: no lane), at the share `--cpu-experts auto` would take; adaptive: the
+        threshold as `--expert-threshold auto` applies it, at this machine's SSD / PCIe ratio."""
         links = dataclasses.replace(self.machine.links, cpu=cpu)
         plan, cold = self.plan, None
         if cold_bits:
@@ -254,14 +255,32 @@ class MachineRun:
             hide_ratio=links.ssd / links.pcie if adaptive else None,
         )
 
-    def narrowed(self, bits: int, hot_share: float | None = None) -> tuple[Plan, ColdRecords]:
-        """The records a `profile-hot --repack --cold-bits BITS [--hot-share S]` at this plan's budgets narrows, and
-        the plan with the RAM cache split for them (the planner's narrow_slots on the same bytes)."""
-        p, nbytes = self.plan, self.m.record.cold_of(bits).nbytes
+    def narrowed(self, recipe: ColdRecipe | int, hot_share: float | None = None) -> tuple[Plan, ColdRecords]:
+        """The records a `profile-hot --repack --cold-recipe R (or --cold-bits N) [--hot-share S]` at this plan's
+        budgets narrows, each layer's at its recipe's size, and the plan with the RAM cache split for them (the
+        planner's narrow_slots on the same bytes, narrow slots of the largest)."""
+        recipe = ColdRecipe.uniform(recipe) if isinstance(recipe, int) else recipe
+        p, m = self.plan, self.m
+        # the trace's layer j is the run's j-th MoE block, which the recipe's overrides name
+        sizes = {
+            j: m.record.cold_of(recipe.of(b)).nbytes for j, b in enumerate(expert_layers(m)) if recipe.of(b) != EXACT
+        }
         share = p.held_share if hot_share is None else hot_share
-        keys = cold_records(self.warm, self.m.args.n_routed_experts, share, nbytes).keys
-        plan = with_narrow_slots(p, nbytes, len(keys), self.m.args.n_activated_experts)
-        return plan, ColdRecords(keys, nbytes, plan.cold_slots)
+        keys = frozenset(k for k in cold_records(self.warm, m.args.n_routed_experts, share, 0).keys if k[0] in sizes)
+        nbytes = max(sizes.values())
+        plan = with_narrow_slots(p, nbytes, len(keys), m.args.n_activated_experts)
+        return plan, ColdRecords(keys, nbytes, plan.cold_slots, tuple(sorted(sizes.items())))
+
+    def routed_bits(self, recipe: ColdRecipe | int | None, hot_share: float | None = None) -> float:
+        """Bits per routed weight as stored (scales included) over every record of the run's MoE layers, those that
+        `recipe` narrows (narrowed) at their size."""
+        rec, n = self.m.record, self.m.args.n_routed_experts
+        layers = len(expert_layers(self.m))
+        total = layers * n * rec.nbytes
+        if recipe is not None:
+            cold = self.narrowed(recipe, hot_share)[1]
+            total -= sum(rec.nbytes - cold.size(k) for k in cold.keys)
+        return 8 * total / (layers * n * 3 * rec.dim * rec.inter_dim)
 
     def decode_batch(self, b: int, policy: str = "hot") -> Projection:
         """b sequences decoding together (runtime/generate/batch.py), each through a stretch of the trace's second

@@ -1,5 +1,6 @@
-"""Cold records widened on the device: 2- or 3-bit cold codes to packed e2m1 (layout/cold.py), scales copied as they
-are, so the decode and prefill kernels read the record of its format. Torch reference: RecordLayout.widen; the one
+"""Cold records widened on the device: 2- or 3-bit cold codes to packed e2m1 (layout/cold.py), each matrix at its
+recipe's bits (layout/recipe.py; a matrix kept at 4 bits and the scales copied as they are), so the decode and
+prefill kernels read the record of its format. Torch reference: RecordLayout.widen; the one
 rule of kernels/backend.py picks which runs.
 
 Packed e2m1 byte j holds codes 2j and 2j + 1 (even in the low nibble). They sit side by side in the cold bytes:
@@ -8,9 +9,12 @@ Packed e2m1 byte j holds codes 2j and 2j + 1 (even in the low nibble). They sit 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from dsfp4.kernels.backend import tl, triton, use_kernels
+from dsfp4.layout.recipe import EXACT_BITS
 from dsfp4.layout.record import RecordLayout
 
 # output bytes per program
@@ -45,17 +49,20 @@ def widen_codes(src: torch.Tensor, dst: torch.Tensor, lut: torch.Tensor, bits: i
     _widen_kernel[(triton.cdiv(n_out, WIDEN_BLOCK),)](src, dst, lut, n_out, BITS=bits, BLOCK=WIDEN_BLOCK)
 
 
-def widen_record(src: torch.Tensor, dst: torch.Tensor, cold: RecordLayout, lut: torch.Tensor) -> None:
+def widen_record(src: torch.Tensor, dst: torch.Tensor, cold: RecordLayout, luts: Mapping[int, torch.Tensor]) -> None:
     """A cold record's bytes src (uint8 [>= cold.nbytes]) widened into dst (uint8 [>= cold.wide().nbytes]), on
-    the stream current for both."""
+    the stream current for both. luts: bits -> cold_to_e2m1(bits) on the device (layout/cold.py cold_luts)."""
     wide = cold.wide()
     if not use_kernels(dst):
         dst[: wide.nbytes].copy_(cold.widen(src[: cold.nbytes]))
         return
+    codes = {p.name: (bits, at) for p, bits, at in cold.code_parts()}
     for part in cold.parts:
-        into, at = wide.part(part.name), src[part.offset : part.offset + part.nbytes]
-        if part.name in ("w13", "w2"):
-            widen_codes(at, dst[into.offset : into.offset + into.nbytes], lut, cold.code_bits)
+        at = src[part.offset : part.offset + part.nbytes]
+        bits, into = codes[part.name] if part.name in codes else (EXACT_BITS, wide.part(part.name).offset)
+        n_out = part.nbytes * EXACT_BITS // bits
+        if bits == EXACT_BITS:
+            # the scales, and a matrix kept exact, as they are
+            dst[into : into + n_out].copy_(at)
         else:
-            # the scales, as they are
-            dst[into.offset : into.offset + into.nbytes].copy_(at)
+            widen_codes(at, dst[into : into + n_out], luts[bits], bits)

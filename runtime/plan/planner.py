@@ -195,10 +195,10 @@ def expert_layers(manifest: Manifest, with_mtp: bool = False) -> tuple[int, ...]
 
 
 def cold_records(manifest: Manifest, layers: Iterable[int]) -> tuple[int, int]:
-    """(bytes of a cold record, how many records of these MoE layers are stored in cold codes); (0, 0) without."""
-    if manifest.cold_record is None:
-        return 0, 0
-    return manifest.cold_record.nbytes, sum(len(manifest.experts[layer].cold) for layer in layers)
+    """(bytes of the largest cold record of these MoE layers, which a narrow slot holds: a recipe's may differ by
+    layer; how many of their records are stored in cold codes); (0, 0) without."""
+    layers = tuple(layers)
+    return manifest.cold_nbytes(layers), sum(len(manifest.experts[layer].cold) for layer in layers)
 
 
 def backbone_bytes(manifest: Manifest, dtype: torch.dtype, with_mtp: bool = False) -> int:

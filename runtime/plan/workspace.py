@@ -100,6 +100,6 @@ def workspace_bytes(
     workspace += a.vocab_size * FP32 * 2 * LOGIT_ROWS
     if manifest.record:
         workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
-    if manifest.cold_record:
-        workspace += manifest.cold_record.nbytes
+    # 0 when no record is cold
+    workspace += manifest.cold_nbytes()
     return workspace + (ALLOCATOR_SLACK if device.type == "cuda" else 0)

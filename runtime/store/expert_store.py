@@ -77,11 +77,11 @@ class ExpertStore:
         self._counters = StoreCounters() if shares is None else shares._counters
         n = self.layout.nbytes if self.layout else 0
         gpu_policy, ram_policy = TIER_POLICIES[policy]
-        cold = manifest.cold_record
-        if plan.cold_slots and not (cold and plan.cold_record >= cold.nbytes and plan.cold_slots < plan.ram_slots):
+        cold = manifest.cold_nbytes()
+        if plan.cold_slots and not (cold and plan.cold_record >= cold and plan.cold_slots < plan.ram_slots):
             raise ConfigError(
                 f"the plan's {plan.cold_slots} narrow RAM slots of {plan.cold_record} bytes do not fit this model's "
-                f"cold records ({cold.nbytes if cold else 'none'} bytes) beside {plan.ram_slots} RAM slots in all; "
+                f"cold records ({cold or 'none'} bytes at most) beside {plan.ram_slots} RAM slots in all; "
                 f"plan it again (planner.narrowed)"
             )
         self.gpu_pool = SlotPool(plan.gpu_slots, gpu_policy)
@@ -213,9 +213,9 @@ class ExpertStore:
         """Every used record is placed (placement.map_all): those not on the device are read from these RAM slots
         ([blocks, experts] int32, -1 none) in place, and kernels count their uses on the device. Cold records among
         them are widened where they are, once: kernels read only records of the model's format."""
-        cold = self.manifest.cold_record
         for (layer, e), rslot in self.ram_pool.slot_of.items():
-            if host_slots[layer, e] >= 0 and self.manifest.layout_of((layer, e)) == cold:
+            cold = self.manifest.layout_of((layer, e))
+            if host_slots[layer, e] >= 0 and cold.cold:
                 # widen() builds a new tensor
                 self.ram[rslot].copy_(cold.widen(self.ram[rslot, : cold.nbytes]))
         self.table.map_host(host_slots)

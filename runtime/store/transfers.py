@@ -21,10 +21,10 @@ import torch
 
 from dsfp4.errors import ChecksumError, ConfigError
 from dsfp4.kernels.fp4.widen import widen_record
-from dsfp4.layout.cold import cold_to_e2m1
+from dsfp4.layout.cold import cold_luts
 from dsfp4.layout.direct_io import RecordFile
 from dsfp4.layout.manifest import Manifest
-from dsfp4.layout.record import record_sha256
+from dsfp4.layout.record import RecordLayout, record_sha256
 from dsfp4.runtime.store.counters import StoreCounters
 from dsfp4.runtime.store.device_table import DeviceTable
 from dsfp4.runtime.store.ram_cache import RamCache
@@ -74,13 +74,10 @@ class Transfers:
         self.gpu, self.cache = tiers
         self.gpu_pool, self.ram_pool = pools
         self.cuda = self.gpu.device.type == "cuda"
-        self.cold = manifest.cold_record
-        # on CUDA one staging buffer: uploads queue on one stream, one at a time (_stage)
-        if self.cold is not None:
-            self.staging = (
-                torch.empty(self.cold.nbytes, dtype=torch.uint8, device=self.gpu.device) if self.cuda else None
-            )
-            self.lut = cold_to_e2m1(self.cold.code_bits, self.gpu.device)
+        # on CUDA one staging buffer, for the largest cold record: uploads queue on one stream, one at a time (_stage)
+        if cold := manifest.cold_nbytes():
+            self.staging = torch.empty(cold, dtype=torch.uint8, device=self.gpu.device) if self.cuda else None
+            self.luts = cold_luts(self.gpu.device)
             self._stage = threading.Lock()
         self.copy_stream = torch.cuda.Stream(self.gpu.device) if self.cuda else None
         self.owns = share is None
@@ -126,32 +123,32 @@ class Transfers:
                 self._verified.add(key)
         self.counters.add_read(sum(r.nbytes for r in records), time.perf_counter() - t0)
 
-    def _copy(self, gslot: int, rslot: int, cold: bool) -> None:
+    def _copy(self, gslot: int, rslot: int, layout: RecordLayout) -> None:
         """RAM slot -> device slot on the current stream; a cold record through the staging buffer, widened."""
-        if not cold:
+        if not layout.cold:
             self.gpu[gslot].copy_(self.cache.tensor(rslot), non_blocking=True)
             return
         # the copy and its widening queue together: another upload's copy would overwrite
         with self._stage:
             src = self.cache.tensor(rslot)
             if self.cuda:
-                src = self.staging.copy_(src[: self.cold.nbytes], non_blocking=True)
-            widen_record(src, self.gpu[gslot], self.cold, self.lut)
+                src = self.staging[: layout.nbytes].copy_(src[: layout.nbytes], non_blocking=True)
+            widen_record(src, self.gpu[gslot], layout, self.luts)
 
     def _upload(
-        self, gslot: int, rslot: int, cold: bool, after: Future | None, released: object
+        self, gslot: int, rslot: int, layout: RecordLayout, after: Future | None, released: object
     ) -> torch.cuda.Event | None:
         if after is not None:
             # the read of this record
             after.result()
         if not self.cuda:
-            self._copy(gslot, rslot, cold)
+            self._copy(gslot, rslot, layout)
             return None
         with torch.cuda.stream(self.copy_stream):
             if released is not None:
                 # compute has finished reading the old record
                 self.copy_stream.wait_event(released)
-            self._copy(gslot, rslot, cold)
+            self._copy(gslot, rslot, layout)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return event
@@ -178,9 +175,9 @@ class Transfers:
         still in flight) is done; the job's result is the copy's event."""
         released, layout = self.released[gslot], self.manifest.layout_of(key)
         if read is None or read.done():
-            job = _run_now(self._upload, gslot, rslot, layout.cold, read, released)
+            job = _run_now(self._upload, gslot, rslot, layout, read, released)
         else:
-            job = self.uploads.submit(self._upload, gslot, rslot, layout.cold, read, released)
+            job = self.uploads.submit(self._upload, gslot, rslot, layout, read, released)
         self._track(self.gpu_jobs, self.gpu_pool, gslot, job)
         self._track(self.ram_jobs, self.ram_pool, rslot, job)
         self.counters.h2d_bytes += layout.nbytes

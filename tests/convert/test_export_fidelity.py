@@ -18,6 +18,7 @@ from dsfp4.convert.export.gguf import COLD_METADATA
 from dsfp4.convert.export.writer import INDEX
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
+from dsfp4.layout.recipe import ColdRecipe
 from dsfp4.layout.repack import Cold, repack
 from tests.fixtures.cli import assert_one_line_error, run_cli
 
@@ -30,8 +31,8 @@ def _copy(model: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(model, tmp_path / "model"))
 
 
-def _cold(model: Path, bits: int = 2) -> Manifest:
-    """Repack `model` with half of each main MoE layer's experts narrowed to cold codes of `bits`."""
+def _cold(model: Path, bits: int | ColdRecipe = 2) -> Manifest:
+    """Repack `model` with half of each main MoE layer's experts narrowed to cold codes of `bits` (or a recipe)."""
     m = Manifest.read(model)
     rng = np.random.default_rng(1)
     counts = {layer: tuple(int(c) for c in rng.permutation(8) * 3) for layer in (1, 2)}
@@ -55,7 +56,9 @@ def test_a_cold_repacked_model_is_refused_naming_its_cold_records_and_the_fix(fm
     for flags in ((), ("--dry-run",)):
         r = run_cli("export", model, tmp_path / "out", "--format", fmt, *flags)
         assert_one_line_error(r, "8 of 24 expert records are cold", "2-bit codes", f"layer {first}: experts {experts}")
-        assert_one_line_error(r, "convert again and export before a --cold-bits repack", "--accept-cold-loss")
+        assert_one_line_error(
+            r, "convert again and export before a --cold-bits or --cold-recipe repack", "--accept-cold-loss"
+        )
         assert not (tmp_path / "out").exists()
 
 
@@ -92,6 +95,21 @@ def test_accepted_cold_records_are_labelled_in_the_gguf(mxfp4_converted, tmp_pat
     assert label["code_bits"] == 3 and label["experts"] == {
         str(k): list(v.cold) for k, v in m.experts.items() if v.cold
     }
+
+
+def test_a_cold_recipe_is_labelled_with_each_layers_bits_and_the_stored_bits(converted, tmp_path):
+    model = _copy(converted, tmp_path)
+    m = _cold(model, ColdRecipe.parse("gate=2,up=2,down=3;2:down=4"))
+    r = run_cli("export", model, tmp_path / "refused", "--format", "modelopt")
+    assert_one_line_error(r, "codes of the cold recipe gate=2,up=2,down=3;2:down=4", "--accept-cold-loss")
+    out = tmp_path / "out"
+    r = run_cli("export", model, out, "--format", "compressed-tensors", "-q", "--accept-cold-loss")
+    assert r.exit_code == 0, r.output
+    label = json.loads((out / "config.json").read_text())[COLD_KEY]
+    assert "code_bits" not in label and label["recipe"] == "gate=2,up=2,down=3;2:down=4"
+    assert label["code_bits_by_layer"] == {"1": [2, 2, 3], "2": [2, 2, 4]}
+    exact = m.record.nbytes * 24 * 8 / (24 * 3 * m.record.dim * m.record.inter_dim)
+    assert label["stored_bits_per_routed_weight"] == round(m.routed_bits(), 3) < exact
 
 
 @pytest.mark.parametrize("fmt, fixture", FORMATS)

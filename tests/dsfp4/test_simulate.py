@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from dsfp4.layout.recipe import ColdRecipe
 from dsfp4.projection.bench_check import share_plan
 from dsfp4.projection.first_token import first_token_table, first_tokens
 from dsfp4.projection.machines import MACHINES
@@ -143,6 +144,14 @@ def test_the_whole_model_plans_and_projects_on_every_machine():
     assert plan.record_cache <= r.plan.record_cache and plan.ram_slots > 1.3 * r.plan.ram_slots
     assert plan.cold_slots == cold.slots > 0 and len(cold.keys) == 58 * (256 - 26)
     assert r.narrowed(2)[0].cold_slots == 0  # profile-hot's default hot set fills RAM at full size: no split
+    # a recipe: each layer's cold records at its size, narrow slots of the largest; its bytes between 2 and 3 bits'
+    recipe = ColdRecipe.parse("gate=2,up=2,down=3;3-5:down=4")
+    plan_r, cold_r = r.narrowed(recipe, hot_share=0.1)
+    sizes = {m: r.m.record.cold_of(b).nbytes for m, b in (("low", (2, 2, 3)), ("first", (2, 2, 4)))}
+    assert cold_r.keys == cold.keys and cold_r.nbytes == sizes["first"] and cold_r.size((0, 0)) == sizes["first"]
+    assert cold_r.size((3, 0)) == sizes["low"] and plan_r.cold_record == sizes["first"]
+    assert r.routed_bits(2, 0.1) < r.routed_bits(recipe, 0.1) < r.routed_bits(3, 0.1) < r.routed_bits(None)
+    assert r.routed_bits(ColdRecipe.uniform(2), 0.1) == r.routed_bits(2, 0.1)
 
 
 def test_a_card_that_shares_a_presets_budgets_is_projected_beside_it():

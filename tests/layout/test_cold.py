@@ -16,6 +16,7 @@ from dsfp4.kernels.fp4.widen import widen_codes, widen_record
 from dsfp4.layout.cold import (
     COLD_BITS,
     COLD_MAGNITUDES,
+    cold_luts,
     cold_to_e2m1,
     cold_values,
     narrow,
@@ -126,7 +127,7 @@ def test_a_narrowed_record_widens_to_its_format_and_the_kernel_matches_the_refer
     for p in layout.parts:
         assert torch.equal(got[p.offset : p.offset + p.nbytes], wide[p.offset : p.offset + p.nbytes]), p.name
     ref = torch.zeros(layout.nbytes, dtype=torch.uint8)
-    widen_record(narrowed, ref, cold, cold_to_e2m1(bits))  # on the CPU: the reference, by the one rule
+    widen_record(narrowed, ref, cold, cold_luts())  # on the CPU: the reference, by the one rule
     assert torch.equal(ref, wide)
     with pytest.raises(FormatError, match="narrowed again"):
         cold.narrow(narrowed, bits)
@@ -158,10 +159,11 @@ def test_repack_narrows_the_cold_experts_and_the_store_reads_them_at_their_size(
         assert ef.cold == tuple(sorted(order[4:])) and ef.exact() == dataclasses.replace(
             before.experts[layer], file=ef.file, offsets=ef.offsets
         )
-        n, c = m.record.nbytes, m.cold_record.nbytes
+        n, c = m.record.nbytes, ef.cold_record.nbytes
         assert [ef.offsets[e] for e in order] == [i * n for i in range(4)] + [4 * n + i * c for i in range(4)]
     assert m.experts[3].cold == ()  # the MTP layer is not profiled: left as it was
-    assert m.cold_record.code_bits == 3 and m.exact_sha256() == before.conversion_sha256()
+    assert m.experts[1].cold_record.code_bits == (3, 3, 3) and m.exact_sha256() == before.conversion_sha256()
+    assert m.version == 1  # one width everywhere: what earlier readers read
     assert m.conversion_sha256() != before.conversion_sha256()  # prompt caches and exports bind to the records
     verify(model)  # the records' own checksums; hot.json still binds (to exact_sha256)
     assert repack(model, profile, cold=Cold(3, 0.5)).rewritten == 0
@@ -173,7 +175,7 @@ def test_repack_narrows_the_cold_experts_and_the_store_reads_them_at_their_size(
     assert streamed.token_ids == resident.token_ids  # widened on the way, from RAM or the SSD alike
     s = streamed.stats.store
     assert s["ssd_reads"] > 0
-    sizes = {m.record.nbytes, m.cold_record.nbytes}
+    sizes = {m.record.nbytes, m.cold_nbytes()}
     assert s["ssd_bytes"] < s["ssd_reads"] * m.record.nbytes and s["ssd_bytes"] >= s["ssd_reads"] * min(sizes)
 
 
@@ -183,7 +185,7 @@ def test_a_ram_budget_short_of_every_record_holds_cold_ones_in_narrow_slots(mode
     room in slots of a cold record's size, so RAM holds more records than at full size; the tokens stay exact."""
     repack(model, HotProfile.read(model / HOT_NAME), cold=Cold(2, 0.5))
     m = Manifest.read(model)
-    n, c = m.record.nbytes, m.cold_record.nbytes
+    n, c = m.record.nbytes, m.cold_nbytes()
     room = 8 * n + 6 * c  # on a CPU device the RAM budget is all the record cache's
     options = RunOptions(device="cpu", max_context=64, io_threads=1, zero_copy=False)
     fixed = make_plan(m, CPU, torch.float32, Budgets(1 << 40, room, "test"), 64, 64, 1, process=0)
@@ -198,10 +200,10 @@ def test_a_ram_budget_short_of_every_record_holds_cold_ones_in_narrow_slots(mode
         with Engine(model, options, plan=dataclasses.replace(plan, gpu_slots=gpu)) as engine:
             streamed = engine.generate("Which experts are cold?", max_tokens=8, temperature=0)
             pool, wide = engine.model.experts.ram_pool, plan.ram_slots - plan.cold_slots
-            assert all((slot >= wide) == (m.layout_of(key) == m.cold_record) for key, slot in pool.slot_of.items())
+            assert all((slot >= wide) == m.layout_of(key).cold for key, slot in pool.slot_of.items())
             assert len(pool.slot_of) > wide  # the narrow slots were used
         assert streamed.token_ids == resident, gpu
-    bad = dataclasses.replace(plan, cold_record=m.cold_record.nbytes - 4096)
+    bad = dataclasses.replace(plan, cold_record=m.cold_nbytes() - 4096)
     with pytest.raises(ConfigError, match="narrow RAM slots"):
         ExpertStore(model, m, CPU, bad)  # a hand-made plan whose narrow slots cannot hold a cold record
 
@@ -222,10 +224,8 @@ def test_a_mapped_store_widens_its_cold_records_in_ram(model):
         assert in_ram
         for (layer, e), rslot in in_ram:
             raw = (Path(model) / m.experts[layer].file).read_bytes()
-            at = m.experts[layer].offsets[e]
-            want = m.cold_record.widen(
-                torch.frombuffer(bytearray(raw[at : at + m.cold_record.nbytes]), dtype=torch.uint8)
-            )
+            at, cold = m.experts[layer].offsets[e], m.layout_of((layer, e))
+            want = cold.widen(torch.frombuffer(bytearray(raw[at : at + cold.nbytes]), dtype=torch.uint8))
             assert torch.equal(store.ram[rslot], want)
     finally:
         store.close()
@@ -248,7 +248,7 @@ def test_on_cuda_the_kernel_widens_a_v3_record_as_the_reference_does(bits):
     cold = layout.cold_of(bits)
     src = torch.randint(0, 256, (cold.nbytes,), dtype=torch.uint8, generator=GEN)
     dst = torch.zeros(layout.nbytes + 4096, dtype=torch.uint8, device="cuda")
-    widen_record(src.cuda(), dst, cold, cold_to_e2m1(bits, "cuda"))
+    widen_record(src.cuda(), dst, cold, cold_luts("cuda"))
     assert torch.equal(dst[: layout.nbytes].cpu(), cold.widen(src))
 
 
@@ -265,7 +265,7 @@ def test_on_cuda_cold_records_stream_with_the_tokens_of_everything_resident(mode
             g, r = slots
             staging = min(4, r - cold_slots, cold_slots or r)
             plan = dataclasses.replace(plan, gpu_slots=g, ram_slots=r, staging=staging, cold_slots=cold_slots)
-            plan = dataclasses.replace(plan, cold_record=m.cold_record.nbytes * bool(cold_slots))
+            plan = dataclasses.replace(plan, cold_record=m.cold_nbytes() * bool(cold_slots))
         with Engine(model, options, plan=plan) as engine:
             return engine.generate("Which experts are cold?", max_tokens=12, temperature=0)
 
@@ -287,11 +287,11 @@ def test_exports_read_a_cold_record_widened(model):
     m = Manifest.read(model)
     layer = 1
     e = m.experts[layer].cold[0]
-    raw = (model / m.experts[layer].file).read_bytes()[m.experts[layer].offsets[e] :][: m.cold_record.nbytes]
-    wide = m.cold_record.widen(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    cold = m.layout_of((layer, e))
+    raw = (model / m.experts[layer].file).read_bytes()[m.experts[layer].offsets[e] :][: cold.nbytes]
+    wide = cold.widen(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     got = _records(model, m, layer)(e)
     assert all(torch.equal(got[k], v) for k, v in m.record.unpack(wide).items())
-    cold = m.layout_of((layer, e))
     for which in ("w1", "w3", "w2"):
         spans = cold.stored_from(lambda at, n: raw[at : at + n], which)
         assert all(torch.equal(a, b) for a, b in zip(spans, m.record.stored(wide, which), strict=True))

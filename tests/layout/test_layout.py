@@ -109,7 +109,7 @@ def test_golden_v1_manifest_still_loads(tmp_path):
     assert Manifest.read(tmp_path).to_json() == (DATA / "manifest_v1.json").read_bytes()
 
 
-@pytest.mark.parametrize(("version", "message"), [(2, "upgrade dsfp4"), (0, "convert the model again")])
+@pytest.mark.parametrize(("version", "message"), [(3, "upgrade dsfp4"), (0, "convert the model again")])
 def test_other_manifest_versions_are_refused(tmp_path, version, message):
     d = json.loads((DATA / "manifest_v1.json").read_text())
     d["format_version"] = version

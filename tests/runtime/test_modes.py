@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dsfp4.errors import ConfigError
+from dsfp4.layout.recipe import ColdRecipe
 from dsfp4.projection.levers import low_share, margin_shares, project_levers, skippable
 from dsfp4.runtime.modes import EXACT, MODES, Levers
 from dsfp4.runtime.options import RunOptions, with_knobs
@@ -96,3 +97,8 @@ def test_project_levers_exact_is_the_exact_projection_and_levers_read_less():
     assert exact.projection == reference.projection
     assert lossy.projection.ssd_bytes < exact.projection.ssd_bytes and lossy.projection.swapped > 0
     assert lossy.to_dict()["skipped_share"] > 0
+    recipe = ColdRecipe.parse("gate=2,up=2,down=3")
+    rows = project_levers("v3", ids, ["16g"], 0.7, {"exact": EXACT}, weights, {}, cold_bits=(2, recipe), hot_share=0.1)
+    two, mixed = (row.to_dict() for row in rows)
+    assert mixed["cold_bits"] == "gate=2,up=2,down=3" and two["routed_bits"] < mixed["routed_bits"] < 4.5
+    assert two["ssd_gb_per_token"] < mixed["ssd_gb_per_token"]

@@ -19,7 +19,8 @@ set -euo pipefail
 
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/gpu-round-out}
-BM=/tmp/bs/model        # the bench model: V3 width, 1 dense + 2 MoE layers of 256 NVFP4 experts
+BM=${BM:-/tmp/bs/model} # the bench model: V3 width, 1 dense + 2 MoE layers of 256 NVFP4 experts (BM_DIMS: its
+                        # config keys overridden, e.g. n_routed_experts=32 for a quick one with V3's shapes)
 TS=/tmp/ts              # the trained small DeepSeek: src/ (its FP8 release), nvfp4/ (converted)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -30,7 +31,9 @@ setup() {
             "$ROOT"/.whl/*.whl
     fi
     export PYTHONPATH=/tmp/site:$ROOT/src
-    [ -f "$BM/manifest.json" ] || python3 scripts/bench_model.py "$BM" --layers 3 --dense 1 --tokenizer
+    # shellcheck disable=SC2086
+    [ -f "$BM/manifest.json" ] || python3 scripts/bench_model.py "$BM" --layers 3 --dense 1 --tokenizer \
+        ${BM_DIMS:+--dims $BM_DIMS}
     [ -f "$OUT/doctor.json" ] || python3 -m dsfp4.cli.main doctor "$BM" --out "$OUT/doctor.json"
 }
 
@@ -45,6 +48,7 @@ first() {
     rm -rf "$cache"
     for run in new-install later-process; do
         python3 scripts/bench_first_request.py "$BM" --cache "$cache" --json "$OUT/first_request_$run.json" \
+            --lengths "${LENGTHS:-20,100,512,2000}" \
             2>&1 | tee "$OUT/first_request_$run.log"
     done
 }

@@ -12,6 +12,11 @@ do not (A100, RTX 3090: e4m3 widened by bit placement inside the kernels, the pr
 cores); REFERENCE elsewhere (no Triton, the CPU, older GPUs, ROCm), the torch functions. DSFP4_FP8_BY_BITS=1 in the
 environment, read once, forces BY_BITS where NATIVE would run (a benchmark or a GPU test of the Ampere path on an
 Ada or Hopper card).
+
+The routed experts' prefill takes its FP4 tensor-core variant (moe/prefill_mma.py, W4A8 on MXFP4 records) where
+fp4_mma says: by default on Blackwell (sm_100, sm_120), whose block-scaled MMA tl.dot_scaled emits; DSFP4_FP4_MMA=0
+turns it off, =1 forces it on any card from sm_89 the kernels run on (Triton upcasts it there: a GPU test of its
+numbers) and, on the CPU, its torch reference in place of the exact one (a quality measurement).
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ HW_E4M3_CAPABILITY = (8, 9)
 KERNEL_CAPABILITY = (8, 0)
 # "1": the by-bits FP8 kernels where the GPU converts e4m3 itself (read once per process)
 FP8_BY_BITS_ENV = "DSFP4_FP8_BY_BITS"
+# Blackwell's majors (B200 and B300: 10; RTX 5090 and RTX PRO 6000, DGX Spark: 12): block-scaled FP4 MMA
+FP4_MMA_MAJORS = (10, 12)
+# "0": never the FP4 tensor-core prefill; "1": wherever it can run (read once per process)
+FP4_MMA_ENV = "DSFP4_FP4_MMA"
+# the record format it reads (moe/prefill_mma.py: NVFP4's e4m3 scales are no e8m0 scales)
+FP4_MMA_FORMAT = "mxfp4"
 # off CUDA (the interpreter) the kernels' plans assume an H100: its SMs and the shared memory a block may opt in to
 REFERENCE_SMS = 132
 REFERENCE_SMEM = 232448
@@ -149,3 +160,30 @@ def hw_e4m3(device: torch.device | str) -> bool:
     types included: the NATIVE path on CUDA (never under the interpreter)."""
     device = torch.device(device)
     return device.type == "cuda" and not interpreted() and fp8_path(device) is FP8Path.NATIVE
+
+
+@functools.lru_cache
+def fp4_mma_forced() -> bool | None:
+    """FP4_MMA_ENV's answer: True ("1"), False ("0"), None (unset: the card decides). Read once per process."""
+    value = os.environ.get(FP4_MMA_ENV, "")
+    return None if value == "" else value != "0"
+
+
+def fp4_mma_for(capability: tuple[int, int], forced: bool | None = None, hip: bool = False) -> bool:
+    """Whether a CUDA GPU of compute `capability` with Triton (ROCm: `hip`) takes the FP4 tensor-core prefill:
+    Blackwell by default, `forced` either way where the kernels run and the GPU converts e4m3 (the activations')."""
+    if not kernels_run(capability, hip) or capability < HW_E4M3_CAPABILITY:
+        return False
+    return capability[0] in FP4_MMA_MAJORS if forced is None else forced
+
+
+def fp4_mma(device: torch.device | str, fmt: str) -> bool:
+    """Whether the routed experts' prefill on `device` for records of format `fmt` takes the FP4 tensor-core variant
+    (its kernels on CUDA, its torch reference on the CPU when FP4_MMA_ENV forces it)."""
+    device = torch.device(device)
+    if fmt != FP4_MMA_FORMAT:
+        return False
+    if device.type != "cuda" or triton is None:
+        return fp4_mma_forced() is True
+    p = cuda_props(device.index or 0)
+    return fp4_mma_for((p.major, p.minor), fp4_mma_forced(), torch.version.hip is not None)

@@ -17,6 +17,8 @@ from dsfp4.kernels.backend import (
     FP8Path,
     card_of,
     cuda_props,
+    fp4_mma_for,
+    fp4_mma_forced,
     fp8_by_bits_forced,
     fp8_path_for,
     kernels_run,
@@ -29,9 +31,12 @@ REFERENCE_COST = "decode several times slower (the FP8 layers' reference alone: 
 TRITON_PATH = "Triton"
 REFERENCE_PATH = "torch reference"
 FP8_PART = "FP8 backbone"
+EXPERTS_PART = "routed experts"
+# the experts' path where backend.fp4_mma_for picks the FP4 tensor-core prefill (moe/prefill_mma.py)
+FP4_MMA_PATH = "Triton, FP4 tensor cores (W4A8) for MXFP4 records' prefill, unmeasured; NVFP4 decoded in software"
 # part -> its path when the Triton kernels run
 KERNEL_PARTS = {
-    "routed experts": "Triton, FP4 decoded in software",
+    EXPERTS_PART: "Triton, FP4 decoded in software",
     FP8_PART: "",  # the FP8 path's own (FP8_PATHS)
     "MLA attention": TRITON_PATH,
     "norms, rope, router": TRITON_PATH,
@@ -109,14 +114,18 @@ class KernelPaths:
         return asdict(self)
 
 
-def _parts(fp8: FP8Path, kernels: bool) -> dict[str, str]:
-    """Each part's path: the kernels' (the FP8 backbone's by `fp8`), else the references."""
+def _parts(fp8: FP8Path, kernels: bool, fp4_mma: bool = False) -> dict[str, str]:
+    """Each part's path: the kernels' (the FP8 backbone's by `fp8`, the experts' by `fp4_mma`), else the references."""
     own = {part: path if kernels else REFERENCE_PATH for part, path in KERNEL_PARTS.items()}
-    return {**own, FP8_PART: FP8_PATHS[fp8 if kernels else FP8Path.REFERENCE]}
+    experts = {EXPERTS_PART: FP4_MMA_PATH} if kernels and fp4_mma else {}
+    return {**own, FP8_PART: FP8_PATHS[fp8 if kernels else FP8Path.REFERENCE], **experts}
 
 
-def paths_for(gpu: Gpu | None, has_triton: bool = True, forced_by_bits: bool = False) -> KernelPaths:
-    """The paths on `gpu` (None: the CPU) with Triton installed or not: backend.py's rule, described."""
+def paths_for(
+    gpu: Gpu | None, has_triton: bool = True, forced_by_bits: bool = False, fp4_mma: bool | None = None
+) -> KernelPaths:
+    """The paths on `gpu` (None: the CPU) with Triton installed or not: backend.py's rule, described (`fp4_mma`:
+    FP4_MMA_ENV's answer)."""
     if gpu is None:
         return KernelPaths("CPU", _parts(FP8Path.REFERENCE, kernels=False), False, False)
     sm = f"sm_{gpu.capability[0]}{gpu.capability[1]}"
@@ -132,7 +141,8 @@ def paths_for(gpu: Gpu | None, has_triton: bool = True, forced_by_bits: bool = F
         return KernelPaths(where, _parts(FP8Path.REFERENCE, kernels=False), False, False, word, True, **shape)
     if kernels_run(gpu.capability, gpu.hip, has_triton):
         fp8 = fp8_path_for(gpu.capability, forced_by_bits, gpu.hip)
-        return KernelPaths(where, _parts(fp8, True), True, True, **shape)
+        parts = _parts(fp8, True, fp4_mma_for(gpu.capability, fp4_mma, gpu.hip))
+        return KernelPaths(where, parts, True, True, **shape)
     if gpu.hip:
         why = "ROCm: dsfp4's Triton kernels are written for NVIDIA GPUs (inline PTX)"
     elif not has_triton:
@@ -150,4 +160,4 @@ def kernel_paths(device: torch.device) -> KernelPaths:
         c = REFERENCE_CARD
         return paths_for(Gpu("a CUDA card (none here)", c.capability, c.smem, c.sms))
     gpu = gpu_of(device) if device.type == "cuda" else None
-    return paths_for(gpu, triton is not None, fp8_by_bits_forced())
+    return paths_for(gpu, triton is not None, fp8_by_bits_forced(), fp4_mma_forced())

@@ -2,17 +2,21 @@
 
 `MoEKernel` runs the decode kernel for up to MAX_TOKENS tokens and the prefill kernel above it, on CUDA
 with Triton; on the CPU, the C kernel of kernels/cpu where it builds (a C compiler on PATH), else the torch reference.
+Where backend.fp4_mma says (Blackwell, or DSFP4_FP4_MMA=1), the prefill takes its FP4 tensor-core variant
+(prefill_mma.py; on the CPU its torch reference); decode stays as it is.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.backend import use_kernels
+from dsfp4.kernels.backend import fp4_mma, use_kernels
 from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.kernels.moe.decode import MAX_TOKENS, DecodeMoE
 from dsfp4.kernels.moe.decode import workspace_bytes as decode_workspace_bytes
 from dsfp4.kernels.moe.prefill import max_blocks, moe_prefill, prefill_blocks
+from dsfp4.kernels.moe.prefill_mma import moe_prefill_mma, moe_w4a8_ref, takes
+from dsfp4.kernels.moe.prefill_mma import workspace_bytes as mma_workspace_bytes
 from dsfp4.kernels.moe.ref import moe_ref
 from dsfp4.layout.record import RecordLayout
 from dsfp4.layout.record_offsets import ABSENT
@@ -28,6 +32,8 @@ class MoEKernel:
         self.layout, self.top_k, self.limit = layout, top_k, limit
         self.triton = use_kernels(torch.device(device))
         self.host = torch.device(device).type == "cpu" and host_moe.available()
+        # the FP4 tensor-core prefill (W4A8), where the one rule picks it and the records can take it
+        self.mma = fp4_mma(device, layout.format) and takes(layout)
         if self.triton:
             self.decode = DecodeMoE(layout, top_k, device, limit=limit)
 
@@ -45,7 +51,11 @@ class MoEKernel:
         # the decode kernel adds it in its final launch
         if self.triton and x.shape[0] <= MAX_TOKENS:
             return self.decode(x, ids, weights, records, offsets, add)
-        if self.host:
+        # prefill only, as on the GPU, where decode is the decode kernel's
+        if self.mma and x.shape[0] > MAX_TOKENS:
+            mma = moe_prefill_mma if self.triton else moe_w4a8_ref
+            y = mma(x, ids, weights, records, offsets, self.layout, limit=self.limit)
+        elif self.host:
             y = host_moe.moe_host(x, ids, weights, records, offsets, self.layout, self.limit)
         elif not self.triton:
             y = moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
@@ -77,9 +87,12 @@ class MoEKernel:
                 self(x, ids, torch.zeros(t, self.top_k, device=records.device), records, offsets, add)
 
 
-def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: int, dtype: torch.dtype) -> int:
+def workspace_bytes(
+    layout: RecordLayout, top_k: int, n_experts: int, tokens: int, dtype: torch.dtype, fp4_mma: bool = False
+) -> int:
     """Device memory the kernels hold for a call of `tokens` tokens: the decode workspaces (kept), and above
-    MAX_TOKENS the prefill's padded expert rows, per-pair outputs, result and its sum with the shared experts'."""
+    MAX_TOKENS the prefill's padded expert rows, per-pair outputs, result and its sum with the shared experts';
+    with `fp4_mma` (backend.fp4_mma's answer) the FP4 tensor-core prefill's MXFP8 activations too."""
     elt = torch.empty((), dtype=dtype).element_size()
     decode = decode_workspace_bytes(layout, top_k)
     if tokens <= MAX_TOKENS:
@@ -87,4 +100,5 @@ def workspace_bytes(layout: RecordLayout, top_k: int, n_experts: int, tokens: in
     pairs = tokens * top_k
     block_rows = prefill_blocks(pairs, n_experts, layout).rows
     rows = max_blocks(pairs, n_experts, block_rows) * block_rows
-    return decode + elt * (rows * layout.inter_dim + pairs * layout.dim + 2 * tokens * layout.dim)
+    mma = mma_workspace_bytes(layout, top_k, n_experts, tokens) if fp4_mma and takes(layout) else 0
+    return decode + mma + elt * (rows * layout.inter_dim + pairs * layout.dim + 2 * tokens * layout.dim)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from dsfp4.kernels.backend import fp4_mma
 from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel
 from dsfp4.layout.manifest import Manifest
@@ -99,7 +100,9 @@ def workspace_bytes(
     workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + activation_bytes(a, t, max_context, elt)
     workspace += a.vocab_size * FP32 * 2 * LOGIT_ROWS
     if manifest.record:
-        workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype)
+        # the FP4 tensor-core prefill's activations where this machine's card takes it
+        mma = device.type == "cuda" and torch.cuda.is_available() and fp4_mma(device, manifest.record.format)
+        workspace += moe_workspace(manifest.record, a.n_activated_experts, a.n_routed_experts, t, dtype, mma)
     # 0 when no record is cold
     workspace += manifest.cold_nbytes()
     return workspace + (ALLOCATOR_SLACK if device.type == "cuda" else 0)

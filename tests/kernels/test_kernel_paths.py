@@ -10,7 +10,16 @@ from dsfp4.errors import ConfigError
 from dsfp4.kernels import backend
 from dsfp4.kernels import kernel_paths as kernel_paths_module
 from dsfp4.kernels.backend import FP8Path
-from dsfp4.kernels.kernel_paths import FP8_PART, FP8_PATHS, REFERENCE_PATH, Gpu, kernel_paths, paths_for
+from dsfp4.kernels.kernel_paths import (
+    EXPERTS_PART,
+    FP4_MMA_PATH,
+    FP8_PART,
+    FP8_PATHS,
+    REFERENCE_PATH,
+    Gpu,
+    kernel_paths,
+    paths_for,
+)
 from tests.fixtures.cards import CARDS, OTHER_CARDS
 
 # card -> (Triton kernels run, the FP8 path, a word of the note: "" at speed)
@@ -35,6 +44,7 @@ def seen_as(monkeypatch):
         for module in (backend, kernel_paths_module):
             monkeypatch.setattr(module, "cuda_props", lambda index: p)
             monkeypatch.setattr(module, "fp8_by_bits_forced", lambda: False)
+            monkeypatch.setattr(module, "fp4_mma_forced", lambda: None)
         monkeypatch.setattr(torch.version, "hip", "6.2" if name == "MI300X" else None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         backend._kernels_on.cache_clear()
@@ -61,6 +71,27 @@ def test_each_card_gets_its_paths_from_the_one_rule(seen_as, name):
         assert "torch reference" in paths.word and set(paths.parts.values()) >= {REFERENCE_PATH}
     assert paths.capability == (ALL_CARDS[name].major, ALL_CARDS[name].minor)
     assert paths.smem == ALL_CARDS[name].shared_memory_per_block_optin
+
+
+@pytest.mark.skipif(backend.triton is None, reason="the rule's kernels need Triton installed")
+@pytest.mark.parametrize("name", EXPECTED)
+def test_only_blackwell_takes_the_fp4_tensor_core_prefill_by_default(seen_as, name):
+    device = seen_as(name)
+    blackwell = name == "RTX 5090"
+    assert backend.fp4_mma(device, "mxfp4") is blackwell
+    assert backend.fp4_mma(device, "nvfp4") is False  # NVFP4 records keep the software path
+    assert (kernel_paths(device).parts[EXPERTS_PART] == FP4_MMA_PATH) is blackwell
+    assert "unmeasured" in FP4_MMA_PATH
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_forcing_the_fp4_tensor_cores_reaches_every_card_from_sm_89_and_off_turns_blackwell_off(forced):
+    for name, p in ALL_CARDS.items():
+        gpu = Gpu(name, (p.major, p.minor), p.shared_memory_per_block_optin, p.multi_processor_count, name == "MI300X")
+        takes = forced and EXPECTED[name][1] is FP8Path.NATIVE  # kernels run and e4m3 converts in hardware
+        assert (paths_for(gpu, fp4_mma=forced).parts[EXPERTS_PART] == FP4_MMA_PATH) is takes
+        assert backend.fp4_mma_for((p.major, p.minor), forced, name == "MI300X") is takes
+    assert backend.fp4_mma_for((10, 0)) and backend.fp4_mma_for((12, 1)) and not backend.fp4_mma_for((9, 0))
 
 
 def test_forcing_by_bits_changes_only_the_cards_that_convert_e4m3_in_hardware():

@@ -10,6 +10,9 @@
 #                                           # Triton cache: a new install's and a later process's (issue 50)
 #   bash scripts/gpu_round.sh setup levers  # the small DeepSeek trained (3.5 min), converted, its exact NVFP4 logits,
 #                                           # then eval_levers at 8, 7 and 6 experts a token (issue 51, item 3)
+#   bash scripts/gpu_round.sh verify        # the GPU tests of this round's new code: the backbone's warm-up, the forced
+#                                           # by-bits path, the split across cards (one card named twice), mixed-bit
+#                                           # cold records, the W4A8 prefill forced on the H200
 #   bash scripts/gpu_round.sh train         # the small DeepSeek trained (3.5 min) and sent back in $OUT as 15 MB parts
 #                                           # (ts_src.tar.*), for the quality measurements the CPU machine makes:
 #                                           # cat ts_src.tar.* | tar -x -C DIR
@@ -67,6 +70,14 @@ levers() {
     done
 }
 
+verify() {
+    python3 -m pytest -q -m gpu tests/runtime/test_kernel_warm_up.py tests/runtime/test_split_run.py \
+        tests/runtime/test_device_split.py tests/layout/test_cold.py tests/kernels/test_moe_prefill_mma.py \
+        2>&1 | tail -15 | tee "$OUT/verify.log"
+    DSFP4_FP8_BY_BITS=1 python3 -m pytest -q -m gpu tests/kernels/test_fp8_by_bits.py 2>&1 | tail -15 \
+        | tee "$OUT/verify_by_bits.log"
+}
+
 train() {
     export PYTHONPATH=${PYTHONPATH:-$ROOT/src}
     [ -f "$TS/src/config.json" ] || python3 scripts/train_small.py "$TS/src" --minutes 3.5 2>&1 | tail -5
@@ -75,7 +86,7 @@ train() {
 
 for stage in "$@"; do
     case "$stage" in
-        setup | fp8 | first | levers | train) "$stage" ;;
-        *) echo "unknown stage $stage: give setup, fp8, first, levers or train" >&2; exit 2 ;;
+        setup | fp8 | first | levers | verify | train) "$stage" ;;
+        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify or train" >&2; exit 2 ;;
     esac
 done

@@ -242,7 +242,7 @@ def test_cold_bits_flags_are_checked(model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", COLD_BITS)
+@pytest.mark.parametrize("bits", [*COLD_BITS, (2, 2, 3), (3, 2, 4), (2, 3, 2)])
 def test_on_cuda_the_kernel_widens_a_v3_record_as_the_reference_does(bits):
     layout = RecordLayout.for_expert("nvfp4", 7168, 2048)
     cold = layout.cold_of(bits)

@@ -3,14 +3,16 @@ routing trace, with the lossy levers carried over from a trained model as dsfp4/
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
         --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--hot-share 0.1] \
-        [--cpu-gbps 16] [--json OUT] [SETTING...]
+        [--cpu-gbps 16] [--experts-per-token 7 ...] [--json OUT] [SETTING...]
 
 --trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
 (`dsfp4 run --record-trace`), for its routing weights; --margins: scripts/router_margins.py's output on the trained
 model (at every margin a mode uses); --efficiency: the bench model's measured resident decode efficiency (`dsfp4 bench
 --project` prints it); SETTING: a mode or THRESHOLD:MARGIN (default: every mode); --cold-bits: each setting also
 with the records outside each layer's hot set in cold codes of these bits (`profile-hot --repack --cold-bits`), the
-hot set each layer's hottest --hot-share (default: what the budgets hold at full size, as profile-hot's).
+hot set each layer's hottest --hot-share (default: what the budgets hold at full size, as profile-hot's);
+--experts-per-token K: each setting also with every token keeping its K heaviest choices (`run --experts-per-token`;
+a .npy trace's first K, a recorded .npz's K heaviest by weight: dsfp4/projection/top_k.py).
 Prints a table; --json writes the rows.
 """
 
@@ -44,6 +46,13 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
     default=0.0,
     help="The CPU lane on (--cpu-experts auto) at this kernel rate, GB/s of records (dsfp4 doctor's cpu_moe_gbps).",
 )
+@click.option(
+    "--experts-per-token",
+    "per_token",
+    type=click.IntRange(1),
+    multiple=True,
+    help="Each setting also with this many experts a token (repeatable; top-k reduction).",
+)
 @click.option("--json", "out", type=click.Path(path_type=Path))
 @click.argument("settings", nargs=-1)
 def main(
@@ -56,6 +65,7 @@ def main(
     cold_bits: tuple[str, ...],
     hot_share: float | None,
     cpu_gbps: float,
+    per_token: tuple[int, ...],
     out: Path | None,
     settings: tuple[str, ...],
 ) -> None:
@@ -64,7 +74,8 @@ def main(
         modes = {s: parse_levers(s) for s in settings} if settings else MODES
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    ids = np.load(trace) if trace.suffix == ".npy" else read_trace(trace).ids
+    routed = None if trace.suffix == ".npy" else read_trace(trace)
+    ids = np.load(trace) if routed is None else routed.ids
     weights = read_trace(recorded).weights
     close = {float(d): v["close"] for d, v in json.loads(margins.read_text())["margins"].items()}
     missing = sorted({m.cache_aware for m in modes.values() if m.cache_aware and m.cache_aware not in close})
@@ -84,13 +95,16 @@ def main(
         cold_bits=bits,
         cpu=cpu_gbps * 1e9,
         hot_share=hot_share,
+        experts_per_token=(0, *per_token),
+        trace_weights=None if routed is None else routed.weights,
     )
-    head = ("setting", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
-    click.echo("{:<11} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8} {:>7}".format(*head))
+    head = ("setting", "K", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
+    click.echo("{:<11} {:>2} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8} {:>7}".format(*head))
     for r in rows:
         d, cold = r.to_dict(), f"{r.cold_bits}-bit" if r.cold_bits else "-"
+        k = r.experts_per_token or ids.shape[-1]
         click.echo(
-            f"{r.mode:<11} {cold:<5} {r.machine:<8} {d['tok_s']:6.2f} {d['ssd_gb_per_token']:7.2f} "
+            f"{r.mode:<11} {k:>2} {cold:<5} {r.machine:<8} {d['tok_s']:6.2f} {d['ssd_gb_per_token']:7.2f} "
             f"{d['pcie_gb_per_token']:8.2f} {d['skipped_share']:9.1%} {d['swapped_share']:8.1%} {d['host_share']:7.1%}"
         )
     if out is not None:

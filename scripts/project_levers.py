@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from dsfp4.errors import ConfigError
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.projection.levers import project_levers
 from dsfp4.runtime.modes import MODES, parse_levers
@@ -84,20 +85,23 @@ def main(
     if hot_share is not None and not cold_bits:
         raise click.UsageError("--hot-share says which experts --cold-bits keeps exact; add --cold-bits 2 or 3")
     bits = (None, *map(int, cold_bits))
-    rows = project_levers(
-        family,
-        ids,
-        machines.split(","),
-        efficiency,
-        modes,
-        weights,
-        close,
-        cold_bits=bits,
-        cpu=cpu_gbps * 1e9,
-        hot_share=hot_share,
-        experts_per_token=(0, *per_token),
-        trace_weights=None if routed is None else routed.weights,
-    )
+    try:
+        rows = project_levers(
+            family,
+            ids,
+            machines.split(","),
+            efficiency,
+            modes,
+            weights,
+            close,
+            cold_bits=bits,
+            cpu=cpu_gbps * 1e9,
+            hot_share=hot_share,
+            experts_per_token=(0, *per_token),
+            trace_weights=None if routed is None else routed.weights,
+        )
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
     head = ("setting", "K", "cold", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
     click.echo("{:<11} {:>2} {:<5} {:<8} {:>6} {:>7} {:>8} {:>9} {:>8} {:>7}".format(*head))
     for r in rows:

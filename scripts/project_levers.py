@@ -3,8 +3,7 @@ routing trace, with the lossy levers carried over from a trained model as dsfp4/
 
     python scripts/project_levers.py --trace v3_mid.npy --recorded decode_trace.npz --margins margins.json \
         --efficiency 0.73 [--family v3] [--machines 16g,24g] [--cold-bits 3 ...] [--cold-recipe R ...] \
-        [--hot-share 0.1] \
-        [--cpu-gbps 16] [--json OUT] [SETTING...]
+        [--hot-share 0.1] [--cpu-gbps 16] [--experts-per-token 7 ...] [--json OUT] [SETTING...]
 
 --trace: a calibrated trace (scripts/synthetic_trace.py); --recorded: a routing trace the trained model recorded
 (`dsfp4 run --record-trace`), for its routing weights; --margins: scripts/router_margins.py's output on the trained
@@ -13,7 +12,9 @@ model (at every margin a mode uses); --efficiency: the bench model's measured re
 with the records outside each layer's hot set in cold codes of these bits (`profile-hot --repack --cold-bits`), the
 hot set each layer's hottest --hot-share (default: what the budgets hold at full size, as profile-hot's);
 --cold-recipe: the same with a cold recipe (`profile-hot --repack --cold-recipe`, layout/recipe.py), its blocks the
-whole model's. Prints a table (bits: per routed weight as stored, scales included); --json writes the rows.
+whole model's; --experts-per-token K: each setting also with every token keeping its K heaviest choices (`run
+--experts-per-token`; a .npy trace's first K, a recorded .npz's K heaviest by weight: dsfp4/projection/top_k.py).
+Prints a table (bits: per routed weight as stored, scales included); --json writes the rows.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
     default=0.0,
     help="The CPU lane on (--cpu-experts auto) at this kernel rate, GB/s of records (dsfp4 doctor's cpu_moe_gbps).",
 )
+@click.option(
+    "--experts-per-token",
+    "per_token",
+    type=click.IntRange(1),
+    multiple=True,
+    help="Each setting also with this many experts a token (repeatable; top-k reduction).",
+)
 @click.option("--json", "out", type=click.Path(path_type=Path))
 @click.argument("settings", nargs=-1)
 def main(
@@ -64,6 +72,7 @@ def main(
     cold_recipe: tuple[str, ...],
     hot_share: float | None,
     cpu_gbps: float,
+    per_token: tuple[int, ...],
     out: Path | None,
     settings: tuple[str, ...],
 ) -> None:
@@ -72,7 +81,8 @@ def main(
         modes = {s: parse_levers(s) for s in settings} if settings else MODES
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    ids = np.load(trace) if trace.suffix == ".npy" else read_trace(trace).ids
+    routed = None if trace.suffix == ".npy" else read_trace(trace)
+    ids = np.load(trace) if routed is None else routed.ids
     weights = read_trace(recorded).weights
     close = {float(d): v["close"] for d, v in json.loads(margins.read_text())["margins"].items()}
     missing = sorted({m.cache_aware for m in modes.values() if m.cache_aware and m.cache_aware not in close})
@@ -85,26 +95,33 @@ def main(
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="'--cold-recipe'") from None
     bits = (None, *map(int, cold_bits), *recipes)
-    rows = project_levers(
-        family,
-        ids,
-        machines.split(","),
-        efficiency,
-        modes,
-        weights,
-        close,
-        cold_bits=bits,
-        cpu=cpu_gbps * 1e9,
-        hot_share=hot_share,
-    )
-    head = ("setting", "cold", "bits", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
+    try:
+        rows = project_levers(
+            family,
+            ids,
+            machines.split(","),
+            efficiency,
+            modes,
+            weights,
+            close,
+            cold_bits=bits,
+            cpu=cpu_gbps * 1e9,
+            hot_share=hot_share,
+            experts_per_token=(0, *per_token),
+            trace_weights=None if routed is None else routed.weights,
+        )
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    head = ("setting", "K", "cold", "bits", "machine", "tok/s", "SSD GB", "PCIe GB", "left out", "swapped", "on CPU")
     wide = max([5, *map(len, cold_recipe)])
-    click.echo(f"{{:<11}} {{:<{wide}}} {{:>5}} {{:<8}} {{:>6}} {{:>7}} {{:>8}} {{:>9}} {{:>8}} {{:>7}}".format(*head))
+    line = f"{{:<11}} {{:>2}} {{:<{wide}}} {{:>5}} {{:<8}} {{:>6}} {{:>7}} {{:>8}} {{:>9}} {{:>8}} {{:>7}}"
+    click.echo(line.format(*head))
     for r in rows:
         d = r.to_dict()
         cold = str(r.cold_bits) if isinstance(r.cold_bits, ColdRecipe) else f"{r.cold_bits}-bit" if r.cold_bits else "-"
+        k = r.experts_per_token or ids.shape[-1]
         click.echo(
-            f"{r.mode:<11} {cold:<{wide}} {r.routed_bits:5.2f} {r.machine:<8} {d['tok_s']:6.2f} "
+            f"{r.mode:<11} {k:>2} {cold:<{wide}} {r.routed_bits:5.2f} {r.machine:<8} {d['tok_s']:6.2f} "
             f"{d['ssd_gb_per_token']:7.2f} "
             f"{d['pcie_gb_per_token']:8.2f} {d['skipped_share']:9.1%} {d['swapped_share']:8.1%} {d['host_share']:7.1%}"
         )

@@ -22,6 +22,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,6 +46,8 @@ from dsfp4.projection.simulate import (
     simulate,
     simulate_prefill,
 )
+from dsfp4.projection.top_k import keep
+from dsfp4.runtime.models.load import with_experts_per_token
 from dsfp4.runtime.plan.device_split import make_split_plan
 from dsfp4.runtime.plan.host_backbone import EMBED, tensor_bytes
 from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_layers, make_plan, with_narrow_slots
@@ -66,15 +69,22 @@ def full_args(family: str) -> ModelArgs:
 
 
 def full_plan(
-    family: str, machine: Machine, backbone: str | None = None, max_context: int = MAX_CONTEXT
+    family: str,
+    machine: Machine,
+    backbone: str | None = None,
+    max_context: int = MAX_CONTEXT,
+    experts_per_token: int = 0,
 ) -> tuple[Manifest, Plan]:
     """The whole model's manifest and plan on the machine for `max_context` (run's default, or what a long prompt
     needs): with the backbone `convert --backbone auto` gives it there (backbone_choice.py), or `backbone` (a
-    --backbone spec, convert/backbone.py); a ConfigError when even with the backbone in RAM it does not fit."""
+    --backbone spec, convert/backbone.py); a ConfigError when even with the backbone in RAM it does not fit.
+    experts_per_token: the shape `run --experts-per-token` gives it (0: the model's own); the backbone stays the
+    one its conversion chose."""
     args = full_args(family)
     expert_format = args.family_spec.expert_format
     spec = backbone or choose_backbone(args, machine.budgets, expert_format, USER_PROCESS)[0]
     m = planned_manifest(args, spec, expert_format)
+    m = with_experts_per_token(m, experts_per_token, Path(f"the whole {family}"))
     try:
         budgets, b = machine.budgets, (max_context, PREFILL_CHUNK, IO_THREADS)
         if machine.cards > 1:
@@ -316,11 +326,16 @@ def machine_run(
     eff: float,
     backbone: str | None = None,
     max_context: int = MAX_CONTEXT,
+    experts_per_token: int = 0,
+    weights: np.ndarray | None = None,
 ) -> MachineRun:
     """`family` planned on machine `name` for `max_context` (full_plan), `ids` [N, L, K] spread over its MoE layers
-    and halved, its decode compute at `eff` (the native path's share) of the machine's memory bandwidth."""
+    and halved, its decode compute at `eff` (the native path's share) of the machine's memory bandwidth;
+    experts_per_token k: each token keeps its k heaviest choices (top_k.keep, by the trace's `weights` [N, L, K] where
+    it has them; 0: all), the model planned for k."""
     machine = MACHINES[name]
-    m, plan = full_plan(family, machine, backbone, max_context)
+    m, plan = full_plan(family, machine, backbone, max_context, experts_per_token=experts_per_token)
+    ids = keep(ids, experts_per_token, weights)
     warm, run = halves(spread(ids, n_moe_layers(m)), m.args.n_routed_experts)
     costs = decode_costs(m, machine.hbm, machine.decode_efficiency(eff))
     return MachineRun(machine, m, plan, costs, warm, run, host_stream(m, plan))

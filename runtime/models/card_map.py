@@ -26,6 +26,14 @@ EMBED = "embed.weight"
 LAYER_PREFIX = "layers."
 
 
+def device_key(device: torch.device | str) -> str:
+    """A device's name with its index: "cuda" is the current CUDA device's ("cuda:0"), as a tensor's device says."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
 @dataclass(frozen=True)
 class CardMap:
     """cards: each card's device; card_of: each block's card (the main layers' and the MTP layers')."""

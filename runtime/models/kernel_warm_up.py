@@ -6,8 +6,9 @@ matrix's rows, the GEMV per token count) and Triton's specialization of int argu
 any length reaches the kernels in calls of at most a chunk (or an attention group, whose calls plan as a chunk's
 do), so one call per distinct variant of up to `chunk` tokens covers them all. Each goes through the attention of
 the first dense and the first MoE block (the other blocks share their shapes), the dense block's MLP, the MoE
-block's router and shared experts (no record is read), and the head; it writes cache rows a later prompt
-overwrites. Where no kernel runs (CPU, a card on the torch references) nothing is compiled and nothing runs.
+block's router and shared experts (no record is read), and the head at the last position (eval's and logits'
+whole-call head compiles at their first call); it writes cache rows a later prompt overwrites. Where no kernel
+runs (CPU, a card on the torch references) nothing is compiled and nothing runs.
 """
 
 from __future__ import annotations
@@ -81,5 +82,6 @@ def warm_up_backbone(model: Model, chunk: int) -> int:
                 ffn.gate(flat, tokens.to(device).view(-1))
                 if ffn.shared_experts is not None:
                     ffn.shared_experts(flat)
-        model.finish(h, t)
+        # the last position's logits, as a prompt's (a whole call's logits would pass the plan's workspace)
+        model.finish(h, t, last_only=True)
     return len(sizes)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dsfp4.layout.manifest import MANIFEST_NAME
+from dsfp4.layout.manifest import MANIFEST_NAME, MANIFEST_VERSION
 from tests.fixtures.cli import assert_one_line_error, run_cli
 
 
@@ -33,9 +33,10 @@ def test_bad_models_and_flags_give_one_line_errors(converted, tmp_path):
     assert_one_line_error(run_cli("run", tmp_path, "--prompt", "hi"), "manifest.json not found")
     newer = shutil.copytree(converted, tmp_path / "newer")
     m = json.loads((newer / MANIFEST_NAME).read_text())
-    m["format_version"] = 2
+    m["format_version"] = MANIFEST_VERSION + 1
     (newer / MANIFEST_NAME).write_text(json.dumps(m))
-    assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "layout version 2", "upgrade dsfp4")
+    later = f"layout version {MANIFEST_VERSION + 1}"
+    assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), later, "upgrade dsfp4")
     (newer / MANIFEST_NAME).write_text("{ not json")
     assert_one_line_error(run_cli("run", newer, "--prompt", "hi"), "not valid JSON")
     assert_one_line_error(run_cli("run", converted, "--prompt", "hi", "--device", "tpu"), "--device tpu")

@@ -14,7 +14,7 @@ from dsfp4.kernels.linear import QuantizedWeight, linear
 from dsfp4.kernels.moe.kernel import MoEKernel
 from dsfp4.layout.model_args import ModelArgs
 from dsfp4.layout.quant import PLAIN_DTYPES
-from dsfp4.runtime.models.card_map import CardCut, split_blocks
+from dsfp4.runtime.models.card_map import CardCut, device_key, split_blocks
 from dsfp4.runtime.models.moe import MLP, MoE, over, spans
 from dsfp4.runtime.models.norm import RMSNorm
 from dsfp4.runtime.models.position import DevicePosition
@@ -160,7 +160,7 @@ class Transformer(nn.Module):
         for c, d in enumerate(self._devices()[1:], 1):
             self.register_buffer(f"freqs_cis_{c}", freqs.to(d), persistent=False)
         self._freqs = {
-            str(d): getattr(self, f"freqs_cis_{c}" if c else "freqs_cis") for c, d in enumerate(self._devices())
+            device_key(d): getattr(self, f"freqs_cis_{c}" if c else "freqs_cis") for c, d in enumerate(self._devices())
         }
 
     def _devices(self) -> tuple[torch.device, ...]:
@@ -208,7 +208,7 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary frequencies and causal mask for t new tokens at start_pos (for every block), on `device` (a split
         run's card; default the first)."""
-        freqs_cis = self._freqs[str(device or self.device)]
+        freqs_cis = self._freqs[device_key(device or self.device)]
         # a token per sequence; the span's rows past it are masked out
         if isinstance(start_pos, DevicePosition):
             # pos: [B]

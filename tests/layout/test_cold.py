@@ -27,7 +27,6 @@ from dsfp4.layout.cold import (
 from dsfp4.layout.fp4 import e2m1_decode, mxfp4_dequantize, nvfp4_dequantize, nvfp4_quantize, unpack_fp4
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
-from dsfp4.layout.quant import quantize
 from dsfp4.layout.record import RecordLayout
 from dsfp4.layout.repack import Cold, repack
 from dsfp4.layout.verify import verify
@@ -38,6 +37,7 @@ from dsfp4.runtime.plan.budget import Budgets
 from dsfp4.runtime.plan.planner import make_plan
 from dsfp4.runtime.store.expert_store import ExpertStore
 from dsfp4.runtime.store.placement import hottest_first, map_all
+from tests.fixtures.moe_records import quantized_record
 
 CPU = torch.device("cpu")
 GEN = torch.Generator().manual_seed(0)
@@ -90,13 +90,7 @@ def test_three_bits_lose_less_than_two_and_the_scale_search_helps():
 
 
 def _record(fmt: str, dim: int = 256, inter: int = 96) -> tuple[RecordLayout, torch.Tensor]:
-    layout = RecordLayout.for_expert(fmt, dim, inter)
-    mats = [quantize(fmt, torch.randn(*shape, generator=GEN)) for shape in ((inter, dim), (inter, dim), (dim, inter))]
-    parts = {"w13": torch.cat([mats[0][0], mats[1][0]]), "w13_scale": torch.cat([mats[0][1], mats[1][1]])}
-    parts |= {"w2": mats[2][0], "w2_scale": mats[2][1]}
-    if fmt == "nvfp4":
-        parts["scale_2"] = torch.stack([m[2] for m in mats])
-    return layout, layout.pack_tensor(parts)
+    return quantized_record(fmt, GEN, dim, inter)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

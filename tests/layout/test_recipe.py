@@ -16,9 +16,9 @@ from dsfp4.kernels.fp4 import widen as widen_module
 from dsfp4.layout import manifest as manifest_module
 from dsfp4.layout.cold import cold_luts
 from dsfp4.layout.manifest import MANIFEST_NAME, Manifest
-from dsfp4.layout.quant import quantize
 from dsfp4.layout.recipe import EXACT, MATRICES, RECIPE_BITS, ColdRecipe, parse_recipe, recipe_of
 from dsfp4.layout.record import RecordLayout
+from tests.fixtures.moe_records import quantized_record
 from tests.layout.test_layout import DATA
 
 GEN = torch.Generator().manual_seed(0)
@@ -77,13 +77,7 @@ def test_recipe_of_layers_takes_the_most_common_bits_as_its_base():
 
 
 def _record(fmt: str, dim: int = 256, inter: int = 96) -> tuple[RecordLayout, torch.Tensor]:
-    layout = RecordLayout.for_expert(fmt, dim, inter)
-    mats = [quantize(fmt, torch.randn(*shape, generator=GEN)) for shape in ((inter, dim), (inter, dim), (dim, inter))]
-    parts = {"w13": torch.cat([mats[0][0], mats[1][0]]), "w13_scale": torch.cat([mats[0][1], mats[1][1]])}
-    parts |= {"w2": mats[2][0], "w2_scale": mats[2][1]}
-    if fmt == "nvfp4":
-        parts["scale_2"] = torch.stack([m[2] for m in mats])
-    return layout, layout.pack_tensor(parts)
+    return quantized_record(fmt, GEN, dim, inter)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

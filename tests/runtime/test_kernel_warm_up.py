@@ -76,3 +76,21 @@ def test_no_request_compiles_after_the_engine_starts(converted, tmp_path):
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["started"], "the engine's start compiled the kernels"
     assert sorted(set(seen["after"]) - set(seen["started"])) == []
+
+
+@pytest.mark.parametrize("family", ["v3", "v4"])
+def test_the_warm_up_runs_every_call_and_changes_no_answer(converted, v4_converted, monkeypatch, family):
+    """The warm-up's calls through a V3 and a V4 model (on the CPU's references, as if kernels ran): one per size,
+    and the cache rows they write change no later answer."""
+    from dsfp4.runtime.engine import Engine
+    from dsfp4.runtime.models import kernel_warm_up as warm
+
+    model = converted if family == "v3" else v4_converted
+    prompt = [5, 9, 11, 40, 7, 3, 8, 21, 13]
+    with Engine(model, device="cpu", max_context=64) as engine:
+        want = engine.generate(prompt, max_tokens=6, temperature=0).token_ids
+        engine.reset()
+        monkeypatch.setattr(warm, "use_kernels", lambda device: True)
+        sizes = prompt_sizes(40, warm.backbone_variant(engine.model))
+        assert warm.warm_up_backbone(engine.model, 40) == len(sizes) and sizes[:16] == list(range(1, 17))
+        assert engine.generate(prompt, max_tokens=6, temperature=0).token_ids == want

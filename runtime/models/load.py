@@ -145,13 +145,24 @@ def _expert_store(
 ) -> ExpertStore | SplitStore:
     """The run's expert store: one, or a split run's, one a card over the shared RAM tier (store/split_store.py)."""
     o, lane = options, host_share(options.cpu_experts, manifest.record, device)
-    tiers = (o.policy, o.io_threads, o.verify)
-    if cards is not None:
-        return SplitStore(model_dir, manifest, list(cards.cards), plan, *tiers, o.prefetch_reads, o.levers(), lane)
-    return ExpertStore(
-        model_dir, manifest, device, plan, *tiers, host=False, prefetch_reads=o.prefetch_reads, levers=o.levers(),
-        lane=lane,
-    )  # fmt: skip
+
+    def make(on: torch.device, mine: Plan, shares: ExpertStore | None = None) -> ExpertStore:
+        return ExpertStore(
+            model_dir,
+            manifest,
+            on,
+            mine,
+            o.policy,
+            o.io_threads,
+            o.verify,
+            host=False,
+            prefetch_reads=o.prefetch_reads,
+            levers=o.levers(),
+            lane=lane,
+            shares=shares,
+        )
+
+    return make(device, plan) if cards is None else SplitStore(manifest, list(cards.cards), plan, make, lane)
 
 
 def _check_split(a: ModelArgs, cards: list[torch.device]) -> None:

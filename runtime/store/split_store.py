@@ -11,15 +11,13 @@ is one device's (placement says so in the engine's notes).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dsfp4.layout.manifest import Manifest
-from dsfp4.runtime.modes import EXACT, Levers
 from dsfp4.runtime.plan.lane_split import NO_LANE, LaneSplit
 from dsfp4.runtime.plan.planner import Plan
 from dsfp4.runtime.store.counters import StoreCounters
@@ -35,18 +33,14 @@ Key = tuple[int, int]
 class SplitStore:
     def __init__(
         self,
-        model_dir: Path,
         manifest: Manifest,
         cards: list[torch.device],
         plan: Plan,
-        policy: str = "lru",
-        io_threads: int = 4,
-        verify: bool = True,
-        prefetch_reads: bool = False,
-        levers: Levers = EXACT,
+        make: Callable[[torch.device, Plan, ExpertStore | None], ExpertStore],
         lane: LaneSplit = NO_LANE,
     ):
-        """A store a card of `plan.cards` (on `cards`), the first owning the RAM tier; open_host allocates it."""
+        """A store a card of `plan.cards` (on `cards`), each made by `make(device, its plan, the store it shares)`
+        (the run's one constructor: runtime/models/load.py), the first owning the RAM tier; open_host allocates it."""
         self.plan, self.manifest, self.layout = plan, manifest, manifest.record
         self.device, self.lane_split = cards[0], lane
         self.cuda = self.device.type == "cuda"
@@ -60,12 +54,7 @@ class SplitStore:
                 expert_layers=share.expert_layers,
                 cards=(),
             )
-            first = self.cards[0] if self.cards else None
-            store = ExpertStore(
-                model_dir, manifest, device, mine, policy, io_threads, verify, host=False,
-                prefetch_reads=prefetch_reads, levers=levers, lane=lane, shares=first,
-            )  # fmt: skip
-            self.cards.append(store)
+            self.cards.append(make(device, mine, self.cards[0] if self.cards else None))
         self._card_of = {layer: c for c, share in enumerate(plan.cards) for layer in share.layers}
         for store in self.cards:
             store.route = self.store_of

@@ -3,6 +3,7 @@ pinned PCIe links, and what `dsfp4 run` holds there as it plans (not what the pr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dsfp4.projection.simulate import Links
@@ -38,7 +39,8 @@ class Machine:
 BY_BITS_DECODE = 0.91
 
 
-MACHINES = {
+# one card a box
+ONE_CARD = {
     "16g": Machine(
         "the design's seed machine: 16 GB GPU (896 GB/s, 88 BF16 TFLOP/s: an RTX 5070 Ti, sm_120), 96 GB RAM, "
         "14 GB/s PCIe 5 SSD, 50 GB/s pinned PCIe",
@@ -73,27 +75,21 @@ MACHINES = {
         Links(1.5e9, 25e9),
         165.2e12,
     ),
-    # two cards in one box, the RAM and SSD of the one-card machines above; each card on a PCIe link of its own
-    # (x16 each: on a board that splits x8/x8 each link is half as fast)
-    "2x3090": Machine(
-        "two RTX 3090 24 GB (936 GB/s each, sm_86), 96 GB RAM, 7 GB/s PCIe 4 SSD, 25 GB/s pinned PCIe 4 each "
-        "(the 3090 machine's RAM, SSD and links)",
-        Budgets(2 * PRESETS["2x24g"].gpu, PRESETS["2x24g"].cpu, "preset 2x24g", (PRESETS["2x24g"].gpu,) * 2),
-        936e9,
-        Links(7e9, 25e9),
-        71e12,
-        cards=2,
-        path_speed=BY_BITS_DECODE,
-    ),
-    "2x4090": Machine(
-        "two RTX 4090 24 GB (1,008 GB/s each, sm_89), 96 GB RAM, 14 GB/s SSD, 50 GB/s pinned PCIe each (the 24g "
-        "machine's RAM, SSD and links)",
-        Budgets(2 * PRESETS["2x24g"].gpu, PRESETS["2x24g"].cpu, "preset 2x24g", (PRESETS["2x24g"].gpu,) * 2),
-        1008e9,
-        Links(14e9, 50e9),
-        165.2e12,
-        cards=2,
-    ),
+}
+
+
+def two_cards(one: Machine, about: str) -> Machine:
+    """Machine `one` with a second card of its kind: each card's budget the 2x24g preset's, the RAM, SSD and speeds
+    of `one`, each card on a PCIe link of its own (x16 each: on a board that splits x8/x8 each is half as fast)."""
+    per_card = PRESETS["2x24g"].gpu
+    budgets = Budgets(2 * per_card, PRESETS["2x24g"].cpu, "preset 2x24g", (per_card,) * 2)
+    return dataclasses.replace(one, about=about, budgets=budgets, cards=2)
+
+
+MACHINES = {
+    **ONE_CARD,
+    "2x3090": two_cards(ONE_CARD["3090"], "two RTX 3090 24 GB: the 3090 machine's RAM, SSD and links, a link each"),
+    "2x4090": two_cards(ONE_CARD["24g"], "two RTX 4090 24 GB: the 24g machine's RAM, SSD and links, a link each"),
 }
 
 

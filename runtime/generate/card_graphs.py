@@ -41,13 +41,13 @@ def capture_on(device: torch.device, stream: torch.cuda.Stream, saved: dict[str,
     torch.cuda.set_stream(stream)
 
 
-def restore(saved: dict[str, torch.cuda.Stream], streams: dict[str, torch.cuda.Stream], first: torch.device) -> None:
-    """After a capture: each card entered back on its stream, which waits for the capture's side stream; the first
-    card current again."""
+def restore(saved: dict[str, torch.cuda.Stream], streams: dict[str, torch.cuda.Stream], current: int) -> None:
+    """After a capture: each card entered back on its stream, which waits for the capture's side stream; the device
+    that was current before the capture (an index: a device named "cuda" has none) current again."""
     for name, before in saved.items():
         before.wait_stream(streams[name])
         torch.cuda.set_stream(before)
-    torch.cuda.set_device(first)
+    torch.cuda.set_device(current)
 
 
 def synchronize(devices: tuple[torch.device, ...]) -> None:

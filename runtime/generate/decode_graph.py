@@ -299,8 +299,9 @@ class DecodeGraphs:
         where, store = DevicePosition(pos, span, slot), self.model.experts
         pieces: list[tuple[torch.cuda.CUDAGraph, LayerAsk | Crossing | None]] = []
         devices: list[torch.device] = [self.device]
-        # a split run's cards entered, each one's stream before
+        # a split run's cards entered, each one's stream before, and the device current before them
         saved: dict[str, torch.cuda.Stream] = {}
+        current = torch.cuda.current_device()
 
         def begin() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
@@ -353,7 +354,7 @@ class DecodeGraphs:
                         m.cut = None
                     if self.model.cards is not None:
                         self.model.card_cut = None
-                    restore(saved, {str(d): capture_stream(d) for d in self.cards}, self.device)
+                    restore(saved, {str(d): capture_stream(d) for d in self.cards}, current)
             torch.cuda.current_stream(self.device).wait_stream(stream)
         return CapturedStep(pieces, logits, hidden, devices)
 

@@ -17,15 +17,13 @@ if triton is not None:
 
     _ABSENT = tl.constexpr(ABSENT)
     _G = tl.constexpr(GROUP)
-    # e8m0 1.0: the scale of rows that are not real (their codes load as 0)
-    _SCALE_ONE = tl.constexpr(127)
 
     @triton.jit
-    def _scaled_step(acc, a_ptrs, s_ptrs, valid, w, ws, kb, BK: tl.constexpr):
+    def _scaled_step(acc, a_ptrs, s_ptrs, w, ws, kb, BK: tl.constexpr):
         """acc [R, M] += W a^T over columns kb..kb+BK: w [R, BK/2] e2m1 pairs, ws [R, BK/G] e8m0, the activations'
-        codes a_ptrs [M, BK] and scales s_ptrs [M, BK/G] at column 0."""
-        a = tl.load(a_ptrs + kb, mask=valid[:, None], other=0)  # [M, BK] e4m3 codes
-        s = tl.load(s_ptrs + kb // _G, mask=valid[:, None], other=_SCALE_ONE)  # [M, BK/G]
+        codes a_ptrs [M, BK] and scales s_ptrs [M, BK/G] at column 0, every row readable (no mask)."""
+        a = tl.load(a_ptrs + kb)  # [M, BK] e4m3 codes
+        s = tl.load(s_ptrs + kb // _G)  # [M, BK/G]
         return tl.dot_scaled(w, ws, "e2m1", tl.trans(a), s, "e4m3", acc)
 
     @triton.jit
@@ -34,8 +32,6 @@ if triton is not None:
         s_ptrs,
         a_ptrs_t,
         s_ptrs_t,
-        valid,
-        valid_t,
         has_tail,
         w_ptr,
         ws_ptr,
@@ -51,16 +47,15 @@ if triton is not None:
         acc_t = tl.zeros((R, a_ptrs_t.shape[0]), dtype=tl.float32)
         w_ptrs = w_ptr + r * (K // 2) + tl.arange(0, BK // 2)[None, :]  # [R, BK/2] e2m1 pairs
         ws_ptrs = ws_ptr + r * (K // _G) + tl.arange(0, BK // _G)[None, :]  # [R, BK/G] e8m0
-        # a loop without the tail's product while it is empty (one branch out of the loop: it pipelines)
+        # the tail's products in a loop of their own, the weight tiles read again (from L2): one tile shared by the
+        # main rows' and the tail's dot_scaled of two widths summed wrongly on an H200 (docs/kernels.md)
+        for kb in range(0, K, BK):
+            w, ws = tl.load(w_ptrs + kb // 2), tl.load(ws_ptrs + kb // _G)
+            acc = _scaled_step(acc, a_ptrs, s_ptrs, w, ws, kb, BK)
         if has_tail:
             for kb in range(0, K, BK):
                 w, ws = tl.load(w_ptrs + kb // 2), tl.load(ws_ptrs + kb // _G)
-                acc = _scaled_step(acc, a_ptrs, s_ptrs, valid, w, ws, kb, BK)
-                acc_t = _scaled_step(acc_t, a_ptrs_t, s_ptrs_t, valid_t, w, ws, kb, BK)
-        else:
-            for kb in range(0, K, BK):
-                w, ws = tl.load(w_ptrs + kb // 2), tl.load(ws_ptrs + kb // _G)
-                acc = _scaled_step(acc, a_ptrs, s_ptrs, valid, w, ws, kb, BK)
+                acc_t = _scaled_step(acc_t, a_ptrs_t, s_ptrs_t, w, ws, kb, BK)
         return acc, acc_t
 
     @triton.jit
@@ -109,11 +104,10 @@ if triton is not None:
         # weight row c: 8 gate rows, then the same 8 up rows, as prefill_jit's (its _gate_up_store splits them)
         c = tl.arange(0, 2 * BN)
         wrows = pid_n * BN + (c // 16) * 8 + c % 8 + ((c // 8) % 2) * INTER
-        xp, sp = _rows_at(xq_ptr, xs_ptr, pairs // TOP_K, D, BK)
-        xp_t, sp_t = _rows_at(xq_ptr, xs_ptr, pairs_t // TOP_K, D, BK)
-        acc, acc_t = _block_mma_scaled(
-            xp, sp, xp_t, sp_t, valid, valid_t, has_tail, wbase + W13, wbase + S13, wrows, K=D, BK=BK
-        )
+        # padding rows read token 0, so that no load is masked; their routing weight 0 makes their rows 0
+        xp, sp = _rows_at(xq_ptr, xs_ptr, tl.where(valid, pairs // TOP_K, 0), D, BK)
+        xp_t, sp_t = _rows_at(xq_ptr, xs_ptr, tl.where(valid_t, pairs_t // TOP_K, 0), D, BK)
+        acc, acc_t = _block_mma_scaled(xp, sp, xp_t, sp_t, has_tail, wbase + W13, wbase + S13, wrows, K=D, BK=BK)
         _gate_up_store(acc, rows, pairs, valid, rw_ptr, act_ptr, 1.0, 1.0, pid_n * BN, INTER, LIMIT, EMULATE_RNE)
         _gate_up_store(
             acc_t, rows_t, pairs_t, valid_t, rw_ptr, act_ptr, 1.0, 1.0, pid_n * BN, INTER, LIMIT, EMULATE_RNE
@@ -158,10 +152,7 @@ if triton is not None:
         wbase = rec_ptr + tl.multiple_of(off, 16)
         ap, sp = _rows_at(aq_ptr, as_ptr, rows, INTER, BK)
         ap_t, sp_t = _rows_at(aq_ptr, as_ptr, rows_t, INTER, BK)
-        # gate_up wrote every row of the block (padding: zeros), so all load unmasked
-        every, every_t = tl.full((BM,), True, tl.int1), tl.full((BT,), True, tl.int1)
-        acc, acc_t = _block_mma_scaled(
-            ap, sp, ap_t, sp_t, every, every_t, has_tail, wbase + W2, wbase + S2, cols, K=INTER, BK=BK
-        )
+        # gate_up wrote every row of the block (padding: zeros)
+        acc, acc_t = _block_mma_scaled(ap, sp, ap_t, sp_t, has_tail, wbase + W2, wbase + S2, cols, K=INTER, BK=BK)
         tl.store(out, rounded(acc, DTYPE, EMULATE_RNE), mask=valid[None, :])
         tl.store(out_t, rounded(acc_t, DTYPE, EMULATE_RNE), mask=valid_t[None, :])

@@ -14,10 +14,9 @@ environment, read once, forces BY_BITS where NATIVE would run (a benchmark or a 
 Ada or Hopper card).
 
 The routed experts' prefill takes its FP4 tensor-core variant (moe/prefill_mma.py, W4A8 on MXFP4 records) where
-fp4_mma says: only where DSFP4_FP4_MMA=1 asks for it, on any card from sm_89 the kernels run on (Blackwell's
-block-scaled MMA, sm_100/sm_120, is what tl.dot_scaled emits for; elsewhere Triton upcasts it) and, on the CPU, its
-torch reference in place of the exact one (a quality measurement). It is on no card by default: on the H200 its GPU
-check gave NaN rows at 2,048 tokens (docs/kernels.md); Blackwell is to take it by default once that passes.
+fp4_mma says: by default on Blackwell (sm_100, sm_120), whose block-scaled MMA tl.dot_scaled emits; DSFP4_FP4_MMA=0
+turns it off, =1 forces it on any card from sm_89 the kernels run on (Triton upcasts it there: a GPU test of its
+numbers) and, on the CPU, its torch reference in place of the exact one (a quality measurement).
 """
 
 from __future__ import annotations
@@ -51,7 +50,9 @@ HW_E4M3_CAPABILITY = (8, 9)
 KERNEL_CAPABILITY = (8, 0)
 # "1": the by-bits FP8 kernels where the GPU converts e4m3 itself (read once per process)
 FP8_BY_BITS_ENV = "DSFP4_FP8_BY_BITS"
-# "1": the FP4 tensor-core prefill wherever it can run; unset or "0": never (read once per process)
+# Blackwell's majors (B200 and B300: 10; RTX 5090 and RTX PRO 6000, DGX Spark: 12): block-scaled FP4 MMA
+FP4_MMA_MAJORS = (10, 12)
+# "0": never the FP4 tensor-core prefill; "1": wherever it can run (read once per process)
 FP4_MMA_ENV = "DSFP4_FP4_MMA"
 # the record format it reads (moe/prefill_mma.py: NVFP4's e4m3 scales are no e8m0 scales)
 FP4_MMA_FORMAT = "mxfp4"
@@ -169,12 +170,11 @@ def fp4_mma_forced() -> bool | None:
 
 
 def fp4_mma_for(capability: tuple[int, int], forced: bool | None = None, hip: bool = False) -> bool:
-    """Whether a CUDA GPU of compute `capability` with Triton (ROCm: `hip`) takes the FP4 tensor-core prefill: only
-    `forced`, where the kernels run and the GPU converts e4m3 (the activations'); on no card by default (the module
-    docstring says why)."""
+    """Whether a CUDA GPU of compute `capability` with Triton (ROCm: `hip`) takes the FP4 tensor-core prefill:
+    Blackwell by default, `forced` either way where the kernels run and the GPU converts e4m3 (the activations')."""
     if not kernels_run(capability, hip) or capability < HW_E4M3_CAPABILITY:
         return False
-    return forced is True
+    return capability[0] in FP4_MMA_MAJORS if forced is None else forced
 
 
 def fp4_mma(device: torch.device | str, fmt: str) -> bool:

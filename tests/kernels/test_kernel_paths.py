@@ -75,24 +75,23 @@ def test_each_card_gets_its_paths_from_the_one_rule(seen_as, name):
 
 @pytest.mark.skipif(backend.triton is None, reason="the rule's kernels need Triton installed")
 @pytest.mark.parametrize("name", EXPECTED)
-def test_no_card_takes_the_fp4_tensor_core_prefill_by_default(seen_as, name):
-    # off until its GPU check passes (NaN rows at 2,048 tokens on the H200), Blackwell included
+def test_only_blackwell_takes_the_fp4_tensor_core_prefill_by_default(seen_as, name):
     device = seen_as(name)
-    assert backend.fp4_mma(device, "mxfp4") is False
+    blackwell = name == "RTX 5090"
+    assert backend.fp4_mma(device, "mxfp4") is blackwell
     assert backend.fp4_mma(device, "nvfp4") is False  # NVFP4 records keep the software path
-    assert kernel_paths(device).parts[EXPERTS_PART] != FP4_MMA_PATH
+    assert (kernel_paths(device).parts[EXPERTS_PART] == FP4_MMA_PATH) is blackwell
     assert "unmeasured" in FP4_MMA_PATH
 
 
 @pytest.mark.parametrize("forced", [True, False])
-def test_forcing_the_fp4_tensor_cores_reaches_every_card_from_sm_89(forced):
+def test_forcing_the_fp4_tensor_cores_reaches_every_card_from_sm_89_and_off_turns_blackwell_off(forced):
     for name, p in ALL_CARDS.items():
         gpu = Gpu(name, (p.major, p.minor), p.shared_memory_per_block_optin, p.multi_processor_count, name == "MI300X")
         takes = forced and EXPECTED[name][1] is FP8Path.NATIVE  # kernels run and e4m3 converts in hardware
         assert (paths_for(gpu, fp4_mma=forced).parts[EXPERTS_PART] == FP4_MMA_PATH) is takes
         assert backend.fp4_mma_for((p.major, p.minor), forced, name == "MI300X") is takes
-    assert not any(backend.fp4_mma_for(c) for c in ((10, 0), (12, 1), (9, 0)))
-    assert backend.fp4_mma_for((12, 0), True) and not backend.fp4_mma_for((12, 0), False)
+    assert backend.fp4_mma_for((10, 0)) and backend.fp4_mma_for((12, 1)) and not backend.fp4_mma_for((9, 0))
 
 
 def test_forcing_by_bits_changes_only_the_cards_that_convert_e4m3_in_hardware():

@@ -73,12 +73,15 @@ PREFILL_TILE_ROWS = 128
 class HostStream:
     """Backbone a plan keeps in pinned RAM (runtime/plan/host_backbone.py), read in place on every step over the link
     the expert copies take: per streamed MoE layer (by its index among the MoE layers) its attention's and router's
-    bytes and its shared experts'; per token the rest (dense layers, the embedding's row)."""
+    bytes and its shared experts'; per token the rest (dense layers, the embedding's row). `hidden_bytes`: what a
+    layer-wise pass moves over that link per token and MoE layer, its hidden state to the device and back around the
+    block's attention and its feed-forward (layer_pass.py), the dense blocks' share included."""
 
     layers: frozenset[int] = frozenset()
     attn_bytes: float = 0.0
     experts_bytes: float = 0.0
     other_bytes: float = 0.0
+    hidden_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -407,6 +410,9 @@ def simulate_prefill(
     for layer, first, rows in steps:
         if layered and first == 0:
             _read_ahead(tiers, layer, n_layers, n_experts, now)
+        if layered:
+            # the tokens' hidden states come from pinned RAM and go back, behind the copies queued
+            now = tiers.stream(now, len(rows) * host.hidden_bytes, 0.0)
         attn_s = float(context_s[first : first + len(rows)].sum())
         now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots, attn_s)
         if layer == n_layers - 1:

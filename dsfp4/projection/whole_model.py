@@ -54,6 +54,10 @@ from dsfp4.runtime.plan.planner import ONE_ROW, ROUTER_SUFFIXES, Plan, expert_la
 from dsfp4.synthetic.bench_model import model_args
 from dsfp4.synthetic.releases import RELEASES
 
+# a layer-wise pass copies a block's hidden states to the device and back around its attention and its feed-forward
+# (runtime/generate/layer_pass.py)
+HIDDEN_CROSSINGS = 4
+
 # the machines are GPU machines: plan as on one, wherever this runs
 PLAN_DEVICE = torch.device("cuda")
 # the run the plan is made for: `dsfp4 run`'s defaults
@@ -134,7 +138,7 @@ def step_bytes(m: Manifest) -> tuple[float, float, float]:
 def host_stream(m: Manifest, plan: Plan, elt: int = 2) -> HostStream:
     """The plan's backbone in pinned RAM as the simulation reads it each step (a streamed MoE layer's attention and
     router, its shared experts; dense layers and the embedding's row per token), tensors as loaded in `elt`-byte
-    plain dtype."""
+    plain dtype; and a layer-wise pass's hidden states, HIDDEN_CROSSINGS copies a token and block."""
 
     def size(name: str, t: TensorEntry) -> float:
         if not plan.on_host.holds(name):
@@ -147,7 +151,9 @@ def host_stream(m: Manifest, plan: Plan, elt: int = 2) -> HostStream:
     moe = [b for b in range(m.args.n_layers) if b in m.experts]
     streamed = frozenset(j for j, b in enumerate(moe) if b in plan.on_host.layers)
     per_streamed = len(moe) / max(len(streamed), 1)
-    return HostStream(streamed, attn * per_streamed, experts * per_streamed, other)
+    a = m.args
+    hidden = HIDDEN_CROSSINGS * max(1, a.hc_mult) * a.dim * elt * a.n_layers / max(len(moe), 1)
+    return HostStream(streamed, attn * per_streamed, experts * per_streamed, other, hidden)
 
 
 def step_flops(m: Manifest) -> tuple[float, float, float]:

@@ -336,6 +336,21 @@ def test_attention_against_earlier_positions_adds_its_seconds_to_the_prompts_com
     assert longer.seconds > plain.seconds
 
 
+def test_a_layer_wise_pass_moves_its_hidden_states_over_the_link_and_the_chunk_order_does_not():
+    """Streamed: every token's hidden state crosses the link each MoE layer (to the device and back); where every
+    record is resident the chunks go through every block in turn, on the device."""
+    # a quick disk: the link binds
+    trace, links = _trace(tokens=32), Links(ssd=1e12, pcie=1e9)
+    hidden = HostStream(hidden_bytes=4e6)
+    plain = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=32)
+    crossing = simulate_prefill(trace, 4, 16, RECORD, links, COSTS, chunk=8, group=32, host=hidden)
+    assert crossing.pcie_bytes == pytest.approx(plain.pcie_bytes + 32 * trace.shape[1] * 4e6)
+    assert crossing.seconds > plain.seconds
+    resident = [(layer, e) for layer in range(trace.shape[1]) for e in range(16)]
+    on_device = simulate_prefill(trace, len(resident), 0, RECORD, links, COSTS, 8, "lru", resident, hidden)
+    assert on_device.pcie_bytes == 0
+
+
 @pytest.mark.slow
 def test_decode_at_a_long_context_reads_its_caches_and_keeps_the_backbone_on_the_16g_card():
     from dsfp4.projection.long_context import context_decodes, context_table

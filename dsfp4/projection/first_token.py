@@ -33,9 +33,10 @@ from dsfp4.runtime.options import RunOptions
 # over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
 PREFILL_SHARE = 310.5 / 989.4
 # the share attention against earlier positions runs at (its decompressed FLOPs over the peak, the keys' expansion
-# apart): fitted to the V3-width bench model's resident prefills of 32,768 tokens on the H200 in two sessions, the
-# weights and the expansion at PREFILL_SHARE (docs/BENCHMARKS.md, 2026-12-02, attention per group)
-ATTENTION_SHARE = 0.19
+# apart): fitted to layer-by-layer resident prefills of 32,768 tokens on the H200 (the users' order), the weights at
+# their kernels' profiled time, the expansion at PREFILL_SHARE, the hidden states' crossings at the link's rate
+# (docs/BENCHMARKS.md, 2026-12-02, a 32k prefill profiled)
+ATTENTION_SHARE = 0.38
 # prompt tokens the time to first token is projected for
 PROMPTS = (64, 512, 2048, 8192, 32768)
 # the context a prompt's plan holds beyond it: room for an answer

@@ -13,6 +13,8 @@
 #   bash scripts/gpu_round.sh verify        # the GPU tests of this round's new code: the backbone's warm-up, the forced
 #                                           # by-bits path, the split across cards (one card named twice), mixed-bit
 #                                           # cold records, the W4A8 prefill forced on the H200
+#   bash scripts/gpu_round.sh prefill       # a resident prompt of 8k and 32k tokens in both orders, repeated, the last
+#                                           # of each profiled (scripts/profile_prefill.py; issue 47's attention share)
 #   bash scripts/gpu_round.sh train         # the small DeepSeek trained (3.5 min) and sent back in $OUT as 15 MB parts
 #                                           # (ts_src.tar.*), for the quality measurements the CPU machine makes:
 #                                           # cat ts_src.tar.* | tar -x -C DIR
@@ -81,6 +83,11 @@ verify() {
     tail -15 "$OUT/verify_by_bits.log"
 }
 
+prefill() {
+    python3 scripts/profile_prefill.py "$BM" --tokens "${LENGTHS:-8192,32768}" --reps 3 --profile \
+        --out "$OUT/profile_prefill" 2>&1 | grep -v -i warn | tee "$OUT/profile_prefill.log"
+}
+
 train() {
     export PYTHONPATH=${PYTHONPATH:-$ROOT/src}
     [ -f "$TS/src/config.json" ] || python3 scripts/train_small.py "$TS/src" --minutes 3.5 2>&1 | tail -5
@@ -89,7 +96,7 @@ train() {
 
 for stage in "$@"; do
     case "$stage" in
-        setup | fp8 | first | levers | verify | train) "$stage" ;;
-        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify or train" >&2; exit 2 ;;
+        setup | fp8 | first | levers | verify | prefill | train) "$stage" ;;
+        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify, prefill or train" >&2; exit 2 ;;
     esac
 done

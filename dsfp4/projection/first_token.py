@@ -1,10 +1,11 @@
 """The whole model's time to first token, projected as whole_model.py projects its decode: the trace's rows after
 the profile's are the prompt, prefilled as `dsfp4 run` prefills it (simulate.py simulate_prefill: layer by layer, the
 feed-forward over the plan's prefill_group tokens at once) through the pools of a plan for the prompt and an answer,
-warm from the trace's first half; its compute is the prompt's FLOPs on the user's GPU's dense BF16 peak: the weights'
-at PREFILL_SHARE of it (what our prefill reached on the H100), attention's against the positions before each token
-(the family's attention_flops, layout/family.py) at ATTENTION_SHARE (what it reached on the H200), and bringing the
-cached keys to the attended form once per attention call (key_expansion_flops) at PREFILL_SHARE."""
+warm from the trace's first half; its compute is the prompt's FLOPs on the user's GPU's dense BF16 peak: the experts'
+at PREFILL_SHARE of it (what our prefill reached on the H100), the FP8 backbone's at its kernel path's share
+(Machine.fp8_prefill), attention's against the positions before each token (the family's attention_flops,
+layout/family.py) at ATTENTION_SHARE (what it reached on the H200), and bringing the cached keys to the attended form
+once per attention call (key_expansion_flops) at PREFILL_SHARE."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ ANSWER_TOKENS = 1024
 
 
 def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
-    """A prompt token's compute on the machine's GPU at PREFILL_SHARE of its peak."""
-    rate = machine.flops * PREFILL_SHARE
+    """A prompt token's compute on the machine's GPU: the experts' (routed and shared) at PREFILL_SHARE of its peak,
+    the FP8 backbone's (attention's matrices, the dense layers, the head) at its kernel path's share
+    (Machine.fp8_prefill)."""
+    experts_rate, backbone_rate = machine.flops * PREFILL_SHARE, machine.flops * machine.fp8_prefill
     attn, experts, other = step_flops(m)
-    return StepCosts(attn / rate, experts / rate, other / rate, HOST_S)
+    return StepCosts(attn / backbone_rate, experts / experts_rate, other / backbone_rate, HOST_S)
 
 
 def context_seconds(m: Manifest, machine: Machine, n: int, attend: int = 0) -> np.ndarray:

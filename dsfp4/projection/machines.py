@@ -13,6 +13,15 @@ from dsfp4.runtime.plan.budget import PRESETS, Budgets, GiB
 USER_PROCESS = int(0.56 * GiB)
 
 
+# sm_80/86 (no e4m3 in hardware): the FP8 backbone converted by bits in the kernels, resident decode 91% of the
+# native path's on the H200 with the path forced (docs/BENCHMARKS.md, 2026-12-02)
+BY_BITS_DECODE = 0.91
+# the FP8 backbone's prefill GEMMs as a share of the card's dense BF16 peak: W8A8 on FP8 tensor cores (sm_89 on) and
+# W8A16 by bits (sm_80/86), V3's q_a, q_b, o and dense w13 at 4,096 tokens on the H200 weighted by a token's FLOPs
+# in each (docs/BENCHMARKS.md, 2026-12-02, the FP8 backbone by bits)
+NATIVE_FP8_PREFILL, BY_BITS_PREFILL = 0.565, 0.218
+
+
 @dataclass(frozen=True)
 class Machine:
     about: str
@@ -28,15 +37,12 @@ class Machine:
     # the card's decode compute speed on its kernel path, as a share of the measured native path's (the projection's
     # efficiency is the native path's)
     path_speed: float = 1.0
+    # the FP8 backbone's prefill GEMMs on its kernel path, as a share of `flops`
+    fp8_prefill: float = NATIVE_FP8_PREFILL
 
     def decode_efficiency(self, eff: float) -> float:
         """The decode's share of this card's memory bandwidth, `eff` the native path's."""
         return eff * self.path_speed
-
-
-# sm_80/86 (no e4m3 in hardware): the FP8 backbone converted by bits in the kernels, resident decode 91% of the
-# native path's on the H200 with the path forced (docs/BENCHMARKS.md, 2026-12-02)
-BY_BITS_DECODE = 0.91
 
 
 # one card a box
@@ -58,7 +64,7 @@ ONE_CARD = {
         165.2e12,
     ),
     # the most common card for a local DeepSeek; no e4m3 in hardware: its FP8 backbone is converted by bits in the
-    # kernels (BY_BITS_DECODE)
+    # kernels (BY_BITS_DECODE, BY_BITS_PREFILL)
     "3090": Machine(
         "RTX 3090 24 GB (936 GB/s, 71 BF16 TFLOP/s with FP32 accumulate, sm_86), 96 GB RAM, 7 GB/s PCIe 4 SSD, "
         "25 GB/s pinned PCIe 4",
@@ -67,6 +73,7 @@ ONE_CARD = {
         Links(7e9, 25e9),
         71e12,
         path_speed=BY_BITS_DECODE,
+        fp8_prefill=BY_BITS_PREFILL,
     ),
     "home-seek": Machine(
         "home-seek's: RTX 4090 24 GB (1,008 GB/s), ~90 GB RAM, 1.5 GB/s disk, PCIe 4 (25 GB/s pinned)",

@@ -8,8 +8,9 @@ the model runs and by the kernels' by_bits argument for the kernel times.
 Model: `dsfp4 bench MODEL --preset P` twice, in a process each (the path is read once per process), resident decode
 and prefill tok/s of each and their ratio. Kernels: DeepSeek-V3's FP8 shapes, the decode GEMV at 1, 4, 16 tokens
 and the prefill GEMM at --gemm-tokens, each captured in a CUDA graph over distinct copies of the matrix (no L2 reuse
-flatters it); the by-bits GEMM also with the tiles an A100 and a 3090 would take (their shared memory). Prints a
-table; writes bench_fp8_by_bits.json under --out.
+flatters it); the by-bits GEMM also with the tiles an A100 and a 3090 would take (their shared memory), and the
+other way by bits: W widened to bf16 in pieces and multiplied by cuBLAS (dequant_gemm). Prints a table; writes
+bench_fp8_by_bits.json under --out.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from bench_kernels import graph_time
 
 from dsfp4.kernels.backend import FP8_BY_BITS_ENV, Card, card
+from dsfp4.kernels.fp8.dequant import fp8_dequantize
 from dsfp4.kernels.fp8.gemm import fp8_gemm, gemm_plan
 from dsfp4.kernels.fp8.linear import fp8_gemv
 from dsfp4.layout.fp8 import fp8_block_quantize
@@ -48,12 +50,26 @@ GEMV_TOKENS = (1, 4, 16)
 AS_CARDS = {"A100": Card((8, 0), 108, 166912), "RTX 3090": Card((8, 6), 82, 101376)}
 # matrices' copies a graph cycles through: more bytes than an H200's 60 MB L2
 L2_BYTES = 128 << 20
+# the alternative by-bits prefill timed beside the kernels: W widened to bf16 this many bytes at a time, then cuBLAS
+DEQUANT_PIECE_BYTES = 32 << 20
 
 
 def _copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     q, s = fp8_block_quantize(torch.randn(n, k, device="cuda") * 1e-2)
     count = max(2, -(-L2_BYTES // q.numel()))
     return [(q.clone(), s.clone()) for _ in range(count)]
+
+
+def dequant_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, piece_bytes: int) -> torch.Tensor:
+    """x [T, K] @ W^T by bits the other way: W's rows widened to bf16 (by bit placement) a piece of `piece_bytes` at a
+    time, each piece multiplied by cuBLAS into its columns of y [T, N]."""
+    n, k = q.shape
+    rows = max(128, piece_bytes // (2 * k) // 128 * 128)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r in range(0, n, rows):
+        w = fp8_dequantize(q[r : r + rows], s[r // 128 : (r + rows + 127) // 128], x.dtype, by_bits=True)
+        y[:, r : r + rows] = x @ w.t()
+    return y
 
 
 def kernel_rows(gemm_tokens: int) -> list[dict]:
@@ -75,6 +91,8 @@ def kernel_rows(gemm_tokens: int) -> list[dict]:
         for label, (by_bits, plan) in plans.items():
             calls = [partial(fp8_gemm, x, q, s, by_bits=by_bits, plan=plan) for q, s in mats[:2]]
             row[f"gemm_{label}_us"] = graph_time(calls) * 1e6
+        calls = [partial(dequant_gemm, x, q, s, DEQUANT_PIECE_BYTES) for q, s in mats[:2]]
+        row["gemm_bits_dequant_cublas_us"] = graph_time(calls) * 1e6
         rows.append(row)
         del mats
         torch.cuda.empty_cache()

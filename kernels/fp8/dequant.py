@@ -44,9 +44,12 @@ if triton is not None:
         tl.store(w_ptr + rows[:, None] * stride_w + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
 
 
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_dequantize(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, by_bits: bool = False
+) -> torch.Tensor:
     """q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> w [N, K] in `dtype`: fp8_dequantize_ref's values (the product
-    is taken in fp32 and rounded once), from one read of q and one write of w."""
+    is taken in fp32 and rounded once), from one read of q and one write of w. e4m3 converts in hardware where the
+    device's FP8 path does, else (or `by_bits`: a benchmark of the sm_80/86 path) by bit placement."""
     n, k = q.shape
     assert scale.shape == ((n + FP8_BLOCK - 1) // FP8_BLOCK, (k + FP8_BLOCK - 1) // FP8_BLOCK), "scale grid"
     assert FP8_BLOCK % BLOCK_N == 0 and BLOCK_K == FP8_BLOCK, "a program stays inside one scale block"
@@ -64,6 +67,6 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
         SCALE_BLOCK=FP8_BLOCK,
         BN=BLOCK_N,
         BK=BLOCK_K,
-        HW_E4M3=hw_e4m3(q.device),
+        HW_E4M3=hw_e4m3(q.device) and not by_bits,
     )
     return w

@@ -144,6 +144,13 @@ def test_dequantize_and_the_weight_follow_the_forced_path(forced):
     assert torch.equal(w.dequantize(torch.float32), fp8_dequantize_ref(q, s, dtype=torch.float32))
 
 
+def test_dequantize_by_bits_on_request_gives_the_references_values():
+    """The benchmark's by-bits widening (bench_fp8_by_bits.py dequant_gemm) on whatever path the device takes."""
+    q, s = fp8_block_quantize(_weight(200, 96, seed=10))
+    # fp32: the interpreter's stores to bf16 truncate
+    assert torch.equal(fp8_dequantize(q, s, torch.float32, by_bits=True), fp8_dequantize_ref(q, s, dtype=torch.float32))
+
+
 # ---- GPU: a tiny model's tokens with the path forced ------------------------------------------------------
 
 

@@ -177,10 +177,17 @@ def _project(model: Path, family: str, machines: list[str], c, options, prompts:
     r = run_projection(model, family, machines, c, options, prompts)
     click.echo(f"resident decode {r['resident']['decode_tok_s']:.1f} tok/s: {r['efficiency']:.0%} of HBM", err=True)
     for check in r["checks"]:
+        at_run = check.get("simulated_at_run_disk_tok_s")
+        # the same simulation at the disk rate the run itself read at: the store's model apart from the disk's moods
+        run_disk = (
+            f"; at this run's disk ({check['run_disk_gbps']:.2f} GB/s) {at_run:.2f} ({check['error_at_run_disk']:+.0%})"
+            if at_run
+            else ""
+        )
         click.echo(
             f"{check['machine']} share ({check['gpu_slots']} device, {check['ram_slots']} RAM slots of "
             f"{check['total_records']}): measured {check['measured_tok_s']:.2f} tok/s, simulated "
-            f"{check['simulated_tok_s']:.2f} ({check['error']:+.0%})"
+            f"{check['simulated_tok_s']:.2f} ({check['error']:+.0%}){run_disk}"
         )
     click.echo(r["table"])
     click.echo(r["first_token_table"])

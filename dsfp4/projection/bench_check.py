@@ -17,7 +17,7 @@ from dsfp4.layout.routing_trace import read_trace
 from dsfp4.projection.first_token import first_token_table, first_tokens
 from dsfp4.projection.long_context import context_decodes, context_table
 from dsfp4.projection.machines import MACHINES, on_presets
-from dsfp4.projection.simulate import ColdRecords, Links, StepCosts, simulate
+from dsfp4.projection.simulate import ColdRecords, Links, Projection, StepCosts, simulate
 from dsfp4.projection.whole_model import (
     decode_costs,
     efficiency,
@@ -88,22 +88,29 @@ def validate(
         g = engine.generate(prompt, max_tokens=decode_tokens, temperature=0)
         mode = engine.decode_mode
     measured = g.stats.decode_tok_s
-    sim = simulate(
-        trace,
-        plan.gpu_slots,
-        plan.ram_slots,
-        manifest.record.nbytes,
-        links,
-        costs,
-        options.policy,
-        options.routing_recall if options.prefetch else None,
-        manifest.args.n_routed_experts,
-        warmup=prompt_tokens + 1,
-        warm=warm,
-        prefetch_reads=options.prefetch_reads,
-        cold=_cold_records(manifest, row, plan.cold_slots),
-    )
+
+    def simulated(disk: Links) -> Projection:
+        return simulate(
+            trace,
+            plan.gpu_slots,
+            plan.ram_slots,
+            manifest.record.nbytes,
+            disk,
+            costs,
+            options.policy,
+            options.routing_recall if options.prefetch else None,
+            manifest.args.n_routed_experts,
+            warmup=prompt_tokens + 1,
+            warm=warm,
+            prefetch_reads=options.prefetch_reads,
+            cold=_cold_records(manifest, row, plan.cold_slots),
+        )
+
+    sim = simulated(links)
     d = g.stats.derived()
+    # the disk as this run found it: each reader's rate times the readers (the doctor's rate is another moment's)
+    run_disk = d["ssd_read_gb_s"] * 1e9 * options.io_threads
+    at_run = simulated(dataclasses.replace(links, ssd=run_disk)) if run_disk else None
     return {
         "machine": machine,
         "gpu_slots": plan.gpu_slots,
@@ -113,6 +120,9 @@ def validate(
         "measured_tok_s": measured,
         "simulated_tok_s": sim.tok_s,
         "error": sim.tok_s / measured - 1 if measured else None,
+        "run_disk_gbps": run_disk / 1e9,
+        "simulated_at_run_disk_tok_s": at_run.tok_s if at_run else None,
+        "error_at_run_disk": at_run.tok_s / measured - 1 if at_run and measured else None,
         "measured_device_hit": d["gpu_hit_rate"],
         "measured_ram_hit": d["ram_hit_rate"],
         "simulated_device_hit": sim.device_hits / max(sim.uses, 1),

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from dsfp4.cli.main import cli
 from dsfp4.layout.manifest import Manifest
+from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import token_bytes
 from dsfp4.tools.bench import prompt_set
 from dsfp4.tools.doctor import Ceilings
@@ -194,3 +195,22 @@ def test_a_bench_row_off_the_kernels_at_speed_says_so(converted, tmp_path, monke
     r = CliRunner().invoke(cli, [*args, "--max-context", "512"])
     assert r.exit_code == 0, r.output
     assert word in r.output and json.loads((out / "bench.json").read_text())["results"][0]["kernel_word"] == word
+
+
+def test_the_simulation_check_also_runs_at_the_disk_rate_the_run_read_at(converted, tmp_path):
+    """The check's measured decode beside its simulation twice: at the doctor's disk rate (100 GB/s here, far above
+    what the run reads) and at the rate the run's own reads took, slower, so fewer tokens a second."""
+    from dsfp4.projection.bench_check import validate
+    from dsfp4.projection.simulate import Links, StepCosts
+
+    m = Manifest.open(converted)
+    layers, experts, k = len(m.experts), m.args.n_routed_experts, m.args.n_activated_experts
+    rng = np.random.default_rng(0)
+    ids = [[rng.choice(experts, k, replace=False) for _ in range(layers)] for _ in range(80)]
+    trace = tmp_path / "trace.npy"
+    np.save(trace, np.array(ids, dtype=np.int32))  # [T, L, K]
+    options = RunOptions(device="cpu", routing=trace)
+    row = validate(converted, m, trace, "16g", "v3", options, Links(100e9, 1e10), StepCosts(1e-4, 1e-4, 1e-4))
+    assert 0 < row["run_disk_gbps"] < 100 and row["measured_ssd_bytes_per_token"] > 0
+    assert 0 < row["simulated_at_run_disk_tok_s"] < row["simulated_tok_s"]
+    assert row["error_at_run_disk"] == pytest.approx(row["simulated_at_run_disk_tok_s"] / row["measured_tok_s"] - 1)

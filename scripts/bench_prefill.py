@@ -14,6 +14,7 @@ at the same prompt length, so the check isolates the store: its reads, copies an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ import torch
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.projection.bench_check import whole_model_share
-from dsfp4.projection.simulate import Links, StepCosts, simulate_prefill
+from dsfp4.projection.simulate import Links, Projection, StepCosts, simulate_prefill
 from dsfp4.projection.whole_model import host_stream, n_moe_layers, spread, step_flops
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_engine
@@ -95,21 +96,28 @@ def streamed(
     _, context = prompt_flops(m, n)
     costs = StepCosts(attn / rate, experts / rate, other / rate)
     links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
-    sim = simulate_prefill(
-        rows,
-        plan.gpu_slots,
-        plan.ram_slots,
-        m.record.nbytes,
-        links,
-        costs,
-        chunk,
-        options.policy,
-        host=host_stream(m, plan),
-        group=plan.prefill_group,
-        context_s=context / n_moe_layers(m) / rate,
-    )
-    records = n_moe_layers(m) * m.args.n_routed_experts
+
+    def simulated(disk: Links) -> Projection:
+        return simulate_prefill(
+            rows,
+            plan.gpu_slots,
+            plan.ram_slots,
+            m.record.nbytes,
+            disk,
+            costs,
+            chunk,
+            options.policy,
+            host=host_stream(m, plan),
+            group=plan.prefill_group,
+            context_s=context / n_moe_layers(m) / rate,
+        )
+
+    sim = simulated(links)
     s = r["store"]
+    # the disk as this run found it (each reader's rate times the readers), beside the doctor's
+    run_disk = s.get("ssd_bytes", 0) / s["ssd_read_s"] * options.io_threads if s.get("ssd_read_s") else 0.0
+    at_run = simulated(dataclasses.replace(links, ssd=run_disk)) if run_disk else None
+    records = n_moe_layers(m) * m.args.n_routed_experts
     return r | {
         "tokens": n,
         "machine": machine,
@@ -118,6 +126,9 @@ def streamed(
         "prefill_group": plan.prefill_group,
         "simulated_s": sim.seconds,
         "error": sim.seconds / r["prefill_s"] - 1,
+        "run_disk_gbps": run_disk / 1e9,
+        "simulated_at_run_disk_s": at_run.seconds if at_run else None,
+        "error_at_run_disk": at_run.seconds / r["prefill_s"] - 1 if at_run else None,
         "ssd_reads_per_record": s.get("ssd_reads", 0) / records,
         "simulated_ssd_reads_per_record": sim.ssd_bytes / m.record.nbytes / records,
         "simulation": sim.to_dict(),
@@ -168,12 +179,18 @@ def main() -> None:
         print(f"  {r['tokens']:>6}  {r['prefill_s']:9.3f}  {rate}")
     print(
         f"streamed at {a.machine}'s share: tokens  slots gpu/ram  group  TTFT s  simulated s  error  SSD reads/record"
+        "  at the run's disk: GB/s  simulated s  error"
     )
     for r in rows:
+        at_run = (
+            f"  {r['run_disk_gbps']:.2f}  {r['simulated_at_run_disk_s']:.2f}  {r['error_at_run_disk']:+.1%}"
+            if r["simulated_at_run_disk_s"] is not None
+            else "  -"
+        )
         print(
             f"  {r['tokens']:>6}  {r['gpu_slots']}/{r['ram_slots']}  {r['prefill_group']}  {r['prefill_s']:.2f}  "
             f"{r['simulated_s']:.2f}  {r['error']:+.1%}  {r['ssd_reads_per_record']:.2f} "
-            f"(simulated {r['simulated_ssd_reads_per_record']:.2f})"
+            f"(simulated {r['simulated_ssd_reads_per_record']:.2f}){at_run}"
         )
 
 

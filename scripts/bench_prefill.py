@@ -33,6 +33,7 @@ from dsfp4.projection.whole_model import host_stream, n_moe_layers, spread, step
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_engine
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.counters import disk_rate
 from dsfp4.tools.doctor import Ceilings
 
 # NVIDIA's dense BF16 tensor peak of the H100 SXM and the H200 (the same chip's)
@@ -114,8 +115,8 @@ def streamed(
 
     sim = simulated(links)
     s = r["store"]
-    # the disk as this run found it (each reader's rate times the readers), beside the doctor's
-    run_disk = s.get("ssd_bytes", 0) / s["ssd_read_s"] * options.io_threads if s.get("ssd_read_s") else 0.0
+    # the disk as this run found it, beside the doctor's
+    run_disk = disk_rate(s.get("ssd_bytes", 0), s.get("ssd_read_s", 0), options.io_threads)
     at_run = simulated(dataclasses.replace(links, ssd=run_disk)) if run_disk else None
     records = n_moe_layers(m) * m.args.n_routed_experts
     return r | {

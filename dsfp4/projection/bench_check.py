@@ -30,6 +30,7 @@ from dsfp4.projection.whole_model import (
 from dsfp4.runtime.modes import EXACT
 from dsfp4.runtime.options import RunOptions
 from dsfp4.runtime.plan.planner import Plan, narrowed
+from dsfp4.runtime.store.counters import disk_rate
 from dsfp4.synthetic.releases import RELEASES
 from dsfp4.tools.doctor import Ceilings
 
@@ -108,8 +109,9 @@ def validate(
 
     sim = simulated(links)
     d = g.stats.derived()
-    # the disk as this run found it: each reader's rate times the readers (the doctor's rate is another moment's)
-    run_disk = d["ssd_read_gb_s"] * 1e9 * options.io_threads
+    # the disk as this run found it (the doctor's rate is another moment's)
+    store = g.stats.store
+    run_disk = disk_rate(store.get("ssd_bytes", 0), store.get("ssd_read_s", 0), options.io_threads)
     at_run = simulated(dataclasses.replace(links, ssd=run_disk)) if run_disk else None
     return {
         "machine": machine,

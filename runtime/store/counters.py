@@ -8,6 +8,12 @@ import threading
 from dataclasses import dataclass, field, fields
 
 
+def disk_rate(ssd_bytes: float, ssd_read_s: float, io_threads: int) -> float:
+    """Bytes/s of the SSD as the store's readers found it: each reader's rate (ssd_read_s is summed over them) times
+    the readers, all in flight; 0 before any read."""
+    return ssd_bytes / ssd_read_s * io_threads if ssd_read_s else 0.0
+
+
 @dataclass
 class StoreCounters:
     # MoE layer invocations

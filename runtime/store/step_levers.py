@@ -7,7 +7,7 @@ import torch
 
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.modes import Levers
-from dsfp4.runtime.store.counters import StoreCounters
+from dsfp4.runtime.store.counters import StoreCounters, disk_rate
 from dsfp4.runtime.store.host_lane import HostJob, HostLane
 from dsfp4.runtime.store.lever_rules import host_candidates, kept_weights, leave_out, light_choices, unhidden
 from dsfp4.runtime.store.slots import SlotPool
@@ -69,9 +69,9 @@ class StepLevers:
         if self.levers.hide_ratio is not None:
             return self.levers.hide_ratio
         c = self.counters
-        if not (self.pcie_gbps and c.ssd_read_s):
+        if not self.pcie_gbps:
             return 0.0
-        return c.ssd_bytes / c.ssd_read_s * self.io_threads / 1e9 / self.pcie_gbps
+        return disk_rate(c.ssd_bytes, c.ssd_read_s, self.io_threads) / 1e9 / self.pcie_gbps
 
     def _host_may_read(self, layer: int, e: int) -> bool:
         rslot = self.ram_pool.slot_of.get((layer, e))

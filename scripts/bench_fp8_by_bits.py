@@ -9,8 +9,9 @@ Model: `dsfp4 bench MODEL --preset P` twice, in a process each (the path is read
 and prefill tok/s of each and their ratio. Kernels: DeepSeek-V3's FP8 shapes, the decode GEMV at 1, 4, 16 tokens
 and the prefill GEMM at --gemm-tokens, each captured in a CUDA graph over distinct copies of the matrix (no L2 reuse
 flatters it); the by-bits GEMM also with the tiles an A100 and a 3090 would take (their shared memory), and the
-other way by bits: W widened to bf16 in pieces and multiplied by cuBLAS (dequant_gemm). Prints a table; writes
-bench_fp8_by_bits.json under --out.
+other way by bits, which the by-bits path takes from WIDEN_GEMM_TOKENS tokens: W widened to bf16 in pieces and
+multiplied by cuBLAS (kernels/fp8/widened_gemm.py). --gemm-tokens takes a list (the two ways' crossover). Prints a
+table; writes bench_fp8_by_bits.json under --out.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import torch
 from bench_kernels import graph_time
 
 from dsfp4.kernels.backend import FP8_BY_BITS_ENV, Card, card
-from dsfp4.kernels.fp8.dequant import fp8_dequantize
 from dsfp4.kernels.fp8.gemm import fp8_gemm, gemm_plan
 from dsfp4.kernels.fp8.linear import fp8_gemv
+from dsfp4.kernels.fp8.widened_gemm import fp8_widened_gemm
 from dsfp4.layout.fp8 import fp8_block_quantize
 
 # DeepSeek-V3's FP8 matrices (N, K)
@@ -50,8 +51,6 @@ GEMV_TOKENS = (1, 4, 16)
 AS_CARDS = {"A100": Card((8, 0), 108, 166912), "RTX 3090": Card((8, 6), 82, 101376)}
 # matrices' copies a graph cycles through: more bytes than an H200's 60 MB L2
 L2_BYTES = 128 << 20
-# the alternative by-bits prefill timed beside the kernels: W widened to bf16 this many bytes at a time, then cuBLAS
-DEQUANT_PIECE_BYTES = 32 << 20
 
 
 def _copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,25 +59,14 @@ def _copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(q.clone(), s.clone()) for _ in range(count)]
 
 
-def dequant_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, piece_bytes: int) -> torch.Tensor:
-    """x [T, K] @ W^T by bits the other way: W's rows widened to bf16 (by bit placement) a piece of `piece_bytes` at a
-    time, each piece multiplied by cuBLAS into its columns of y [T, N]."""
-    n, k = q.shape
-    rows = max(128, piece_bytes // (2 * k) // 128 * 128)
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for r in range(0, n, rows):
-        w = fp8_dequantize(q[r : r + rows], s[r // 128 : (r + rows + 127) // 128], x.dtype, by_bits=True)
-        y[:, r : r + rows] = x @ w.t()
-    return y
-
-
-def kernel_rows(gemm_tokens: int) -> list[dict]:
-    """Per shape: GEMV and GEMM seconds native and by bits (and the by-bits GEMM with AS_CARDS' tiles)."""
+def kernel_rows(gemm_tokens: int, gemv: bool = True) -> list[dict]:
+    """Per shape: GEMV (unless `gemv` is False) and GEMM seconds native and by bits (and the by-bits GEMM with
+    AS_CARDS' tiles, and widened)."""
     rows = []
     for name, (n, k) in SHAPES.items():
         mats = _copies(n, k)
-        row = {"shape": name, "n": n, "k": k}
-        for t in GEMV_TOKENS:
+        row = {"shape": name, "n": n, "k": k, "gemm_tokens": gemm_tokens}
+        for t in GEMV_TOKENS if gemv else ():
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
             for by_bits in (False, True):
                 key = f"gemv{t}_{'bits' if by_bits else 'native'}_us"
@@ -91,8 +79,8 @@ def kernel_rows(gemm_tokens: int) -> list[dict]:
         for label, (by_bits, plan) in plans.items():
             calls = [partial(fp8_gemm, x, q, s, by_bits=by_bits, plan=plan) for q, s in mats[:2]]
             row[f"gemm_{label}_us"] = graph_time(calls) * 1e6
-        calls = [partial(dequant_gemm, x, q, s, DEQUANT_PIECE_BYTES) for q, s in mats[:2]]
-        row["gemm_bits_dequant_cublas_us"] = graph_time(calls) * 1e6
+        calls = [partial(fp8_widened_gemm, x, q, s) for q, s in mats[:2]]
+        row["gemm_bits_widened_us"] = graph_time(calls) * 1e6
         rows.append(row)
         del mats
         torch.cuda.empty_cache()
@@ -134,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="80g", help="the budget preset (default 80g: every record resident)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--gemm-tokens", type=int, default=4096, help="tokens of the prefill GEMM's x (default 4096)")
+    p.add_argument("--gemm-tokens", default="4096", help="tokens of the prefill GEMM's x, a comma list (default 4096)")
     p.add_argument("--kernels-only", action="store_true", help="only the kernel times")
     p.add_argument("--out", type=Path, default=Path("bench_fp8_by_bits"))
     a = p.parse_args(argv)
@@ -147,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     if not a.kernels_only:
         report["model"] = model_runs(a.model, a.preset, a.prompts, a.max_tokens, a.out)
         _print_model(report["model"])
-    report["kernels"] = kernel_rows(a.gemm_tokens)
-    _print_kernels(report["kernels"])
+    report["kernels"] = []
+    for i, t in enumerate(int(x) for x in a.gemm_tokens.split(",")):
+        rows = kernel_rows(t, gemv=i == 0)
+        print(f"GEMM of {t} tokens (microseconds)")
+        _print_kernels(rows)
+        report["kernels"] += rows
     (a.out / "bench_fp8_by_bits.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -45,15 +45,21 @@ if triton is not None:
 
 
 def fp8_dequantize(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, by_bits: bool = False
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    by_bits: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> w [N, K] in `dtype`: fp8_dequantize_ref's values (the product
-    is taken in fp32 and rounded once), from one read of q and one write of w. e4m3 converts in hardware where the
-    device's FP8 path does, else (or `by_bits`: a benchmark of the sm_80/86 path) by bit placement."""
+    """q: [N, K] e4m3, scale: [Nb, Kb] fp32 -> w [N, K] in `dtype` (written into `out`, a contiguous [N, K], where
+    given): fp8_dequantize_ref's values (the product is taken in fp32 and rounded once), from one read of q and one
+    write of w. e4m3 converts in hardware where the device's FP8 path does, else (or `by_bits`: the sm_80/86 path
+    forced) by bit placement."""
     n, k = q.shape
     assert scale.shape == ((n + FP8_BLOCK - 1) // FP8_BLOCK, (k + FP8_BLOCK - 1) // FP8_BLOCK), "scale grid"
     assert FP8_BLOCK % BLOCK_N == 0 and BLOCK_K == FP8_BLOCK, "a program stays inside one scale block"
-    w = torch.empty(n, k, dtype=dtype, device=q.device)
+    w = torch.empty(n, k, dtype=dtype, device=q.device) if out is None else out
+    assert w.shape == (n, k) and w.is_contiguous(), "out: a contiguous [N, K]"
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
     _dequant_kernel[grid](
         q.view(torch.uint8),

@@ -13,7 +13,8 @@ into memory.
     order by a second small kernel: no atomics, the same bits on every run.
   - fp8_gemm (larger T, prefill; kernels/fp8/gemm.py): W8A8 on FP8 tensor cores (x rounded to e4m3 per token and
     128-wide group, as DeepSeek's gemm_impl="fp8"), or W8A16 on bf16/fp16 tensor cores where the device's FP8 path
-    is BY_BITS. fp32 activations (the exact runs) take the reference instead.
+    is BY_BITS; there, from WIDEN_GEMM_TOKENS tokens, W widened a piece at a time and multiplied by cuBLAS instead
+    (kernels/fp8/widened_gemm.py, `gemm_route`). fp32 activations (the exact runs) take the reference instead.
 The device's FP8 path (kernels/backend.py fp8_path) decides: NATIVE (sm_89 on) the kernels above as they are; BY_BITS
 (sm_80, sm_86, or forced by DSFP4_FP8_BY_BITS=1) the same kernels converting e4m3 by bit placement
 (kernels/fp8/e4m3_bits.py) and the W8A16 GEMM; REFERENCE (no Triton, CPU, older GPUs) fp8_linear_ref for every T.
@@ -31,6 +32,7 @@ import torch
 from dsfp4.kernels.backend import WARP, FP8Path, fp8_path, has_fp8_kernels, interpreted, n_sms, tl, triton
 from dsfp4.kernels.fp8.gemm import act_quant, act_quant_ref, fp8_gemm, fp8_gemm_ref, fp8_linear_ref
 from dsfp4.kernels.fp8.gemv import PIECE
+from dsfp4.kernels.fp8.widened_gemm import fp8_widened_gemm, gemm_route
 from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.formats import ceil_div, next_pow2
 from dsfp4.layout.fp8 import FP8_BLOCK, scale_grid
@@ -278,4 +280,6 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
         return fp8_gemv(x, q, scale, by_bits=by_bits)
     if x.dtype == torch.float32:
         return fp8_linear_ref(x, q, scale)
+    if gemm_route(x.shape[0], by_bits) == "widened":
+        return fp8_widened_gemm(*_check(x, q, scale))
     return fp8_gemm(*_check(x, q, scale), by_bits=by_bits)

@@ -20,6 +20,7 @@ import torch
 from dsfp4.kernels.backend import FP8Path, card, fp8_path, has_fp8_kernels, use_kernels
 from dsfp4.kernels.fp8.gemm import gemm_plan
 from dsfp4.kernels.fp8.linear import GEMV_MAX_TOKENS
+from dsfp4.kernels.fp8.widened_gemm import gemm_route
 from dsfp4.kernels.linear import QuantizedWeight
 from dsfp4.kernels.token_bounds import DECOMPRESS_TOKENS
 from dsfp4.runtime.models.protocol import Model
@@ -50,13 +51,21 @@ def fp8_rows(model: Model) -> list[int]:
 
 def backbone_variant(model: Model) -> Callable[[int], Hashable]:
     """t -> what the FP8 kernels compile for a call of t tokens: the GEMV per count, else the GEMM's tiles for
-    every matrix's rows (dtype as the model's activations)."""
+    every matrix's rows (dtype as the model's activations), or one widening kernel where the by-bits path widens."""
     device = model.device
     if not has_fp8_kernels(device):
         return lambda t: min(t, GEMV_MAX_TOKENS + 1)
     rows, c, by_bits = fp8_rows(model), card(device), fp8_path(device) is FP8Path.BY_BITS
     elt = model.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=device)).element_size()
-    return lambda t: t if t <= GEMV_MAX_TOKENS else tuple(gemm_plan(t, n, c, by_bits, elt) for n in rows)
+
+    def variant(t: int) -> Hashable:
+        if t <= GEMV_MAX_TOKENS:
+            return t
+        if gemm_route(t, by_bits) == "widened":
+            return "widened"
+        return tuple(gemm_plan(t, n, c, by_bits, elt) for n in rows)
+
+    return variant
 
 
 @torch.inference_mode()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from dsfp4.kernels.backend import fp4_mma
+from dsfp4.kernels.backend import FP8Path, fp4_mma, fp8_path
+from dsfp4.kernels.fp8.widened_gemm import gemm_route, widened_bytes
 from dsfp4.kernels.moe.kernel import workspace_bytes as moe_workspace
 from dsfp4.layout.formats import FORMATS, shape_numel
 from dsfp4.layout.manifest import Manifest
@@ -39,6 +40,18 @@ def dequant_bytes(manifest: Manifest, dtype: torch.dtype, kernels: bool, fp8_ker
         fp8_pass = not reference and fp8_kernels and t.format == "fp8_e4m3_b128"
         most = max(most, shape_numel(t.shape) * (2 * elt if fp8_pass else 2 * FP32 + elt))
     return most
+
+
+def widened_gemm_bytes(manifest: Manifest, device: torch.device, dtype: torch.dtype, t: int, fp8_kernels: bool) -> int:
+    """What the by-bits path's widened prefill GEMM (kernels/fp8/widened_gemm.py) holds at once for a call of t
+    tokens: 0 on other paths, for fp32 runs (the reference) and for calls the Triton GEMM takes."""
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    if not (cuda and fp8_kernels and dtype != torch.float32 and fp8_path(device) is FP8Path.BY_BITS):
+        return 0
+    if gemm_route(t, by_bits=True) != "widened":
+        return 0
+    shapes = [tuple(x.shape) for x in manifest.tensors.values() if x.format == "fp8_e4m3_b128" and len(x.shape) == 2]
+    return widened_bytes(shapes, t, torch.empty((), dtype=dtype).element_size())
 
 
 def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
@@ -93,11 +106,12 @@ def workspace_bytes(
     kernels: bool,
     fp8_kernels: bool,
 ) -> int:
-    """Transient device memory of a forward of t tokens: dense copies of backbone matrices, activations, logits, the
-    routed-expert kernels' workspaces, the staging buffer cold records are widened from (store/transfers.py) and the
-    CUDA allocator's slack."""
+    """Transient device memory of a forward of t tokens: dense copies of backbone matrices (and the by-bits path's
+    widened pieces), activations, logits, the routed-expert kernels' workspaces, the staging buffer cold records are
+    widened from (store/transfers.py) and the CUDA allocator's slack."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + activation_bytes(a, t, max_context, elt)
+    workspace += widened_gemm_bytes(manifest, device, dtype, t, fp8_kernels) if kernels else 0
     workspace += a.vocab_size * FP32 * 2 * LOGIT_ROWS
     if manifest.record:
         # the FP4 tensor-core prefill's activations where this machine's card takes it

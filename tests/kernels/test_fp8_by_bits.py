@@ -13,6 +13,7 @@ from dsfp4.kernels import backend
 from dsfp4.kernels.backend import FP8_BY_BITS_ENV, FP8Path, fp8_path, fp8_path_for, triton
 from dsfp4.kernels.fp8 import gemm as fg
 from dsfp4.kernels.fp8 import linear as f8
+from dsfp4.kernels.fp8 import widened_gemm as wg
 from dsfp4.kernels.fp8.dequant import fp8_dequantize, fp8_dequantize_ref
 from dsfp4.kernels.linear import QuantizedWeight
 from dsfp4.layout.fp8 import fp8_block_quantize
@@ -137,6 +138,38 @@ def test_fp8_linear_forced_by_bits_matches_the_reference(forced, t):
         assert _rel(y, _ref(x, q, s)) < _rel(fg.fp8_gemm_ref(x, q, s), _ref(x, q, s))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("piece_bytes", [1, 1 << 30])
+def test_widened_gemm_matches_the_reference_whole_or_in_pieces(dtype, piece_bytes):
+    """300 rows: whole (one widening), or pieces of one scale block (128 + 128 + 44 rows) through one buffer."""
+    q, s = fp8_block_quantize(_weight(300, 257, seed=11))
+    x = _x(20, 257, dtype, seed=12)
+    assert wg.piece_rows(300, 257, x.element_size(), piece_bytes) == (128 if piece_bytes == 1 else 300)
+    y = wg.fp8_widened_gemm(x, q, s, piece_bytes)
+    assert y.dtype == dtype and y.shape == (20, 300)
+    assert _rel(y, _ref(x, q, s)) < TOL[dtype]
+
+
+def test_only_the_by_bits_path_widens_and_from_its_bound():
+    bound = wg.WIDEN_GEMM_TOKENS
+    assert [wg.gemm_route(t, by_bits=True) for t in (bound - 1, bound)] == ["triton", "widened"]
+    assert wg.gemm_route(4096, by_bits=False) == "triton"
+    # the most held at once: the piece and its products, of the matrix with the largest
+    assert wg.widened_bytes([(300, 257), (128, 64)], 20, 2) == (257 + 20) * 300 * 2
+    assert wg.widened_bytes([], 20, 2) == 0
+
+
+def test_fp8_linear_forced_by_bits_widens_from_the_bound(forced, monkeypatch):
+    calls = []
+    widen = wg.fp8_widened_gemm
+    monkeypatch.setattr(f8, "fp8_widened_gemm", lambda *a: calls.append(a[0].shape[0]) or widen(*a))
+    q, s = fp8_block_quantize(_weight(72, 200, seed=13))
+    x = _x(wg.WIDEN_GEMM_TOKENS, 200, torch.bfloat16, seed=14)
+    y = f8.fp8_linear(x, q, s)
+    assert calls == [wg.WIDEN_GEMM_TOKENS]
+    assert _rel(y, _ref(x, q, s)) < TOL[torch.bfloat16]
+
+
 def test_dequantize_and_the_weight_follow_the_forced_path(forced):
     q, s = fp8_block_quantize(_weight(200, 96, seed=9))
     w = QuantizedWeight("fp8_e4m3_b128", (q, s), (200, 96))
@@ -145,7 +178,7 @@ def test_dequantize_and_the_weight_follow_the_forced_path(forced):
 
 
 def test_dequantize_by_bits_on_request_gives_the_references_values():
-    """The benchmark's by-bits widening (bench_fp8_by_bits.py dequant_gemm) on whatever path the device takes."""
+    """The by-bits widening (kernels/fp8/widened_gemm.py) on whatever path the device takes."""
     q, s = fp8_block_quantize(_weight(200, 96, seed=10))
     # fp32: the interpreter's stores to bf16 truncate
     assert torch.equal(fp8_dequantize(q, s, torch.float32, by_bits=True), fp8_dequantize_ref(q, s, dtype=torch.float32))

@@ -166,3 +166,23 @@ def test_the_planner_reserves_for_each_cards_paths(name):
         assert (this.workspace, this.gpu_slots) == (fast.workspace, fast.gpu_slots)
     else:
         assert this.workspace > fast.workspace and this.gpu_slots < fast.gpu_slots
+
+
+@pytest.mark.skipif(backend.triton is None, reason="the rule's kernels need Triton installed")
+@pytest.mark.parametrize("name", ["RTX 3090", "RTX 4090"])
+def test_the_workspace_holds_the_widened_pieces_only_where_the_fp8_path_is_by_bits(seen_as, name):
+    """A prefill chunk on the 3090 widens W a piece at a time (kernels/fp8/widened_gemm.py): its workspace holds
+    the largest piece; a decode step's tokens and the 4090's native path hold none."""
+    from dsfp4.kernels.fp8.widened_gemm import WIDEN_GEMM_TOKENS, WIDEN_PIECE_BYTES
+    from dsfp4.projection.planned import planned_manifest
+    from dsfp4.projection.whole_model import full_args
+    from dsfp4.runtime.plan.workspace import widened_gemm_bytes
+
+    m, cuda = planned_manifest(full_args("v3"), "fp8", "nvfp4"), seen_as(name)
+    chunk = widened_gemm_bytes(m, cuda, torch.bfloat16, WIDEN_GEMM_TOKENS, fp8_kernels=True)
+    if EXPECTED[name][1] is FP8Path.BY_BITS:
+        assert WIDEN_PIECE_BYTES // 2 < chunk < 2 * WIDEN_PIECE_BYTES
+    else:
+        assert chunk == 0
+    assert widened_gemm_bytes(m, cuda, torch.bfloat16, WIDEN_GEMM_TOKENS - 1, fp8_kernels=True) == 0
+    assert widened_gemm_bytes(m, cuda, torch.float32, WIDEN_GEMM_TOKENS, fp8_kernels=True) == 0

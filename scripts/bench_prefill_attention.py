@@ -9,8 +9,11 @@ A case is a chunk of T tokens at start_pos S (S cached rows before it, S + T key
 queries and the latent cache to the heads' outputs [T, H, V] on a dense wkv_b (each form dequantizes it once per
 call; not timed). TFLOP/s counts the decompressed form's products for both, 2 (N + R + V) per head and causal pair
 (T S + T (T + 1) / 2 pairs), so the two rates compare as their times do; `expand` is the decompressed form's share
-spent expanding the key blocks through wkv_b. --sweep also times the block kernel's tile configurations at the largest
-case. Prints a table; writes bench_prefill_attention.json under --out.
+spent expanding the key blocks through wkv_b. `fp8` is the decompressed form's FP8 variant (mla_prefill's fp8: the
+nope scores and the values in e4m3 on FP8 tensor cores, sm_89 on; the torch formula on the CPU), its TFLOP/s counted
+the same way, its max abs and relative error (max abs over the largest |o|) against the exact decompressed form of the
+same case; its columns are empty on GPUs without FP8 tensor cores. --sweep also times the block kernel's tile
+configurations at the largest case. Prints a table; writes bench_prefill_attention.json under --out.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.mla import prefill
 from dsfp4.kernels.mla import prefill_jit as jit
-from dsfp4.kernels.mla.prefill import DEFAULT, MLAPrefillConfig, mla_prefill
+from dsfp4.kernels.mla.prefill import DEFAULT, MLAPrefillConfig, fp8_kernel_runs, mla_prefill
 from dsfp4.kernels.token_bounds import DECODE_TOKENS, DECOMPRESS_TOKENS
 from dsfp4.runtime.models.v3.attention import absorbed_attention
 from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
@@ -35,9 +38,20 @@ V3 = dict(h=128, c=512, r=64, n=128, v=128)
 SMALL = dict(h=4, c=64, r=16, n=32, v=32)
 # a case's timed calls run at least this long (short ones repeat), at most MAX_REPS of them
 MIN_SECONDS, MAX_REPS = 0.2, 1000
-# the table's columns after T and S, and every column's width
-COLUMNS = ("absorbed_ms", "decompressed_ms", "expand_ms", "absorbed_tflops", "decompressed_tflops")
-WIDTHS = (5, 6, 12, 11, 10, 10, 10)
+# the table's columns: (key of a case, heading, width, format)
+COLUMNS = (
+    ("tokens", "T", 5, "d"),
+    ("context", "S", 6, "d"),
+    ("absorbed_ms", "absorbed ms", 12, ".3f"),
+    ("decompressed_ms", "decomp. ms", 11, ".3f"),
+    ("expand_ms", "expand ms", 10, ".3f"),
+    ("fp8_ms", "fp8 ms", 9, ".3f"),
+    ("absorbed_tflops", "abs. TF/s", 10, ".1f"),
+    ("decompressed_tflops", "dec. TF/s", 10, ".1f"),
+    ("fp8_tflops", "fp8 TF/s", 9, ".1f"),
+    ("fp8_max_abs", "fp8 abs err", 12, ".2e"),
+    ("fp8_rel", "fp8 rel err", 12, ".2e"),
+)
 # --sweep's tile configurations (rows, keys, warps, stages), run as given (not fitted to the GPU's shared memory)
 SWEEP = [
     MLAPrefillConfig(),
@@ -113,6 +127,20 @@ def case(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, reps
         absorbed_tflops=flops / absorbed / 1e12,
         decompressed_tflops=flops / decompressed / 1e12,
         faster="decompressed" if decompressed < absorbed else "absorbed",
+        **fp8_case(q, s, scale, rows, kernel, cfg, device, reps, flops),
+    )
+
+
+def fp8_case(q: tuple, s: int, scale: float, rows: int, kernel: bool, cfg, device, reps: int, flops: int) -> dict:
+    """The FP8 variant's columns at a case: ms, TFLOP/s, and its max abs and relative error against the exact
+    decompressed form's output (the kernel's on the GPU, the formula's on the CPU); None where it cannot run."""
+    if kernel and not fp8_kernel_runs(device):
+        return dict(fp8_ms=None, fp8_tflops=None, fp8_max_abs=None, fp8_rel=None)
+    seconds = timed(lambda: mla_prefill(*q, s, scale, rows, kernel, cfg, fp8=True), device, reps)
+    exact = mla_prefill(*q, s, scale, rows, kernel, cfg).float()
+    err = (mla_prefill(*q, s, scale, rows, kernel, cfg, fp8=True).float() - exact).abs().max().item()
+    return dict(
+        fp8_ms=seconds * 1e3, fp8_tflops=flops / seconds / 1e12, fp8_max_abs=err, fp8_rel=err / exact.abs().max().item()
     )
 
 
@@ -125,7 +153,8 @@ def shared_bytes() -> list[int]:
 
 
 def sweep(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, reps: int) -> list[dict]:
-    """The decompressed form's time at each of SWEEP's tile configurations; one that does not fit is skipped."""
+    """The decompressed form's time at each of SWEEP's tile configurations, the exact and the FP8 variant's (which
+    takes at least 32 keys a tile: prefill.FP8_MIN_K); one that does not fit is skipped."""
     out, fitted, seen = [], prefill.fitted, shared_bytes()
     prefill.fitted = lambda cfg, *_: cfg
     try:
@@ -137,9 +166,10 @@ def sweep(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, rep
                 print(f"  {cfg}: {type(e).__name__}")
                 continue
             smem, seen = [b for b in shared_bytes() if b not in seen], shared_bytes()
-            ms, tflops = r["decompressed_ms"], r["decompressed_tflops"]
-            out.append(dict(config=vars(cfg), decompressed_ms=ms, tflops=tflops, shared_bytes=smem))
-            print(f"  {cfg}: {ms:.3f} ms, {tflops:.1f} TFLOP/s, shared memory {smem}")
+            ms, tflops, fp8 = r["decompressed_ms"], r["decompressed_tflops"], r["fp8_ms"]
+            out.append(dict(config=vars(cfg), decompressed_ms=ms, tflops=tflops, fp8_ms=fp8, shared_bytes=smem))
+            fp8_ms = "-" if fp8 is None else f"{fp8:.3f}"
+            print(f"  {cfg}: {ms:.3f} ms, {tflops:.1f} TFLOP/s, fp8 {fp8_ms} ms, shared memory {smem}")
     finally:
         prefill.fitted = fitted
     return out
@@ -163,15 +193,14 @@ def main() -> None:
     contexts = [64, 128] if args.small else [int(x) for x in args.context.split(",")]
     dtype = torch.bfloat16
     print(f"T > {DECOMPRESS_TOKENS} attends decompressed; {d}, {dtype}, {device}")
-    heads = ("T", "S", "absorbed ms", "decomp. ms", "expand ms", "abs. TF/s", "dec. TF/s")
-    print(" ".join(f"{x:>{w}}" for x, w in zip(heads, WIDTHS, strict=True)) + "  faster")
+    print(" ".join(f"{head:>{w}}" for _, head, w, _ in COLUMNS) + "  faster")
     rows = []
     for s in contexts:
         for t in tokens:
             r = case(d, t, s, device, dtype, args.reps)
             rows.append(r)
-            cells = (f"{t}", f"{s}", *(f"{r[k]:.3f}" for k in COLUMNS[:3]), *(f"{r[k]:.1f}" for k in COLUMNS[3:]))
-            print(" ".join(f"{x:>{w}}" for x, w in zip(cells, WIDTHS, strict=True)) + f"  {r['faster']}")
+            cells = ("-" if r[k] is None else format(r[k], f) for k, _, _, f in COLUMNS)
+            print(" ".join(f"{x:>{w}}" for x, (_, _, w, _) in zip(cells, COLUMNS, strict=True)) + f"  {r['faster']}")
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", shapes=d, cases=rows)
     if args.sweep:
         result["sweep"] = sweep(d, max(tokens), max(contexts), device, dtype, args.reps)

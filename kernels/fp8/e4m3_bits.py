@@ -9,6 +9,9 @@ exactly on value * 2^-8 (E4M3_F16_SCALE), all of them finite fp16 values (0x7F, 
 quantized weights never hold it); the kernels fold 2^8 into the block scale. Widened to fp32, the values are normal
 (>= 2^-17), and exact in bf16 too: a by-bits tile meets bf16 activations as (value * 2^-8) in bf16, never a bf16
 subnormal, which tensor cores and Triton's interpreter would flush.
+
+The other way, round_e4m3 rounds fp32 to the nearest e4m3 value by its bits, for Triton's interpreter, whose fp32 to
+fp8 cast drops a mantissa carry (126.05 becomes 64, not 128): a value rounded first casts exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +24,25 @@ E4M3_F16_SHIFT = 8
 E4M3_F16_UNSCALE = float(2**E4M3_F16_SHIFT)
 
 if triton is not None:
+    E4M3_MANTISSA_BITS = tl.constexpr(3)
+    # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
+    E4M3_MIN_EXP = tl.constexpr(-6)
+    # 1.5 * 2^23: adding and subtracting it rounds |u| < 2^22 to an integer
+    RINT = tl.constexpr(12582912.0)
+
+    @triton.jit
+    def round_e4m3(v):
+        """fp32 v (|v| <= 448) -> the nearest e4m3 value (ties to even, sign kept), still in fp32. Rounding here
+        makes the cast to fp8 exact: Triton's interpreter rounds that cast wrongly (it drops a mantissa carry)."""
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, E4M3_MIN_EXP)
+        ulp_exp = e - E4M3_MANTISSA_BITS
+        inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+        ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
+        # ties to even, as IEEE addition rounds
+        r = ((tl.abs(v) * inv_ulp + RINT) - RINT) * ulp
+        # by the sign bit: -0.0 and values rounding to zero keep theirs
+        return tl.where(bits < 0, -r, r)
 
     @triton.jit
     def _place_pairs(t):

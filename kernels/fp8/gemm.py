@@ -109,28 +109,9 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 # ---- Triton kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from dsfp4.kernels.fp8.e4m3_bits import e4m3_tile
+    from dsfp4.kernels.fp8.e4m3_bits import e4m3_tile, round_e4m3
 
-    E4M3_MANTISSA_BITS = tl.constexpr(3)
-    # smallest normal exponent; below it e4m3 steps by the subnormal 2^-9
-    E4M3_MIN_EXP = tl.constexpr(-6)
-    # 1.5 * 2^23: adding and subtracting it rounds |u| < 2^22 to an integer
-    RINT = tl.constexpr(12582912.0)
     _UNSCALE = tl.constexpr(E4M3_F16_UNSCALE)
-
-    @triton.jit
-    def _round_e4m3(v):
-        """fp32 v (|v| <= 448) -> the nearest e4m3 value (ties to even, sign kept), still in fp32. Rounding here
-        makes the cast to fp8 exact: Triton's interpreter rounds that cast wrongly (it drops a mantissa carry)."""
-        bits = v.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, E4M3_MIN_EXP)
-        ulp_exp = e - E4M3_MANTISSA_BITS
-        inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
-        ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
-        # ties to even, as IEEE addition rounds
-        r = ((tl.abs(v) * inv_ulp + RINT) - RINT) * ulp
-        # by the sign bit: -0.0 and values rounding to zero keep theirs
-        return tl.where(bits < 0, -r, r)
 
     @triton.jit
     def act_quant_kernel(
@@ -155,7 +136,7 @@ if triton is not None:
         s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)  # [G]
         # IEEE division, as the reference's
         v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-        q = _round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
+        q = round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
         tl.store(q_ptr + t * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
         tl.store(s_ptr + t * stride_st + g, s, mask=g * SCALE_BLOCK < K)
 

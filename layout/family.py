@@ -50,6 +50,8 @@ class Family:
     # (args) -> FLOPs of bringing one cached position's keys and values to the form prefill attends in, over the main
     # layers: paid per attention call for every position it reads (MLA's latent rows through wkv_b; 0: none)
     key_expansion_flops: Callable[[ModelArgs], float] = _no_expansion
+    # its prefill attention has the FP8 variant (run --fp8-attention: MLA's decompressed form, kernels/mla/prefill.py)
+    fp8_attention: bool = False
 
 
 def _no_problems(a: ModelArgs) -> list[str]:
@@ -190,6 +192,7 @@ _MLA = dict(
     caches_in_ram=True,
     attention_bytes=_mla_attention_bytes,
     key_expansion_flops=_mla_key_expansion_flops,
+    fp8_attention=True,
 )
 FAMILIES: dict[str, Family] = {
     V3_FAMILY: Family("DeepSeek-V3", "nvfp4", **_MLA),

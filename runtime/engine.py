@@ -115,7 +115,9 @@ class Engine:
         try:
             if o.prompt_cache is not None:
                 conversion = manifest.conversion_sha256()
-                pc = open_prompt_cache(self.model, self.model_dir, o.prompt_cache, o.prompt_cache_size, conversion)
+                pc = open_prompt_cache(
+                    self.model, self.model_dir, o.prompt_cache, o.prompt_cache_size, conversion, o.fp8_attention
+                )
                 self.prompt_cache = pc
                 # a folder that cannot be written says so once, with the load's notes
                 if note := pc.take_notes():

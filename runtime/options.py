@@ -97,6 +97,9 @@ class EngineOptions:
     # a prompt joining a running batch pauses its prefill for a step of the running sequences once this long has
     # passed since their last (runtime/generate/batch.py); 0: it prefills whole while they wait
     prefill_yield_ms: int = 2000
+    # lossy, experimental: prefill attention's nope products and values on FP8 tensor cores, e4m3 with scales per
+    # row (kernels/mla/prefill.py fp8); the rope products stay bf16; decode keeps the exact absorbed form
+    fp8_attention: bool = False
     # gpu_mem, cpu_mem and preset parsed once, here: the sizes they give (None: this machine's free memory, which
     # Budgets.resolve takes on the run's device)
     budgets: Budgets = field(init=False, repr=False, compare=False)

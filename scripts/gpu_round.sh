@@ -15,6 +15,11 @@
 #                                           # cold records, the W4A8 prefill forced on the H200
 #   bash scripts/gpu_round.sh prefill       # a resident prompt of 8k and 32k tokens in both orders, repeated, the last
 #                                           # of each profiled (scripts/profile_prefill.py; issue 47's attention share)
+#   bash scripts/gpu_round.sh widen         # the by-bits prefill GEMM widened for cuBLAS against the Triton W8A16 GEMM
+#                                           # across token counts (the crossover), and a resident prompt layer by layer
+#                                           # natively and by bits (issue 49); the by-bits GPU tests
+#   bash scripts/gpu_round.sh fp8attn       # the FP8 prefill attention: its GPU tests, its kernel against the bf16 one
+#                                           # at V3's shapes, and resident prompts layer by layer with and without it
 #   bash scripts/gpu_round.sh train         # the small DeepSeek trained (3.5 min) and sent back in $OUT as 15 MB parts
 #                                           # (ts_src.tar.*), for the quality measurements the CPU machine makes:
 #                                           # cat ts_src.tar.* | tar -x -C DIR
@@ -88,6 +93,30 @@ prefill() {
         --out "$OUT/profile_prefill" 2>&1 | grep -v -i warn | tee "$OUT/profile_prefill.log"
 }
 
+widen() {
+    python3 scripts/bench_fp8_by_bits.py --kernels-only --gemm-tokens "${GEMM_TOKENS:-64,128,256,512,1024,4096}" \
+        --out "$OUT/fp8_widen" 2>&1 | tee "$OUT/fp8_widen.log" | grep -v -i warn
+    DSFP4_FP8_BY_BITS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_by_bits.py \
+        > "$OUT/widen_tests.log" 2>&1 || true
+    tail -3 "$OUT/widen_tests.log"
+    for forced in 0 1; do
+        DSFP4_FP8_BY_BITS=$forced python3 scripts/profile_prefill.py "$BM" --tokens "${LENGTHS:-8192}" --reps 2 \
+            --orders layer --out "$OUT/widen_prefill_$forced" 2>&1 | grep '^{' | tee "$OUT/widen_prefill_$forced.log"
+    done
+}
+
+fp8attn() {
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_prefill.py tests/runtime/test_fp8_attention.py \
+        > "$OUT/fp8attn_tests.log" 2>&1 || true
+    tail -3 "$OUT/fp8attn_tests.log"
+    python3 scripts/bench_prefill_attention.py --tokens 4096 --context 4096,28672 --reps 3 --out "$OUT" 2>&1 \
+        | grep -v -i warn | tee "$OUT/fp8attn_kernel.log"
+    for fp8 in "" --fp8-attention; do
+        python3 scripts/profile_prefill.py "$BM" --tokens "${LENGTHS:-8192,32768}" --reps 2 --orders layer $fp8 \
+            --out "$OUT/fp8attn_prefill${fp8:+_fp8}" 2>&1 | grep '^{' | tee -a "$OUT/fp8attn_prefill.log"
+    done
+}
+
 train() {
     export PYTHONPATH=${PYTHONPATH:-$ROOT/src}
     [ -f "$TS/src/config.json" ] || python3 scripts/train_small.py "$TS/src" --minutes 3.5 2>&1 | tail -5
@@ -96,7 +125,8 @@ train() {
 
 for stage in "$@"; do
     case "$stage" in
-        setup | fp8 | first | levers | verify | prefill | train) "$stage" ;;
-        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify, prefill or train" >&2; exit 2 ;;
+        setup | fp8 | first | levers | verify | prefill | widen | fp8attn | train) "$stage" ;;
+        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify, prefill, widen, fp8attn or train" >&2
+           exit 2 ;;
     esac
 done

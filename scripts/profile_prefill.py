@@ -2,11 +2,12 @@
 through every block after another (what the decoder does where every record is resident) and layer by layer (what
 users' streamed prefill runs, forced here), each repeated, the last of each under torch's profiler.
 
-    python scripts/profile_prefill.py MODEL [--tokens 8192,32768] [--reps 3] [--profile] [--out DIR]
+    python scripts/profile_prefill.py MODEL [--tokens 8192,32768] [--reps 3] [--orders chunk,layer] [--profile]
+        [--fp8-attention] [--out DIR]
 
 MODEL is scripts/bench_model.py's. Every record on the device (`--preset 80g`), the model's own routers; each run a new
-prompt, so nothing is reused. Prints each run's prefill seconds and, with --profile, the kernels by CUDA time; writes
-profile_prefill.json (and profile_<order>_<tokens>.txt) under --out.
+prompt, so nothing is reused; --fp8-attention runs the engine with that lever. Prints each run's prefill seconds and,
+with --profile, the kernels by CUDA time; writes profile_prefill.json (and profile_<order>_<tokens>.txt) under --out.
 """
 
 from __future__ import annotations
@@ -49,17 +50,19 @@ def measure() -> None:
     p.add_argument("model", type=Path)
     p.add_argument("--tokens", default="8192,32768")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--orders", default=",".join(ORDERS), help="the orders to run, a comma list")
     p.add_argument("--profile", action="store_true", help="profile each order's last run")
+    p.add_argument("--fp8-attention", action="store_true", help="run --fp8-attention's lever")
     p.add_argument("--out", type=Path, default=Path("profile_prefill"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     lengths = [int(t) for t in args.tokens.split(",")]
     rows, seed = [], 0
-    options = RunOptions(device="cuda", max_context=max(lengths) + 16, preset="80g")
+    options = RunOptions(device="cuda", max_context=max(lengths) + 16, preset="80g", fp8_attention=args.fp8_attention)
     with Engine(args.model, options) as engine:
         for tokens in lengths:
             for rep in range(args.reps):
-                for order in ORDERS:
+                for order in args.orders.split(","):
                     seed += 1
                     if args.profile and rep == args.reps - 1:
                         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -70,7 +73,8 @@ def measure() -> None:
                         print(table)
                     else:
                         seconds = run(engine, order, tokens, seed)
-                    rows.append({"order": order, "tokens": tokens, "rep": rep, "prefill_s": seconds})
+                    row = {"order": order, "tokens": tokens, "rep": rep, "prefill_s": seconds}
+                    rows.append(row | {"fp8_attention": args.fp8_attention})
                     print(json.dumps(rows[-1]), flush=True)
     (args.out / "profile_prefill.json").write_text(json.dumps(rows, indent=1))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from dsfp4.kernels.token_bounds import DECOMPRESS_TOKENS
 from dsfp4.runtime.generate.answer.grammar import Grammar
 from dsfp4.runtime.generate.generation import MAX_TOP
 from dsfp4.runtime.generate.value_rules import SEED_LIMIT
@@ -163,7 +164,7 @@ class ThresholdType(click.ParamType):
         return weight
 
 
-# how the expert store runs: `run`, `eval`, `bench`
+# how the expert store runs and the lossy levers: `run`, `eval`, `bench`
 store_options = _stack(
     click.option(
         "--policy",
@@ -210,6 +211,14 @@ store_options = _stack(
         help="Lossy: each token takes the router's best K routed experts instead of the model's own count "
         "(DeepSeek-V3: 8), weighted as the model weights its own; fewer reads and products per token. 0: the "
         "model's own.",
+    ),
+    click.option(
+        "--fp8-attention",
+        is_flag=True,
+        help=f"Lossy, experimental: a long prompt's attention (chunks above {DECOMPRESS_TOKENS} tokens) takes its "
+        "128-wide key products and its values in FP8 (e4m3, a scale per row) on FP8 tensor cores; the rope products "
+        "stay bf16, decode stays exact. Slower than the bf16 kernel today (its roundings run as torch passes: 1.9x "
+        "the time at 32k tokens on an H200); README. Needs FP8 tensor cores (sm_89 on) or the CPU; DeepSeek-V3, V2.",
     ),
     click.option(
         "--cpu-experts",

@@ -15,6 +15,9 @@ import torch
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 
 E4M3 = torch.float8_e4m3fn
+# elements of x rounded at once: the fp32 copy a piece takes (a 32k-token prompt's q_nope at V3's 128 heads is 537M
+# elements, 2 GB in fp32)
+PIECE_ELEMENTS = 1 << 24
 
 
 class E4M3Rows(NamedTuple):
@@ -26,8 +29,18 @@ class E4M3Rows(NamedTuple):
 
 
 def e4m3_rows(x: torch.Tensor, dim: int) -> E4M3Rows:
-    """x [..., D, ...] -> its rows along `dim` rounded to e4m3 (to nearest, ties to even) with a scale per row."""
+    """x [..., D, ...] -> its rows along `dim` rounded to e4m3 (to nearest, ties to even) with a scale per row; in
+    pieces of x's first dim holding at most PIECE_ELEMENTS where the rounded dim is the innermost (the pieces' values
+    then join with it still of unit stride)."""
     dim = dim % x.dim()
+    step = max(1, PIECE_ELEMENTS // max(1, x[:1].numel()))
+    if 0 < dim == x.dim() - 1 and x.shape[0] > step:
+        pieces = [_rows(x[i : i + step], dim) for i in range(0, x.shape[0], step)]
+        return E4M3Rows(torch.cat([p.values for p in pieces]), torch.cat([p.scale for p in pieces]))
+    return _rows(x, dim)
+
+
+def _rows(x: torch.Tensor, dim: int) -> E4M3Rows:
     # a private fp32 copy, D innermost: divided in place (one fp32 transient, not two)
     xt = x.movedim(dim, -1).to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [..., D]
     amax = xt.abs().amax(dim=-1)

@@ -23,8 +23,11 @@ from dsfp4.runtime.models.protocol import Model
 from dsfp4.runtime.plan.budget import parse_size
 
 
-def open_prompt_cache(model: Model, model_dir: Path, folder: Path, size: str, conversion: str) -> PromptCache:
-    """--prompt-cache: entries of this conversion, dtype and caches, the folder held to `size`."""
+def open_prompt_cache(
+    model: Model, model_dir: Path, folder: Path, size: str, conversion: str, fp8_attention: bool = False
+) -> PromptCache:
+    """--prompt-cache: entries of this conversion, dtype and caches (and --fp8-attention's, whose prefill writes
+    other rows past the first layer), the folder held to `size`."""
     caches = model.positional_caches()
     if caches is None:
         raise ConfigError(
@@ -32,7 +35,7 @@ def open_prompt_cache(model: Model, model_dir: Path, folder: Path, size: str, co
             "run it without --prompt-cache"
         )
     rows = {name: [list(t.shape[1:]), str(t.dtype)] for name, t in caches.items()}
-    identity = {"conversion": conversion, "rows": rows}
+    identity = {"conversion": conversion, "rows": rows} | ({"attention": "fp8"} if fp8_attention else {})
     return PromptCache(folder, parse_size(size, "--prompt-cache-size"), identity)
 
 

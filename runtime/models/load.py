@@ -14,6 +14,7 @@ import torch
 from dsfp4.device import resolve_device
 from dsfp4.errors import ChecksumError, ConfigError
 from dsfp4.kernels.kernel_paths import kernel_paths
+from dsfp4.kernels.mla.prefill import fp8_kernel_runs
 from dsfp4.layout.formats import FORMATS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
@@ -47,6 +48,8 @@ def run_target(model_dir: Path, options: RunOptions) -> tuple[torch.device, Mani
     for card in cards or [device]:
         kernel_paths(card).check()
     manifest = with_experts_per_token(Manifest.open(model_dir), options.experts_per_token, model_dir)
+    if options.fp8_attention:
+        check_fp8_attention(manifest.args, cards or [device], model_dir)
     return device, manifest, min(options.max_context, manifest.args.max_seq_len), options.torch_dtype(device)
 
 
@@ -72,6 +75,22 @@ def with_experts_per_token(manifest: Manifest, k: int, model_dir: Path) -> Manif
             f"{a.n_activated_experts} experts per token; run {model_dir} without it"
         )
     return dataclasses.replace(manifest, args=dataclasses.replace(a, n_activated_experts=k))
+
+
+def check_fp8_attention(a: ModelArgs, cards: list[torch.device], model_dir: Path) -> None:
+    """--fp8-attention needs a family with the FP8 prefill attention and FP8 tensor cores on every card (the CPU
+    runs its torch formula), refused before anything loads."""
+    if not a.family_spec.fp8_attention:
+        raise ConfigError(
+            f"--fp8-attention: {model_dir} is {a.family_spec.title}, whose attention has no FP8 variant; run it "
+            "without --fp8-attention"
+        )
+    for card in cards:
+        if card.type == "cuda" and not fp8_kernel_runs(card):
+            raise ConfigError(
+                f"--fp8-attention: {card} (sm_{''.join(map(str, kernel_paths(card).capability or ()))}) has no FP8 "
+                "tensor cores (they start at sm_89: RTX 4090, H100); run without --fp8-attention"
+            )
 
 
 def plan_engine(model_dir: str | os.PathLike, options: RunOptions) -> Plan:
@@ -120,7 +139,7 @@ def load_model(
         # the manifest names the family
         family = model_family(manifest.args).model()
         slots = cache_slots(plan.max_batch)
-        model = family(manifest.args, w, experts, slots, max_len, with_mtp, options.prefetch)
+        model = family(manifest.args, w, experts, slots, max_len, with_mtp, options.prefetch, options.fp8_attention)
         a = manifest.args
         w.check_all_used(() if with_mtp else a.mtp_prefixes)
         w.close()

@@ -259,3 +259,14 @@ def test_fp8_at_deepseek_v3_size(t, start):
     assert not got.isnan().any()
     assert (got.float() - ref.float()).abs().max() <= 2 * E4M3_HALF_STEP * _v_max(kv, wkv_b, V3["n"])
     assert 1e-3 < _rel(got, exact) < FP8_ERROR, _rel(got, exact)
+
+
+def test_e4m3_rows_in_pieces_are_the_rows_rounded_at_once(monkeypatch):
+    from dsfp4.kernels.mla import e4m3_rows as rows_module
+
+    x = torch.randn(7, 3, 40, generator=torch.Generator().manual_seed(3))
+    whole = rows_module.e4m3_rows(x, -1)
+    monkeypatch.setattr(rows_module, "PIECE_ELEMENTS", 2 * 3 * 40)  # pieces of 2 rows of the first dim
+    pieces = rows_module.e4m3_rows(x, -1)
+    assert torch.equal(pieces.values.float(), whole.values.float()) and torch.equal(pieces.scale, whole.scale)
+    assert pieces.values.stride(-1) == 1

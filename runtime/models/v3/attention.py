@@ -31,8 +31,12 @@ from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
 
 
 class MLA(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w: Weights, max_batch: int, max_len: int):
+    def __init__(
+        self, args: ModelArgs, layer: int, w: Weights, max_batch: int, max_len: int, fp8_attention: bool = False
+    ):
         super().__init__()
+        # run --fp8-attention: the decompressed prefill's products in e4m3 (kernels/mla/prefill.py fp8)
+        self.fp8_attention = fp8_attention
         p, a = f"layers.{layer}.attn.", args
         self.n_heads, self.nope, self.rope, self.v = a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_lora_rank = a.kv_lora_rank
@@ -79,7 +83,9 @@ class MLA(nn.Module):
         if isinstance(start_pos, int) and attends_decompressed(t):
             # a long prefill chunk, causal by position (the mask is positions()' for start_pos)
             wkv_b = self.dense_wkv_b(x.dtype)
-            o = decompressed_attention(q_nope, q_pe, kv_all, pe_all, wkv_b, start_pos, self.scale, kernels)
+            o = decompressed_attention(
+                q_nope, q_pe, kv_all, pe_all, wkv_b, start_pos, self.scale, kernels, self.fp8_attention
+            )
         elif decode and self.absorb_fp8:
             # decode multiplies by wkv_b's FP8 blocks (kernels/mla/absorb.py)
             h, (q8, s8) = self.n_heads, self.wkv_b.parts
@@ -148,12 +154,13 @@ def decompressed_attention(
     start_pos: int,
     scale: float,
     kernel: bool,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """The decompressed form on the dense wkv_b [H, N + V, C] for a prefill chunk at start_pos: q_nope [B, T, H, N],
     q_pe [B, T, H, R] (rotated), the latent cache through the chunk kv [B, S, C], pe [B, S, R] -> o [B, T, H, V].
-    `kernel`: the key blocks attend by the Triton kernel, else by the torch formula."""
+    `kernel`: the key blocks attend by the Triton kernel, else by the torch formula; `fp8`: in e4m3 (lossy)."""
     t, h, n = q_nope.shape[1:]
     # a key block's k_nope and v hold at most SCORE_ELEMENTS; the torch formula's [T, H, Sb] scores too
     width = wkv_b.shape[1] if kernel else max(wkv_b.shape[1], t)
     rows = max(1, SCORE_ELEMENTS // (h * width))
-    return mla_prefill(q_nope, q_pe, kv, pe, wkv_b, start_pos, scale, rows, kernel)
+    return mla_prefill(q_nope, q_pe, kv, pe, wkv_b, start_pos, scale, rows, kernel, fp8=fp8)

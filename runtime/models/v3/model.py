@@ -38,13 +38,14 @@ class Block(nn.Module):
         kernel: MoEKernel | None,
         max_batch: int,
         max_len: int,
+        fp8_attention: bool = False,
     ):
         super().__init__()
         p = f"layers.{layer}."
         # its card's in a split run (runtime/models/card_map.py)
         self.device = w.device_of(p + "attn_norm.weight")
         self.attn_norm = RMSNorm(w.plain(p + "attn_norm.weight", (args.dim,)), args.norm_eps)
-        self.attn = MLA(args, layer, w, max_batch, max_len)
+        self.attn = MLA(args, layer, w, max_batch, max_len, fp8_attention)
         self.ffn_norm = RMSNorm(w.plain(p + "ffn_norm.weight", (args.dim,)), args.norm_eps)
         self.moe = args.is_moe_layer(layer)
         self.ffn = MoE(args, layer, w, experts, kernel) if self.moe else MLP(p + "ffn.", args.dim, args.inter_dim, w)
@@ -126,6 +127,7 @@ class Transformer(nn.Module):
         max_len: int,
         with_mtp: bool = False,
         prefetch: bool = True,
+        fp8_attention: bool = False,
     ):
         super().__init__()
         self.args, self.max_len, self.experts = args, max_len, experts
@@ -140,7 +142,8 @@ class Transformer(nn.Module):
 
         def block(i: int) -> Block:
             card = 0 if self.cards is None else self.cards.card_of[i]
-            return Block(args, i, w, layer_store(experts, i), kernels[min(card, len(kernels) - 1)], max_batch, max_len)
+            kernel = kernels[min(card, len(kernels) - 1)]
+            return Block(args, i, w, layer_store(experts, i), kernel, max_batch, max_len, fp8_attention)
 
         self.layers = nn.ModuleList(block(i) for i in range(args.n_layers))
         moe = [b for b in self.layers if b.moe]

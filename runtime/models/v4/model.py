@@ -114,8 +114,11 @@ class TransformerV4(nn.Module):
         max_len: int,
         with_mtp: bool = False,
         prefetch: bool = True,
+        fp8_attention: bool = False,
     ):
         super().__init__()
+        # the family has no FP8 attention (layout/family.py): run_target refuses the flag before this
+        assert not fp8_attention, "DeepSeek-V4's attention has no FP8 variant"
         a = self.args = args
         self.max_len, self.experts = max_len, experts
         # one device: the family does not split (models/families.py)

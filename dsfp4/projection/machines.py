@@ -17,9 +17,10 @@ USER_PROCESS = int(0.56 * GiB)
 # native path's on the H200 with the path forced (docs/BENCHMARKS.md, 2026-12-02)
 BY_BITS_DECODE = 0.91
 # the FP8 backbone's prefill GEMMs as a share of the card's dense BF16 peak: W8A8 on FP8 tensor cores (sm_89 on) and
-# W8A16 by bits (sm_80/86), V3's q_a, q_b, o and dense w13 at 4,096 tokens on the H200 weighted by a token's FLOPs
-# in each (docs/BENCHMARKS.md, 2026-12-02, the FP8 backbone by bits)
-NATIVE_FP8_PREFILL, BY_BITS_PREFILL = 0.565, 0.218
+# by bits (sm_80/86: W widened to bf16 in pieces for cuBLAS, kernels/fp8/widened_gemm.py), V3's q_a, q_b, o and dense
+# w13 at 4,096 tokens on the H200 weighted by a token's FLOPs in each (docs/BENCHMARKS.md, 2026-12-02: native in the
+# FP8 backbone by bits, widened in the widened GEMM)
+NATIVE_FP8_PREFILL, BY_BITS_PREFILL = 0.565, 0.723
 
 
 @dataclass(frozen=True)

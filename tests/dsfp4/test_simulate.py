@@ -180,10 +180,11 @@ def test_a_card_on_the_by_bits_path_prefills_its_fp8_backbone_at_its_measured_sh
     native = dataclasses.replace(MACHINES["3090"], fp8_prefill=NATIVE_FP8_PREFILL)
     m, _ = full_plan("v3", MACHINES["3090"])
     by_bits, same_card = prefill_costs(m, MACHINES["3090"]), prefill_costs(m, native)
-    assert MACHINES["3090"].fp8_prefill == BY_BITS_PREFILL < NATIVE_FP8_PREFILL == MACHINES["24g"].fp8_prefill
-    # the backbone's matrices slower by the paths' ratio, the experts' unchanged
+    # widened for cuBLAS, the by-bits prefill GEMMs outran the native W8A8 ones on the H200
+    assert MACHINES["3090"].fp8_prefill == BY_BITS_PREFILL > NATIVE_FP8_PREFILL == MACHINES["24g"].fp8_prefill
+    # the backbone's matrices faster by the paths' ratio, the experts' unchanged
     assert by_bits.attn_s == pytest.approx(same_card.attn_s * NATIVE_FP8_PREFILL / BY_BITS_PREFILL)
-    assert by_bits.other_s > same_card.other_s and by_bits.experts_s == same_card.experts_s
+    assert by_bits.other_s < same_card.other_s and by_bits.experts_s == same_card.experts_s
 
 
 def test_share_plan_keeps_one_layer_on_the_device():

@@ -2,7 +2,7 @@
 (runtime/models/v3/attention.py), on the GPU machine: the crossover kernels/token_bounds.py's DECOMPRESS_TOKENS names.
 
     python scripts/bench_prefill_attention.py [--tokens 64,128,256,512,1024] [--context 2048,8192,32768] [--sweep]
-        [--out DIR]
+        [--profile] [--out DIR]
     python scripts/bench_prefill_attention.py --cpu --small    # a smoke check of the script (its figures mean nothing)
 
 A case is a chunk of T tokens at start_pos S (S cached rows before it, S + T keys), both forms from the rotated
@@ -13,12 +13,15 @@ spent expanding the key blocks through wkv_b. `fp8` is the decompressed form's F
 nope scores and the values in e4m3 on FP8 tensor cores, sm_89 on; the torch formula on the CPU), its TFLOP/s counted
 the same way, its max abs and relative error (max abs over the largest |o|) against the exact decompressed form of the
 same case; its columns are empty on GPUs without FP8 tensor cores. --sweep also times the block kernel's tile
-configurations at the largest case. Prints a table; writes bench_prefill_attention.json under --out.
+configurations at the largest case; --profile runs torch's profiler over one call of each decompressed form there
+(where the time goes: the kernel, the expansion, the FP8 roundings). Prints a table; writes
+bench_prefill_attention.json under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -36,6 +39,8 @@ from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
 # DeepSeek-V3: heads, kv_lora_rank, rope, nope and value dims
 V3 = dict(h=128, c=512, r=64, n=128, v=128)
 SMALL = dict(h=4, c=64, r=16, n=32, v=32)
+# rows of --profile's tables
+PROFILE_ROWS = 12
 # a case's timed calls run at least this long (short ones repeat), at most MAX_REPS of them
 MIN_SECONDS, MAX_REPS = 0.2, 1000
 # the table's columns: (key of a case, heading, width, format)
@@ -175,12 +180,37 @@ def sweep(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, rep
     return out
 
 
+def profiled(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """torch's profiler over one warm decompressed call of each form (exact, FP8 where it runs) at a case: the
+    kernels by CUDA time, printed -> {form: table}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, h = inputs(d, t, s, device, dtype), d["h"]
+    scale, kernel = (d["n"] + d["r"]) ** -0.5, use_kernels(device)
+    rows = max(1, SCORE_ELEMENTS // (h * (d["n"] + d["v"])))
+    q = (x["q_nope"], x["q_pe"], x["kv"], x["pe"], x["wkv_b"])
+    tables = {}
+    for fp8 in (False, True) if fp8_kernel_runs(device) or not kernel else (False,):
+        call = functools.partial(mla_prefill, *q, s, scale, rows, kernel, fp8=fp8)
+        call()
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
+        with profile(activities=activities) as prof:
+            call()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        order = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        tables["fp8" if fp8 else "exact"] = prof.key_averages().table(sort_by=order, row_limit=PROFILE_ROWS)
+        print(f"{'fp8' if fp8 else 'exact'}, T {t}, S {s}\n{tables['fp8' if fp8 else 'exact']}")
+    return tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="64,128,256,512,1024", help="chunk lengths T")
     ap.add_argument("--context", default="2048,8192,32768", help="cached rows S before the chunk")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time the block kernel's tile configurations")
+    ap.add_argument("--profile", action="store_true", help="also profile each form's call at the largest case")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (the torch formulas)")
     ap.add_argument("--small", action="store_true", help="4 heads and narrow widths, short chunks and contexts")
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -204,6 +234,8 @@ def main() -> None:
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", shapes=d, cases=rows)
     if args.sweep:
         result["sweep"] = sweep(d, max(tokens), max(contexts), device, dtype, args.reps)
+    if args.profile:
+        result["profile"] = profiled(d, max(tokens), max(contexts), device, dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_prefill_attention.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -20,6 +20,9 @@
 #                                           # natively and by bits (issue 49); the by-bits GPU tests
 #   bash scripts/gpu_round.sh fp8attn       # the FP8 prefill attention: its GPU tests, its kernel against the bf16 one
 #                                           # at V3's shapes, and resident prompts layer by layer with and without it
+#   bash scripts/gpu_round.sh simcheck      # the check of the simulation, RUNS (5) times under each of two calibrated V3
+#                                           # traces (reuse mid and low) at the whole V3's 16g share, beside the
+#                                           # simulation at the doctor's disk rate and at the run's (issue 51, item 4)
 #   bash scripts/gpu_round.sh train         # the small DeepSeek trained (3.5 min) and sent back in $OUT as 15 MB parts
 #                                           # (ts_src.tar.*), for the quality measurements the CPU machine makes:
 #                                           # cat ts_src.tar.* | tar -x -C DIR
@@ -117,6 +120,17 @@ fp8attn() {
     done
 }
 
+simcheck() {
+    local reuse traces=()
+    for reuse in mid low; do
+        [ -f "/tmp/v3_$reuse.npy" ] || python3 scripts/synthetic_trace.py "/tmp/v3_$reuse.npy" --model v3 --reuse "$reuse" \
+            --tokens 2048 > /dev/null
+        traces+=(--routing "/tmp/v3_$reuse.npy")
+    done
+    python3 scripts/bench_sim_check.py "$BM" "${traces[@]}" --ceilings "$OUT/doctor.json" --runs "${RUNS:-5}" \
+        --json "$OUT/sim_check.json" 2>&1 | grep -v -i warn | tee "$OUT/sim_check.log"
+}
+
 train() {
     export PYTHONPATH=${PYTHONPATH:-$ROOT/src}
     [ -f "$TS/src/config.json" ] || python3 scripts/train_small.py "$TS/src" --minutes 3.5 2>&1 | tail -5
@@ -125,8 +139,9 @@ train() {
 
 for stage in "$@"; do
     case "$stage" in
-        setup | fp8 | first | levers | verify | prefill | widen | fp8attn | train) "$stage" ;;
-        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify, prefill, widen, fp8attn or train" >&2
+        setup | fp8 | first | levers | verify | prefill | widen | fp8attn | simcheck | train) "$stage" ;;
+        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify, prefill, widen, fp8attn, simcheck or" \
+               "train" >&2
            exit 2 ;;
     esac
 done

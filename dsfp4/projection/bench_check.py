@@ -147,14 +147,31 @@ def _cold_records(manifest: Manifest, row: dict[int, int], slots: int) -> ColdRe
     return ColdRecords(keys, manifest.cold_nbytes(row), slots, sizes)
 
 
+def compute_model(
+    model_dir: Path, manifest: Manifest, c: Ceilings, options: RunOptions, prompts: list[str]
+) -> tuple[dict, float, StepCosts, Links]:
+    """What the check simulates with: the bench model's resident decode (every record on the device: its results,
+    and its share of the HBM ceiling, the compute model's efficiency), the step costs at that efficiency and the
+    ceilings' links."""
+    from dsfp4.tools.bench import run_preset
+
+    if not c.hbm_read_gbps:
+        raise ConfigError("--project needs a GPU: its compute is measured on this machine's")
+    log.info("resident decode of %s (every record on the device): the compute model", model_dir)
+    resident = run_preset(model_dir, dataclasses.replace(options, preset="80g"), prompts, 32, c, "resident")
+    eff = efficiency(manifest, 1 / resident["decode_tok_s"], c.hbm_read_gbps * 1e9)
+    # the store reads a decode step's misses one record at a time, io_threads in flight: the doctor's random
+    # record reads are that pattern (its best pattern, store_read_gbps, is the efficiency's ceiling instead)
+    links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
+    return resident, eff, decode_costs(manifest, c.hbm_read_gbps * 1e9, eff), links
+
+
 def run_projection(
     model_dir: Path, family: str, machines: list[str], c: Ceilings, options: RunOptions, prompts: list[str]
 ) -> dict:
     """`dsfp4 bench MODEL --routing TRACE --project FAMILY`: the bench model's resident decode (its compute), its
     decode at the whole model's share of each machine's budgets, measured and simulated side by side (the check of
     the simulation), and the whole model projected on each machine under each variant of the store."""
-    from dsfp4.tools.bench import run_preset
-
     manifest = Manifest.open(model_dir)
     if options.routing is None:
         raise ConfigError("--project needs --routing TRACE: the routing the projection replays")
@@ -163,15 +180,7 @@ def run_projection(
             f"--project checks the simulation of exact routing; drop --mode {options.mode} and the lever flags (the "
             "modes are projected by scripts/project_levers.py)"
         )
-    if not c.hbm_read_gbps:
-        raise ConfigError("--project needs a GPU: its compute is measured on this machine's")
-    log.info("resident decode of %s (every record on the device): the compute model", model_dir)
-    resident = run_preset(model_dir, dataclasses.replace(options, preset="80g"), prompts, 32, c, "resident")
-    eff = efficiency(manifest, 1 / resident["decode_tok_s"], c.hbm_read_gbps * 1e9)
-    costs = decode_costs(manifest, c.hbm_read_gbps * 1e9, eff)
-    # the store reads a decode step's misses one record at a time, io_threads in flight: the doctor's random
-    # record reads are that pattern (its best pattern, store_read_gbps, is the efficiency's ceiling instead)
-    links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
+    resident, eff, costs, links = compute_model(model_dir, manifest, c, options, prompts)
     checks = []
     for m in machines:
         log.info("%s at the whole model's share of %s: measured and simulated", model_dir, m)

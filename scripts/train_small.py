@@ -3,15 +3,18 @@ as DeepSeek's release is written (FP8 blocks, its tokenizer and chat template, t
 `profile-hot`, `eval` and `run` treat it as they treat the release.
 
 The model: MLA, sigmoid routing limited to the best groups, a shared expert, a dense first layer, 64 fine-grained
-experts per MoE layer with 6 chosen, and one MTP module trained on the token after next (weight MTP_WEIGHT). Load
-balance as DeepSeek-V3 keeps it without an auxiliary loss: each router's correction bias moves by BIAS_STEP against
-its expert's load after every step (the small sequence-wise loss DeepSeek adds is left out). The corpus: the Python
-standard library's sources and those of the packages dsfp4 runs on (and dsfp4's calibration texts); files whose path
-hashes to 0 mod HELD_OUT go to the held-out split, whose first HELD_OUT_CHARS are written as OUT/heldout.txt. The
+experts per MoE layer with 6 chosen, and one MTP module trained on the token after next (weight MTP_WEIGHT); `deep`
+has twice its MoE layers. Load balance as DeepSeek-V3 keeps it without an auxiliary loss: each router's correction
+bias moves by BIAS_STEP against its expert's load after every step (the small sequence-wise loss DeepSeek adds is left
+out). The corpus (CORPORA, --corpus): `code`, the Python standard library's sources and those of the packages dsfp4
+runs on; `docs`, another mix: the prose files installed beside those packages (Markdown, reStructuredText, text,
+their metadata) with the packages' sources; both with dsfp4's calibration texts. Files whose path hashes to 0 mod
+HELD_OUT go to the held-out split, whose first HELD_OUT_CHARS are written as OUT/heldout.txt. The
 schedule follows the clock (--minutes) or --steps: warmup, then cosine decay to a tenth. OUT/training.json holds the
 curve (train and held-out loss by step) and the corpus's sizes.
 
-    python scripts/train_small.py OUT [--minutes 4] [--device cuda] [--size small|tiny] [--steps N]
+    python scripts/train_small.py OUT [--minutes 4] [--device cuda] [--size small|deep|tiny] [--corpus code|docs]
+        [--steps N]
 """
 
 from __future__ import annotations
@@ -40,9 +43,17 @@ HELD_OUT = 50  # one file in this many is held out
 HELD_OUT_CHARS = 400_000  # of held-out text written for `dsfp4 eval` (about 120,000 tokens)
 # the packages dsfp4 runs on, whose sources join the standard library's in the corpus
 CORPUS_PACKAGES = ("torch", "numpy", "triton", "click", "jinja2", "tqdm", "safetensors", "huggingface_hub", "fastapi")
+# each corpus: (root, file suffixes) pairs; roots: the standard library, the CORPUS_PACKAGES' folders, and the
+# site-packages folders that hold them (every installed distribution's prose files and metadata)
+CORPORA = {
+    "code": (("stdlib", (".py",)), ("packages", (".py",))),
+    "docs": (("site", (".md", ".rst", ".txt", "METADATA")), ("packages", (".py",))),
+}
+# a larger prose file is data (word lists, vocabularies, logs), not text
+PROSE_MAX_BYTES = 200_000
 MTP_WEIGHT = 0.3  # of the MTP module's loss (DeepSeek-V3's first phase)
 BIAS_STEP = 1e-3  # the routers' bias update speed (DeepSeek-V3's gamma)
-SIZES = {
+SIZES: dict[str, dict] = {
     # ~40 MB in FP8: 4 MoE layers and the MTP block of 64 experts (top 6 of 8 groups' best 4), vocabulary 4,096
     "small": dict(
         vocab_size=4096,
@@ -88,6 +99,10 @@ SIZES = {
 }
 
 
+# ~75 MB in FP8: small's widths with twice its MoE layers (8, and the MTP block)
+SIZES["deep"] = {**SIZES["small"], "num_hidden_layers": 9}
+
+
 @dataclass(frozen=True)
 class Knobs:
     seq: int = 512  # tokens per row, the BOS first
@@ -99,18 +114,39 @@ class Knobs:
     eval_rows: int = 32  # held-out rows of the curve
 
 
-def corpus(limit_files: int | None = None) -> tuple[list[str], list[str]]:
-    """(train texts, held-out texts): the .py files of the standard library and of the packages dsfp4 runs on
-    (CORPUS_PACKAGES: wherever dsfp4 is installed, they are), split by path hash, and the calibration prompts
-    (train). `limit_files`: the first files only (the standard library's first)."""
-    roots = [Path(sysconfig.get_paths()["stdlib"])]
+def corpus_roots(kind: str) -> list[Path]:
+    """The folders a CORPORA root names, as this machine has them (a package it lacks adds nothing)."""
+    if kind == "stdlib":
+        return [Path(sysconfig.get_paths()["stdlib"])]
+    packages = []
     for name in CORPUS_PACKAGES:
-        # a package this machine lacks adds nothing
         spec = importlib.util.find_spec(name)
-        roots += [Path(d) for d in (spec.submodule_search_locations or [])] if spec is not None else []
-    paths = [(r, p) for r in roots for p in sorted(r.rglob("*.py")) if "site-packages" not in p.relative_to(r).parts]
+        packages += [Path(d) for d in (spec.submodule_search_locations or [])] if spec is not None else []
+    if kind == "packages":
+        return packages
+    return sorted({p.parent for p in packages})  # "site": where they are installed
+
+
+def corpus_files(name: str) -> list[tuple[Path, Path]]:
+    """(root, file) of every file corpus `name` reads, in a fixed order (a standard library's site-packages apart;
+    prose files over PROSE_MAX_BYTES left out)."""
+    out = []
+    for kind, suffixes in CORPORA[name]:
+        for root in corpus_roots(kind):
+            for p in sorted(root.rglob("*")):
+                if not p.name.endswith(suffixes) or "site-packages" in p.relative_to(root).parts or not p.is_file():
+                    continue
+                if not p.name.endswith(".py") and p.stat().st_size > PROSE_MAX_BYTES:
+                    continue
+                out.append((root, p))
+    return out
+
+
+def corpus(limit_files: int | None = None, name: str = "code") -> tuple[list[str], list[str]]:
+    """(train texts, held-out texts): the files of corpus `name` (CORPORA), split by path hash, and the calibration
+    prompts (train). `limit_files`: the first files only."""
     train, held = [], []
-    for root, p in paths[:limit_files]:
+    for root, p in corpus_files(name)[:limit_files]:
         try:
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -230,14 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, help="train this many steps instead (the schedule follows the steps)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--files", type=int, help="use only the first N standard-library files (tests)")
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="code", help="which texts it learns (CORPORA)")
+    p.add_argument("--files", type=int, help="use only the corpus's first N files (tests)")
     p.add_argument("--batch", type=int, default=Knobs.batch)
     p.add_argument("--seq", type=int, default=Knobs.seq)
     a = p.parse_args(argv)
     knobs = Knobs(seq=a.seq, batch=a.batch)
     device = torch.device(a.device)
     cfg = v3_config({**SIZES[a.size], "max_position_embeddings": knobs.seq}, "fp8")  # the positions it learns
-    train_texts, held_texts = corpus(a.files)
+    train_texts, held_texts = corpus(a.files, a.corpus)
     a.out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
@@ -318,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     write_checkpoint(a.out, cfg, shapes, release_values(state, cfg), "fp8", n_shards=4, tokenizer=False)
     summary = {
         "size": a.size,
+        "corpus": a.corpus,
         "config": {k: cfg[k] for k in SIZES[a.size]},
         "knobs": knobs.__dict__,
         "experts_implementation": experts,

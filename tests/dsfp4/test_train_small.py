@@ -88,3 +88,18 @@ def test_the_trained_release_as_an_nvfp4_export_converts_close_to_the_original(t
     )
     assert r.exit_code == 0, r.output
     assert 0 < json.loads(r.stdout)["kl_mean"] < 0.05
+
+
+def test_the_docs_corpus_reads_prose_beside_the_packages_code_and_leaves_data_files_out(tmp_path, monkeypatch):
+    ts = _script("train_small")
+    site, pkg = tmp_path / "site", tmp_path / "site" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (site / "README.md").write_text("# prose\n")
+    (site / "pkg-1.0.dist-info").mkdir()
+    (site / "pkg-1.0.dist-info" / "METADATA").write_text("Name: pkg\n")
+    (site / "words.txt").write_text("w\n" * (ts.PROSE_MAX_BYTES // 2 + 1))  # a word list, not prose
+    monkeypatch.setattr(ts, "corpus_roots", lambda kind: {"site": [site], "packages": [pkg]}.get(kind, []))
+    docs = {p.relative_to(site).as_posix() for _, p in ts.corpus_files("docs")}
+    assert docs == {"README.md", "pkg-1.0.dist-info/METADATA", "pkg/a.py"}
+    assert {p.name for _, p in ts.corpus_files("code")} == {"a.py"}  # code: the packages' (and stdlib's) sources

@@ -55,8 +55,10 @@ GREEDY = Path(__file__).with_name("llama_greedy.cpp")
 class Peer:
     """A llama.cpp build as this script drives it: its rows' name, llama-bench's flags for every run (mmap as the load
     mode, the peer's own recipe), the flags that mark each test on stderr and how those lines begin (`progress`: a
-    line as each run starts; else one line as each test ends), -fa's default, its placements, and its libraries.
-    The defaults are mainline's (its build of runs 42 and 91 had no flash-attention kernels, hence -fa 0)."""
+    line as each run starts; else one line as each test ends), -fa's default, its placements, its libraries, and
+    the environment under which its experts on the CPU stay mmapped (the SSD-bound run and its own memory's
+    measurement). The defaults are mainline's (its build of runs 42 and 91 had no flash-attention kernels, hence -fa
+    0)."""
 
     name: str
     flags: tuple[str, ...] = ("-lm", "mmap")
@@ -68,6 +70,7 @@ class Peer:
     lib_dirs: tuple[str, ...] = ("bin",)
     libs: tuple[str, ...] = ("llama", "ggml", "ggml-base")
     defines: tuple[str, ...] = ()
+    mapped_env: tuple[tuple[str, str], ...] = ()
 
 
 PEERS = {
@@ -85,6 +88,9 @@ PEERS = {
         lib_dirs=("src", "ggml/src"),
         libs=("llama", "ggml"),
         defines=("-DIK_LLAMA",),
+        # with a CUDA device ik copies tensors placed on the CPU into pinned host memory (CUDA_Host) rather than
+        # reading them from the mmapped file, so a model larger than RAM could not stream; this keeps them mapped
+        mapped_env=(("GGML_CUDA_NO_PINNED", "1"),),
     ),
 }
 PEER = click.option(
@@ -92,9 +98,9 @@ PEER = click.option(
 )
 
 
-def _llama_run(exe: Path, *args: str) -> bytes:
-    """A llama.cpp program's stdout, as bytes."""
-    out = subprocess.run([str(exe), *args], capture_output=True, timeout=1800)
+def _llama_run(exe: Path, *args: str, env: dict[str, str] | None = None) -> bytes:
+    """A llama.cpp program's stdout, as bytes (`env`: added to this process's environment)."""
+    out = subprocess.run([str(exe), *args], capture_output=True, timeout=1800, env={**os.environ, **(env or {})})
     if out.returncode != 0:
         tail = out.stderr.decode(errors="replace").strip().splitlines()[-1:]
         raise click.ClickException(f"{exe.name} failed ({out.returncode}): {tail}")
@@ -318,11 +324,13 @@ class Watched:
         return round(d1 - self.disk_at(t1 - seconds)), seconds
 
 
-def run_watched(cmd: list[str], cgroup: MemoryCgroup, mark: str) -> Watched:
-    """Run llama-bench (with its marking flags) inside the cgroup, noting the disk's reads at each stderr line that
-    begins with `mark`, and the disk's reads and the cgroup's peak usage every 0.1 s."""
+def run_watched(cmd: list[str], cgroup: MemoryCgroup, mark: str, env: dict[str, str] | None = None) -> Watched:
+    """Run llama-bench (with its marking flags) inside the cgroup (`env` added to the environment), noting the
+    disk's reads at each stderr line that begins with `mark`, and the disk's reads and the cgroup's peak usage every
+    0.1 s."""
     with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cgroup.wrap(cmd), stdout=out, stderr=subprocess.PIPE, text=True)
+        environ = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(cgroup.wrap(cmd), stdout=out, stderr=subprocess.PIPE, text=True, env=environ)
         watched, start, tail = Watched(b"", []), time.monotonic(), []
 
         def progress() -> None:
@@ -348,14 +356,16 @@ def run_watched(cmd: list[str], cgroup: MemoryCgroup, mark: str) -> Watched:
 
 
 def llama_rows(
-    build: Path, args: list[str], name: str, cgroup: MemoryCgroup | None, ram: str, peer: Peer
+    build: Path, args: list[str], name: str, cgroup: MemoryCgroup | None, ram: str, peer: Peer, mapped: bool = False
 ) -> tuple[list, int]:
-    """llama-bench's prefill and decode rows for one placement (and its peak own memory, where it ran in a cgroup)."""
+    """llama-bench's prefill and decode rows for one placement (and its peak own memory, where it ran in a cgroup);
+    `mapped`: under the peer's environment that keeps its experts mmapped."""
     exe = build / "bin" / "llama-bench"
+    env = dict(peer.mapped_env) if mapped else None
     if cgroup is None:
-        results, watched = json.loads(_llama_run(exe, *args).decode()), None
+        results, watched = json.loads(_llama_run(exe, *args, env=env).decode()), None
     else:
-        watched = run_watched([str(exe), *args, *peer.marks], cgroup, peer.mark)
+        watched = run_watched([str(exe), *args, *peer.marks], cgroup, peer.mark, env)
         results = json.loads(watched.stdout.decode())
     rows = []
     for i, r in enumerate(results):
@@ -467,13 +477,15 @@ def bench(
         plan = whole_model_share(plan_engine(model, options), Manifest.open(model), "v3", share)
         ram = plan.record_cache
         streamed = [*args, *PLACEMENTS["exps-cpu"][1]]
-        own_mem = own.get("exps-cpu") or llama_rows(build, streamed, "", cgroup, "", p)[1]
+        # its own memory as it runs mmapped: where the peer needs another environment for that, measured again
+        mapped = own.get("exps-cpu") if not p.mapped_env else None
+        own_mem = mapped or llama_rows(build, streamed, "", cgroup, "", p, mapped=True)[1]
         cap = ram + own_mem + CAP_MARGIN
         what = f"a {format_bytes(cap)} cgroup: dsfp4's RAM tier {format_bytes(ram)} + its own {format_bytes(own_mem)}"
         cgroup.limit(cap)
         evict(gguf)
         try:
-            emit(llama_rows(build, streamed, "experts on the CPU, mmapped, RAM capped", cgroup, what, p)[0])
+            emit(llama_rows(build, streamed, "experts on the CPU, mmapped, RAM capped", cgroup, what, p, True)[0])
         except click.ClickException as err:  # dsfp4's rows still count
             click.echo(f"capped {p.name} llama-bench: {err.message}", err=True)
         cgroup.limit(None)

@@ -36,6 +36,7 @@ def fake_llama_bench(build: Path, counter: Path) -> Path:
         import json, os, sys, time
         from pathlib import Path
         Path({str(build / "argv.json")!r}).write_text(json.dumps(sys.argv[1:]))
+        Path({str(build / "pinned.json")!r}).write_text(json.dumps(os.environ.get("GGML_CUDA_NO_PINNED")))
         counter, done = Path({str(counter)!r}), 0
 
         def count(n):  # whole, for the poller
@@ -89,6 +90,18 @@ def test_ik_rows_name_ik_and_its_llama_bench_gets_ik_flags(bench, tmp_path):
     argv = json.loads((build / "argv.json").read_text())
     # ik's llama-bench refuses mainline's -lm and --progress
     assert "-mmp" in argv and "-lm" not in argv and "--progress" not in argv and own == 0
+
+
+def test_ik_runs_its_mmapped_placement_with_pinned_host_copies_off(bench, tmp_path, monkeypatch):
+    """ik copies what it places on the CPU into pinned host memory under CUDA: the SSD-bound run (and its own
+    memory's measurement) must keep its experts mmapped; every other run is left as its users run it."""
+    monkeypatch.delenv("GGML_CUDA_NO_PINNED", raising=False)
+    build = tmp_path / "build"
+    fake_llama_bench(build, tmp_path / "counter")
+    ik, mainline = bench.PEERS["ik"], bench.PEERS["llama.cpp"]
+    for peer, mapped, seen in ((ik, True, "1"), (ik, False, None), (mainline, True, None)):
+        bench.llama_rows(build, ["-m", "x.gguf", "-o", "json"], "p", None, "uncapped", peer, mapped=mapped)
+        assert json.loads((build / "pinned.json").read_text()) == seen
 
 
 def test_an_ik_tests_disk_reads_are_its_timed_runs_alone(bench, tmp_path, monkeypatch):

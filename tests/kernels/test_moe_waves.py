@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from dsfp4.kernels.backend import triton
+from dsfp4.kernels.backend import fp4_mma, triton
 from dsfp4.kernels.cpu import moe as host_moe
 from dsfp4.kernels.moe import waves
 from dsfp4.kernels.moe.kernel import MoEKernel, workspace_bytes
@@ -22,7 +22,8 @@ from tests.fixtures.moe_records import routing, slot_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 N_EXPERTS, DIM, INTER = 8, 64, 32
-# (triton, host, mma): the flags MoEKernel dispatches by, each path forced on the CPU (Triton's in its interpreter)
+# (triton, host, mma): the flags MoEKernel dispatches by, each path forced (Triton's on the GPU where there is one,
+# else in its interpreter on the CPU)
 PATHS = {
     "reference": (False, False, False),
     "cpu": (False, True, False),
@@ -30,17 +31,27 @@ PATHS = {
     "w4a8_reference": (False, False, True),
     "w4a8_triton": (True, False, True),
 }
+GPU = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _kernel(path: str, layout: RecordLayout, k: int) -> MoEKernel:
+    """MoEKernel forced onto `path`, on the device its tensors take (_on)."""
     flags = PATHS[path]
     if flags[0] and triton is None:
         pytest.skip("Triton is not installed")
     if flags[1] and not host_moe.available():
         pytest.skip("no C compiler builds kernels/cpu/moe.c here")
-    kernel = MoEKernel(layout, k, torch.device("cpu"))
+    if flags[0] and flags[2] and GPU.type == "cuda" and not fp4_mma(GPU, layout.format):
+        pytest.skip("the W4A8 kernels run on a card where backend.fp4_mma takes them (Blackwell, or forced)")
+    kernel = MoEKernel(layout, k, GPU if flags[0] else torch.device("cpu"))
     kernel.triton, kernel.host, kernel.mma = flags
     return kernel
+
+
+def _on(kernel: MoEKernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors where the kernel's path computes: Triton's on the GPU where there is one."""
+    device = GPU if kernel.triton else torch.device("cpu")
+    return [t.to(device) for t in tensors]
 
 
 def _wave(t: int, k: int, present: int, seed: int, dtype: torch.dtype, fmt: str = "mxfp4"):
@@ -56,15 +67,18 @@ def _wave(t: int, k: int, present: int, seed: int, dtype: torch.dtype, fmt: str 
 
 def _old(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int) -> torch.Tensor:
     """The wave as MoE._streamed ran it: the kernel over the tokens `piece` at a time, with all their ids (a short last
-    piece on the prefill path too: the CPU has no decode kernel)."""
+    piece on the prefill path too, as the CPU takes it), on the CPU."""
+    x, ids, weights, records, offsets = _on(kernel, x, ids, weights, records, offsets)
     parts = [slice(a, a + piece) for a in range(0, x.shape[0], piece)]
-    return torch.cat([kernel.prefill(x[s], ids[s], weights[s], records, offsets) for s in parts])
+    return torch.cat([kernel.prefill(x[s], ids[s], weights[s], records, offsets) for s in parts]).cpu()
 
 
 def _compacted(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int | None) -> torch.Tensor:
+    """add_wave from zeros, on the CPU."""
+    x, ids, weights, records, offsets = _on(kernel, x, ids, weights, records, offsets)
     pairs = waves.present_pairs(ids, offsets)
     assert pairs is not None and waves.compacts(x.shape[0], piece)
-    return waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, piece, None)
+    return waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, piece, None).cpu()
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

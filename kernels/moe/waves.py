@@ -58,9 +58,10 @@ def run_pairs(
     run padded to whole blocks (prefill.max_blocks: every expert short of a block), the R pair rows, and 2 R rows
     for the result and its sum with the shared experts' output, which a compacted call does not add: its gathered
     input [R, D] takes that room (and MXFP8 codes of it and of the expert rows where the FP4 MMA runs, as a
-    token's). Its count can pass a piece's: the piece's [piece * K, D] pair rows come with only 2 piece rows of
-    results and no gathered input, where R pairs come with 2 R; and few experts take larger blocks. So the runs stop
-    at the count's limit: DeepSeek-V3 at 512-token chunks keeps 1,894 to 2,749 of the piece's 4,096 pairs (tested).
+    token's). Its count can pass a piece's: the piece's [piece * K, D] pair rows come with only 2 piece rows beside
+    them, where R pair rows come with 2 R (their results and gathered input); and few experts take larger blocks. So
+    the runs stop at the count's limit: DeepSeek-V3 at 512-token chunks keeps 1,894 to 2,749 of the piece's 4,096
+    pairs (tested).
     Within one tile size the count grows with the pairs (max_blocks does), and the tiles grow with them (at most
     BLOCK_M_RANGE's four sizes), so a bisection per tile size finds the limit; a call of up to MAX_TOKENS pairs,
     which the count takes for decode's, is counted as one of MAX_TOKENS + 1 (no more expert rows, fewer pairs)."""
@@ -98,6 +99,9 @@ def add_wave(
     zeros; added to in place where fp32) with this wave's pairs added, in runs of at most run_pairs."""
     t, k = ids.shape
     y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if y is None else y.float()
+    # a wave none of whose experts a token chose (the CPU lane took them all) adds nothing
+    if not pairs.numel():
+        return y
     experts = ids.flatten()[pairs]  # [P]
     # the wave's experts that have pairs, renumbered in expert order, so that the tiles see their rows
     used = torch.zeros(offsets.numel(), dtype=torch.bool, device=ids.device)

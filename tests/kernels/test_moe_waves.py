@@ -135,6 +135,12 @@ def test_a_wave_adds_to_the_waves_before_it_and_every_pair_present_takes_the_chu
     got = waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, 20, before.clone())
     assert _rel(got, before + _old(kernel, x, ids, weights, records, offsets, 20)) < 1e-5
     assert waves.present_pairs(ids, torch.arange(N_EXPERTS) * layout.nbytes) is None
+    # a wave of no chosen expert (the CPU lane took them all) adds nothing
+    none = torch.full_like(offsets, ABSENT)
+    empty = waves.present_pairs(ids, none)
+    assert empty.numel() == 0 and torch.equal(
+        waves.add_wave(kernel, x, ids, weights, records, none, empty, 20, got), got
+    )
     assert not waves.compacts(40, 16) and not waves.compacts(16, None) and waves.compacts(17, None)
 
 

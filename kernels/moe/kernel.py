@@ -81,8 +81,8 @@ class MoEKernel:
 
     def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
         """Compile every kernel variant a call of up to max_tokens tokens can take (each decode token count,
-        the prefill kernels' row blocks) before the first token is timed and before any graph capture. No
-        expert is read: all are left out."""
+        the prefill kernels' row blocks) before the first token is timed and before any graph capture (a streamed
+        wave's compacted calls take others: waves.warm_up_waves). No expert is read: all are left out."""
         if not self.triton:
             return
         offsets = torch.full((n_experts,), ABSENT, dtype=torch.long, device=records.device)

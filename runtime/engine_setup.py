@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dsfp4.kernels.moe.waves import warm_up_waves
 from dsfp4.layout.hot_profile import HOT_NAME, HotProfile
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.model_args import ModelArgs
@@ -53,13 +54,17 @@ def warm_start(model: Model, model_dir: Path, conversion: Manifest, zero_copy: b
 
 
 def warm_up_kernels(model: Model, dtype: torch.dtype, a: ModelArgs, chunk: int) -> None:
-    """Triton compiles the MoE kernels and the backbone's here, for every prompt length, not in a request's TTFT."""
+    """Triton compiles the MoE kernels and the backbone's here, for every prompt length, not in a request's TTFT: where
+    experts stream (the store does not reach every record itself, so MoE takes the store's waves), the compacted
+    wave calls' variants too."""
     if model.moe_kernel is not None:
         log.info("compiling the MoE kernels")
         # each card's kernel on its slots (one device: the one pair)
         pairs = {id(b.ffn.kernel): (b.ffn.kernel, b.ffn.experts.gpu) for b in model.layers if b.moe}
         for kernel, records in pairs.values() or [(model.moe_kernel, model.experts.gpu)]:
             kernel.warm_up(dtype, records, a.n_routed_experts, chunk)
+            if not model.experts.visible:
+                warm_up_waves(kernel, dtype, records, chunk)
     log.info("compiling the backbone's kernels")
     warm_up_backbone(model, chunk)
 

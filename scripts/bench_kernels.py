@@ -69,14 +69,22 @@ def graph_time(calls: list, reps: int = 5) -> float:
     return start.elapsed_time(end) / 1e3 / reps / len(calls)
 
 
-def expert_pool(fmt: str, gen: torch.Generator, dim: int = DIM) -> tuple[RecordLayout, torch.Tensor]:
-    """256 records on the device: 16 distinct random experts (quantized on the GPU), each repeated; the
-    bytes differ only in content, so copies cost the same HBM reads."""
-    layout = RecordLayout.for_expert(fmt, dim, INTER)
-    records = torch.empty(EXPERTS, layout.nbytes, dtype=torch.uint8, device=DEV)
+def expert_pool(
+    fmt: str,
+    gen: torch.Generator,
+    dim: int = DIM,
+    inter: int = INTER,
+    experts: int = EXPERTS,
+    device: torch.device = DEV,
+) -> tuple[RecordLayout, torch.Tensor]:
+    """`experts` records (256) on the device: 16 distinct random experts (quantized on the GPU), each repeated; the
+    bytes differ only in content, so copies cost the same HBM reads. Other shapes and devices serve
+    bench_moe_waves.py's --cpu run (`gen` on `device`)."""
+    layout = RecordLayout.for_expert(fmt, dim, inter)
+    records = torch.empty(experts, layout.nbytes, dtype=torch.uint8, device=device)
     for e in range(16):
-        w13 = torch.randn(2 * INTER, dim, device=DEV, generator=gen) * 0.02
-        w2 = torch.randn(dim, INTER, device=DEV, generator=gen) * 0.02
+        w13 = torch.randn(2 * inter, dim, device=device, generator=gen) * 0.02
+        w2 = torch.randn(dim, inter, device=device, generator=gen) * 0.02
         if fmt == "nvfp4":
             (p13, s13, g13), (p2, s2, g2) = fp4.nvfp4_quantize(w13), fp4.nvfp4_quantize(w2)
             parts = {"w13": p13, "w13_scale": s13, "w2": p2, "w2_scale": s2, "scale_2": torch.stack([g13, g13, g2])}
@@ -84,7 +92,7 @@ def expert_pool(fmt: str, gen: torch.Generator, dim: int = DIM) -> tuple[RecordL
             (p13, s13), (p2, s2) = fp4.mxfp4_quantize(w13), fp4.mxfp4_quantize(w2)
             parts = {"w13": p13, "w13_scale": s13, "w2": p2, "w2_scale": s2}
         one = torch.frombuffer(bytearray(layout.pack({k: v.cpu() for k, v in parts.items()})), dtype=torch.uint8)
-        records[e::16] = one.to(DEV)
+        records[e::16] = one.to(device)
     return layout, records
 
 
@@ -93,13 +101,20 @@ def read_bytes(layout: RecordLayout) -> int:
 
 
 def routings(
-    t: int, gen: torch.Generator, n: int = CALLS, k: int = TOP_K
+    t: int,
+    gen: torch.Generator,
+    n: int = CALLS,
+    k: int = TOP_K,
+    experts: int = EXPERTS,
+    device: torch.device = DEV,
 ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """n random routings of t tokens: (ids [T, K], weights [T, K], distinct experts)."""
+    """n random routings of t tokens over `experts` (`gen` on the CPU): (ids [T, K], weights [T, K], distinct
+    experts)."""
     out = []
     for _ in range(n):
-        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:k] for _ in range(t)])
-        out.append((ids.to(DEV), (torch.rand(t, k, generator=gen) + 0.1).to(DEV), len(set(ids.flatten().tolist()))))
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=gen) + 0.1
+        out.append((ids.to(device), w.to(device), len(set(ids.flatten().tolist()))))
     return out
 
 

@@ -23,6 +23,9 @@
 #   bash scripts/gpu_round.sh simcheck      # the check of the simulation, RUNS (5) times under each of two calibrated V3
 #                                           # traces (reuse mid and low) at the whole V3's 16g share, beside the
 #                                           # simulation at the doctor's disk rate and at the run's (issue 51, item 4)
+#   bash scripts/gpu_round.sh waves         # a streamed prefill wave's compacted calls against the per-piece calls at
+#                                           # V3's expert shapes (scripts/bench_moe_waves.py), their tests on the card,
+#                                           # and the warm-up's GPU test with experts streamed
 #   bash scripts/gpu_round.sh train         # the small DeepSeek trained (3.5 min) and sent back in $OUT as 15 MB parts
 #                                           # (ts_src.tar.*), for the quality measurements the CPU machine makes:
 #                                           # cat ts_src.tar.* | tar -x -C DIR
@@ -131,6 +134,13 @@ simcheck() {
         --json "$OUT/sim_check.json" 2>&1 | grep -v -i warn | tee "$OUT/sim_check.log"
 }
 
+waves() {
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_waves.py tests/runtime/test_kernel_warm_up.py \
+        > "$OUT/waves_tests.log" 2>&1 || true
+    tail -3 "$OUT/waves_tests.log"
+    python3 scripts/bench_moe_waves.py --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/moe_waves.log"
+}
+
 train() {
     export PYTHONPATH=${PYTHONPATH:-$ROOT/src}
     [ -f "$TS/src/config.json" ] || python3 scripts/train_small.py "$TS/src" --minutes 3.5 2>&1 | tail -5
@@ -139,9 +149,9 @@ train() {
 
 for stage in "$@"; do
     case "$stage" in
-        setup | fp8 | first | levers | verify | prefill | widen | fp8attn | simcheck | train) "$stage" ;;
-        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify, prefill, widen, fp8attn, simcheck or" \
-               "train" >&2
+        setup | fp8 | first | levers | verify | prefill | widen | fp8attn | simcheck | waves | train) "$stage" ;;
+        *) echo "unknown stage $stage: give setup, fp8, first, levers, verify, prefill, widen, fp8attn, simcheck," \
+               "waves or train" >&2
            exit 2 ;;
     esac
 done

@@ -52,22 +52,37 @@ class MoEKernel:
         if self.triton and x.shape[0] <= MAX_TOKENS:
             return self.decode(x, ids, weights, records, offsets, add)
         # prefill only, as on the GPU, where decode is the decode kernel's
-        if self.mma and x.shape[0] > MAX_TOKENS:
-            mma = moe_prefill_mma if self.triton else moe_w4a8_ref
-            y = mma(x, ids, weights, records, offsets, self.layout, limit=self.limit)
-        elif self.host:
-            y = host_moe.moe_host(x, ids, weights, records, offsets, self.layout, self.limit)
-        elif not self.triton:
-            y = moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
+        if self.mma and x.shape[0] <= MAX_TOKENS:
+            y = self.unquantized(x, ids, weights, records, offsets)
         else:
-            y = moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)
+            y = self.prefill(x, ids, weights, records, offsets)
         # y: [T, D]
         return y if add is None else y + add
 
+    def prefill(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """The prefill path at any token count (arguments as __call__'s, ids [T, K'] of any K'): a streamed wave's
+        compacted calls (waves.py) take it for their pairs, however few, in place of decode's top-k workspaces."""
+        if self.mma:
+            mma = moe_prefill_mma if self.triton else moe_w4a8_ref
+            return mma(x, ids, weights, records, offsets, self.layout, limit=self.limit)
+        return self.unquantized(x, ids, weights, records, offsets)
+
+    def unquantized(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """The activations as they are (no MXFP8 round): the C kernel, the reference, or Triton's grouped GEMMs."""
+        if self.host:
+            return host_moe.moe_host(x, ids, weights, records, offsets, self.layout, self.limit)
+        if not self.triton:
+            return moe_ref(x, ids, weights, records, offsets, self.layout, self.limit)
+        return moe_prefill(x, ids, weights, records, offsets, self.layout, limit=self.limit)
+
     def warm_up(self, dtype: torch.dtype, records: torch.Tensor, n_experts: int, max_tokens: int) -> None:
         """Compile every kernel variant a call of up to max_tokens tokens can take (each decode token count,
-        the prefill kernels' row blocks) before the first token is timed and before any graph capture. No
-        expert is read: all are left out."""
+        the prefill kernels' row blocks) before the first token is timed and before any graph capture (a streamed
+        wave's compacted calls take others: waves.warm_up_waves). No expert is read: all are left out."""
         if not self.triton:
             return
         offsets = torch.full((n_experts,), ABSENT, dtype=torch.long, device=records.device)

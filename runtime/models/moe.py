@@ -14,6 +14,7 @@ from torch import nn
 from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
+from dsfp4.kernels.moe.waves import add_wave, compacts, present_pairs
 from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
 from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
@@ -184,7 +185,7 @@ class MoE(nn.Module):
         # captured: the loads run between this piece and the next, at each replay
         if self.cut is not None:
             return self._captured(ask, x, indices, weights, shared).view(shape)
-        return self._streamed(store.step(ask), x, indices, weights, shared, parts).view(shape)
+        return self._streamed(store.step(ask), x, indices, weights, shared, piece).view(shape)
 
     def _ask(
         self,
@@ -228,15 +229,20 @@ class MoE(nn.Module):
         indices: torch.Tensor,
         weights: torch.Tensor,
         shared: torch.Tensor | None,
-        parts: list[slice],
+        piece: int | None,
     ) -> torch.Tensor:
-        """An eager step's expert kernel over the store's waves (each wave over the tokens `parts` at a time), and the
-        host's share added behind them."""
-        y = None
+        """An eager step's expert kernel over the store's waves (each wave over the tokens `piece` at a time), and the
+        host's share added behind them. Above decode's tokens a wave that leaves pairs out takes only its own
+        (kernels/moe/waves.py), added to an fp32 sum."""
+        y, parts, compact = None, spans(x.shape[0], piece), compacts(x.shape[0], piece)
         with abandoned_on_error(got.job):
             weights = got.kept(weights)
             # one wave unless slots run short
             for offsets in got.offsets():
+                pairs = present_pairs(indices, offsets) if compact else None
+                if pairs is not None:
+                    y = add_wave(self.kernel, x, indices, weights, self.experts.gpu, offsets, pairs, piece, y)
+                    continue
                 wave = over(parts, lambda s, o=offsets: self.kernel(x[s], indices[s], weights[s], self.experts.gpu, o))
                 # several waves add up in fp32: each is rounded once, as one wave would be
                 y = wave if y is None else y.float() + wave

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsfp4.kernels.moe import waves
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.generate.layer_pass import chunked, grouped, trace_rows
@@ -16,6 +17,8 @@ from tests.runtime.test_expert_store import _engine
 # long enough for several chunks of CHUNK
 PROMPT = "Explain the tiers of the expert store, layer by layer"
 CHUNK = 4
+# a chunk the prefill kernel takes, past decode's tokens
+PREFILL_CHUNK = 20
 
 
 def _layers_asked(engine: Engine) -> list[int]:
@@ -56,6 +59,31 @@ def test_a_streamed_prompt_goes_through_each_layer_for_all_its_chunks_with_the_l
         assert len(moe) > 1 and asked == [layer for layer in moe for _ in range(groups)]  # layer by layer
         # a chunk whose attention missed its earlier chunks' rows would give other logits
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert streamed.generate(ids, max_tokens=6, temperature=0).token_ids == resident
+
+
+@pytest.mark.parametrize("group", [0, 2 * PREFILL_CHUNK])
+def test_chunks_past_decodes_tokens_take_compacted_waves_with_the_logits_and_tokens_of_one_chunk(
+    converted, monkeypatch, group
+):
+    """Chunks the prefill kernel takes (more than decode's MAX_TOKENS): each wave computes only the pairs of the experts
+    it brought (kernels/moe/waves.py, patched to count them), summed in fp32 in another order than the chunk's."""
+    from dsfp4.runtime.models import moe
+
+    pairs = []
+    real = moe.add_wave
+    monkeypatch.setattr(moe, "add_wave", lambda *a: pairs.append(a[6].numel()) or real(*a))
+    with Engine(converted, device="cpu", max_context=64) as whole:
+        ids = (whole.encode(PROMPT) * 3)[: 2 * PREFILL_CHUNK + 7]
+        expected = whole.logits(ids)
+        resident = whole.generate(ids, max_tokens=6, temperature=0).token_ids
+    assert not pairs and waves.compacts(PREFILL_CHUNK, None)
+    with _engine(converted, 3, 5, prefill_chunk=PREFILL_CHUNK) as streamed:
+        assert streamed.plan.prefill_group >= len(ids)
+        if group:
+            streamed.decoder.prefill_group = group
+        torch.testing.assert_close(streamed.logits(ids), expected, rtol=1e-4, atol=1e-4)
+        assert pairs and min(pairs) > 0
         assert streamed.generate(ids, max_tokens=6, temperature=0).token_ids == resident
 
 

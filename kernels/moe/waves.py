@@ -1,0 +1,169 @@
+"""A streamed layer's prefill wave as compacted calls: only the (token, slot) pairs whose expert the wave brought to
+the device, each a "token" of one choice, over the wave's experts renumbered 0..S-1 (runtime/models/moe.py
+MoE._streamed takes them above decode's token count).
+
+A wave of S of a layer's E experts holds about S / E of a step's pairs. Called over a chunk's tokens with all their
+ids, the prefill kernel would skip the others' pairs, having planned its tiles for the mean rows of all E experts
+(prefill.prefill_blocks: 16 an expert at a 512-token chunk of DeepSeek-V3, where its GEMMs run at a third of their
+rate at 128 rows); compacted, its tiles follow the S experts' real rows. Each pair's output row is then added to its
+token's row of an fp32 sum, a token's pairs by their place among its present pairs (they are consecutive, in slot
+order): one add's rows belong to distinct tokens, so the sum is the same bits on every run, without atomics.
+
+Legend: T tokens, D dim, K choices a token, E routed experts, S the wave's experts with pairs, P the wave's pairs,
+R a run's (at most run_pairs).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Callable, Hashable
+
+import torch
+
+from dsfp4.kernels.moe.decode import MAX_TOKENS
+from dsfp4.kernels.moe.kernel import MoEKernel, workspace_bytes
+from dsfp4.kernels.moe.prefill import prefill_blocks
+from dsfp4.layout.record import RecordLayout
+from dsfp4.layout.record_offsets import ABSENT
+
+FP32 = 4
+# Triton specializes an int argument divisible by this, and one equal to 1 (a run of one pair), as constants
+SPECIALIZED_DIVISOR = 16
+
+
+def compacts(tokens: int, piece: int | None) -> bool:
+    """Whether a streamed step of `tokens` tokens, through the kernel `piece` tokens at a time (None: all at once),
+    takes compacted waves: where a piece's call is a prefill call, whose workspace bounds the runs (run_pairs)."""
+    return min(tokens, piece or tokens) > MAX_TOKENS
+
+
+def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """ids: [T, K], offsets: the wave's [E] -> the pairs t * K + j whose expert is in the wave [P], in token-then-slot
+    order; None where every pair is (nothing to skip: the chunk's own calls)."""
+    present = (offsets[ids] != ABSENT).flatten()  # [T * K]
+    pairs = present.nonzero()[:, 0]
+    return None if pairs.numel() == present.numel() else pairs
+
+
+@functools.cache
+def run_pairs(
+    layout: RecordLayout, top_k: int, n_experts: int, piece: int, present: int, dtype: torch.dtype, mma: bool
+) -> int:
+    """The most pairs a compacted call over `present` experts takes: at most a piece's piece * top_k, and no more
+    than keep what it holds within a piece's call's, which the plan's workspace holds (runtime/plan/workspace.py
+    counts kernel.workspace_bytes at a chunk; a piece is at most one).
+
+    kernel.workspace_bytes(layout, 1, S, R) counts a call of R tokens of one choice: the expert rows, each expert's
+    run padded to whole blocks (prefill.max_blocks: every expert short of a block), the R pair rows, and 2 R rows
+    for the result and its sum with the shared experts' output, which a compacted call does not add: its gathered
+    input [R, D] takes that room (and MXFP8 codes of it and of the expert rows where the FP4 MMA runs, as a
+    token's). Its count can pass a piece's: the piece's [piece * K, D] pair rows come with only 2 piece rows beside
+    them, where R pair rows come with 2 R (their results and gathered input); and few experts take larger blocks. So
+    the runs stop at the count's limit: DeepSeek-V3 at 512-token chunks keeps 1,894 to 2,749 of the piece's 4,096
+    pairs (tested).
+    Within one tile size the count grows with the pairs (max_blocks does), and the tiles grow with them (at most
+    BLOCK_M_RANGE's four sizes), so a bisection per tile size finds the limit; a call of up to MAX_TOKENS pairs,
+    which the count takes for decode's, is counted as one of MAX_TOKENS + 1 (no more expert rows, fewer pairs)."""
+    budget = workspace_bytes(layout, top_k, n_experts, piece, dtype, mma)
+
+    def rows(r: int) -> int:
+        return prefill_blocks(r, present, layout).rows
+
+    def over(r: int) -> bool:
+        return workspace_bytes(layout, 1, present, max(r, MAX_TOKENS + 1), dtype, mma) > budget
+
+    most, lo = piece * top_k, 1
+    while lo <= most:
+        # the last count of lo's tile size
+        hi = lo + bisect.bisect_right(range(lo, most + 1), rows(lo), key=rows) - 1
+        if over(hi):
+            return lo + bisect.bisect_left(range(lo, hi + 1), True, key=over) - 1
+        lo = hi + 1
+    return most
+
+
+def add_wave(
+    kernel: MoEKernel,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    records: torch.Tensor,
+    offsets: torch.Tensor,
+    pairs: torch.Tensor,
+    piece: int | None,
+    y: torch.Tensor | None,
+) -> torch.Tensor:
+    """x: [T, D], ids: [T, K], weights: [T, K], records: the slot pool, offsets: the wave's [E], pairs: its
+    present_pairs [P], piece: the step's tokens a call (None: all) -> y [T, D] fp32, the waves' sum so far (None:
+    zeros; added to in place where fp32) with this wave's pairs added, in runs of at most run_pairs."""
+    t, k = ids.shape
+    y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if y is None else y.float()
+    # a wave none of whose experts a token chose (the CPU lane took them all) adds nothing
+    if not pairs.numel():
+        return y
+    experts = ids.flatten()[pairs]  # [P]
+    # the wave's experts that have pairs, renumbered in expert order, so that the tiles see their rows
+    used = torch.zeros(offsets.numel(), dtype=torch.bool, device=ids.device)
+    used[experts] = True
+    wave_offsets = offsets[used]  # [S]
+    local = (used.cumsum(0) - 1)[experts].view(-1, 1)  # [P, 1]
+    chosen = weights.flatten()[pairs].view(-1, 1)  # [P, 1]
+    tokens = pairs // k  # [P], ascending
+    # a pair's place among its token's present pairs (its token's run starts at the first pair >= t * K)
+    place = torch.arange(pairs.numel(), device=pairs.device) - torch.searchsorted(pairs, tokens * k)  # [P]
+    step = run_pairs(
+        kernel.layout, kernel.top_k, offsets.numel(), min(t, piece or t), wave_offsets.numel(), x.dtype, kernel.mma
+    )
+    for a in range(0, pairs.numel(), step):
+        run = slice(a, a + step)
+        out = kernel.prefill(x[tokens[run]], local[run], chosen[run], records, wave_offsets)  # [R, D]
+        add_rows(y, tokens[run], place[run], out, k)
+    return y
+
+
+def add_rows(y: torch.Tensor, tokens: torch.Tensor, place: torch.Tensor, out: torch.Tensor, k: int) -> None:
+    """y [T, D] fp32 += out [R, D] row by row into rows tokens [R], first every pair's of place 0, then of place 1 ...:
+    one add's tokens are distinct, and each token's rows add in slot order. An add's temporaries (out's rows and y's,
+    in fp32) take at most the room of the call's pair rows and gathered input, both freed (run_pairs)."""
+    order = torch.sort(place, stable=True).indices  # [R] by place, tokens ascending within
+    counts = torch.bincount(place, minlength=k).tolist()
+    most = max(1, 2 * out.shape[0] * out.element_size() // (out.element_size() + FP32))
+    at = 0
+    for n in counts:
+        for b in range(at, at + n, most):
+            rows = order[b : min(b + most, at + n)]
+            y[tokens[rows]] += out[rows]
+        at += n
+
+
+def wave_sizes(max_pairs: int, variant: Callable[[int], Hashable]) -> list[int]:
+    """One pair count per distinct variant(p) for calls of 1..max_pairs pairs (the smallest of each), ascending."""
+    sizes: dict[Hashable, int] = {}
+    for p in range(1, max_pairs + 1):
+        sizes.setdefault(variant(p), p)
+    return sorted(sizes.values())
+
+
+def wave_variant(layout: RecordLayout) -> Callable[[int], Hashable]:
+    """p -> what the prefill kernels compile for a compacted call of p pairs over one expert: the tiles, and Triton's
+    specialization of the pair count. A call over s experts takes the tiles of a mean of p / s rows, those of fewer
+    pairs over one expert; and each tile size meets pair counts of every class there (a multiple of 16, one, other)
+    wherever a call over more experts can (tests/kernels/test_moe_waves.py checks every (p, s) of DeepSeek-V3's)."""
+    return lambda p: (prefill_blocks(p, 1, layout), p % SPECIALIZED_DIVISOR == 0, p == 1)
+
+
+def warm_up_waves(kernel: MoEKernel, dtype: torch.dtype, records: torch.Tensor, max_tokens: int) -> int:
+    """Compile every variant a compacted call of a step of up to max_tokens tokens a call can take (the engine's
+    start, where experts stream: MoEKernel.warm_up compiles the chunks' own) -> the calls made (0 where no Triton
+    kernel runs). No expert is read: the one expert is left out."""
+    if not kernel.triton:
+        return 0
+    device = records.device
+    offsets = torch.full((1,), ABSENT, dtype=torch.long, device=device)
+    sizes = wave_sizes(max_tokens * kernel.top_k, wave_variant(kernel.layout))
+    for p in sizes:
+        x = torch.zeros(p, kernel.layout.dim, dtype=dtype, device=device)
+        ids = torch.zeros(p, 1, dtype=torch.long, device=device)
+        kernel.prefill(x, ids, torch.zeros(p, 1, device=device), records, offsets)
+    return len(sizes)

@@ -1,18 +1,22 @@
 """The whole model's time to first token, projected as whole_model.py projects its decode: the trace's rows after
 the profile's are the prompt, prefilled as `dsfp4 run` prefills it (simulate.py simulate_prefill: layer by layer, the
 feed-forward over the plan's prefill_group tokens at once) through the pools of a plan for the prompt and an answer,
-warm from the trace's first half; its compute is the prompt's FLOPs on the user's GPU's dense BF16 peak: the experts'
-at PREFILL_SHARE of it (what our prefill reached on the H100), the FP8 backbone's at its kernel path's share
+warm from the trace's first half; its compute is the prompt's FLOPs on the user's GPU's dense BF16 peak: the routed
+experts' at the share our prefill kernel reached on the H100 with as many rows an expert as the runtime's wave calls
+give it (wave_rows, expert_share), the shared experts' at PREFILL_SHARE, the FP8 backbone's at its kernel path's share
 (Machine.fp8_prefill), attention's against the positions before each token (the family's attention_flops,
 layout/family.py) at ATTENTION_SHARE (what it reached on the H200), and bringing the cached keys to the attended form
 once per attention call (key_expansion_flops) at PREFILL_SHARE."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from dsfp4.kernels.moe.waves import run_pairs
 from dsfp4.layout.manifest import Manifest
 from dsfp4.projection.machines import MACHINES, Machine
 from dsfp4.projection.simulate import Projection, StepCosts, simulate_prefill
@@ -33,6 +37,10 @@ from dsfp4.runtime.options import RunOptions
 # the share of a GPU's peak the projected prefill runs at: our prefill MoE's TFLOP/s at 4,096 tokens on the H100
 # over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
 PREFILL_SHARE = 310.5 / 989.4
+# the routed experts' prefill kernel by the rows an expert has in one call: (rows, TFLOP/s over the H100 SXM's peak);
+# NVFP4, 256 experts of V3's shapes, uniform top-8 routing of 512 to 4,096 tokens (bench_kernels, docs/BENCHMARKS.md
+# 2026-11-23, run 57); the kernel's tiles stop growing at 128 rows, and PREFILL_SHARE is that figure
+EXPERT_ROW_SHARES = ((16, 90.3 / 989.4), (32, 155.2 / 989.4), (64, 251.8 / 989.4), (128, PREFILL_SHARE))
 # the share attention against earlier positions runs at (its decompressed FLOPs over the peak, the keys' expansion
 # apart): fitted to layer-by-layer resident prefills of 32,768 tokens on the H200 (the users' order), the weights at
 # their kernels' profiled time, the expansion at PREFILL_SHARE, the hidden states' crossings at the link's rate
@@ -44,13 +52,35 @@ PROMPTS = (64, 512, 2048, 8192, 32768)
 ANSWER_TOKENS = 1024
 
 
-def prefill_costs(m: Manifest, machine: Machine) -> StepCosts:
-    """A prompt token's compute on the machine's GPU: the experts' (routed and shared) at PREFILL_SHARE of its peak,
-    the FP8 backbone's (attention's matrices, the dense layers, the head) at its kernel path's share
-    (Machine.fp8_prefill)."""
-    experts_rate, backbone_rate = machine.flops * PREFILL_SHARE, machine.flops * machine.fp8_prefill
+def expert_share(rows: float) -> float:
+    """The routed experts' prefill kernel's share of the peak at `rows` rows an expert a call (EXPERT_ROW_SHARES,
+    interpolated in log rows, flat outside them)."""
+    xs, ys = zip(*EXPERT_ROW_SHARES, strict=True)
+    return float(np.interp(np.log2(max(rows, 1.0)), np.log2(xs), ys))
+
+
+def wave_rows(m: Manifest, prompt: int, group: int, chunk: int, slots: int) -> float:
+    """Rows an expert has in a routed-kernel call of a layer-wise prefill (kernels/moe/waves.py): a wave holds what
+    the device slots hold of a layer's experts (at most all of them); its compacted calls take the pairs of the group's
+    tokens routed to those experts, as many a call as a chunk's workspace holds (waves.run_pairs), where that gives
+    them more rows than a chunk's call over all the experts (waves.gains), which they take otherwise."""
+    a = m.args
+    k, experts, piece = a.n_activated_experts, a.n_routed_experts, min(prompt, chunk)
+    present = min(slots, experts)
+    pairs = min(prompt, group) * k * present / experts
+    most = run_pairs(m.record, k, experts, piece, present, torch.bfloat16, False)
+    return max(pairs / max(1, math.ceil(pairs / most)) / present, piece * k / experts)
+
+
+def prefill_costs(m: Manifest, machine: Machine, rows: float = EXPERT_ROW_SHARES[-1][0]) -> StepCosts:
+    """A prompt token's compute on the machine's GPU: the routed experts' at expert_share(rows) of its peak (`rows`
+    an expert a kernel call), the shared experts' at PREFILL_SHARE, the FP8 backbone's (attention's matrices, the
+    dense layers, the head) at its kernel path's share (Machine.fp8_prefill)."""
+    a, backbone_rate = m.args, machine.flops * machine.fp8_prefill
     attn, experts, other = step_flops(m)
-    return StepCosts(attn / backbone_rate, experts / experts_rate, other / backbone_rate, HOST_S)
+    routed = a.n_activated_experts * 2.0 * 3 * a.dim * a.moe_inter_dim
+    experts_s = routed / (machine.flops * expert_share(rows)) + (experts - routed) / (machine.flops * PREFILL_SHARE)
+    return StepCosts(attn / backbone_rate, experts_s, other / backbone_rate, HOST_S)
 
 
 def context_seconds(m: Manifest, machine: Machine, n: int, attend: int = 0) -> np.ndarray:
@@ -91,13 +121,14 @@ def first_tokens(family: str, ids: np.ndarray, machines: list[str], prompts: tup
             half = len(trace) // 2
             warm = warm_order(trace[:half], m.args.n_routed_experts)
             prompt = trace[(half + np.arange(n)) % len(trace)]  # [n, L, K]
+            per_expert = wave_rows(m, n, plan.prefill_group, PREFILL_CHUNK, plan.gpu_slots)
             p = simulate_prefill(
                 prompt,
                 plan.gpu_slots,
                 plan.ram_slots,
                 m.record.nbytes,
                 machine.links,
-                prefill_costs(m, machine),
+                prefill_costs(m, machine, per_expert),
                 PREFILL_CHUNK,
                 RunOptions.policy,
                 warm,

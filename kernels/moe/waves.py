@@ -46,6 +46,16 @@ def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | No
     return None if pairs.numel() == present.numel() else pairs
 
 
+def gains(kernel: MoEKernel, pairs: int, offsets: torch.Tensor, piece: int, dtype: torch.dtype) -> bool:
+    """Whether a wave's `pairs` present pairs, compacted, give its experts more rows a call than a piece's call over
+    all of offsets' [E] experts does (piece * K / E): a wave of most of the experts, its runs cut to the piece's
+    workspace (run_pairs), can give fewer, and then keeps the piece's calls."""
+    n_experts = offsets.numel()
+    present = int((offsets != ABSENT).sum())
+    most = run_pairs(kernel.layout, kernel.top_k, n_experts, piece, max(present, 1), dtype, kernel.mma)
+    return min(pairs, most) * n_experts > piece * kernel.top_k * present
+
+
 @functools.cache
 def run_pairs(
     layout: RecordLayout, top_k: int, n_experts: int, piece: int, present: int, dtype: torch.dtype, mma: bool

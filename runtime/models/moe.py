@@ -14,7 +14,7 @@ from torch import nn
 from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.kernels.moe.waves import add_wave, compacts, present_pairs
+from dsfp4.kernels.moe.waves import add_wave, compacts, gains, present_pairs
 from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
 from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
@@ -233,14 +233,14 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """An eager step's expert kernel over the store's waves (each wave over the tokens `piece` at a time), and the
         host's share added behind them. Above decode's tokens a wave that leaves pairs out takes only its own
-        (kernels/moe/waves.py), added to an fp32 sum."""
+        (kernels/moe/waves.py), added to an fp32 sum, where that gives its experts more rows a call (waves.gains)."""
         y, parts, compact = None, spans(x.shape[0], piece), compacts(x.shape[0], piece)
         with abandoned_on_error(got.job):
             weights = got.kept(weights)
             # one wave unless slots run short
             for offsets in got.offsets():
                 pairs = present_pairs(indices, offsets) if compact else None
-                if pairs is not None:
+                if pairs is not None and gains(self.kernel, pairs.numel(), offsets, parts[0].stop, x.dtype):
                     y = add_wave(self.kernel, x, indices, weights, self.experts.gpu, offsets, pairs, piece, y)
                     continue
                 wave = over(parts, lambda s, o=offsets: self.kernel(x[s], indices[s], weights[s], self.experts.gpu, o))

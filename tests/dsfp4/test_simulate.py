@@ -375,3 +375,29 @@ def test_decode_at_a_long_context_reads_its_caches_and_keeps_the_backbone_on_the
     assert long.ram_cache_bytes > 0 and long.host_backbone == 0 and long.cache_s > short.cache_s
     assert 0.8 * short.tok_s < long.tok_s < short.tok_s
     assert "cache in RAM GB" in context_table([short, long])
+
+
+def test_the_routed_experts_prefill_at_the_kernels_share_for_the_rows_a_wave_call_gives_an_expert():
+    import math
+
+    import torch
+
+    from dsfp4.kernels.moe.waves import run_pairs
+    from dsfp4.projection.first_token import EXPERT_ROW_SHARES, PREFILL_SHARE, expert_share, prefill_costs, wave_rows
+    from dsfp4.projection.whole_model import full_plan
+
+    (lo, lo_share), (hi, hi_share) = EXPERT_ROW_SHARES[0], EXPERT_ROW_SHARES[-1]
+    assert expert_share(lo) == pytest.approx(lo_share) and expert_share(hi) == hi_share == PREFILL_SHARE
+    assert expert_share(1) == expert_share(lo) and expert_share(10 * hi) == PREFILL_SHARE  # flat outside
+    assert lo_share < expert_share(24) < EXPERT_ROW_SHARES[1][1]
+    m, _ = full_plan("v3", MACHINES["16g"])
+    # V3 on 16 GB at 32k: 17 device slots, a group of 11,776 tokens -> 6,256 pairs a wave, in runs a chunk's
+    # workspace holds
+    pairs, most = 11776 * 8 * 17 / 256, run_pairs(m.record, 8, 256, 512, 17, torch.bfloat16, False)
+    rows = wave_rows(m, 32768, 11776, 512, 17)
+    assert rows == pytest.approx(pairs / math.ceil(pairs / most) / 17) and rows > 100
+    # every expert in the wave, or too few pairs to fill more rows: a chunk's calls over all of them
+    assert wave_rows(m, 32768, 11776, 512, 300) == pytest.approx(512 * 8 / 256)
+    assert wave_rows(m, 100, 11776, 512, 17) == pytest.approx(100 * 8 / 256)
+    few, many = prefill_costs(m, MACHINES["16g"], lo), prefill_costs(m, MACHINES["16g"], hi)
+    assert few.experts_s > 2 * many.experts_s and few.attn_s == many.attn_s and few.other_s == many.other_s

@@ -229,3 +229,18 @@ def test_the_warm_up_calls_the_prefill_path_once_per_size_where_triton_runs(monk
     sizes = waves.wave_sizes(40, waves.wave_variant(layout))
     assert n == len(calls) == len(sizes) and [c[0] for c in calls] == sizes
     assert all(c[1] == (c[0], 1) and c[2] == [ABSENT] for c in calls)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_wave_of_most_experts_keeps_the_pieces_calls_where_its_runs_would_give_them_fewer_rows(fmt):
+    v3 = MoEKernel(RecordLayout.for_expert(fmt, 7168, 2048), 8, torch.device("cpu"))
+
+    def wave(present: int) -> torch.Tensor:  # [256] offsets, `present` experts in the wave
+        return torch.tensor([0 if e < present else ABSENT for e in range(256)], dtype=torch.long)
+
+    # a group of 11,776 tokens: a 17-expert wave's pairs fill runs of ~120 rows an expert against a chunk's 16
+    assert waves.gains(v3, 11776 * 8 * 17 // 256, wave(17), 512, torch.bfloat16)
+    # 151 experts: a run of at most ~2,700 pairs is ~18 rows an expert at best, ~13 where it is ~2,000; a chunk: 16
+    most = waves.run_pairs(v3.layout, 8, 256, 512, 151, torch.bfloat16, False)
+    assert waves.gains(v3, 11776 * 8 * 151 // 256, wave(151), 512, torch.bfloat16) == (most * 256 > 512 * 8 * 151)
+    assert not waves.gains(v3, 200, wave(151), 512, torch.bfloat16)  # few pairs: fewer rows than a chunk's

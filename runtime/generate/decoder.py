@@ -37,10 +37,12 @@ class Cancelled(Exception):
 def by_layer(tokens: int, chunk: int, visible: bool) -> bool:
     """A prompt of `tokens` goes through the model layer by layer (every chunk through a block before the next block)
     where the experts stream (not `visible`: the kernels do not reach every record without the host) and it takes
-    more than one chunk; the projection's prefill follows the same rule. Where every record is resident, a chunk
-    through every block after another was the faster order on the H200 at 2k-32k tokens, the larger attention calls
-    of a layer-wise pass included (docs/BENCHMARKS.md)."""
-    return tokens > chunk and not visible
+    more than one chunk of more than one token; the projection's prefill follows the same rule. Chunks of one token
+    are decode steps, each through every block (`--prefill-chunk 1`: eval scores the levers token by token, as they
+    act in decode, docs/eval.md). Where every record is resident, a chunk through every block after another was the
+    faster order on the H200 at 2k-32k tokens, the larger attention calls of a layer-wise pass included
+    (docs/BENCHMARKS.md)."""
+    return tokens > chunk > 1 and not visible
 
 
 def _check(cancel: threading.Event | None) -> None:

@@ -126,3 +126,12 @@ def test_a_pass_chunks_each_sequence_and_groups_whole_chunks_across_sequences():
     assert [[p.n for p in g] for g in grouped(pieces, 4)] == [[2, 2], [1, 2, 1]]
     assert [[p.n for p in g] for g in grouped(pieces, 1)] == [[2], [2], [1], [2], [1]]  # a chunk alone when longer
     assert trace_rows(grouped(pieces, 4)[1], [100, 200]) == [104, 200, 201, 202]
+
+
+def test_chunks_of_one_token_are_decode_steps_not_a_layer_wise_pass():
+    """--prefill-chunk 1 feeds token by token through every block, as decode does, so that eval scores the levers
+    where they act (a layer-wise pass brings every record a group uses, and then nothing is cold)."""
+    from dsfp4.runtime.generate.decoder import by_layer
+
+    assert by_layer(100, 4, visible=False) and not by_layer(100, 1, visible=False)
+    assert not by_layer(100, 4, visible=True) and not by_layer(4, 4, visible=False)

@@ -87,10 +87,14 @@ def check_fp8_attention(a: ModelArgs, cards: list[torch.device], model_dir: Path
         )
     for card in cards:
         if card.type == "cuda" and not fp8_kernel_runs(card):
-            raise ConfigError(
-                f"--fp8-attention: {card} (sm_{''.join(map(str, kernel_paths(card).capability or ()))}) has no FP8 "
-                "tensor cores (they start at sm_89: RTX 4090, H100); run without --fp8-attention"
+            # ROCm's torch names its cards "cuda" too; dsfp4's Triton kernels run on NVIDIA's alone
+            why = (
+                "is a ROCm card, where dsfp4's Triton kernels do not run"
+                if torch.version.hip is not None
+                else f"(sm_{''.join(map(str, kernel_paths(card).capability or ()))}) has no FP8 tensor cores (they "
+                "start at sm_89: RTX 4090, H100)"
             )
+            raise ConfigError(f"--fp8-attention: {card} {why}; run without --fp8-attention")
 
 
 def plan_engine(model_dir: str | os.PathLike, options: RunOptions) -> Plan:

@@ -49,6 +49,10 @@ def test_a_card_without_fp8_tensor_cores_is_refused_before_loading(converted, mo
     monkeypatch.setattr(load, "fp8_kernel_runs", lambda card: False)
     with pytest.raises(ConfigError, match=r"cuda:0 \(sm_86\) has no FP8 tensor cores"):
         run_target(converted, RunOptions(device="cuda", fp8_attention=True))
+    # ROCm: the reason is that no NVIDIA kernel runs there, not the card's number
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    with pytest.raises(ConfigError, match=r"cuda:0 is a ROCm card, where dsfp4's Triton kernels do not run"):
+        run_target(converted, RunOptions(device="cuda", fp8_attention=True))
 
 
 def _paths_of(capability: tuple[int, int]):

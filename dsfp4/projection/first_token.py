@@ -10,13 +10,12 @@ once per attention call (key_expansion_flops) at PREFILL_SHARE."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dsfp4.kernels.moe.waves import run_pairs
+from dsfp4.kernels.moe.waves import call_rows
 from dsfp4.layout.manifest import Manifest
 from dsfp4.projection.machines import MACHINES, Machine
 from dsfp4.projection.simulate import Projection, StepCosts, simulate_prefill
@@ -60,16 +59,14 @@ def expert_share(rows: float) -> float:
 
 
 def wave_rows(m: Manifest, prompt: int, group: int, chunk: int, slots: int) -> float:
-    """Rows an expert has in a routed-kernel call of a layer-wise prefill (kernels/moe/waves.py): a wave holds what
-    the device slots hold of a layer's experts (at most all of them); its compacted calls take the pairs of the group's
-    tokens routed to those experts, as many a call as a chunk's workspace holds (waves.run_pairs), where that gives
-    them more rows than a chunk's call over all the experts (waves.gains), which they take otherwise."""
+    """Rows an expert has in a routed-kernel call of a layer-wise prefill (kernels/moe/waves.py call_rows, the
+    runtime's rule): a wave holds what the device slots hold of a layer's experts (at most all of them) and the pairs
+    of the group's tokens routed to them."""
     a = m.args
     k, experts, piece = a.n_activated_experts, a.n_routed_experts, min(prompt, chunk)
     present = min(slots, experts)
     pairs = min(prompt, group) * k * present / experts
-    most = run_pairs(m.record, k, experts, piece, present, torch.bfloat16, False)
-    return max(pairs / max(1, math.ceil(pairs / most)) / present, piece * k / experts)
+    return call_rows(m.record, k, experts, piece, present, pairs, torch.bfloat16, False)[0]
 
 
 def prefill_costs(m: Manifest, machine: Machine, rows: float = EXPERT_ROW_SHARES[-1][0]) -> StepCosts:

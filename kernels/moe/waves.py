@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from collections.abc import Callable, Hashable
 
 import torch
@@ -46,14 +47,30 @@ def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | No
     return None if pairs.numel() == present.numel() else pairs
 
 
+def call_rows(
+    layout: RecordLayout,
+    top_k: int,
+    n_experts: int,
+    piece: int,
+    present: int,
+    pairs: float,
+    dtype: torch.dtype,
+    mma: bool,
+) -> tuple[float, bool]:
+    """(rows an expert has in a call of a wave of `present` of `n_experts` experts holding `pairs` pairs, whether it
+    takes compacted calls): compacted where its runs (run_pairs: within a piece's workspace, in equal shares) give its
+    experts more rows than a piece's call over all the experts does (piece * K / E); a wave of most of the experts,
+    its runs cut to the workspace, can give fewer, and then keeps the piece's calls."""
+    present = max(present, 1)
+    most = run_pairs(layout, top_k, n_experts, piece, present, dtype, mma)
+    compacted, whole = pairs / max(1, math.ceil(pairs / most)) / present, piece * top_k / n_experts
+    return (compacted, True) if compacted > whole else (whole, False)
+
+
 def gains(kernel: MoEKernel, pairs: int, offsets: torch.Tensor, piece: int, dtype: torch.dtype) -> bool:
-    """Whether a wave's `pairs` present pairs, compacted, give its experts more rows a call than a piece's call over
-    all of offsets' [E] experts does (piece * K / E): a wave of most of the experts, its runs cut to the piece's
-    workspace (run_pairs), can give fewer, and then keeps the piece's calls."""
-    n_experts = offsets.numel()
+    """Whether a wave's `pairs` present pairs (offsets: the wave's [E]) take compacted calls (call_rows)."""
     present = int((offsets != ABSENT).sum())
-    most = run_pairs(kernel.layout, kernel.top_k, n_experts, piece, max(present, 1), dtype, kernel.mma)
-    return min(pairs, most) * n_experts > piece * kernel.top_k * present
+    return call_rows(kernel.layout, kernel.top_k, offsets.numel(), piece, present, pairs, dtype, kernel.mma)[1]
 
 
 @functools.cache

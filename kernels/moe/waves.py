@@ -5,19 +5,21 @@ MoE._streamed takes them above decode's token count).
 A wave of S of a layer's E experts holds about S / E of a step's pairs. Called over a chunk's tokens with all their
 ids, the prefill kernel would skip the others' pairs, having planned its tiles for the mean rows of all E experts
 (prefill.prefill_blocks: 16 an expert at a 512-token chunk of DeepSeek-V3, where its GEMMs run at a third of their
-rate at 128 rows); compacted, its tiles follow the S experts' real rows. Each pair's output row is then added to its
-token's row of an fp32 sum, a token's pairs by their place among its present pairs (they are consecutive, in slot
-order): one add's rows belong to distinct tokens, so the sum is the same bits on every run, without atomics.
+rate at 128 rows); compacted, its tiles follow the experts' real rows. The pairs go to the kernel by expert, in runs
+that a chunk's workspace holds (expert_runs): a run spans the few experts whose pairs fill it, so a wave of most of
+a layer's experts still gives each the rows a group of tokens routes to it, not a run's share of all of them. Each
+pair's output row is then added to its token's row of an fp32 sum, a token's pairs by their place among its present
+pairs (in slot order): one add's rows belong to distinct tokens, so the sum is the same bits on every run, without
+atomics.
 
 Legend: T tokens, D dim, K choices a token, E routed experts, S the wave's experts with pairs, P the wave's pairs,
-R a run's (at most run_pairs).
+R a run's (at most run_pairs of the experts it spans).
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
-import math
 from collections.abc import Callable, Hashable
 
 import torch
@@ -47,6 +49,29 @@ def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | No
     return None if pairs.numel() == present.numel() else pairs
 
 
+def expert_runs(counts: list[int], cap: Callable[[int], int]) -> list[tuple[int, int, int, int]]:
+    """counts: the pairs of each of a wave's experts (each > 0, in expert order), cap(s): the most pairs a call over s
+    experts takes -> the runs (first pair, end pair, first expert, end expert) over the pairs sorted by
+    expert: consecutive spans, each as long as cap of the experts it spans allows; an expert whose pairs a run cannot
+    hold whole goes on in the next; a run holds at least one pair."""
+    runs, start, first, pos = [], 0, 0, 0
+    for e, c in enumerate(counts):
+        while c:
+            room = cap(e - first + 1) - (pos - start)
+            if room <= 0 and pos > start:
+                runs.append((start, pos, first, e))
+                start, first = pos, e
+                continue
+            take = min(c, max(room, 1))
+            pos, c = pos + take, c - take
+            if c:
+                runs.append((start, pos, first, e + 1))
+                start, first = pos, e
+    if pos > start:
+        runs.append((start, pos, first, len(counts)))
+    return runs
+
+
 def call_rows(
     layout: RecordLayout,
     top_k: int,
@@ -57,13 +82,15 @@ def call_rows(
     dtype: torch.dtype,
     mma: bool,
 ) -> tuple[float, bool]:
-    """(rows an expert has in a call of a wave of `present` of `n_experts` experts holding `pairs` pairs, whether it
-    takes compacted calls): compacted where its runs (run_pairs: within a piece's workspace, in equal shares) give its
-    experts more rows than a piece's call over all the experts does (piece * K / E); a wave of most of the experts,
-    its runs cut to the workspace, can give fewer, and then keeps the piece's calls."""
-    present = max(present, 1)
-    most = run_pairs(layout, top_k, n_experts, piece, present, dtype, mma)
-    compacted, whole = pairs / max(1, math.ceil(pairs / most)) / present, piece * top_k / n_experts
+    """(rows an expert has in a call of a wave of `present` of `n_experts` experts holding `pairs` pairs, in equal
+    shares, whether it takes compacted calls): compacted where its expert_runs give an expert more rows a call than a
+    piece's call over all the experts does (piece * K / E); a wave of few pairs spread over many experts can give
+    fewer, and then keeps the piece's calls."""
+    present, total = max(present, 1), max(1, round(pairs))
+    counts = [c for c in (total // present + (e < total % present) for e in range(present)) if c]
+    runs = expert_runs(counts, lambda s: run_pairs(layout, top_k, n_experts, piece, s, dtype, mma))
+    compacted = total / sum(end - first for _, _, first, end in runs)
+    whole = piece * top_k / n_experts
     return (compacted, True) if compacted > whole else (whole, False)
 
 
@@ -123,7 +150,8 @@ def add_wave(
 ) -> torch.Tensor:
     """x: [T, D], ids: [T, K], weights: [T, K], records: the slot pool, offsets: the wave's [E], pairs: its
     present_pairs [P], piece: the step's tokens a call (None: all) -> y [T, D] fp32, the waves' sum so far (None:
-    zeros; added to in place where fp32) with this wave's pairs added, in runs of at most run_pairs."""
+    zeros; added to in place where fp32) with this wave's pairs added, by expert in expert_runs (each at most
+    run_pairs of the experts it spans)."""
     t, k = ids.shape
     y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if y is None else y.float()
     # a wave none of whose experts a token chose (the CPU lane took them all) adds nothing
@@ -134,17 +162,23 @@ def add_wave(
     used = torch.zeros(offsets.numel(), dtype=torch.bool, device=ids.device)
     used[experts] = True
     wave_offsets = offsets[used]  # [S]
-    local = (used.cumsum(0) - 1)[experts].view(-1, 1)  # [P, 1]
-    chosen = weights.flatten()[pairs].view(-1, 1)  # [P, 1]
+    local = (used.cumsum(0) - 1)[experts]  # [P]
     tokens = pairs // k  # [P], ascending
     # a pair's place among its token's present pairs (its token's run starts at the first pair >= t * K)
     place = torch.arange(pairs.numel(), device=pairs.device) - torch.searchsorted(pairs, tokens * k)  # [P]
-    step = run_pairs(
-        kernel.layout, kernel.top_k, offsets.numel(), min(t, piece or t), wave_offsets.numel(), x.dtype, kernel.mma
-    )
-    for a in range(0, pairs.numel(), step):
-        run = slice(a, a + step)
-        out = kernel.prefill(x[tokens[run]], local[run], chosen[run], records, wave_offsets)  # [R, D]
+    # by expert (tokens ascending within one), so that a run spans few experts
+    order = torch.sort(local, stable=True).indices  # [P]
+    local, tokens, place = local[order], tokens[order], place[order]
+    chosen = weights.flatten()[pairs[order]].view(-1, 1)  # [P, 1]
+    counts = torch.bincount(local, minlength=wave_offsets.numel()).tolist()
+
+    def cap(s: int) -> int:
+        return run_pairs(kernel.layout, kernel.top_k, offsets.numel(), min(t, piece or t), s, x.dtype, kernel.mma)
+
+    for a, b, first, end in expert_runs(counts, cap):
+        run = slice(a, b)
+        own = (local[run] - first).view(-1, 1)  # [R, 1]: the run's experts renumbered from 0
+        out = kernel.prefill(x[tokens[run]], own, chosen[run], records, wave_offsets[first:end])  # [R, D]
         add_rows(y, tokens[run], place[run], out, k)
     return y
 

@@ -4,6 +4,7 @@ and the variants the engine's warm-up compiles for them."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -144,8 +145,9 @@ def test_a_wave_adds_to_the_waves_before_it_and_every_pair_present_takes_the_chu
     assert not waves.compacts(40, 16) and not waves.compacts(16, None) and waves.compacts(17, None)
 
 
-def test_the_runs_stay_within_a_pieces_pairs_and_workspace_and_sum_as_one(monkeypatch):
-    """Runs cut short (a bound of 7 pairs) give the one-run result, each within the bound and the piece's count."""
+def test_the_runs_go_by_expert_within_a_pieces_pairs_and_workspace_and_sum_as_one(monkeypatch):
+    """Runs cut short (a bound that shrinks with the experts a run spans) give the one-run result, each call over the
+    experts its pairs belong to, renumbered from 0, within the bound."""
     layout, x, ids, weights, records, offsets = _wave(60, 3, 5, 3, torch.float32)
     kernel = _kernel("cpu", layout, 3)
     whole = _compacted(kernel, x, ids, weights, records, offsets, 20)
@@ -155,13 +157,16 @@ def test_the_runs_stay_within_a_pieces_pairs_and_workspace_and_sum_as_one(monkey
     def prefill(xw, local, chosen, records, wave_offsets):
         calls.append((xw.shape[0], wave_offsets.numel()))
         assert local.shape == chosen.shape == (xw.shape[0], 1)
+        # every expert of the call has pairs in it
+        assert torch.equal(local.flatten().unique(), torch.arange(wave_offsets.numel()))
         return real(xw, local, chosen, records, wave_offsets)
 
     monkeypatch.setattr(kernel, "prefill", prefill)
-    monkeypatch.setattr(waves, "run_pairs", lambda *a: 7)
+    monkeypatch.setattr(waves, "run_pairs", lambda *a: 14 - 3 * a[4])
     cut = _compacted(kernel, x, ids, weights, records, offsets, 20)
     pairs = waves.present_pairs(ids, offsets).numel()
-    assert [c[0] for c in calls] == [7] * (pairs // 7) + [pairs % 7] * bool(pairs % 7)
+    assert sum(c[0] for c in calls) == pairs and all(r <= max(1, 14 - 3 * s) for r, s in calls)
+    assert any(s > 1 for _, s in calls) and len(calls) > 5
     assert _rel(cut, whole) < 1e-6
     monkeypatch.undo()
     bound = waves.run_pairs(layout, 3, N_EXPERTS, 20, 5, torch.float32, False)
@@ -232,15 +237,47 @@ def test_the_warm_up_calls_the_prefill_path_once_per_size_where_triton_runs(monk
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_a_wave_of_most_experts_keeps_the_pieces_calls_where_its_runs_would_give_them_fewer_rows(fmt):
+def test_a_wave_of_most_experts_gives_each_its_groups_rows_and_few_pairs_keep_the_pieces_calls(fmt):
     v3 = MoEKernel(RecordLayout.for_expert(fmt, 7168, 2048), 8, torch.device("cpu"))
 
     def wave(present: int) -> torch.Tensor:  # [256] offsets, `present` experts in the wave
         return torch.tensor([0 if e < present else ABSENT for e in range(256)], dtype=torch.long)
 
-    # a group of 11,776 tokens: a 17-expert wave's pairs fill runs of ~120 rows an expert against a chunk's 16
-    assert waves.gains(v3, 11776 * 8 * 17 // 256, wave(17), 512, torch.bfloat16)
-    # 151 experts: a run of at most ~2,700 pairs is ~18 rows an expert at best, ~13 where it is ~2,000; a chunk: 16
-    most = waves.run_pairs(v3.layout, 8, 256, 512, 151, torch.bfloat16, False)
-    assert waves.gains(v3, 11776 * 8 * 151 // 256, wave(151), 512, torch.bfloat16) == (most * 256 > 512 * 8 * 151)
-    assert not waves.gains(v3, 200, wave(151), 512, torch.bfloat16)  # few pairs: fewer rows than a chunk's
+    # a group of 11,776 tokens routes ~368 pairs to an expert: runs of ~2,000-2,700 pairs by expert hold ~7 of them,
+    # most whole, whether the wave holds 17 experts or 151 (a chunk's calls: 16 rows an expert)
+    for present in (17, 151, 256):
+        rows, compacted = waves.call_rows(
+            v3.layout, 8, 256, 512, present, 11776 * 8 * present / 256, torch.bfloat16, False
+        )
+        assert compacted and 250 < rows <= 368
+        assert waves.gains(v3, 11776 * 8 * present // 256, wave(present), 512, torch.bfloat16)
+    # few pairs over many experts: fewer rows than a chunk's
+    assert waves.call_rows(v3.layout, 8, 256, 512, 151, 200, torch.bfloat16, False) == (16.0, False)
+    assert not waves.gains(v3, 200, wave(151), 512, torch.bfloat16)
+
+
+def _check_runs(counts: list[int], cap, runs: list[tuple[int, int, int, int]]) -> None:
+    """runs are expert_runs(counts, cap): consecutive, covering every pair, each spanning the experts its pairs
+    belong to and within cap of them (or one pair), each full where the next could have added to it."""
+    starts = [0, *itertools.accumulate(counts)]  # the first pair of each expert, and the end
+    assert runs[0][0] == 0 and runs[-1][1] == starts[-1]
+    for (a, b, first, end), nxt in zip(runs, [*runs[1:], None], strict=True):
+        assert a < b and (nxt is None or nxt[0] == b)
+        assert starts[first] <= a < starts[first + 1] and starts[end - 1] < b <= starts[end]
+        assert b - a <= max(cap(end - first), 1)
+        if nxt is not None and nxt[2] == end - 1:
+            # an expert cut across runs: its first run was full
+            assert b - a >= cap(end - first)
+
+
+def test_expert_runs_cover_the_pairs_by_expert_within_the_cap_of_the_experts_they_span():
+    draw = random.Random(7)
+    caps = [lambda s: 7, lambda s: max(1, 12 - 2 * s), lambda s: 0, lambda s: 1000]
+    for _ in range(400):
+        counts = [draw.randint(1, 20) for _ in range(draw.randint(1, 12))]
+        for cap in caps:
+            _check_runs(counts, cap, waves.expert_runs(counts, cap))
+    # a run filled by the next expert's first pairs, and one run where it holds them all
+    assert waves.expert_runs([3, 4], lambda s: 4) == [(0, 4, 0, 2), (4, 7, 1, 2)]
+    assert waves.expert_runs([3, 4], lambda s: 9) == [(0, 7, 0, 2)]
+    assert waves.expert_runs([5], lambda s: 2) == [(0, 2, 0, 1), (2, 4, 0, 1), (4, 5, 0, 1)]

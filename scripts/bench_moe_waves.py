@@ -27,7 +27,7 @@ import torch
 from bench_kernels import DIM, EXPERTS, INTER, TOP_K, expert_pool, routings
 
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.kernels.moe.waves import add_wave, present_pairs, run_pairs
+from dsfp4.kernels.moe.waves import add_wave, expert_runs, present_pairs, run_pairs
 from dsfp4.layout.record_offsets import ABSENT, record_offsets
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -105,16 +105,21 @@ def case(shapes: Shapes, fmt: str, pool: tuple, g: int, s: int, device: torch.de
     y = torch.zeros(g, shapes.dim, dtype=torch.float32, device=device)
     old = seconds(lambda: old_wave(*args, y), device, reps)
     compact = seconds(lambda: compact_wave(*args, y), device, reps)
-    pairs = int((offsets[ids] != ABSENT).sum())
+    chosen = ids.flatten()[offsets[ids].flatten() != ABSENT]  # [P] the present pairs' experts
+    counts = [c for c in torch.bincount(chosen, minlength=shapes.experts).tolist() if c]
+    pairs = sum(counts)
     flops = pairs * FLOPS_PER_WEIGHT * shapes.dim * shapes.inter
-    run = run_pairs(layout, shapes.top_k, shapes.experts, shapes.piece, s, x.dtype, kernel.mma)
+    runs = expert_runs(
+        counts, lambda n: run_pairs(layout, shapes.top_k, shapes.experts, shapes.piece, n, x.dtype, kernel.mma)
+    )
     return {
         "fmt": fmt,
         "G": g,
         "S": s,
         "pairs": pairs,
-        "runs": -(-pairs // run),
-        "run_pairs": run,
+        "runs": len(runs),
+        # rows an expert has in a call, on average over the calls' experts
+        "call_rows": pairs / sum(end - first for _, _, first, end in runs),
         "old_ms": old * 1e3,
         "compact_ms": compact * 1e3,
         "old_TFLOPs": flops / old / 1e12,
@@ -156,14 +161,14 @@ def main() -> int:
         f"{shapes.piece}; ms a wave and TFLOP/s of its present experts"
     )
     print(
-        f"{'fmt':<6} {'G':>6} {'S':>4} {'pairs':>7} {'runs':>4} {'old ms':>9} {'TF/s':>6} {'compact ms':>10} "
-        f"{'TF/s':>6} {'speedup':>7} {'rel err':>8}"
+        f"{'fmt':<6} {'G':>6} {'S':>4} {'pairs':>7} {'runs':>4} {'rows':>5} {'old ms':>9} {'TF/s':>6} "
+        f"{'compact ms':>10} {'TF/s':>6} {'speedup':>7} {'rel err':>8}"
     )
     for r in rows:
         print(
-            f"{r['fmt']:<6} {r['G']:>6} {r['S']:>4} {r['pairs']:>7} {r['runs']:>4} {r['old_ms']:>9.2f} "
-            f"{r['old_TFLOPs']:>6.1f} {r['compact_ms']:>10.2f} {r['compact_TFLOPs']:>6.1f} {r['speedup']:>6.2f}x "
-            f"{r['rel_err']:>8.1e}"
+            f"{r['fmt']:<6} {r['G']:>6} {r['S']:>4} {r['pairs']:>7} {r['runs']:>4} {r['call_rows']:>5.0f} "
+            f"{r['old_ms']:>9.2f} {r['old_TFLOPs']:>6.1f} {r['compact_ms']:>10.2f} {r['compact_TFLOPs']:>6.1f} "
+            f"{r['speedup']:>6.2f}x {r['rel_err']:>8.1e}"
         )
     return 0
 

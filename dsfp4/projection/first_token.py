@@ -32,6 +32,7 @@ from dsfp4.projection.whole_model import (
     warm_order,
 )
 from dsfp4.runtime.options import RunOptions
+from dsfp4.runtime.store.waves import wave_size
 
 # the share of a GPU's peak the projected prefill runs at: our prefill MoE's TFLOP/s at 4,096 tokens on the H100
 # over the H100 SXM's dense BF16 peak (docs/BENCHMARKS.md, 2026-11-23)
@@ -60,11 +61,11 @@ def expert_share(rows: float) -> float:
 
 def wave_rows(m: Manifest, prompt: int, group: int, chunk: int, slots: int) -> float:
     """Rows an expert has in a routed-kernel call of a layer-wise prefill (kernels/moe/waves.py call_rows, the
-    runtime's rule): a wave holds what the device slots hold of a layer's experts (at most all of them) and the pairs
-    of the group's tokens routed to them."""
+    runtime's rule): a wave holds the store's wave_size of a layer's experts and the pairs of the group's tokens
+    routed to them."""
     a = m.args
     k, experts, piece = a.n_activated_experts, a.n_routed_experts, min(prompt, chunk)
-    present = min(slots, experts)
+    present = min(wave_size(experts, slots), experts)
     pairs = min(prompt, group) * k * present / experts
     return call_rows(m.record, k, experts, piece, present, pairs, torch.bfloat16, False)[0]
 

@@ -10,9 +10,10 @@ What a decode step does, as the store does it (runtime/store/expert_store.py), M
      copies queued behind this layer's own, never evicting one of this layer's experts;
   4. the experts compute once every chosen record is on the device.
 The dense layers and the head run once per token (`other_s`). A prompt's chunk (simulate_prefill) does the same
-with every token of the chunk at once: its layer's distinct experts come in waves of at most the device slots,
-device hits first, then RAM's, then the SSD's; a wave's reads start as the wave before it computes, and its copies
-wait for that compute to free the slots. Pools are global across layers and inclusive, as the store's (a device
+with every token of the chunk at once: its layer's distinct experts come in waves of the store's wave_size (all of
+them where the device slots hold them, else half the slots a wave), device hits first, then RAM's, then the SSD's;
+a wave's reads start as the wave before it computes, and its copies wait for the compute of the wave before that
+(or, in one wave, for nothing) to free the slots. Pools are global across layers and inclusive, as the store's (a device
 hit touches the RAM copy). Simplifications, stated: a slot whose load is in flight may be chosen as a victim (the
 store pins it), and reads and copies of a queue run one after another at the link's full rate (the store keeps
 several reads in flight to reach it). Legend: N tokens, L MoE layers, K experts per token.
@@ -31,6 +32,7 @@ from dsfp4.runtime.store.lever_rules import host_candidates, leave_out, swap_col
 from dsfp4.runtime.store.placement import hold_hottest
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.runtime.store.slots import SlotPool
+from dsfp4.runtime.store.waves import wave_size
 
 # (layer, expert)
 Key = tuple[int, int]
@@ -471,25 +473,27 @@ def _prefill_layer(
         return 0 if key in tiers.gpu else 1 if key in tiers.ram else 2
 
     order = sorted(keys, key=tier)
-    # the wave's reads start; its slots are free
-    start, free = routed, routed
-    for at in range(0, len(order), gpu_slots):
-        wave = order[at : at + gpu_slots]
+    # when each wave's compute is done, the two before a wave first: its copies take the slots of the one before
+    # the last (store/waves.py)
+    start, done = routed, [routed, routed]
+    size = wave_size(len(order), gpu_slots)
+    for at in range(0, len(order), size):
+        wave = order[at : at + size]
         protected, ready = set(wave), start
         for key in wave:
             if (there := tiers.on_gpu(key)) is not None:
                 out.device_hits += 1
                 ready = max(ready, there)
                 continue
-            arrival = tiers.bring(key, start, protected, demand=True, copy_after=free)
+            arrival = tiers.bring(key, start, protected, demand=True, copy_after=done[-2])
             if arrival is None:
                 raise ValueError(f"{gpu_slots} device slots cannot hold a wave of {len(wave)} experts")
             ready = max(ready, arrival)
-        out.stall_s += ready - max(start, free)
+        out.stall_s += max(0.0, ready - max(start, done[-1]))
         # of the chunk's routed compute
         share = sum(int(uses[e]) for _, e in wave) / (n * top_k)
-        # the wave's compute frees its slots
-        free = ready + share * n * costs.experts_s
+        # the wave computes once its records are there and the wave before it is done, then frees its slots
+        done.append(max(ready, done[-1]) + share * n * costs.experts_s)
         # the store is asked for the next wave once this one is queued
         start = ready
-    return tiers.stream(free, reads * host.experts_bytes * streamed, 0.0)
+    return tiers.stream(done[-1], reads * host.experts_bytes * streamed, 0.0)

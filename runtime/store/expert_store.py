@@ -39,6 +39,7 @@ from dsfp4.runtime.store.slots import SlotPool
 from dsfp4.runtime.store.step_levers import StepLevers
 from dsfp4.runtime.store.transfers import Transfers
 from dsfp4.runtime.store.use_counts import DeviceUseCounts
+from dsfp4.runtime.store.waves import wave_size
 
 # (layer, expert)
 Key = tuple[int, int]
@@ -263,8 +264,8 @@ class ExpertStore:
     def load_waves(
         self, layer: int, experts: list[int], prefetch: tuple[int, list[int]] | None = None, host: list[int] = ()
     ) -> Iterator[list[int]]:
-        """Yield `experts` in waves of at most the device slot count (a long prompt's layer may use more
-        experts than fit): those on the device first, then those in RAM, then the SSD's. When a wave is
+        """Yield `experts` in waves of wave_size (all at once where the device slots hold them; a long prompt's layer
+        may use more experts than fit): those on the device first, then those in RAM, then the SSD's. When a wave is
         yielded its records are on the device for compute queued on the current stream (copies are
         waited for there, not on the host); their slots are refilled only after the compute queued
         before the next wave (or the end). `prefetch` (next layer, predicted experts) starts once this
@@ -280,8 +281,9 @@ class ExpertStore:
         # the host takes every expert of the step: the guesses still go
         if not order and prefetch is not None:
             self.route(prefetch[0]).prefetch(*prefetch, protect={(layer, e) for e in host})
-        for first in range(0, len(order), self.plan.gpu_slots):
-            wave = order[first : first + self.plan.gpu_slots]
+        size = wave_size(len(order), self.plan.gpu_slots)
+        for first in range(0, len(order), size):
+            wave = order[first : first + size]
             protected = {(layer, e) for e in wave}
             # once per wave: a blocked allocation retires again in wait_any
             self.io.retire()

@@ -389,11 +389,12 @@ def test_the_routed_experts_prefill_at_the_kernels_share_for_the_rows_a_wave_cal
     assert expert_share(1) == expert_share(lo) and expert_share(10 * hi) == PREFILL_SHARE  # flat outside
     assert lo_share < expert_share(24) < EXPERT_ROW_SHARES[1][1]
     m, _ = full_plan("v3", MACHINES["16g"])
-    # V3 on 16 GB at 32k: 17 device slots, a group of 11,776 tokens -> 368 pairs an expert, in runs by expert that a
-    # chunk's workspace holds (call_rows): most experts whole in a call; so too a wave of every expert (24 GB's)
-    pairs = 11776 * 8 * 17 / 256
+    # V3 on 16 GB at 32k: 17 device slots in waves of 8 (store/waves.py), a group of 11,776 tokens -> 368 pairs an
+    # expert, in runs by expert that a chunk's workspace holds (call_rows): most experts whole in a call; so too a
+    # wave of every expert (24 GB's)
+    pairs = 11776 * 8 * 8 / 256
     rows = wave_rows(m, 32768, 11776, 512, 17)
-    assert rows == call_rows(m.record, 8, 256, 512, 17, pairs, torch.bfloat16, False)[0] and 250 < rows <= 368
+    assert rows == call_rows(m.record, 8, 256, 512, 8, pairs, torch.bfloat16, False)[0] and 250 < rows <= 368
     assert 250 < wave_rows(m, 32768, 11776, 512, 300) <= 368
     # too few pairs to fill more rows: a chunk's calls over all of them
     assert wave_rows(m, 100, 11776, 512, 256) == pytest.approx(100 * 8 / 256)

@@ -364,3 +364,26 @@ def test_on_cuda_everything_resident_decodes_by_graph_replay_with_the_tokens_of_
             assert engine.model.experts.all_resident
     assert runs[True].stats.decode_mode == "CUDA graph" and runs[False].stats.decode_mode == "eager: --no-cuda-graph"
     assert runs[True].token_ids == runs[False].token_ids
+
+
+def test_a_layer_of_more_experts_than_slots_comes_in_waves_of_half_the_slots(converted):
+    """Where one wave cannot hold a layer's experts, a wave takes half the slots (store/waves.py): its copies land in
+    slots the wave before it does not hold. Every expert comes once, its record the one on disk."""
+    from dsfp4.runtime.plan.planner import expert_layers
+    from dsfp4.runtime.store.waves import wave_size
+
+    assert [wave_size(e, 6) for e in (1, 6, 7, 40)] == [6, 6, 3, 3] and wave_size(9, 1) == 1
+    engine = _engine(converted, gpu_slots=4)
+    with engine:
+        store = engine.model.experts
+        layer = expert_layers(store.manifest)[0]
+        experts = list(range(store.n_experts))
+        assert len(experts) > 4
+        seen = []
+        for wave in store.load_waves(layer, experts):
+            assert len(wave) <= 2
+            seen += wave
+            for e in wave:
+                gpu, ram = store.gpu_pool.slot_of[(layer, e)], store.ram_pool.slot_of[(layer, e)]
+                assert torch.equal(store.gpu[gpu], store.ram[ram])
+        assert sorted(seen) == experts

@@ -105,8 +105,7 @@ def case(shapes: Shapes, fmt: str, pool: tuple, g: int, s: int, device: torch.de
     y = torch.zeros(g, shapes.dim, dtype=torch.float32, device=device)
     old = seconds(lambda: old_wave(*args, y), device, reps)
     compact = seconds(lambda: compact_wave(*args, y), device, reps)
-    chosen = ids.flatten()[offsets[ids].flatten() != ABSENT]  # [P] the present pairs' experts
-    counts = [c for c in torch.bincount(chosen, minlength=shapes.experts).tolist() if c]
+    counts = [c for c in present_pairs(ids, offsets).counts if c]
     pairs = sum(counts)
     flops = pairs * FLOPS_PER_WEIGHT * shapes.dim * shapes.inter
     runs = expert_runs(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,12 +42,27 @@ def compacts(tokens: int, piece: int | None) -> bool:
     return min(tokens, piece or tokens) > MAX_TOKENS
 
 
-def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
-    """ids: [T, K], offsets: the wave's [E] -> the pairs t * K + j whose expert is in the wave [P], in token-then-slot
-    order; None where every pair is (nothing to skip: the chunk's own calls)."""
+@dataclass(frozen=True)
+class WavePairs:
+    """A wave's present pairs: pairs [P], the pairs t * K + j whose expert is in the wave, in token-then-slot order (on
+    the device); counts, each of the layer's E experts' pairs among them (on the host)."""
+
+    pairs: torch.Tensor
+    counts: list[int]
+
+
+def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> WavePairs | None:
+    """ids: [T, K], offsets: the wave's [E] -> its WavePairs, from one wait for the device (the counts); None where
+    every pair is present (nothing to skip: the chunk's own calls)."""
     present = (offsets[ids] != ABSENT).flatten()  # [T * K]
-    pairs = present.nonzero()[:, 0]
-    return None if pairs.numel() == present.numel() else pairs
+    per_expert = torch.zeros(offsets.numel(), dtype=torch.long, device=ids.device)
+    counts = per_expert.scatter_add_(0, ids.flatten(), present.long()).tolist()
+    n = sum(counts)
+    if n == present.numel():
+        return None
+    # the present pairs first, each side in index order (a stable sort: no wait for their count)
+    pairs = torch.sort((~present).to(torch.uint8), stable=True).indices[:n]  # [P]
+    return WavePairs(pairs, counts)
 
 
 def expert_runs(counts: list[int], cap: Callable[[int], int]) -> list[tuple[int, int, int, int]]:
@@ -94,10 +110,10 @@ def call_rows(
     return (compacted, True) if compacted > whole else (whole, False)
 
 
-def gains(kernel: MoEKernel, pairs: int, offsets: torch.Tensor, piece: int, dtype: torch.dtype) -> bool:
-    """Whether a wave's `pairs` present pairs (offsets: the wave's [E]) take compacted calls (call_rows)."""
-    present = int((offsets != ABSENT).sum())
-    return call_rows(kernel.layout, kernel.top_k, offsets.numel(), piece, present, pairs, dtype, kernel.mma)[1]
+def gains(kernel: MoEKernel, wave: WavePairs, piece: int, dtype: torch.dtype) -> bool:
+    """Whether a wave's present pairs take compacted calls (call_rows over the experts that have pairs)."""
+    present, pairs = sum(c > 0 for c in wave.counts), len(wave.pairs)
+    return call_rows(kernel.layout, kernel.top_k, len(wave.counts), piece, present, pairs, dtype, kernel.mma)[1]
 
 
 @functools.cache
@@ -144,51 +160,58 @@ def add_wave(
     weights: torch.Tensor,
     records: torch.Tensor,
     offsets: torch.Tensor,
-    pairs: torch.Tensor,
+    wave: WavePairs,
     piece: int | None,
     y: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x: [T, D], ids: [T, K], weights: [T, K], records: the slot pool, offsets: the wave's [E], pairs: its
-    present_pairs [P], piece: the step's tokens a call (None: all) -> y [T, D] fp32, the waves' sum so far (None:
-    zeros; added to in place where fp32) with this wave's pairs added, by expert in expert_runs (each at most
-    run_pairs of the experts it spans)."""
+    """x: [T, D], ids: [T, K], weights: [T, K], records: the slot pool, offsets: the wave's [E], wave: its
+    present_pairs, piece: the step's tokens a call (None: all) -> y [T, D] fp32, the waves' sum so far (None: zeros;
+    added to in place where fp32) with this wave's pairs added, by expert in expert_runs (each at most run_pairs of
+    the experts it spans). One wait for the device besides present_pairs': the runs' rows by place."""
     t, k = ids.shape
     y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if y is None else y.float()
+    pairs, dev = wave.pairs, ids.device
     # a wave none of whose experts a token chose (the CPU lane took them all) adds nothing
     if not pairs.numel():
         return y
     experts = ids.flatten()[pairs]  # [P]
     # the wave's experts that have pairs, renumbered in expert order, so that the tiles see their rows
-    used = torch.zeros(offsets.numel(), dtype=torch.bool, device=ids.device)
-    used[experts] = True
-    wave_offsets = offsets[used]  # [S]
+    have = [e for e, c in enumerate(wave.counts) if c]
+    have_ids = torch.tensor(have, device=dev)  # [S]
+    used = torch.zeros(offsets.numel(), dtype=torch.bool, device=dev)
+    used[have_ids] = True
+    wave_offsets = offsets[have_ids]  # [S]
     local = (used.cumsum(0) - 1)[experts]  # [P]
     tokens = pairs // k  # [P], ascending
     # a pair's place among its token's present pairs (its token's run starts at the first pair >= t * K)
-    place = torch.arange(pairs.numel(), device=pairs.device) - torch.searchsorted(pairs, tokens * k)  # [P]
+    place = torch.arange(pairs.numel(), device=dev) - torch.searchsorted(pairs, tokens * k)  # [P]
     # by expert (tokens ascending within one), so that a run spans few experts
     order = torch.sort(local, stable=True).indices  # [P]
     local, tokens, place = local[order], tokens[order], place[order]
     chosen = weights.flatten()[pairs[order]].view(-1, 1)  # [P, 1]
-    counts = torch.bincount(local, minlength=wave_offsets.numel()).tolist()
 
     def cap(s: int) -> int:
         return run_pairs(kernel.layout, kernel.top_k, offsets.numel(), min(t, piece or t), s, x.dtype, kernel.mma)
 
-    for a, b, first, end in expert_runs(counts, cap):
+    runs = expert_runs([wave.counts[e] for e in have], cap)
+    # each run's pairs by place, counted at once for every run
+    starts = torch.tensor([a for a, *_ in runs], device=dev)
+    run_of = torch.searchsorted(starts, torch.arange(pairs.numel(), device=dev), right=True) - 1  # [P]
+    by_place = torch.bincount(run_of * k + place, minlength=len(runs) * k).view(len(runs), k).tolist()
+    for (a, b, first, end), places in zip(runs, by_place, strict=True):
         run = slice(a, b)
         own = (local[run] - first).view(-1, 1)  # [R, 1]: the run's experts renumbered from 0
         out = kernel.prefill(x[tokens[run]], own, chosen[run], records, wave_offsets[first:end])  # [R, D]
-        add_rows(y, tokens[run], place[run], out, k)
+        add_rows(y, tokens[run], place[run], out, places)
     return y
 
 
-def add_rows(y: torch.Tensor, tokens: torch.Tensor, place: torch.Tensor, out: torch.Tensor, k: int) -> None:
-    """y [T, D] fp32 += out [R, D] row by row into rows tokens [R], first every pair's of place 0, then of place 1 ...:
-    one add's tokens are distinct, and each token's rows add in slot order. An add's temporaries (out's rows and y's,
-    in fp32) take at most the room of the call's pair rows and gathered input, both freed (run_pairs)."""
+def add_rows(y: torch.Tensor, tokens: torch.Tensor, place: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+    """y [T, D] fp32 += out [R, D] row by row into rows tokens [R], first every pair's of place 0, then of place 1 ...
+    (counts: the rows of each place): one add's tokens are distinct, and each token's rows add in slot order. An
+    add's temporaries (out's rows and y's, in fp32) take at most the room of the call's pair rows and gathered input,
+    both freed (run_pairs)."""
     order = torch.sort(place, stable=True).indices  # [R] by place, tokens ascending within
-    counts = torch.bincount(place, minlength=k).tolist()
     most = max(1, 2 * out.shape[0] * out.element_size() // (out.element_size() + FP32))
     at = 0
     for n in counts:

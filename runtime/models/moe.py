@@ -240,7 +240,7 @@ class MoE(nn.Module):
             # one wave unless slots run short
             for offsets in got.offsets():
                 pairs = present_pairs(indices, offsets) if compact else None
-                if pairs is not None and gains(self.kernel, pairs.numel(), offsets, parts[0].stop, x.dtype):
+                if pairs is not None and gains(self.kernel, pairs, parts[0].stop, x.dtype):
                     y = add_wave(self.kernel, x, indices, weights, self.experts.gpu, offsets, pairs, piece, y)
                     continue
                 wave = over(parts, lambda s, o=offsets: self.kernel(x[s], indices[s], weights[s], self.experts.gpu, o))

@@ -139,8 +139,10 @@ def test_a_wave_adds_to_the_waves_before_it_and_every_pair_present_takes_the_chu
     # a wave of no chosen expert (the CPU lane took them all) adds nothing
     none = torch.full_like(offsets, ABSENT)
     empty = waves.present_pairs(ids, none)
-    assert empty.numel() == 0 and torch.equal(
-        waves.add_wave(kernel, x, ids, weights, records, none, empty, 20, got), got
+    assert (
+        empty.pairs.numel() == 0
+        and sum(empty.counts) == 0
+        and torch.equal(waves.add_wave(kernel, x, ids, weights, records, none, empty, 20, got), got)
     )
     assert not waves.compacts(40, 16) and not waves.compacts(16, None) and waves.compacts(17, None)
 
@@ -164,7 +166,7 @@ def test_the_runs_go_by_expert_within_a_pieces_pairs_and_workspace_and_sum_as_on
     monkeypatch.setattr(kernel, "prefill", prefill)
     monkeypatch.setattr(waves, "run_pairs", lambda *a: 14 - 3 * a[4])
     cut = _compacted(kernel, x, ids, weights, records, offsets, 20)
-    pairs = waves.present_pairs(ids, offsets).numel()
+    pairs = waves.present_pairs(ids, offsets).pairs.numel()
     assert sum(c[0] for c in calls) == pairs and all(r <= max(1, 14 - 3 * s) for r, s in calls)
     assert any(s > 1 for _, s in calls) and len(calls) > 5
     assert _rel(cut, whole) < 1e-6
@@ -240,8 +242,9 @@ def test_the_warm_up_calls_the_prefill_path_once_per_size_where_triton_runs(monk
 def test_a_wave_of_most_experts_gives_each_its_groups_rows_and_few_pairs_keep_the_pieces_calls(fmt):
     v3 = MoEKernel(RecordLayout.for_expert(fmt, 7168, 2048), 8, torch.device("cpu"))
 
-    def wave(present: int) -> torch.Tensor:  # [256] offsets, `present` experts in the wave
-        return torch.tensor([0 if e < present else ABSENT for e in range(256)], dtype=torch.long)
+    def wave(present: int, pairs: int) -> waves.WavePairs:  # `pairs` pairs over `present` of 256 experts
+        counts = [pairs // present + (e < pairs % present) if e < present else 0 for e in range(256)]
+        return waves.WavePairs(torch.zeros(pairs, dtype=torch.long), counts)
 
     # a group of 11,776 tokens routes ~368 pairs to an expert: runs of ~2,000-2,700 pairs by expert hold ~7 of them,
     # most whole, whether the wave holds 17 experts or 151 (a chunk's calls: 16 rows an expert)
@@ -250,10 +253,10 @@ def test_a_wave_of_most_experts_gives_each_its_groups_rows_and_few_pairs_keep_th
             v3.layout, 8, 256, 512, present, 11776 * 8 * present / 256, torch.bfloat16, False
         )
         assert compacted and 250 < rows <= 368
-        assert waves.gains(v3, 11776 * 8 * present // 256, wave(present), 512, torch.bfloat16)
+        assert waves.gains(v3, wave(present, 11776 * 8 * present // 256), 512, torch.bfloat16)
     # few pairs over many experts: fewer rows than a chunk's
     assert waves.call_rows(v3.layout, 8, 256, 512, 151, 200, torch.bfloat16, False) == (16.0, False)
-    assert not waves.gains(v3, 200, wave(151), 512, torch.bfloat16)
+    assert not waves.gains(v3, wave(151, 200), 512, torch.bfloat16)
 
 
 def _check_runs(counts: list[int], cap, runs: list[tuple[int, int, int, int]]) -> None:
@@ -281,3 +284,13 @@ def test_expert_runs_cover_the_pairs_by_expert_within_the_cap_of_the_experts_the
     assert waves.expert_runs([3, 4], lambda s: 4) == [(0, 4, 0, 2), (4, 7, 1, 2)]
     assert waves.expert_runs([3, 4], lambda s: 9) == [(0, 7, 0, 2)]
     assert waves.expert_runs([5], lambda s: 2) == [(0, 2, 0, 1), (2, 4, 0, 1), (4, 5, 0, 1)]
+
+
+def test_a_waves_present_pairs_are_its_experts_pairs_in_order_with_their_counts():
+    layout, x, ids, weights, records, offsets = _wave(50, 3, 4, 11, torch.float32)
+    wave = waves.present_pairs(ids, offsets)
+    present = (offsets[ids] != ABSENT).flatten()
+    assert torch.equal(wave.pairs, present.nonzero()[:, 0])
+    chosen = ids.flatten()[wave.pairs]
+    assert wave.counts == torch.bincount(chosen, minlength=N_EXPERTS).tolist()
+    assert all(c == 0 for e, c in enumerate(wave.counts) if offsets[e] == ABSENT)

@@ -28,7 +28,9 @@ import torch
 from dsfp4.layout.manifest import Manifest
 from dsfp4.layout.routing_trace import read_trace
 from dsfp4.projection.bench_check import whole_model_share
-from dsfp4.projection.simulate import Links, Projection, StepCosts, simulate_prefill
+from dsfp4.projection.first_token import WAVE_HOST_S
+from dsfp4.projection.simulate import Links, Projection, StepCosts
+from dsfp4.projection.simulate_prefill import simulate_prefill
 from dsfp4.projection.whole_model import host_stream, n_moe_layers, spread, step_flops
 from dsfp4.runtime.engine import Engine
 from dsfp4.runtime.models.load import plan_engine
@@ -95,7 +97,7 @@ def streamed(
     rows = ids[np.arange(n) % len(ids)]  # [n, L, K]: the trace's rows from the cursor's start, wrapping
     attn, experts, other = step_flops(m)
     _, context = prompt_flops(m, n)
-    costs = StepCosts(attn / rate, experts / rate, other / rate)
+    costs = StepCosts(attn / rate, experts / rate, other / rate, wave_s=WAVE_HOST_S)
     links = Links(c.random_read_gbps * 1e9, c.pinned_h2d_gbps * 1e9)
 
     def simulated(disk: Links) -> Projection:

@@ -18,7 +18,8 @@ import torch
 from dsfp4.kernels.moe.waves import call_rows
 from dsfp4.layout.manifest import Manifest
 from dsfp4.projection.machines import MACHINES, Machine
-from dsfp4.projection.simulate import Projection, StepCosts, simulate_prefill
+from dsfp4.projection.simulate import Projection, StepCosts
+from dsfp4.projection.simulate_prefill import simulate_prefill
 from dsfp4.projection.whole_model import (
     HOST_S,
     MAX_CONTEXT,
@@ -46,6 +47,10 @@ EXPERT_ROW_SHARES = ((16, 90.3 / 989.4), (32, 155.2 / 989.4), (64, 251.8 / 989.4
 # their kernels' profiled time, the expansion at PREFILL_SHARE, the hidden states' crossings at the link's rate
 # (docs/BENCHMARKS.md, 2026-12-02, a 32k prefill profiled)
 ATTENTION_SHARE = 0.38
+# the host's time a compacted prefill wave adds beside the device's (kernels/moe/waves.py: its two waits and its runs'
+# launches), measured on the H200 (docs/BENCHMARKS.md, 2026-12-03); an upper estimate on slower cards, where more of
+# it overlaps the device's work
+WAVE_HOST_S = 3.0e-3
 # prompt tokens the time to first token is projected for
 PROMPTS = (64, 512, 2048, 8192, 32768)
 # the context a prompt's plan holds beyond it: room for an answer
@@ -73,12 +78,12 @@ def wave_rows(m: Manifest, prompt: int, group: int, chunk: int, slots: int) -> f
 def prefill_costs(m: Manifest, machine: Machine, rows: float = EXPERT_ROW_SHARES[-1][0]) -> StepCosts:
     """A prompt token's compute on the machine's GPU: the routed experts' at expert_share(rows) of its peak (`rows`
     an expert a kernel call), the shared experts' at PREFILL_SHARE, the FP8 backbone's (attention's matrices, the
-    dense layers, the head) at its kernel path's share (Machine.fp8_prefill)."""
+    dense layers, the head) at its kernel path's share (Machine.fp8_prefill); and WAVE_HOST_S a compacted wave."""
     a, backbone_rate = m.args, machine.flops * machine.fp8_prefill
     attn, experts, other = step_flops(m)
     routed = a.n_activated_experts * 2.0 * 3 * a.dim * a.moe_inter_dim
     experts_s = routed / (machine.flops * expert_share(rows)) + (experts - routed) / (machine.flops * PREFILL_SHARE)
-    return StepCosts(attn / backbone_rate, experts_s, other / backbone_rate, HOST_S)
+    return StepCosts(attn / backbone_rate, experts_s, other / backbone_rate, HOST_S, WAVE_HOST_S)
 
 
 def context_seconds(m: Manifest, machine: Machine, n: int, attend: int = 0) -> np.ndarray:

@@ -9,7 +9,7 @@ What a decode step does, as the store does it (runtime/store/expert_store.py), M
   3. the next layer's guessed experts (a prefetcher of the stated recall) are started right after: reads and
      copies queued behind this layer's own, never evicting one of this layer's experts;
   4. the experts compute once every chosen record is on the device.
-The dense layers and the head run once per token (`other_s`). A prompt's chunk (simulate_prefill) does the same
+The dense layers and the head run once per token (`other_s`). A prompt's chunk (simulate_prefill.py) does the same
 with every token of the chunk at once: its layer's distinct experts come in waves of the store's wave_size (all of
 them where the device slots hold them, else half the slots a wave), device hits first, then RAM's, then the SSD's;
 a wave's reads start as the wave before it computes, and its copies wait for the compute of the wave before that
@@ -26,13 +26,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dsfp4.projection.cold_records import ColdRecords
-from dsfp4.runtime.generate.decoder import by_layer
 from dsfp4.runtime.models.trace_routing import guesses
 from dsfp4.runtime.store.lever_rules import host_candidates, leave_out, swap_cold_by, unhidden
 from dsfp4.runtime.store.placement import hold_hottest
 from dsfp4.runtime.store.policy import TIER_POLICIES
 from dsfp4.runtime.store.slots import SlotPool
-from dsfp4.runtime.store.waves import wave_size
 
 # (layer, expert)
 Key = tuple[int, int]
@@ -90,12 +88,15 @@ class HostStream:
 class StepCosts:
     """Seconds of compute of a token: per MoE layer before its router's choice (attention, router) and after
     its records are there (routed and shared experts); per token for the rest (dense layers, head); per MoE layer
-    whose experts stream, the host's round trip (once per forward, however many tokens it holds)."""
+    whose experts stream, the host's round trip (once per forward, however many tokens it holds); per wave of a
+    layer step that takes several (a prompt's: simulate_prefill.py), the host's work the device waits for between
+    them (a compacted wave's waits, kernels/moe/waves.py)."""
 
     attn_s: float
     experts_s: float
     other_s: float
     host_s: float = 0.0
+    wave_s: float = 0.0
 
 
 @dataclass
@@ -367,133 +368,3 @@ def _swapped(
     warm = lambda e: (layer, e) in tiers.gpu or (layer, e) in tiers.ram  # noqa: E731
     new, swaps = swap_cold_by(ids[None], warm, per_group, near)
     return new[0], swaps
-
-
-def simulate_prefill(
-    trace: np.ndarray,
-    gpu_slots: int,
-    ram_slots: int,
-    record_bytes: int,
-    links: Links,
-    costs: StepCosts,
-    chunk: int,
-    policy: str = "hot",
-    warm: list[Key] = (),
-    host: HostStream = HostStream(),
-    decode_steps: bool = False,
-    group: int = 0,
-    context_s: np.ndarray | None = None,
-) -> Projection:
-    """Prefill the prompt whose routing is `trace` [P, L, K] in chunks of `chunk` tokens through pools of gpu_slots
-    and ram_slots records (`costs` per token, compute-bound: a chunk of n tokens costs n times as much; `warm` as
-    for simulate; `host` too, its bytes read once per PREFILL_TILE_ROWS tokens) -> the prompt's totals, `seconds`
-    the time to its first token. The chunks go through the layers in the decoder's order (by_layer): where experts
-    stream, every chunk through a layer before the next layer, the layer's experts brought once per `group` tokens
-    (the plan's prefill_group; 0: a chunk's), as layer_pass.py runs them, each layer's records read ahead as its pass
-    reaches it (_read_ahead). `context_s` [P]: the seconds of attention
-    of a prompt token at each position (against the keys before it) in each MoE layer, beside costs.attn_s (None:
-    none). `decode_steps`: the chunks are a batch's decode steps instead (MachineRun.decode_batch), each needing the
-    token of the one before: one after another."""
-    n_tokens, n_layers, top_k = trace.shape
-    tiers = Tiers(gpu_slots, ram_slots, record_bytes, links, policy, warm, gpu_slots + top_k)
-    out = tiers.out
-    out.tokens = n_tokens
-    context_s = np.zeros(n_tokens) if context_s is None else context_s[:n_tokens]
-    visible = gpu_slots >= n_layers * (int(trace.max()) + 1)
-    layered = not decode_steps and by_layer(n_tokens, chunk, visible)
-    size = (group or chunk) if layered else chunk
-    # (first row, its routing rows [n, L, K])
-    blocks = [(first, trace[first : first + size]) for first in range(0, n_tokens, size)]
-    if layered:
-        steps = [(layer, first, rows) for layer in range(n_layers) for first, rows in blocks]
-    else:
-        steps = [(layer, first, rows) for first, rows in blocks for layer in range(n_layers)]
-    now, n_experts = 0.0, int(trace.max()) + 1
-    for layer, first, rows in steps:
-        if layered and first == 0:
-            _read_ahead(tiers, layer, n_layers, n_experts, now)
-        if layered:
-            # the tokens' hidden states come from pinned RAM and go back, behind the copies queued
-            now = tiers.stream(now, len(rows) * host.hidden_bytes, 0.0)
-        attn_s = float(context_s[first : first + len(rows)].sum())
-        now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots, attn_s)
-        if layer == n_layers - 1:
-            # the dense layers and the head, once the chunk has been through every MoE layer
-            now = tiers.stream(now, -(-len(rows) // PREFILL_TILE_ROWS) * host.other_bytes, len(rows) * costs.other_s)
-    out.seconds = now
-    out.compute_s = n_tokens * (n_layers * (costs.attn_s + costs.experts_s) + costs.other_s)
-    out.compute_s += n_layers * (float(context_s.sum()) + len(blocks) * costs.host_s)
-    return out
-
-
-def _read_ahead(tiers: Tiers, layer: int, n_layers: int, n_experts: int, at: float) -> None:
-    """layer_pass.py's read-ahead as a layer-wise pass reaches `layer` at `at`: where RAM holds all its records, those
-    not there are read from the SSD in expert order, then what RAM holds besides of the next layer's (this layer's
-    protected), behind the reads queued before; a wave that wants one later finds it in RAM at its read's end."""
-    mine = [(layer, e) for e in range(n_experts)]
-    if len(tiers.ram.fitting(mine)) < n_experts:
-        return
-    later = [(layer + 1, e) for e in range(n_experts)] if layer + 1 < n_layers else []
-    ahead = tiers.ram.fitting(mine + later)[n_experts:]
-    for keys, protected in ((mine, set()), (ahead, set(mine))):
-        keep = protected | set(keys)
-        for key in keys:
-            if key in tiers.ram:
-                continue
-            if tiers.ram.allocate(key, keep) is None:
-                return
-            nbytes = tiers.nbytes(key)
-            tiers.ssd_free = max(tiers.ssd_free, at) + nbytes / tiers.links.ssd
-            tiers.in_ram[key] = tiers.ssd_free
-            tiers.out.ssd_bytes += nbytes * tiers.counting
-
-
-def _prefill_layer(
-    tiers: Tiers,
-    rows: np.ndarray,
-    layer: int,
-    now: float,
-    costs: StepCosts,
-    host: HostStream,
-    gpu_slots: int,
-    context_s: float = 0.0,
-) -> float:
-    """One chunk's routing rows [n, L, K] through one MoE layer from `now` (its attention against earlier positions
-    taking `context_s` beside its tokens' costs.attn_s): its distinct experts in waves of the device slots, device hits
-    first, then RAM's, then the SSD's -> when its compute is done."""
-    out, (n, _, top_k) = tiers.out, rows.shape
-    reads = -(-n // PREFILL_TILE_ROWS)
-    streamed = layer in host.layers
-    routed = tiers.stream(now, reads * host.attn_bytes * streamed, n * costs.attn_s + context_s) + costs.host_s
-    uses = np.bincount(rows[:, layer].ravel())  # [E] the chunk's tokens per expert
-    keys = [(layer, int(e)) for e in np.flatnonzero(uses)]
-    out.uses += len(keys)
-
-    def tier(key: Key) -> int:
-        return 0 if key in tiers.gpu else 1 if key in tiers.ram else 2
-
-    order = sorted(keys, key=tier)
-    # when each wave's compute is done, the two before a wave first: its copies take the slots of the one before
-    # the last (store/waves.py)
-    start, done = routed, [routed, routed]
-    size = wave_size(len(order), gpu_slots)
-    for at in range(0, len(order), size):
-        wave = order[at : at + size]
-        protected, ready = set(wave), start
-        for key in wave:
-            if (there := tiers.on_gpu(key)) is not None:
-                out.device_hits += 1
-                ready = max(ready, there)
-                continue
-            arrival = tiers.bring(key, start, protected, demand=True, copy_after=done[-2])
-            if arrival is None:
-                raise ValueError(f"{gpu_slots} device slots cannot hold a wave of {len(wave)} experts")
-            ready = max(ready, arrival)
-        out.stall_s += max(0.0, ready - max(start, done[-1]))
-        # of the chunk's routed compute
-        share = sum(int(uses[e]) for _, e in wave) / (n * top_k)
-        # the wave computes once its records are there and the wave before it is done, then frees its slots
-        done.append(max(ready, done[-1]) + share * n * costs.experts_s)
-        # the store is asked for the next wave once this one is queued
-        start = ready
-    return tiers.stream(done[-1], reads * host.experts_bytes * streamed, 0.0)

@@ -44,8 +44,8 @@ from dsfp4.projection.simulate import (
     StepCosts,
     SwapModel,
     simulate,
-    simulate_prefill,
 )
+from dsfp4.projection.simulate_prefill import simulate_prefill
 from dsfp4.projection.top_k import keep
 from dsfp4.runtime.models.load import with_experts_per_token
 from dsfp4.runtime.plan.device_split import make_split_plan

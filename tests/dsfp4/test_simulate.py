@@ -22,8 +22,8 @@ from dsfp4.projection.simulate import (
     StepCosts,
     SwapModel,
     simulate,
-    simulate_prefill,
 )
+from dsfp4.projection.simulate_prefill import simulate_prefill
 from dsfp4.projection.whole_model import (
     full_plan,
     machine_run,
@@ -400,3 +400,22 @@ def test_the_routed_experts_prefill_at_the_kernels_share_for_the_rows_a_wave_cal
     assert wave_rows(m, 100, 11776, 512, 256) == pytest.approx(100 * 8 / 256)
     few, many = prefill_costs(m, MACHINES["16g"], lo), prefill_costs(m, MACHINES["16g"], hi)
     assert few.experts_s > 2 * many.experts_s and few.attn_s == many.attn_s and few.other_s == many.other_s
+
+
+def test_a_prompts_waves_of_half_the_slots_copy_while_the_one_before_computes_and_each_costs_the_hosts_time():
+    """A 40-token chunk (compacted) over 8 experts of one layer, in RAM, with 4 device slots: waves of 2, each's
+    copies overlapping the compute before it, so the prompt takes less than its copies and compute one after the
+    other; each of the 4 waves adds the host's wave_s, and a step that one wave holds adds none."""
+    trace = np.array([[[e % 8 for e in range(t, t + 2)]] for t in range(40)])  # [40, 1, 2]: 8 experts
+    warm = [(0, e) for e in range(8)]
+    links = Links(1e9, 1e9)
+    copy_s = RECORD / links.pcie
+    costs = StepCosts(0.0, 8 * copy_s / 40, 0.0)  # the chunk's routed compute: 8 copies' time
+
+    def run(slots: int, c: StepCosts) -> float:
+        return simulate_prefill(trace, slots, 8, RECORD, links, c, 40, "lru", warm).seconds
+
+    serial = 8 * copy_s + 8 * copy_s
+    assert run(4, costs) < 0.8 * serial
+    assert run(4, dataclasses.replace(costs, wave_s=0.5)) == pytest.approx(run(4, costs) + 4 * 0.5, rel=0.05)
+    assert run(8, dataclasses.replace(costs, wave_s=0.5)) == pytest.approx(run(8, costs))

@@ -175,9 +175,18 @@ def add_wave(
     if not pairs.numel():
         return y
     experts = ids.flatten()[pairs]  # [P]
-    # the wave's experts that have pairs, renumbered in expert order, so that the tiles see their rows
     have = [e for e, c in enumerate(wave.counts) if c]
-    have_ids = torch.tensor(have, device=dev)  # [S]
+
+    def cap(s: int) -> int:
+        return run_pairs(kernel.layout, kernel.top_k, offsets.numel(), min(t, piece or t), s, x.dtype, kernel.mma)
+
+    runs = expert_runs([wave.counts[e] for e in have], cap)
+    # the wave's experts with pairs and its runs' first pairs in one copy, pinned on CUDA: a pageable copy would wait
+    # for the compute stream
+    index = torch.tensor(have + [a for a, *_ in runs])
+    index = index.pin_memory().to(dev, non_blocking=True) if ids.is_cuda else index
+    have_ids, starts = index[: len(have)], index[len(have) :]  # [S], [runs]
+    # the experts renumbered in expert order, so that the tiles see their rows
     used = torch.zeros(offsets.numel(), dtype=torch.bool, device=dev)
     used[have_ids] = True
     wave_offsets = offsets[have_ids]  # [S]
@@ -189,13 +198,7 @@ def add_wave(
     order = torch.sort(local, stable=True).indices  # [P]
     local, tokens, place = local[order], tokens[order], place[order]
     chosen = weights.flatten()[pairs[order]].view(-1, 1)  # [P, 1]
-
-    def cap(s: int) -> int:
-        return run_pairs(kernel.layout, kernel.top_k, offsets.numel(), min(t, piece or t), s, x.dtype, kernel.mma)
-
-    runs = expert_runs([wave.counts[e] for e in have], cap)
     # each run's pairs by place, counted at once for every run
-    starts = torch.tensor([a for a, *_ in runs], device=dev)
     run_of = torch.searchsorted(starts, torch.arange(pairs.numel(), device=dev), right=True) - 1  # [P]
     by_place = torch.bincount(run_of * k + place, minlength=len(runs) * k).view(len(runs), k).tolist()
     for (a, b, first, end), places in zip(runs, by_place, strict=True):

@@ -51,7 +51,9 @@ class DeviceTable:
         table = self.table()
         if wave is not None:
             keep = torch.zeros_like(table[layer], dtype=torch.bool)
-            keep[torch.tensor(wave, device=self.device)] = True
+            # pinned and non-blocking, as table()'s rows
+            experts = torch.tensor(wave)
+            keep[experts.pin_memory().to(self.device, non_blocking=True) if self.cuda else experts] = True
             return record_offsets(torch.where(keep, table[layer], -1), gpu)
         # every layer's at once, until a slot changes: once, when nothing moves
         if self._stale:

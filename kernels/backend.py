@@ -94,6 +94,12 @@ def use_kernels(where: torch.Tensor | torch.device) -> bool:
     return device.type == "cuda" and triton is not None and _kernels_on(device.index or 0)
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting there: pinned and non-blocking to a CUDA device (a pageable copy would
+    wait for the compute stream), as it is elsewhere."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def n_sms(device: torch.device) -> int:
     """The device's streaming multiprocessors, for grid sizing (REFERENCE_SMS off CUDA)."""
     return cuda_props(device.index or 0).multi_processor_count if device.type == "cuda" else REFERENCE_SMS

@@ -27,7 +27,7 @@ import torch
 from bench_kernels import DIM, EXPERTS, INTER, TOP_K, expert_pool, routings
 
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.kernels.moe.waves import add_wave, expert_runs, present_pairs, run_pairs
+from dsfp4.kernels.moe.waves import add_wave, present_pairs, wave_runs
 from dsfp4.layout.record_offsets import ABSENT, record_offsets
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -82,7 +82,7 @@ def compact_wave(kernel: MoEKernel, x, ids, weights, records, offsets, piece: in
     """The compacted wave: its present pairs, then add_wave's runs into y (fp32)."""
     pairs = present_pairs(ids, offsets)
     assert pairs is not None, "a wave of fewer experts than the layer's leaves pairs out"
-    add_wave(kernel, x, ids, weights, records, offsets, pairs, piece, y)
+    add_wave(kernel, x, ids, weights, records, offsets, pairs, wave_runs(kernel, pairs, piece, x.dtype), y)
 
 
 def case(shapes: Shapes, fmt: str, pool: tuple, g: int, s: int, device: torch.device, reps: int) -> dict:
@@ -105,12 +105,10 @@ def case(shapes: Shapes, fmt: str, pool: tuple, g: int, s: int, device: torch.de
     y = torch.zeros(g, shapes.dim, dtype=torch.float32, device=device)
     old = seconds(lambda: old_wave(*args, y), device, reps)
     compact = seconds(lambda: compact_wave(*args, y), device, reps)
-    counts = [c for c in present_pairs(ids, offsets).counts if c]
-    pairs = sum(counts)
+    wave = present_pairs(ids, offsets)
+    pairs = len(wave.pairs)
     flops = pairs * FLOPS_PER_WEIGHT * shapes.dim * shapes.inter
-    runs = expert_runs(
-        counts, lambda n: run_pairs(layout, shapes.top_k, shapes.experts, shapes.piece, n, x.dtype, kernel.mma)
-    )
+    runs = wave_runs(kernel, wave, shapes.piece, x.dtype)
     return {
         "fmt": fmt,
         "G": g,

@@ -64,7 +64,7 @@ def simulate_prefill(
             # the tokens' hidden states come from pinned RAM and go back, behind the copies queued
             now = tiers.stream(now, len(rows) * host.hidden_bytes, 0.0)
         attn_s = float(context_s[first : first + len(rows)].sum())
-        now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots, attn_s)
+        now = _prefill_layer(tiers, rows, layer, now, costs, host, gpu_slots, chunk, attn_s)
         if layer == n_layers - 1:
             # the dense layers and the head, once the chunk has been through every MoE layer
             now = tiers.stream(now, -(-len(rows) // PREFILL_TILE_ROWS) * host.other_bytes, len(rows) * costs.other_s)
@@ -104,11 +104,12 @@ def _prefill_layer(
     costs: StepCosts,
     host: HostStream,
     gpu_slots: int,
+    piece: int,
     context_s: float = 0.0,
 ) -> float:
     """One chunk's routing rows [n, L, K] through one MoE layer from `now` (its attention against earlier positions
-    taking `context_s` beside its tokens' costs.attn_s): its distinct experts in waves of the device slots, device hits
-    first, then RAM's, then the SSD's -> when its compute is done."""
+    taking `context_s` beside its tokens' costs.attn_s; `piece`: the kernel's tokens a call, the chunk): its distinct
+    experts in waves of the device slots, device hits first, then RAM's, then the SSD's -> when its compute is done."""
     out, (n, _, top_k) = tiers.out, rows.shape
     reads = -(-n // PREFILL_TILE_ROWS)
     streamed = layer in host.layers
@@ -146,7 +147,7 @@ def _prefill_layer(
         done.append(
             max(ready, done[-1])
             + share * n * costs.experts_s
-            + costs.wave_s * (size < len(order) and compacts(n, None))
+            + costs.wave_s * (size < len(order) and compacts(n, piece))
         )
         # the store is asked for the next wave once this one is queued
         start = ready

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsfp4.kernels.backend import upload
 from dsfp4.kernels.moe.decode import MAX_TOKENS
 from dsfp4.kernels.moe.kernel import MoEKernel, workspace_bytes
 from dsfp4.kernels.moe.prefill import prefill_blocks
@@ -65,7 +66,11 @@ def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> WavePairs | None:
     return WavePairs(pairs, counts)
 
 
-def expert_runs(counts: list[int], cap: Callable[[int], int]) -> list[tuple[int, int, int, int]]:
+# (first pair, end pair, first expert, end expert) of a run
+Run = tuple[int, int, int, int]
+
+
+def expert_runs(counts: list[int], cap: Callable[[int], int]) -> list[Run]:
     """counts: the pairs of each of a wave's experts (each > 0, in expert order), cap(s): the most pairs a call over s
     experts takes -> the runs (first pair, end pair, first expert, end expert) over the pairs sorted by
     expert: consecutive spans, each as long as cap of the experts it spans allows; an expert whose pairs a run cannot
@@ -88,6 +93,14 @@ def expert_runs(counts: list[int], cap: Callable[[int], int]) -> list[tuple[int,
     return runs
 
 
+def _rows_a_call(runs: list[Run], pairs: int, top_k: int, n_experts: int, piece: int) -> tuple[float, bool]:
+    """(rows an expert has in a call of these runs of `pairs` pairs, whether that beats a piece's call over all the
+    layer's experts, piece * K / E rows: whether the wave compacts); the piece's figure where it does not."""
+    compacted = pairs / max(1, sum(end - first for _, _, first, end in runs))
+    whole = piece * top_k / n_experts
+    return (compacted, True) if compacted > whole else (whole, False)
+
+
 def call_rows(
     layout: RecordLayout,
     top_k: int,
@@ -101,19 +114,25 @@ def call_rows(
     """(rows an expert has in a call of a wave of `present` of `n_experts` experts holding `pairs` pairs, in equal
     shares, whether it takes compacted calls): compacted where its expert_runs give an expert more rows a call than a
     piece's call over all the experts does (piece * K / E); a wave of few pairs spread over many experts can give
-    fewer, and then keeps the piece's calls."""
+    fewer, and then keeps the piece's calls. The projection's form of wave_runs and gains."""
     present, total = max(present, 1), max(1, round(pairs))
     counts = [c for c in (total // present + (e < total % present) for e in range(present)) if c]
     runs = expert_runs(counts, lambda s: run_pairs(layout, top_k, n_experts, piece, s, dtype, mma))
-    compacted = total / sum(end - first for _, _, first, end in runs)
-    whole = piece * top_k / n_experts
-    return (compacted, True) if compacted > whole else (whole, False)
+    return _rows_a_call(runs, total, top_k, n_experts, piece)
 
 
-def gains(kernel: MoEKernel, wave: WavePairs, piece: int, dtype: torch.dtype) -> bool:
-    """Whether a wave's present pairs take compacted calls (call_rows over the experts that have pairs)."""
-    present, pairs = sum(c > 0 for c in wave.counts), len(wave.pairs)
-    return call_rows(kernel.layout, kernel.top_k, len(wave.counts), piece, present, pairs, dtype, kernel.mma)[1]
+def wave_runs(kernel: MoEKernel, wave: WavePairs, piece: int, dtype: torch.dtype) -> list[Run]:
+    """The expert_runs of a wave's present pairs (piece: its step's tokens a call), over the experts that have
+    pairs, each within run_pairs of those it spans."""
+    e = len(wave.counts)
+    return expert_runs(
+        [c for c in wave.counts if c], lambda s: run_pairs(kernel.layout, kernel.top_k, e, piece, s, dtype, kernel.mma)
+    )
+
+
+def gains(kernel: MoEKernel, wave: WavePairs, runs: list[Run], piece: int) -> bool:
+    """Whether a wave's present pairs take compacted calls in these runs (wave_runs) rather than a piece's calls."""
+    return _rows_a_call(runs, len(wave.pairs), kernel.top_k, len(wave.counts), piece)[1]
 
 
 @functools.cache
@@ -161,13 +180,13 @@ def add_wave(
     records: torch.Tensor,
     offsets: torch.Tensor,
     wave: WavePairs,
-    piece: int | None,
+    runs: list[Run],
     y: torch.Tensor | None,
 ) -> torch.Tensor:
     """x: [T, D], ids: [T, K], weights: [T, K], records: the slot pool, offsets: the wave's [E], wave: its
-    present_pairs, piece: the step's tokens a call (None: all) -> y [T, D] fp32, the waves' sum so far (None: zeros;
-    added to in place where fp32) with this wave's pairs added, by expert in expert_runs (each at most run_pairs of
-    the experts it spans). One wait for the device besides present_pairs': the runs' rows by place."""
+    present_pairs, runs: its wave_runs -> y [T, D] fp32, the waves' sum so far (None: zeros; added to in place where
+    fp32) with this wave's pairs added, run by run. One wait for the device besides present_pairs': the runs' rows by
+    place."""
     t, k = ids.shape
     y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if y is None else y.float()
     pairs, dev = wave.pairs, ids.device
@@ -176,15 +195,8 @@ def add_wave(
         return y
     experts = ids.flatten()[pairs]  # [P]
     have = [e for e, c in enumerate(wave.counts) if c]
-
-    def cap(s: int) -> int:
-        return run_pairs(kernel.layout, kernel.top_k, offsets.numel(), min(t, piece or t), s, x.dtype, kernel.mma)
-
-    runs = expert_runs([wave.counts[e] for e in have], cap)
-    # the wave's experts with pairs and its runs' first pairs in one copy, pinned on CUDA: a pageable copy would wait
-    # for the compute stream
-    index = torch.tensor(have + [a for a, *_ in runs])
-    index = index.pin_memory().to(dev, non_blocking=True) if ids.is_cuda else index
+    # the wave's experts with pairs and its runs' first pairs in one copy
+    index = upload(torch.tensor(have + [a for a, *_ in runs]), dev)
     have_ids, starts = index[: len(have)], index[len(have) :]  # [S], [runs]
     # the experts renumbered in expert order, so that the tiles see their rows
     used = torch.zeros(offsets.numel(), dtype=torch.bool, device=dev)

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dsfp4.kernels.backend import use_kernels
+from dsfp4.kernels.backend import upload, use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.kernels.moe.waves import add_wave, compacts, gains, present_pairs
+from dsfp4.kernels.moe.waves import add_wave, compacts, gains, present_pairs, wave_runs
 from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
 from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
@@ -240,8 +240,9 @@ class MoE(nn.Module):
             # one wave unless slots run short
             for offsets in got.offsets():
                 pairs = present_pairs(indices, offsets) if compact else None
-                if pairs is not None and gains(self.kernel, pairs, parts[0].stop, x.dtype):
-                    y = add_wave(self.kernel, x, indices, weights, self.experts.gpu, offsets, pairs, piece, y)
+                runs = None if pairs is None else wave_runs(self.kernel, pairs, parts[0].stop, x.dtype)
+                if runs is not None and gains(self.kernel, pairs, runs, parts[0].stop):
+                    y = add_wave(self.kernel, x, indices, weights, self.experts.gpu, offsets, pairs, runs, y)
                     continue
                 wave = over(parts, lambda s, o=offsets: self.kernel(x[s], indices[s], weights[s], self.experts.gpu, o))
                 # several waves add up in fp32: each is rounded once, as one wave would be
@@ -249,7 +250,7 @@ class MoE(nn.Module):
         # the host's sum, in fp32 like several waves', copied up behind the waves' kernels
         if got.job is not None:
             y_host = got.job.result()
-            y_host = y_host.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else y_host
+            y_host = upload(y_host, x.device)
             y = y_host if y is None else y.float() + y_host
         y = y.to(x.dtype)  # [T, D]
         return y if shared is None else y + shared

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dsfp4.kernels.backend import upload
 from dsfp4.layout.record_offsets import record_offsets
 
 # (layer, expert)
@@ -17,7 +18,7 @@ Key = tuple[int, int]
 
 class DeviceTable:
     def __init__(self, n_blocks: int, n_experts: int, device: torch.device):
-        self.device, self.cuda = device, device.type == "cuda"
+        self.device = device
         self._slots = torch.full((n_blocks, n_experts), -1, dtype=torch.int32, device=device)  # [blocks, experts]
         self._updates: dict[Key, int] = {}
         # record_offsets of the whole table, refreshed in place
@@ -36,10 +37,7 @@ class DeviceTable:
     def table(self) -> torch.Tensor:
         """[blocks, experts] int32 on the device: each expert's slot, -1 when it is not there."""
         if self._updates:
-            rows = torch.tensor([(lay, e, s) for (lay, e), s in self._updates.items()])  # [n, 3]
-            # pinned and non-blocking: a pageable copy would wait for the compute stream
-            if self.cuda:
-                rows = rows.pin_memory().to(self.device, non_blocking=True)
+            rows = upload(torch.tensor([(lay, e, s) for (lay, e), s in self._updates.items()]), self.device)  # [n, 3]
             self._slots[rows[:, 0], rows[:, 1]] = rows[:, 2].to(torch.int32)
             self._updates, self._stale = {}, True
         return self._slots
@@ -51,9 +49,7 @@ class DeviceTable:
         table = self.table()
         if wave is not None:
             keep = torch.zeros_like(table[layer], dtype=torch.bool)
-            # pinned and non-blocking, as table()'s rows
-            experts = torch.tensor(wave)
-            keep[experts.pin_memory().to(self.device, non_blocking=True) if self.cuda else experts] = True
+            keep[upload(torch.tensor(wave), self.device)] = True
             return record_offsets(torch.where(keep, table[layer], -1), gpu)
         # every layer's at once, until a slot changes: once, when nothing moves
         if self._stale:

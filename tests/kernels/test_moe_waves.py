@@ -79,7 +79,8 @@ def _compacted(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int 
     x, ids, weights, records, offsets = _on(kernel, x, ids, weights, records, offsets)
     pairs = waves.present_pairs(ids, offsets)
     assert pairs is not None and waves.compacts(x.shape[0], piece)
-    return waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, piece, None).cpu()
+    runs = waves.wave_runs(kernel, pairs, min(x.shape[0], piece or x.shape[0]), x.dtype)
+    return waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, runs, None).cpu()
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -133,7 +134,8 @@ def test_a_wave_adds_to_the_waves_before_it_and_every_pair_present_takes_the_chu
     kernel = _kernel("reference", layout, 2)
     before = torch.randn(40, DIM)
     pairs = waves.present_pairs(ids, offsets)
-    got = waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, 20, before.clone())
+    runs = waves.wave_runs(kernel, pairs, 20, x.dtype)
+    got = waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, runs, before.clone())
     assert _rel(got, before + _old(kernel, x, ids, weights, records, offsets, 20)) < 1e-5
     assert waves.present_pairs(ids, torch.arange(N_EXPERTS) * layout.nbytes) is None
     # a wave of no chosen expert (the CPU lane took them all) adds nothing
@@ -142,7 +144,7 @@ def test_a_wave_adds_to_the_waves_before_it_and_every_pair_present_takes_the_chu
     assert (
         empty.pairs.numel() == 0
         and sum(empty.counts) == 0
-        and torch.equal(waves.add_wave(kernel, x, ids, weights, records, none, empty, 20, got), got)
+        and torch.equal(waves.add_wave(kernel, x, ids, weights, records, none, empty, [], got), got)
     )
     assert not waves.compacts(40, 16) and not waves.compacts(16, None) and waves.compacts(17, None)
 
@@ -253,10 +255,11 @@ def test_a_wave_of_most_experts_gives_each_its_groups_rows_and_few_pairs_keep_th
             v3.layout, 8, 256, 512, present, 11776 * 8 * present / 256, torch.bfloat16, False
         )
         assert compacted and 250 < rows <= 368
-        assert waves.gains(v3, wave(present, 11776 * 8 * present // 256), 512, torch.bfloat16)
+        w = wave(present, 11776 * 8 * present // 256)
+        assert waves.gains(v3, w, waves.wave_runs(v3, w, 512, torch.bfloat16), 512)
     # few pairs over many experts: fewer rows than a chunk's
     assert waves.call_rows(v3.layout, 8, 256, 512, 151, 200, torch.bfloat16, False) == (16.0, False)
-    assert not waves.gains(v3, wave(151, 200), 512, torch.bfloat16)
+    assert not waves.gains(v3, wave(151, 200), waves.wave_runs(v3, wave(151, 200), 512, torch.bfloat16), 512)
 
 
 def _check_runs(counts: list[int], cap, runs: list[tuple[int, int, int, int]]) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,24 @@ from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions
 from tests.fixtures.converted import convert_fp8
 from tests.fixtures.tiny_checkpoint import build_checkpoint
+
+
+def _installed(name: str) -> None:
+    """Import the installed distribution of top-level name `name` ahead of the checkout's folder of that name, which
+    the root on sys.path would put first: transformers from 5.25 imports Hugging Face's `kernels` package, and
+    kernels/ here is dsfp4.kernels (nothing imports it by its top-level name). Nothing happens where none is
+    installed."""
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
+    try:
+        if name not in sys.modules and importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+_installed("kernels")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,6 +23,7 @@ import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dsfp4.kernels.backend import upload
@@ -44,26 +45,52 @@ def compacts(tokens: int, piece: int | None) -> bool:
 
 
 @dataclass(frozen=True)
-class WavePairs:
-    """A wave's present pairs: pairs [P], the pairs t * K + j whose expert is in the wave, in token-then-slot order (on
-    the device); counts, each of the layer's E experts' pairs among them (on the host)."""
+class StepChoices:
+    """A streamed step's choices on the host, copied once a step (one wait for the device, not two a wave): ids
+    [T, K]; by_expert [T * K], the pairs t * K + j by expert, tokens ascending within one (a token chooses an expert
+    once); experts [T * K], the expert of each of them."""
 
-    pairs: torch.Tensor
+    ids: np.ndarray
+    by_expert: np.ndarray
+    experts: np.ndarray
+
+    @classmethod
+    def of(cls, ids: np.ndarray) -> StepChoices:
+        flat = ids.reshape(-1)
+        # a radix sort where the experts' ids fit 16 bits
+        order = np.argsort(flat.astype(np.uint16) if flat.size and flat.max() < 1 << 16 else flat, kind="stable")
+        return cls(ids, order, flat[order])
+
+
+@dataclass(frozen=True)
+class WavePairs:
+    """A wave's present pairs, planned on the host: pairs [P], the pairs t * K + j whose expert is in the wave, by
+    expert and in token order within one (as the runs take them); place [P], each one's place among its token's
+    present pairs (in slot order); counts, each of the layer's E experts' pairs among them."""
+
+    pairs: np.ndarray
+    place: np.ndarray
     counts: list[int]
 
 
-def present_pairs(ids: torch.Tensor, offsets: torch.Tensor) -> WavePairs | None:
-    """ids: [T, K], offsets: the wave's [E] -> its WavePairs, from one wait for the device (the counts); None where
-    every pair is present (nothing to skip: the chunk's own calls)."""
-    present = (offsets[ids] != ABSENT).flatten()  # [T * K]
-    per_expert = torch.zeros(offsets.numel(), dtype=torch.long, device=ids.device)
-    counts = per_expert.scatter_add_(0, ids.flatten(), present.long()).tolist()
-    n = sum(counts)
-    if n == present.numel():
+def in_wave(experts: list[int], n_experts: int) -> np.ndarray:
+    """[E] bool: the wave's experts (the store's list of them)."""
+    present = np.zeros(n_experts, dtype=bool)
+    present[experts] = True
+    return present
+
+
+def present_pairs(step: StepChoices, present: np.ndarray) -> WavePairs | None:
+    """step: the step's choices, present: [E] bool, the wave's experts -> its WavePairs; None where every pair is
+    present (nothing to skip: the chunk's own calls)."""
+    here = present[step.experts]  # [T * K]
+    if here.all():
         return None
-    # the present pairs first, each side in index order (a stable sort: no wait for their count)
-    pairs = torch.sort((~present).to(torch.uint8), stable=True).indices[:n]  # [P]
-    return WavePairs(pairs, counts)
+    pairs = step.by_expert[here]  # [P]
+    # a pair's place: its token's choices before it that the wave holds
+    place = np.cumsum(present[step.ids], axis=1, dtype=np.int8).reshape(-1)[pairs] - 1  # [P]
+    counts = np.bincount(step.experts[here], minlength=present.size).tolist()
+    return WavePairs(pairs, place, counts)
 
 
 # (first pair, end pair, first expert, end expert) of a run
@@ -185,54 +212,49 @@ def add_wave(
 ) -> torch.Tensor:
     """x: [T, D], ids: [T, K], weights: [T, K], records: the slot pool, offsets: the wave's [E], wave: its
     present_pairs, runs: its wave_runs -> y [T, D] fp32, the waves' sum so far (None: zeros; added to in place where
-    fp32) with this wave's pairs added, run by run. One wait for the device besides present_pairs': the runs' rows by
-    place."""
+    fp32) with this wave's pairs added, run by run. Nothing waits for the device: what the runs index is planned on
+    the host and copied up at once, so the host queues the next wave while the device computes this one."""
     t, k = ids.shape
     y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if y is None else y.float()
-    pairs, dev = wave.pairs, ids.device
     # a wave none of whose experts a token chose (the CPU lane took them all) adds nothing
-    if not pairs.numel():
+    if not wave.pairs.size:
         return y
-    experts = ids.flatten()[pairs]  # [P]
-    have = [e for e, c in enumerate(wave.counts) if c]
-    # the wave's experts with pairs and its runs' first pairs in one copy
-    index = upload(torch.tensor(have + [a for a, *_ in runs]), dev)
-    have_ids, starts = index[: len(have)], index[len(have) :]  # [S], [runs]
-    # the experts renumbered in expert order, so that the tiles see their rows
-    used = torch.zeros(offsets.numel(), dtype=torch.bool, device=dev)
-    used[have_ids] = True
+    sizes = np.asarray(wave.counts)
+    have = np.flatnonzero(sizes)  # [S] the wave's experts with pairs
+    # each pair's expert renumbered in expert order, so that the tiles see their rows
+    local = np.repeat(np.arange(have.size), sizes[have])  # [P]
+    # each run's rows by place (tokens ascending within one: a radix sort of small keys), their tokens, and the rows
+    # of each place
+    placed = [np.argsort(wave.place[a:b], kind="stable") for a, b, _, _ in runs]
+    by_place = [np.bincount(wave.place[a:b], minlength=k).tolist() for a, b, _, _ in runs]
+    placed_tokens = np.concatenate([wave.pairs[a:b][o] // k for (a, b, _, _), o in zip(runs, placed, strict=True)])
+    host = np.concatenate([have, wave.pairs, local, np.concatenate(placed), placed_tokens])
+    index = upload(torch.from_numpy(host), ids.device)
+    p = wave.pairs.size
+    have_ids, pairs, local, placed, placed_tokens = torch.split(index, [have.size, p, p, p, p])
     wave_offsets = offsets[have_ids]  # [S]
-    local = (used.cumsum(0) - 1)[experts]  # [P]
-    tokens = pairs // k  # [P], ascending
-    # a pair's place among its token's present pairs (its token's run starts at the first pair >= t * K)
-    place = torch.arange(pairs.numel(), device=dev) - torch.searchsorted(pairs, tokens * k)  # [P]
-    # by expert (tokens ascending within one), so that a run spans few experts
-    order = torch.sort(local, stable=True).indices  # [P]
-    local, tokens, place = local[order], tokens[order], place[order]
-    chosen = weights.flatten()[pairs[order]].view(-1, 1)  # [P, 1]
-    # each run's pairs by place, counted at once for every run
-    run_of = torch.searchsorted(starts, torch.arange(pairs.numel(), device=dev), right=True) - 1  # [P]
-    by_place = torch.bincount(run_of * k + place, minlength=len(runs) * k).view(len(runs), k).tolist()
+    tokens = pairs // k  # [P]
+    chosen = weights.flatten()[pairs].view(-1, 1)  # [P, 1]
     for (a, b, first, end), places in zip(runs, by_place, strict=True):
         run = slice(a, b)
         own = (local[run] - first).view(-1, 1)  # [R, 1]: the run's experts renumbered from 0
         out = kernel.prefill(x[tokens[run]], own, chosen[run], records, wave_offsets[first:end])  # [R, D]
-        add_rows(y, tokens[run], place[run], out, places)
+        add_rows(y, placed_tokens[run], placed[run], out, places)
     return y
 
 
-def add_rows(y: torch.Tensor, tokens: torch.Tensor, place: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
-    """y [T, D] fp32 += out [R, D] row by row into rows tokens [R], first every pair's of place 0, then of place 1 ...
-    (counts: the rows of each place): one add's tokens are distinct, and each token's rows add in slot order. An
-    add's temporaries (out's rows and y's, in fp32) take at most the room of the call's pair rows and gathered input,
-    both freed (run_pairs)."""
-    order = torch.sort(place, stable=True).indices  # [R] by place, tokens ascending within
+def add_rows(y: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+    """y [T, D] fp32 += out [R, D]: out's rows `rows` [R] into y's rows `tokens` [R], first every pair's of place 0,
+    then of place 1 ... (counts: the rows of each place). One add's tokens are distinct, so each row takes one fp32
+    add (the same bits however the device orders them) and each token's rows add in slot order. An add's
+    temporaries (out's rows, and in fp32) take at most the room of the call's pair rows and gathered input, both
+    freed (run_pairs)."""
     most = max(1, 2 * out.shape[0] * out.element_size() // (out.element_size() + FP32))
     at = 0
     for n in counts:
         for b in range(at, at + n, most):
-            rows = order[b : min(b + most, at + n)]
-            y[tokens[rows]] += out[rows]
+            seg = slice(b, min(b + most, at + n))
+            y.index_add_(0, tokens[seg], out[rows[seg]].float())
         at += n
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from dsfp4.kernels.backend import upload, use_kernels
 from dsfp4.kernels.linear import linear
 from dsfp4.kernels.moe.kernel import MoEKernel
-from dsfp4.kernels.moe.waves import add_wave, compacts, gains, present_pairs, wave_runs
+from dsfp4.kernels.moe.waves import StepChoices, add_wave, compacts, gains, in_wave, present_pairs, wave_runs
 from dsfp4.kernels.router.gate_scores import gate_scores, gate_scores_ref
 from dsfp4.kernels.router.route import can_route, chosen_weights, route, route_ref
 from dsfp4.kernels.swiglu import swiglu
@@ -237,9 +237,11 @@ class MoE(nn.Module):
         y, parts, compact = None, spans(x.shape[0], piece), compacts(x.shape[0], piece)
         with abandoned_on_error(got.job):
             weights = got.kept(weights)
+            # the choices on the host once a step: the waves' plans then wait for nothing
+            step = StepChoices.of(indices.cpu().numpy()) if compact else None
             # one wave unless slots run short
-            for offsets in got.offsets():
-                pairs = present_pairs(indices, offsets) if compact else None
+            for wave, offsets in got.offsets():
+                pairs = present_pairs(step, in_wave(wave, offsets.numel())) if compact else None
                 runs = None if pairs is None else wave_runs(self.kernel, pairs, parts[0].stop, x.dtype)
                 if runs is not None and gains(self.kernel, pairs, runs, parts[0].stop):
                     y = add_wave(self.kernel, x, indices, weights, self.experts.gpu, offsets, pairs, runs, y)

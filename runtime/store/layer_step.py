@@ -75,10 +75,10 @@ class LayerExperts:
     # ExpertStore.offsets
     table: Callable[[int, list[int] | None], torch.Tensor]
 
-    def offsets(self) -> Iterator[torch.Tensor]:
-        """Each wave's record offsets [E] for the expert kernel, every other expert -1."""
+    def offsets(self) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Each wave's experts, and its record offsets [E] for the expert kernel, every other expert -1."""
         for wave in self.waves:
-            yield self.table(self.layer, None if len(wave) == len(self.chosen) else wave)
+            yield wave, self.table(self.layer, None if len(wave) == len(self.chosen) else wave)
 
     def kept(self, weights: torch.Tensor) -> torch.Tensor:
         """weights [T, K] with the choices left out weighing 0, each token's others rescaled to its former sum."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,10 +75,16 @@ def _old(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int) -> to
     return torch.cat([kernel.prefill(x[s], ids[s], weights[s], records, offsets) for s in parts]).cpu()
 
 
+def _present(ids: torch.Tensor, offsets: torch.Tensor) -> waves.WavePairs | None:
+    """present_pairs of the experts with an offset (as the store's list of a wave's experts gives them)."""
+    experts = (offsets != ABSENT).nonzero()[:, 0].tolist()
+    return waves.present_pairs(waves.StepChoices.of(ids.cpu().numpy()), waves.in_wave(experts, offsets.numel()))
+
+
 def _compacted(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int | None) -> torch.Tensor:
     """add_wave from zeros, on the CPU."""
     x, ids, weights, records, offsets = _on(kernel, x, ids, weights, records, offsets)
-    pairs = waves.present_pairs(ids, offsets)
+    pairs = _present(ids, offsets)
     assert pairs is not None and waves.compacts(x.shape[0], piece)
     runs = waves.wave_runs(kernel, pairs, min(x.shape[0], piece or x.shape[0]), x.dtype)
     return waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, runs, None).cpu()
@@ -133,16 +140,16 @@ def test_a_wave_adds_to_the_waves_before_it_and_every_pair_present_takes_the_chu
     layout, x, ids, weights, records, offsets = _wave(40, 2, 4, 9, torch.float32)
     kernel = _kernel("reference", layout, 2)
     before = torch.randn(40, DIM)
-    pairs = waves.present_pairs(ids, offsets)
+    pairs = _present(ids, offsets)
     runs = waves.wave_runs(kernel, pairs, 20, x.dtype)
     got = waves.add_wave(kernel, x, ids, weights, records, offsets, pairs, runs, before.clone())
     assert _rel(got, before + _old(kernel, x, ids, weights, records, offsets, 20)) < 1e-5
-    assert waves.present_pairs(ids, torch.arange(N_EXPERTS) * layout.nbytes) is None
+    assert _present(ids, torch.arange(N_EXPERTS) * layout.nbytes) is None
     # a wave of no chosen expert (the CPU lane took them all) adds nothing
     none = torch.full_like(offsets, ABSENT)
-    empty = waves.present_pairs(ids, none)
+    empty = _present(ids, none)
     assert (
-        empty.pairs.numel() == 0
+        empty.pairs.size == 0
         and sum(empty.counts) == 0
         and torch.equal(waves.add_wave(kernel, x, ids, weights, records, none, empty, [], got), got)
     )
@@ -168,7 +175,7 @@ def test_the_runs_go_by_expert_within_a_pieces_pairs_and_workspace_and_sum_as_on
     monkeypatch.setattr(kernel, "prefill", prefill)
     monkeypatch.setattr(waves, "run_pairs", lambda *a: 14 - 3 * a[4])
     cut = _compacted(kernel, x, ids, weights, records, offsets, 20)
-    pairs = waves.present_pairs(ids, offsets).pairs.numel()
+    pairs = _present(ids, offsets).pairs.size
     assert sum(c[0] for c in calls) == pairs and all(r <= max(1, 14 - 3 * s) for r, s in calls)
     assert any(s > 1 for _, s in calls) and len(calls) > 5
     assert _rel(cut, whole) < 1e-6
@@ -246,7 +253,7 @@ def test_a_wave_of_most_experts_gives_each_its_groups_rows_and_few_pairs_keep_th
 
     def wave(present: int, pairs: int) -> waves.WavePairs:  # `pairs` pairs over `present` of 256 experts
         counts = [pairs // present + (e < pairs % present) if e < present else 0 for e in range(256)]
-        return waves.WavePairs(torch.zeros(pairs, dtype=torch.long), counts)
+        return waves.WavePairs(np.zeros(pairs, dtype=np.int64), np.zeros(pairs, dtype=np.int64), counts)
 
     # a group of 11,776 tokens routes ~368 pairs to an expert: runs of ~2,000-2,700 pairs by expert hold ~7 of them,
     # most whole, whether the wave holds 17 experts or 151 (a chunk's calls: 16 rows an expert)
@@ -289,11 +296,18 @@ def test_expert_runs_cover_the_pairs_by_expert_within_the_cap_of_the_experts_the
     assert waves.expert_runs([5], lambda s: 2) == [(0, 2, 0, 1), (2, 4, 0, 1), (4, 5, 0, 1)]
 
 
-def test_a_waves_present_pairs_are_its_experts_pairs_in_order_with_their_counts():
+def test_a_waves_present_pairs_are_its_experts_pairs_by_expert_with_their_places_and_counts():
     layout, x, ids, weights, records, offsets = _wave(50, 3, 4, 11, torch.float32)
-    wave = waves.present_pairs(ids, offsets)
+    wave = _present(ids, offsets)
     present = (offsets[ids] != ABSENT).flatten()
-    assert torch.equal(wave.pairs, present.nonzero()[:, 0])
-    chosen = ids.flatten()[wave.pairs]
+    kept = present.nonzero()[:, 0]  # token-then-slot order
+    chosen = ids.flatten()[kept]
+    # by expert, token order within one
+    assert wave.pairs.tolist() == kept[torch.sort(chosen, stable=True).indices].tolist()
     assert wave.counts == torch.bincount(chosen, minlength=N_EXPERTS).tolist()
     assert all(c == 0 for e, c in enumerate(wave.counts) if offsets[e] == ABSENT)
+    # a pair's place: the present pairs of its token before it
+    flat = present.view(50, 3)
+    for p, place in zip(wave.pairs.tolist(), wave.place.tolist(), strict=True):
+        t, j = divmod(p, 3)
+        assert place == int(flat[t, :j].sum())

@@ -72,7 +72,7 @@ def test_chunks_past_decodes_tokens_take_compacted_waves_with_the_logits_and_tok
 
     pairs = []
     real = moe.add_wave
-    monkeypatch.setattr(moe, "add_wave", lambda *a: pairs.append(a[6].pairs.numel()) or real(*a))
+    monkeypatch.setattr(moe, "add_wave", lambda *a: pairs.append(a[6].pairs.size) or real(*a))
     with Engine(converted, device="cpu", max_context=64) as whole:
         ids = (whole.encode(PROMPT) * 3)[: 2 * PREFILL_CHUNK + 7]
         expected = whole.logits(ids)

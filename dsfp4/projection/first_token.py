@@ -47,10 +47,10 @@ EXPERT_ROW_SHARES = ((16, 90.3 / 989.4), (32, 155.2 / 989.4), (64, 251.8 / 989.4
 # their kernels' profiled time, the expansion at PREFILL_SHARE, the hidden states' crossings at the link's rate
 # (docs/BENCHMARKS.md, 2026-12-02, a 32k prefill profiled)
 ATTENTION_SHARE = 0.38
-# the host's time a compacted prefill wave adds beside the device's (kernels/moe/waves.py: its two waits and its runs'
-# launches), measured on the H200 (docs/BENCHMARKS.md, 2026-12-03); an upper estimate on slower cards, where more of
-# it overlaps the device's work
-WAVE_HOST_S = 3.0e-3
+# the host's time to plan and queue a compacted prefill wave (kernels/moe/waves.py), beside the device's compute of
+# the wave before: a 17-expert wave of 11,776 tokens in 3 runs on the H200 machine (docs/BENCHMARKS.md, 2026-12-04);
+# an upper estimate for the 16 GB plan's waves of 8, in 1-2 runs
+WAVE_HOST_S = 4.5e-3
 # prompt tokens the time to first token is projected for
 PROMPTS = (64, 512, 2048, 8192, 32768)
 # the context a prompt's plan holds beyond it: room for an answer

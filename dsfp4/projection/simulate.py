@@ -89,8 +89,8 @@ class StepCosts:
     """Seconds of compute of a token: per MoE layer before its router's choice (attention, router) and after
     its records are there (routed and shared experts); per token for the rest (dense layers, head); per MoE layer
     whose experts stream, the host's round trip (once per forward, however many tokens it holds); per wave of a
-    layer step that takes several (a prompt's: simulate_prefill.py), the host's work the device waits for between
-    them (a compacted wave's waits, kernels/moe/waves.py)."""
+    layer step that takes several (a prompt's: simulate_prefill.py), the host's work to plan and queue a compacted
+    wave (kernels/moe/waves.py), beside the device's compute of the wave before."""
 
     attn_s: float
     experts_s: float

@@ -127,9 +127,12 @@ def _prefill_layer(
     start, done = routed, [routed, routed]
     size = wave_size(len(order), gpu_slots)
     behind = 2 if 2 * size <= gpu_slots else 1
+    # where a prompt's step takes several compacted waves (waves.py), the host plans and queues each: when it has
+    # queued the last one
+    planned, host_at = size < len(order) and compacts(n, piece), routed
     for at in range(0, len(order), size):
         wave = order[at : at + size]
-        protected, ready = set(wave), start
+        protected, ready, copies = set(wave), start, False
         for key in wave:
             if (there := tiers.on_gpu(key)) is not None:
                 out.device_hits += 1
@@ -138,17 +141,17 @@ def _prefill_layer(
             arrival = tiers.bring(key, start, protected, demand=True, copy_after=done[-behind])
             if arrival is None:
                 raise ValueError(f"{gpu_slots} device slots cannot hold a wave of {len(wave)} experts")
-            ready = max(ready, arrival)
+            ready, copies = max(ready, arrival), True
         out.stall_s += max(0.0, ready - max(start, done[-1]))
         # of the chunk's routed compute
         share = sum(int(uses[e]) for _, e in wave) / (n * top_k)
-        # the wave computes once its records are there and the wave before it is done, then frees its slots; where a
-        # prompt's step takes several waves, each waits for the host's work between them (compacted: waves.py)
-        done.append(
-            max(ready, done[-1])
-            + share * n * costs.experts_s
-            + costs.wave_s * (size < len(order) and compacts(n, piece))
-        )
+        if planned:
+            # the host queues a wave once the store has its slots (freed by the compute of the wave before the last),
+            # while the device computes the wave before: it waits for the device only there
+            host_at = max(host_at, done[-behind] if copies else host_at) + costs.wave_s
+        # the wave computes once its records are there, the wave before it is done and the host has queued it, then
+        # frees its slots
+        done.append(max(ready, done[-1], host_at) + share * n * costs.experts_s)
         # the store is asked for the next wave once this one is queued
         start = ready
     return tiers.stream(done[-1], reads * host.experts_bytes * streamed, 0.0)

@@ -402,10 +402,12 @@ def test_the_routed_experts_prefill_at_the_kernels_share_for_the_rows_a_wave_cal
     assert few.experts_s > 2 * many.experts_s and few.attn_s == many.attn_s and few.other_s == many.other_s
 
 
-def test_a_prompts_waves_of_half_the_slots_copy_while_the_one_before_computes_and_each_costs_the_hosts_time():
+def test_a_prompts_waves_of_half_the_slots_copy_while_the_one_before_computes_and_the_host_queues_each_beside():
     """A 40-token chunk (compacted) over 8 experts of one layer, in RAM, with 4 device slots: waves of 2, each's
     copies overlapping the compute before it, so the prompt takes less than its copies and compute one after the
-    other; each of the 4 waves adds the host's wave_s, and a step that one wave holds adds none."""
+    other. The host's wave_s, queuing each wave while the device computes the one before, hides behind that compute
+    where it is shorter (but for the first wave's) and binds where it is longer; a step that one wave holds has
+    none."""
     trace = np.array([[[e % 8 for e in range(t, t + 2)]] for t in range(40)])  # [40, 1, 2]: 8 experts
     warm = [(0, e) for e in range(8)]
     links = Links(1e9, 1e9)
@@ -417,5 +419,8 @@ def test_a_prompts_waves_of_half_the_slots_copy_while_the_one_before_computes_an
 
     serial = 8 * copy_s + 8 * copy_s
     assert run(4, costs) < 0.8 * serial
-    assert run(4, dataclasses.replace(costs, wave_s=0.5)) == pytest.approx(run(4, costs) + 4 * 0.5, rel=0.05)
+    # a wave's compute: 2 copies' time
+    hidden = run(4, dataclasses.replace(costs, wave_s=0.5 * copy_s))
+    assert run(4, costs) < hidden <= run(4, costs) + 0.5 * copy_s * 1.001
+    assert 4 * 0.5 < run(4, dataclasses.replace(costs, wave_s=0.5)) < 4 * 0.5 + 3 * copy_s
     assert run(8, dataclasses.replace(costs, wave_s=0.5)) == pytest.approx(run(8, costs))

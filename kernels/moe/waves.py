@@ -9,8 +9,9 @@ rate at 128 rows); compacted, its tiles follow the experts' real rows. The pairs
 that a chunk's workspace holds (expert_runs): a run spans the few experts whose pairs fill it, so a wave of most of
 a layer's experts still gives each the rows a group of tokens routes to it, not a run's share of all of them. Each
 pair's output row is then added to its token's row of an fp32 sum, a token's pairs by their place among its present
-pairs (in slot order): one add's rows belong to distinct tokens, so the sum is the same bits on every run, without
-atomics.
+pairs (in slot order): one add's rows belong to distinct tokens, so each row takes one fp32 add and the sum is the
+same bits on every run. What the runs index is planned on the host from the step's choices, copied there once a step
+(StepChoices), so the host queues a wave while the device computes the one before.
 
 Legend: T tokens, D dim, K choices a token, E routed experts, S the wave's experts with pairs, P the wave's pairs,
 R a run's (at most run_pairs of the experts it spans).

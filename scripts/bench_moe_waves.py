@@ -96,7 +96,7 @@ def old_wave(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int, y
 def compact_wave(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int, y: torch.Tensor) -> None:
     """The compacted wave: its present pairs (planned on the host from the step's ids, copied here as once a step),
     then add_wave's runs into y (fp32)."""
-    pairs = present_pairs(StepChoices.of(ids.cpu().numpy()), (offsets != ABSENT).cpu().numpy())
+    pairs = present_pairs(StepChoices.of(ids.cpu().numpy(), offsets.numel()), (offsets != ABSENT).cpu().numpy())
     assert pairs is not None, "a wave of fewer experts than the layer's leaves pairs out"
     add_wave(kernel, x, ids, weights, records, offsets, pairs, wave_runs(kernel, pairs, piece, x.dtype), y)
 
@@ -122,7 +122,7 @@ def case(shapes: Shapes, fmt: str, pool: tuple, g: int, s: int, device: torch.de
     old = seconds(lambda: old_wave(*args, y), device, reps)
     compact = seconds(lambda: compact_wave(*args, y), device, reps)
     host = queued(lambda: compact_wave(*args, y), device, reps)
-    wave = present_pairs(StepChoices.of(ids.cpu().numpy()), (offsets != ABSENT).cpu().numpy())
+    wave = present_pairs(StepChoices.of(ids.cpu().numpy(), offsets.numel()), (offsets != ABSENT).cpu().numpy())
     pairs = len(wave.pairs)
     flops = pairs * FLOPS_PER_WEIGHT * shapes.dim * shapes.inter
     runs = wave_runs(kernel, wave, shapes.piece, x.dtype)

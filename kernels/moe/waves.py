@@ -49,18 +49,19 @@ def compacts(tokens: int, piece: int | None) -> bool:
 class StepChoices:
     """A streamed step's choices on the host, copied once a step (one wait for the device, not two a wave): ids
     [T, K]; by_expert [T * K], the pairs t * K + j by expert, tokens ascending within one (a token chooses an expert
-    once); experts [T * K], the expert of each of them."""
+    once); experts [T * K], the expert of each of them; counts [E], each of the layer's E experts' pairs."""
 
     ids: np.ndarray
     by_expert: np.ndarray
     experts: np.ndarray
+    counts: np.ndarray
 
     @classmethod
-    def of(cls, ids: np.ndarray) -> StepChoices:
+    def of(cls, ids: np.ndarray, n_experts: int) -> StepChoices:
         flat = ids.reshape(-1)
         # a radix sort where the experts' ids fit 16 bits
-        order = np.argsort(flat.astype(np.uint16) if flat.size and flat.max() < 1 << 16 else flat, kind="stable")
-        return cls(ids, order, flat[order])
+        order = np.argsort(flat.astype(np.uint16) if n_experts <= 1 << 16 else flat, kind="stable")
+        return cls(ids, order, flat[order], np.bincount(flat, minlength=n_experts))
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,13 @@ def in_wave(experts: list[int], n_experts: int) -> np.ndarray:
 def present_pairs(step: StepChoices, present: np.ndarray) -> WavePairs | None:
     """step: the step's choices, present: [E] bool, the wave's experts -> its WavePairs; None where every pair is
     present (nothing to skip: the chunk's own calls)."""
-    here = present[step.experts]  # [T * K]
-    if here.all():
+    counts = np.where(present, step.counts, 0)  # [E]
+    if counts.sum() == step.experts.size:
         return None
-    pairs = step.by_expert[here]  # [P]
+    pairs = step.by_expert[present[step.experts]]  # [P]
     # a pair's place: its token's choices before it that the wave holds
     place = np.cumsum(present[step.ids], axis=1, dtype=np.int8).reshape(-1)[pairs] - 1  # [P]
-    counts = np.bincount(step.experts[here], minlength=present.size).tolist()
-    return WavePairs(pairs, place, counts)
+    return WavePairs(pairs, place, counts.tolist())
 
 
 # (first pair, end pair, first expert, end expert) of a run
@@ -224,15 +224,12 @@ def add_wave(
     have = np.flatnonzero(sizes)  # [S] the wave's experts with pairs
     # each pair's expert renumbered in expert order, so that the tiles see their rows
     local = np.repeat(np.arange(have.size), sizes[have])  # [P]
-    # each run's rows by place (tokens ascending within one: a radix sort of small keys), their tokens, and the rows
-    # of each place
+    # each run's rows by place (tokens ascending within one: a radix sort of small keys), and the rows of each place
     placed = [np.argsort(wave.place[a:b], kind="stable") for a, b, _, _ in runs]
     by_place = [np.bincount(wave.place[a:b], minlength=k).tolist() for a, b, _, _ in runs]
-    placed_tokens = np.concatenate([wave.pairs[a:b][o] // k for (a, b, _, _), o in zip(runs, placed, strict=True)])
-    host = np.concatenate([have, wave.pairs, local, np.concatenate(placed), placed_tokens])
-    index = upload(torch.from_numpy(host), ids.device)
+    index = upload(torch.from_numpy(np.concatenate([have, wave.pairs, local, *placed])), ids.device)
     p = wave.pairs.size
-    have_ids, pairs, local, placed, placed_tokens = torch.split(index, [have.size, p, p, p, p])
+    have_ids, pairs, local, placed = torch.split(index, [have.size, p, p, p])
     wave_offsets = offsets[have_ids]  # [S]
     tokens = pairs // k  # [P]
     chosen = weights.flatten()[pairs].view(-1, 1)  # [P, 1]
@@ -240,14 +237,14 @@ def add_wave(
         run = slice(a, b)
         own = (local[run] - first).view(-1, 1)  # [R, 1]: the run's experts renumbered from 0
         out = kernel.prefill(x[tokens[run]], own, chosen[run], records, wave_offsets[first:end])  # [R, D]
-        add_rows(y, placed_tokens[run], placed[run], out, places)
+        add_rows(y, tokens[run], placed[run], out, places)
     return y
 
 
 def add_rows(y: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
-    """y [T, D] fp32 += out [R, D]: out's rows `rows` [R] into y's rows `tokens` [R], first every pair's of place 0,
-    then of place 1 ... (counts: the rows of each place). One add's tokens are distinct, so each row takes one fp32
-    add (the same bits however the device orders them) and each token's rows add in slot order. An add's
+    """y [T, D] fp32 += out [R, D] row by row into rows tokens [R], in the order `rows` [R]: first every pair's of
+    place 0, then of place 1 ... (counts: the rows of each place). One add's tokens are distinct, so each row takes
+    one fp32 add (the same bits however the device orders them) and each token's rows add in slot order. An add's
     temporaries (out's rows, and in fp32) take at most the room of the call's pair rows and gathered input, both
     freed (run_pairs)."""
     most = max(1, 2 * out.shape[0] * out.element_size() // (out.element_size() + FP32))
@@ -255,7 +252,7 @@ def add_rows(y: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, out: tor
     for n in counts:
         for b in range(at, at + n, most):
             seg = slice(b, min(b + most, at + n))
-            y.index_add_(0, tokens[seg], out[rows[seg]].float())
+            y.index_add_(0, tokens[rows[seg]], out[rows[seg]].float())
         at += n
 
 

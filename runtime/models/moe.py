@@ -132,7 +132,7 @@ def over(parts: list[slice], f: Callable[[slice], torch.Tensor]) -> torch.Tensor
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w: Weights, experts: ExpertStore, kernel: MoEKernel):
         super().__init__()
-        self.layer, self.experts, self.kernel = layer, experts, kernel
+        self.layer, self.experts, self.kernel, self.n_experts = layer, experts, kernel, args.n_routed_experts
         self.gate = HashGate(args, layer, w) if args.is_hash_layer(layer) else Gate(args, layer, w)
         inter, p = args.n_shared_experts * args.moe_inter_dim, f"layers.{layer}.ffn.shared_experts."
         self.shared_experts = MLP(p, args.dim, inter, w, args.swiglu_limit) if inter else None
@@ -238,7 +238,7 @@ class MoE(nn.Module):
         with abandoned_on_error(got.job):
             weights = got.kept(weights)
             # the choices on the host once a step: the waves' plans then wait for nothing
-            step = StepChoices.of(indices.cpu().numpy()) if compact else None
+            step = StepChoices.of(indices.cpu().numpy(), self.n_experts) if compact else None
             # one wave unless slots run short
             for wave, offsets in got.offsets():
                 pairs = present_pairs(step, in_wave(wave, offsets.numel())) if compact else None

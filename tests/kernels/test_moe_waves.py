@@ -77,8 +77,8 @@ def _old(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int) -> to
 
 def _present(ids: torch.Tensor, offsets: torch.Tensor) -> waves.WavePairs | None:
     """present_pairs of the experts with an offset (as the store's list of a wave's experts gives them)."""
-    experts = (offsets != ABSENT).nonzero()[:, 0].tolist()
-    return waves.present_pairs(waves.StepChoices.of(ids.cpu().numpy()), waves.in_wave(experts, offsets.numel()))
+    experts, n = (offsets != ABSENT).nonzero()[:, 0].tolist(), offsets.numel()
+    return waves.present_pairs(waves.StepChoices.of(ids.cpu().numpy(), n), waves.in_wave(experts, n))
 
 
 def _compacted(kernel: MoEKernel, x, ids, weights, records, offsets, piece: int | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from dsfp4.kernels.backend import use_kernels
 from dsfp4.kernels.mla import prefill
 from dsfp4.kernels.mla import prefill_jit as jit
-from dsfp4.kernels.mla.prefill import DEFAULT, MLAPrefillConfig, fp8_kernel_runs, mla_prefill
+from dsfp4.kernels.mla.prefill import FP8_DEFAULT, MLAPrefillConfig, fp8_kernel_runs, mla_prefill
 from dsfp4.kernels.token_bounds import DECODE_TOKENS, DECOMPRESS_TOKENS
 from dsfp4.runtime.models.v3.attention import absorbed_attention
 from dsfp4.runtime.plan.limits import SCORE_ELEMENTS
@@ -60,6 +60,7 @@ COLUMNS = (
 # --sweep's tile configurations (rows, keys, warps, stages), run as given (not fitted to the GPU's shared memory)
 SWEEP = [
     MLAPrefillConfig(),
+    FP8_DEFAULT,
     MLAPrefillConfig(keys=64, stages=4),
     MLAPrefillConfig(keys=128, stages=2),
     MLAPrefillConfig(keys=32, stages=3),
@@ -110,7 +111,7 @@ def inputs(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype) ->
     )
 
 
-def case(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, reps: int, cfg=DEFAULT) -> dict:
+def case(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, reps: int, cfg=None) -> dict:
     x, h, width = inputs(d, t, s, device, dtype), d["h"], d["n"] + d["v"]
     scale, kernel = (d["n"] + d["r"]) ** -0.5, use_kernels(device)
     # the key block runtime/models/v3/attention.py's decompressed_attention takes

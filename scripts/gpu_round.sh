@@ -112,7 +112,8 @@ widen() {
 }
 
 fp8attn() {
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_prefill.py tests/runtime/test_fp8_attention.py \
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_prefill.py tests/kernels/test_mla_prefill_fp8.py \
+        tests/runtime/test_fp8_attention.py \
         > "$OUT/fp8attn_tests.log" 2>&1 || true
     tail -3 "$OUT/fp8attn_tests.log"
     python3 scripts/bench_prefill_attention.py --tokens 4096 --context 4096,28672 --reps 3 --out "$OUT" 2>&1 \

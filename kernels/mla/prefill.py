@@ -64,6 +64,14 @@ class MLAPrefillConfig:
 
 
 DEFAULT = MLAPrefillConfig()
+# the FP8 variant's: on the H200 its fastest of the tiles tried at 4,096 queries and 32,768 keys (docs/BENCHMARKS.md,
+# 2026-12-04), where DEFAULT's ran 24% slower
+FP8_DEFAULT = MLAPrefillConfig(rows=64, keys=128, warps=4, stages=2)
+
+
+def default_config(fp8: bool) -> MLAPrefillConfig:
+    """The block kernel's tiles where the caller names none: FP8_DEFAULT for the fp8 variant, else DEFAULT."""
+    return FP8_DEFAULT if fp8 else DEFAULT
 
 
 def _scores_ref(
@@ -159,7 +167,7 @@ def block_plan(
     r, vd. The tiles hold elt bytes a column, or under fp8 the nope and value tiles 1 (e4m3: half of bf16's shared
     memory) beside the rope tiles' elt; there the nope width and the key tile are at least FP8_MIN_K. The fp8 rule
     counts V3's tiles as bf16's does (104 KB at 64 keys); compiled offline by Triton 3.9 they took 88 KB at 64 keys
-    on sm_90 and 64 KB at 32 on sm_89 (test_mla_prefill_fp8.py): an upper bound, which keeps Ada at 32 keys."""
+    on sm_90 and 64 KB at 32 on sm_89 (test_mla_prefill_fp8.py): an upper bound (FP8_DEFAULT keeps 64 keys on Ada)."""
     lo = FP8_MIN_K if fp8 else MIN_TILE
     pads = [max(lo, next_pow2(n)), max(MIN_TILE, next_pow2(r)), max(MIN_TILE, next_pow2(vd))]
     if not fp8:
@@ -206,7 +214,7 @@ def mla_prefill_block(
     scale: float,
     o: torch.Tensor,
     lse: torch.Tensor,
-    cfg: MLAPrefillConfig = DEFAULT,
+    cfg: MLAPrefillConfig | None = None,
     fp8: bool = False,
 ) -> None:
     """mla_prefill_block_ref on tensor cores, scores and softmax in fp32 (the probabilities rounded to v's dtype
@@ -214,7 +222,7 @@ def mla_prefill_block(
     views of one decompressed [Sb, H, N + V] block; o and lse are fp32. fp8: mla_prefill_block_ref(fp8=True)'s
     variant on FP8 tensor cores (fp8_kernel_runs), v's e4m3 rows of any strides (e4m3_rows' keep the keys
     contiguous, as the tensor cores read them); under the interpreter its e4m3 tiles widen to fp32 (the same
-    values) for tl.dot."""
+    values) for tl.dot. cfg: the tiles, default_config(fp8) unless given."""
     if fp8 and not fp8_kernel_runs(q_pe.device):
         raise ValueError("mla_prefill_block: fp8 takes FP8 tensor cores (sm_89 on) or Triton's interpreter")
     (q_nope, k_nope, v), (qs, ks, vs) = _operands(q_nope, k_nope, v, lse, fp8)
@@ -228,7 +236,9 @@ def mla_prefill_block(
     assert not fp8 or (qs.shape, ks.shape, vs.shape) == ((t, h), (s, h), (h, vd)), "mla_prefill_block: scales"
     # the products' dtype: fp8 keeps q_pe's for the rope product
     dt = k_pe.dtype if fp8 else k_nope.dtype
-    cfg, pads = block_plan(cfg, q_nope.device, n, r, vd, k_pe.element_size() if fp8 else dt.itemsize, fp8)
+    cfg, pads = block_plan(
+        cfg or default_config(fp8), q_nope.device, n, r, vd, k_pe.element_size() if fp8 else dt.itemsize, fp8
+    )
     # fp32 products for fp32 inputs, and under the interpreter (its bf16 tl.dot is wrong)
     exact = dt == torch.float32 or interpreted()
     dot = tl.float32 if exact else _DOT_TYPES[dt]
@@ -286,7 +296,7 @@ def mla_prefill(
     scale: float,
     block_rows: int,
     kernel: bool,
-    cfg: MLAPrefillConfig = DEFAULT,
+    cfg: MLAPrefillConfig | None = None,
     fp8: bool = False,
 ) -> torch.Tensor:
     """The decompressed attention of a prefill chunk: q_nope [B, T, H, N], q_pe [B, T, H, R] (rotated) of tokens at

@@ -25,11 +25,23 @@ if triton is not None:
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
     @triton.jit
-    def _key_tile(ptr, s, S, stride, cols, stride_c, N: tl.constexpr, DOT: tl.constexpr):
+    def _key_tile(
+        ptr, s, S, stride, cols, stride_c, N: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr
+    ):
         """[BN, len(cols)] the block's key rows s (row stride `stride`, column stride `stride_c`, ptr at the head's
-        columns) in the products' dtype; 0 past the block's S rows and at columns cols >= N."""
-        mask = (s < S)[:, None] & (cols < N)[None, :]
-        return tl.load(ptr + s[:, None] * stride + cols[None, :] * stride_c, mask=mask, other=0.0).to(DOT)
+        columns) in the products' dtype; 0 past the block's S rows (ROWS: some may be) and at columns cols >= N
+        (COLS: the tile is wider than N). A mask is taken only where needed: one along the keys, S unknown to the
+        compiler, would load FP8's values (keys contiguous) a byte at a time."""
+        ptrs = ptr + s[:, None] * stride + cols[None, :] * stride_c
+        if ROWS and COLS:
+            tile = tl.load(ptrs, mask=(s < S)[:, None] & (cols < N)[None, :], other=0.0)
+        elif ROWS:
+            tile = tl.load(ptrs, mask=(s < S)[:, None], other=0.0)
+        elif COLS:
+            tile = tl.load(ptrs, mask=(cols < N)[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+        return tile.to(DOT)
 
     @triton.jit
     def _row_scales(ptr, idx, ok, stride, h, FP8: tl.constexpr):
@@ -186,9 +198,10 @@ if triton is not None:
             # stage 0: the whole tiles every row sees; stage 1: the rest, masked by position
             for s0 in range(full * stage, full + (hi - full) * stage, BN):
                 s = s0 + tl.arange(0, BN)
-                kn = _key_tile(kn_ptr, s, S, stride_knt, n, 1, N, NV_DOT)  # [BN, NP]
-                kp = _key_tile(kp_ptr, s, S, stride_kpt, r, 1, R, DOT)  # [BN, RP]
-                v = _key_tile(v_ptr, s, S, stride_vt, vc, stride_vc, V, NV_DOT)  # [BN, VP]
+                # stage 0's tiles end at or before `full` <= S: no key past the block's end
+                kn = _key_tile(kn_ptr, s, S, stride_knt, n, 1, N, NV_DOT, stage == 1, N < NP)  # [BN, NP]
+                kp = _key_tile(kp_ptr, s, S, stride_kpt, r, 1, R, DOT, stage == 1, R < RP)  # [BN, RP]
+                v = _key_tile(v_ptr, s, S, stride_vt, vc, stride_vc, V, NV_DOT, stage == 1, V < VP)  # [BN, VP]
                 ks = _row_scales(ks_ptr, s, s < S, stride_kst, h, FP8)  # [BN]
                 seen = (s < S)[None, :] & ((k_start + s)[None, :] <= q_pos[:, None])  # [BM, BN]
                 m_i, l_i, acc = _attend_tile(

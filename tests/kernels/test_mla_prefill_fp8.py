@@ -16,6 +16,7 @@ from dsfp4.kernels.mla.prefill import (
     FP8_MIN_K,
     MLAPrefillConfig,
     block_plan,
+    default_config,
     fp8_kernel_runs,
     mla_prefill,
     mla_prefill_block,
@@ -185,13 +186,14 @@ def test_an_fp8_chunk_sees_every_earlier_chunks_rows(kernel):
 
 def _plan(monkeypatch, name: str, fp8: bool) -> tuple[MLAPrefillConfig, list[int]]:
     monkeypatch.setattr(prefill_module, "cuda_props", lambda index: CARDS[name])
-    return block_plan(MLAPrefillConfig(), torch.device("cuda", 0), V3["n"], V3["r"], V3["v"], 2, fp8)
+    return block_plan(default_config(fp8), torch.device("cuda", 0), V3["n"], V3["r"], V3["v"], 2, fp8)
 
 
-@pytest.mark.parametrize(("name", "bf16_keys", "fp8_keys"), [("H100", 64, 64), ("RTX 4090", 16, 32)])
+@pytest.mark.parametrize(("name", "bf16_keys", "fp8_keys"), [("H100", 64, 128), ("RTX 4090", 16, 64)])
 def test_e4m3_tiles_take_half_the_shared_memory(monkeypatch, name, bf16_keys, fp8_keys):
     """V3's widths: a query row of 128 e4m3 nope + 64 bf16 rope columns (256 bytes against 384), a key row of those
-    and 128 e4m3 values (384 against 640); the 100 KB Ada card keeps twice bf16's keys."""
+    and 128 e4m3 values (384 against 640); each variant's default tiles (fp8's: 64 query rows, 2 stages of 128 keys)
+    fitted to the card: the 100 KB Ada card keeps 64 keys under fp8, 16 under bf16."""
     assert _plan(monkeypatch, name, False)[0].keys == bf16_keys
     cfg, pads = _plan(monkeypatch, name, True)
     assert cfg.keys == fp8_keys and pads == [128, 64, 128]
@@ -231,7 +233,7 @@ def _kernel_args(fp8: bool, cfg: MLAPrefillConfig, pads: list[int]) -> dict:
 def test_the_fp8_kernel_compiles_for_ada_and_hopper_within_the_rules_shared_memory(monkeypatch):
     """The fp8 block kernel at V3's widths, tiled as block_plan tiles it for an RTX 4090 (sm_89) and an H100
     (sm_90): it compiles (e4m3 products, the cast of p), and Triton allots it no more shared memory than the rule
-    counts (3 stages of 384-byte key rows and the 256-byte query rows) nor than the card gives."""
+    counts (its stages of 384-byte key rows and the 256-byte query rows) nor than the card gives."""
     cases = []
     for name in ("RTX 4090", "H100"):
         cfg, pads = _plan(monkeypatch, name, True)

@@ -113,6 +113,7 @@ widen() {
 
 fp8attn() {
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_prefill.py tests/kernels/test_mla_prefill_fp8.py \
+        tests/kernels/test_e4m3_rows_kernel.py \
         tests/runtime/test_fp8_attention.py \
         > "$OUT/fp8attn_tests.log" 2>&1 || true
     tail -3 "$OUT/fp8attn_tests.log"
@@ -137,6 +138,7 @@ simcheck() {
 
 waves() {
     python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_waves.py tests/runtime/test_kernel_warm_up.py \
+        tests/runtime/test_split_run.py \
         > "$OUT/waves_tests.log" 2>&1 || true
     tail -3 "$OUT/waves_tests.log"
     python3 scripts/bench_moe_waves.py --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/moe_waves.log"

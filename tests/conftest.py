@@ -13,6 +13,9 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on the CPU (set before they load)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n`: a worker a core; torch's own threads would oversubscribe them
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # and the tests' subprocesses'
 
 from dsfp4.convert.pipeline import convert
 from dsfp4.convert.plan import ConvertOptions

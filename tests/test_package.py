@@ -5,6 +5,7 @@ layers keep their direction, and no module-level import cycle exists."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,21 @@ def _target(modules: dict[str, Path], imported: str) -> str | None:
 
 
 @pytest.mark.slow
+@functools.cache
+def _bound(path: Path) -> frozenset[str]:
+    """The names a module binds anywhere (assigned, defined or imported), parsed once for all its importers."""
+    tree = ast.parse(path.read_text())
+    bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound |= {n.name for n in ast.walk(tree) if isinstance(n, DEFINITIONS)}
+    bound |= {
+        (a.asname or a.name).split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom | ast.Import)
+        for a in n.names
+    }
+    return frozenset(bound)
+
+
 def test_every_import_between_modules_resolves_to_a_file_of_the_tree():
     """Read the tree as an IDE does: dsfp4.a.b is dsfp4/a/b.py or dsfp4/a/b/__init__.py (through the links), and
     a name imported from a module is defined or imported there."""
@@ -108,18 +124,9 @@ def test_every_import_between_modules_resolves_to_a_file_of_the_tree():
             if target is None or not (on_disk.is_file() or ROOT.joinpath(*parts, "__init__.py").is_file()):
                 missing.append(f"{path.relative_to(ROOT)}:{line}: {imported}")
                 continue
-            if target != imported:  # a name: it must be bound at the top level of the module
-                tree = ast.parse(modules[target].read_text())
-                bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-                bound |= {n.name for n in ast.walk(tree) if isinstance(n, DEFINITIONS)}
-                bound |= {
-                    (a.asname or a.name).split(".")[0]
-                    for n in ast.walk(tree)
-                    if isinstance(n, ast.ImportFrom | ast.Import)
-                    for a in n.names
-                }
-                if imported.rpartition(".")[2] not in bound:
-                    missing.append(f"{path.relative_to(ROOT)}:{line}: {imported} (no such name)")
+            # a name: it must be bound at the top level of the module
+            if target != imported and imported.rpartition(".")[2] not in _bound(modules[target]):
+                missing.append(f"{path.relative_to(ROOT)}:{line}: {imported} (no such name)")
     assert not missing, "imports the tree does not resolve:\n" + "\n".join(missing)
 
 

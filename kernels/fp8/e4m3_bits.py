@@ -41,8 +41,9 @@ if triton is not None:
         ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
         # ties to even, as IEEE addition rounds
         r = ((tl.abs(v) * inv_ulp + RINT) - RINT) * ulp
-        # by the sign bit: -0.0 and values rounding to zero keep theirs
-        return tl.where(bits < 0, -r, r)
+        # the sign bit set on r >= 0: -0.0 and values rounding to zero keep theirs (a negation compiled as 0 - r
+        # drops it on the GPU)
+        return (r.to(tl.int32, bitcast=True) | (bits & -(2**31))).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _place_pairs(t):

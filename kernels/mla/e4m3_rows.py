@@ -12,12 +12,17 @@ from typing import NamedTuple
 
 import torch
 
+from dsfp4.kernels.backend import triton, use_kernels
+from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 
 E4M3 = torch.float8_e4m3fn
 # elements of x rounded at once: the fp32 copy a piece takes (a 32k-token prompt's q_nope at V3's 128 heads is 537M
 # elements, 2 GB in fp32)
 PIECE_ELEMENTS = 1 << 24
+# the kernels' tiles: elements of rows a program rounds along their innermost dim; keys and channels a tile of the
+# rounding along the keys
+ROW_TILE, KEY_TILE, CHANNEL_TILE = 4096, 64, 32
 
 
 class E4M3Rows(NamedTuple):
@@ -29,10 +34,13 @@ class E4M3Rows(NamedTuple):
 
 
 def e4m3_rows(x: torch.Tensor, dim: int) -> E4M3Rows:
-    """x [..., D, ...] -> its rows along `dim` rounded to e4m3 (to nearest, ties to even) with a scale per row; in
-    pieces of x's first dim holding at most PIECE_ELEMENTS where the rounded dim is the innermost (the pieces' values
-    then join with it still of unit stride)."""
+    """x [..., D, ...] -> its rows along `dim` rounded to e4m3 (to nearest, ties to even) with a scale per row. By a
+    kernel where one takes x (kernel_takes; the same bytes); else by the torch formula, in pieces of x's first dim
+    holding at most PIECE_ELEMENTS where the rounded dim is the innermost (the pieces' values then join with it still
+    of unit stride)."""
     dim = dim % x.dim()
+    if kernel_takes(x, dim) and use_kernels(x):
+        return e4m3_rows_kernel(x, dim)
     step = max(1, PIECE_ELEMENTS // max(1, x[:1].numel()))
     if 0 < dim == x.dim() - 1 and x.shape[0] > step:
         pieces = [_rows(x[i : i + step], dim) for i in range(0, x.shape[0], step)]
@@ -59,3 +67,39 @@ def as_e4m3(x: torch.Tensor | E4M3Rows, dim: int) -> E4M3Rows:
 def dequantize(x: E4M3Rows, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """values * scale in `dtype`: what the rounded rows stand for (`dim` as they were rounded along)."""
     return x.values.to(dtype) * x.scale.to(dtype).unsqueeze(dim % x.values.dim())
+
+
+def kernel_takes(x: torch.Tensor, dim: int) -> bool:
+    """Whether a rounding kernel takes x along `dim`: a 2- or 3-dim x of unit innermost stride, rounded along that
+    dim, or a 3-dim one along its first (the attention's values along the keys)."""
+    return x.dim() in (2, 3) and x.stride(-1) == 1 and (dim % x.dim() == x.dim() - 1 or (x.dim() == 3 and dim == 0))
+
+
+def e4m3_rows_kernel(x: torch.Tensor, dim: int) -> E4M3Rows:
+    """e4m3_rows by the Triton kernels (e4m3_rows_jit.py; x's dtype read once, no fp32 copy): the same values and
+    scales, in the same layout, as the formula's."""
+    from dsfp4.kernels.mla import e4m3_rows_jit as jit
+
+    assert kernel_takes(x, dim % x.dim()), "e4m3_rows_kernel: a 2- or 3-dim x of unit innermost stride"
+    qmax = E4M3_MAX
+    if dim % x.dim() == x.dim() - 1:
+        x3 = x if x.dim() == 3 else x.unsqueeze(0)
+        r1, r2, d = x3.shape
+        values = torch.empty(x.shape, dtype=E4M3, device=x.device)  # [..., D]
+        scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        dp = next_pow2(d)
+        block = max(1, ROW_TILE // dp)
+        if r1 * r2:
+            jit.inner_rows_kernel[(triton.cdiv(r1 * r2, block),)](
+                x3, values, scale, r1 * r2, r2, x3.stride(0), x3.stride(1), D=d, DP=dp, BLOCK_R=block, QMAX=qmax
+            )
+        return E4M3Rows(values, scale)
+    s, h, v = x.shape
+    values = torch.empty(h, v, s, dtype=E4M3, device=x.device)  # [H, V, S]
+    scale = torch.empty(h, v, dtype=torch.float32, device=x.device)
+    if s * h * v:
+        grid = (h, triton.cdiv(v, CHANNEL_TILE))
+        jit.key_rows_kernel[grid](
+            x, values, scale, s, x.stride(0), x.stride(1), V=v, BLOCK_S=KEY_TILE, BLOCK_C=CHANNEL_TILE, QMAX=qmax
+        )
+    return E4M3Rows(values.movedim(-1, 0), scale)

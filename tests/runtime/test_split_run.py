@@ -1,7 +1,7 @@
 """A run split across two cards (--devices) takes the whole split path on one device named twice (`cpu,cpu` here,
 `cuda:0,cuda:0` in the gpu test): each card its layers, caches, expert slots and transfers over one RAM tier, the
 hidden state copied at the cut. Greedy tokens and logits equal the one-device run's; MTP, batching, the prompt cache
-and the lossy levers run across the cut."""
+and the lossy levers run across the cut; a long prompt's chunks take compacted waves on each card."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from dsfp4 import Engine
 from dsfp4.errors import ConfigError
+from dsfp4.kernels.moe import waves
+from dsfp4.kernels.token_bounds import DECODE_TOKENS
 from dsfp4.layout.manifest import Manifest
 from dsfp4.runtime.plan.budget import Budgets
 from dsfp4.runtime.plan.device_split import make_split_plan
@@ -24,13 +26,13 @@ FP32 = 4
 
 
 def split_plan(
-    model, devices: list[torch.device], slots: int, first_layers: int, ram: int = 1 << 30, **kw
+    model, devices: list[torch.device], slots: int, first_layers: int, ram: int = 1 << 30, chunk: int = CHUNK, **kw
 ) -> tuple[Plan, list[int]]:
     """A plan of two cards whose budgets hold the first `first_layers` layers on card 0 and the rest on card 1, with
     `slots` expert slots each (where its layers have records) and `ram` bytes of RAM -> (plan, each card's layers)."""
     m, with_mtp, batch = Manifest.open(model), kw.get("with_mtp", False), kw.get("max_batch", 1)
     a = m.args
-    one = make_plan(m, devices[0], torch.float32, Budgets(1 << 30, ram, "t"), CONTEXT, CHUNK, 2, process=0, **kw)
+    one = make_plan(m, devices[0], torch.float32, Budgets(1 << 30, ram, "t"), CONTEXT, chunk, 2, process=0, **kw)
     used = range(a.n_blocks if with_mtp else a.n_layers)
     weights = layer_bytes(m, FP32, used)
     size = {i: weights[i] + cache_slots(batch) * sum(layer_cache_bytes(a, i, CONTEXT, FP32)) for i in used}
@@ -42,14 +44,14 @@ def split_plan(
     last = head + sum(size[i] for i in used if i >= first_layers)
     budgets = (each + first, each + last)
     plan = make_split_plan(
-        m, devices, torch.float32, Budgets(sum(budgets), ram, "t", budgets), CONTEXT, CHUNK, 2, process=0, **kw
+        m, devices, torch.float32, Budgets(sum(budgets), ram, "t", budgets), CONTEXT, chunk, 2, process=0, **kw
     )
     return plan, [list(c.layers) for c in plan.cards]
 
 
-def engine(model, plan: Plan | None, devices: str | None = None, **knobs) -> Engine:
+def engine(model, plan: Plan | None, devices: str | None = None, chunk: int = CHUNK, **knobs) -> Engine:
     where = {"devices": devices} if devices else {"device": "cpu"}
-    return Engine(model, plan=plan, max_context=CONTEXT, prefill_chunk=CHUNK, cuda_graph=False, **where, **knobs)
+    return Engine(model, plan=plan, max_context=CONTEXT, prefill_chunk=chunk, cuda_graph=False, **where, **knobs)
 
 
 def run(e: Engine, prompts: list[str], n: int = 8) -> list[list[int]]:
@@ -86,6 +88,27 @@ def test_split_greedy_tokens_and_logits_equal_one_devices(converted, alone, slot
         if slots < 8:
             assert counts["ssd_reads"] + counts["ram_hits"] > 0
             assert store.cards[1]._counters is store.cards[0]._counters
+
+
+def test_a_split_prompt_takes_compacted_waves_on_each_card(converted, monkeypatch):
+    """Chunks past decode's tokens (kernels/moe/waves.py compacts) with 3 slots a card: each card's waves compute
+    only the pairs of the experts its store brought, summed in fp32: the logits of the one-device resident run to
+    fp32 rounding, and its greedy tokens."""
+    from dsfp4.runtime.models import moe
+
+    chunk, slots_of = DECODE_TOKENS + 4, []
+    real = moe.add_wave
+    monkeypatch.setattr(moe, "add_wave", lambda *a: slots_of.append(a[4].data_ptr()) or real(*a))
+    with engine(converted, None) as whole:
+        ids = (whole.encode(PROMPT) * 2)[: 2 * chunk + 7]
+        expected = whole.logits(ids)
+        resident = whole.generate(ids, max_tokens=6, temperature=0).token_ids
+    assert not slots_of and waves.compacts(chunk, None)
+    plan, _ = split_plan(converted, [CPU, CPU], 3, first_layers=2, chunk=chunk)
+    with engine(converted, plan, "cpu,cpu", chunk=chunk) as e:
+        torch.testing.assert_close(e.logits(ids), expected, rtol=1e-4, atol=1e-4)
+        assert set(slots_of) == {s.gpu.data_ptr() for s in e.model.experts.cards}
+        assert e.generate(ids, max_tokens=6, temperature=0).token_ids == resident
 
 
 def test_a_split_with_the_mtp_layer_on_the_last_card(converted, alone):

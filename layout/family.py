@@ -31,7 +31,8 @@ def _no_expansion(a: ModelArgs) -> float:
 class Family:
     """What the contract knows of one family. layer_cache: (args, layer, context, element size) -> (bytes that grow
     with the context, fixed bytes) of one layer's caches for one sequence; activations: (args, tokens, context,
-    element size, attention scores held at once) -> bytes of one forward's transient tensors (an upper estimate)."""
+    element size, attention scores held at once, FP8 attention) -> bytes of one forward's transient tensors (an upper
+    estimate)."""
 
     title: str
     expert_format: str
@@ -39,14 +40,15 @@ class Family:
     layer_cache: Callable[[ModelArgs, int, int, int], tuple[int, int]]
     # [context, rope_dim / 2] complex64 tables its model builds, one per RoPE base
     rope_tables: int
-    activations: Callable[[ModelArgs, int, int, int, int], int]
+    activations: Callable[[ModelArgs, int, int, int, int, bool], int]
     # (args, position) -> FLOPs of a prompt token's attention scores and values there, over the main layers
     attention_flops: Callable[[ModelArgs, int], float]
     # its model can keep a layer's caches in pinned RAM, read in place (MLA's latent cache: a row per position)
     caches_in_ram: bool = False
-    # (args, context, element size, scores held at once, kernels) -> (fixed bytes, bytes a token) of a layer-wise
-    # pass's attention half over many tokens of one sequence at once; None: its attention takes a chunk at a time
-    attention_bytes: Callable[[ModelArgs, int, int, int, bool], tuple[int, int]] | None = None
+    # (args, context, element size, scores held at once, kernels, FP8 attention) -> (fixed bytes, bytes a token) of a
+    # layer-wise pass's attention half over many tokens of one sequence at once; None: its attention takes a chunk at
+    # a time
+    attention_bytes: Callable[[ModelArgs, int, int, int, bool, bool], tuple[int, int]] | None = None
     # (args) -> FLOPs of bringing one cached position's keys and values to the form prefill attends in, over the main
     # layers: paid per attention call for every position it reads (MLA's latent rows through wkv_b; 0: none)
     key_expansion_flops: Callable[[ModelArgs], float] = _no_expansion
@@ -103,33 +105,43 @@ def _v4_cache(a: ModelArgs, layer: int, max_context: int, elt: int) -> tuple[int
     return grows, fixed
 
 
-def _mla_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
+def _mla_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int, fp8: bool = False) -> int:
     """The residual stream and its temporaries, absorbed queries, expert hidden states, two copies of a chunk's
     scores; and a prefill's dense wkv_b with, in the decompressed form (kernels/mla/prefill.py), a key block (k_nope and
-    v of at most `scores` elements, k_pe) and the chunk's outputs (fp32 with their log-sum-exp, then in elt)."""
+    v of at most `scores` elements, k_pe) and the chunk's outputs (fp32 with their log-sum-exp, then in elt); fp8: the
+    e4m3 copies its FP8 variant rounds (_mla_fp8_query)."""
     h = a.n_heads
     acts = t * elt * (12 * a.dim + 3 * h * (a.kv_lora_rank + a.qk_rope_head_dim) + 6 * a.moe_inter_dim)
     acts += 2 * min(scores, t * h * max_context) * FP32
     outputs = t * h * ((a.v_head_dim + 1) * FP32 + a.v_head_dim * elt)
-    return acts + _mla_prefill_fixed(a, max_context, elt, scores) + outputs
+    return acts + _mla_prefill_fixed(a, max_context, elt, scores, fp8) + outputs + t * _mla_fp8_query(a, fp8)
 
 
-def _mla_prefill_fixed(a: ModelArgs, max_context: int, elt: int, scores: int) -> int:
+def _mla_prefill_fixed(a: ModelArgs, max_context: int, elt: int, scores: int, fp8: bool = False) -> int:
     """A decompressed prefill's bytes whatever its tokens: the dense wkv_b and one key block (k_nope and v of every
-    head, of at most `scores` elements, and its k_pe)."""
+    head, of at most `scores` elements, and its k_pe); fp8: the block's e4m3 copy beside it, with k_nope's scale a
+    key and head and v's a head and channel."""
     h, kv_width = a.n_heads, a.qk_nope_head_dim + a.v_head_dim
     rows = min(max_context, max(1, scores // (h * kv_width)))
-    return h * kv_width * a.kv_lora_rank * elt + rows * (h * kv_width + a.qk_rope_head_dim) * elt
+    fixed = h * kv_width * a.kv_lora_rank * elt + rows * (h * kv_width + a.qk_rope_head_dim) * elt
+    return fixed + (rows * h * (kv_width + FP32) + h * a.v_head_dim * FP32 if fp8 else 0)
 
 
-def _mla_attention_bytes(a: ModelArgs, max_context: int, elt: int, scores: int, kernels: bool) -> tuple[int, int]:
+def _mla_fp8_query(a: ModelArgs, fp8: bool) -> int:
+    """A token's bytes of the FP8 variant's e4m3 q_nope and its scale a head (0 without it)."""
+    return a.n_heads * (a.qk_nope_head_dim + FP32) if fp8 else 0
+
+
+def _mla_attention_bytes(
+    a: ModelArgs, max_context: int, elt: int, scores: int, kernels: bool, fp8: bool = False
+) -> tuple[int, int]:
     """The decompressed attention half of many tokens (kernels/mla/prefill.py): fixed, _mla_prefill_fixed and, for
     the torch formula, two copies of a block's scores; a token, its input, norm, query path, latent row, fp32 output
-    with its log-sum-exp, the output rounded, its projection and the residual sum."""
+    with its log-sum-exp, the output rounded, its projection and the residual sum (fp8: and its e4m3 query)."""
     h = a.n_heads
-    fixed = _mla_prefill_fixed(a, max_context, elt, scores) + (0 if kernels else 2 * scores * FP32)
+    fixed = _mla_prefill_fixed(a, max_context, elt, scores, fp8) + (0 if kernels else 2 * scores * FP32)
     token = elt * (5 * a.dim + 2 * a.q_lora_rank + h * a.qk_head_dim + a.kv_lora_rank + a.qk_rope_head_dim)
-    token += h * ((a.v_head_dim + 1) * FP32 + a.v_head_dim * elt)
+    token += h * ((a.v_head_dim + 1) * FP32 + a.v_head_dim * elt) + _mla_fp8_query(a, fp8)
     return fixed, token
 
 
@@ -138,10 +150,11 @@ def _mla_key_expansion_flops(a: ModelArgs) -> float:
     return 2.0 * a.n_layers * a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
 
 
-def _v4_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int) -> int:
+def _v4_activations(a: ModelArgs, t: int, max_context: int, elt: int, scores: int, fp8: bool = False) -> int:
     """The mHC streams and their fp32 mixing, queries and outputs of every head, the compressors' fp32 projections
     and window slots, the keys (window and every compressed entry) with their fp32 copy and masks, three copies of a
-    chunk's scores (masked, with the sink, softmax), the indexer's fp32 scores of every head and entry."""
+    chunk's scores (masked, with the sink, softmax), the indexer's fp32 scores of every head and entry (fp8: never
+    set, its attention has no FP8 variant)."""
     ratios = [m for m in a.compress_ratios if m]
     # the most a layer attends besides its window
     entries = max_context // min(ratios) if ratios else 0

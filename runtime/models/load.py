@@ -223,13 +223,11 @@ def plan_run(
         batch = 1 if alone else auto_batch(a, budgets.gpu, max_len, elt, MODE_BATCH[options.mode])
 
     def planned(max_batch: int) -> Plan:
+        run = (dtype, budgets, max_len, chunk, threads, with_mtp, host_extra)
+        how = dict(max_batch=max_batch, fp8_attention=options.fp8_attention)
         if cards:
-            return make_split_plan(
-                manifest, cards, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=max_batch
-            )
-        return make_plan(
-            manifest, device, dtype, budgets, max_len, chunk, threads, with_mtp, host_extra, max_batch=max_batch
-        )
+            return make_split_plan(manifest, cards, *run, **how)
+        return make_plan(manifest, device, *run, **how)
 
     plan = planned(batch)
     # the batch's experts fit the tiers

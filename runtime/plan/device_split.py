@@ -149,15 +149,27 @@ def make_split_plan(
     process: int | None = None,
     max_batch: int = 1,
     kernels: bool | None = None,
+    fp8_attention: bool = False,
 ) -> Plan:
     """make_plan for a split across `cards` (budgets.cards: each card's, resolved): the cut (split_layers), each
     card's share, then the one RAM tier. `kernels`: whether the Triton and FP8 kernels run (default: the first
-    card's kernel_paths; a projection's user cards run them)."""
+    card's kernel_paths; a projection's user cards run them); `fp8_attention` as make_plan's."""
     a, elt, first = manifest.args, torch.empty((), dtype=dtype).element_size(), cards[0]
     paths = kernel_paths(first)
     kernels, fp8 = (paths.kernels, paths.fp8_kernels) if kernels is None else (kernels, kernels)
     n = run_needs(
-        manifest, first, dtype, max_context, prefill_chunk, with_mtp, host_extra, process, kernels, fp8, max_batch
+        manifest,
+        first,
+        dtype,
+        max_context,
+        prefill_chunk,
+        with_mtp,
+        host_extra,
+        process,
+        kernels,
+        fp8,
+        max_batch,
+        fp8_attention,
     )
     distinct = {str(c) for c in cards if c.type == "cuda"}
     n = dataclasses.replace(n, host_base=n.host_base + CARD_HOST_RESERVE * max(len(distinct) - 1, 0))
@@ -190,7 +202,7 @@ def make_split_plan(
         cold_slots=cold_slots,
         cold_record=cold,
         prefill_group=prefill_group(a, prefill_chunk, max_context, elt),
-        attention_group=attention_group(a, prefill_chunk, max_context, elt, kernels),
+        attention_group=attention_group(a, prefill_chunk, max_context, elt, kernels, fp8_attention),
         cards=shares,
     )
 

@@ -404,14 +404,16 @@ def make_plan(
     fp8_kernels: bool | None = None,
     kernels: bool | None = None,
     max_batch: int = 1,
+    fp8_attention: bool = False,
 ) -> Plan:
     """What the run needs (RunNeeds), placed on the device tier, then in RAM. `host_extra`: host memory the caller will
     hold besides the model (profile-hot's hidden states); `process`: the process's own before the model loads
     (default: this process's RSS now; a projection gives a user's); `fp8_kernels`: whether the FP8 kernels run on the
     device, natively or by bits, else the reference's dense copy is reserved, and `kernels`: whether the Triton kernels
     run (both by default the device's kernel_paths: a CUDA device where this machine has none is a projection's user
-    card, which runs them); `max_batch`: sequences decoded together, each with caches
-    of its own (cache_slots)."""
+    card, which runs them); `max_batch`: sequences decoded together, each with caches of its own (cache_slots);
+    `fp8_attention`: the prefill attention's FP8 variant (run --fp8-attention), whose e4m3 copies the workspace and
+    the attention group count."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
     used = expert_layers(manifest, with_mtp)
     # the device's kernel paths (a CUDA device on a machine without CUDA: a projection's user card, which runs them)
@@ -430,6 +432,7 @@ def make_plan(
         kernels,
         fp8_kernels,
         max_batch,
+        fp8_attention,
     )
     tier = _device_tier(manifest, device, elt, budgets, n, max_context, max_batch, _used_layers(manifest, with_mtp))
     gpu_slots = tier.gpu_slots
@@ -454,7 +457,7 @@ def make_plan(
         cold,
         prefill_group(a, prefill_chunk, max_context, elt),
         tier.caches_moved,
-        attention_group(a, prefill_chunk, max_context, elt, kernels),
+        attention_group(a, prefill_chunk, max_context, elt, kernels, fp8_attention),
     )
 
 
@@ -470,6 +473,7 @@ def run_needs(
     kernels: bool,
     fp8_kernels: bool,
     max_batch: int,
+    fp8_attention: bool = False,
 ) -> RunNeeds:
     """What a run holds whatever its budgets: make_plan's first step, and a split's (device_split.py)."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
@@ -486,7 +490,7 @@ def run_needs(
         a.n_activated_experts if total_records else 0,
         backbone_bytes(manifest, dtype, with_mtp),
         cache_bytes(a, _used_layers(manifest, with_mtp), max_context, elt, cache_slots(max_batch)),
-        workspace_bytes(manifest, device, dtype, t, max_context, kernels, fp8_kernels),
+        workspace_bytes(manifest, device, dtype, t, max_context, kernels, fp8_kernels, fp8_attention),
         host_base + (largest_file if device.type == "cpu" else 0),
         largest_file,
     )

@@ -54,10 +54,10 @@ def widened_gemm_bytes(manifest: Manifest, device: torch.device, dtype: torch.dt
     return widened_bytes(shapes, t, torch.empty((), dtype=dtype).element_size())
 
 
-def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int) -> int:
+def activation_bytes(a: ModelArgs, t: int, max_context: int, elt: int, fp8_attention: bool = False) -> int:
     """Transient tensors of one forward of t tokens (upper estimates of what lives at once), by the family's rule
-    (layout/family.py), attention scores held in chunks of SCORE_ELEMENTS."""
-    return a.family_spec.activations(a, t, max_context, elt, SCORE_ELEMENTS)
+    (layout/family.py), attention scores held in chunks of SCORE_ELEMENTS; fp8_attention: with its e4m3 copies."""
+    return a.family_spec.activations(a, t, max_context, elt, SCORE_ELEMENTS, fp8_attention)
 
 
 def forward_tokens(prefill_chunk: int, max_context: int, with_mtp: bool) -> int:
@@ -84,16 +84,18 @@ def prefill_group(a: ModelArgs, chunk: int, max_context: int, elt: int) -> int:
     return min(t * max(1, chunks), max_context)
 
 
-def attention_group(a: ModelArgs, chunk: int, max_context: int, elt: int, kernels: bool) -> int:
+def attention_group(
+    a: ModelArgs, chunk: int, max_context: int, elt: int, kernels: bool, fp8_attention: bool = False
+) -> int:
     """Tokens of one sequence a layer-wise pass's attention takes at once, a whole number of chunks: what a chunk's
     forward holds in activations holds of the family's attention half (its fixed bytes first), so that each call
     brings the cached keys to the attended form once for all its tokens; a chunk where the family attends a chunk at a
-    time; at most the context."""
+    time; at most the context. fp8_attention: the attention's FP8 variant, whose e4m3 copies both sides count."""
     t = min(chunk, max_context)
     if a.family_spec.attention_bytes is None:
         return t
-    fixed, token = a.family_spec.attention_bytes(a, max_context, elt, SCORE_ELEMENTS, kernels)
-    chunks = (activation_bytes(a, t, max_context, elt) - fixed) // (t * token)
+    fixed, token = a.family_spec.attention_bytes(a, max_context, elt, SCORE_ELEMENTS, kernels, fp8_attention)
+    chunks = (activation_bytes(a, t, max_context, elt, fp8_attention) - fixed) // (t * token)
     return min(t * max(1, chunks), max_context)
 
 
@@ -105,12 +107,15 @@ def workspace_bytes(
     max_context: int,
     kernels: bool,
     fp8_kernels: bool,
+    fp8_attention: bool = False,
 ) -> int:
     """Transient device memory of a forward of t tokens: dense copies of backbone matrices (and the by-bits path's
-    widened pieces), activations, logits, the routed-expert kernels' workspaces, the staging buffer cold records are
-    widened from (store/transfers.py) and the CUDA allocator's slack."""
+    widened pieces), activations (fp8_attention: with the FP8 attention's e4m3 copies), logits, the routed-expert
+    kernels' workspaces, the staging buffer cold records are widened from (store/transfers.py) and the CUDA
+    allocator's slack."""
     a, elt = manifest.args, torch.empty((), dtype=dtype).element_size()
-    workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels) + activation_bytes(a, t, max_context, elt)
+    workspace = dequant_bytes(manifest, dtype, kernels, fp8_kernels)
+    workspace += activation_bytes(a, t, max_context, elt, fp8_attention)
     workspace += widened_gemm_bytes(manifest, device, dtype, t, fp8_kernels) if kernels else 0
     workspace += a.vocab_size * FP32 * 2 * LOGIT_ROWS
     if manifest.record:

@@ -23,6 +23,15 @@ def _logits(model, fp8: bool, text: str) -> torch.Tensor:
         return e.logits(ids), len(ids)
 
 
+def test_the_run_plans_the_fp8_attentions_copies(converted):
+    """The flag reaches the planner: the workspace holds the e4m3 copies (layout/family.py)."""
+    spaces = []
+    for fp8 in (False, True):
+        with Engine(converted, device="cpu", max_context=256, fp8_attention=fp8) as e:
+            spaces.append(e.plan.workspace)
+    assert spaces[1] > spaces[0]
+
+
 def test_fp8_attention_moves_a_long_prompts_logits_a_little_and_a_short_ones_not_at_all(converted):
     exact, n = _logits(converted, False, LONG)
     fp8, _ = _logits(converted, True, LONG)

@@ -152,3 +152,19 @@ def test_a_long_prompts_attention_takes_whole_chunks_within_a_chunks_activations
     assert attention_group(a, 512, 32768, 2, True) > attention_group(a, 512, 32768, 2, False) >= 512
     _, v4 = model_args(43, 0, family="v4")
     assert attention_group(v4, 512, 32768, 2, True) == 512
+
+
+def test_the_fp8_attentions_e4m3_copies_are_planned():
+    """--fp8-attention's roundings beside the bf16 tensors (kernels/mla/prefill.py): a chunk's q_nope in e4m3 with a
+    scale a token and head, and a key block's k_nope and v with theirs, in the workspace; the attention group, whose
+    tokens each hold an e4m3 query more, is no larger."""
+    _, a = model_args(61, 3, family="v3")
+    h, n, v = a.n_heads, a.qk_nope_head_dim, a.v_head_dim
+    for chunk, context in [(512, 4096), (512, 32768), (256, 163840)]:
+        rows = min(context, SCORE_ELEMENTS // (h * (n + v)))
+        extra = chunk * h * (n + 4) + rows * h * (n + v + 4) + h * v * 4
+        assert activation_bytes(a, chunk, context, 2, True) - activation_bytes(a, chunk, context, 2) == extra
+        assert attention_group(a, chunk, context, 2, True, True) <= attention_group(a, chunk, context, 2, True)
+        fixed, token = a.family_spec.attention_bytes(a, context, 2, SCORE_ELEMENTS, True, True)
+        attend = attention_group(a, chunk, context, 2, True, True)
+        assert attend == chunk or fixed + attend * token <= activation_bytes(a, chunk, context, 2, True)

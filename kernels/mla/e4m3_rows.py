@@ -2,7 +2,9 @@
 (prefill.py): x ~ values * scale along the rounded dim, scale = the row's amax / E4M3_MAX (1 for an all-zero row), so
 every row spends e4m3's whole range and its largest element lands on +-448 exactly. The values' rounded dim is their
 innermost (unit stride): every product of the attention reduces over that dim (q_nope and k_nope over N, v over the
-keys), and FP8 tensor cores read both operands K-major, so no tile needs transposing on the way in.
+keys), and FP8 tensor cores read both operands K-major, so no tile needs transposing on the way in. On a GPU the
+kernels round (e4m3_rows_jit.py: x read once, no fp32 copy), elsewhere the torch formula beside them (_rows), with the
+same bytes (the one rule: kernels.backend.use_kernels).
 Legend: D the rounded dim's length.
 """
 

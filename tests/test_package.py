@@ -95,7 +95,6 @@ def _target(modules: dict[str, Path], imported: str) -> str | None:
     return parent if parent in modules else None
 
 
-@pytest.mark.slow
 @functools.cache
 def _bound(path: Path) -> frozenset[str]:
     """The names a module binds anywhere (assigned, defined or imported), parsed once for all its importers."""
@@ -111,6 +110,7 @@ def _bound(path: Path) -> frozenset[str]:
     return frozenset(bound)
 
 
+@pytest.mark.slow
 def test_every_import_between_modules_resolves_to_a_file_of_the_tree():
     """Read the tree as an IDE does: dsfp4.a.b is dsfp4/a/b.py or dsfp4/a/b/__init__.py (through the links), and
     a name imported from a module is defined or imported there."""

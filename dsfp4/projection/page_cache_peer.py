@@ -4,11 +4,16 @@ the model on the GPU. It runs under the same trace, machine and RAM as the store
 MachineRun), and each part is a stated bound or a figure measured side by side:
 - the page cache holds as many records as the store's RAM slots, least recently used out first. It is warm from the
   trace's first half as the store's tiers are, hottest last in, and it has no prefetch;
-- each miss reads `amplification` times its record's bytes (read-ahead and the neighbours in the expert tensors:
-  ik_llama.cpp read 2.8x what its tokens used, docs/BENCHMARKS.md 2026-12-03) at the machine's SSD rate;
+- each miss reads `amplification` times its record's bytes (read-ahead and the neighbours in the expert tensors) at
+  the machine's SSD rate. ik_llama.cpp read 2.8x the bytes of the experts its tokens used (docs/BENCHMARKS.md
+  2026-12-03); as a share of what it missed, under a cache that also hit, it read more, so that figure per miss is
+  generous to it;
 - the CPU multiplies every routed expert a token uses at `cpu_rate` bytes a second (at most the RAM's bandwidth);
-- the GPU's part (attention, router, shared experts, dense layers, head) costs what dsfp4's decode step costs there;
-- nothing overlaps: an mmap fault stalls the thread that computes.
+- the GPU's part (attention, router, shared experts, dense layers, head) costs what dsfp4's decode step costs there,
+  the host's round trips and the hand-offs between CPU and GPU left out;
+- its time a token is bounded two ways: nothing overlapping (an mmap fault stalls the thread that computes), and
+  the faults wholly behind the CPU's work (read-ahead and the other threads: the peer's best).
+The tokens scored are those dsfp4's decode scores (MachineRun.warmup on).
 """
 
 from __future__ import annotations
@@ -58,19 +63,26 @@ class PeerDecode:
 
     @property
     def seconds(self) -> float:
+        """Nothing overlapping."""
         return self.ssd_s + self.cpu_s + self.gpu_s
 
     @property
     def tok_s(self) -> float:
         return 1.0 / self.seconds
 
+    @property
+    def overlapped_tok_s(self) -> float:
+        """The faults wholly behind the CPU's work (or it behind them): the peer's best."""
+        return 1.0 / (max(self.ssd_s, self.cpu_s) + self.gpu_s)
+
 
 def peer_decode(r: MachineRun, amplification: float, cpu_rate: float) -> PeerDecode:
     """The peer on `r`'s machine and trace (the module docstring), its page cache the plan's RAM slots."""
     m, rec = r.m, r.m.record.nbytes
-    misses = page_cache_misses(r.run, r.warm, r.plan.ram_slots)
+    misses = page_cache_misses(r.run, r.warm, r.plan.ram_slots)[r.warmup :]
     ssd_bytes = float(misses.mean()) * rec * amplification
-    uses = float(np.mean([len(set(layer.tolist())) for token in r.run for layer in token])) * r.run.shape[1]
+    scored = r.run[r.warmup :]
+    uses = float(np.mean([len(set(layer.tolist())) for token in scored for layer in token])) * r.run.shape[1]
     attn, experts, other = step_bytes(m)
     routed = m.args.n_activated_experts * rec
     layers = n_moe_layers(m)

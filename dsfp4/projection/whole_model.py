@@ -228,6 +228,11 @@ class MachineRun:
     # the plan's backbone read from RAM each step
     host: HostStream
 
+    @property
+    def warmup(self) -> int:
+        """The run's first tokens decoded but not scored: the pools settling from the warm start."""
+        return min(32, len(self.run) // 4)
+
     def decode(
         self,
         policy: str,
@@ -260,7 +265,7 @@ class MachineRun:
             policy,
             recall,
             self.m.args.n_routed_experts,
-            warmup=min(32, len(self.run) // 4),
+            warmup=self.warmup,
             warm=self.warm,
             prefetch_reads=prefetch_reads,
             skippable=skippable,

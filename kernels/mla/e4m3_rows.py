@@ -2,9 +2,9 @@
 (prefill.py): x ~ values * scale along the rounded dim, scale = the row's amax / E4M3_MAX (1 for an all-zero row), so
 every row spends e4m3's whole range and its largest element lands on +-448 exactly. The values' rounded dim is their
 innermost (unit stride): every product of the attention reduces over that dim (q_nope and k_nope over N, v over the
-keys), and FP8 tensor cores read both operands K-major, so no tile needs transposing on the way in. On a GPU the
-kernels round (e4m3_rows_jit.py: x read once, no fp32 copy), elsewhere the torch formula beside them (_rows), with the
-same bytes (the one rule: kernels.backend.use_kernels).
+keys), and FP8 tensor cores read both operands K-major, so no tile needs transposing on the way in. On a GPU with
+e4m3 in hardware the kernels round (e4m3_rows_jit.py: x in its own dtype, no fp32 copy), elsewhere the torch formula
+beside them (_rows), with the same bytes for finite x (kernels.backend.use_kernels and native_e4m3 decide).
 Legend: D the rounded dim's length.
 """
 
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsfp4.kernels.backend import triton, use_kernels
+from dsfp4.kernels.backend import FP8Path, cuda_props, fp8_path_for, triton, use_kernels
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 
@@ -41,7 +41,7 @@ def e4m3_rows(x: torch.Tensor, dim: int) -> E4M3Rows:
     holding at most PIECE_ELEMENTS where the rounded dim is the innermost (the pieces' values then join with it still
     of unit stride)."""
     dim = dim % x.dim()
-    if kernel_takes(x, dim) and use_kernels(x):
+    if kernel_takes(x, dim) and use_kernels(x) and native_e4m3(x.device):
         return e4m3_rows_kernel(x, dim)
     step = max(1, PIECE_ELEMENTS // max(1, x[:1].numel()))
     if 0 < dim == x.dim() - 1 and x.shape[0] > step:
@@ -71,6 +71,15 @@ def dequantize(x: E4M3Rows, dim: int, dtype: torch.dtype = torch.float32) -> tor
     return x.values.to(dtype) * x.scale.to(dtype).unsqueeze(dim % x.values.dim())
 
 
+def native_e4m3(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU whose Triton kernels take e4m3 natively (sm_89 on: Triton has no fp8 type
+    below), by the backend's rule (a forced by-bits path leaves the MMAs there)."""
+    if device.type != "cuda":
+        return False
+    props = cuda_props(device.index or 0)
+    return fp8_path_for((props.major, props.minor), hip=torch.version.hip is not None) is FP8Path.NATIVE
+
+
 def kernel_takes(x: torch.Tensor, dim: int) -> bool:
     """Whether a rounding kernel takes x along `dim`: a 2- or 3-dim x of unit innermost stride, rounded along that
     dim, or a 3-dim one along its first (the attention's values along the keys)."""
@@ -78,7 +87,7 @@ def kernel_takes(x: torch.Tensor, dim: int) -> bool:
 
 
 def e4m3_rows_kernel(x: torch.Tensor, dim: int) -> E4M3Rows:
-    """e4m3_rows by the Triton kernels (e4m3_rows_jit.py; x's dtype read once, no fp32 copy): the same values and
+    """e4m3_rows by the Triton kernels (e4m3_rows_jit.py; x in its own dtype, no fp32 copy): the same values and
     scales, in the same layout, as the formula's."""
     from dsfp4.kernels.mla import e4m3_rows_jit as jit
 
@@ -98,7 +107,8 @@ def e4m3_rows_kernel(x: torch.Tensor, dim: int) -> E4M3Rows:
         return E4M3Rows(values, scale)
     s, h, v = x.shape
     values = torch.empty(h, v, s, dtype=E4M3, device=x.device)  # [H, V, S]
-    scale = torch.empty(h, v, dtype=torch.float32, device=x.device)
+    # no keys: every row all-zero, as the formula's scale for one
+    scale = torch.ones(h, v, dtype=torch.float32, device=x.device)
     if s * h * v:
         grid = (h, triton.cdiv(v, CHANNEL_TILE))
         jit.key_rows_kernel[grid](

@@ -1,8 +1,10 @@
 """e4m3_rows' Triton programs (e4m3_rows.py launches them, its torch formula beside them): rows rounded to e4m3 with
-one fp32 scale each, read once from x's own dtype and strides, with no fp32 copy. The same arithmetic as the formula:
+one fp32 scale each, read in x's own dtype and strides with no fp32 copy (the keys' kernel reads x twice: the amax, then
+the codes). The same arithmetic as the formula:
 scale = amax / 448 (1 for an all-zero row) and x / scale, both IEEE divisions (div_rn), clamped to +-448 and rounded
 to the nearest e4m3 value (round_e4m3 first: the interpreter's cast drops a carry; the GPU's cast of a rounded value
-is exact), so the two give the same bytes.
+is exact), so the two give the same bytes for finite x (the max and the clamp here drop a NaN, which the formula
+keeps).
 Legend: R rows, D the rounded dim, S keys, H heads, V channels.
 """
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.backend import FP8Path, cuda_props, fp8_path_for, interpreted, tl, triton
+from dsfp4.kernels.backend import cuda_props, interpreted, tl, triton
 from dsfp4.kernels.mla import prefill_jit as jit
-from dsfp4.kernels.mla.e4m3_rows import E4M3, E4M3_MAX, E4M3Rows, as_e4m3, e4m3_rows
+from dsfp4.kernels.mla.e4m3_rows import E4M3, E4M3_MAX, E4M3Rows, as_e4m3, e4m3_rows, native_e4m3
 from dsfp4.layout.formats import next_pow2
 
 # tl.dot's smallest tile side
@@ -64,8 +64,7 @@ class MLAPrefillConfig:
 
 
 DEFAULT = MLAPrefillConfig()
-# the FP8 variant's: on the H200 its fastest of the tiles tried at 4,096 queries and 32,768 keys (docs/BENCHMARKS.md,
-# 2026-12-04), where DEFAULT's ran 24% slower
+# the FP8 variant's: the H200's fastest of the tiles tried (docs/BENCHMARKS.md, 2026-12-04)
 FP8_DEFAULT = MLAPrefillConfig(rows=64, keys=128, warps=4, stages=2)
 
 
@@ -166,8 +165,8 @@ def block_plan(
     """The launch's tiles: cfg fitted to the device's shared memory, and the padded widths [NP, RP, VP] of dims n,
     r, vd. The tiles hold elt bytes a column, or under fp8 the nope and value tiles 1 (e4m3: half of bf16's shared
     memory) beside the rope tiles' elt; there the nope width and the key tile are at least FP8_MIN_K. The fp8 rule
-    counts V3's tiles as bf16's does (104 KB at 64 keys); compiled offline by Triton 3.9 they took 88 KB at 64 keys
-    on sm_90 and 64 KB at 32 on sm_89 (test_mla_prefill_fp8.py): an upper bound (FP8_DEFAULT keeps 64 keys on Ada)."""
+    counts V3's rope tiles at elt bytes a column, an upper bound of what Triton allots (test_mla_prefill_fp8.py
+    compiles them for sm_89 and sm_90 to check it)."""
     lo = FP8_MIN_K if fp8 else MIN_TILE
     pads = [max(lo, next_pow2(n)), max(MIN_TILE, next_pow2(r)), max(MIN_TILE, next_pow2(vd))]
     if not fp8:
@@ -180,11 +179,7 @@ def block_plan(
 def fp8_kernel_runs(device: torch.device) -> bool:
     """Whether mla_prefill_block's fp8 variant runs on `device`: CUDA GPUs with FP8 tensor cores (sm_89 on; Triton
     has no fp8 type below), or the CPU under Triton's interpreter."""
-    if device.type != "cuda":
-        return interpreted()
-    # the backend's rule for cards whose kernels take e4m3 natively (a forced by-bits path leaves the MMAs there)
-    props = cuda_props(device.index or 0)
-    return fp8_path_for((props.major, props.minor), hip=torch.version.hip is not None) is FP8Path.NATIVE
+    return interpreted() if device.type != "cuda" else native_e4m3(device)
 
 
 def _operands(

@@ -40,9 +40,12 @@ def test_the_peer_on_the_whole_v3_is_its_faults_its_cpu_and_its_gpu(tmp_path):
     assert best.ssd_bytes > 0 and measured.ssd_bytes == pytest.approx(best.ssd_bytes * IK_AMPLIFICATION)
     assert measured.ssd_s == pytest.approx(measured.ssd_bytes / r.machine.links.ssd)
     assert best.cpu_s == measured.cpu_s and best.gpu_s == measured.gpu_s and best.gpu_s > 0
-    # a token's 8 distinct experts in each of the 58 MoE layers, from RAM at the CPU's rate
+    # a scored token's 8 distinct experts in each of the 58 MoE layers, from RAM at the CPU's rate
     assert best.cpu_s == pytest.approx(8 * 58 * r.m.record.nbytes / 96e9)
     assert best.seconds == pytest.approx(best.ssd_s + best.cpu_s + best.gpu_s) and measured.tok_s < best.tok_s
+    # overlapped: the larger of the faults and the CPU's work, then the GPU's part
+    assert 1 / best.overlapped_tok_s == pytest.approx(max(best.ssd_s, best.cpu_s) + best.gpu_s)
+    assert best.tok_s < best.overlapped_tok_s
     # the GPU's part is dsfp4's step without its routed experts
     c = r.costs
     assert best.gpu_s < 58 * (c.attn_s + c.experts_s) + c.other_s

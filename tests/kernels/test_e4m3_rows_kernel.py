@@ -1,7 +1,8 @@
 """The rounding kernels of the FP8 prefill attention (kernels/mla/e4m3_rows.py e4m3_rows_kernel, e4m3_rows_jit.py)
 against the torch formula: the same e4m3 bytes, scales and layout, along the innermost dim (q_nope, k_nope) and along
 the keys (v), from contiguous tensors and from views of an expanded key block; e4m3_rows takes the kernel only on a
-GPU it runs on, and only for the shapes kernel_takes names."""
+GPU with e4m3 in hardware, and only for the shapes kernel_takes names. The bytes agree for finite x (the kernels'
+max and clamp drop a NaN, the formula's keep it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from dsfp4.kernels.backend import triton
 from dsfp4.kernels.mla import e4m3_rows as rows_module
 from dsfp4.kernels.mla.e4m3_rows import E4M3Rows, e4m3_rows, e4m3_rows_kernel, kernel_takes
+from tests.fixtures.cards import CARDS
 
 needs_triton = pytest.mark.skipif(triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,9 +63,22 @@ def test_the_kernel_is_taken_only_where_it_runs_and_for_its_shapes(monkeypatch):
     e4m3_rows(x, -1)
     assert not called  # the CPU takes the formula
     monkeypatch.setattr(rows_module, "use_kernels", lambda t: True)
+    monkeypatch.setattr(rows_module, "native_e4m3", lambda device: True)
     e4m3_rows(x, -1)
     e4m3_rows(x, 1)
     assert len(called) == 1  # along dim 1 of three: the formula
+    # a card whose kernels run but hold no fp8 type (sm_80, sm_86): the formula
+    monkeypatch.setattr(rows_module, "native_e4m3", lambda device: False)
+    e4m3_rows(x, -1)
+    assert len(called) == 1
+
+
+def test_the_kernels_round_only_on_cards_with_e4m3_in_hardware(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    for name, native in (("A100", False), ("RTX 3090", False), ("RTX 4090", True), ("H100", True)):
+        monkeypatch.setattr(rows_module, "cuda_props", lambda index, p=CARDS[name]: p)
+        assert rows_module.native_e4m3(cuda) == native, name
+    assert not rows_module.native_e4m3(torch.device("cpu"))
 
 
 @pytest.mark.gpu

@@ -111,7 +111,9 @@ def inputs(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype) ->
     )
 
 
-def case(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, reps: int, cfg=None) -> dict:
+def case(
+    d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, reps: int, cfg: MLAPrefillConfig | None = None
+) -> dict:
     x, h, width = inputs(d, t, s, device, dtype), d["h"], d["n"] + d["v"]
     scale, kernel = (d["n"] + d["r"]) ** -0.5, use_kernels(device)
     # the key block runtime/models/v3/attention.py's decompressed_attention takes
@@ -137,7 +139,17 @@ def case(d: dict, t: int, s: int, device: torch.device, dtype: torch.dtype, reps
     )
 
 
-def fp8_case(q: tuple, s: int, scale: float, rows: int, kernel: bool, cfg, device, reps: int, flops: int) -> dict:
+def fp8_case(
+    q: tuple,
+    s: int,
+    scale: float,
+    rows: int,
+    kernel: bool,
+    cfg: MLAPrefillConfig | None,
+    device: torch.device,
+    reps: int,
+    flops: int,
+) -> dict:
     """The FP8 variant's columns at a case: ms, TFLOP/s, and its max abs and relative error against the exact
     decompressed form's output (the kernel's on the GPU, the formula's on the CPU); None where it cannot run."""
     if kernel and not fp8_kernel_runs(device):

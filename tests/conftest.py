@@ -50,6 +50,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def cpu_threads():
+    """Sets torch's CPU threads for the test (a worker of `pytest -n` runs with one), restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """The three source variants of the same tiny model: fp8 (official layout), bf16, nvfp4 (ModelOpt)."""

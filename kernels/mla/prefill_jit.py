@@ -172,18 +172,20 @@ if triton is not None:
         h = tl.program_id(1).to(tl.int64)
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
         rows = tile * BM + tl.arange(0, BM)  # [BM]
+        # int64 offsets: a long chunk's T rows of H heads pass 2^31 elements
+        at = rows.to(tl.int64)
         row_ok = rows < T
         n, r, vc = tl.arange(0, NP), tl.arange(0, RP), tl.arange(0, VP)
-        qn_ptrs = qn_ptr + h * stride_qnh + rows[:, None] * stride_qnt + n[None, :]
+        qn_ptrs = qn_ptr + h * stride_qnh + at[:, None] * stride_qnt + n[None, :]
         qn = tl.load(qn_ptrs, mask=row_ok[:, None] & (n < N)[None, :], other=0.0).to(NV_DOT)  # [BM, NP]
         qs = _row_scales(qs_ptr, rows, row_ok, stride_qst, h, FP8)  # [BM]
-        qp_ptrs = qp_ptr + h * stride_qph + rows[:, None] * stride_qpt + r[None, :]
+        qp_ptrs = qp_ptr + h * stride_qph + at[:, None] * stride_qpt + r[None, :]
         qp = tl.load(qp_ptrs, mask=row_ok[:, None] & (r < R)[None, :], other=0.0).to(DOT)  # [BM, RP]
-        o_ptrs = o_ptr + h * stride_oh + rows[:, None] * stride_ot + vc[None, :]
+        o_ptrs = o_ptr + h * stride_oh + at[:, None] * stride_ot + vc[None, :]
         o_ok = row_ok[:, None] & (vc < V)[None, :]
         # the earlier blocks' state as (m, l, acc) = (lse, 1, o) in base 2; l = 0 where nothing was seen
         acc = tl.load(o_ptrs, mask=o_ok, other=0.0)  # [BM, VP] fp32
-        m_i = tl.load(lse_ptr + rows * stride_lt + h, mask=row_ok, other=float("-inf")) * _LOG2E
+        m_i = tl.load(lse_ptr + at * stride_lt + h, mask=row_ok, other=float("-inf")) * _LOG2E
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
         acc, vf = _value_units(acc, vs_ptr + h * stride_vsh + vc, vc < V, FP8)
         # keys every row of the tile sees, in whole tiles (no mask), then those up to the tile's last row
@@ -215,4 +217,4 @@ if triton is not None:
         if FP8:
             acc = acc * vf[None, :]
         tl.store(o_ptrs, acc / l_safe[:, None], mask=o_ok & touched[:, None])
-        tl.store(lse_ptr + rows * stride_lt + h, lse, mask=touched)
+        tl.store(lse_ptr + at * stride_lt + h, lse, mask=touched)

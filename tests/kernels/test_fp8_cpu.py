@@ -35,6 +35,18 @@ def test_the_cpu_kernel_matches_the_reference(n, k, t, path):
     assert _rel(fp8_linear_host(x, qs, ones, path), want) < 1e-5
 
 
+def test_the_rows_split_over_threads_give_one_threads_bits(cpu_threads):
+    """As the MoE kernel's: torch's thread count is the kernel's, and its rows split without changing a bit."""
+    gen = torch.Generator().manual_seed(5)
+    q, scale = fp8.fp8_block_quantize(torch.randn(300, 257, generator=gen), "w")
+    x = torch.randn(11, 257, generator=gen)
+    got = []
+    for n in (1, 3):
+        cpu_threads(n)
+        got.append(fp8_linear_host(x, q, scale, next(iter(build.PATHS))))
+    assert torch.equal(got[0], got[1])
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3_b128", "fp8_e4m3_e8m0_b128"])
 def test_linear_takes_it_on_the_cpu_for_both_scale_kinds(fmt):
     gen = torch.Generator().manual_seed(0)

@@ -32,6 +32,20 @@ def test_the_cpu_kernel_matches_the_reference(fmt, t, path):
     assert got.dtype == x.dtype and _rel(got, want) < 1e-5
 
 
+def test_the_rows_split_over_threads_give_one_threads_bits(cpu_threads):
+    """The kernel takes torch's thread count (one a worker under `pytest -n`): three threads split each matrix's rows
+    and give the bits one thread gives."""
+    gen = torch.Generator().manual_seed(19)
+    layout, records, offsets = slot_pool("nvfp4", 64, 96, 6, gen, absent=(4,))
+    ids, weights = routing(19, 3, 6, gen)
+    x = torch.randn(19, layout.dim, generator=gen)
+    got = []
+    for n in (1, 3):
+        cpu_threads(n)
+        got.append(host_moe.moe_host(x, ids, weights, records, offsets, layout))
+    assert torch.equal(got[0], got[1])
+
+
 def test_the_swiglu_limit_is_applied():
     gen = torch.Generator().manual_seed(0)
     layout, records, offsets = slot_pool("nvfp4", 64, 64, 4, gen)

@@ -157,20 +157,8 @@ def make_split_plan(
     a, elt, first = manifest.args, torch.empty((), dtype=dtype).element_size(), cards[0]
     paths = kernel_paths(first)
     kernels, fp8 = (paths.kernels, paths.fp8_kernels) if kernels is None else (kernels, kernels)
-    n = run_needs(
-        manifest,
-        first,
-        dtype,
-        max_context,
-        prefill_chunk,
-        with_mtp,
-        host_extra,
-        process,
-        kernels,
-        fp8,
-        max_batch,
-        fp8_attention,
-    )
+    shape = (max_context, prefill_chunk, with_mtp, host_extra, process)
+    n = run_needs(manifest, first, dtype, *shape, kernels, fp8, max_batch, fp8_attention)
     distinct = {str(c) for c in cards if c.type == "cuda"}
     n = dataclasses.replace(n, host_base=n.host_base + CARD_HOST_RESERVE * max(len(distinct) - 1, 0))
     used = range(a.n_blocks if with_mtp else a.n_layers)

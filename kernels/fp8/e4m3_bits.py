@@ -46,6 +46,17 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -(2**31))).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def e4m3_scale(amax, QMAX: tl.constexpr):
+        """A row's (or group's) scale from its largest magnitude: amax / QMAX by IEEE division, 1 for all zeros."""
+        return tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
+
+    @triton.jit
+    def e4m3_codes(x, scale, QMAX: tl.constexpr):
+        """fp32 x / scale (IEEE division) clamped to +-QMAX, on e4m3's values (still fp32: the cast is then exact)."""
+        v = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+        return round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
+
+    @triton.jit
     def _place_pairs(t):
         """u32 t with two codes in bits 0-7 and 16-23 (the rest zero) -> the two fp16 placements in its halves."""
         return ((t & 0x00800080) << 8) | ((t & 0x007F007F) << 7)

@@ -109,7 +109,7 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 # ---- Triton kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from dsfp4.kernels.fp8.e4m3_bits import e4m3_tile, round_e4m3
+    from dsfp4.kernels.fp8.e4m3_bits import e4m3_codes, e4m3_scale, e4m3_tile
 
     _UNSCALE = tl.constexpr(E4M3_F16_UNSCALE)
 
@@ -133,10 +133,9 @@ if triton is not None:
         cols = g[:, None] * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)[None, :]  # [G, 128]
         x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), 1)
-        s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)  # [G]
+        s = e4m3_scale(amax, QMAX)  # [G]
         # IEEE division, as the reference's
-        v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-        q = round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
+        q = e4m3_codes(x, s[:, None], QMAX)
         tl.store(q_ptr + t * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
         tl.store(s_ptr + t * stride_st + g, s, mask=g * SCALE_BLOCK < K)
 

@@ -4,7 +4,7 @@ every row spends e4m3's whole range and its largest element lands on +-448 exact
 innermost (unit stride): every product of the attention reduces over that dim (q_nope and k_nope over N, v over the
 keys), and FP8 tensor cores read both operands K-major, so no tile needs transposing on the way in. On a GPU with
 e4m3 in hardware the kernels round (e4m3_rows_jit.py: x in its own dtype, no fp32 copy), elsewhere the torch formula
-beside them (_rows), with the same bytes for finite x (kernels.backend.use_kernels and native_e4m3 decide).
+beside them (_rows), with the same bytes for finite x (kernels.backend.hw_e4m3 decides).
 Legend: D the rounded dim's length.
 """
 
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsfp4.kernels.backend import FP8Path, cuda_props, fp8_path_for, triton, use_kernels
+from dsfp4.kernels.backend import hw_e4m3, triton
 from dsfp4.layout.formats import next_pow2
 from dsfp4.layout.fp4 import E4M3_MAX, exact_div
 
@@ -41,7 +41,7 @@ def e4m3_rows(x: torch.Tensor, dim: int) -> E4M3Rows:
     holding at most PIECE_ELEMENTS where the rounded dim is the innermost (the pieces' values then join with it still
     of unit stride)."""
     dim = dim % x.dim()
-    if kernel_takes(x, dim) and use_kernels(x) and native_e4m3(x.device):
+    if kernel_takes(x, dim) and hw_e4m3(x.device):
         return e4m3_rows_kernel(x, dim)
     step = max(1, PIECE_ELEMENTS // max(1, x[:1].numel()))
     if 0 < dim == x.dim() - 1 and x.shape[0] > step:
@@ -69,15 +69,6 @@ def as_e4m3(x: torch.Tensor | E4M3Rows, dim: int) -> E4M3Rows:
 def dequantize(x: E4M3Rows, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """values * scale in `dtype`: what the rounded rows stand for (`dim` as they were rounded along)."""
     return x.values.to(dtype) * x.scale.to(dtype).unsqueeze(dim % x.values.dim())
-
-
-def native_e4m3(device: torch.device) -> bool:
-    """Whether `device` is a CUDA GPU whose Triton kernels take e4m3 natively (sm_89 on: Triton has no fp8 type
-    below), by the backend's rule (a forced by-bits path leaves the MMAs there)."""
-    if device.type != "cuda":
-        return False
-    props = cuda_props(device.index or 0)
-    return fp8_path_for((props.major, props.minor), hip=torch.version.hip is not None) is FP8Path.NATIVE
 
 
 def kernel_takes(x: torch.Tensor, dim: int) -> bool:

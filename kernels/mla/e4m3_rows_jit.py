@@ -1,10 +1,10 @@
 """e4m3_rows' Triton programs (e4m3_rows.py launches them, its torch formula beside them): rows rounded to e4m3 with
 one fp32 scale each, read in x's own dtype and strides with no fp32 copy (the keys' kernel reads x twice: the amax, then
 the codes). The same arithmetic as the formula:
-scale = amax / 448 (1 for an all-zero row) and x / scale, both IEEE divisions (div_rn), clamped to +-448 and rounded
-to the nearest e4m3 value (round_e4m3 first: the interpreter's cast drops a carry; the GPU's cast of a rounded value
-is exact), so the two give the same bytes for finite x (the max and the clamp here drop a NaN, which the formula
-keeps).
+scale = amax / 448 (1 for an all-zero row) and x / scale, both IEEE divisions, clamped to +-448 and rounded to the
+nearest e4m3 value (kernels/fp8/e4m3_bits.py's e4m3_scale and e4m3_codes, which the FP8 GEMM's activations take too;
+the GPU's cast of a rounded value is exact), so the two give the same bytes for finite x (the max and the clamp here
+drop a NaN, which the formula keeps).
 Legend: R rows, D the rounded dim, S keys, H heads, V channels.
 """
 
@@ -13,18 +13,7 @@ from __future__ import annotations
 from dsfp4.kernels.backend import tl, triton
 
 if triton is not None:
-    from dsfp4.kernels.fp8.e4m3_bits import round_e4m3
-
-    @triton.jit
-    def _scale(amax, QMAX: tl.constexpr):
-        """A row's scale from its largest magnitude: amax / QMAX, 1 for an all-zero row."""
-        return tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
-
-    @triton.jit
-    def _codes(x, scale, QMAX: tl.constexpr):
-        """x / scale clamped to +-QMAX, on e4m3's values (still fp32)."""
-        v = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
-        return round_e4m3(tl.minimum(tl.maximum(v, -QMAX), QMAX))
+    from dsfp4.kernels.fp8.e4m3_bits import e4m3_codes, e4m3_scale
 
     @triton.jit
     def inner_rows_kernel(
@@ -47,8 +36,8 @@ if triton is not None:
         ok = (r < R)[:, None] & (cols < D)[None, :]
         rows = (r // R2) * stride_1 + (r % R2) * stride_2
         x = tl.load(x_ptr + rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)  # [BR, DP]
-        s = _scale(tl.max(tl.abs(x), 1), QMAX)  # [BR]
-        q = _codes(x, s[:, None], QMAX)
+        s = e4m3_scale(tl.max(tl.abs(x), 1), QMAX)  # [BR]
+        q = e4m3_codes(x, s[:, None], QMAX)
         tl.store(q_ptr + r[:, None] * D + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + r, s, mask=r < R)
 
@@ -78,12 +67,12 @@ if triton is not None:
             ok = (k < S)[:, None] & c_ok[None, :]
             x = tl.load(base + k[:, None].to(tl.int64) * stride_s, mask=ok, other=0.0).to(tl.float32)  # [BS, BC]
             amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-        s = _scale(amax, QMAX)  # [BC]
+        s = e4m3_scale(amax, QMAX)  # [BC]
         out = q_ptr + (h * V + c[None, :]) * S
         for s0 in range(0, S, BLOCK_S):
             k = s0 + tl.arange(0, BLOCK_S)
             ok = (k < S)[:, None] & c_ok[None, :]
             x = tl.load(base + k[:, None].to(tl.int64) * stride_s, mask=ok, other=0.0).to(tl.float32)
-            q = _codes(x, s[None, :], QMAX)
+            q = e4m3_codes(x, s[None, :], QMAX)
             tl.store(out + k[:, None], q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + h * V + c, s, mask=c_ok)

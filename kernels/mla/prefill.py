@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsfp4.kernels.backend import cuda_props, interpreted, tl, triton
+from dsfp4.kernels.backend import FP8Path, cuda_props, fp8_path_for, interpreted, tl, triton
 from dsfp4.kernels.mla import prefill_jit as jit
-from dsfp4.kernels.mla.e4m3_rows import E4M3, E4M3_MAX, E4M3Rows, as_e4m3, e4m3_rows, native_e4m3
+from dsfp4.kernels.mla.e4m3_rows import E4M3, E4M3_MAX, E4M3Rows, as_e4m3, e4m3_rows
 from dsfp4.layout.formats import next_pow2
 
 # tl.dot's smallest tile side
@@ -179,7 +179,11 @@ def block_plan(
 def fp8_kernel_runs(device: torch.device) -> bool:
     """Whether mla_prefill_block's fp8 variant runs on `device`: CUDA GPUs with FP8 tensor cores (sm_89 on; Triton
     has no fp8 type below), or the CPU under Triton's interpreter."""
-    return interpreted() if device.type != "cuda" else native_e4m3(device)
+    if device.type != "cuda":
+        return interpreted()
+    # the backend's rule for cards whose kernels take e4m3 natively (a forced by-bits path leaves the MMAs there)
+    props = cuda_props(device.index or 0)
+    return fp8_path_for((props.major, props.minor), hip=torch.version.hip is not None) is FP8Path.NATIVE
 
 
 def _operands(

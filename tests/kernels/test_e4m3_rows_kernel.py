@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsfp4.kernels import backend
 from dsfp4.kernels.backend import triton
 from dsfp4.kernels.mla import e4m3_rows as rows_module
 from dsfp4.kernels.mla.e4m3_rows import E4M3Rows, e4m3_rows, e4m3_rows_kernel, kernel_takes
@@ -62,23 +63,25 @@ def test_the_kernel_is_taken_only_where_it_runs_and_for_its_shapes(monkeypatch):
     monkeypatch.setattr(rows_module, "e4m3_rows_kernel", lambda *a: called.append(a) or rows_module._rows(*a))
     e4m3_rows(x, -1)
     assert not called  # the CPU takes the formula
-    monkeypatch.setattr(rows_module, "use_kernels", lambda t: True)
-    monkeypatch.setattr(rows_module, "native_e4m3", lambda device: True)
+    monkeypatch.setattr(rows_module, "hw_e4m3", lambda device: True)
     e4m3_rows(x, -1)
     e4m3_rows(x, 1)
     assert len(called) == 1  # along dim 1 of three: the formula
     # a card whose kernels run but hold no fp8 type (sm_80, sm_86): the formula
-    monkeypatch.setattr(rows_module, "native_e4m3", lambda device: False)
+    monkeypatch.setattr(rows_module, "hw_e4m3", lambda device: False)
     e4m3_rows(x, -1)
     assert len(called) == 1
 
 
+@needs_triton
 def test_the_kernels_round_only_on_cards_with_e4m3_in_hardware(monkeypatch):
+    """The dispatch asks the backend's rule (kernels.backend.hw_e4m3), which takes e4m3 on sm_89 on only."""
     cuda = torch.device("cuda", 0)
+    assert not rows_module.hw_e4m3(torch.device("cpu"))
+    monkeypatch.setattr(backend, "interpreted", lambda: False)  # as on a GPU machine
     for name, native in (("A100", False), ("RTX 3090", False), ("RTX 4090", True), ("H100", True)):
-        monkeypatch.setattr(rows_module, "cuda_props", lambda index, p=CARDS[name]: p)
-        assert rows_module.native_e4m3(cuda) == native, name
-    assert not rows_module.native_e4m3(torch.device("cpu"))
+        monkeypatch.setattr(backend, "cuda_props", lambda index, p=CARDS[name]: p)
+        assert rows_module.hw_e4m3(cuda) == native, name
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dsfp4.kernels.mla.e4m3_rows as rows_module
 import dsfp4.kernels.mla.prefill as prefill_module
 from dsfp4.kernels.backend import card_of, triton
 from dsfp4.kernels.mla.e4m3_rows import E4M3, E4M3_MAX, as_e4m3, dequantize, e4m3_rows
@@ -210,7 +209,7 @@ def test_fp8_tiles_keep_tl_dots_smallest_k_for_8_bit_operands(monkeypatch):
 
 def test_the_fp8_kernel_runs_where_the_gpu_has_fp8_tensor_cores(monkeypatch):
     for name, runs in (("A100", False), ("RTX 3090", False), ("RTX 4090", True), ("H100", True), ("RTX 5090", True)):
-        monkeypatch.setattr(rows_module, "cuda_props", lambda index, p=CARDS[name]: p)
+        monkeypatch.setattr(prefill_module, "cuda_props", lambda index, p=CARDS[name]: p)
         assert fp8_kernel_runs(torch.device("cuda", 0)) == runs, name
     # the tests' CPU runs the kernels under TRITON_INTERPRET
     assert fp8_kernel_runs(torch.device("cpu")) == prefill_module.interpreted()
